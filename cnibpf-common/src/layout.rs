@@ -1,0 +1,35 @@
+//! `layout`: a one-entry array describing the layout of the pinned maps.
+//!
+//! Key: `u32` index 0. Value: [`LayoutInfo`]. Written by userspace when it creates the pinned
+//! maps; read by userspace on every later load to refuse pinned state of another layout instead
+//! of silently misreading it. The eBPF programs never read it.
+
+use crate::impl_pod;
+
+pub const MAP_NAME: &str = "layout";
+pub const MAX_ENTRIES: u32 = 1;
+
+/// `"cnibpf\0\0"` read as a little-endian integer: marks a `layout` map written by cnibpf.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"cnibpf\0\0");
+
+/// Bumped whenever a key or value type of any pinned map changes.
+pub const VERSION: u32 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayoutInfo {
+    pub magic: u64,
+    pub version: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<LayoutInfo>() == 16);
+
+impl LayoutInfo {
+    pub const CURRENT: Self = Self {
+        magic: MAGIC,
+        version: VERSION,
+        _pad: 0,
+    };
+}
+
+impl_pod!(LayoutInfo);

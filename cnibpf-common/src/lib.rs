@@ -1,0 +1,36 @@
+//! Map key and value types shared by the cnibpf eBPF programs and userspace.
+//!
+//! One module per map. Every type is `#[repr(C)]` with explicit padding so both sides agree on
+//! the bytes, and so that bpftool prints named fields from the BTF the eBPF object carries.
+//! Addresses are stored as 16 bytes: an IPv4 address occupies the first four bytes, the rest is
+//! zero, and a `family` field says which it is. Ports are in host byte order, so that
+//! `bpftool map dump` shows them as people write them; the programs convert when they compare.
+#![no_std]
+
+pub mod layout;
+pub mod nat_flow;
+pub mod owner;
+pub mod portmap;
+
+/// `AF_INET`, as stored in the `family` field of keys.
+pub const FAMILY_IPV4: u8 = 2;
+/// `AF_INET6`, as stored in the `family` field of keys.
+pub const FAMILY_IPV6: u8 = 10;
+
+/// IANA protocol numbers used in keys.
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+pub const PROTO_SCTP: u8 = 132;
+
+/// Implements `aya::Pod` for a map type on the userspace side.
+macro_rules! impl_pod {
+    ($($ty:ty),+ $(,)?) => {
+        $(
+            #[cfg(feature = "user")]
+            // SAFETY: the type is `repr(C)`, `Copy`, made of integers and byte arrays only, with
+            // every padding byte spelled out as a field, so any bit pattern is a valid value.
+            unsafe impl aya::Pod for $ty {}
+        )+
+    };
+}
+pub(crate) use impl_pod;

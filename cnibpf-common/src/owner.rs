@@ -1,0 +1,48 @@
+//! `owners`: the plain-text identity of every attachment.
+//!
+//! Key: `u64` owner id, a stable hash of (network, CNI_IFNAME, CNI_CONTAINERID). Value:
+//! [`OwnerInfo`]. Written by the CNI plugin on ADD, removed on DEL and GC; read by `cnibpf
+//! inspect` and by GC, which must know every attachment of a network without its config. The
+//! eBPF programs only carry the id in the entries they create.
+
+use crate::impl_pod;
+
+pub const MAP_NAME: &str = "owners";
+pub const MAX_ENTRIES: u32 = 16_384;
+
+/// Longest network name or container id stored, in bytes (the rest is zero).
+pub const NAME_LEN: usize = 256;
+/// `IFNAMSIZ`.
+pub const IFNAME_LEN: usize = 16;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OwnerInfo {
+    /// CNI network name, zero padded.
+    pub network: [u8; NAME_LEN],
+    /// CNI_CONTAINERID, zero padded.
+    pub container_id: [u8; NAME_LEN],
+    /// CNI_IFNAME (inside the container), zero padded.
+    pub ifname: [u8; IFNAME_LEN],
+    /// Host-side interface the programs are attached to, zero padded.
+    pub host_ifname: [u8; IFNAME_LEN],
+    /// Index of `host_ifname` when the attachment was made.
+    pub host_ifindex: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<OwnerInfo>() == 552);
+
+impl Default for OwnerInfo {
+    fn default() -> Self {
+        Self {
+            network: [0; NAME_LEN],
+            container_id: [0; NAME_LEN],
+            ifname: [0; IFNAME_LEN],
+            host_ifname: [0; IFNAME_LEN],
+            host_ifindex: 0,
+            _pad: 0,
+        }
+    }
+}
+
+impl_pod!(OwnerInfo);

@@ -1,0 +1,19 @@
+//! Embeds the datapath object built by `cargo xtask build-ebpf`.
+
+use std::{env, path::PathBuf};
+
+fn main() {
+    let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
+    let object = match env::var_os("CNIBPF_EBPF_OBJECT") {
+        Some(path) => PathBuf::from(path),
+        None => manifest_dir.join("../target/bpfel-unknown-none/release/cnibpf"),
+    };
+    println!("cargo::rerun-if-env-changed=CNIBPF_EBPF_OBJECT");
+    println!("cargo::rerun-if-changed={}", object.display());
+    assert!(
+        object.exists(),
+        "the eBPF object {} does not exist: run `cargo xtask build-ebpf` first",
+        object.display()
+    );
+    println!("cargo::rustc-env=CNIBPF_EBPF_OBJECT={}", object.display());
+}

@@ -1,0 +1,686 @@
+//! The eBPF backend: TC programs attached with tcx, everything pinned under `pinPath`.
+//!
+//! Layout of `pinPath`: the maps, pinned by name (see `cnibpf-common`); `programs/<name>`, one
+//! pinned instance of each program shared by every attachment; `links/uplink-<if>-<hook>` and
+//! `links/endpoint-<owner>-<hook>`, the tcx links that keep the programs attached after the
+//! plugin exits. Removing a link pin detaches it.
+
+use std::{
+    collections::HashSet,
+    fs, io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::Path,
+};
+
+use aya::{
+    EbpfLoader,
+    maps::{Array, HashMap, Map, MapData, MapError, MapType},
+    programs::{LinkOrder, SchedClassifier, TcAttachType, links::FdLink, tc::TcAttach},
+};
+use cnibpf_common::{
+    FAMILY_IPV4, FAMILY_IPV6,
+    layout::{self, LayoutInfo},
+    nat_flow::{self, NatFlowKey, NatFlowValue},
+    owner::{self, OwnerInfo},
+    portmap::{self, PortMapKey, PortMapValue},
+};
+use nix::{
+    mount::{MsFlags, mount},
+    sys::statfs::statfs,
+};
+
+use super::{AttachmentRecord, Backend, BackendError, Endpoint};
+use crate::{
+    attachment::{Attachment, ResolvedMapping, read_name},
+    config::Protocol,
+    paths::{BPFFS_MOUNT_POINT, PinLayout},
+};
+
+/// The datapath object built by `cargo xtask build-ebpf`, embedded at compile time.
+static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("CNIBPF_EBPF_OBJECT"));
+
+/// `statfs` magic of bpffs.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// The programs, with the hook each attaches to.
+pub const UPLINK_INGRESS: &str = "uplink_ingress";
+pub const UPLINK_EGRESS: &str = "uplink_egress";
+pub const FROM_CONTAINER: &str = "from_container";
+pub const TO_CONTAINER: &str = "to_container";
+const PROGRAMS: [&str; 4] = [UPLINK_INGRESS, UPLINK_EGRESS, FROM_CONTAINER, TO_CONTAINER];
+
+/// One tcx hook: the program and where its link is pinned.
+struct Hook<'a> {
+    program: &'static str,
+    attach_type: TcAttachType,
+    link_pin: &'a Path,
+}
+
+#[derive(Debug)]
+pub struct EbpfBackend {
+    pins: PinLayout,
+    portmap: HashMap<MapData, PortMapKey, PortMapValue>,
+    nat_flows: HashMap<MapData, NatFlowKey, NatFlowValue>,
+    owners: HashMap<MapData, u64, OwnerInfo>,
+}
+
+impl EbpfBackend {
+    /// Whether this host lets us use BPF at all (a kernel without it, or a sandbox that denies
+    /// `bpf()`, fails here).
+    pub fn probe() -> Result<(), BackendError> {
+        let unavailable = |reason: String| BackendError::Unavailable {
+            backend: "ebpf",
+            reason,
+        };
+        match aya::sys::is_map_supported(MapType::LruHash) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(unavailable("the kernel has no LRU hash maps".to_owned())),
+            Err(error) => Err(unavailable(format!("bpf() failed: {error}"))),
+        }
+    }
+
+    /// Opens the pinned state, loading and pinning the object first if it is not (all) there.
+    pub fn load(pins: &PinLayout) -> Result<Self, BackendError> {
+        prepare_pin_dir(pins)?;
+        let layout_present = check_layout(pins)?;
+        let programs_present = PROGRAMS.iter().all(|name| pins.program(name).exists());
+        if !(layout_present && programs_present) {
+            load_object(pins)?;
+        }
+        Self::open_maps(pins)
+    }
+
+    /// The pinned state if there is any, without loading anything.
+    pub fn open_existing(pins: &PinLayout) -> Result<Option<Self>, BackendError> {
+        if !check_layout(pins)? {
+            return Ok(None);
+        }
+        Self::open_maps(pins).map(Some)
+    }
+
+    fn open_maps(pins: &PinLayout) -> Result<Self, BackendError> {
+        Ok(Self {
+            pins: pins.clone(),
+            portmap: open_pinned(pins, portmap::MAP_NAME)?,
+            nat_flows: open_pinned(pins, nat_flow::MAP_NAME)?,
+            owners: open_pinned(pins, owner::MAP_NAME)?,
+        })
+    }
+
+    fn attach(&self, ifindex: u32, hook: &Hook<'_>) -> Result<(), BackendError> {
+        let mut program = self.pinned_program(hook.program)?;
+        if hook.link_pin.exists() {
+            if is_attached(&program, ifindex, hook.attach_type)? {
+                return Ok(());
+            }
+            // The link outlived its interface, or points at an older program instance.
+            remove_pin(hook.link_pin)?;
+        }
+        let program_error = |action: String| {
+            move |source| BackendError::Program {
+                action,
+                source: Box::new(source),
+            }
+        };
+        let link_id = program
+            .attach(
+                ifindex,
+                TcAttach::Tcx {
+                    attach_type: hook.attach_type,
+                    order: LinkOrder::default(),
+                },
+            )
+            .map_err(program_error(format!(
+                "could not attach {} to interface {ifindex}",
+                hook.program
+            )))?;
+        let link = program.take_link(link_id).map_err(program_error(format!(
+            "could not take the link of {}",
+            hook.program
+        )))?;
+        let link: FdLink = link.try_into().map_err(|source| BackendError::Pin {
+            action: format!("link of {} is not a tcx link", hook.program),
+            source: Box::new(source),
+        })?;
+        link.pin(hook.link_pin)
+            .map_err(|source| BackendError::Pin {
+                action: format!("could not pin link {}", hook.link_pin.display()),
+                source: Box::new(source),
+            })?;
+        Ok(())
+    }
+
+    fn check_attached(
+        &self,
+        ifindex: u32,
+        ifname: &str,
+        hook: &Hook<'_>,
+    ) -> Result<(), BackendError> {
+        let program = self.pinned_program(hook.program)?;
+        if !hook.link_pin.exists() {
+            return Err(BackendError::CheckFailed(format!(
+                "link {} of {} on {ifname} is missing",
+                hook.link_pin.display(),
+                hook.program
+            )));
+        }
+        if !is_attached(&program, ifindex, hook.attach_type)? {
+            return Err(BackendError::CheckFailed(format!(
+                "{} is not attached to {ifname} (index {ifindex})",
+                hook.program
+            )));
+        }
+        Ok(())
+    }
+
+    fn pinned_program(&self, name: &str) -> Result<SchedClassifier, BackendError> {
+        let path = self.pins.program(name);
+        SchedClassifier::from_pin(&path).map_err(|source| BackendError::Program {
+            action: format!("could not open pinned program {}", path.display()),
+            source: Box::new(source),
+        })
+    }
+
+    fn endpoint_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
+        [
+            Hook {
+                program: FROM_CONTAINER,
+                attach_type: TcAttachType::Ingress,
+                link_pin: &link_pins[0],
+            },
+            Hook {
+                program: TO_CONTAINER,
+                attach_type: TcAttachType::Egress,
+                link_pin: &link_pins[1],
+            },
+        ]
+    }
+
+    fn endpoint_link_pins(&self, owner: u64) -> [std::path::PathBuf; 2] {
+        [
+            self.pins.endpoint_link(owner, "ingress"),
+            self.pins.endpoint_link(owner, "egress"),
+        ]
+    }
+
+    fn uplink_link_pins(&self, ifname: &str) -> [std::path::PathBuf; 2] {
+        [
+            self.pins.uplink_link(ifname, "ingress"),
+            self.pins.uplink_link(ifname, "egress"),
+        ]
+    }
+
+    fn uplink_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
+        [
+            Hook {
+                program: UPLINK_INGRESS,
+                attach_type: TcAttachType::Ingress,
+                link_pin: &link_pins[0],
+            },
+            Hook {
+                program: UPLINK_EGRESS,
+                attach_type: TcAttachType::Egress,
+                link_pin: &link_pins[1],
+            },
+        ]
+    }
+
+    fn owned_portmap_keys(&self, owner: u64) -> Result<Vec<PortMapKey>, BackendError> {
+        let mut keys = Vec::new();
+        for entry in self.portmap.iter() {
+            let (key, value) = entry.map_err(map_error("could not read map portmap"))?;
+            if value.owner == owner {
+                keys.push(key);
+            }
+        }
+        Ok(keys)
+    }
+
+    /// Removes everything shared once no attachment is left, so that a host without
+    /// containers carries no cnibpf programs on its uplinks.
+    fn teardown_shared_if_unused(&mut self) -> Result<(), BackendError> {
+        if self.owners.keys().next().is_some() {
+            return Ok(());
+        }
+        match fs::remove_dir_all(self.pins.root()) {
+            Ok(()) => Ok(()),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(BackendError::Pin {
+                action: format!("could not remove {}", self.pins.root().display()),
+                source: Box::new(source),
+            }),
+        }
+    }
+}
+
+impl Backend for EbpfBackend {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
+        if let Ok(existing) = self.owners.get(&owner, 0) {
+            let holder = Attachment::from_owner_info(&existing);
+            if holder != endpoint.attachment {
+                return Err(BackendError::OwnerCollision {
+                    owner,
+                    attachment: endpoint.attachment.clone(),
+                    holder,
+                });
+            }
+        }
+        let info = endpoint.attachment.to_owner_info(&endpoint.host);
+        self.owners
+            .insert(&owner, &info, 0)
+            .map_err(map_error("could not record the attachment in map owners"))?;
+        let endpoint_pins = self.endpoint_link_pins(owner);
+        for hook in Self::endpoint_hooks(&endpoint_pins) {
+            self.attach(endpoint.host.index, &hook)?;
+        }
+        for uplink in &endpoint.uplinks {
+            let uplink_pins = self.uplink_link_pins(&uplink.name);
+            for hook in Self::uplink_hooks(&uplink_pins) {
+                self.attach(uplink.index, &hook)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
+        for pin in self.endpoint_link_pins(owner) {
+            remove_pin(&pin)?;
+        }
+        match self.owners.remove(&owner) {
+            Ok(()) | Err(MapError::KeyNotFound) => {}
+            Err(error) => {
+                return Err(map_error("could not remove the attachment from map owners")(error));
+            }
+        }
+        self.teardown_shared_if_unused()
+    }
+
+    fn check_endpoint(&self, endpoint: &Endpoint) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
+        let info = self.owners.get(&owner, 0).map_err(|_| {
+            BackendError::CheckFailed(format!(
+                "{} is not recorded in map owners",
+                endpoint.attachment
+            ))
+        })?;
+        if info.host_ifindex != endpoint.host.index {
+            return Err(BackendError::CheckFailed(format!(
+                "{} was attached to interface {} (index {}), its host interface is now {} (index {})",
+                endpoint.attachment,
+                read_name(&info.host_ifname),
+                info.host_ifindex,
+                endpoint.host.name,
+                endpoint.host.index
+            )));
+        }
+        let endpoint_pins = self.endpoint_link_pins(owner);
+        for hook in Self::endpoint_hooks(&endpoint_pins) {
+            self.check_attached(endpoint.host.index, &endpoint.host.name, &hook)?;
+        }
+        for uplink in &endpoint.uplinks {
+            let uplink_pins = self.uplink_link_pins(&uplink.name);
+            for hook in Self::uplink_hooks(&uplink_pins) {
+                self.check_attached(uplink.index, &uplink.name, &hook)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn setup_port_mappings(
+        &mut self,
+        owner: u64,
+        mappings: &[ResolvedMapping],
+    ) -> Result<(), BackendError> {
+        let mut wanted = HashSet::new();
+        for mapping in mappings {
+            let (key, value) = entry_for(owner, mapping);
+            self.portmap
+                .insert(&key, &value, 0)
+                .map_err(map_error("could not write map portmap"))?;
+            wanted.insert(key);
+        }
+        for key in self.owned_portmap_keys(owner)? {
+            if !wanted.contains(&key) {
+                remove_entry(&mut self.portmap, &key, "portmap")?;
+            }
+        }
+        Ok(())
+    }
+
+    fn teardown_port_mappings(&mut self, owner: u64) -> Result<(), BackendError> {
+        for key in self.owned_portmap_keys(owner)? {
+            remove_entry(&mut self.portmap, &key, "portmap")?;
+        }
+        let mut flows = Vec::new();
+        for entry in self.nat_flows.iter() {
+            let (key, value) = entry.map_err(map_error("could not read map nat_flows"))?;
+            if value.owner == owner {
+                flows.push(key);
+            }
+        }
+        for key in flows {
+            remove_entry(&mut self.nat_flows, &key, "nat_flows")?;
+        }
+        Ok(())
+    }
+
+    fn check_port_mappings(
+        &self,
+        owner: u64,
+        mappings: &[ResolvedMapping],
+    ) -> Result<(), BackendError> {
+        let installed: HashSet<PortMapKey> = self.owned_portmap_keys(owner)?.into_iter().collect();
+        for mapping in mappings {
+            let (key, value) = entry_for(owner, mapping);
+            match self.portmap.get(&key, 0) {
+                Ok(found) if found == value => {}
+                Ok(_) => {
+                    return Err(BackendError::CheckFailed(format!(
+                        "port mapping {} leads elsewhere than configured",
+                        describe_mapping(mapping)
+                    )));
+                }
+                Err(_) => {
+                    return Err(BackendError::CheckFailed(format!(
+                        "port mapping {} is missing",
+                        describe_mapping(mapping)
+                    )));
+                }
+            }
+        }
+        if installed.len() != mappings.len() {
+            return Err(BackendError::CheckFailed(format!(
+                "{} port mappings installed, {} configured",
+                installed.len(),
+                mappings.len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
+        let mut records = Vec::new();
+        for entry in self.owners.iter() {
+            let (owner, info) = entry.map_err(map_error("could not read map owners"))?;
+            records.push(AttachmentRecord {
+                owner,
+                attachment: Attachment::from_owner_info(&info),
+                host_ifname: read_name(&info.host_ifname),
+                host_ifindex: info.host_ifindex,
+            });
+        }
+        Ok(records)
+    }
+
+    fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
+        let mut mappings = Vec::new();
+        for entry in self.portmap.iter() {
+            let (key, value) = entry.map_err(map_error("could not read map portmap"))?;
+            if let Some(mapping) = mapping_from_entry(&key, &value) {
+                mappings.push((value.owner, mapping));
+            }
+        }
+        Ok(mappings)
+    }
+}
+
+pub fn describe_mapping(mapping: &ResolvedMapping) -> String {
+    let host = match mapping.host_addr {
+        Some(IpAddr::V6(addr)) => format!("[{addr}]"),
+        Some(addr) => addr.to_string(),
+        None if mapping.is_ipv4() => "0.0.0.0".to_owned(),
+        None => "[::]".to_owned(),
+    };
+    let container = match mapping.container_addr {
+        IpAddr::V6(addr) => format!("[{addr}]"),
+        addr => addr.to_string(),
+    };
+    format!(
+        "{} {host}:{} -> {container}:{}",
+        mapping.protocol.name(),
+        mapping.host_port,
+        mapping.container_port
+    )
+}
+
+fn entry_for(owner: u64, mapping: &ResolvedMapping) -> (PortMapKey, PortMapValue) {
+    let family = if mapping.is_ipv4() {
+        FAMILY_IPV4
+    } else {
+        FAMILY_IPV6
+    };
+    let key = PortMapKey {
+        host_addr: mapping.host_addr.map_or([0; 16], key_addr),
+        host_port: mapping.host_port,
+        protocol: mapping.protocol.number(),
+        family,
+    };
+    let value = PortMapValue {
+        container_addr: key_addr(mapping.container_addr),
+        owner,
+        container_port: mapping.container_port,
+        _pad: [0; 6],
+    };
+    (key, value)
+}
+
+fn mapping_from_entry(key: &PortMapKey, value: &PortMapValue) -> Option<ResolvedMapping> {
+    let ipv4 = key.family == FAMILY_IPV4;
+    let host_addr = (key.host_addr != [0; 16]).then(|| addr_from_key(key.host_addr, ipv4));
+    Some(ResolvedMapping {
+        protocol: Protocol::from_number(key.protocol)?,
+        host_addr,
+        host_port: key.host_port,
+        container_addr: addr_from_key(value.container_addr, ipv4),
+        container_port: value.container_port,
+    })
+}
+
+/// An address as map keys store it: IPv4 in the first four bytes, the rest zero.
+fn key_addr(addr: IpAddr) -> [u8; 16] {
+    match addr {
+        IpAddr::V4(addr) => {
+            let mut out = [0; 16];
+            out[..4].copy_from_slice(&addr.octets());
+            out
+        }
+        IpAddr::V6(addr) => addr.octets(),
+    }
+}
+
+fn addr_from_key(bytes: [u8; 16], ipv4: bool) -> IpAddr {
+    if ipv4 {
+        IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]))
+    } else {
+        IpAddr::V6(Ipv6Addr::from(bytes))
+    }
+}
+
+fn map_error(action: &str) -> impl Fn(MapError) -> BackendError + '_ {
+    move |source| BackendError::Map {
+        action: action.to_owned(),
+        source: Box::new(source),
+    }
+}
+
+fn remove_entry<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    key: &K,
+    name: &str,
+) -> Result<(), BackendError> {
+    match map.remove(key) {
+        Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+        Err(source) => Err(BackendError::Map {
+            action: format!("could not delete from map {name}"),
+            source: Box::new(source),
+        }),
+    }
+}
+
+fn remove_pin(path: &Path) -> Result<(), BackendError> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(BackendError::Pin {
+            action: format!("could not remove pin {}", path.display()),
+            source: Box::new(source),
+        }),
+    }
+}
+
+fn is_attached(
+    program: &SchedClassifier,
+    ifindex: u32,
+    attach_type: TcAttachType,
+) -> Result<bool, BackendError> {
+    let program_error = |action: &str| {
+        let action = action.to_owned();
+        move |source| BackendError::Program {
+            action,
+            source: Box::new(source),
+        }
+    };
+    let id = program
+        .info()
+        .map_err(program_error("could not read program info"))?
+        .id();
+    match SchedClassifier::query_tcx(ifindex, attach_type) {
+        Ok((_, attached)) => Ok(attached.iter().any(|info| info.id() == id)),
+        // The interface is gone: nothing is attached to it.
+        Err(aya::programs::ProgramError::SyscallError(error))
+            if error.io_error.raw_os_error() == Some(libc::ENODEV) =>
+        {
+            Ok(false)
+        }
+        Err(source) => Err(program_error(&format!(
+            "could not query tcx programs of interface {ifindex}"
+        ))(source)),
+    }
+}
+
+fn open_pinned<K: aya::Pod, V: aya::Pod>(
+    pins: &PinLayout,
+    name: &str,
+) -> Result<HashMap<MapData, K, V>, BackendError> {
+    let path = pins.map(name);
+    let error = |source| BackendError::Map {
+        action: format!("could not open pinned map {}", path.display()),
+        source: Box::new(source),
+    };
+    let data = MapData::from_pin(&path).map_err(error)?;
+    let map = Map::from_map_data(data).map_err(error)?;
+    HashMap::try_from(map).map_err(error)
+}
+
+/// Whether pinned state exists under `pins`; an error when it has another layout.
+fn check_layout(pins: &PinLayout) -> Result<bool, BackendError> {
+    let path = pins.map(layout::MAP_NAME);
+    if !path.exists() {
+        return Ok(false);
+    }
+    let incompatible = |found: String| BackendError::IncompatibleState {
+        path: pins.root().to_owned(),
+        found,
+        expected: format!("v{}", layout::VERSION),
+    };
+    let data =
+        MapData::from_pin(&path).map_err(|error| incompatible(format!("unreadable ({error})")))?;
+    let map =
+        Map::from_map_data(data).map_err(|error| incompatible(format!("unreadable ({error})")))?;
+    let array: Array<MapData, LayoutInfo> = Array::try_from(map)
+        .map_err(|error| incompatible(format!("of another shape ({error})")))?;
+    match array.get(&0, 0) {
+        Ok(info) if info == LayoutInfo::CURRENT => Ok(true),
+        // Created but not yet stamped: a load that died half-way; loading again completes it.
+        Ok(info) if info == LayoutInfo::default() => Ok(false),
+        Ok(info) if info.magic == layout::MAGIC => Err(incompatible(format!("v{}", info.version))),
+        Ok(_) => Err(incompatible("not written by cnibpf".to_owned())),
+        Err(error) => Err(incompatible(format!("unreadable ({error})"))),
+    }
+}
+
+/// Loads the embedded object, reusing maps already pinned under `pins` and pinning new ones,
+/// then pins each program and finally stamps the layout map.
+fn load_object(pins: &PinLayout) -> Result<(), BackendError> {
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(pins.root())
+        .load(OBJECT)
+        .map_err(|error| BackendError::Load(Box::new(error)))?;
+    for name in PROGRAMS {
+        let program: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .ok_or_else(|| {
+                BackendError::Load(Box::new(aya::EbpfError::ProgramError(
+                    aya::programs::ProgramError::InvalidName {
+                        name: name.to_owned(),
+                    },
+                )))
+            })?
+            .try_into()
+            .map_err(|source| BackendError::Program {
+                action: format!("{name} is not a TC classifier"),
+                source: Box::new(source),
+            })?;
+        program.load().map_err(|source| BackendError::Program {
+            action: format!("the kernel rejected program {name}"),
+            source: Box::new(source),
+        })?;
+        let path = pins.program(name);
+        remove_pin(&path)?;
+        program.pin(&path).map_err(|source| BackendError::Pin {
+            action: format!("could not pin program {}", path.display()),
+            source: Box::new(source),
+        })?;
+    }
+    let layout_map =
+        ebpf.map_mut(layout::MAP_NAME)
+            .ok_or_else(|| BackendError::IncompatibleState {
+                path: pins.root().to_owned(),
+                found: "an object without a layout map".to_owned(),
+                expected: format!("v{}", layout::VERSION),
+            })?;
+    let mut array: Array<&mut MapData, LayoutInfo> =
+        Array::try_from(layout_map).map_err(map_error("could not open map layout"))?;
+    array
+        .set(0, &LayoutInfo::CURRENT, 0)
+        .map_err(map_error("could not write map layout"))?;
+    Ok(())
+}
+
+/// Mounts bpffs if the host has none at the usual place and creates the pin directories.
+fn prepare_pin_dir(pins: &PinLayout) -> Result<(), BackendError> {
+    let root = pins.root();
+    let error = |path: &Path| {
+        let path = path.to_owned();
+        move |source| BackendError::Bpffs { path, source }
+    };
+    if root.starts_with(BPFFS_MOUNT_POINT) && !is_bpffs(Path::new(BPFFS_MOUNT_POINT)) {
+        fs::create_dir_all(BPFFS_MOUNT_POINT).map_err(error(Path::new(BPFFS_MOUNT_POINT)))?;
+        mount(
+            Some("bpf"),
+            BPFFS_MOUNT_POINT,
+            Some("bpf"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            Some("mode=0700"),
+        )
+        .map_err(|errno| error(Path::new(BPFFS_MOUNT_POINT))(io::Error::from(errno)))?;
+    }
+    for dir in [pins.programs_dir(), pins.links_dir()] {
+        fs::create_dir_all(&dir).map_err(error(&dir))?;
+    }
+    if !is_bpffs(root) {
+        return Err(error(root)(io::Error::other(
+            "not on a bpf filesystem (mount -t bpf bpf <dir>)",
+        )));
+    }
+    Ok(())
+}
+
+fn is_bpffs(path: &Path) -> bool {
+    statfs(path).is_ok_and(|stats| stats.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+}

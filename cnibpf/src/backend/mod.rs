@@ -1,0 +1,158 @@
+//! Datapath backends. Each capability is a symmetric setup/teardown pair; handles to kernel
+//! objects stay inside the backend that made them.
+
+pub mod ebpf;
+
+use std::path::PathBuf;
+
+use crate::{
+    attachment::{Attachment, ResolvedMapping},
+    config::BackendChoice,
+    error::code,
+    netlink::Link,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("backend {backend} cannot work on this host: {reason}")]
+    Unavailable {
+        backend: &'static str,
+        reason: String,
+    },
+    #[error("{feature} is not supported yet by this version of cnibpf")]
+    NotSupportedYet { feature: &'static str },
+    #[error("could not prepare bpffs directory {path}")]
+    Bpffs {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("could not load the eBPF object")]
+    Load(#[source] Box<aya::EbpfError>),
+    #[error("{action}")]
+    Program {
+        action: String,
+        #[source]
+        source: Box<aya::programs::ProgramError>,
+    },
+    #[error("{action}")]
+    Map {
+        action: String,
+        #[source]
+        source: Box<aya::maps::MapError>,
+    },
+    #[error("{action}")]
+    Pin {
+        action: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error(
+        "pinned state in {path} has layout {found}, this cnibpf needs layout {expected}: delete every attachment (or the directory) before upgrading across layouts"
+    )]
+    IncompatibleState {
+        path: PathBuf,
+        found: String,
+        expected: String,
+    },
+    #[error("owner id {owner:016x} of {attachment} is already used by {holder}")]
+    OwnerCollision {
+        owner: u64,
+        attachment: Attachment,
+        holder: Attachment,
+    },
+    #[error("{mapping} is already held by {holder}")]
+    HostPortInUse { mapping: String, holder: Attachment },
+    #[error("check failed: {0}")]
+    CheckFailed(String),
+}
+
+impl BackendError {
+    pub fn code(&self) -> u32 {
+        match self {
+            Self::Unavailable { .. } => code::BACKEND_UNAVAILABLE,
+            Self::NotSupportedYet { .. } => code::NOT_SUPPORTED_YET,
+            Self::IncompatibleState { .. } => code::INCOMPATIBLE_STATE,
+            Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
+            Self::CheckFailed(_) => code::CHECK_FAILED,
+            Self::Bpffs { .. }
+            | Self::Load(_)
+            | Self::Program { .. }
+            | Self::Map { .. }
+            | Self::Pin { .. }
+            | Self::OwnerCollision { .. } => code::DATAPATH,
+        }
+    }
+}
+
+/// Where an attachment's traffic passes: its host-side interface and the uplinks.
+#[derive(Clone, Debug)]
+pub struct Endpoint {
+    pub attachment: Attachment,
+    pub host: Link,
+    pub uplinks: Vec<Link>,
+}
+
+/// What a backend knows about one attachment it serves.
+#[derive(Clone, Debug)]
+pub struct AttachmentRecord {
+    pub owner: u64,
+    pub attachment: Attachment,
+    pub host_ifname: String,
+    pub host_ifindex: u32,
+}
+
+pub trait Backend {
+    fn name(&self) -> &'static str;
+
+    /// Records the attachment and hooks the datapath onto its interface and the uplinks.
+    fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError>;
+    /// Unhooks and forgets the attachment; state shared by all attachments goes with the last.
+    fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError>;
+    fn check_endpoint(&self, endpoint: &Endpoint) -> Result<(), BackendError>;
+
+    /// Makes the attachment's port mappings exactly `mappings`.
+    fn setup_port_mappings(
+        &mut self,
+        owner: u64,
+        mappings: &[ResolvedMapping],
+    ) -> Result<(), BackendError>;
+    /// Removes the attachment's port mappings and the state of the flows they translated.
+    fn teardown_port_mappings(&mut self, owner: u64) -> Result<(), BackendError>;
+    fn check_port_mappings(
+        &self,
+        owner: u64,
+        mappings: &[ResolvedMapping],
+    ) -> Result<(), BackendError>;
+
+    /// Every attachment this backend holds state for, on any network.
+    fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError>;
+    /// Every installed port mapping with its owner.
+    fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError>;
+}
+
+/// The backend `choice` names, ready for changes, or why it cannot be used.
+pub fn select(
+    choice: BackendChoice,
+    pins: &crate::paths::PinLayout,
+) -> Result<Box<dyn Backend>, BackendError> {
+    match choice {
+        BackendChoice::Auto | BackendChoice::Ebpf => {
+            ebpf::EbpfBackend::probe()?;
+            Ok(Box::new(ebpf::EbpfBackend::load(pins)?))
+        }
+        BackendChoice::Nftables => Err(BackendError::NotSupportedYet {
+            feature: "backend \"nftables\"",
+        }),
+    }
+}
+
+/// Every backend that holds state under `pins`, for DEL, GC and inspect, which must find an
+/// attachment whichever backend made it.
+pub fn existing(pins: &crate::paths::PinLayout) -> Result<Vec<Box<dyn Backend>>, BackendError> {
+    let mut backends: Vec<Box<dyn Backend>> = Vec::new();
+    if let Some(ebpf) = ebpf::EbpfBackend::open_existing(pins)? {
+        backends.push(Box::new(ebpf));
+    }
+    Ok(backends)
+}

@@ -1,0 +1,434 @@
+//! The CNI protocol: environment, verbs, results and errors on stdout.
+
+pub mod result;
+
+use std::{
+    collections::BTreeSet,
+    io::{Read as _, Write as _},
+    path::PathBuf,
+};
+
+use serde_json::{Value, json};
+
+use crate::{
+    attachment::{self, Attachment, HostInterfaceError, MappingError},
+    backend::{self, Backend, BackendError, Endpoint},
+    config::{ConfigError, NetConf, SUPPORTED_VERSIONS, ifname_problem},
+    error::Error,
+    lock::{InstanceLock, LOCK_TIMEOUT},
+    netlink::{self, Link},
+    paths::PinLayout,
+};
+use result::PrevResult;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnvError {
+    #[error("{0} is not set")]
+    Missing(&'static str),
+    #[error("unknown CNI_COMMAND {0:?}; expected ADD, DEL, CHECK, GC, STATUS or VERSION")]
+    UnknownCommand(String),
+    #[error(
+        "CNI_CONTAINERID {0:?} is invalid: use letters, digits, '_', '.', '-', starting with a letter or digit"
+    )]
+    ContainerId(String),
+    #[error("CNI_IFNAME {name:?} {problem}")]
+    Ifname { name: String, problem: &'static str },
+    #[error("CNI_NETNS {0:?} does not exist")]
+    Netns(String),
+    #[error(transparent)]
+    HostInterface(#[from] HostInterfaceError),
+    #[error(transparent)]
+    Mapping(#[from] MappingError),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Command {
+    Add,
+    Del,
+    Check,
+    Gc,
+    Status,
+    Version,
+}
+
+impl Command {
+    fn parse(text: &str) -> Result<Self, EnvError> {
+        Ok(match text {
+            "ADD" => Self::Add,
+            "DEL" => Self::Del,
+            "CHECK" => Self::Check,
+            "GC" => Self::Gc,
+            "STATUS" => Self::Status,
+            "VERSION" => Self::Version,
+            other => return Err(EnvError::UnknownCommand(other.to_owned())),
+        })
+    }
+}
+
+/// The CNI_* variables one invocation needs.
+#[derive(Clone, Debug)]
+struct Env {
+    container_id: String,
+    ifname: String,
+    netns: Option<PathBuf>,
+}
+
+impl Env {
+    /// Reads and validates the variables `command` requires, as libcni's skel does.
+    fn read(command: Command) -> Result<Self, EnvError> {
+        let var = |name: &'static str| std::env::var(name).ok().filter(|value| !value.is_empty());
+        let needs_attachment = matches!(command, Command::Add | Command::Del | Command::Check);
+        let container_id = var("CNI_CONTAINERID");
+        let ifname = var("CNI_IFNAME");
+        let netns = var("CNI_NETNS");
+        if needs_attachment {
+            let container_id = container_id
+                .clone()
+                .ok_or(EnvError::Missing("CNI_CONTAINERID"))?;
+            let valid_id = container_id.len() < cnibpf_common::owner::NAME_LEN
+                && container_id.starts_with(|c: char| c.is_ascii_alphanumeric())
+                && container_id
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+            if !valid_id {
+                return Err(EnvError::ContainerId(container_id));
+            }
+            let ifname = ifname.clone().ok_or(EnvError::Missing("CNI_IFNAME"))?;
+            if let Some(problem) = ifname_problem(&ifname) {
+                return Err(EnvError::Ifname {
+                    name: ifname,
+                    problem,
+                });
+            }
+            if command != Command::Del && netns.is_none() {
+                return Err(EnvError::Missing("CNI_NETNS"));
+            }
+        }
+        if command != Command::Version && var("CNI_PATH").is_none() {
+            return Err(EnvError::Missing("CNI_PATH"));
+        }
+        Ok(Self {
+            container_id: container_id.unwrap_or_default(),
+            ifname: ifname.unwrap_or_default(),
+            netns: netns.map(PathBuf::from),
+        })
+    }
+}
+
+/// Runs one CNI invocation; returns the process exit code.
+pub fn run(command_text: &str) -> i32 {
+    let mut stdin = Vec::new();
+    let outcome = Command::parse(command_text)
+        .map_err(Error::from)
+        .and_then(|command| {
+            std::io::stdin()
+                .read_to_end(&mut stdin)
+                .map_err(Error::Stdin)?;
+            dispatch(command, &stdin)
+        });
+    let mut stdout = std::io::stdout().lock();
+    match outcome {
+        Ok(Some(output)) => {
+            let _ = writeln!(stdout, "{output}");
+            0
+        }
+        Ok(None) => 0,
+        Err(error) => {
+            let version = serde_json::from_slice::<Value>(&stdin)
+                .ok()
+                .and_then(|conf| {
+                    conf.get("cniVersion")
+                        .and_then(Value::as_str)
+                        .map(str::to_owned)
+                })
+                .filter(|version| SUPPORTED_VERSIONS.contains(&version.as_str()))
+                .unwrap_or_else(|| SUPPORTED_VERSIONS[SUPPORTED_VERSIONS.len() - 1].to_owned());
+            let cni_error = error.into_cni(&version);
+            eprintln!(
+                "cnibpf: {command_text}: {} ({})",
+                cni_error.msg, cni_error.details
+            );
+            let _ = writeln!(
+                stdout,
+                "{}",
+                serde_json::to_string(&cni_error).unwrap_or_default()
+            );
+            1
+        }
+    }
+}
+
+fn dispatch(command: Command, stdin: &[u8]) -> Result<Option<String>, Error> {
+    if command == Command::Version {
+        return Ok(Some(version_output(stdin)));
+    }
+    let env = Env::read(command)?;
+    match command {
+        Command::Add => add(&env, stdin).map(Some),
+        Command::Del => del(&env, stdin).map(|()| None),
+        Command::Check => check(&env, stdin).map(|()| None),
+        Command::Gc => gc(stdin).map(|()| None),
+        Command::Status => status(stdin).map(|()| None),
+        Command::Version => unreachable!("handled above"),
+    }
+}
+
+fn version_output(stdin: &[u8]) -> String {
+    let requested = serde_json::from_slice::<Value>(stdin)
+        .ok()
+        .and_then(|conf| {
+            conf.get("cniVersion")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .filter(|version| SUPPORTED_VERSIONS.contains(&version.as_str()))
+        .unwrap_or_else(|| SUPPORTED_VERSIONS[SUPPORTED_VERSIONS.len() - 1].to_owned());
+    json!({ "cniVersion": requested, "supportedVersions": SUPPORTED_VERSIONS }).to_string()
+}
+
+/// Everything ADD and CHECK derive from the config and the host before taking the lock.
+struct Plan {
+    attachment: Attachment,
+    endpoint: Endpoint,
+    mappings: Vec<attachment::ResolvedMapping>,
+}
+
+fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
+    let prev = PrevResult::parse(prev_result, &env.ifname)?;
+    let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
+    let mappings =
+        attachment::resolve_mappings(&conf.port_mappings, &prev).map_err(EnvError::from)?;
+    if mappings.iter().any(|mapping| !mapping.is_ipv4()) {
+        return Err(ConfigError::NotSupportedYet {
+            feature: "IPv6 port mappings (the container has an IPv6 address)".to_owned(),
+        }
+        .into());
+    }
+    let netns = env.netns.clone().ok_or(EnvError::Missing("CNI_NETNS"))?;
+    if !netns.exists() {
+        return Err(EnvError::Netns(netns.display().to_string()).into());
+    }
+    let host =
+        attachment::find_host_interface(&prev, &netns, &env.ifname).map_err(EnvError::from)?;
+    let uplinks = resolve_uplinks(conf)?;
+    if !mappings.is_empty() && uplinks.is_empty() {
+        return Err(ConfigError::Invalid {
+            key: "uplinks".to_owned(),
+            reason:
+                "port mappings need an uplink, and the host has no default route: name the uplinks"
+                    .to_owned(),
+        }
+        .into());
+    }
+    Ok(Plan {
+        endpoint: Endpoint {
+            attachment: attachment.clone(),
+            host,
+            uplinks,
+        },
+        attachment,
+        mappings,
+    })
+}
+
+fn resolve_uplinks(conf: &NetConf) -> Result<Vec<Link>, Error> {
+    match &conf.plugin.uplinks {
+        Some(names) => names
+            .iter()
+            .map(|name| netlink::link_by_name(name).map_err(Error::from))
+            .collect(),
+        None => netlink::default_route_links()?
+            .into_iter()
+            .map(|index| netlink::link_by_index(index).map_err(Error::from))
+            .collect(),
+    }
+}
+
+fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
+    let conf = NetConf::parse(stdin)?;
+    let prev_result = conf
+        .prev_result
+        .clone()
+        .ok_or(ConfigError::MissingPrevResult)?;
+    let output = result::convert(&prev_result, conf.cni_version, &conf.cni_version_text)?;
+    conf.reject_unimplemented()?;
+    let plan = plan(env, &conf, &prev_result)?;
+    let pins = PinLayout::new(&conf.plugin.pin_path);
+    let _lock = InstanceLock::acquire(&pins.lock_file(), LOCK_TIMEOUT)?;
+    let mut backend = backend::select(conf.plugin.backend, &pins)?;
+    let owner = plan.attachment.owner_id();
+    ensure_host_ports_free(backend.as_ref(), owner, &plan.mappings)?;
+    let applied = backend
+        .setup_endpoint(&plan.endpoint)
+        .and_then(|()| backend.setup_port_mappings(owner, &plan.mappings));
+    if let Err(error) = applied {
+        // Undo: an attachment is either complete or absent.
+        let _ = backend.teardown_port_mappings(owner);
+        let _ = backend.teardown_endpoint(owner);
+        return Err(error.into());
+    }
+    Ok(output.to_string())
+}
+
+/// Fails with "hostPort in use" (100) naming the holder when another attachment holds an
+/// overlapping (protocol, hostIP, hostPort).
+fn ensure_host_ports_free(
+    backend: &dyn Backend,
+    owner: u64,
+    wanted: &[attachment::ResolvedMapping],
+) -> Result<(), BackendError> {
+    if wanted.is_empty() {
+        return Ok(());
+    }
+    let installed = backend.port_mappings()?;
+    for mapping in wanted {
+        let Some((holder, _)) = installed
+            .iter()
+            .find(|(holder, existing)| *holder != owner && existing.overlaps(mapping))
+        else {
+            continue;
+        };
+        let holder = backend
+            .attachments()?
+            .into_iter()
+            .find(|record| record.owner == *holder)
+            .map_or_else(
+                || Attachment::new("(unknown)", &format!("owner {holder:016x}"), "?"),
+                |record| record.attachment,
+            );
+        return Err(BackendError::HostPortInUse {
+            mapping: format!(
+                "hostPort {}/{}{}",
+                mapping.host_port,
+                mapping.protocol.name(),
+                mapping
+                    .host_addr
+                    .map(|addr| format!(" on {addr}"))
+                    .unwrap_or_default()
+            ),
+            holder,
+        });
+    }
+    Ok(())
+}
+
+/// Only `name` and `pinPath` of the DEL/GC config matter: the attachment's state says the rest.
+struct CleanupConf {
+    name: String,
+    pins: PinLayout,
+}
+
+impl CleanupConf {
+    fn parse(stdin: &[u8]) -> Result<Self, ConfigError> {
+        let value: Value = serde_json::from_slice(stdin).map_err(ConfigError::Decode)?;
+        let text = |key: &str| value.get(key).and_then(Value::as_str).map(str::to_owned);
+        let cni_version = text("cniVersion").ok_or_else(|| ConfigError::Invalid {
+            key: "cniVersion".to_owned(),
+            reason: "is required".to_owned(),
+        })?;
+        crate::config::CniVersion::parse(&cni_version)?;
+        let name = text("name").ok_or_else(|| ConfigError::Invalid {
+            key: "name".to_owned(),
+            reason: "is required".to_owned(),
+        })?;
+        let pin_path = text("pinPath").unwrap_or_else(|| crate::paths::DEFAULT_PIN_PATH.to_owned());
+        if !pin_path.starts_with('/') || pin_path.split('/').any(|part| part == "..") {
+            return Err(ConfigError::Invalid {
+                key: "pinPath".to_owned(),
+                reason: format!("expected an absolute path without '..', got {pin_path:?}"),
+            });
+        }
+        Ok(Self {
+            name,
+            pins: PinLayout::new(pin_path),
+        })
+    }
+}
+
+fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
+    let conf = CleanupConf::parse(stdin)?;
+    let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
+    let _lock = InstanceLock::acquire(&conf.pins.lock_file(), LOCK_TIMEOUT)?;
+    for mut backend in backend::existing(&conf.pins)? {
+        remove_attachment(backend.as_mut(), attachment.owner_id())?;
+    }
+    Ok(())
+}
+
+fn remove_attachment(backend: &mut dyn Backend, owner: u64) -> Result<(), BackendError> {
+    backend.teardown_port_mappings(owner)?;
+    backend.teardown_endpoint(owner)
+}
+
+fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
+    let conf = NetConf::parse(stdin)?;
+    conf.require_version("CHECK")?;
+    let prev_result = conf
+        .prev_result
+        .clone()
+        .ok_or(ConfigError::MissingPrevResult)?;
+    conf.reject_unimplemented()?;
+    let plan = plan(env, &conf, &prev_result)?;
+    let pins = PinLayout::new(&conf.plugin.pin_path);
+    let backends = backend::existing(&pins)?;
+    let Some(backend) = backends.first() else {
+        return Err(BackendError::CheckFailed(format!(
+            "no cnibpf state under {} for {}",
+            pins.root().display(),
+            plan.attachment
+        ))
+        .into());
+    };
+    backend.check_endpoint(&plan.endpoint)?;
+    backend.check_port_mappings(plan.attachment.owner_id(), &plan.mappings)?;
+    Ok(())
+}
+
+fn gc(stdin: &[u8]) -> Result<(), Error> {
+    let conf = NetConf::parse(stdin)?;
+    conf.require_version("GC")?;
+    // Without the list every attachment of the network would look stale: refuse rather than
+    // wipe a network because a runtime left the key out.
+    let listed = conf
+        .valid_attachments
+        .as_ref()
+        .ok_or_else(|| ConfigError::Invalid {
+            key: "cni.dev/valid-attachments".to_owned(),
+            reason: "is required for GC".to_owned(),
+        })?;
+    let valid: BTreeSet<(String, String)> = listed
+        .iter()
+        .map(|entry| (entry.container_id.clone(), entry.ifname.clone()))
+        .collect();
+    let pins = PinLayout::new(&conf.plugin.pin_path);
+    let _lock = InstanceLock::acquire(&pins.lock_file(), LOCK_TIMEOUT)?;
+    for mut backend in backend::existing(&pins)? {
+        let stale: Vec<u64> = backend
+            .attachments()?
+            .into_iter()
+            .filter(|record| {
+                record.attachment.network == conf.name
+                    && !valid.contains(&(
+                        record.attachment.container_id.clone(),
+                        record.attachment.ifname.clone(),
+                    ))
+            })
+            .map(|record| record.owner)
+            .collect();
+        for owner in stale {
+            remove_attachment(backend.as_mut(), owner)?;
+        }
+    }
+    Ok(())
+}
+
+fn status(stdin: &[u8]) -> Result<(), Error> {
+    let conf = NetConf::parse(stdin)?;
+    conf.require_version("STATUS")?;
+    match backend::ebpf::EbpfBackend::probe() {
+        Ok(()) => Ok(()),
+        Err(error) => Err(Error::Unavailable(format!(
+            "no backend can work on this host: {error}; the nftables backend is not supported yet"
+        ))),
+    }
+}

@@ -1,0 +1,83 @@
+//! The one conversion from every subsystem's error to the CNI error JSON.
+
+use serde::Serialize;
+
+use crate::{
+    backend::BackendError, cni::EnvError, config::ConfigError, lock::LockError,
+    netlink::NetlinkError,
+};
+
+/// CNI error codes (spec codes and the plugin-specific ones documented in README.md).
+pub mod code {
+    pub const INCOMPATIBLE_VERSION: u32 = 1;
+    pub const INVALID_ENV: u32 = 4;
+    pub const DECODE: u32 = 6;
+    pub const INVALID_CONFIG: u32 = 7;
+    pub const TRY_AGAIN: u32 = 11;
+    pub const PLUGIN_UNAVAILABLE: u32 = 50;
+    pub const HOST_PORT_IN_USE: u32 = 100;
+    pub const NOT_SUPPORTED_YET: u32 = 101;
+    pub const DATAPATH: u32 = 102;
+    pub const INTERFACE: u32 = 103;
+    pub const BACKEND_UNAVAILABLE: u32 = 104;
+    pub const CHECK_FAILED: u32 = 105;
+    pub const INCOMPATIBLE_STATE: u32 = 106;
+}
+
+/// An error as the CNI spec prints it on stdout.
+#[derive(Debug, Serialize)]
+pub struct CniError {
+    #[serde(rename = "cniVersion")]
+    pub cni_version: String,
+    pub code: u32,
+    pub msg: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub details: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Netlink(#[from] NetlinkError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Lock(#[from] LockError),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("could not read the network configuration from stdin")]
+    Stdin(#[source] std::io::Error),
+}
+
+impl Error {
+    pub fn code(&self) -> u32 {
+        match self {
+            Self::Env(_) => code::INVALID_ENV,
+            Self::Config(error) => error.code(),
+            Self::Netlink(_) => code::INTERFACE,
+            Self::Backend(error) => error.code(),
+            Self::Lock(_) => code::TRY_AGAIN,
+            Self::Stdin(_) => code::DECODE,
+            Self::Unavailable(_) => code::PLUGIN_UNAVAILABLE,
+        }
+    }
+
+    pub fn into_cni(self, cni_version: &str) -> CniError {
+        let mut details = Vec::new();
+        let mut source = std::error::Error::source(&self);
+        while let Some(cause) = source {
+            details.push(cause.to_string());
+            source = cause.source();
+        }
+        CniError {
+            cni_version: cni_version.to_owned(),
+            code: self.code(),
+            msg: self.to_string(),
+            details: details.join(": "),
+        }
+    }
+}

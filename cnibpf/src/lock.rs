@@ -1,0 +1,70 @@
+//! The lock file that serialises changes to one instance's pinned state.
+//!
+//! Held only around the read-modify-write of shared state (conflict check and map updates);
+//! parsing, validation and interface lookups run before it, so parallel ADDs of different
+//! containers mostly overlap.
+
+use std::{
+    fs::{self, File, OpenOptions},
+    path::{Path, PathBuf},
+    thread,
+    time::{Duration, Instant},
+};
+
+use nix::fcntl::{Flock, FlockArg};
+
+/// How long an invocation waits for the lock before answering "try again" (code 11).
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+const POLL_INTERVAL: Duration = Duration::from_millis(2);
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error("could not open lock file {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("timed out after {timeout:?} waiting for lock {path}")]
+    Timeout { path: PathBuf, timeout: Duration },
+}
+
+/// An exclusive `flock` on the instance's lock file, released on drop.
+#[derive(Debug)]
+pub struct InstanceLock {
+    _lock: Flock<File>,
+}
+
+impl InstanceLock {
+    pub fn acquire(path: &Path, timeout: Duration) -> Result<Self, LockError> {
+        let open_error = |source| LockError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).map_err(open_error)?;
+        }
+        let mut file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(open_error)?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+                Ok(lock) => return Ok(Self { _lock: lock }),
+                Err((returned, _)) if Instant::now() < deadline => {
+                    file = returned;
+                    thread::sleep(POLL_INTERVAL);
+                }
+                Err(_) => {
+                    return Err(LockError::Timeout {
+                        path: path.to_owned(),
+                        timeout,
+                    });
+                }
+            }
+        }
+    }
+}

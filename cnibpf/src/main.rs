@@ -1,0 +1,54 @@
+//! `cnibpf`: a chained CNI plugin when run with `CNI_COMMAND` set, an admin tool otherwise.
+
+mod attachment;
+mod backend;
+mod cni;
+mod config;
+mod error;
+mod inspect;
+mod lock;
+mod netlink;
+mod netns;
+mod paths;
+
+use std::{path::PathBuf, process::ExitCode};
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    about = "eBPF masquerade, port mapping and filter rules for containers (CNI plugin)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: AdminCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum AdminCommand {
+    /// Show the attachments and port mappings of an instance.
+    Inspect {
+        /// The instance's pinPath.
+        #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
+        pin_path: PathBuf,
+        /// Print JSON for scripts instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    if let Ok(command) = std::env::var("CNI_COMMAND") {
+        return ExitCode::from(u8::try_from(cni::run(&command)).unwrap_or(1));
+    }
+    match Cli::parse().command {
+        AdminCommand::Inspect { pin_path, json } => match inspect::run(&pin_path, json) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("cnibpf inspect: {error}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}

@@ -1,0 +1,61 @@
+//! Entering a network namespace for the current thread, always switching back.
+
+use std::{
+    fs::File,
+    os::fd::AsFd as _,
+    path::{Path, PathBuf},
+};
+
+use nix::sched::{CloneFlags, setns};
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    #[error("could not open network namespace {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("could not enter network namespace {path}")]
+    Enter {
+        path: PathBuf,
+        #[source]
+        source: nix::Error,
+    },
+}
+
+/// While alive, the current thread is in another network namespace; dropping it returns the
+/// thread to the namespace it was in. Only this thread moves: do not spawn threads inside.
+#[derive(Debug)]
+pub struct NetnsGuard {
+    original: File,
+}
+
+impl NetnsGuard {
+    pub fn enter(path: &Path) -> Result<Self, NetnsError> {
+        let open = |path: &Path| {
+            File::open(path).map_err(|source| NetnsError::Open {
+                path: path.to_owned(),
+                source,
+            })
+        };
+        let original = open(Path::new("/proc/thread-self/ns/net"))?;
+        let target = open(path)?;
+        setns(target.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| NetnsError::Enter {
+            path: path.to_owned(),
+            source,
+        })?;
+        Ok(Self { original })
+    }
+}
+
+impl Drop for NetnsGuard {
+    fn drop(&mut self) {
+        // Failing to return would leave every later netlink call in the container's
+        // namespace; there is no safe way to continue, so stop the process.
+        if let Err(error) = setns(self.original.as_fd(), CloneFlags::CLONE_NEWNET) {
+            eprintln!("cnibpf: cannot return to the original network namespace: {error}");
+            std::process::abort();
+        }
+    }
+}

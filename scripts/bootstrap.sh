@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Installs everything cnibpf's build, tests and demo need, idempotently. A second run only checks
+# (a few seconds). Run as root: it installs Debian packages and mounts bpffs.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+started=$SECONDS
+step() { printf '\033[1m[bootstrap %3ss]\033[0m %s\n' "$((SECONDS - started))" "$*"; }
+
+toolchain_channel() { sed -n 's/^channel *= *"\(.*\)"/\1/p' "$1"; }
+userspace_toolchain=$(toolchain_channel "$repo/rust-toolchain.toml")
+ebpf_toolchain=$(toolchain_channel "$repo/cnibpf-ebpf/rust-toolchain.toml")
+tools_dir="${CNIBPF_TOOLS_DIR:-$HOME/.local/share/cnibpf-tools}/$ebpf_toolchain"
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "bootstrap: run as root (installs packages, mounts bpffs, loads eBPF programs)" >&2
+    exit 1
+fi
+
+# Debian packages: the tests' tools and the reference CNI plugins.
+packages=(iproute2 nftables bpftool containernetworking-plugins jq iperf3 util-linux procps gcc libc6-dev)
+missing=()
+for package in "${packages[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then
+        missing+=("$package")
+    fi
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    step "installing Debian packages: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+    step "Debian packages present"
+fi
+
+# Rust toolchains: rustup 1.29 does not install what rust-toolchain.toml names by itself.
+if ! command -v rustup >/dev/null 2>&1; then
+    # shellcheck disable=SC1091
+    [ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
+fi
+if ! command -v rustup >/dev/null 2>&1; then
+    echo "bootstrap: rustup is required (the machine's Rust installation)" >&2
+    exit 1
+fi
+installed_toolchains=$(rustup toolchain list)
+ensure_toolchain() {
+    local channel=$1
+    shift
+    local components=("$@")
+    if ! grep -q "^$channel-" <<<"$installed_toolchains"; then
+        step "installing Rust toolchain $channel"
+        rustup toolchain install "$channel" --profile minimal "${components[@]/#/--component=}" >/dev/null
+        return
+    fi
+    local have
+    have=$(rustup component list --installed --toolchain "$channel" 2>/dev/null)
+    for component in "${components[@]}"; do
+        if ! grep -q "^$component" <<<"$have"; then
+            step "adding $component to $channel"
+            rustup component add --toolchain "$channel" "$component" >/dev/null
+        fi
+    done
+}
+ensure_toolchain "$userspace_toolchain" clippy rustfmt
+ensure_toolchain "$ebpf_toolchain" rust-src clippy rustfmt
+step "toolchains $userspace_toolchain (userspace) and $ebpf_toolchain (eBPF) present"
+
+# bpf-linker must link the very libLLVM of the eBPF nightly; it is rebuilt when that changes.
+nightly_lib="$(rustup run "$ebpf_toolchain" rustc --print sysroot)/lib"
+llvm_so=$(cd "$nightly_lib" && ls libLLVM.so.* 2>/dev/null | head -n1 || true)
+if [ -z "$llvm_so" ]; then
+    echo "bootstrap: $ebpf_toolchain ships no libLLVM.so.* in $nightly_lib" >&2
+    exit 1
+fi
+stamp="$tools_dir/llvm.stamp"
+if [ ! -x "$tools_dir/bin/bpf-linker" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$llvm_so" ]; then
+    step "building bpf-linker 0.13 against $llvm_so (about a minute)"
+    mkdir -p "$tools_dir/llvm/lib"
+    ln -sf "$nightly_lib/$llvm_so" "$tools_dir/llvm/lib/libLLVM.so"
+    ln -sf "$nightly_lib/$llvm_so" "$tools_dir/llvm/lib/$llvm_so"
+    LLVM_PREFIX="$tools_dir/llvm" cargo "+$userspace_toolchain" install --quiet --locked --force \
+        bpf-linker --version 0.13.0 --root "$tools_dir" 2>&1 | grep -v '^warning' || true
+    [ -x "$tools_dir/bin/bpf-linker" ] || { echo "bootstrap: bpf-linker build failed" >&2; exit 1; }
+    echo "$llvm_so" >"$stamp"
+else
+    step "bpf-linker present for $llvm_so"
+fi
+
+# bpffs: the plugin mounts it itself when missing; the tests and bpftool want it now.
+if ! stat -f -c %T /sys/fs/bpf 2>/dev/null | grep -q bpf; then
+    step "mounting bpffs on /sys/fs/bpf"
+    mkdir -p /sys/fs/bpf
+    mount -t bpf bpf /sys/fs/bpf
+fi
+step "ready"

@@ -1,0 +1,364 @@
+//! A CNI chain executor with libcni's semantics: ADD runs the plugins in order passing each
+//! result on as `prevResult`; DEL runs them in reverse with the cached result; CHECK passes the
+//! cached result to each; GC and STATUS go to every plugin that speaks 1.1.0. Capability
+//! arguments reach only plugins that declare the capability, under `runtimeConfig`.
+
+use std::{
+    collections::HashMap,
+    fmt,
+    io::Write as _,
+    os::unix::process::CommandExt as _,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::Mutex,
+};
+
+use serde_json::{Map, Value, json};
+
+/// What one plugin invocation printed and how it exited.
+#[derive(Clone, Debug)]
+pub struct PluginOutput {
+    pub plugin: String,
+    pub command: String,
+    pub exit_code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl PluginOutput {
+    /// The CNI error code, when the plugin failed with an error object on stdout.
+    pub fn error_code(&self) -> Option<u64> {
+        serde_json::from_str::<Value>(&self.stdout)
+            .ok()?
+            .get("code")?
+            .as_u64()
+    }
+
+    pub fn error_msg(&self) -> String {
+        serde_json::from_str::<Value>(&self.stdout)
+            .ok()
+            .and_then(|error| error.get("msg").and_then(Value::as_str).map(str::to_owned))
+            .unwrap_or_default()
+    }
+}
+
+/// A plugin of the chain failed.
+#[derive(Clone, Debug)]
+pub struct ChainError(pub PluginOutput);
+
+impl fmt::Display for ChainError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let output = &self.0;
+        write!(
+            f,
+            "{} {} exited {}: stdout {} stderr {}",
+            output.plugin, output.command, output.exit_code, output.stdout, output.stderr
+        )
+    }
+}
+
+impl std::error::Error for ChainError {}
+
+/// One attachment's runtime parameters.
+#[derive(Clone, Debug)]
+pub struct Attachment {
+    pub container_id: String,
+    pub ifname: String,
+    pub netns: PathBuf,
+    /// Capability arguments, e.g. `{"portMappings": [...]}`.
+    pub capability_args: Value,
+}
+
+#[derive(Debug)]
+pub struct Chain {
+    conflist: Value,
+    cni_path: String,
+    /// Network namespace the plugins run in (the simulated host).
+    host_netns: PathBuf,
+    cache: Mutex<HashMap<(String, String), (Value, Value)>>,
+}
+
+impl Chain {
+    pub fn new(conflist: Value, cni_path: &str, host_netns: &Path) -> Self {
+        Self {
+            conflist,
+            cni_path: cni_path.to_owned(),
+            host_netns: host_netns.to_owned(),
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn conflist(&self) -> &Value {
+        &self.conflist
+    }
+
+    fn plugins(&self) -> Vec<Value> {
+        self.conflist["plugins"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The network configuration one plugin receives (libcni's buildOneConfig).
+    pub fn plugin_config(
+        &self,
+        plugin: &Value,
+        version: &str,
+        prev_result: Option<&Value>,
+        capability_args: &Value,
+    ) -> Value {
+        let mut config = plugin.as_object().cloned().unwrap_or_default();
+        config.insert("cniVersion".to_owned(), json!(version));
+        config.insert("name".to_owned(), self.conflist["name"].clone());
+        if let Some(prev) = prev_result {
+            config.insert("prevResult".to_owned(), prev.clone());
+        }
+        let mut runtime_config = Map::new();
+        if let Some(capabilities) = plugin.get("capabilities").and_then(Value::as_object) {
+            for (capability, enabled) in capabilities {
+                if enabled.as_bool() == Some(true)
+                    && let Some(value) = capability_args.get(capability)
+                {
+                    runtime_config.insert(capability.clone(), value.clone());
+                }
+            }
+        }
+        if !runtime_config.is_empty() {
+            config.insert("runtimeConfig".to_owned(), Value::Object(runtime_config));
+        }
+        Value::Object(config)
+    }
+
+    fn version(&self) -> String {
+        self.conflist["cniVersion"]
+            .as_str()
+            .unwrap_or("1.0.0")
+            .to_owned()
+    }
+
+    pub fn add(&self, attachment: &Attachment) -> Result<Value, ChainError> {
+        let mut prev: Option<Value> = None;
+        for plugin in self.plugins() {
+            let config = self.plugin_config(
+                &plugin,
+                &self.version(),
+                prev.as_ref(),
+                &attachment.capability_args,
+            );
+            let output = self.invoke(&plugin, "ADD", Some(attachment), &config);
+            if output.exit_code != 0 {
+                return Err(ChainError(output));
+            }
+            let result: Value = serde_json::from_str(&output.stdout).unwrap_or_else(|error| {
+                panic!(
+                    "{} ADD printed no JSON result ({error}): {output:?}",
+                    plugin["type"]
+                )
+            });
+            prev = Some(result);
+        }
+        let result = prev.unwrap_or(Value::Null);
+        self.cache.lock().expect("cache lock").insert(
+            (attachment.container_id.clone(), attachment.ifname.clone()),
+            (result.clone(), attachment.capability_args.clone()),
+        );
+        Ok(result)
+    }
+
+    pub fn del(&self, attachment: &Attachment) -> Result<(), ChainError> {
+        let cached = self
+            .cache
+            .lock()
+            .expect("cache lock")
+            .get(&(attachment.container_id.clone(), attachment.ifname.clone()))
+            .cloned();
+        let (prev, capability_args) = match cached {
+            Some((prev, args)) => (Some(prev), args),
+            None => (None, attachment.capability_args.clone()),
+        };
+        let mut first_error = None;
+        for plugin in self.plugins().iter().rev() {
+            let config =
+                self.plugin_config(plugin, &self.version(), prev.as_ref(), &capability_args);
+            let output = self.invoke(plugin, "DEL", Some(attachment), &config);
+            if output.exit_code != 0 && first_error.is_none() {
+                first_error = Some(ChainError(output));
+            }
+        }
+        if let Some(error) = first_error {
+            return Err(error);
+        }
+        self.cache
+            .lock()
+            .expect("cache lock")
+            .remove(&(attachment.container_id.clone(), attachment.ifname.clone()));
+        Ok(())
+    }
+
+    pub fn check(&self, attachment: &Attachment) -> Result<(), ChainError> {
+        let (prev, capability_args) = self
+            .cache
+            .lock()
+            .expect("cache lock")
+            .get(&(attachment.container_id.clone(), attachment.ifname.clone()))
+            .cloned()
+            .unwrap_or_else(|| panic!("CHECK of {} before its ADD", attachment.container_id));
+        for plugin in self.plugins() {
+            let config =
+                self.plugin_config(&plugin, &self.version(), Some(&prev), &capability_args);
+            let output = self.invoke(&plugin, "CHECK", Some(attachment), &config);
+            if output.exit_code != 0 {
+                return Err(ChainError(output));
+            }
+        }
+        Ok(())
+    }
+
+    /// GC with the given (containerID, ifname) list, sent to every plugin that supports 1.1.0.
+    pub fn gc(&self, valid: &[(&str, &str)]) -> Result<(), ChainError> {
+        let list: Vec<Value> = valid
+            .iter()
+            .map(|(container_id, ifname)| json!({ "containerID": container_id, "ifname": ifname }))
+            .collect();
+        for plugin in self.plugins() {
+            if !self.supports(&plugin, "1.1.0") {
+                continue;
+            }
+            let mut config = self.plugin_config(&plugin, "1.1.0", None, &Value::Null);
+            config["cni.dev/valid-attachments"] = Value::Array(list.clone());
+            let output = self.invoke(&plugin, "GC", None, &config);
+            if output.exit_code != 0 {
+                return Err(ChainError(output));
+            }
+        }
+        Ok(())
+    }
+
+    /// STATUS of every plugin that supports 1.1.0.
+    pub fn status(&self) -> Result<(), ChainError> {
+        for plugin in self.plugins() {
+            if !self.supports(&plugin, "1.1.0") {
+                continue;
+            }
+            let config = self.plugin_config(&plugin, "1.1.0", None, &Value::Null);
+            let output = self.invoke(&plugin, "STATUS", None, &config);
+            if output.exit_code != 0 {
+                return Err(ChainError(output));
+            }
+        }
+        Ok(())
+    }
+
+    fn supports(&self, plugin: &Value, version: &str) -> bool {
+        let output = self.invoke(plugin, "VERSION", None, &json!({ "cniVersion": version }));
+        serde_json::from_str::<Value>(&output.stdout)
+            .ok()
+            .and_then(|answer| answer.get("supportedVersions").cloned())
+            .and_then(|versions| versions.as_array().cloned())
+            .is_some_and(|versions| versions.iter().any(|v| v.as_str() == Some(version)))
+    }
+
+    /// Runs one plugin binary, found in CNI_PATH, inside the host namespace.
+    pub fn invoke(
+        &self,
+        plugin: &Value,
+        command: &str,
+        attachment: Option<&Attachment>,
+        config: &Value,
+    ) -> PluginOutput {
+        let plugin_type = plugin["type"]
+            .as_str()
+            .expect("plugin has a type")
+            .to_owned();
+        invoke_plugin(
+            &self.cni_path,
+            &self.host_netns,
+            &plugin_type,
+            command,
+            attachment,
+            &config.to_string(),
+        )
+    }
+}
+
+/// Runs the plugin `plugin_type` from `cni_path` in `host_netns` with raw stdin.
+pub fn invoke_plugin(
+    cni_path: &str,
+    host_netns: &Path,
+    plugin_type: &str,
+    command: &str,
+    attachment: Option<&Attachment>,
+    stdin: &str,
+) -> PluginOutput {
+    let binary = cni_path
+        .split(':')
+        .map(|dir| Path::new(dir).join(plugin_type))
+        .find(|path| path.exists())
+        .unwrap_or_else(|| panic!("plugin {plugin_type} not found in {cni_path}"));
+    let mut process = Command::new(&binary);
+    process
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("CNI_COMMAND", command)
+        .env("CNI_PATH", cni_path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(attachment) = attachment {
+        process
+            .env("CNI_CONTAINERID", &attachment.container_id)
+            .env("CNI_IFNAME", &attachment.ifname)
+            .env("CNI_NETNS", &attachment.netns);
+    }
+    enter_netns_on_exec(&mut process, host_netns);
+    run_with_stdin(
+        process,
+        &format!("{plugin_type} {command}"),
+        plugin_type,
+        command,
+        stdin,
+    )
+}
+
+/// Makes `process` start inside `netns` (network namespace only).
+pub fn enter_netns_on_exec(process: &mut Command, netns: &Path) {
+    let netns = std::fs::File::open(netns)
+        .unwrap_or_else(|error| panic!("open {}: {error}", netns.display()));
+    // SAFETY: between fork and exec the closure only calls setns(2), which is async-signal-safe,
+    // on a descriptor opened before the fork.
+    unsafe {
+        process.pre_exec(move || {
+            use std::os::fd::AsFd as _;
+            nix::sched::setns(netns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(std::io::Error::from)
+        });
+    }
+}
+
+pub fn run_with_stdin(
+    mut process: Command,
+    what: &str,
+    plugin: &str,
+    command: &str,
+    stdin: &str,
+) -> PluginOutput {
+    let mut child = process
+        .spawn()
+        .unwrap_or_else(|error| panic!("could not start {what}: {error}"));
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(stdin.as_bytes())
+        .unwrap_or_else(|error| panic!("could not write stdin of {what}: {error}"));
+    let output = child
+        .wait_with_output()
+        .unwrap_or_else(|error| panic!("could not wait for {what}: {error}"));
+    PluginOutput {
+        plugin: plugin.to_owned(),
+        command: command.to_owned(),
+        exit_code: output.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}

@@ -1,0 +1,16 @@
+//! The simulated host shared by every integration test and by `cargo xtask demo`.
+//!
+//! A "host" network namespace with an uplink veth to an "outside" namespace; containers are
+//! namespaces wired by Debian's reference `bridge` + `host-local` plugins with cnibpf chained
+//! after them, run by a chain executor with libcni's semantics. Nothing touches the machine's own
+//! network, every name is unique to its test, and everything is removed in `Drop`, also when a
+//! test panics.
+
+pub mod chain;
+pub mod netns;
+pub mod topology;
+pub mod traffic;
+
+pub use chain::{Chain, ChainError, PluginOutput};
+pub use netns::Netns;
+pub use topology::{Container, SimHost};

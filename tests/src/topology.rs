@@ -1,0 +1,284 @@
+//! The simulated host: "host" and "outside" namespaces joined by an uplink veth, containers
+//! wired into the host by the reference bridge + host-local plugins with cnibpf chained after.
+//!
+//! ```text
+//!   outside netns                     host netns                       container netns
+//!   eth0 203.0.113.2/24  <-veth->  up0 203.0.113.1/24   cni0 10.22.0.1/16 <-veth-> eth0 10.22.x.y
+//! ```
+
+use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    sync::Mutex,
+};
+
+use serde_json::{Value, json};
+
+use crate::{
+    Chain, ChainError, Netns,
+    chain::{self, Attachment},
+};
+
+pub const UPLINK: &str = "up0";
+pub const HOST_UPLINK_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+pub const OUTSIDE_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+pub const BRIDGE: &str = "cni0";
+pub const SUBNET: &str = "10.22.0.0/16";
+pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 22, 0, 1);
+
+/// The cnibpf binary under test: `CNIBPF_BIN`, or the workspace's debug build.
+pub fn cnibpf_binary() -> PathBuf {
+    let path = std::env::var_os("CNIBPF_BIN").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/cnibpf"),
+        PathBuf::from,
+    );
+    assert!(
+        path.exists(),
+        "cnibpf binary {} not found: build it first (cargo xtask test does)",
+        path.display()
+    );
+    path.canonicalize().expect("canonical cnibpf path")
+}
+
+/// CNI_PATH with the reference plugins and the cnibpf under test.
+pub fn cni_path() -> String {
+    let cnibpf = cnibpf_binary();
+    let dir = cnibpf.parent().expect("binary has a directory");
+    format!("/usr/lib/cni:{}", dir.display())
+}
+
+#[derive(Debug)]
+pub struct SimHost {
+    pub id: String,
+    pub host: Netns,
+    pub outside: Netns,
+    pub pin_path: PathBuf,
+    pub work_dir: PathBuf,
+    pub chain: Chain,
+    attached: Mutex<Vec<Attachment>>,
+}
+
+impl SimHost {
+    /// A simulated host whose conflist's cnibpf entry carries `cnibpf_keys` besides `type` and
+    /// `pinPath`. `id` must be unique among concurrently running tests; keep it short.
+    pub fn new(id: &str, cnibpf_keys: Value) -> Self {
+        Self::with_version(id, "1.0.0", cnibpf_keys)
+    }
+
+    pub fn with_version(id: &str, cni_version: &str, cnibpf_keys: Value) -> Self {
+        let host = Netns::create(&format!("cbt-{id}-host"));
+        let outside = Netns::create(&format!("cbt-{id}-out"));
+        let pin_path = PathBuf::from(format!("/sys/fs/bpf/cnibpf-test-{id}"));
+        let work_dir = std::env::temp_dir().join(format!("cnibpf-test-{id}"));
+        let _ = std::fs::remove_dir_all(&pin_path);
+        let _ = std::fs::remove_dir_all(&work_dir);
+        std::fs::create_dir_all(&work_dir).expect("work dir");
+
+        crate::netns::run_checked(std::process::Command::new("ip").args([
+            "link",
+            "add",
+            UPLINK,
+            "netns",
+            host.name(),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            outside.name(),
+        ]));
+        host.exec(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{HOST_UPLINK_ADDR}/24"),
+            "dev",
+            UPLINK,
+        ]);
+        host.exec(&["ip", "link", "set", UPLINK, "up"]);
+        host.exec(&[
+            "ip",
+            "route",
+            "add",
+            "default",
+            "via",
+            &OUTSIDE_ADDR.to_string(),
+        ]);
+        outside.exec(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{OUTSIDE_ADDR}/24"),
+            "dev",
+            "eth0",
+        ]);
+        outside.exec(&["ip", "link", "set", "eth0", "up"]);
+        host.sysctl("net.ipv4.ip_forward", "1");
+        // br_netfilter is built into this kernel and on in every new namespace: cnibpf must not
+        // depend on it, so the simulated host runs without it.
+        if Path::new("/proc/sys/net/bridge").exists() {
+            host.sysctl("net.bridge.bridge-nf-call-iptables", "0");
+            host.sysctl("net.bridge.bridge-nf-call-ip6tables", "0");
+        }
+
+        let mut cnibpf = json!({ "type": "cnibpf", "pinPath": pin_path, "capabilities": { "portMappings": true } });
+        if let (Some(entry), Some(extra)) = (cnibpf.as_object_mut(), cnibpf_keys.as_object()) {
+            for (key, value) in extra {
+                entry.insert(key.clone(), value.clone());
+            }
+        }
+        let conflist = json!({
+            "cniVersion": cni_version,
+            "name": format!("net-{id}"),
+            "plugins": [
+                {
+                    "type": "bridge", "bridge": BRIDGE, "isGateway": true, "ipMasq": false,
+                    "ipam": {
+                        "type": "host-local", "subnet": SUBNET, "dataDir": work_dir.join("ipam"),
+                        "routes": [{ "dst": "0.0.0.0/0" }]
+                    }
+                },
+                cnibpf
+            ]
+        });
+        let chain = Chain::new(conflist, &cni_path(), &host.path());
+        Self {
+            id: id.to_owned(),
+            host,
+            outside,
+            pin_path,
+            work_dir,
+            chain,
+            attached: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn network(&self) -> String {
+        format!("net-{}", self.id)
+    }
+
+    /// Creates a container namespace and runs the chain's ADD for it.
+    pub fn add_container(
+        &self,
+        name: &str,
+        capability_args: Value,
+    ) -> Result<Container, ChainError> {
+        let netns = Netns::create(&format!("cbt-{}-{name}", self.id));
+        let attachment = Attachment {
+            container_id: format!("{}-{name}", self.id),
+            ifname: "eth0".to_owned(),
+            netns: netns.path(),
+            capability_args,
+        };
+        let result = self.chain.add(&attachment)?;
+        self.attached
+            .lock()
+            .expect("attached lock")
+            .push(attachment.clone());
+        let address =
+            container_ipv4(&result).unwrap_or_else(|| panic!("no IPv4 address in result {result}"));
+        Ok(Container {
+            netns,
+            attachment,
+            result,
+            address,
+        })
+    }
+
+    /// [`Self::add_container`] that must succeed.
+    pub fn container(&self, name: &str, capability_args: Value) -> Container {
+        self.add_container(name, capability_args)
+            .unwrap_or_else(|error| panic!("ADD of {name} failed: {error}"))
+    }
+
+    pub fn del(&self, container: &Container) -> Result<(), ChainError> {
+        self.chain.del(&container.attachment)?;
+        self.attached
+            .lock()
+            .expect("attached lock")
+            .retain(|attachment| attachment.container_id != container.attachment.container_id);
+        Ok(())
+    }
+
+    pub fn check(&self, container: &Container) -> Result<(), ChainError> {
+        self.chain.check(&container.attachment)
+    }
+
+    /// Runs `cnibpf` with `args` in the host namespace (for `inspect`).
+    pub fn cnibpf(&self, args: &[&str]) -> std::process::Output {
+        let mut process = std::process::Command::new(cnibpf_binary());
+        process.args(args).env_remove("CNI_COMMAND");
+        chain::enter_netns_on_exec(&mut process, &self.host.path());
+        process.output().expect("run cnibpf")
+    }
+
+    /// Invokes cnibpf alone with the given command, environment and raw stdin.
+    pub fn invoke_cnibpf(
+        &self,
+        command: &str,
+        attachment: Option<&Attachment>,
+        stdin: &str,
+    ) -> crate::PluginOutput {
+        chain::invoke_plugin(
+            &cni_path(),
+            &self.host.path(),
+            "cnibpf",
+            command,
+            attachment,
+            stdin,
+        )
+    }
+
+    pub fn uplink_target(&self, port: u16) -> SocketAddr {
+        SocketAddr::new(IpAddr::V4(HOST_UPLINK_ADDR), port)
+    }
+}
+
+impl Drop for SimHost {
+    fn drop(&mut self) {
+        let attached = std::mem::take(
+            &mut *self
+                .attached
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner()),
+        );
+        for attachment in attached.iter().rev() {
+            let _ = self.chain.del(attachment);
+        }
+        let _ = std::fs::remove_dir_all(&self.pin_path);
+        let _ = std::fs::remove_dir_all(&self.work_dir);
+    }
+}
+
+#[derive(Debug)]
+pub struct Container {
+    pub netns: Netns,
+    pub attachment: Attachment,
+    pub result: Value,
+    pub address: Ipv4Addr,
+}
+
+impl Container {
+    pub fn socket(&self, port: u16) -> SocketAddr {
+        SocketAddr::new(IpAddr::V4(self.address), port)
+    }
+}
+
+fn container_ipv4(result: &Value) -> Option<Ipv4Addr> {
+    result["ips"].as_array()?.iter().find_map(|ip| {
+        let address = ip["address"].as_str()?;
+        address.split('/').next()?.parse().ok()
+    })
+}
+
+/// A port mapping capability argument.
+pub fn port_mappings(entries: &[(u16, u16, &str)]) -> Value {
+    let list: Vec<Value> = entries
+        .iter()
+        .map(|(host_port, container_port, protocol)| {
+            json!({ "hostPort": host_port, "containerPort": container_port, "protocol": protocol })
+        })
+        .collect();
+    json!({ "portMappings": list })
+}

@@ -1,0 +1,95 @@
+//! `cargo xtask demo`: a simulated host, one container wired by a conflist with cnibpf chained
+//! after bridge + host-local, and real traffic through its hostPort.
+
+use std::time::Instant;
+
+use anyhow::{Context as _, Result, bail, ensure};
+use cnibpf_tests::{
+    SimHost,
+    topology::{OUTSIDE_ADDR, port_mappings},
+    traffic::{TcpServer, tcp_request},
+};
+use serde_json::json;
+
+fn section(started: Instant, title: &str) {
+    println!(
+        "\n\x1b[1m[{:5.2}s] {title}\x1b[0m",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+pub fn run() -> Result<()> {
+    let started = Instant::now();
+    section(
+        started,
+        "simulated host: netns cbt-demo-host (uplink up0 203.0.113.1) <-> cbt-demo-out (203.0.113.2)",
+    );
+    let sim = SimHost::new("demo", json!({}));
+    println!("conflist:\n{:#}", sim.chain.conflist());
+
+    section(
+        started,
+        "ADD container \"web\" with portMappings [8080 -> 80/tcp]",
+    );
+    let web = sim
+        .add_container("web", port_mappings(&[(8080, 80, "tcp")]))
+        .map_err(|error| anyhow::anyhow!("ADD failed: {error}"))?;
+    println!(
+        "container address {}; result:\n{:#}",
+        web.address, web.result
+    );
+    let server = TcpServer::start(&web.netns, web.socket(80), "hello from the web container\n");
+
+    section(
+        started,
+        "outside client -> 203.0.113.1:8080 (the hostPort on the uplink)",
+    );
+    let answer = tcp_request(&sim.outside, sim.uplink_target(8080))
+        .map_err(|error| anyhow::anyhow!("request through the hostPort failed: {error}"))?;
+    print!("answer: {answer}");
+    let peers = server.peers();
+    println!("the container saw the connection from {peers:?}");
+    ensure!(
+        peers
+            .iter()
+            .any(|peer| peer.ip() == std::net::IpAddr::V4(OUTSIDE_ADDR)),
+        "the container should see the client's own address"
+    );
+
+    section(started, "installed state: cnibpf inspect");
+    let pin_path = sim.pin_path.display().to_string();
+    print!(
+        "{}",
+        String::from_utf8_lossy(&sim.cnibpf(&["inspect", "--pin-path", &pin_path]).stdout)
+    );
+    section(
+        started,
+        &format!("installed state: bpftool map dump pinned {pin_path}/portmap"),
+    );
+    let dump = std::process::Command::new("bpftool")
+        .args(["map", "dump", "pinned", &format!("{pin_path}/portmap")])
+        .output()
+        .context("run bpftool")?;
+    print!("{}", String::from_utf8_lossy(&dump.stdout));
+
+    section(started, "CHECK");
+    sim.check(&web)
+        .map_err(|error| anyhow::anyhow!("CHECK failed: {error}"))?;
+    println!("CHECK passed");
+
+    section(started, "DEL container \"web\", then the same request");
+    sim.del(&web)
+        .map_err(|error| anyhow::anyhow!("DEL failed: {error}"))?;
+    match tcp_request(&sim.outside, sim.uplink_target(8080)) {
+        Ok(answer) => bail!("the hostPort still answers after DEL: {answer}"),
+        Err(error) => println!("refused as expected: {error}"),
+    }
+    drop(server);
+    drop(web);
+    drop(sim);
+    section(
+        started,
+        "torn down: namespaces, pins and IPAM state removed",
+    );
+    Ok(())
+}

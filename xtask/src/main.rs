@@ -1,0 +1,175 @@
+//! Developer and CI commands: `cargo xtask <command>`. Run through `./dev`, which first installs
+//! what is missing (scripts/bootstrap.sh).
+
+mod demo;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::Instant,
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(about = "cnibpf developer commands")]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Debug, Subcommand)]
+enum Task {
+    /// Build the eBPF object (with BTF) that the cnibpf binary embeds.
+    BuildEbpf,
+    /// Build the eBPF object and the cnibpf binary.
+    Build,
+    /// cargo fmt --check and clippy -D warnings, userspace and eBPF.
+    Lint,
+    /// Everything CI checks: build, lint, unit and integration tests.
+    Test {
+        /// Arguments passed on to `cargo test` after `--` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true)]
+        filter: Vec<String>,
+    },
+    /// Wire a container in a simulated host with cnibpf and show it working.
+    Demo,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Task::BuildEbpf => build_ebpf(),
+        Task::Build => build(),
+        Task::Lint => lint(),
+        Task::Test { filter } => test(&filter),
+        Task::Demo => {
+            build()?;
+            demo::run()
+        }
+    }
+}
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_owned()
+}
+
+/// The toolchain channel a `rust-toolchain.toml` names.
+fn toolchain_channel(file: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(file).with_context(|| format!("read {}", file.display()))?;
+    text.lines()
+        .find_map(|line| {
+            let value = line
+                .trim()
+                .strip_prefix("channel")?
+                .trim()
+                .strip_prefix('=')?;
+            Some(value.trim().trim_matches('"').to_owned())
+        })
+        .with_context(|| format!("no channel in {}", file.display()))
+}
+
+/// A cargo command for the eBPF crate: run from its directory so that its rust-toolchain.toml
+/// (the nightly) and .cargo/config.toml (bpf target, build-std, BTF) apply, with the bpf-linker
+/// that scripts/bootstrap.sh built for that nightly first on PATH.
+fn ebpf_cargo(args: &[&str]) -> Result<Command> {
+    let root = workspace_root();
+    let ebpf_dir = root.join("cnibpf-ebpf");
+    let channel = toolchain_channel(&ebpf_dir.join("rust-toolchain.toml"))?;
+    let tools = std::env::var_os("CNIBPF_TOOLS_DIR")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|home| PathBuf::from(home).join(".local/share/cnibpf-tools"))
+        })
+        .context("neither CNIBPF_TOOLS_DIR nor HOME is set")?
+        .join(&channel)
+        .join("bin");
+    if !tools.join("bpf-linker").exists() {
+        bail!(
+            "bpf-linker is missing in {}: run scripts/bootstrap.sh (./dev does)",
+            tools.display()
+        );
+    }
+    let path = std::env::join_paths(std::iter::once(tools).chain(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    )))?;
+    let mut command = Command::new("cargo");
+    command
+        .current_dir(&ebpf_dir)
+        .env("PATH", path)
+        // The userspace toolchain's cargo sets these for xtask; the nightly must pick its own.
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("CARGO")
+        .env_remove("RUSTC")
+        .env_remove("RUSTDOC")
+        .args(args);
+    Ok(command)
+}
+
+fn run(mut command: Command, what: &str) -> Result<()> {
+    let started = Instant::now();
+    eprintln!("\x1b[1m==> {what}\x1b[0m");
+    let status = command
+        .status()
+        .with_context(|| format!("could not start: {what}"))?;
+    if !status.success() {
+        bail!("{what} failed ({status})");
+    }
+    eprintln!(
+        "\x1b[1m<== {what}: {:.1}s\x1b[0m",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn build_ebpf() -> Result<()> {
+    run(ebpf_cargo(&["build", "--release"])?, "build eBPF object")?;
+    let object = workspace_root().join("target/bpfel-unknown-none/release/cnibpf");
+    eprintln!(
+        "    {} ({} bytes)",
+        object.display(),
+        std::fs::metadata(&object)?.len()
+    );
+    Ok(())
+}
+
+fn cargo(args: &[&str]) -> Command {
+    let mut command = Command::new("cargo");
+    command.current_dir(workspace_root()).args(args);
+    command
+}
+
+fn build() -> Result<()> {
+    build_ebpf()?;
+    run(cargo(&["build", "--package", "cnibpf"]), "build cnibpf")
+}
+
+fn lint() -> Result<()> {
+    run(cargo(&["fmt", "--all", "--check"]), "rustfmt (all crates)")?;
+    run(
+        cargo(&["clippy", "--all-targets", "--", "-D", "warnings"]),
+        "clippy (userspace)",
+    )?;
+    run(
+        ebpf_cargo(&["clippy", "--release", "--", "-D", "warnings"])?,
+        "clippy (eBPF)",
+    )
+}
+
+fn test(filter: &[String]) -> Result<()> {
+    let started = Instant::now();
+    build()?;
+    lint()?;
+    let mut command = cargo(&["test", "--workspace", "--exclude", "cnibpf-ebpf", "--"]);
+    command.args(filter);
+    run(command, "unit and integration tests")?;
+    eprintln!(
+        "\x1b[1mall checks passed in {:.1}s\x1b[0m",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
