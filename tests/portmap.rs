@@ -1,11 +1,28 @@
-//! The first datapath slice: IPv4 TCP/UDP port mapping through the uplink, with real traffic.
+//! The first datapath slice: IPv4 port mapping on the eBPF backend, with real traffic from the
+//! outside namespace through the uplink.
+
+use std::net::{IpAddr, SocketAddr};
 
 use cnibpf_tests::{
     SimHost,
-    topology::{OUTSIDE_ADDR, port_mappings},
+    topology::{HOST_UPLINK_ADDR, OUTSIDE_ADDR, UPLINK, port_mappings},
     traffic::{TcpServer, UdpServer, tcp_request, udp_request},
 };
 use serde_json::json;
+
+fn expect_answer(sim: &SimHost, port: u16, expected: &str) {
+    let answer = tcp_request(&sim.outside, sim.uplink_target(port))
+        .unwrap_or_else(|error| panic!("request to hostPort {port} failed: {error}"));
+    assert_eq!(answer, expected, "answer through hostPort {port}");
+}
+
+fn expect_refused(sim: &SimHost, port: u16) {
+    let outcome = tcp_request(&sim.outside, sim.uplink_target(port));
+    assert!(
+        outcome.is_err(),
+        "hostPort {port} must be closed, got {outcome:?}"
+    );
+}
 
 #[test]
 fn outside_client_reaches_container_through_host_port() {
@@ -13,22 +30,311 @@ fn outside_client_reaches_container_through_host_port() {
     let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
     let server = TcpServer::start(&c1.netns, c1.socket(80), "hello from c1");
 
-    let answer = tcp_request(&sim.outside, sim.uplink_target(8080))
-        .unwrap_or_else(|error| panic!("request through hostPort 8080 failed: {error}"));
-    assert_eq!(answer, "hello from c1");
+    expect_answer(&sim, 8080, "hello from c1");
     let peers = server.peers();
     assert_eq!(peers.len(), 1, "the container saw {peers:?}");
     assert_eq!(
         peers[0].ip(),
-        std::net::IpAddr::V4(OUTSIDE_ADDR),
-        "the container must see the client's real address"
+        IpAddr::V4(OUTSIDE_ADDR),
+        "the container must see the client's own address"
+    );
+
+    let host_if = sim.host_interface(&c1);
+    assert_eq!(
+        sim.tcx_programs(&host_if),
+        ["from_container", "to_container"]
+    );
+    assert_eq!(
+        sim.tcx_programs(UPLINK),
+        ["uplink_egress", "uplink_ingress"]
     );
 
     sim.del(&c1)
         .unwrap_or_else(|error| panic!("DEL failed: {error}"));
-    let refused = tcp_request(&sim.outside, sim.uplink_target(8080));
+    expect_refused(&sim, 8080);
     assert!(
-        refused.is_err(),
-        "after DEL the hostPort must be closed, got {refused:?}"
+        sim.tcx_programs(UPLINK).is_empty(),
+        "the last DEL detaches the uplink programs"
     );
+    assert!(
+        !sim.pin_path.exists(),
+        "the last DEL removes the pinned state"
+    );
+}
+
+#[test]
+fn udp_replies_come_from_the_host_port() {
+    let sim = SimHost::new("pm-udp", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(5353, 53, "udp")]));
+    let server = UdpServer::start(&c1.netns, c1.socket(53), "dns from c1");
+
+    let (answer, from) = udp_request(&sim.outside, sim.uplink_target(5353))
+        .unwrap_or_else(|error| panic!("UDP request to hostPort 5353 failed: {error}"));
+    assert_eq!(answer, "dns from c1");
+    assert_eq!(
+        from,
+        sim.uplink_target(5353),
+        "the reply must come from the hostPort the client used"
+    );
+    assert_eq!(server.peers()[0].ip(), IpAddr::V4(OUTSIDE_ADDR));
+}
+
+#[test]
+fn second_add_reuses_pinned_programs() {
+    let sim = SimHost::new("pm-reuse", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let program_id = |name: &str| {
+        let output = std::process::Command::new("bpftool")
+            .args(["-j", "prog", "show", "pinned"])
+            .arg(sim.pin_path.join("programs").join(name))
+            .output()
+            .expect("run bpftool");
+        let info: serde_json::Value = serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("bpftool prog show {name}: {error}: {output:?}"));
+        info["id"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no id for {name}: {info}"))
+    };
+    let before: Vec<u64> = ["uplink_ingress", "from_container"]
+        .iter()
+        .map(|name| program_id(name))
+        .collect();
+
+    let c2 = sim.container("c2", port_mappings(&[(8081, 80, "tcp")]));
+    let after: Vec<u64> = ["uplink_ingress", "from_container"]
+        .iter()
+        .map(|name| program_id(name))
+        .collect();
+    assert_eq!(
+        before, after,
+        "the second ADD must reuse the pinned programs, not load new ones"
+    );
+    assert_eq!(
+        sim.tcx_programs(&sim.host_interface(&c2)),
+        ["from_container", "to_container"]
+    );
+    assert_eq!(
+        sim.tcx_programs(UPLINK),
+        ["uplink_egress", "uplink_ingress"],
+        "the uplink is hooked once"
+    );
+
+    let _s1 = TcpServer::start(&c1.netns, c1.socket(80), "c1");
+    let _s2 = TcpServer::start(&c2.netns, c2.socket(80), "c2");
+    expect_answer(&sim, 8080, "c1");
+    expect_answer(&sim, 8081, "c2");
+
+    sim.del(&c1)
+        .unwrap_or_else(|error| panic!("DEL c1 failed: {error}"));
+    expect_refused(&sim, 8080);
+    expect_answer(&sim, 8081, "c2");
+    assert_eq!(
+        sim.tcx_programs(UPLINK),
+        ["uplink_egress", "uplink_ingress"],
+        "c2 still needs the uplink"
+    );
+}
+
+#[test]
+fn repeated_add_replaces_the_attachments_own_mappings() {
+    let sim = SimHost::new("pm-readd", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let _server = TcpServer::start(&c1.netns, c1.socket(80), "c1");
+    expect_answer(&sim, 8080, "c1");
+
+    let mut again = c1.attachment.clone();
+    again.capability_args = port_mappings(&[(9090, 80, "tcp")]);
+    sim.chain
+        .add_again(&again, "cnibpf")
+        .unwrap_or_else(|error| panic!("second ADD failed: {error}"));
+    expect_refused(&sim, 8080);
+    expect_answer(&sim, 9090, "c1");
+    assert_eq!(
+        sim.installed_host_ports(),
+        [(c1.attachment.container_id.clone(), 9090)]
+    );
+
+    // The very same ADD once more changes nothing.
+    sim.chain
+        .add_again(&again, "cnibpf")
+        .unwrap_or_else(|error| panic!("third ADD failed: {error}"));
+    expect_answer(&sim, 9090, "c1");
+    sim.check(&c1)
+        .unwrap_or_else(|error| panic!("CHECK after re-ADD failed: {error}"));
+}
+
+#[test]
+fn host_port_held_by_another_attachment_is_refused_with_100() {
+    let sim = SimHost::new("pm-conflict", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let _server = TcpServer::start(&c1.netns, c1.socket(80), "c1");
+
+    let error = sim
+        .add_container("c2", port_mappings(&[(8080, 80, "tcp")]))
+        .expect_err("a second holder of tcp/8080 must be refused");
+    assert_eq!(error.0.plugin, "cnibpf");
+    assert_eq!(error.0.error_code(), Some(100), "{error}");
+    let msg = error.0.error_msg();
+    assert!(
+        msg.contains("hostPort 8080/tcp")
+            && msg.contains(&c1.attachment.container_id)
+            && msg.contains("eth0")
+            && msg.contains(&sim.network()),
+        "the message must name the port and the holder: {msg}"
+    );
+    // Nothing of c2 was installed, c1 still works.
+    assert_eq!(
+        sim.installed_host_ports(),
+        [(c1.attachment.container_id.clone(), 8080)]
+    );
+    assert_eq!(
+        sim.inspect()["attachments"].as_array().map(Vec::len),
+        Some(1)
+    );
+    expect_answer(&sim, 8080, "c1");
+
+    // A wildcard overlaps a specific hostIP, and another protocol does not conflict.
+    let specific = json!({ "portMappings": [{ "hostPort": 8080, "containerPort": 80, "hostIP": HOST_UPLINK_ADDR.to_string() }] });
+    let error = sim
+        .add_container("c3", specific)
+        .expect_err("a specific hostIP under a wildcard must be refused");
+    assert_eq!(error.0.error_code(), Some(100), "{error}");
+    sim.container("c4", port_mappings(&[(8080, 80, "udp")]));
+}
+
+#[test]
+fn host_ip_restricts_the_mapping_to_that_address() {
+    let sim = SimHost::new("pm-hostip", json!({}));
+    sim.host
+        .exec(&["ip", "addr", "add", "198.51.100.1/24", "dev", UPLINK]);
+    sim.outside
+        .exec(&["ip", "addr", "add", "198.51.100.2/24", "dev", "eth0"]);
+    let mapping = json!({ "portMappings": [{ "hostPort": 8080, "containerPort": 80, "protocol": "TCP", "hostIP": "198.51.100.1" }] });
+    let c1 = sim.container("c1", mapping);
+    let _server = TcpServer::start(&c1.netns, c1.socket(80), "c1");
+
+    let answer = tcp_request(&sim.outside, "198.51.100.1:8080".parse().expect("literal"));
+    assert_eq!(answer.as_deref(), Ok("c1"));
+    expect_refused(&sim, 8080);
+}
+
+#[test]
+fn traffic_routed_through_the_host_is_not_captured_by_a_wildcard_host_port() {
+    let sim = SimHost::new("pm-routed", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let _server = TcpServer::start(&c1.netns, c1.socket(80), "c1");
+    sim.outside.exec(&[
+        "ip",
+        "route",
+        "add",
+        "10.22.0.0/16",
+        "via",
+        &HOST_UPLINK_ADDR.to_string(),
+    ]);
+
+    // Straight to the container's own port 80 works (plain routing)...
+    let direct = tcp_request(&sim.outside, c1.socket(80));
+    assert_eq!(direct.as_deref(), Ok("c1"));
+    // ...but port 8080 of the container address is not the host's hostPort: nothing listens.
+    let routed = tcp_request(&sim.outside, SocketAddr::new(IpAddr::V4(c1.address), 8080));
+    assert!(
+        routed.is_err(),
+        "a packet for {}:8080 was translated as if it were for the host: {routed:?}",
+        c1.address
+    );
+}
+
+#[test]
+fn check_detects_missing_state_and_re_add_repairs_it() {
+    let sim = SimHost::new("pm-check", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let _server = TcpServer::start(&c1.netns, c1.socket(80), "c1");
+    sim.check(&c1)
+        .unwrap_or_else(|error| panic!("CHECK of a fresh ADD failed: {error}"));
+
+    // A detached endpoint program.
+    let links = sim.pin_path.join("links");
+    let endpoint_link = std::fs::read_dir(&links)
+        .expect("links dir")
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .find(|path| {
+            path.to_string_lossy().ends_with("-ingress")
+                && path.to_string_lossy().contains("endpoint-")
+        })
+        .expect("an endpoint ingress link");
+    std::fs::remove_file(&endpoint_link).expect("remove link pin");
+    let error = sim
+        .check(&c1)
+        .expect_err("CHECK must notice the detached program");
+    assert_eq!(error.0.error_code(), Some(105), "{error}");
+    assert!(error.0.error_msg().contains("from_container"), "{error}");
+
+    // Everything pinned gone: the hostPort stops working and CHECK fails.
+    std::fs::remove_dir_all(&sim.pin_path).expect("remove pins");
+    expect_refused(&sim, 8080);
+    let error = sim
+        .check(&c1)
+        .expect_err("CHECK must notice the missing state");
+    assert_eq!(error.0.error_code(), Some(105), "{error}");
+
+    // The runtime's answer to a failed CHECK: ADD again.
+    sim.chain
+        .add_again(&c1.attachment, "cnibpf")
+        .unwrap_or_else(|error| panic!("repairing ADD failed: {error}"));
+    sim.check(&c1)
+        .unwrap_or_else(|error| panic!("CHECK after repair failed: {error}"));
+    expect_answer(&sim, 8080, "c1");
+}
+
+#[test]
+fn gc_removes_only_attachments_missing_from_the_valid_list() {
+    let sim = SimHost::new("pm-gc", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let c2 = sim.container("c2", port_mappings(&[(8081, 80, "tcp")]));
+    let _s1 = TcpServer::start(&c1.netns, c1.socket(80), "c1");
+    let _s2 = TcpServer::start(&c2.netns, c2.socket(80), "c2");
+
+    sim.chain
+        .gc(&[(&c1.attachment.container_id, "eth0")])
+        .unwrap_or_else(|error| panic!("GC failed: {error}"));
+    expect_answer(&sim, 8080, "c1");
+    expect_refused(&sim, 8081);
+    assert_eq!(
+        sim.installed_host_ports(),
+        [(c1.attachment.container_id.clone(), 8080)]
+    );
+    assert!(
+        sim.tcx_programs(&sim.host_interface(&c2)).is_empty(),
+        "GC detaches c2's programs"
+    );
+}
+
+#[test]
+fn del_is_idempotent_and_tolerates_missing_pieces() {
+    let sim = SimHost::new("pm-del", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let c2 = sim.container("c2", port_mappings(&[(8081, 80, "tcp")]));
+    sim.del(&c1)
+        .unwrap_or_else(|error| panic!("first DEL failed: {error}"));
+    sim.del(&c1)
+        .unwrap_or_else(|error| panic!("second DEL failed: {error}"));
+
+    // DEL after the container's namespace is gone.
+    let c2_attachment = c2.attachment.clone();
+    drop(c2);
+    sim.chain
+        .del(&c2_attachment)
+        .unwrap_or_else(|error| panic!("DEL without netns failed: {error}"));
+    assert!(
+        !sim.pin_path.exists(),
+        "no attachment left, no pinned state left"
+    );
+
+    // DEL of something never added, with nothing pinned at all.
+    let mut stranger = c2_attachment;
+    stranger.container_id = "never-added".to_owned();
+    sim.chain
+        .del(&stranger)
+        .unwrap_or_else(|error| panic!("DEL of an unknown attachment failed: {error}"));
 }

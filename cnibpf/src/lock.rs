@@ -13,8 +13,17 @@ use std::{
 
 use nix::fcntl::{Flock, FlockArg};
 
-/// How long an invocation waits for the lock before answering "try again" (code 11).
-pub const LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an invocation waits for the lock before answering "try again" (code 11), unless
+/// `CNIBPF_LOCK_TIMEOUT_MS` says otherwise (runtimes with tighter deadlines of their own).
+const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+pub const LOCK_TIMEOUT_ENV: &str = "CNIBPF_LOCK_TIMEOUT_MS";
+
+pub fn lock_timeout() -> Duration {
+    std::env::var(LOCK_TIMEOUT_ENV)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .map_or(DEFAULT_LOCK_TIMEOUT, Duration::from_millis)
+}
 const POLL_INTERVAL: Duration = Duration::from_millis(2);
 
 #[derive(Debug, thiserror::Error)]

@@ -165,6 +165,52 @@ impl Chain {
         Ok(result)
     }
 
+    /// ADD of one plugin of the chain again, for an attachment already added, with the cached
+    /// result as `prevResult` and `attachment`'s capability arguments: how a runtime repeats an
+    /// ADD for a plugin that supports it (the reference bridge does not).
+    pub fn add_again(
+        &self,
+        attachment: &Attachment,
+        plugin_type: &str,
+    ) -> Result<Value, ChainError> {
+        let key = (attachment.container_id.clone(), attachment.ifname.clone());
+        let (prev, _) = self
+            .cache
+            .lock()
+            .expect("cache lock")
+            .get(&key)
+            .cloned()
+            .unwrap_or_else(|| {
+                panic!(
+                    "ADD again of {} before its first ADD",
+                    attachment.container_id
+                )
+            });
+        let plugin = self
+            .plugins()
+            .into_iter()
+            .find(|plugin| plugin["type"] == plugin_type)
+            .unwrap_or_else(|| panic!("no plugin {plugin_type} in the chain"));
+        let config = self.plugin_config(
+            &plugin,
+            &self.version(),
+            Some(&prev),
+            &attachment.capability_args,
+        );
+        let output = self.invoke(&plugin, "ADD", Some(attachment), &config);
+        if output.exit_code != 0 {
+            return Err(ChainError(output));
+        }
+        let result: Value = serde_json::from_str(&output.stdout).unwrap_or_else(|error| {
+            panic!("{plugin_type} ADD printed no JSON result ({error}): {output:?}")
+        });
+        self.cache
+            .lock()
+            .expect("cache lock")
+            .insert(key, (result.clone(), attachment.capability_args.clone()));
+        Ok(result)
+    }
+
     pub fn del(&self, attachment: &Attachment) -> Result<(), ChainError> {
         let cached = self
             .cache
@@ -290,6 +336,19 @@ pub fn invoke_plugin(
     attachment: Option<&Attachment>,
     stdin: &str,
 ) -> PluginOutput {
+    let process = plugin_command(cni_path, host_netns, plugin_type, command, attachment);
+    run_with_stdin(process, plugin_type, command, stdin)
+}
+
+/// The process of one plugin invocation, with the CNI environment and nothing else of ours,
+/// for callers that add or remove variables before running it.
+pub fn plugin_command(
+    cni_path: &str,
+    host_netns: &Path,
+    plugin_type: &str,
+    command: &str,
+    attachment: Option<&Attachment>,
+) -> Command {
     let binary = cni_path
         .split(':')
         .map(|dir| Path::new(dir).join(plugin_type))
@@ -311,13 +370,7 @@ pub fn invoke_plugin(
             .env("CNI_NETNS", &attachment.netns);
     }
     enter_netns_on_exec(&mut process, host_netns);
-    run_with_stdin(
-        process,
-        &format!("{plugin_type} {command}"),
-        plugin_type,
-        command,
-        stdin,
-    )
+    process
 }
 
 /// Makes `process` start inside `netns` (network namespace only).
@@ -337,11 +390,11 @@ pub fn enter_netns_on_exec(process: &mut Command, netns: &Path) {
 
 pub fn run_with_stdin(
     mut process: Command,
-    what: &str,
     plugin: &str,
     command: &str,
     stdin: &str,
 ) -> PluginOutput {
+    let what = format!("{plugin} {command}");
     let mut child = process
         .spawn()
         .unwrap_or_else(|error| panic!("could not start {what}: {error}"));

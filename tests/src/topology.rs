@@ -282,3 +282,76 @@ pub fn port_mappings(entries: &[(u16, u16, &str)]) -> Value {
         .collect();
     json!({ "portMappings": list })
 }
+
+impl SimHost {
+    /// Names of the programs attached with tcx to `ifname` in the host namespace (ingress and
+    /// egress), asked of the kernel directly.
+    pub fn tcx_programs(&self, ifname: &str) -> Vec<String> {
+        let ifname = std::ffi::CString::new(ifname).expect("interface name");
+        self.host.run(move || {
+            use aya::programs::{SchedClassifier, TcAttachType};
+            let mut names = Vec::new();
+            for attach_type in [TcAttachType::Ingress, TcAttachType::Egress] {
+                let (_, programs) = SchedClassifier::query_tcx(ifname.as_c_str(), attach_type)
+                    .unwrap_or_else(|error| panic!("query tcx of {ifname:?}: {error}"));
+                names.extend(
+                    programs
+                        .iter()
+                        .map(|info| info.name_as_str().unwrap_or("?").to_owned()),
+                );
+            }
+            names.sort();
+            names
+        })
+    }
+
+    /// The host-side interface of a container, from its ADD result.
+    pub fn host_interface(&self, container: &Container) -> String {
+        container.result["interfaces"]
+            .as_array()
+            .and_then(|interfaces| {
+                interfaces.iter().find_map(|interface| {
+                    let name = interface["name"].as_str()?;
+                    (interface.get("sandbox").is_none() && name != BRIDGE).then(|| name.to_owned())
+                })
+            })
+            .unwrap_or_else(|| panic!("no host interface in {}", container.result))
+    }
+
+    /// The lock file cnibpf uses for this host's pinPath (the format `paths.rs` documents).
+    pub fn lock_file(&self) -> PathBuf {
+        let name: String = self
+            .pin_path
+            .to_string_lossy()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        PathBuf::from(format!("/run/cnibpf/{name}.lock"))
+    }
+
+    /// `cnibpf inspect --json` of this host's pinPath.
+    pub fn inspect(&self) -> Value {
+        let pin_path = self.pin_path.display().to_string();
+        let output = self.cnibpf(&["inspect", "--json", "--pin-path", &pin_path]);
+        assert!(output.status.success(), "inspect failed: {output:?}");
+        serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("inspect printed no JSON ({error}): {output:?}"))
+    }
+
+    /// (containerID, hostPort) of every port mapping `cnibpf inspect` lists.
+    pub fn installed_host_ports(&self) -> Vec<(String, u64)> {
+        let inspect = self.inspect();
+        let mut ports = Vec::new();
+        for attachment in inspect["attachments"].as_array().into_iter().flatten() {
+            let id = attachment["containerID"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            for mapping in attachment["portMappings"].as_array().into_iter().flatten() {
+                ports.push((id.clone(), mapping["hostPort"].as_u64().unwrap_or_default()));
+            }
+        }
+        ports.sort();
+        ports
+    }
+}

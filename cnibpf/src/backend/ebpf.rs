@@ -291,12 +291,7 @@ impl Backend for EbpfBackend {
         for pin in self.endpoint_link_pins(owner) {
             remove_pin(&pin)?;
         }
-        match self.owners.remove(&owner) {
-            Ok(()) | Err(MapError::KeyNotFound) => {}
-            Err(error) => {
-                return Err(map_error("could not remove the attachment from map owners")(error));
-            }
-        }
+        remove_entry(&mut self.owners, &owner, owner::MAP_NAME)?;
         self.teardown_shared_if_unused()
     }
 
@@ -346,7 +341,7 @@ impl Backend for EbpfBackend {
         }
         for key in self.owned_portmap_keys(owner)? {
             if !wanted.contains(&key) {
-                remove_entry(&mut self.portmap, &key, "portmap")?;
+                remove_entry(&mut self.portmap, &key, portmap::MAP_NAME)?;
             }
         }
         Ok(())
@@ -354,7 +349,7 @@ impl Backend for EbpfBackend {
 
     fn teardown_port_mappings(&mut self, owner: u64) -> Result<(), BackendError> {
         for key in self.owned_portmap_keys(owner)? {
-            remove_entry(&mut self.portmap, &key, "portmap")?;
+            remove_entry(&mut self.portmap, &key, portmap::MAP_NAME)?;
         }
         let mut flows = Vec::new();
         for entry in self.nat_flows.iter() {
@@ -364,7 +359,7 @@ impl Backend for EbpfBackend {
             }
         }
         for key in flows {
-            remove_entry(&mut self.nat_flows, &key, "nat_flows")?;
+            remove_entry(&mut self.nat_flows, &key, nat_flow::MAP_NAME)?;
         }
         Ok(())
     }
@@ -515,6 +510,10 @@ fn remove_entry<K: aya::Pod, V: aya::Pod>(
 ) -> Result<(), BackendError> {
     match map.remove(key) {
         Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+        // Gone already (another DEL, an LRU eviction): what this removal wanted.
+        Err(MapError::SyscallError(error)) if error.io_error.kind() == io::ErrorKind::NotFound => {
+            Ok(())
+        }
         Err(source) => Err(BackendError::Map {
             action: format!("could not delete from map {name}"),
             source: Box::new(source),

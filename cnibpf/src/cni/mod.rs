@@ -15,7 +15,7 @@ use crate::{
     backend::{self, Backend, BackendError, Endpoint},
     config::{ConfigError, NetConf, SUPPORTED_VERSIONS, ifname_problem},
     error::Error,
-    lock::{InstanceLock, LOCK_TIMEOUT},
+    lock::{InstanceLock, lock_timeout},
     netlink::{self, Link},
     paths::PinLayout,
 };
@@ -254,7 +254,7 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     conf.reject_unimplemented()?;
     let plan = plan(env, &conf, &prev_result)?;
     let pins = PinLayout::new(&conf.plugin.pin_path);
-    let _lock = InstanceLock::acquire(&pins.lock_file(), LOCK_TIMEOUT)?;
+    let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     let mut backend = backend::select(conf.plugin.backend, &pins)?;
     let owner = plan.attachment.owner_id();
     ensure_host_ports_free(backend.as_ref(), owner, &plan.mappings)?;
@@ -348,7 +348,7 @@ impl CleanupConf {
 fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let conf = CleanupConf::parse(stdin)?;
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
-    let _lock = InstanceLock::acquire(&conf.pins.lock_file(), LOCK_TIMEOUT)?;
+    let _lock = InstanceLock::acquire(&conf.pins.lock_file(), lock_timeout())?;
     for mut backend in backend::existing(&conf.pins)? {
         remove_attachment(backend.as_mut(), attachment.owner_id())?;
     }
@@ -401,7 +401,7 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
         .map(|entry| (entry.container_id.clone(), entry.ifname.clone()))
         .collect();
     let pins = PinLayout::new(&conf.plugin.pin_path);
-    let _lock = InstanceLock::acquire(&pins.lock_file(), LOCK_TIMEOUT)?;
+    let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     for mut backend in backend::existing(&pins)? {
         let stale: Vec<u64> = backend
             .attachments()?
