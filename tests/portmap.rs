@@ -338,3 +338,50 @@ fn del_is_idempotent_and_tolerates_missing_pieces() {
         .del(&stranger)
         .unwrap_or_else(|error| panic!("DEL of an unknown attachment failed: {error}"));
 }
+
+#[test]
+fn parallel_adds_and_dels_lose_no_update() {
+    let sim = SimHost::new("pm-parallel", json!({}));
+    let containers: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..6u16)
+            .map(|n| {
+                let sim = &sim;
+                scope.spawn(move || {
+                    sim.container(&format!("c{n}"), port_mappings(&[(8000 + n, 80, "tcp")]))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().expect("ADD thread"))
+            .collect()
+    });
+    let servers: Vec<_> = containers
+        .iter()
+        .map(|c| TcpServer::start(&c.netns, c.socket(80), &c.attachment.container_id))
+        .collect();
+    assert_eq!(
+        sim.installed_host_ports().len(),
+        6,
+        "every parallel ADD's mapping is installed"
+    );
+    for (n, container) in (0..6u16).zip(&containers) {
+        expect_answer(&sim, 8000 + n, &container.attachment.container_id);
+    }
+    drop(servers);
+
+    std::thread::scope(|scope| {
+        for container in &containers {
+            let sim = &sim;
+            scope.spawn(move || {
+                sim.del(container)
+                    .unwrap_or_else(|error| panic!("DEL: {error}"))
+            });
+        }
+    });
+    assert!(
+        !sim.pin_path.exists(),
+        "the last of the parallel DELs removed the shared state"
+    );
+    assert!(sim.tcx_programs(UPLINK).is_empty());
+}

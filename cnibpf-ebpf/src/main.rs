@@ -4,6 +4,10 @@
 //! path gets.
 #![no_std]
 #![no_main]
+#![expect(
+    clippy::not_unsafe_ptr_arg_deref,
+    reason = "aya-ebpf's #[classifier] generates the extern entry point that takes the kernel's raw context pointer"
+)]
 
 mod maps;
 mod packet;
@@ -30,14 +34,14 @@ pub fn uplink_egress(ctx: TcContext) -> i32 {
 /// every packet continues to the host stack unchanged.
 #[classifier]
 pub fn from_container(_ctx: TcContext) -> i32 {
-    TC_ACT_OK as i32
+    TC_ACT_OK
 }
 
 /// Container host-side interface, TC egress: packets towards the container. The attachment point
 /// for ingress filtering; until that slice lands every packet is delivered unchanged.
 #[classifier]
 pub fn to_container(_ctx: TcContext) -> i32 {
-    TC_ACT_OK as i32
+    TC_ACT_OK
 }
 
 #[cfg(not(test))]

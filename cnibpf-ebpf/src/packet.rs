@@ -29,8 +29,8 @@ pub enum DatapathError {
 impl DatapathError {
     pub fn verdict(self) -> i32 {
         match self {
-            Self::Truncated => TC_ACT_OK as i32,
-            Self::RewriteFailed => TC_ACT_SHOT as i32,
+            Self::Truncated => TC_ACT_OK,
+            Self::RewriteFailed => TC_ACT_SHOT,
         }
     }
 }

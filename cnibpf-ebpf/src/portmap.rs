@@ -28,20 +28,20 @@ const FLOW_REFRESH_NS: u64 = 1_000_000_000;
 
 pub fn try_uplink_ingress(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(flow) = Ipv4Flow::parse(ctx)? else {
-        return Ok(TC_ACT_OK as i32);
+        return Ok(TC_ACT_OK);
     };
     let Some(mapping) = lookup_mapping(ctx, &flow) else {
-        return Ok(TC_ACT_OK as i32);
+        return Ok(TC_ACT_OK);
     };
     let container_addr = ipv4_from_key_addr(&mapping.container_addr);
     flow.rewrite_destination(ctx, container_addr, mapping.container_port.to_be())?;
     remember_flow(&flow, &mapping);
-    Ok(TC_ACT_OK as i32)
+    Ok(TC_ACT_OK)
 }
 
 pub fn try_uplink_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(flow) = Ipv4Flow::parse(ctx)? else {
-        return Ok(TC_ACT_OK as i32);
+        return Ok(TC_ACT_OK);
     };
     let key = NatFlowKey {
         src_addr: ipv4_key_addr(flow.saddr),
@@ -53,14 +53,14 @@ pub fn try_uplink_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
         _pad: [0; 2],
     };
     let Some(entry) = maps::nat_flows.get_ptr(&key) else {
-        return Ok(TC_ACT_OK as i32);
+        return Ok(TC_ACT_OK);
     };
     // SAFETY: the pointer came from a successful lookup and is read once, right away; an LRU
     // eviction racing with this read can at worst yield another flow's bytes, which only the
     // packet being rewritten would see.
     let (orig_addr, orig_port) = unsafe { ((*entry).orig_addr, (*entry).orig_port) };
     flow.rewrite_source(ctx, ipv4_from_key_addr(&orig_addr), orig_port.to_be())?;
-    Ok(TC_ACT_OK as i32)
+    Ok(TC_ACT_OK)
 }
 
 /// The mapping for the packet's destination: an exact host address first, then the wildcard,

@@ -618,15 +618,15 @@ fn parse_rule(position: usize, entry: &Value) -> Result<FilterRule, ConfigError>
         .get("dst")
         .map(|value| parse_cidr(&format!("{prefix}.dst"), value))
         .transpose()?;
-    if let (Some(src), Some(dst)) = (src, dst) {
-        if matches!(src, IpNet::V4(_)) != matches!(dst, IpNet::V4(_)) {
-            return Err(ConfigError::invalid(
-                format!("{prefix}.dst"),
-                format!(
-                    "{dst} and src {src} are of different address families: the rule could never match"
-                ),
-            ));
-        }
+    if let (Some(src), Some(dst)) = (src, dst)
+        && matches!(src, IpNet::V4(_)) != matches!(dst, IpNet::V4(_))
+    {
+        return Err(ConfigError::invalid(
+            format!("{prefix}.dst"),
+            format!(
+                "{dst} and src {src} are of different address families: the rule could never match"
+            ),
+        ));
     }
     let protocol = match optional_string(rule, &prefix, "proto")? {
         None => RuleProtocol::Any,
@@ -961,5 +961,81 @@ fn describe(value: &Value) -> String {
         Value::String(text) => format!("string {text:?}"),
         Value::Array(_) => "an array".to_owned(),
         Value::Object(_) => "an object".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn parse(extra: Value) -> NetConf {
+        let mut config = json!({ "cniVersion": "1.0.0", "name": "n", "type": "cnibpf" });
+        for (key, value) in extra.as_object().expect("object") {
+            config[key] = value.clone();
+        }
+        NetConf::parse(config.to_string().as_bytes()).expect("valid configuration")
+    }
+
+    #[test]
+    fn rules_are_evaluated_in_index_order_whatever_the_array_order() {
+        let conf = parse(json!({ "filter": [
+            { "index": 20, "target": "allow", "proto": "TCP", "dport": "1000-2000" },
+            { "index": 10, "target": "Drop", "src": "172.64.0.0/13" },
+        ] }));
+        let indexes: Vec<u32> = conf.plugin.filter.iter().map(|rule| rule.index).collect();
+        assert_eq!(indexes, [10, 20]);
+        assert_eq!(conf.plugin.filter[0].target, Target::Drop);
+        assert_eq!(conf.plugin.filter[1].protocol, RuleProtocol::Tcp);
+        assert_eq!(
+            conf.plugin.filter[1].dport,
+            Some(PortRange {
+                low: 1000,
+                high: 2000
+            })
+        );
+        assert_eq!(conf.plugin.filter[1].direction, Direction::Both);
+    }
+
+    #[test]
+    fn defaults_and_wildcards() {
+        let conf = parse(json!({ "runtimeConfig": { "portMappings": [
+            { "hostPort": 80, "containerPort": 8080, "hostIP": "" },
+            { "hostPort": 81, "containerPort": 8081, "hostIP": "::", "protocol": "UDP" },
+            { "hostPort": 82, "containerPort": 8082, "hostIP": "10.0.0.1" },
+        ] } }));
+        assert_eq!(conf.plugin.backend, BackendChoice::Auto);
+        assert_eq!(conf.plugin.pin_path, PathBuf::from(paths::DEFAULT_PIN_PATH));
+        assert_eq!(conf.plugin.filter_default, Target::Allow);
+        assert!(!conf.plugin.ip_masq);
+        assert_eq!(conf.port_mappings[0].host_ip, None);
+        assert_eq!(conf.port_mappings[0].protocol, Protocol::Tcp);
+        assert_eq!(conf.port_mappings[1].host_ip, None);
+        assert_eq!(conf.port_mappings[1].protocol, Protocol::Udp);
+        assert_eq!(
+            conf.port_mappings[2].host_ip,
+            Some("10.0.0.1".parse().expect("literal"))
+        );
+    }
+
+    #[test]
+    fn cidrs_are_normalised_and_addresses_become_host_routes() {
+        let conf = parse(json!({ "ipMasqExclude": ["10.1.2.3/8", "2001:db8::1"] }));
+        assert_eq!(conf.plugin.ip_masq_exclude[0].to_string(), "10.0.0.0/8");
+        assert_eq!(
+            conf.plugin.ip_masq_exclude[1].to_string(),
+            "2001:db8::1/128"
+        );
+    }
+
+    #[test]
+    fn versions_order_and_verb_minimums() {
+        assert!(CniVersion::parse("0.3.1").expect("supported") < CniVersion::V0_4_0);
+        assert!(CniVersion::parse("1.1.0").expect("supported") == CniVersion::V1_1_0);
+        assert!(CniVersion::parse("2.0.0").is_err());
+        let old = parse(json!({ "cniVersion": "0.3.0" }));
+        assert!(old.require_version("CHECK").is_err());
+        assert!(old.require_version("ADD").is_ok());
     }
 }

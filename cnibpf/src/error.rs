@@ -3,8 +3,8 @@
 use serde::Serialize;
 
 use crate::{
-    backend::BackendError, cni::EnvError, config::ConfigError, lock::LockError,
-    netlink::NetlinkError,
+    attachment::MappingError, backend::BackendError, cni::EnvError, config::ConfigError,
+    lock::LockError, netlink::NetlinkError,
 };
 
 /// CNI error codes (spec codes and the plugin-specific ones documented in README.md).
@@ -42,6 +42,8 @@ pub enum Error {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error(transparent)]
+    Mapping(#[from] MappingError),
+    #[error(transparent)]
     Netlink(#[from] NetlinkError),
     #[error(transparent)]
     Backend(#[from] BackendError),
@@ -58,6 +60,7 @@ impl Error {
         match self {
             Self::Env(_) => code::INVALID_ENV,
             Self::Config(error) => error.code(),
+            Self::Mapping(_) => code::INVALID_CONFIG,
             Self::Netlink(_) => code::INTERFACE,
             Self::Backend(error) => error.code(),
             Self::Lock(_) => code::TRY_AGAIN,

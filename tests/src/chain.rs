@@ -415,3 +415,26 @@ pub fn run_with_stdin(
         stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
     }
 }
+
+/// Makes `bpf(2)` fail with `errno` in the process `command` starts, as on a kernel without
+/// BPF or in a sandbox that denies it (x86_64 syscall table).
+pub fn deny_bpf_syscall(command: &mut Command, errno: i32) {
+    use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
+    let rules = [(libc::SYS_bpf, Vec::new())].into_iter().collect();
+    let filter = SeccompFilter::new(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(u32::try_from(errno).expect("positive errno")),
+        TargetArch::x86_64,
+    )
+    .expect("valid seccomp filter");
+    let program: BpfProgram = filter.try_into().expect("compilable seccomp filter");
+    // SAFETY: between fork and exec the closure only calls prctl(2)/seccomp(2) on a program
+    // compiled before the fork; it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            seccompiler::apply_filter(&program)
+                .map_err(|error| std::io::Error::other(error.to_string()))
+        });
+    }
+}

@@ -6,6 +6,7 @@
 //! network, every name is unique to its test, and everything is removed in `Drop`, also when a
 //! test panics.
 
+pub mod assertions;
 pub mod chain;
 pub mod netns;
 pub mod topology;

@@ -248,6 +248,7 @@ impl Drop for SimHost {
         }
         let _ = std::fs::remove_dir_all(&self.pin_path);
         let _ = std::fs::remove_dir_all(&self.work_dir);
+        let _ = std::fs::remove_file(self.lock_file());
     }
 }
 

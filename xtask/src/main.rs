@@ -164,12 +164,68 @@ fn test(filter: &[String]) -> Result<()> {
     let started = Instant::now();
     build()?;
     lint()?;
-    let mut command = cargo(&["test", "--workspace", "--exclude", "cnibpf-ebpf", "--"]);
+    let mut command = cargo(&[
+        "test",
+        "--workspace",
+        "--exclude",
+        "cnibpf-ebpf",
+        "--lib",
+        "--bins",
+        "--tests",
+        "--",
+    ]);
     command.args(filter);
-    run(command, "unit and integration tests")?;
+    let (passed, failed) = run_counting_tests(command)?;
+    // One plain closing line for whoever reads the log last (CI included).
+    println!("tests: {passed} passed, {failed} failed");
+    if failed > 0 {
+        bail!("{failed} tests failed");
+    }
     eprintln!(
         "\x1b[1mall checks passed in {:.1}s\x1b[0m",
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// Runs `cargo test`, echoing its output, and sums the "test result" lines of every binary.
+fn run_counting_tests(mut command: Command) -> Result<(u64, u64)> {
+    use std::io::{BufRead as _, BufReader};
+    let started = Instant::now();
+    eprintln!("\x1b[1m==> unit and integration tests\x1b[0m");
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("could not start cargo test")?;
+    let stdout = child.stdout.take().context("piped stdout")?;
+    let (mut passed, mut failed) = (0, 0);
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(summary) = line.strip_prefix("test result: ") {
+            let count = |word: &str| {
+                summary
+                    .split(';')
+                    .find_map(|part| {
+                        part.trim()
+                            .trim_start_matches("ok. ")
+                            .trim_start_matches("FAILED. ")
+                            .strip_suffix(word)
+                    })
+                    .and_then(|number| number.trim().parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            passed += count("passed");
+            failed += count("failed");
+        }
+    }
+    let status = child.wait()?;
+    eprintln!(
+        "\x1b[1m<== unit and integration tests: {:.1}s\x1b[0m",
+        started.elapsed().as_secs_f64()
+    );
+    if !status.success() && failed == 0 {
+        bail!("cargo test failed ({status})");
+    }
+    Ok((passed, failed))
 }

@@ -265,8 +265,8 @@ impl Backend for EbpfBackend {
             if holder != endpoint.attachment {
                 return Err(BackendError::OwnerCollision {
                     owner,
-                    attachment: endpoint.attachment.clone(),
-                    holder,
+                    attachment: Box::new(endpoint.attachment.clone()),
+                    holder: Box::new(holder),
                 });
             }
         }
@@ -681,5 +681,5 @@ fn prepare_pin_dir(pins: &PinLayout) -> Result<(), BackendError> {
 }
 
 fn is_bpffs(path: &Path) -> bool {
-    statfs(path).is_ok_and(|stats| stats.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+    statfs(path).is_ok_and(|stats| stats.filesystem_type().0 == BPF_FS_MAGIC)
 }

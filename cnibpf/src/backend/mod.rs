@@ -58,11 +58,14 @@ pub enum BackendError {
     #[error("owner id {owner:016x} of {attachment} is already used by {holder}")]
     OwnerCollision {
         owner: u64,
-        attachment: Attachment,
-        holder: Attachment,
+        attachment: Box<Attachment>,
+        holder: Box<Attachment>,
     },
     #[error("{mapping} is already held by {holder}")]
-    HostPortInUse { mapping: String, holder: Attachment },
+    HostPortInUse {
+        mapping: String,
+        holder: Box<Attachment>,
+    },
     #[error("check failed: {0}")]
     CheckFailed(String),
 }

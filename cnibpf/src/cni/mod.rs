@@ -11,7 +11,7 @@ use std::{
 use serde_json::{Value, json};
 
 use crate::{
-    attachment::{self, Attachment, HostInterfaceError, MappingError},
+    attachment::{self, Attachment, HostInterfaceError},
     backend::{self, Backend, BackendError, Endpoint},
     config::{ConfigError, NetConf, SUPPORTED_VERSIONS, ifname_problem},
     error::Error,
@@ -37,8 +37,6 @@ pub enum EnvError {
     Netns(String),
     #[error(transparent)]
     HostInterface(#[from] HostInterfaceError),
-    #[error(transparent)]
-    Mapping(#[from] MappingError),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -196,8 +194,7 @@ struct Plan {
 fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     let prev = PrevResult::parse(prev_result, &env.ifname)?;
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
-    let mappings =
-        attachment::resolve_mappings(&conf.port_mappings, &prev).map_err(EnvError::from)?;
+    let mappings = attachment::resolve_mappings(&conf.port_mappings, &prev)?;
     if mappings.iter().any(|mapping| !mapping.is_ipv4()) {
         return Err(ConfigError::NotSupportedYet {
             feature: "IPv6 port mappings (the container has an IPv6 address)".to_owned(),
@@ -306,7 +303,7 @@ fn ensure_host_ports_free(
                     .map(|addr| format!(" on {addr}"))
                     .unwrap_or_default()
             ),
-            holder,
+            holder: Box::new(holder),
         });
     }
     Ok(())

@@ -137,3 +137,53 @@ fn invalid(key: &str, reason: &str) -> ConfigError {
         reason: reason.to_owned(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn sample(version_field: bool) -> Value {
+        let mut ip = json!({ "address": "10.22.0.5/16", "gateway": "10.22.0.1", "interface": 2 });
+        if version_field {
+            ip["version"] = json!("4");
+        }
+        json!({
+            "cniVersion": "1.0.0",
+            "interfaces": [{ "name": "cni0" }, { "name": "veth1" }, { "name": "eth0", "sandbox": "/run/netns/c" }],
+            "ips": [ip, { "address": "2001:db8::5/64", "interface": 2 }],
+        })
+    }
+
+    #[test]
+    fn conversion_adds_or_removes_the_ip_version_field() {
+        let old = convert(&sample(false), CniVersion::V0_4_0, "0.4.0").expect("convertible");
+        assert_eq!(old["cniVersion"], "0.4.0");
+        assert_eq!(old["ips"][0]["version"], "4");
+        assert_eq!(old["ips"][1]["version"], "6");
+        let new = convert(&sample(true), CniVersion::V1_1_0, "1.1.0").expect("convertible");
+        assert_eq!(new["cniVersion"], "1.1.0");
+        assert!(new["ips"][0].get("version").is_none());
+        assert_eq!(new["interfaces"], sample(false)["interfaces"]);
+    }
+
+    #[test]
+    fn container_side_of_prev_result() {
+        let prev = PrevResult::parse(&sample(false), "eth0").expect("parsable");
+        assert_eq!(prev.host_interfaces, ["cni0", "veth1"]);
+        assert_eq!(
+            prev.container_address(true),
+            Some("10.22.0.5".parse().expect("literal"))
+        );
+        assert_eq!(
+            prev.container_address(false),
+            Some("2001:db8::5".parse().expect("literal"))
+        );
+        let other = PrevResult::parse(&sample(false), "net1").expect("parsable");
+        assert!(
+            other.container_addresses.is_empty(),
+            "addresses of eth0 are not net1's"
+        );
+    }
+}

@@ -1,0 +1,375 @@
+//! The CNI protocol: verbs, versions, result conversion, environment and every error code.
+
+use std::fs::File;
+
+use cnibpf_tests::{
+    PluginOutput, SimHost,
+    assertions::{assert_cni_error, assert_silent_success},
+    chain::{self, Attachment, deny_bpf_syscall, run_with_stdin},
+    topology::{UPLINK, cni_path, port_mappings},
+};
+use serde_json::{Value, json};
+
+/// cnibpf's own entry of the host's conflist, as a complete network configuration.
+fn cnibpf_config(sim: &SimHost, version: &str, prev_result: Option<&Value>) -> Value {
+    let plugin = sim.chain.conflist()["plugins"][1].clone();
+    sim.chain
+        .plugin_config(&plugin, version, prev_result, &Value::Null)
+}
+
+fn invoke(
+    sim: &SimHost,
+    command: &str,
+    attachment: Option<&Attachment>,
+    config: &Value,
+) -> PluginOutput {
+    sim.invoke_cnibpf(command, attachment, &config.to_string())
+}
+
+#[test]
+fn version_lists_the_supported_versions() {
+    let sim = SimHost::new("proto-version", json!({}));
+    for (stdin, expected) in [
+        ("", "1.1.0"),
+        (r#"{"cniVersion":"0.4.0"}"#, "0.4.0"),
+        ("not json", "1.1.0"),
+    ] {
+        let output = sim.invoke_cnibpf("VERSION", None, stdin);
+        assert_eq!(output.exit_code, 0, "{output:?}");
+        let answer: Value = serde_json::from_str(&output.stdout).expect("VERSION prints JSON");
+        assert_eq!(answer["cniVersion"], expected);
+        assert_eq!(
+            answer["supportedVersions"],
+            json!(["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"])
+        );
+    }
+}
+
+#[test]
+fn add_returns_prev_result_in_the_requested_version() {
+    for version in ["0.3.1", "0.4.0", "1.0.0"] {
+        let id = format!("proto-v{}", version.replace('.', ""));
+        let sim = SimHost::with_version(&id, version, json!({}));
+        let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+        assert_eq!(c1.result["cniVersion"], version);
+        let ips = c1.result["ips"].as_array().expect("ips");
+        for ip in ips {
+            if version == "1.0.0" {
+                assert!(
+                    ip.get("version").is_none(),
+                    "1.0.0 results carry no ips[].version: {ip}"
+                );
+            } else {
+                assert_eq!(
+                    ip["version"], "4",
+                    "{version} results carry ips[].version: {ip}"
+                );
+            }
+        }
+        if version != "0.3.1" {
+            sim.check(&c1)
+                .unwrap_or_else(|error| panic!("CHECK at {version}: {error}"));
+        }
+    }
+
+    // 1.1.0 (which the reference bridge does not speak) and a downgrade to 0.4.0, cnibpf alone.
+    let sim = SimHost::new("proto-v110", json!({}));
+    let c1 = sim.container("c1", json!({}));
+    for (version, has_ip_version) in [("1.1.0", false), ("0.4.0", true)] {
+        let config = cnibpf_config(&sim, version, Some(&c1.result));
+        let output = invoke(&sim, "ADD", Some(&c1.attachment), &config);
+        assert_eq!(output.exit_code, 0, "{output:?}");
+        let result: Value =
+            serde_json::from_str(&output.stdout).expect("ADD prints exactly one JSON result");
+        assert_eq!(result["cniVersion"], version);
+        assert_eq!(
+            result["interfaces"], c1.result["interfaces"],
+            "interfaces pass through unchanged"
+        );
+        assert_eq!(
+            result["ips"][0].get("version").is_some(),
+            has_ip_version,
+            "{result}"
+        );
+    }
+}
+
+#[test]
+fn add_without_prev_result_is_error_7() {
+    let sim = SimHost::new("proto-noprev", json!({}));
+    let c1 = sim.container("c1", json!({}));
+    let output = invoke(
+        &sim,
+        "ADD",
+        Some(&c1.attachment),
+        &cnibpf_config(&sim, "1.0.0", None),
+    );
+    assert_cni_error(&output, 7, "chained plugin");
+}
+
+#[test]
+fn missing_or_invalid_environment_is_error_4_naming_the_variable() {
+    let sim = SimHost::new("proto-env", json!({}));
+    let c1 = sim.container("c1", json!({}));
+    let config = cnibpf_config(&sim, "1.0.0", Some(&c1.result)).to_string();
+    let state_before = sim.inspect();
+    let run = |command: &str, change: &dyn Fn(&mut std::process::Command)| {
+        let mut process = chain::plugin_command(
+            &cni_path(),
+            &sim.host.path(),
+            "cnibpf",
+            command,
+            Some(&c1.attachment),
+        );
+        change(&mut process);
+        run_with_stdin(process, "cnibpf", command, &config)
+    };
+    for (command, variable) in [
+        ("ADD", "CNI_CONTAINERID"),
+        ("ADD", "CNI_IFNAME"),
+        ("ADD", "CNI_NETNS"),
+        ("ADD", "CNI_PATH"),
+        ("CHECK", "CNI_NETNS"),
+        ("DEL", "CNI_CONTAINERID"),
+        ("DEL", "CNI_IFNAME"),
+    ] {
+        let output = run(command, &|process| {
+            process.env_remove(variable);
+        });
+        assert_cni_error(&output, 4, &format!("{variable} is not set"));
+    }
+    let cases: [(&str, &str, &str); 4] = [
+        (
+            "CNI_CONTAINERID",
+            "-starts-with-dash",
+            "CNI_CONTAINERID \"-starts-with-dash\" is invalid",
+        ),
+        ("CNI_IFNAME", "eth0/1", "CNI_IFNAME \"eth0/1\""),
+        (
+            "CNI_IFNAME",
+            "a-name-longer-than-15",
+            "longer than 15 bytes",
+        ),
+        ("CNI_NETNS", "/run/netns/does-not-exist", "does not exist"),
+    ];
+    for (variable, value, fragment) in cases {
+        let output = run("ADD", &|process| {
+            process.env(variable, value);
+        });
+        assert_cni_error(&output, 4, fragment);
+    }
+    let output = run("ADDD", &|_| {});
+    assert_cni_error(&output, 4, "unknown CNI_COMMAND \"ADDD\"");
+    assert_eq!(
+        sim.inspect(),
+        state_before,
+        "no bad invocation may change state"
+    );
+}
+
+#[test]
+fn verbs_check_their_minimum_version() {
+    let sim = SimHost::new("proto-minver", json!({}));
+    let c1 = sim.container("c1", json!({}));
+    let output = invoke(
+        &sim,
+        "CHECK",
+        Some(&c1.attachment),
+        &cnibpf_config(&sim, "0.3.1", Some(&c1.result)),
+    );
+    assert_cni_error(&output, 1, "CHECK needs cniVersion 0.4.0");
+    let output = invoke(&sim, "GC", None, &cnibpf_config(&sim, "1.0.0", None));
+    assert_cni_error(&output, 1, "GC needs cniVersion 1.1.0");
+    let output = invoke(&sim, "STATUS", None, &cnibpf_config(&sim, "1.0.0", None));
+    assert_cni_error(&output, 1, "STATUS needs cniVersion 1.1.0");
+    let output = invoke(&sim, "GC", None, &cnibpf_config(&sim, "1.1.0", None));
+    assert_cni_error(&output, 7, "cni.dev/valid-attachments: is required for GC");
+    let mut unsupported = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
+    unsupported["cniVersion"] = json!("0.2.0");
+    assert_cni_error(
+        &invoke(&sim, "ADD", Some(&c1.attachment), &unsupported),
+        1,
+        "unsupported cniVersion \"0.2.0\"",
+    );
+    assert_cni_error(
+        &invoke(&sim, "DEL", Some(&c1.attachment), &unsupported),
+        1,
+        "unsupported cniVersion",
+    );
+}
+
+#[test]
+fn status_answers_ready_and_gc_succeeds_silently() {
+    let sim = SimHost::new("proto-status", json!({}));
+    assert_silent_success(&invoke(
+        &sim,
+        "STATUS",
+        None,
+        &cnibpf_config(&sim, "1.1.0", None),
+    ));
+    sim.chain
+        .status()
+        .unwrap_or_else(|error| panic!("chain STATUS: {error}"));
+    let mut gc = cnibpf_config(&sim, "1.1.0", None);
+    gc["cni.dev/valid-attachments"] = json!([]);
+    assert_silent_success(&invoke(&sim, "GC", None, &gc));
+}
+
+#[test]
+fn without_bpf_status_is_50_and_a_forced_ebpf_backend_is_104() {
+    let sim = SimHost::new("proto-nobpf", json!({}));
+    let c1 = sim.container("c1", json!({}));
+    for errno in [libc::EPERM, libc::ENOSYS] {
+        let mut status =
+            chain::plugin_command(&cni_path(), &sim.host.path(), "cnibpf", "STATUS", None);
+        deny_bpf_syscall(&mut status, errno);
+        let output = run_with_stdin(
+            status,
+            "cnibpf",
+            "STATUS",
+            &cnibpf_config(&sim, "1.1.0", None).to_string(),
+        );
+        assert_cni_error(&output, 50, "no backend can work on this host");
+
+        let mut config = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
+        config["backend"] = json!("ebpf");
+        let mut add = chain::plugin_command(
+            &cni_path(),
+            &sim.host.path(),
+            "cnibpf",
+            "ADD",
+            Some(&c1.attachment),
+        );
+        deny_bpf_syscall(&mut add, errno);
+        let output = run_with_stdin(add, "cnibpf", "ADD", &config.to_string());
+        assert_cni_error(&output, 104, "backend ebpf cannot work on this host");
+    }
+}
+
+#[test]
+fn unimplemented_datapath_is_error_101_not_silent_success() {
+    let sim = SimHost::new("proto-notyet", json!({}));
+    let c1 = sim.container("c1", json!({}));
+    let base = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
+    let cases = [
+        (json!({ "ipMasq": true }), "ipMasq is not supported yet"),
+        (
+            json!({ "filter": [{ "index": 1, "target": "DROP" }] }),
+            "filter is not supported yet",
+        ),
+        (
+            json!({ "filterDefault": "DROP" }),
+            "filter is not supported yet",
+        ),
+        (
+            json!({ "backend": "nftables" }),
+            "backend \"nftables\" is not supported yet",
+        ),
+        (
+            json!({ "runtimeConfig": { "portMappings": [{ "hostPort": 9, "containerPort": 9, "protocol": "sctp" }] } }),
+            "protocol \"sctp\"",
+        ),
+        (
+            json!({ "runtimeConfig": { "portMappings": [{ "hostPort": 9, "containerPort": 9, "hostIP": "2001:db8::1" }] } }),
+            "IPv6 hostIP",
+        ),
+    ];
+    for (change, fragment) in cases {
+        let mut config = base.clone();
+        for (key, value) in change.as_object().expect("object") {
+            config[key] = value.clone();
+        }
+        let output = invoke(&sim, "ADD", Some(&c1.attachment), &config);
+        assert_cni_error(&output, 101, fragment);
+    }
+    assert!(sim.installed_host_ports().is_empty());
+}
+
+#[test]
+fn lock_held_too_long_is_error_11() {
+    let sim = SimHost::new("proto-lock", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let lock_path = sim.lock_file();
+    let lock = File::open(&lock_path)
+        .unwrap_or_else(|error| panic!("open {}: {error}", lock_path.display()));
+    let lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+        .unwrap_or_else(|(_, error)| panic!("take the lock: {error}"));
+
+    let mut add = chain::plugin_command(
+        &cni_path(),
+        &sim.host.path(),
+        "cnibpf",
+        "ADD",
+        Some(&c1.attachment),
+    );
+    add.env("CNIBPF_LOCK_TIMEOUT_MS", "300");
+    let config = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
+    let output = run_with_stdin(add, "cnibpf", "ADD", &config.to_string());
+    assert_cni_error(&output, 11, "timed out after 300ms waiting for lock");
+
+    drop(lock);
+    let output = invoke(&sim, "ADD", Some(&c1.attachment), &config);
+    assert_eq!(
+        output.exit_code, 0,
+        "with the lock free the same ADD works: {output:?}"
+    );
+}
+
+#[test]
+fn an_uplink_that_does_not_exist_is_error_103() {
+    let sim = SimHost::new("proto-uplink", json!({ "uplinks": ["nosuch0"] }));
+    let error = sim
+        .add_container("c1", port_mappings(&[(8080, 80, "tcp")]))
+        .expect_err("an unknown uplink must fail the ADD");
+    assert_cni_error(&error.0, 103, "no interface named \"nosuch0\"");
+    assert!(!sim.pin_path.exists());
+    assert!(sim.tcx_programs(UPLINK).is_empty());
+}
+
+#[test]
+fn pinned_state_of_another_layout_is_error_106() {
+    let sim = SimHost::new("proto-layout", json!({}));
+    std::fs::create_dir_all(&sim.pin_path).expect("pin dir");
+    let layout = sim.pin_path.join("layout");
+    let layout = layout.to_str().expect("utf-8 path");
+    let bpftool = |args: &[&str]| {
+        cnibpf_tests::netns::run_checked(std::process::Command::new("bpftool").args(args));
+    };
+    bpftool(&[
+        "map", "create", layout, "type", "array", "key", "4", "value", "16", "entries", "1",
+        "name", "layout",
+    ]);
+    // magic "cnibpf\0\0", version 99, padding.
+    let value = [
+        "0x63", "0x6e", "0x69", "0x62", "0x70", "0x66", "0", "0", "99", "0", "0", "0", "0", "0",
+        "0", "0",
+    ];
+    let mut args = vec![
+        "map", "update", "pinned", layout, "key", "0", "0", "0", "0", "value",
+    ];
+    args.extend(value);
+    bpftool(&args);
+
+    let error = sim
+        .add_container("c1", port_mappings(&[(8080, 80, "tcp")]))
+        .expect_err("another layout must be refused");
+    assert_cni_error(&error.0, 106, "has layout v99, this cnibpf needs layout v1");
+    assert!(
+        sim.tcx_programs(UPLINK).is_empty(),
+        "nothing may be attached over foreign state"
+    );
+}
+
+#[test]
+fn del_ignores_the_rest_of_its_config() {
+    let sim = SimHost::new("proto-delconf", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let mut config = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
+    config["ipMasq"] = json!("not a boolean");
+    config["filter"] = json!("not rules");
+    assert_silent_success(&invoke(&sim, "DEL", Some(&c1.attachment), &config));
+    assert!(
+        sim.installed_host_ports().is_empty(),
+        "DEL removed the mapping"
+    );
+}
