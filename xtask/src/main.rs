@@ -176,15 +176,15 @@ fn test(filter: &[String]) -> Result<()> {
     ]);
     command.args(filter);
     let (passed, failed) = run_counting_tests(command)?;
-    // One plain closing line for whoever reads the log last (CI included).
+    eprintln!(
+        "\x1b[1mbuild, lint and tests took {:.1}s\x1b[0m",
+        started.elapsed().as_secs_f64()
+    );
+    // One plain closing line, last, for whoever reads the end of the log (CI included).
     println!("tests: {passed} passed, {failed} failed");
     if failed > 0 {
         bail!("{failed} tests failed");
     }
-    eprintln!(
-        "\x1b[1mall checks passed in {:.1}s\x1b[0m",
-        started.elapsed().as_secs_f64()
-    );
     Ok(())
 }
 
