@@ -16,4 +16,10 @@ fn main() {
         object.display()
     );
     println!("cargo::rustc-env=CNIBPF_EBPF_OBJECT={}", object.display());
+    // FNV-1a of the object: lets a new cnibpf notice programs pinned by another build.
+    let bytes = std::fs::read(&object).expect("readable eBPF object");
+    let id = bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    println!("cargo::rustc-env=CNIBPF_EBPF_OBJECT_ID={id}");
 }

@@ -83,27 +83,15 @@ fn udp_replies_come_from_the_host_port() {
 fn second_add_reuses_pinned_programs() {
     let sim = SimHost::new("pm-reuse", json!({}));
     let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
-    let program_id = |name: &str| {
-        let output = std::process::Command::new("bpftool")
-            .args(["-j", "prog", "show", "pinned"])
-            .arg(sim.pin_path.join("programs").join(name))
-            .output()
-            .expect("run bpftool");
-        let info: serde_json::Value = serde_json::from_slice(&output.stdout)
-            .unwrap_or_else(|error| panic!("bpftool prog show {name}: {error}: {output:?}"));
-        info["id"]
-            .as_u64()
-            .unwrap_or_else(|| panic!("no id for {name}: {info}"))
-    };
-    let before: Vec<u64> = ["uplink_ingress", "from_container"]
+    let before: Vec<u32> = ["uplink_ingress", "from_container"]
         .iter()
-        .map(|name| program_id(name))
+        .map(|name| sim.pinned_program_id(name))
         .collect();
 
     let c2 = sim.container("c2", port_mappings(&[(8081, 80, "tcp")]));
-    let after: Vec<u64> = ["uplink_ingress", "from_container"]
+    let after: Vec<u32> = ["uplink_ingress", "from_container"]
         .iter()
-        .map(|name| program_id(name))
+        .map(|name| sim.pinned_program_id(name))
         .collect();
     assert_eq!(
         before, after,
@@ -141,6 +129,14 @@ fn repeated_add_replaces_the_attachments_own_mappings() {
     let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
     let _server = TcpServer::start(&c1.netns, c1.socket(80), "c1");
     expect_answer(&sim, 8080, "c1");
+
+    let flow_ports =
+        |sim: &SimHost| -> Vec<u64> { sim.nat_flows().into_iter().map(|(_, port)| port).collect() };
+    assert_eq!(
+        flow_ports(&sim),
+        [8080],
+        "the request through 8080 left its flow"
+    );
 
     let mut again = c1.attachment.clone();
     again.capability_args = port_mappings(&[(9090, 80, "tcp")]);
@@ -384,4 +380,56 @@ fn parallel_adds_and_dels_lose_no_update() {
         "the last of the parallel DELs removed the shared state"
     );
     assert!(sim.tcx_programs(UPLINK).is_empty());
+}
+
+#[test]
+fn programs_of_another_build_are_replaced_and_links_follow() {
+    let sim = SimHost::new("pm-upgrade", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let _server = TcpServer::start(&c1.netns, c1.socket(80), "c1");
+    let c1_if = sim.host_interface(&c1);
+    let old_from_container = sim.pinned_program_id("from_container");
+    let old_uplink = sim.pinned_program_id("uplink_ingress");
+
+    // As if an older cnibpf of the same map layout had pinned the programs.
+    let mut layout = Vec::new();
+    layout.extend(u64::from_le_bytes(*b"cnibpf\0\0").to_le_bytes());
+    layout.extend(1u32.to_le_bytes());
+    layout.extend(0u32.to_le_bytes());
+    layout.extend(42u64.to_le_bytes());
+    sim.write_layout(&layout);
+
+    let c2 = sim.container("c2", port_mappings(&[(8081, 80, "tcp")]));
+    let new_from_container = sim.pinned_program_id("from_container");
+    let new_uplink = sim.pinned_program_id("uplink_ingress");
+    assert_ne!(
+        new_from_container, old_from_container,
+        "the programs were reloaded"
+    );
+    assert_ne!(new_uplink, old_uplink);
+    let attached_c1: Vec<u32> = sim
+        .tcx_program_ids(&c1_if)
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect();
+    assert!(
+        attached_c1.contains(&new_from_container),
+        "c1's existing link moved to the new program: {attached_c1:?}"
+    );
+    assert!(!attached_c1.contains(&old_from_container));
+    let uplink: Vec<u32> = sim
+        .tcx_program_ids(UPLINK)
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect();
+    assert!(
+        uplink.contains(&new_uplink) && !uplink.contains(&old_uplink),
+        "{uplink:?}"
+    );
+    assert_eq!(uplink.len(), 2, "still one program per uplink hook");
+    expect_answer(&sim, 8080, "c1");
+    sim.check(&c1)
+        .unwrap_or_else(|error| panic!("CHECK of c1 after the upgrade: {error}"));
+    sim.check(&c2)
+        .unwrap_or_else(|error| panic!("CHECK of c2: {error}"));
 }

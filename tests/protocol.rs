@@ -336,19 +336,14 @@ fn pinned_state_of_another_layout_is_error_106() {
         cnibpf_tests::netns::run_checked(std::process::Command::new("bpftool").args(args));
     };
     bpftool(&[
-        "map", "create", layout, "type", "array", "key", "4", "value", "16", "entries", "1",
+        "map", "create", layout, "type", "array", "key", "4", "value", "24", "entries", "1",
         "name", "layout",
     ]);
-    // magic "cnibpf\0\0", version 99, padding.
-    let value = [
-        "0x63", "0x6e", "0x69", "0x62", "0x70", "0x66", "0", "0", "99", "0", "0", "0", "0", "0",
-        "0", "0",
-    ];
-    let mut args = vec![
-        "map", "update", "pinned", layout, "key", "0", "0", "0", "0", "value",
-    ];
-    args.extend(value);
-    bpftool(&args);
+    // magic "cnibpf\0\0", layout version 99, padding, object id.
+    let mut value = u64::from_le_bytes(*b"cnibpf\0\0").to_le_bytes().to_vec();
+    value.extend(99u32.to_le_bytes());
+    value.extend([0; 12]);
+    sim.write_layout(&value);
 
     let error = sim
         .add_container("c1", port_mappings(&[(8080, 80, "tcp")]))

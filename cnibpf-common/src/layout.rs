@@ -1,8 +1,9 @@
-//! `layout`: a one-entry array describing the layout of the pinned maps.
+//! `layout`: a one-entry array describing the pinned state.
 //!
 //! Key: `u32` index 0. Value: [`LayoutInfo`]. Written by userspace when it creates the pinned
-//! maps; read by userspace on every later load to refuse pinned state of another layout instead
-//! of silently misreading it. The eBPF programs never read it.
+//! maps or pins new programs; read by userspace on every later load, to refuse pinned state of
+//! another layout instead of silently misreading it, and to notice programs pinned by another
+//! build of the datapath (which it then replaces in place). The eBPF programs never read it.
 
 use crate::impl_pod;
 
@@ -19,17 +20,23 @@ pub const VERSION: u32 = 1;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LayoutInfo {
     pub magic: u64,
+    /// [`VERSION`] of the maps' key and value types.
     pub version: u32,
     pub _pad: u32,
+    /// Identity (a hash) of the eBPF object whose programs are pinned.
+    pub object_id: u64,
 }
-const _: () = assert!(size_of::<LayoutInfo>() == 16);
+const _: () = assert!(size_of::<LayoutInfo>() == 24);
 
 impl LayoutInfo {
-    pub const CURRENT: Self = Self {
-        magic: MAGIC,
-        version: VERSION,
-        _pad: 0,
-    };
+    pub const fn current(object_id: u64) -> Self {
+        Self {
+            magic: MAGIC,
+            version: VERSION,
+            _pad: 0,
+            object_id,
+        }
+    }
 }
 
 impl_pod!(LayoutInfo);

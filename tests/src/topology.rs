@@ -288,22 +288,83 @@ impl SimHost {
     /// Names of the programs attached with tcx to `ifname` in the host namespace (ingress and
     /// egress), asked of the kernel directly.
     pub fn tcx_programs(&self, ifname: &str) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .tcx_program_ids(ifname)
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// (name, id) of the programs attached with tcx to `ifname` in the host namespace.
+    pub fn tcx_program_ids(&self, ifname: &str) -> Vec<(String, u32)> {
         let ifname = std::ffi::CString::new(ifname).expect("interface name");
         self.host.run(move || {
             use aya::programs::{SchedClassifier, TcAttachType};
-            let mut names = Vec::new();
+            let mut programs = Vec::new();
             for attach_type in [TcAttachType::Ingress, TcAttachType::Egress] {
-                let (_, programs) = SchedClassifier::query_tcx(ifname.as_c_str(), attach_type)
+                let (_, attached) = SchedClassifier::query_tcx(ifname.as_c_str(), attach_type)
                     .unwrap_or_else(|error| panic!("query tcx of {ifname:?}: {error}"));
-                names.extend(
-                    programs
+                programs.extend(
+                    attached
                         .iter()
-                        .map(|info| info.name_as_str().unwrap_or("?").to_owned()),
+                        .map(|info| (info.name_as_str().unwrap_or("?").to_owned(), info.id())),
                 );
             }
-            names.sort();
-            names
+            programs.sort();
+            programs
         })
+    }
+
+    /// The id of the program pinned as `programs/<name>`.
+    pub fn pinned_program_id(&self, name: &str) -> u32 {
+        let output = crate::netns::run_checked(
+            std::process::Command::new("bpftool")
+                .args(["-j", "prog", "show", "pinned"])
+                .arg(self.pin_path.join("programs").join(name)),
+        );
+        let info: Value = serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("bpftool prog show {name}: {error}"));
+        info["id"]
+            .as_u64()
+            .and_then(|id| u32::try_from(id).ok())
+            .unwrap_or_else(|| panic!("no id for {name}: {info}"))
+    }
+
+    /// (owner, original destination port) of every entry in `nat_flows`, via bpftool's BTF dump.
+    pub fn nat_flows(&self) -> Vec<(u64, u64)> {
+        let output = crate::netns::run_checked(
+            std::process::Command::new("bpftool")
+                .args(["-j", "map", "dump", "pinned"])
+                .arg(self.pin_path.join("nat_flows")),
+        );
+        let entries: Value = serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("bpftool map dump nat_flows: {error}"));
+        let mut flows: Vec<(u64, u64)> = entries
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|entry| {
+                let value = entry.get("formatted").unwrap_or(entry).get("value")?;
+                Some((value["owner"].as_u64()?, value["orig_port"].as_u64()?))
+            })
+            .collect();
+        flows.sort_unstable();
+        flows
+    }
+
+    /// Writes the `layout` map's single value, as another build of cnibpf could have left it.
+    pub fn write_layout(&self, value: &[u8]) {
+        let layout = self.pin_path.join("layout");
+        let bytes: Vec<String> = value.iter().map(u8::to_string).collect();
+        let mut command = std::process::Command::new("bpftool");
+        command
+            .args(["map", "update", "pinned"])
+            .arg(&layout)
+            .args(["key", "0", "0", "0", "0", "value"])
+            .args(&bytes);
+        crate::netns::run_checked(&mut command);
     }
 
     /// The host-side interface of a container, from its ADD result.

@@ -15,7 +15,11 @@ use std::{
 use aya::{
     EbpfLoader,
     maps::{Array, HashMap, Map, MapData, MapError, MapType},
-    programs::{LinkOrder, SchedClassifier, TcAttachType, links::FdLink, tc::TcAttach},
+    programs::{
+        LinkOrder, SchedClassifier, TcAttachType,
+        links::{FdLink, PinnedLink},
+        tc::{SchedClassifierLink, TcAttach},
+    },
 };
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6,
@@ -38,6 +42,8 @@ use crate::{
 
 /// The datapath object built by `cargo xtask build-ebpf`, embedded at compile time.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("CNIBPF_EBPF_OBJECT"));
+/// Hash of [`OBJECT`] (computed by build.rs), recorded in the `layout` map with the programs.
+const OBJECT_ID: &str = env!("CNIBPF_EBPF_OBJECT_ID");
 
 /// `statfs` magic of bpffs.
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -80,19 +86,23 @@ impl EbpfBackend {
     }
 
     /// Opens the pinned state, loading and pinning the object first if it is not (all) there.
+    /// Programs pinned by another build of the datapath are replaced, and every pinned link is
+    /// switched to the new program atomically, so an upgrade takes effect without a packet
+    /// passing unhooked.
     pub fn load(pins: &PinLayout) -> Result<Self, BackendError> {
         prepare_pin_dir(pins)?;
-        let layout_present = check_layout(pins)?;
+        let current = check_layout(pins)? == PinnedState::Current;
         let programs_present = PROGRAMS.iter().all(|name| pins.program(name).exists());
-        if !(layout_present && programs_present) {
+        if !(current && programs_present) {
             load_object(pins)?;
+            relink(pins)?;
         }
         Self::open_maps(pins)
     }
 
     /// The pinned state if there is any, without loading anything.
     pub fn open_existing(pins: &PinLayout) -> Result<Option<Self>, BackendError> {
-        if !check_layout(pins)? {
+        if check_layout(pins)? == PinnedState::Absent {
             return Ok(None);
         }
         Self::open_maps(pins).map(Some)
@@ -236,6 +246,25 @@ impl EbpfBackend {
         Ok(keys)
     }
 
+    /// Removes the attachment's flows that `stale` selects.
+    fn remove_flows(
+        &mut self,
+        owner: u64,
+        stale: impl Fn(&NatFlowKey, &NatFlowValue) -> bool,
+    ) -> Result<(), BackendError> {
+        let mut flows = Vec::new();
+        for entry in self.nat_flows.iter() {
+            let (key, value) = entry.map_err(map_error("could not read map nat_flows"))?;
+            if value.owner == owner && stale(&key, &value) {
+                flows.push(key);
+            }
+        }
+        for key in flows {
+            remove_entry(&mut self.nat_flows, &key, nat_flow::MAP_NAME)?;
+        }
+        Ok(())
+    }
+
     /// Removes everything shared once no attachment is left, so that a host without
     /// containers carries no cnibpf programs on its uplinks.
     fn teardown_shared_if_unused(&mut self) -> Result<(), BackendError> {
@@ -331,37 +360,33 @@ impl Backend for EbpfBackend {
         owner: u64,
         mappings: &[ResolvedMapping],
     ) -> Result<(), BackendError> {
-        let mut wanted = HashSet::new();
+        let mut wanted = Vec::new();
         for mapping in mappings {
             let (key, value) = entry_for(owner, mapping);
             self.portmap
                 .insert(&key, &value, 0)
                 .map_err(map_error("could not write map portmap"))?;
-            wanted.insert(key);
+            wanted.push((key, value));
         }
         for key in self.owned_portmap_keys(owner)? {
-            if !wanted.contains(&key) {
+            if !wanted.iter().any(|(wanted_key, _)| *wanted_key == key) {
                 remove_entry(&mut self.portmap, &key, portmap::MAP_NAME)?;
             }
         }
-        Ok(())
+        // Flows translated by a mapping that is gone or leads elsewhere now must not keep
+        // rewriting replies.
+        self.remove_flows(owner, |flow_key, flow| {
+            !wanted
+                .iter()
+                .any(|(key, value)| flow_of_mapping(flow_key, flow, key, value))
+        })
     }
 
     fn teardown_port_mappings(&mut self, owner: u64) -> Result<(), BackendError> {
         for key in self.owned_portmap_keys(owner)? {
             remove_entry(&mut self.portmap, &key, portmap::MAP_NAME)?;
         }
-        let mut flows = Vec::new();
-        for entry in self.nat_flows.iter() {
-            let (key, value) = entry.map_err(map_error("could not read map nat_flows"))?;
-            if value.owner == owner {
-                flows.push(key);
-            }
-        }
-        for key in flows {
-            remove_entry(&mut self.nat_flows, &key, nat_flow::MAP_NAME)?;
-        }
-        Ok(())
+        self.remove_flows(owner, |_, _| true)
     }
 
     fn check_port_mappings(
@@ -462,6 +487,22 @@ fn entry_for(owner: u64, mapping: &ResolvedMapping) -> (PortMapKey, PortMapValue
         _pad: [0; 6],
     };
     (key, value)
+}
+
+/// Whether a flow was translated by the mapping (key, value): same protocol and family, sent to
+/// its hostPort on its host address (any, for the wildcard), towards its container address and port.
+fn flow_of_mapping(
+    flow_key: &NatFlowKey,
+    flow: &NatFlowValue,
+    key: &PortMapKey,
+    value: &PortMapValue,
+) -> bool {
+    flow_key.protocol == key.protocol
+        && flow_key.family == key.family
+        && flow.orig_port == key.host_port
+        && (key.host_addr == [0; 16] || key.host_addr == flow.orig_addr)
+        && flow_key.src_addr == value.container_addr
+        && flow_key.src_port == value.container_port
 }
 
 fn mapping_from_entry(key: &PortMapKey, value: &PortMapValue) -> Option<ResolvedMapping> {
@@ -576,31 +617,110 @@ fn open_pinned<K: aya::Pod, V: aya::Pod>(
     HashMap::try_from(map).map_err(error)
 }
 
-/// Whether pinned state exists under `pins`; an error when it has another layout.
-fn check_layout(pins: &PinLayout) -> Result<bool, BackendError> {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PinnedState {
+    /// Nothing usable pinned (or a load that died before stamping the layout).
+    Absent,
+    /// Maps of this layout with programs of another build of the datapath.
+    OtherPrograms,
+    Current,
+}
+
+fn object_id() -> u64 {
+    OBJECT_ID.parse().expect("build.rs emits a u64")
+}
+
+/// What is pinned under `pins`; an error when it has another layout.
+fn check_layout(pins: &PinLayout) -> Result<PinnedState, BackendError> {
     let path = pins.map(layout::MAP_NAME);
     if !path.exists() {
-        return Ok(false);
+        return Ok(PinnedState::Absent);
     }
     let incompatible = |found: String| BackendError::IncompatibleState {
         path: pins.root().to_owned(),
         found,
         expected: format!("v{}", layout::VERSION),
     };
-    let data =
-        MapData::from_pin(&path).map_err(|error| incompatible(format!("unreadable ({error})")))?;
-    let map =
-        Map::from_map_data(data).map_err(|error| incompatible(format!("unreadable ({error})")))?;
+    let unreadable = |error: MapError| incompatible(format!("unreadable ({error})"));
+    let data = MapData::from_pin(&path).map_err(unreadable)?;
+    let map = Map::from_map_data(data).map_err(unreadable)?;
     let array: Array<MapData, LayoutInfo> = Array::try_from(map)
         .map_err(|error| incompatible(format!("of another shape ({error})")))?;
-    match array.get(&0, 0) {
-        Ok(info) if info == LayoutInfo::CURRENT => Ok(true),
-        // Created but not yet stamped: a load that died half-way; loading again completes it.
-        Ok(info) if info == LayoutInfo::default() => Ok(false),
-        Ok(info) if info.magic == layout::MAGIC => Err(incompatible(format!("v{}", info.version))),
-        Ok(_) => Err(incompatible("not written by cnibpf".to_owned())),
-        Err(error) => Err(incompatible(format!("unreadable ({error})"))),
+    let info = array.get(&0, 0).map_err(unreadable)?;
+    if info == LayoutInfo::default() {
+        return Ok(PinnedState::Absent);
     }
+    if info.magic != layout::MAGIC {
+        return Err(incompatible("not written by cnibpf".to_owned()));
+    }
+    if info.version != layout::VERSION {
+        return Err(incompatible(format!("v{}", info.version)));
+    }
+    if info.object_id == object_id() {
+        Ok(PinnedState::Current)
+    } else {
+        Ok(PinnedState::OtherPrograms)
+    }
+}
+
+/// The program a pinned link (by its file name, see `PinLayout`) belongs to.
+fn program_of_link(file_name: &str) -> Option<&'static str> {
+    let hook_ingress = file_name.ends_with("-ingress");
+    match (
+        file_name.starts_with("uplink-"),
+        file_name.starts_with("endpoint-"),
+        hook_ingress,
+    ) {
+        (true, _, true) => Some(UPLINK_INGRESS),
+        (true, _, false) => Some(UPLINK_EGRESS),
+        (_, true, true) => Some(FROM_CONTAINER),
+        (_, true, false) => Some(TO_CONTAINER),
+        _ => None,
+    }
+}
+
+/// Points every pinned link at the program now pinned for its hook (`bpf_link_update`, atomic
+/// per link). Links whose interface is gone are unpinned instead.
+fn relink(pins: &PinLayout) -> Result<(), BackendError> {
+    let links_dir = pins.links_dir();
+    let entries = fs::read_dir(&links_dir).map_err(|source| BackendError::Pin {
+        action: format!("could not list {}", links_dir.display()),
+        source: Box::new(source),
+    })?;
+    for entry in entries.filter_map(Result::ok) {
+        let path = entry.path();
+        let Some(program_name) = program_of_link(&entry.file_name().to_string_lossy()) else {
+            continue;
+        };
+        let program_path = pins.program(program_name);
+        let mut program =
+            SchedClassifier::from_pin(&program_path).map_err(|source| BackendError::Program {
+                action: format!("could not open pinned program {}", program_path.display()),
+                source: Box::new(source),
+            })?;
+        let link_error = |source: Box<dyn std::error::Error + Send + Sync>| BackendError::Pin {
+            action: format!(
+                "could not move link {} to the new {program_name}",
+                path.display()
+            ),
+            source,
+        };
+        let pinned = PinnedLink::from_pin(&path).map_err(|error| link_error(Box::new(error)))?;
+        let link = SchedClassifierLink::try_from(FdLink::from(pinned))
+            .map_err(|error| link_error(Box::new(error)))?;
+        match program.attach_to_link(link) {
+            // The program would detach nothing on drop (tcx links live on through their pin),
+            // but taking the link out states that this process keeps no hold on it.
+            Ok(link_id) => drop(program.take_link(link_id)),
+            Err(aya::programs::ProgramError::SyscallError(error))
+                if error.io_error.raw_os_error() == Some(libc::ENOLINK) =>
+            {
+                remove_pin(&path)?;
+            }
+            Err(error) => return Err(link_error(Box::new(error))),
+        }
+    }
+    Ok(())
 }
 
 /// Loads the embedded object, reusing maps already pinned under `pins` and pinning new ones,
@@ -646,7 +766,7 @@ fn load_object(pins: &PinLayout) -> Result<(), BackendError> {
     let mut array: Array<&mut MapData, LayoutInfo> =
         Array::try_from(layout_map).map_err(map_error("could not open map layout"))?;
     array
-        .set(0, &LayoutInfo::CURRENT, 0)
+        .set(0, &LayoutInfo::current(object_id()), 0)
         .map_err(map_error("could not write map layout"))?;
     Ok(())
 }
