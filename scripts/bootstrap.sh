@@ -62,7 +62,7 @@ ensure_toolchain() {
     done
 }
 ensure_toolchain "$userspace_toolchain" clippy rustfmt
-ensure_toolchain "$ebpf_toolchain" rust-src clippy rustfmt
+ensure_toolchain "$ebpf_toolchain" rust-src llvm-tools clippy rustfmt
 step "toolchains $userspace_toolchain (userspace) and $ebpf_toolchain (eBPF) present"
 
 # bpf-linker must link the very libLLVM of the eBPF nightly; it is rebuilt when that changes.

@@ -368,3 +368,17 @@ fn del_ignores_the_rest_of_its_config() {
         "DEL removed the mapping"
     );
 }
+
+#[test]
+fn a_pin_path_outside_bpffs_is_error_102() {
+    let dir = std::env::temp_dir().join("cnibpf-test-not-bpffs");
+    let _ = std::fs::remove_dir_all(&dir);
+    let sim = SimHost::new("proto-notbpffs", json!({ "pinPath": dir }));
+    let error = sim
+        .add_container("c1", port_mappings(&[(8080, 80, "tcp")]))
+        .expect_err("a pinPath on tmpfs cannot hold pins");
+    assert_cni_error(&error.0, 102, "could not prepare bpffs directory");
+    assert!(!dir.exists(), "a wrong pinPath must not be created");
+    assert!(sim.tcx_programs(UPLINK).is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -25,6 +25,8 @@ enum Task {
     BuildEbpf,
     /// Build the eBPF object and the cnibpf binary.
     Build,
+    /// Disassemble the eBPF object with source lines (the nightly's llvm-objdump).
+    Objdump,
     /// cargo fmt --check and clippy -D warnings, userspace and eBPF.
     Lint,
     /// Everything CI checks: build, lint, unit and integration tests.
@@ -41,6 +43,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Task::BuildEbpf => build_ebpf(),
         Task::Build => build(),
+        Task::Objdump => objdump(),
         Task::Lint => lint(),
         Task::Test { filter } => test(&filter),
         Task::Demo => {
@@ -135,6 +138,32 @@ fn build_ebpf() -> Result<()> {
         std::fs::metadata(&object)?.len()
     );
     Ok(())
+}
+
+fn objdump() -> Result<()> {
+    build_ebpf()?;
+    let root = workspace_root();
+    let channel = toolchain_channel(&root.join("cnibpf-ebpf/rust-toolchain.toml"))?;
+    let output = Command::new("rustup")
+        .args(["run", &channel, "rustc", "--print", "sysroot"])
+        .output()
+        .context("ask rustup for the nightly's sysroot")?;
+    let sysroot = PathBuf::from(String::from_utf8(output.stdout)?.trim());
+    let host = std::env::consts::ARCH.to_owned() + "-unknown-linux-gnu";
+    let tool = sysroot
+        .join("lib/rustlib")
+        .join(host)
+        .join("bin/llvm-objdump");
+    let mut command = Command::new(&tool);
+    command
+        .args([
+            "--disassemble",
+            "--line-numbers",
+            "--no-show-raw-insn",
+            "--section=classifier",
+        ])
+        .arg(root.join("target/bpfel-unknown-none/release/cnibpf"));
+    run(command, "llvm-objdump of the eBPF object")
 }
 
 fn cargo(args: &[&str]) -> Command {

@@ -91,11 +91,17 @@ impl EbpfBackend {
     /// passing unhooked.
     pub fn load(pins: &PinLayout) -> Result<Self, BackendError> {
         prepare_pin_dir(pins)?;
-        let current = check_layout(pins)? == PinnedState::Current;
+        let state = check_layout(pins)?;
         let programs_present = PROGRAMS.iter().all(|name| pins.program(name).exists());
-        if !(current && programs_present) {
-            load_object(pins)?;
-            relink(pins)?;
+        if state == PinnedState::Current && programs_present {
+            return Self::open_maps(pins);
+        }
+        if let Err(error) = load_object(pins).and_then(|()| relink(pins)) {
+            // Nothing of an attachment lives there yet: leave no half-loaded maps behind.
+            if state == PinnedState::Absent {
+                let _ = fs::remove_dir_all(pins.root());
+            }
+            return Err(error);
         }
         Self::open_maps(pins)
     }
@@ -789,13 +795,15 @@ fn prepare_pin_dir(pins: &PinLayout) -> Result<(), BackendError> {
         )
         .map_err(|errno| error(Path::new(BPFFS_MOUNT_POINT))(io::Error::from(errno)))?;
     }
-    for dir in [pins.programs_dir(), pins.links_dir()] {
-        fs::create_dir_all(&dir).map_err(error(&dir))?;
-    }
-    if !is_bpffs(root) {
+    // Checked on the nearest existing ancestor, so that a wrong pinPath creates nothing.
+    let existing = root.ancestors().find(|dir| dir.exists()).unwrap_or(root);
+    if !is_bpffs(existing) {
         return Err(error(root)(io::Error::other(
             "not on a bpf filesystem (mount -t bpf bpf <dir>)",
         )));
+    }
+    for dir in [pins.programs_dir(), pins.links_dir()] {
+        fs::create_dir_all(&dir).map_err(error(&dir))?;
     }
     Ok(())
 }
