@@ -59,7 +59,8 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 })
             })
             .collect();
-        let document = json!({ "pinPath": pin_path, "attachments": list });
+        let document =
+            json!({ "pinPath": pin_path, "lockFile": pins.lock_file(), "attachments": list });
         let _ = writeln!(out, "{document:#}");
         return Ok(());
     }

@@ -248,7 +248,9 @@ impl Drop for SimHost {
         }
         let _ = std::fs::remove_dir_all(&self.pin_path);
         let _ = std::fs::remove_dir_all(&self.work_dir);
-        let _ = std::fs::remove_file(self.lock_file());
+        if let Some(lock_file) = self.try_lock_file() {
+            let _ = std::fs::remove_file(lock_file);
+        }
     }
 }
 
@@ -380,15 +382,22 @@ impl SimHost {
             .unwrap_or_else(|| panic!("no host interface in {}", container.result))
     }
 
-    /// The lock file cnibpf uses for this host's pinPath (the format `paths.rs` documents).
+    /// The lock file cnibpf uses for this host's pinPath, as `cnibpf inspect` reports it.
     pub fn lock_file(&self) -> PathBuf {
-        let name: String = self
-            .pin_path
-            .to_string_lossy()
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-            .collect();
-        PathBuf::from(format!("/run/cnibpf/{name}.lock"))
+        self.try_lock_file().unwrap_or_else(|| {
+            panic!(
+                "cnibpf inspect reports no lockFile for {}",
+                self.pin_path.display()
+            )
+        })
+    }
+
+    /// [`Self::lock_file`] that cannot panic, for `Drop`.
+    fn try_lock_file(&self) -> Option<PathBuf> {
+        let pin_path = self.pin_path.display().to_string();
+        let output = self.cnibpf(&["inspect", "--json", "--pin-path", &pin_path]);
+        let inspect: Value = serde_json::from_slice(&output.stdout).ok()?;
+        inspect["lockFile"].as_str().map(PathBuf::from)
     }
 
     /// `cnibpf inspect --json` of this host's pinPath.
