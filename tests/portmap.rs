@@ -392,9 +392,10 @@ fn programs_of_another_build_are_replaced_and_links_follow() {
     let old_uplink = sim.pinned_program_id("uplink_ingress");
 
     // As if an older cnibpf of the same map layout had pinned the programs.
+    let version = sim.layout_version();
     let mut layout = Vec::new();
     layout.extend(u64::from_le_bytes(*b"cnibpf\0\0").to_le_bytes());
-    layout.extend(1u32.to_le_bytes());
+    layout.extend(version.to_le_bytes());
     layout.extend(0u32.to_le_bytes());
     layout.extend(42u64.to_le_bytes());
     sim.write_layout(&layout);

@@ -7,10 +7,14 @@
 //! `bpftool map dump` shows them as people write them; the programs convert when they compare.
 #![no_std]
 
+pub mod endpoint;
+pub mod host_addr;
 pub mod layout;
 pub mod nat_flow;
 pub mod owner;
 pub mod portmap;
+pub mod settings;
+pub mod sock_rev;
 
 /// `AF_INET`, as stored in the `family` field of keys.
 pub const FAMILY_IPV4: u8 = 2;

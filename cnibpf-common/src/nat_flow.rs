@@ -1,10 +1,12 @@
 //! `nat_flows`: translated connections, for reversing the translation on replies.
 //!
-//! Key: [`NatFlowKey`] — the 5-tuple of a reply as it leaves the host (source = container side).
-//! Value: [`NatFlowValue`] — the address and port the client originally talked to, and the owner.
-//! Written by `uplink_ingress` when it translates a packet to a hostPort; read by `uplink_egress`
-//! to rewrite replies; entries of an attachment are deleted by the CNI plugin on DEL and GC.
-//! An LRU map: when full, the least recently used flow is evicted rather than new flows failing.
+//! Key: [`NatFlowKey`] — the 5-tuple of a reply as the container sends it.
+//! Value: [`NatFlowValue`] — what the reply's source and destination become, and where it goes.
+//! Written by `uplink_ingress` and `from_container` when they translate a packet to a hostPort;
+//! read by `from_container` (and `uplink_egress`, the fallback when the host stack routed the
+//! reply) to rewrite replies; entries of an attachment are deleted by the CNI plugin on DEL and
+//! GC. An LRU map: when full, the least recently used flow is evicted rather than new flows
+//! failing.
 
 use crate::impl_pod;
 
@@ -29,14 +31,27 @@ const _: () = assert!(size_of::<NatFlowKey>() == 40);
 pub struct NatFlowValue {
     /// Address the client sent to (the reply's new source).
     pub orig_addr: [u8; 16],
+    /// The client's own address (the reply's new destination); differs from the key's
+    /// destination only for hairpin traffic a container sent to its own hostPort, whose source
+    /// was translated to the gateway.
+    pub peer_addr: [u8; 16],
     /// Owner id of the attachment whose mapping translated the flow.
     pub owner: u64,
     /// `bpf_ktime_get_ns` of the last packet from the client, refreshed at most once a second.
     pub last_seen_ns: u64,
+    /// For hairpin traffic, the client container's host-side veth: the reply is handed to its
+    /// peer directly. Zero: the reply is routed (to an uplink).
+    pub peer_ifindex: u32,
     /// Port the client sent to (the reply's new source port).
     pub orig_port: u16,
-    pub _pad: [u8; 6],
+    /// The client's own port (the reply's new destination port).
+    pub peer_port: u16,
+    /// For hairpin traffic: the client container's MAC address.
+    pub peer_mac: [u8; 6],
+    /// For hairpin traffic: the gateway MAC the client container expects replies from.
+    pub gateway_mac: [u8; 6],
+    pub _pad: [u8; 4],
 }
-const _: () = assert!(size_of::<NatFlowValue>() == 40);
+const _: () = assert!(size_of::<NatFlowValue>() == 72);
 
 impl_pod!(NatFlowKey, NatFlowValue);

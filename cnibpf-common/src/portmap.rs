@@ -3,7 +3,8 @@
 //! Key: [`PortMapKey`] — (host address, hostPort, protocol, family); an all-zero address is the
 //! wildcard that matches any address the host owns. Value: [`PortMapValue`] — where the traffic
 //! goes and which attachment owns the mapping. Written by the CNI plugin (ADD, DEL, GC), read by
-//! `uplink_ingress` for every packet that arrives from outside.
+//! `uplink_ingress` for traffic from outside, by `from_container` for hairpin traffic and by the
+//! socket hooks for connections of host processes.
 
 use crate::impl_pod;
 
@@ -31,10 +32,17 @@ pub struct PortMapValue {
     pub container_addr: [u8; 16],
     /// Owner id of the attachment (key of the `owners` map).
     pub owner: u64,
+    /// Index of the container's host-side veth: translated packets are handed straight to its
+    /// peer inside the container (`bpf_redirect_peer`), past the bridge and the host stack.
+    pub host_ifindex: u32,
     /// containerPort.
     pub container_port: u16,
+    /// MAC address of the container's interface (destination of redirected frames).
+    pub container_mac: [u8; 6],
+    /// MAC address of the container's gateway (source of redirected frames).
+    pub gateway_mac: [u8; 6],
     pub _pad: [u8; 6],
 }
-const _: () = assert!(size_of::<PortMapValue>() == 32);
+const _: () = assert!(size_of::<PortMapValue>() == 48);
 
 impl_pod!(PortMapKey, PortMapValue);

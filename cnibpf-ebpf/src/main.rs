@@ -29,12 +29,11 @@ pub fn uplink_egress(ctx: TcContext) -> i32 {
     portmap::try_uplink_egress(&ctx).unwrap_or_else(DatapathError::verdict)
 }
 
-/// Container host-side interface, TC ingress: packets the container sends. The attachment point
-/// for egress filtering, masquerade and hairpin, which later datapath slices fill in; until then
-/// every packet continues to the host stack unchanged.
+/// Container host-side interface, TC ingress: packets the container sends. Replies of
+/// translated flows and hairpin traffic to hostPorts; everything else continues unchanged.
 #[classifier]
-pub fn from_container(_ctx: TcContext) -> i32 {
-    TC_ACT_OK
+pub fn from_container(ctx: TcContext) -> i32 {
+    portmap::try_from_container(&ctx).unwrap_or_else(DatapathError::verdict)
 }
 
 /// Container host-side interface, TC egress: packets towards the container. The attachment point

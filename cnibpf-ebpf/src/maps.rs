@@ -7,10 +7,14 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use cnibpf_common::{
+    endpoint::{self, EndpointInfo},
+    host_addr::{self, HostAddrKey},
     layout::{self, LayoutInfo},
     nat_flow::{self, NatFlowKey, NatFlowValue},
     owner::{self, OwnerInfo},
     portmap::{self, PortMapKey, PortMapValue},
+    settings::{self, Settings},
+    sock_rev::{self, SockRevKey, SockRevValue},
 };
 
 /// Map names are the pin names users pass to bpftool, so they are lowercase like the files.
@@ -43,3 +47,34 @@ pub static owners: HashMap<u64, OwnerInfo, { owner::MAX_ENTRIES as usize }> = Ha
 )]
 #[btf_map(pin_by_name)]
 pub static layout: Array<LayoutInfo, { layout::MAX_ENTRIES as usize }> = Array::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static endpoints: HashMap<u32, EndpointInfo, { endpoint::MAX_ENTRIES as usize }> =
+    HashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static host_addrs: HashMap<HostAddrKey, u32, { host_addr::MAX_ENTRIES as usize }> =
+    HashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static settings: Array<Settings, { settings::MAX_ENTRIES as usize }> = Array::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static sock_rev: LruHashMap<SockRevKey, SockRevValue, { sock_rev::MAX_ENTRIES as usize }> =
+    LruHashMap::new();

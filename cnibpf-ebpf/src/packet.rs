@@ -1,20 +1,35 @@
-//! Packet parsing and rewriting shared by the programs. Offsets are from the start of the
-//! Ethernet header, as TC programs see the packet; multi-byte fields are kept in network byte
-//! order exactly as loaded.
+//! Parsing and rewriting of IPv4 and IPv6 TCP, UDP and SCTP packets as TC programs see them
+//! (offsets from the Ethernet header). Addresses are kept as the 16-byte map form (IPv4 in the
+//! first four bytes), ports in network byte order as on the wire.
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT},
+    EbpfContext as _,
+    bindings::{
+        __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH,
+        BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_OUTPUT, TC_ACT_OK,
+        TC_ACT_SHOT, bpf_fib_lookup,
+    },
+    helpers::{
+        bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh,
+        bpf_redirect_peer,
+    },
     programs::TcContext,
 };
-use cnibpf_common::{PROTO_TCP, PROTO_UDP};
+use cnibpf_common::{FAMILY_IPV4, FAMILY_IPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
 const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
 const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
 const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
+const IPV6_HLEN: usize = 40;
+const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
+const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 /// More-fragments flag and fragment offset: any bit set means this is a fragment.
 const IPV4_FRAGMENT_MASK: u16 = 0x3fff;
+/// Enough of any L4 header for ports and checksum, pulled into the linear area up front.
+const L4_PULL: usize = 20;
 
 /// Why a program stopped early, and what that means for the packet.
 #[derive(Clone, Copy)]
@@ -35,67 +50,105 @@ impl DatapathError {
     }
 }
 
-/// An IPv4 TCP or UDP packet, addresses and ports as on the wire.
+/// A TCP, UDP or SCTP packet over IPv4 (unfragmented) or IPv6 (no extension headers).
 #[derive(Clone, Copy)]
-pub struct Ipv4Flow {
+pub struct Flow {
+    pub family: u8,
     pub protocol: u8,
-    pub saddr: u32,
-    pub daddr: u32,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    /// Network byte order.
     pub sport: u16,
+    /// Network byte order.
     pub dport: u16,
-    /// Total length from the IPv4 header, host byte order.
-    pub total_len: u16,
+    /// Length of the IP packet, host byte order (for the FIB's MTU check).
+    pub ip_len: u16,
     l4_off: usize,
 }
 
-impl Ipv4Flow {
-    /// Parses an unfragmented IPv4 TCP or UDP packet; `None` for anything else.
+fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
+    let start = ctx.data();
+    if start + offset + size_of::<T>() > ctx.data_end() {
+        return Err(DatapathError::Truncated);
+    }
+    // SAFETY: the range was checked against data_end just above; unaligned reads are how
+    // packet fields are read.
+    Ok(unsafe { ((start + offset) as *const T).read_unaligned() })
+}
+
+impl Flow {
     pub fn parse(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
-        let ethertype: u16 = ctx.load(12).map_err(|_| DatapathError::Truncated)?;
-        if ethertype != ETH_P_IP.to_be() {
-            return Ok(None);
+        // Headers of a full-size IPv6 TCP packet; a no-op when they are linear already.
+        let _ = ctx.pull_data((ETH_HLEN + IPV6_HLEN + L4_PULL) as u32);
+        let ethertype: u16 = load(ctx, 12)?;
+        if ethertype == ETH_P_IP.to_be() {
+            Self::parse_ipv4(ctx)
+        } else if ethertype == ETH_P_IPV6.to_be() {
+            Self::parse_ipv6(ctx)
+        } else {
+            Ok(None)
         }
-        let version_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| DatapathError::Truncated)?;
+    }
+
+    fn parse_ipv4(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
+        let version_ihl: u8 = load(ctx, ETH_HLEN)?;
         let header_len = usize::from(version_ihl & 0x0f) * 4;
         if version_ihl >> 4 != 4 || header_len < 20 {
             return Ok(None);
         }
-        let fragment: u16 = ctx
-            .load(ETH_HLEN + 6)
-            .map_err(|_| DatapathError::Truncated)?;
+        let fragment: u16 = load(ctx, ETH_HLEN + 6)?;
         if u16::from_be(fragment) & IPV4_FRAGMENT_MASK != 0 {
             return Ok(None);
         }
-        let protocol: u8 = ctx
-            .load(ETH_HLEN + 9)
-            .map_err(|_| DatapathError::Truncated)?;
-        if protocol != PROTO_TCP && protocol != PROTO_UDP {
+        let protocol: u8 = load(ctx, ETH_HLEN + 9)?;
+        if !is_translated_protocol(protocol) {
             return Ok(None);
         }
-        let total_len: u16 = ctx
-            .load(ETH_HLEN + 2)
-            .map_err(|_| DatapathError::Truncated)?;
+        let total_len: u16 = load(ctx, ETH_HLEN + 2)?;
         let l4_off = ETH_HLEN + header_len;
+        let saddr: [u8; 4] = load(ctx, IPV4_SADDR_OFF)?;
+        let daddr: [u8; 4] = load(ctx, IPV4_DADDR_OFF)?;
         Ok(Some(Self {
+            family: FAMILY_IPV4,
             protocol,
-            saddr: ctx
-                .load(IPV4_SADDR_OFF)
-                .map_err(|_| DatapathError::Truncated)?,
-            daddr: ctx
-                .load(IPV4_DADDR_OFF)
-                .map_err(|_| DatapathError::Truncated)?,
-            sport: ctx.load(l4_off).map_err(|_| DatapathError::Truncated)?,
-            dport: ctx.load(l4_off + 2).map_err(|_| DatapathError::Truncated)?,
-            total_len: u16::from_be(total_len),
+            saddr: widen(saddr),
+            daddr: widen(daddr),
+            sport: load(ctx, l4_off)?,
+            dport: load(ctx, l4_off + 2)?,
+            ip_len: u16::from_be(total_len),
             l4_off,
         }))
     }
 
-    fn l4_csum_off(&self) -> usize {
-        if self.protocol == PROTO_TCP {
-            self.l4_off + 16
-        } else {
-            self.l4_off + 6
+    fn parse_ipv6(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
+        let version: u8 = load(ctx, ETH_HLEN)?;
+        if version >> 4 != 6 {
+            return Ok(None);
+        }
+        let protocol: u8 = load(ctx, ETH_HLEN + 6)?;
+        if !is_translated_protocol(protocol) {
+            return Ok(None);
+        }
+        let payload_len: u16 = load(ctx, ETH_HLEN + 4)?;
+        let l4_off = ETH_HLEN + IPV6_HLEN;
+        Ok(Some(Self {
+            family: FAMILY_IPV6,
+            protocol,
+            saddr: load(ctx, IPV6_SADDR_OFF)?,
+            daddr: load(ctx, IPV6_DADDR_OFF)?,
+            sport: load(ctx, l4_off)?,
+            dport: load(ctx, l4_off + 2)?,
+            ip_len: u16::from_be(payload_len).saturating_add(IPV6_HLEN as u16),
+            l4_off,
+        }))
+    }
+
+    /// Offset of the L4 checksum that covers the addresses; SCTP's CRC32c does not.
+    fn l4_csum_off(&self) -> Option<usize> {
+        match self.protocol {
+            PROTO_TCP => Some(self.l4_off + 16),
+            PROTO_UDP => Some(self.l4_off + 6),
+            _ => None,
         }
     }
 
@@ -108,79 +161,237 @@ impl Ipv4Flow {
         }
     }
 
-    /// Rewrites the destination address and port, fixing the IPv4 and L4 checksums.
-    pub fn rewrite_destination(
-        &self,
-        ctx: &TcContext,
-        addr: u32,
-        port: u16,
-    ) -> Result<(), DatapathError> {
-        self.rewrite_address(ctx, IPV4_DADDR_OFF, self.daddr, addr)?;
-        self.rewrite_port(ctx, self.l4_off + 2, self.dport, port)
-    }
-
-    /// Rewrites the source address and port, fixing the IPv4 and L4 checksums.
+    /// Rewrites the source address and port (network byte order), fixing checksums.
     pub fn rewrite_source(
-        &self,
+        &mut self,
         ctx: &TcContext,
-        addr: u32,
+        addr: &[u8; 16],
         port: u16,
     ) -> Result<(), DatapathError> {
-        self.rewrite_address(ctx, IPV4_SADDR_OFF, self.saddr, addr)?;
-        self.rewrite_port(ctx, self.l4_off, self.sport, port)
+        self.rewrite_address(ctx, Side::Source, addr)?;
+        self.rewrite_port(ctx, Side::Source, port)?;
+        self.saddr = *addr;
+        self.sport = port;
+        Ok(())
     }
 
+    /// Rewrites the destination address and port (network byte order), fixing checksums.
+    pub fn rewrite_destination(
+        &mut self,
+        ctx: &TcContext,
+        addr: &[u8; 16],
+        port: u16,
+    ) -> Result<(), DatapathError> {
+        self.rewrite_address(ctx, Side::Destination, addr)?;
+        self.rewrite_port(ctx, Side::Destination, port)?;
+        self.daddr = *addr;
+        self.dport = port;
+        Ok(())
+    }
+
+    // BPF calls take at most five arguments: these helpers are inlined, and take few.
+    #[inline(always)]
     fn rewrite_address(
         &self,
         ctx: &TcContext,
-        offset: usize,
-        old: u32,
-        new: u32,
+        side: Side,
+        new: &[u8; 16],
     ) -> Result<(), DatapathError> {
-        if old == new {
+        let (old, v4_off, v6_off) = match side {
+            Side::Source => (self.saddr, IPV4_SADDR_OFF, IPV6_SADDR_OFF),
+            Side::Destination => (self.daddr, IPV4_DADDR_OFF, IPV6_DADDR_OFF),
+        };
+        if old == *new {
             return Ok(());
         }
-        let pseudo_header = u64::from(BPF_F_PSEUDO_HDR) | self.l4_csum_flags() | 4;
-        ctx.l4_csum_replace(
-            self.l4_csum_off(),
-            u64::from(old),
-            u64::from(new),
-            pseudo_header,
-        )
-        .and_then(|()| ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(old), u64::from(new), 4))
-        .and_then(|()| ctx.store(offset, &new, 0))
-        .map_err(|_| DatapathError::RewriteFailed)
+        let failed = |_| DatapathError::RewriteFailed;
+        if self.family == FAMILY_IPV4 {
+            let old4 = u32::from_ne_bytes([old[0], old[1], old[2], old[3]]);
+            let new4 = u32::from_ne_bytes([new[0], new[1], new[2], new[3]]);
+            if let Some(csum_off) = self.l4_csum_off() {
+                let flags = u64::from(BPF_F_PSEUDO_HDR) | self.l4_csum_flags() | 4;
+                ctx.l4_csum_replace(csum_off, u64::from(old4), u64::from(new4), flags)
+                    .map_err(failed)?;
+            }
+            ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(old4), u64::from(new4), 4)
+                .map_err(failed)?;
+            ctx.store(v4_off, &new4, 0).map_err(failed)
+        } else {
+            if let Some(csum_off) = self.l4_csum_off() {
+                let mut from = old;
+                let mut to = *new;
+                // SAFETY: both buffers are 16 bytes on this program's stack.
+                let diff = unsafe {
+                    bpf_csum_diff(from.as_mut_ptr().cast(), 16, to.as_mut_ptr().cast(), 16, 0)
+                };
+                if diff < 0 {
+                    return Err(DatapathError::RewriteFailed);
+                }
+                let flags = u64::from(BPF_F_PSEUDO_HDR) | self.l4_csum_flags();
+                ctx.l4_csum_replace(csum_off, 0, diff as u64, flags)
+                    .map_err(failed)?;
+            }
+            ctx.store(v6_off, new, 0).map_err(failed)
+        }
     }
 
-    fn rewrite_port(
-        &self,
-        ctx: &TcContext,
-        offset: usize,
-        old: u16,
-        new: u16,
-    ) -> Result<(), DatapathError> {
+    #[inline(always)]
+    fn rewrite_port(&self, ctx: &TcContext, side: Side, new: u16) -> Result<(), DatapathError> {
+        let (old, offset) = match side {
+            Side::Source => (self.sport, self.l4_off),
+            Side::Destination => (self.dport, self.l4_off + 2),
+        };
         if old == new {
             return Ok(());
         }
-        ctx.l4_csum_replace(
-            self.l4_csum_off(),
-            u64::from(old),
-            u64::from(new),
-            self.l4_csum_flags() | 2,
-        )
-        .and_then(|()| ctx.store(offset, &new, 0))
-        .map_err(|_| DatapathError::RewriteFailed)
+        let failed = |_| DatapathError::RewriteFailed;
+        if let Some(csum_off) = self.l4_csum_off() {
+            ctx.l4_csum_replace(
+                csum_off,
+                u64::from(old),
+                u64::from(new),
+                self.l4_csum_flags() | 2,
+            )
+            .map_err(failed)?;
+        } else {
+            // SCTP's CRC32c covers the ports; userspace refuses mappings that would change them.
+            return Err(DatapathError::RewriteFailed);
+        }
+        ctx.store(offset, &new, 0).map_err(failed)
     }
 }
 
-/// An IPv4 address as stored in map keys: the four bytes on the wire, then zeros.
-pub fn ipv4_key_addr(addr: u32) -> [u8; 16] {
+#[derive(Clone, Copy)]
+enum Side {
+    Source,
+    Destination,
+}
+
+fn is_translated_protocol(protocol: u8) -> bool {
+    protocol == PROTO_TCP || protocol == PROTO_UDP || protocol == PROTO_SCTP
+}
+
+/// An IPv4 address in the 16-byte map form.
+pub fn widen(addr: [u8; 4]) -> [u8; 16] {
     let mut out = [0u8; 16];
-    out[..4].copy_from_slice(&addr.to_ne_bytes());
+    out[0] = addr[0];
+    out[1] = addr[1];
+    out[2] = addr[2];
+    out[3] = addr[3];
     out
 }
 
-/// The IPv4 address stored in the first four bytes of a map address.
-pub fn ipv4_from_key_addr(addr: &[u8; 16]) -> u32 {
-    u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]])
+/// Writes the Ethernet destination and source addresses.
+pub fn set_macs(
+    ctx: &TcContext,
+    destination: &[u8; 6],
+    source: &[u8; 6],
+) -> Result<(), DatapathError> {
+    ctx.store(0, destination, 0)
+        .and_then(|()| ctx.store(6, source, 0))
+        .map_err(|_| DatapathError::RewriteFailed)
+}
+
+/// Hands the packet to the peer of veth `ifindex` (into the container's namespace), skipping
+/// the bridge and the host stack.
+pub fn redirect_to_peer(ifindex: u32) -> i32 {
+    // SAFETY: bpf_redirect_peer has no memory arguments.
+    unsafe { bpf_redirect_peer(ifindex, 0) as i32 }
+}
+
+/// What the FIB says about a packet's destination.
+pub enum Route {
+    /// Forwarded out of `ifindex` to the neighbour with these MACs.
+    Neighbour {
+        ifindex: u32,
+        source: [u8; 6],
+        destination: [u8; 6],
+    },
+    /// Forwarded out of `ifindex`, neighbour not resolved yet.
+    Unresolved { ifindex: u32 },
+    /// Addressed to the host itself.
+    Local,
+    /// Anything else (no route, blackhole, forwarding off, ...): the host stack decides.
+    Other,
+}
+
+/// Looks the flow's current destination up in the FIB, as the host would route a packet it
+/// sends itself (`BPF_FIB_LOOKUP_OUTPUT`) or one it received on the context's interface.
+pub fn route(ctx: &TcContext, flow: &Flow, as_output: bool) -> Route {
+    // SAFETY: bpf_fib_lookup is plain old data; all-zero is its documented initial state.
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    params.family = flow.family;
+    params.l4_protocol = flow.protocol;
+    params.sport = flow.sport;
+    params.dport = flow.dport;
+    params.__bindgen_anon_1.tot_len = flow.ip_len;
+    if flow.family == FAMILY_IPV4 {
+        params.__bindgen_anon_3.ipv4_src =
+            u32::from_ne_bytes([flow.saddr[0], flow.saddr[1], flow.saddr[2], flow.saddr[3]]);
+        params.__bindgen_anon_4.ipv4_dst =
+            u32::from_ne_bytes([flow.daddr[0], flow.daddr[1], flow.daddr[2], flow.daddr[3]]);
+    } else {
+        params.__bindgen_anon_3.ipv6_src = words(&flow.saddr);
+        params.__bindgen_anon_4.ipv6_dst = words(&flow.daddr);
+    }
+    let skb = ctx.as_ptr();
+    // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
+    params.ifindex = unsafe { (*skb.cast::<__sk_buff>()).ifindex };
+    let flags = if as_output { BPF_FIB_LOOKUP_OUTPUT } else { 0 };
+    // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
+    let rc = unsafe {
+        fib_lookup(
+            skb,
+            &raw mut params,
+            size_of::<bpf_fib_lookup>() as i32,
+            flags,
+        )
+    };
+    match rc as u32 {
+        BPF_FIB_LKUP_RET_SUCCESS => {
+            // SAFETY: on success the kernel filled in the MAC addresses.
+            let macs = unsafe { params.__bindgen_anon_6.__bindgen_anon_2 };
+            Route::Neighbour {
+                ifindex: params.ifindex,
+                source: macs.smac,
+                destination: macs.dmac,
+            }
+        }
+        BPF_FIB_LKUP_RET_NO_NEIGH => Route::Unresolved {
+            ifindex: params.ifindex,
+        },
+        BPF_FIB_LKUP_RET_NOT_FWDED => Route::Local,
+        _ => Route::Other,
+    }
+}
+
+/// Sends the packet on along `route`; `None` when the route is not one to send it on.
+pub fn forward(ctx: &TcContext, route: &Route) -> Result<Option<i32>, DatapathError> {
+    match route {
+        Route::Neighbour {
+            ifindex,
+            source,
+            destination,
+        } => {
+            set_macs(ctx, destination, source)?;
+            // SAFETY: bpf_redirect has no memory arguments.
+            Ok(Some(unsafe { bpf_redirect(*ifindex, 0) as i32 }))
+        }
+        Route::Unresolved { ifindex } => {
+            // SAFETY: a null parameter block asks the kernel to resolve the next hop itself.
+            Ok(Some(unsafe {
+                bpf_redirect_neigh(*ifindex, core::ptr::null_mut(), 0, 0) as i32
+            }))
+        }
+        Route::Local | Route::Other => Ok(None),
+    }
+}
+
+fn words(addr: &[u8; 16]) -> [u32; 4] {
+    [
+        u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]),
+        u32::from_ne_bytes([addr[4], addr[5], addr[6], addr[7]]),
+        u32::from_ne_bytes([addr[8], addr[9], addr[10], addr[11]]),
+        u32::from_ne_bytes([addr[12], addr[13], addr[14], addr[15]]),
+    ]
 }

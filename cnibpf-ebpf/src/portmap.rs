@@ -1,146 +1,256 @@
-//! Port mapping (DNAT of hostIP:hostPort to containerIP:containerPort) at the uplinks.
+//! Port mapping (DNAT of hostIP:hostPort to containerIP:containerPort).
 //!
-//! Ingress looks every packet up in `portmap` first, never in a cached flow, so a hostPort that
-//! changed owner takes effect on the very next packet — also for a UDP client that keeps its
-//! source port. The flow entry only serves to reverse the translation of replies at egress.
+//! Every packet towards a hostPort is looked up in `portmap` first, never in a cached flow, so
+//! a hostPort that changed owner takes effect on the very next packet — also for a UDP client
+//! that keeps its source port. Translated packets are handed straight to the container
+//! (`bpf_redirect_peer`) and replies straight to their next hop, so neither direction crosses
+//! the bridge or the host's IP stack; the flow entry only serves to reverse the translation.
 
 use aya_ebpf::{
     EbpfContext as _,
-    bindings::{__sk_buff, BPF_ANY, BPF_FIB_LKUP_RET_NOT_FWDED, TC_ACT_OK, bpf_fib_lookup},
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_ns},
+    bindings::{__sk_buff, BPF_ANY, TC_ACT_OK},
+    helpers::bpf_ktime_get_ns,
     programs::TcContext,
 };
 use cnibpf_common::{
     FAMILY_IPV4,
+    endpoint::EndpointInfo,
     nat_flow::{NatFlowKey, NatFlowValue},
     portmap::{PortMapKey, PortMapValue},
 };
 
 use crate::{
     maps,
-    packet::{DatapathError, Ipv4Flow, ipv4_from_key_addr, ipv4_key_addr},
+    packet::{DatapathError, Flow, Route, forward, redirect_to_peer, route, set_macs},
 };
 
-const AF_INET: u8 = 2;
 /// How often a flow's `last_seen_ns` is refreshed: writing it on every packet would turn each
 /// packet's lookup into a write that bounces the cache line between CPUs.
 const FLOW_REFRESH_NS: u64 = 1_000_000_000;
 
+/// Traffic from outside, at an uplink's ingress.
 pub fn try_uplink_ingress(ctx: &TcContext) -> Result<i32, DatapathError> {
-    let Some(flow) = Ipv4Flow::parse(ctx)? else {
+    let Some(mut flow) = Flow::parse(ctx)? else {
         return Ok(TC_ACT_OK);
     };
     let Some(mapping) = lookup_mapping(ctx, &flow) else {
         return Ok(TC_ACT_OK);
     };
-    let container_addr = ipv4_from_key_addr(&mapping.container_addr);
-    flow.rewrite_destination(ctx, container_addr, mapping.container_port.to_be())?;
-    remember_flow(&flow, &mapping);
+    let origin = Origin {
+        original_addr: flow.daddr,
+        client_addr: flow.saddr,
+        original_port: flow.dport,
+        client_port: flow.sport,
+        reply_ifindex: 0,
+        client_mac: [0; 6],
+        gateway_mac: [0; 6],
+    };
+    // SAFETY: mapping points into portmap and is read at once; see `lookup_mapping`.
+    let mapping = unsafe { &*mapping };
+    flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
+    remember_flow(&flow, mapping.owner, &origin);
+    set_macs(ctx, &mapping.container_mac, &mapping.gateway_mac)?;
+    Ok(redirect_to_peer(mapping.host_ifindex))
+}
+
+/// Replies that the host stack routed out of an uplink untranslated (when `from_container`
+/// could not route them itself) get the hostPort address back here.
+pub fn try_uplink_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
+    let Some(mut flow) = Flow::parse(ctx)? else {
+        return Ok(TC_ACT_OK);
+    };
+    let Some(entry) = lookup_flow(&flow) else {
+        return Ok(TC_ACT_OK);
+    };
+    // SAFETY: entry points into nat_flows; the fields are copied out before any rewrite.
+    let (orig_addr, orig_port) = unsafe { ((*entry).orig_addr, (*entry).orig_port) };
+    flow.rewrite_source(ctx, &orig_addr, orig_port.to_be())?;
     Ok(TC_ACT_OK)
 }
 
-pub fn try_uplink_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
-    let Some(flow) = Ipv4Flow::parse(ctx)? else {
+/// Packets a container sends, at its host-side veth's ingress: replies of translated flows, and
+/// hairpin traffic to a hostPort of this host.
+pub fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
+    let Some(flow) = Flow::parse(ctx)? else {
         return Ok(TC_ACT_OK);
     };
+    if let Some(verdict) = reply(ctx, &flow)? {
+        return Ok(verdict);
+    }
+    hairpin(ctx, &flow)
+}
+
+/// The reverse translation of a reply, sent on to its next hop; `None` when the packet is not
+/// the reply of a translated flow. Not inlined: the verifier caps the stack of a call chain at
+/// 512 bytes, and the reply and hairpin paths each need much of it.
+#[inline(never)]
+fn reply(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
+    let Some(entry) = lookup_flow(flow) else {
+        return Ok(None);
+    };
+    // SAFETY: entry points into nat_flows; it is copied out field by field before any rewrite.
+    let entry = unsafe { &*entry };
+    let (orig_addr, orig_port) = (entry.orig_addr, entry.orig_port.to_be());
+    let mut flow = *flow;
+    if entry.peer_ifindex != 0 {
+        let (peer_addr, peer_port) = (entry.peer_addr, entry.peer_port.to_be());
+        let (peer_mac, gateway_mac, peer_ifindex) =
+            (entry.peer_mac, entry.gateway_mac, entry.peer_ifindex);
+        flow.rewrite_source(ctx, &orig_addr, orig_port)?;
+        flow.rewrite_destination(ctx, &peer_addr, peer_port)?;
+        set_macs(ctx, &peer_mac, &gateway_mac)?;
+        return Ok(Some(redirect_to_peer(peer_ifindex)));
+    }
+    let mut translated = flow;
+    translated.saddr = orig_addr;
+    translated.sport = orig_port;
+    let next_hop = route(ctx, &translated, true);
+    if !matches!(next_hop, Route::Neighbour { .. } | Route::Unresolved { .. }) {
+        // Left to the host stack untranslated; uplink_egress translates it on the way out.
+        return Ok(Some(TC_ACT_OK));
+    }
+    flow.rewrite_source(ctx, &orig_addr, orig_port)?;
+    Ok(Some(forward(ctx, &next_hop)?.unwrap_or(TC_ACT_OK)))
+}
+
+/// How a translated flow was addressed originally, and where its replies go.
+struct Origin {
+    /// The hostIP the client sent to.
+    original_addr: [u8; 16],
+    /// The client's own address.
+    client_addr: [u8; 16],
+    /// The hostPort, network byte order.
+    original_port: u16,
+    /// The client's own port, network byte order.
+    client_port: u16,
+    /// For hairpin traffic, the client container's host-side veth; zero: replies are routed.
+    reply_ifindex: u32,
+    client_mac: [u8; 6],
+    gateway_mac: [u8; 6],
+}
+
+/// Hairpin traffic: a container to a hostPort of this host, handed straight to the target.
+#[inline(never)]
+fn hairpin(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
+    let Some(mapping) = lookup_mapping(ctx, flow) else {
+        return Ok(TC_ACT_OK);
+    };
+    // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
+    let ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
+    let Some(client) = maps::endpoints.get_ptr(&ifindex) else {
+        return Ok(TC_ACT_OK);
+    };
+    // SAFETY: both point into maps and are read right away; see `lookup_mapping`.
+    let (mapping, client) = unsafe { (&*mapping, &*client) };
+    let origin = Origin {
+        original_addr: flow.daddr,
+        client_addr: flow.saddr,
+        original_port: flow.dport,
+        client_port: flow.sport,
+        reply_ifindex: ifindex,
+        client_mac: client.container_mac,
+        gateway_mac: client.gateway_mac,
+    };
+    // A container reaching its own hostPort would receive a packet from its own address, which
+    // its stack drops as martian: the source becomes its gateway instead.
+    let source = if mapping.container_addr == flow.saddr {
+        match gateway(client, flow.family) {
+            Some(gateway) => gateway,
+            None => return Ok(TC_ACT_OK),
+        }
+    } else {
+        flow.saddr
+    };
+    let mut flow = *flow;
+    flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
+    flow.rewrite_source(ctx, &source, flow.sport)?;
+    remember_flow(&flow, mapping.owner, &origin);
+    set_macs(ctx, &mapping.container_mac, &mapping.gateway_mac)?;
+    Ok(redirect_to_peer(mapping.host_ifindex))
+}
+
+fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<[u8; 16]> {
+    let address = if family == FAMILY_IPV4 {
+        crate::packet::widen(endpoint.gateway_v4)
+    } else {
+        endpoint.gateway_v6
+    };
+    (address != [0; 16]).then_some(address)
+}
+
+fn lookup_flow(flow: &Flow) -> Option<*const NatFlowValue> {
     let key = NatFlowKey {
-        src_addr: ipv4_key_addr(flow.saddr),
-        dst_addr: ipv4_key_addr(flow.daddr),
+        src_addr: flow.saddr,
+        dst_addr: flow.daddr,
         src_port: u16::from_be(flow.sport),
         dst_port: u16::from_be(flow.dport),
         protocol: flow.protocol,
-        family: FAMILY_IPV4,
+        family: flow.family,
         _pad: [0; 2],
     };
-    let Some(entry) = maps::nat_flows.get_ptr(&key) else {
-        return Ok(TC_ACT_OK);
-    };
-    // SAFETY: the pointer came from a successful lookup and is read once, right away; an LRU
-    // eviction racing with this read can at worst yield another flow's bytes, which only the
-    // packet being rewritten would see.
-    let (orig_addr, orig_port) = unsafe { ((*entry).orig_addr, (*entry).orig_port) };
-    flow.rewrite_source(ctx, ipv4_from_key_addr(&orig_addr), orig_port.to_be())?;
-    Ok(TC_ACT_OK)
+    maps::nat_flows.get_ptr(&key)
 }
 
 /// The mapping for the packet's destination: an exact host address first, then the wildcard,
-/// which applies only when the destination is an address of this host.
-fn lookup_mapping(ctx: &TcContext, flow: &Ipv4Flow) -> Option<PortMapValue> {
+/// which applies only when the FIB says the destination is this host, as `-m addrtype
+/// --dst-type LOCAL` does for the reference portmap: routed traffic is never captured.
+///
+/// The pointer is into `portmap`; callers read what they need at once. Userspace replaces
+/// values whole, and a value freed under a reader can at worst misdirect the packet at hand.
+fn lookup_mapping(ctx: &TcContext, flow: &Flow) -> Option<*const PortMapValue> {
     let mut key = PortMapKey {
-        host_addr: ipv4_key_addr(flow.daddr),
+        host_addr: flow.daddr,
         host_port: u16::from_be(flow.dport),
         protocol: flow.protocol,
-        family: FAMILY_IPV4,
+        family: flow.family,
     };
     if let Some(value) = maps::portmap.get_ptr(&key) {
-        // SAFETY: read once right after the lookup; userspace replaces values whole.
-        return Some(unsafe { *value });
+        return Some(value);
     }
     key.host_addr = [0; 16];
-    // SAFETY: as above.
-    let wildcard = maps::portmap.get_ptr(&key).map(|value| unsafe { *value })?;
-    is_local_destination(ctx, flow).then_some(wildcard)
+    let wildcard = maps::portmap.get_ptr(&key)?;
+    matches!(route(ctx, flow, false), Route::Local).then_some(wildcard)
 }
 
-/// Asks the FIB whether the destination is local, as `-m addrtype --dst-type LOCAL` does for
-/// the reference portmap: traffic routed through the host must not be captured by a hostPort.
-fn is_local_destination(ctx: &TcContext, flow: &Ipv4Flow) -> bool {
-    // SAFETY: bpf_fib_lookup is plain old data; all-zero is its documented initial state.
-    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    params.family = AF_INET;
-    params.l4_protocol = flow.protocol;
-    params.sport = flow.sport;
-    params.dport = flow.dport;
-    params.__bindgen_anon_1.tot_len = flow.total_len;
-    params.__bindgen_anon_3.ipv4_src = flow.saddr;
-    params.__bindgen_anon_4.ipv4_dst = flow.daddr;
-    let skb = ctx.as_ptr();
-    // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
-    params.ifindex = unsafe { (*skb.cast::<__sk_buff>()).ifindex };
-    // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
-    let rc = unsafe {
-        fib_lookup(
-            skb.cast(),
-            &raw mut params,
-            size_of::<bpf_fib_lookup>() as i32,
-            0,
-        )
-    };
-    rc == i64::from(BPF_FIB_LKUP_RET_NOT_FWDED)
-}
-
-/// Records how to reverse the translation for the flow's replies; refreshed at most once a
-/// second per flow unless the mapping it came through changed.
-fn remember_flow(flow: &Ipv4Flow, mapping: &PortMapValue) {
+/// Records how to reverse the translation of `flow` (already translated) for its replies;
+/// refreshed at most once a second per flow unless what it records changed.
+#[inline(never)]
+fn remember_flow(flow: &Flow, owner: u64, origin: &Origin) {
     let key = NatFlowKey {
-        src_addr: mapping.container_addr,
-        dst_addr: ipv4_key_addr(flow.saddr),
-        src_port: mapping.container_port,
+        src_addr: flow.daddr,
+        dst_addr: flow.saddr,
+        src_port: u16::from_be(flow.dport),
         dst_port: u16::from_be(flow.sport),
         protocol: flow.protocol,
-        family: FAMILY_IPV4,
+        family: flow.family,
         _pad: [0; 2],
     };
-    let orig_addr = ipv4_key_addr(flow.daddr);
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
+    let orig_port = u16::from_be(origin.original_port);
     if let Some(entry) = maps::nat_flows.get_ptr(&key) {
         // SAFETY: read right after the lookup; a stale read only causes one extra update.
-        let current = unsafe { *entry };
-        if current.orig_addr == orig_addr
-            && current.orig_port == u16::from_be(flow.dport)
-            && current.owner == mapping.owner
+        let current = unsafe { &*entry };
+        if current.owner == owner
+            && current.orig_port == orig_port
+            && current.orig_addr == origin.original_addr
+            && current.peer_ifindex == origin.reply_ifindex
             && now.wrapping_sub(current.last_seen_ns) < FLOW_REFRESH_NS
         {
             return;
         }
     }
     let value = NatFlowValue {
-        orig_addr,
-        owner: mapping.owner,
+        orig_addr: origin.original_addr,
+        peer_addr: origin.client_addr,
+        owner,
         last_seen_ns: now,
-        orig_port: u16::from_be(flow.dport),
-        _pad: [0; 6],
+        peer_ifindex: origin.reply_ifindex,
+        orig_port,
+        peer_port: u16::from_be(origin.client_port),
+        peer_mac: origin.client_mac,
+        gateway_mac: origin.gateway_mac,
+        _pad: [0; 4],
     };
     // A full LRU map evicts; an insert failure leaves the previous entry, which still reverses
     // this flow correctly unless the mapping changed, so there is nothing better to do here.

@@ -95,6 +95,8 @@ pub enum HostInterfaceError {
     Netns(#[from] NetnsError),
     #[error("interface {ifname:?} in {netns} is not a veth: cannot find its host side")]
     NoPeer { ifname: String, netns: String },
+    #[error("interface {0:?} has no MAC address")]
+    NoMac(String),
     #[error("host-side interface {name:?} of {ifname:?} is a {kind}, not a veth")]
     NotVeth {
         name: String,
@@ -103,41 +105,83 @@ pub enum HostInterfaceError {
     },
 }
 
+/// Both ends of the container's veth as cnibpf needs them.
+#[derive(Clone, Debug)]
+pub struct ContainerLink {
+    /// The host-side interface.
+    pub host: Link,
+    /// MAC address of the container-side interface.
+    pub container_mac: [u8; 6],
+    /// MAC address the container's gateway answers with: the bridge the host side is enslaved
+    /// to, or the host side itself (routed setups such as ptp).
+    pub gateway_mac: [u8; 6],
+}
+
 /// The host side of the container's interface: the one veth among prevResult's host
-/// interfaces, or else the peer of CNI_IFNAME inside CNI_NETNS.
-pub fn find_host_interface(
+/// interfaces, or else the peer of CNI_IFNAME inside CNI_NETNS. The container's MAC comes from
+/// prevResult or, failing that, from CNI_IFNAME itself.
+pub fn find_container_link(
     prev: &PrevResult,
     netns: &Path,
     ifname: &str,
-) -> Result<Link, HostInterfaceError> {
+) -> Result<ContainerLink, HostInterfaceError> {
     let host_links = netlink::links()?;
     let mut veths = host_links.iter().filter(|link| {
         link.kind.as_deref() == Some("veth") && prev.host_interfaces.contains(&link.name)
     });
-    if let (Some(only), None) = (veths.next(), veths.next()) {
-        return Ok(only.clone());
-    }
-    let peer_index = {
-        let _guard = NetnsGuard::enter(netns)?;
-        netlink::link_by_name(ifname)?.peer_index
+    let from_prev_result = match (veths.next(), veths.next()) {
+        (Some(only), None) => Some(only.clone()),
+        _ => None,
+    };
+    let inside = match (&from_prev_result, prev.container_mac) {
+        (Some(_), Some(_)) => None,
+        _ => {
+            let _guard = NetnsGuard::enter(netns)?;
+            Some(netlink::link_by_name(ifname)?)
+        }
     };
     let no_peer = || HostInterfaceError::NoPeer {
         ifname: ifname.to_owned(),
         netns: netns.display().to_string(),
     };
-    let peer_index = peer_index.ok_or_else(no_peer)?;
-    let link = host_links
-        .into_iter()
-        .find(|link| link.index == peer_index)
-        .ok_or_else(no_peer)?;
-    match link.kind.as_deref() {
-        Some("veth") => Ok(link),
-        kind => Err(HostInterfaceError::NotVeth {
-            name: link.name,
-            ifname: ifname.to_owned(),
-            kind: kind.unwrap_or("plain device").to_owned(),
-        }),
-    }
+    let host = match from_prev_result {
+        Some(host) => host,
+        None => {
+            let peer_index = inside
+                .as_ref()
+                .and_then(|link| link.peer_index)
+                .ok_or_else(no_peer)?;
+            let link = host_links
+                .iter()
+                .find(|link| link.index == peer_index)
+                .cloned()
+                .ok_or_else(no_peer)?;
+            if link.kind.as_deref() != Some("veth") {
+                return Err(HostInterfaceError::NotVeth {
+                    name: link.name,
+                    ifname: ifname.to_owned(),
+                    kind: link.kind.unwrap_or_else(|| "plain device".to_owned()),
+                });
+            }
+            link
+        }
+    };
+    let container_mac = prev
+        .container_mac
+        .or_else(|| inside.as_ref().and_then(|link| link.mac))
+        .ok_or_else(|| HostInterfaceError::NoMac(ifname.to_owned()))?;
+    let gateway = host
+        .master
+        .and_then(|master| host_links.iter().find(|link| link.index == master))
+        .unwrap_or(&host);
+    let gateway_mac = gateway
+        .mac
+        .ok_or_else(|| HostInterfaceError::NoMac(gateway.name.clone()))?;
+    Ok(ContainerLink {
+        host,
+        container_mac,
+        gateway_mac,
+    })
 }
 
 /// A port mapping for one family, with the container address it leads to.
@@ -258,6 +302,8 @@ mod tests {
             name: "veth1234".to_owned(),
             kind: Some("veth".to_owned()),
             peer_index: None,
+            master: None,
+            mac: None,
         };
         let info = a.to_owner_info(&host);
         assert_eq!(Attachment::from_owner_info(&info), a);

@@ -297,15 +297,12 @@ impl NetConf {
             return not_yet("filter");
         }
         for (position, mapping) in self.port_mappings.iter().enumerate() {
-            if mapping.protocol != Protocol::Tcp && mapping.protocol != Protocol::Udp {
+            // SCTP's CRC32c covers the ports but not the addresses: translating the address
+            // alone keeps it valid, changing a port would mean recomputing it per packet.
+            if mapping.protocol == Protocol::Sctp && mapping.host_port != mapping.container_port {
                 return not_yet(&format!(
-                    "runtimeConfig.portMappings[{position}]: protocol {:?}",
-                    mapping.protocol.name()
-                ));
-            }
-            if matches!(mapping.host_ip, Some(IpAddr::V6(_))) {
-                return not_yet(&format!(
-                    "runtimeConfig.portMappings[{position}]: IPv6 hostIP"
+                    "runtimeConfig.portMappings[{position}]: sctp with hostPort {} != containerPort {}",
+                    mapping.host_port, mapping.container_port
                 ));
             }
         }

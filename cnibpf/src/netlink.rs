@@ -41,6 +41,9 @@ pub struct Link {
     pub kind: Option<String>,
     /// `IFLA_LINK`: for a veth, the peer's index (in the peer's namespace).
     pub peer_index: Option<u32>,
+    /// Index of the bridge (or other master) the interface is enslaved to.
+    pub master: Option<u32>,
+    pub mac: Option<[u8; 6]>,
 }
 
 pub fn links() -> Result<Vec<Link>, NetlinkError> {
@@ -116,11 +119,15 @@ fn link_from_message(message: LinkMessage) -> Link {
         name: String::new(),
         kind: None,
         peer_index: None,
+        master: None,
+        mac: None,
     };
     for attribute in message.attributes {
         match attribute {
             LinkAttribute::IfName(name) => link.name = name,
             LinkAttribute::Link(peer) => link.peer_index = Some(peer),
+            LinkAttribute::Controller(master) => link.master = Some(master),
+            LinkAttribute::Address(bytes) => link.mac = <[u8; 6]>::try_from(bytes.as_slice()).ok(),
             LinkAttribute::LinkInfo(infos) => {
                 link.kind = infos.into_iter().find_map(|info| match info {
                     LinkInfo::Kind(InfoKind::Veth) => Some("veth".to_owned()),

@@ -356,6 +356,22 @@ impl SimHost {
         flows
     }
 
+    /// The layout version the pinned state was written with.
+    pub fn layout_version(&self) -> u32 {
+        let output = crate::netns::run_checked(
+            std::process::Command::new("bpftool")
+                .args(["-j", "map", "dump", "pinned"])
+                .arg(self.pin_path.join("layout")),
+        );
+        let entries: Value = serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("bpftool map dump layout: {error}"));
+        let entry = &entries[0];
+        entry.get("formatted").unwrap_or(entry)["value"]["version"]
+            .as_u64()
+            .and_then(|version| u32::try_from(version).ok())
+            .unwrap_or_else(|| panic!("no version in {entries}"))
+    }
+
     /// Writes the `layout` map's single value, as another build of cnibpf could have left it.
     pub fn write_layout(&self, value: &[u8]) {
         let layout = self.pin_path.join("layout");

@@ -23,6 +23,7 @@ use aya::{
 };
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6,
+    endpoint::{self, EndpointInfo},
     layout::{self, LayoutInfo},
     nat_flow::{self, NatFlowKey, NatFlowValue},
     owner::{self, OwnerInfo},
@@ -68,6 +69,7 @@ pub struct EbpfBackend {
     portmap: HashMap<MapData, PortMapKey, PortMapValue>,
     nat_flows: HashMap<MapData, NatFlowKey, NatFlowValue>,
     owners: HashMap<MapData, u64, OwnerInfo>,
+    endpoints: HashMap<MapData, u32, EndpointInfo>,
 }
 
 impl EbpfBackend {
@@ -120,6 +122,7 @@ impl EbpfBackend {
             portmap: open_pinned(pins, portmap::MAP_NAME)?,
             nat_flows: open_pinned(pins, nat_flow::MAP_NAME)?,
             owners: open_pinned(pins, owner::MAP_NAME)?,
+            endpoints: open_pinned(pins, endpoint::MAP_NAME)?,
         })
     }
 
@@ -252,6 +255,17 @@ impl EbpfBackend {
         Ok(keys)
     }
 
+    /// Removes the `endpoints` entry of `ifindex` if `owner` still holds it (an interface index
+    /// can be reused by another container once the first one's veth is gone).
+    fn forget_endpoint(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
+        match self.endpoints.get(&ifindex, 0) {
+            Ok(info) if info.owner == owner => {
+                remove_entry(&mut self.endpoints, &ifindex, endpoint::MAP_NAME)
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Removes the attachment's flows that `stale` selects.
     fn remove_flows(
         &mut self,
@@ -296,6 +310,9 @@ impl Backend for EbpfBackend {
     fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
         if let Ok(existing) = self.owners.get(&owner, 0) {
+            if existing.host_ifindex != endpoint.host.index {
+                self.forget_endpoint(owner, existing.host_ifindex)?;
+            }
             let holder = Attachment::from_owner_info(&existing);
             if holder != endpoint.attachment {
                 return Err(BackendError::OwnerCollision {
@@ -309,6 +326,19 @@ impl Backend for EbpfBackend {
         self.owners
             .insert(&owner, &info, 0)
             .map_err(map_error("could not record the attachment in map owners"))?;
+        let octets = |gateway: Option<[u8; 16]>| gateway.unwrap_or([0; 16]);
+        let endpoint_info = EndpointInfo {
+            gateway_v6: octets(endpoint.gateway_v6.map(|gateway| gateway.octets())),
+            owner,
+            gateway_v4: endpoint
+                .gateway_v4
+                .map_or([0; 4], |gateway| gateway.octets()),
+            container_mac: endpoint.container_mac,
+            gateway_mac: endpoint.gateway_mac,
+        };
+        self.endpoints
+            .insert(&endpoint.host.index, &endpoint_info, 0)
+            .map_err(map_error("could not write map endpoints"))?;
         let endpoint_pins = self.endpoint_link_pins(owner);
         for hook in Self::endpoint_hooks(&endpoint_pins) {
             self.attach(endpoint.host.index, &hook)?;
@@ -325,6 +355,9 @@ impl Backend for EbpfBackend {
     fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
         for pin in self.endpoint_link_pins(owner) {
             remove_pin(&pin)?;
+        }
+        if let Ok(info) = self.owners.get(&owner, 0) {
+            self.forget_endpoint(owner, info.host_ifindex)?;
         }
         remove_entry(&mut self.owners, &owner, owner::MAP_NAME)?;
         self.teardown_shared_if_unused()
@@ -363,12 +396,13 @@ impl Backend for EbpfBackend {
 
     fn setup_port_mappings(
         &mut self,
-        owner: u64,
+        endpoint: &Endpoint,
         mappings: &[ResolvedMapping],
     ) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
         let mut wanted = Vec::new();
         for mapping in mappings {
-            let (key, value) = entry_for(owner, mapping);
+            let (key, value) = entry_for(endpoint, mapping);
             self.portmap
                 .insert(&key, &value, 0)
                 .map_err(map_error("could not write map portmap"))?;
@@ -397,12 +431,13 @@ impl Backend for EbpfBackend {
 
     fn check_port_mappings(
         &self,
-        owner: u64,
+        endpoint: &Endpoint,
         mappings: &[ResolvedMapping],
     ) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
         let installed: HashSet<PortMapKey> = self.owned_portmap_keys(owner)?.into_iter().collect();
         for mapping in mappings {
-            let (key, value) = entry_for(owner, mapping);
+            let (key, value) = entry_for(endpoint, mapping);
             match self.portmap.get(&key, 0) {
                 Ok(found) if found == value => {}
                 Ok(_) => {
@@ -474,7 +509,7 @@ pub fn describe_mapping(mapping: &ResolvedMapping) -> String {
     )
 }
 
-fn entry_for(owner: u64, mapping: &ResolvedMapping) -> (PortMapKey, PortMapValue) {
+fn entry_for(endpoint: &Endpoint, mapping: &ResolvedMapping) -> (PortMapKey, PortMapValue) {
     let family = if mapping.is_ipv4() {
         FAMILY_IPV4
     } else {
@@ -488,8 +523,11 @@ fn entry_for(owner: u64, mapping: &ResolvedMapping) -> (PortMapKey, PortMapValue
     };
     let value = PortMapValue {
         container_addr: key_addr(mapping.container_addr),
-        owner,
+        owner: endpoint.attachment.owner_id(),
+        host_ifindex: endpoint.host.index,
         container_port: mapping.container_port,
+        container_mac: endpoint.container_mac,
+        gateway_mac: endpoint.gateway_mac,
         _pad: [0; 6],
     };
     (key, value)

@@ -3,7 +3,10 @@
 
 pub mod ebpf;
 
-use std::path::PathBuf;
+use std::{
+    net::{Ipv4Addr, Ipv6Addr},
+    path::PathBuf,
+};
 
 use crate::{
     attachment::{Attachment, ResolvedMapping},
@@ -92,8 +95,16 @@ impl BackendError {
 #[derive(Clone, Debug)]
 pub struct Endpoint {
     pub attachment: Attachment,
+    /// The container's host-side interface.
     pub host: Link,
     pub uplinks: Vec<Link>,
+    /// MAC address of the container's interface.
+    pub container_mac: [u8; 6],
+    /// MAC address the container's gateway answers with (the bridge's, or the host-side
+    /// veth's when it is not enslaved to a bridge).
+    pub gateway_mac: [u8; 6],
+    pub gateway_v4: Option<Ipv4Addr>,
+    pub gateway_v6: Option<Ipv6Addr>,
 }
 
 /// What a backend knows about one attachment it serves.
@@ -117,14 +128,14 @@ pub trait Backend {
     /// Makes the attachment's port mappings exactly `mappings`.
     fn setup_port_mappings(
         &mut self,
-        owner: u64,
+        endpoint: &Endpoint,
         mappings: &[ResolvedMapping],
     ) -> Result<(), BackendError>;
     /// Removes the attachment's port mappings and the state of the flows they translated.
     fn teardown_port_mappings(&mut self, owner: u64) -> Result<(), BackendError>;
     fn check_port_mappings(
         &self,
-        owner: u64,
+        endpoint: &Endpoint,
         mappings: &[ResolvedMapping],
     ) -> Result<(), BackendError>;
 

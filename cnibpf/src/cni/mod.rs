@@ -5,6 +5,7 @@ pub mod result;
 use std::{
     collections::BTreeSet,
     io::{Read as _, Write as _},
+    net::IpAddr,
     path::PathBuf,
 };
 
@@ -142,10 +143,14 @@ pub fn run(command_text: &str) -> i32 {
                 .filter(|version| SUPPORTED_VERSIONS.contains(&version.as_str()))
                 .unwrap_or_else(|| SUPPORTED_VERSIONS[SUPPORTED_VERSIONS.len() - 1].to_owned());
             let cni_error = error.into_cni(&version);
-            eprintln!(
-                "cnibpf: {command_text}: {} ({})",
-                cni_error.msg, cni_error.details
-            );
+            if cni_error.details.is_empty() {
+                eprintln!("cnibpf: {command_text}: {}", cni_error.msg);
+            } else {
+                eprintln!(
+                    "cnibpf: {command_text}: {}: {}",
+                    cni_error.msg, cni_error.details
+                );
+            }
             let _ = writeln!(
                 stdout,
                 "{}",
@@ -195,18 +200,12 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     let prev = PrevResult::parse(prev_result, &env.ifname)?;
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
     let mappings = attachment::resolve_mappings(&conf.port_mappings, &prev)?;
-    if mappings.iter().any(|mapping| !mapping.is_ipv4()) {
-        return Err(ConfigError::NotSupportedYet {
-            feature: "IPv6 port mappings (the container has an IPv6 address)".to_owned(),
-        }
-        .into());
-    }
     let netns = env.netns.clone().ok_or(EnvError::Missing("CNI_NETNS"))?;
     if !netns.exists() {
         return Err(EnvError::Netns(netns.display().to_string()).into());
     }
-    let host =
-        attachment::find_host_interface(&prev, &netns, &env.ifname).map_err(EnvError::from)?;
+    let link =
+        attachment::find_container_link(&prev, &netns, &env.ifname).map_err(EnvError::from)?;
     let uplinks = resolve_uplinks(conf)?;
     if !mappings.is_empty() && uplinks.is_empty() {
         return Err(ConfigError::Invalid {
@@ -220,8 +219,18 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     Ok(Plan {
         endpoint: Endpoint {
             attachment: attachment.clone(),
-            host,
+            host: link.host,
             uplinks,
+            container_mac: link.container_mac,
+            gateway_mac: link.gateway_mac,
+            gateway_v4: prev.gateways.iter().find_map(|gateway| match gateway {
+                IpAddr::V4(gateway) => Some(*gateway),
+                IpAddr::V6(_) => None,
+            }),
+            gateway_v6: prev.gateways.iter().find_map(|gateway| match gateway {
+                IpAddr::V6(gateway) => Some(*gateway),
+                IpAddr::V4(_) => None,
+            }),
         },
         attachment,
         mappings,
@@ -257,7 +266,7 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     ensure_host_ports_free(backend.as_ref(), owner, &plan.mappings)?;
     let applied = backend
         .setup_endpoint(&plan.endpoint)
-        .and_then(|()| backend.setup_port_mappings(owner, &plan.mappings));
+        .and_then(|()| backend.setup_port_mappings(&plan.endpoint, &plan.mappings));
     if let Err(error) = applied {
         // Undo: an attachment is either complete or absent.
         let _ = backend.teardown_port_mappings(owner);
@@ -377,7 +386,7 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
         .into());
     };
     backend.check_endpoint(&plan.endpoint)?;
-    backend.check_port_mappings(plan.attachment.owner_id(), &plan.mappings)?;
+    backend.check_port_mappings(&plan.endpoint, &plan.mappings)?;
     Ok(())
 }
 

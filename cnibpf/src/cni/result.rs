@@ -58,6 +58,10 @@ pub struct PrevResult {
     /// Addresses of the container interface `ifname` (or of every interface when `ips` entries
     /// name none), with their prefix.
     pub container_addresses: Vec<IpNet>,
+    /// Gateways of those addresses.
+    pub gateways: Vec<IpAddr>,
+    /// MAC address of the container interface `ifname`, when prevResult gives it.
+    pub container_mac: Option<[u8; 6]>,
 }
 
 impl PrevResult {
@@ -69,6 +73,7 @@ impl PrevResult {
         };
         let mut host_interfaces = Vec::new();
         let mut container_positions = Vec::new();
+        let mut container_mac = None;
         for (position, interface) in interfaces.iter().enumerate() {
             let name = interface
                 .get("name")
@@ -87,6 +92,10 @@ impl PrevResult {
                 host_interfaces.push(name.to_owned());
             } else if name == ifname {
                 container_positions.push(position);
+                container_mac = interface
+                    .get("mac")
+                    .and_then(Value::as_str)
+                    .and_then(parse_mac);
             }
         }
         let ips = match prev_result.get("ips") {
@@ -95,6 +104,7 @@ impl PrevResult {
             Some(_) => return Err(invalid("prevResult.ips", "expected an array")),
         };
         let mut container_addresses = Vec::new();
+        let mut gateways = Vec::new();
         for (position, ip) in ips.iter().enumerate() {
             let key = format!("prevResult.ips[{position}]");
             let address = ip
@@ -115,11 +125,18 @@ impl PrevResult {
             };
             if belongs {
                 container_addresses.push(address);
+                gateways.extend(
+                    ip.get("gateway")
+                        .and_then(Value::as_str)
+                        .and_then(|text| text.parse::<IpAddr>().ok()),
+                );
             }
         }
         Ok(Self {
             host_interfaces,
             container_addresses,
+            gateways,
+            container_mac,
         })
     }
 
@@ -129,6 +146,16 @@ impl PrevResult {
             .map(IpNet::addr)
             .find(|addr| addr.is_ipv4() == ipv4)
     }
+}
+
+/// `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        *byte = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
 }
 
 fn invalid(key: &str, reason: &str) -> ConfigError {
