@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use cnibpf_tests::{
     SimHost,
-    topology::{HOST_UPLINK_ADDR, OUTSIDE_ADDR, UPLINK, port_mappings},
+    topology::{HOST_UPLINK_ADDR, OUTSIDE_ADDR, UPLINK, dual_stack, port_mappings},
     traffic::{TcpServer, UdpServer, tcp_request, udp_request},
 };
 use serde_json::json;
@@ -147,7 +147,7 @@ fn repeated_add_replaces_the_attachments_own_mappings() {
     expect_answer(&sim, 9090, "c1");
     assert_eq!(
         sim.installed_host_ports(),
-        [(c1.attachment.container_id.clone(), 9090)]
+        dual_stack(&c1.attachment.container_id, 9090)
     );
 
     // The very same ADD once more changes nothing.
@@ -181,7 +181,7 @@ fn host_port_held_by_another_attachment_is_refused_with_100() {
     // Nothing of c2 was installed, c1 still works.
     assert_eq!(
         sim.installed_host_ports(),
-        [(c1.attachment.container_id.clone(), 8080)]
+        dual_stack(&c1.attachment.container_id, 8080)
     );
     assert_eq!(
         sim.inspect()["attachments"].as_array().map(Vec::len),
@@ -298,7 +298,7 @@ fn gc_removes_only_attachments_missing_from_the_valid_list() {
     expect_refused(&sim, 8081);
     assert_eq!(
         sim.installed_host_ports(),
-        [(c1.attachment.container_id.clone(), 8080)]
+        dual_stack(&c1.attachment.container_id, 8080)
     );
     assert!(
         sim.tcx_programs(&sim.host_interface(&c2)).is_empty(),
@@ -358,7 +358,7 @@ fn parallel_adds_and_dels_lose_no_update() {
         .collect();
     assert_eq!(
         sim.installed_host_ports().len(),
-        6,
+        12,
         "every parallel ADD's mapping is installed"
     );
     for (n, container) in (0..6u16).zip(&containers) {

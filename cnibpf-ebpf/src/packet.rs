@@ -6,8 +6,7 @@ use aya_ebpf::{
     EbpfContext as _,
     bindings::{
         __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH,
-        BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_OUTPUT, TC_ACT_OK,
-        TC_ACT_SHOT, bpf_fib_lookup,
+        BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_OUTPUT, TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup,
     },
     helpers::{
         bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh,
@@ -161,7 +160,10 @@ impl Flow {
         }
     }
 
-    /// Rewrites the source address and port (network byte order), fixing checksums.
+    /// Rewrites the source address and port (network byte order), fixing checksums. Not
+    /// inlined (nor is `rewrite_destination` or `route`): each needs scratch space, and the
+    /// verifier caps the stack of a whole call chain at 512 bytes.
+    #[inline(never)]
     pub fn rewrite_source(
         &mut self,
         ctx: &TcContext,
@@ -176,6 +178,7 @@ impl Flow {
     }
 
     /// Rewrites the destination address and port (network byte order), fixing checksums.
+    #[inline(never)]
     pub fn rewrite_destination(
         &mut self,
         ctx: &TcContext,
@@ -309,15 +312,14 @@ pub enum Route {
     },
     /// Forwarded out of `ifindex`, neighbour not resolved yet.
     Unresolved { ifindex: u32 },
-    /// Addressed to the host itself.
-    Local,
-    /// Anything else (no route, blackhole, forwarding off, ...): the host stack decides.
+    /// Anything else (local, no route, blackhole, forwarding off, ...): the host stack decides.
     Other,
 }
 
-/// Looks the flow's current destination up in the FIB, as the host would route a packet it
-/// sends itself (`BPF_FIB_LOOKUP_OUTPUT`) or one it received on the context's interface.
-pub fn route(ctx: &TcContext, flow: &Flow, as_output: bool) -> Route {
+/// Looks the flow's current destination up in the FIB as the host would route a packet it sends
+/// itself (`BPF_FIB_LOOKUP_OUTPUT`): translated replies carry one of its addresses as source.
+#[inline(never)]
+pub fn route(ctx: &TcContext, flow: &Flow) -> Route {
     // SAFETY: bpf_fib_lookup is plain old data; all-zero is its documented initial state.
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     params.family = flow.family;
@@ -337,14 +339,13 @@ pub fn route(ctx: &TcContext, flow: &Flow, as_output: bool) -> Route {
     let skb = ctx.as_ptr();
     // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
     params.ifindex = unsafe { (*skb.cast::<__sk_buff>()).ifindex };
-    let flags = if as_output { BPF_FIB_LOOKUP_OUTPUT } else { 0 };
     // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
     let rc = unsafe {
         fib_lookup(
             skb,
             &raw mut params,
             size_of::<bpf_fib_lookup>() as i32,
-            flags,
+            BPF_FIB_LOOKUP_OUTPUT,
         )
     };
     match rc as u32 {
@@ -360,7 +361,6 @@ pub fn route(ctx: &TcContext, flow: &Flow, as_output: bool) -> Route {
         BPF_FIB_LKUP_RET_NO_NEIGH => Route::Unresolved {
             ifindex: params.ifindex,
         },
-        BPF_FIB_LKUP_RET_NOT_FWDED => Route::Local,
         _ => Route::Other,
     }
 }
@@ -383,7 +383,7 @@ pub fn forward(ctx: &TcContext, route: &Route) -> Result<Option<i32>, DatapathEr
                 bpf_redirect_neigh(*ifindex, core::ptr::null_mut(), 0, 0) as i32
             }))
         }
-        Route::Local | Route::Other => Ok(None),
+        Route::Other => Ok(None),
     }
 }
 

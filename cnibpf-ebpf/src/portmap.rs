@@ -15,13 +15,14 @@ use aya_ebpf::{
 use cnibpf_common::{
     FAMILY_IPV4,
     endpoint::EndpointInfo,
+    host_addr::HostAddrKey,
     nat_flow::{NatFlowKey, NatFlowValue},
     portmap::{PortMapKey, PortMapValue},
 };
 
 use crate::{
     maps,
-    packet::{DatapathError, Flow, Route, forward, redirect_to_peer, route, set_macs},
+    packet::{DatapathError, Flow, forward, redirect_to_peer, route, set_macs},
 };
 
 /// How often a flow's `last_seen_ns` is refreshed: writing it on every packet would turn each
@@ -33,7 +34,7 @@ pub fn try_uplink_ingress(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(mut flow) = Flow::parse(ctx)? else {
         return Ok(TC_ACT_OK);
     };
-    let Some(mapping) = lookup_mapping(ctx, &flow) else {
+    let Some(mapping) = lookup_mapping(&flow) else {
         return Ok(TC_ACT_OK);
     };
     let origin = Origin {
@@ -101,16 +102,16 @@ fn reply(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
         set_macs(ctx, &peer_mac, &gateway_mac)?;
         return Ok(Some(redirect_to_peer(peer_ifindex)));
     }
-    let mut translated = flow;
-    translated.saddr = orig_addr;
-    translated.sport = orig_port;
-    let next_hop = route(ctx, &translated, true);
-    if !matches!(next_hop, Route::Neighbour { .. } | Route::Unresolved { .. }) {
-        // Left to the host stack untranslated; uplink_egress translates it on the way out.
-        return Ok(Some(TC_ACT_OK));
-    }
+    let (reply_addr, reply_port) = (flow.saddr, flow.sport);
     flow.rewrite_source(ctx, &orig_addr, orig_port)?;
-    Ok(Some(forward(ctx, &next_hop)?.unwrap_or(TC_ACT_OK)))
+    let next_hop = route(ctx, &flow);
+    if let Some(verdict) = forward(ctx, &next_hop)? {
+        return Ok(Some(verdict));
+    }
+    // The datapath cannot route it: undo, and leave it to the host stack untranslated (a local
+    // source address would be dropped as martian); uplink_egress translates it on the way out.
+    flow.rewrite_source(ctx, &reply_addr, reply_port)?;
+    Ok(Some(TC_ACT_OK))
 }
 
 /// How a translated flow was addressed originally, and where its replies go.
@@ -132,7 +133,7 @@ struct Origin {
 /// Hairpin traffic: a container to a hostPort of this host, handed straight to the target.
 #[inline(never)]
 fn hairpin(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
-    let Some(mapping) = lookup_mapping(ctx, flow) else {
+    let Some(mapping) = lookup_mapping(flow) else {
         return Ok(TC_ACT_OK);
     };
     // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
@@ -192,12 +193,14 @@ fn lookup_flow(flow: &Flow) -> Option<*const NatFlowValue> {
 }
 
 /// The mapping for the packet's destination: an exact host address first, then the wildcard,
-/// which applies only when the FIB says the destination is this host, as `-m addrtype
-/// --dst-type LOCAL` does for the reference portmap: routed traffic is never captured.
+/// which applies only when the destination is an address of this host (`host_addrs`), as `-m
+/// addrtype --dst-type LOCAL` does for the reference portmap: routed traffic is never captured.
+/// (The FIB cannot tell: `bpf_fib_lookup` answers "not forwarded" for local addresses and for
+/// destinations without a route alike.)
 ///
 /// The pointer is into `portmap`; callers read what they need at once. Userspace replaces
 /// values whole, and a value freed under a reader can at worst misdirect the packet at hand.
-fn lookup_mapping(ctx: &TcContext, flow: &Flow) -> Option<*const PortMapValue> {
+fn lookup_mapping(flow: &Flow) -> Option<*const PortMapValue> {
     let mut key = PortMapKey {
         host_addr: flow.daddr,
         host_port: u16::from_be(flow.dport),
@@ -209,7 +212,16 @@ fn lookup_mapping(ctx: &TcContext, flow: &Flow) -> Option<*const PortMapValue> {
     }
     key.host_addr = [0; 16];
     let wildcard = maps::portmap.get_ptr(&key)?;
-    matches!(route(ctx, flow, false), Route::Local).then_some(wildcard)
+    is_host_address(&flow.daddr, flow.family).then_some(wildcard)
+}
+
+pub fn is_host_address(addr: &[u8; 16], family: u8) -> bool {
+    let key = HostAddrKey {
+        addr: *addr,
+        family,
+        _pad: [0; 3],
+    };
+    maps::host_addrs.get_ptr(&key).is_some()
 }
 
 /// Records how to reverse the translation of `flow` (already translated) for its replies;

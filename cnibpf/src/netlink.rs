@@ -1,11 +1,14 @@
-//! Blocking rtnetlink dumps of links and routes in the current thread's network
+//! Blocking rtnetlink dumps of links, addresses and routes in the current thread's network
 //! namespace. A one-shot CNI plugin needs a handful of dumps, not an async runtime.
 
 use netlink_packet_core::{
     NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
+use std::net::IpAddr;
+
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
+    address::{AddressAttribute, AddressMessage},
     link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage},
     route::{RouteAttribute, RouteHeader, RouteMessage, RouteType},
 };
@@ -66,6 +69,35 @@ pub fn link_by_index(index: u32) -> Result<Link, NetlinkError> {
         .into_iter()
         .find(|link| link.index == index)
         .ok_or(NetlinkError::NoSuchIndex(index))
+}
+
+/// Every address of every interface, with the interface's index.
+pub fn addresses() -> Result<Vec<(u32, IpAddr)>, NetlinkError> {
+    let request = RouteNetlinkMessage::GetAddress(AddressMessage::default());
+    let all = dump("address", request, |message| match message {
+        RouteNetlinkMessage::NewAddress(message) => Some(address_from_message(&message)),
+        _ => None,
+    })?;
+    Ok(all.into_iter().flatten().collect())
+}
+
+/// IFA_LOCAL is the interface's own address on point-to-point links, IFA_ADDRESS otherwise.
+fn address_from_message(message: &AddressMessage) -> Option<(u32, IpAddr)> {
+    let local = message
+        .attributes
+        .iter()
+        .find_map(|attribute| match attribute {
+            AddressAttribute::Local(addr) => Some(*addr),
+            _ => None,
+        });
+    let address = message
+        .attributes
+        .iter()
+        .find_map(|attribute| match attribute {
+            AddressAttribute::Address(addr) => Some(*addr),
+            _ => None,
+        });
+    Some((message.header.index, local.or(address)?))
 }
 
 /// Indexes of the devices of the default routes (IPv4 and IPv6) in the main table.

@@ -25,6 +25,10 @@ impl Netns {
             name: name.to_owned(),
         };
         netns.exec(&["ip", "link", "set", "lo", "up"]);
+        // Duplicate address detection would hold every new IPv6 address back for a second or
+        // two, and the reference plugins wait for it; these namespaces are private links.
+        netns.sysctl("net.ipv6.conf.all.accept_dad", "0");
+        netns.sysctl("net.ipv6.conf.default.accept_dad", "0");
         netns
     }
 

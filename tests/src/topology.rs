@@ -4,10 +4,13 @@
 //! ```text
 //!   outside netns                     host netns                       container netns
 //!   eth0 203.0.113.2/24  <-veth->  up0 203.0.113.1/24   cni0 10.22.0.1/16 <-veth-> eth0 10.22.x.y
+//!        2001:db8:1::2/64              2001:db8:1::1/64        fd00:22::1/64             fd00:22::x
 //! ```
+//!
+//! Every container is dual-stack; the outside namespace has no route to the container subnets.
 
 use std::{
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
     sync::Mutex,
 };
@@ -22,9 +25,13 @@ use crate::{
 pub const UPLINK: &str = "up0";
 pub const HOST_UPLINK_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 pub const OUTSIDE_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+pub const HOST_UPLINK_ADDR6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 1);
+pub const OUTSIDE_ADDR6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 2);
 pub const BRIDGE: &str = "cni0";
 pub const SUBNET: &str = "10.22.0.0/16";
+pub const SUBNET6: &str = "fd00:22::/64";
 pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 22, 0, 1);
+pub const GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x22, 0, 0, 0, 0, 0, 1);
 
 /// The cnibpf binary under test: `CNIBPF_BIN`, or the workspace's debug build.
 pub fn cnibpf_binary() -> PathBuf {
@@ -113,8 +120,38 @@ impl SimHost {
             "dev",
             "eth0",
         ]);
+        outside.exec(&[
+            "ip",
+            "-6",
+            "addr",
+            "add",
+            &format!("{OUTSIDE_ADDR6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ]);
         outside.exec(&["ip", "link", "set", "eth0", "up"]);
+        host.exec(&[
+            "ip",
+            "-6",
+            "addr",
+            "add",
+            &format!("{HOST_UPLINK_ADDR6}/64"),
+            "dev",
+            UPLINK,
+            "nodad",
+        ]);
+        host.exec(&[
+            "ip",
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            &OUTSIDE_ADDR6.to_string(),
+        ]);
         host.sysctl("net.ipv4.ip_forward", "1");
+        host.sysctl("net.ipv6.conf.all.forwarding", "1");
         // br_netfilter is built into this kernel and on in every new namespace: cnibpf must not
         // depend on it, so the simulated host runs without it.
         if Path::new("/proc/sys/net/bridge").exists() {
@@ -135,8 +172,9 @@ impl SimHost {
                 {
                     "type": "bridge", "bridge": BRIDGE, "isGateway": true, "ipMasq": false,
                     "ipam": {
-                        "type": "host-local", "subnet": SUBNET, "dataDir": work_dir.join("ipam"),
-                        "routes": [{ "dst": "0.0.0.0/0" }]
+                        "type": "host-local", "dataDir": work_dir.join("ipam"),
+                        "ranges": [[{ "subnet": SUBNET }], [{ "subnet": SUBNET6 }]],
+                        "routes": [{ "dst": "0.0.0.0/0" }, { "dst": "::/0" }]
                     }
                 },
                 cnibpf
@@ -176,13 +214,20 @@ impl SimHost {
             .lock()
             .expect("attached lock")
             .push(attachment.clone());
-        let address =
-            container_ipv4(&result).unwrap_or_else(|| panic!("no IPv4 address in result {result}"));
+        let address = match container_address(&result, true) {
+            Some(IpAddr::V4(addr)) => addr,
+            _ => panic!("no IPv4 address in result {result}"),
+        };
+        let address6 = match container_address(&result, false) {
+            Some(IpAddr::V6(addr)) => addr,
+            _ => panic!("no IPv6 address in result {result}"),
+        };
         Ok(Container {
             netns,
             attachment,
             result,
             address,
+            address6,
         })
     }
 
@@ -233,6 +278,14 @@ impl SimHost {
     pub fn uplink_target(&self, port: u16) -> SocketAddr {
         SocketAddr::new(IpAddr::V4(HOST_UPLINK_ADDR), port)
     }
+
+    /// The uplink address of `family` (`Family::V4` or `V6`) with `port`.
+    pub fn uplink(&self, family: Family, port: u16) -> SocketAddr {
+        match family {
+            Family::V4 => SocketAddr::new(IpAddr::V4(HOST_UPLINK_ADDR), port),
+            Family::V6 => SocketAddr::new(IpAddr::V6(HOST_UPLINK_ADDR6), port),
+        }
+    }
 }
 
 impl Drop for SimHost {
@@ -254,24 +307,61 @@ impl Drop for SimHost {
     }
 }
 
+/// An address family, for tests that run for both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub const BOTH: [Self; 2] = [Self::V4, Self::V6];
+
+    /// The outside client's address.
+    pub fn outside(self) -> IpAddr {
+        match self {
+            Self::V4 => IpAddr::V4(OUTSIDE_ADDR),
+            Self::V6 => IpAddr::V6(OUTSIDE_ADDR6),
+        }
+    }
+
+    /// The wildcard address to bind servers to.
+    pub fn any(self, port: u16) -> SocketAddr {
+        match self {
+            Self::V4 => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port),
+            Self::V6 => SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port),
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct Container {
     pub netns: Netns,
     pub attachment: Attachment,
     pub result: Value,
     pub address: Ipv4Addr,
+    pub address6: Ipv6Addr,
 }
 
 impl Container {
     pub fn socket(&self, port: u16) -> SocketAddr {
         SocketAddr::new(IpAddr::V4(self.address), port)
     }
+
+    /// The container's address of `family` with `port`.
+    pub fn at(&self, family: Family, port: u16) -> SocketAddr {
+        match family {
+            Family::V4 => SocketAddr::new(IpAddr::V4(self.address), port),
+            Family::V6 => SocketAddr::new(IpAddr::V6(self.address6), port),
+        }
+    }
 }
 
-fn container_ipv4(result: &Value) -> Option<Ipv4Addr> {
+fn container_address(result: &Value, ipv4: bool) -> Option<IpAddr> {
     result["ips"].as_array()?.iter().find_map(|ip| {
         let address = ip["address"].as_str()?;
-        address.split('/').next()?.parse().ok()
+        let addr: IpAddr = address.split('/').next()?.parse().ok()?;
+        (addr.is_ipv4() == ipv4).then_some(addr)
     })
 }
 
@@ -426,7 +516,8 @@ impl SimHost {
     }
 
     /// (containerID, hostPort) of every port mapping `cnibpf inspect` lists.
-    pub fn installed_host_ports(&self) -> Vec<(String, u64)> {
+    /// (containerID, hostPort, IP version of the container address) of every installed mapping.
+    pub fn installed_host_ports(&self) -> Vec<(String, u64, u8)> {
         let inspect = self.inspect();
         let mut ports = Vec::new();
         for attachment in inspect["attachments"].as_array().into_iter().flatten() {
@@ -435,10 +526,31 @@ impl SimHost {
                 .unwrap_or_default()
                 .to_owned();
             for mapping in attachment["portMappings"].as_array().into_iter().flatten() {
-                ports.push((id.clone(), mapping["hostPort"].as_u64().unwrap_or_default()));
+                let version = if mapping["containerIP"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .contains(':')
+                {
+                    6
+                } else {
+                    4
+                };
+                ports.push((
+                    id.clone(),
+                    mapping["hostPort"].as_u64().unwrap_or_default(),
+                    version,
+                ));
             }
         }
         ports.sort();
         ports
     }
+}
+
+/// What [`SimHost::installed_host_ports`] lists for a wildcard mapping of a dual-stack container.
+pub fn dual_stack(container_id: &str, host_port: u64) -> Vec<(String, u64, u8)> {
+    vec![
+        (container_id.to_owned(), host_port, 4),
+        (container_id.to_owned(), host_port, 6),
+    ]
 }

@@ -24,6 +24,7 @@ use aya::{
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6,
     endpoint::{self, EndpointInfo},
+    host_addr::{self, HostAddrKey},
     layout::{self, LayoutInfo},
     nat_flow::{self, NatFlowKey, NatFlowValue},
     owner::{self, OwnerInfo},
@@ -38,6 +39,7 @@ use super::{AttachmentRecord, Backend, BackendError, Endpoint};
 use crate::{
     attachment::{Attachment, ResolvedMapping, read_name},
     config::Protocol,
+    netlink,
     paths::{BPFFS_MOUNT_POINT, PinLayout},
 };
 
@@ -70,6 +72,7 @@ pub struct EbpfBackend {
     nat_flows: HashMap<MapData, NatFlowKey, NatFlowValue>,
     owners: HashMap<MapData, u64, OwnerInfo>,
     endpoints: HashMap<MapData, u32, EndpointInfo>,
+    host_addrs: HashMap<MapData, HostAddrKey, u32>,
 }
 
 impl EbpfBackend {
@@ -116,13 +119,22 @@ impl EbpfBackend {
         Self::open_maps(pins).map(Some)
     }
 
+    /// Opens the pinned maps and brings `host_addrs` up to date: the datapath cannot ask the
+    /// kernel which addresses are the host's, so every CNI call tells it.
     fn open_maps(pins: &PinLayout) -> Result<Self, BackendError> {
+        let mut backend = Self::open_maps_only(pins)?;
+        backend.sync_host_addresses()?;
+        Ok(backend)
+    }
+
+    fn open_maps_only(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
             pins: pins.clone(),
             portmap: open_pinned(pins, portmap::MAP_NAME)?,
             nat_flows: open_pinned(pins, nat_flow::MAP_NAME)?,
             owners: open_pinned(pins, owner::MAP_NAME)?,
             endpoints: open_pinned(pins, endpoint::MAP_NAME)?,
+            host_addrs: open_pinned(pins, host_addr::MAP_NAME)?,
         })
     }
 
@@ -253,6 +265,44 @@ impl EbpfBackend {
             }
         }
         Ok(keys)
+    }
+
+    fn sync_host_addresses(&mut self) -> Result<(), BackendError> {
+        let current: Vec<(HostAddrKey, u32)> = netlink::addresses()
+            .map_err(|source| BackendError::HostAddresses(Box::new(source)))?
+            .into_iter()
+            .filter(|(_, addr)| !is_link_local(*addr))
+            .map(|(ifindex, addr)| {
+                let key = HostAddrKey {
+                    addr: key_addr(addr),
+                    family: if addr.is_ipv4() {
+                        FAMILY_IPV4
+                    } else {
+                        FAMILY_IPV6
+                    },
+                    _pad: [0; 3],
+                };
+                (key, ifindex)
+            })
+            .collect();
+        let mut stale = Vec::new();
+        for key in self.host_addrs.keys() {
+            let key = key.map_err(map_error("could not read map host_addrs"))?;
+            if !current.iter().any(|(wanted, _)| *wanted == key) {
+                stale.push(key);
+            }
+        }
+        for key in stale {
+            remove_entry(&mut self.host_addrs, &key, host_addr::MAP_NAME)?;
+        }
+        for (key, ifindex) in current {
+            if self.host_addrs.get(&key, 0).ok() != Some(ifindex) {
+                self.host_addrs
+                    .insert(&key, &ifindex, 0)
+                    .map_err(map_error("could not write map host_addrs"))?;
+            }
+        }
+        Ok(())
     }
 
     /// Removes the `endpoints` entry of `ifindex` if `owner` still holds it (an interface index
@@ -570,6 +620,13 @@ fn key_addr(addr: IpAddr) -> [u8; 16] {
             out
         }
         IpAddr::V6(addr) => addr.octets(),
+    }
+}
+
+fn is_link_local(addr: IpAddr) -> bool {
+    match addr {
+        IpAddr::V4(addr) => addr.is_link_local(),
+        IpAddr::V6(addr) => addr.is_unicast_link_local(),
     }
 }
 

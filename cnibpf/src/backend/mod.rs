@@ -71,6 +71,8 @@ pub enum BackendError {
     },
     #[error("check failed: {0}")]
     CheckFailed(String),
+    #[error("could not list the host's addresses")]
+    HostAddresses(#[source] Box<crate::netlink::NetlinkError>),
 }
 
 impl BackendError {
@@ -87,6 +89,7 @@ impl BackendError {
             | Self::Map { .. }
             | Self::Pin { .. }
             | Self::OwnerCollision { .. } => code::DATAPATH,
+            Self::HostAddresses(_) => code::INTERFACE,
         }
     }
 }

@@ -1,0 +1,313 @@
+//! Every path a user reaches a hostPort by, IPv4 and IPv6: from outside through an uplink,
+//! hairpin from containers, many containers, owner changes.
+
+use std::{
+    net::{SocketAddr, UdpSocket},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use cnibpf_tests::{
+    SimHost,
+    topology::{BRIDGE, Family, GATEWAY, GATEWAY6, port_mappings},
+    traffic::{TcpServer, UdpServer, tcp_request, udp_request},
+};
+use serde_json::json;
+
+#[test]
+fn outside_clients_reach_tcp_and_udp_host_ports_over_both_families() {
+    let sim = SimHost::new("hp-outside", json!({}));
+    let c1 = sim.container(
+        "c1",
+        port_mappings(&[(8080, 80, "tcp"), (8443, 443, "tcp"), (5353, 53, "udp")]),
+    );
+    for family in Family::BOTH {
+        let web = TcpServer::start(&c1.netns, c1.at(family, 80), "web");
+        let tls = TcpServer::start(&c1.netns, c1.at(family, 443), "tls");
+        let dns = UdpServer::start(&c1.netns, c1.at(family, 53), "dns");
+
+        for (port, expected) in [(8080, "web"), (8443, "tls")] {
+            let answer = tcp_request(&sim.outside, sim.uplink(family, port));
+            assert_eq!(
+                answer.as_deref(),
+                Ok(expected),
+                "{family:?} TCP via hostPort {port}"
+            );
+        }
+        let (answer, from) = udp_request(&sim.outside, sim.uplink(family, 5353))
+            .unwrap_or_else(|error| panic!("{family:?} UDP via hostPort 5353: {error}"));
+        assert_eq!(answer, "dns");
+        assert_eq!(
+            from,
+            sim.uplink(family, 5353),
+            "{family:?}: the reply comes from the hostPort"
+        );
+        for server_peers in [web.peers(), tls.peers(), dns.peers()] {
+            assert!(
+                server_peers
+                    .iter()
+                    .all(|peer| peer.ip() == family.outside()),
+                "{family:?}: the container must see the client's own address, saw {server_peers:?}"
+            );
+            assert_eq!(server_peers.len(), 1);
+        }
+    }
+}
+
+#[test]
+fn an_ipv6_host_ip_restricts_the_mapping_to_ipv6() {
+    let sim = SimHost::new("hp-hostip6", json!({}));
+    let mapping = json!({ "portMappings": [{ "hostPort": 8080, "containerPort": 80, "hostIP": "2001:db8:1::1" }] });
+    let c1 = sim.container("c1", mapping);
+    let _v6 = TcpServer::start(&c1.netns, c1.at(Family::V6, 80), "c1 over v6");
+    let _v4 = TcpServer::start(&c1.netns, c1.at(Family::V4, 80), "c1 over v4");
+    assert_eq!(
+        tcp_request(&sim.outside, sim.uplink(Family::V6, 8080)).as_deref(),
+        Ok("c1 over v6")
+    );
+    let v4 = tcp_request(&sim.outside, sim.uplink(Family::V4, 8080));
+    assert!(v4.is_err(), "the IPv6 hostIP must not open IPv4: {v4:?}");
+}
+
+/// Whether this kernel can open SCTP sockets at all (it may be built without SCTP).
+fn kernel_has_sctp() -> bool {
+    // SAFETY: socket(2) with constant arguments; the descriptor is closed right away.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, libc::IPPROTO_SCTP) };
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: fd was just returned by socket(2).
+    unsafe { libc::close(fd) };
+    true
+}
+
+#[test]
+fn sctp_mappings_are_installed_and_carry_traffic_where_the_kernel_has_sctp() {
+    let sim = SimHost::new("hp-sctp", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(9999, 9999, "sctp")]));
+    let inspect = sim.inspect();
+    let mappings = &inspect["attachments"][0]["portMappings"];
+    assert_eq!(
+        mappings.as_array().map(Vec::len),
+        Some(2),
+        "one SCTP mapping per family: {mappings}"
+    );
+    assert!(
+        mappings
+            .as_array()
+            .into_iter()
+            .flatten()
+            .all(|mapping| mapping["protocol"] == "sctp")
+    );
+    if kernel_has_sctp() {
+        let answer = cnibpf_tests::traffic::sctp_request(
+            &sim.outside,
+            &c1.netns,
+            sim.uplink(Family::V4, 9999),
+            c1.at(Family::V4, 9999),
+        );
+        assert_eq!(answer.as_deref(), Ok("sctp"), "SCTP through the hostPort");
+    } else {
+        eprintln!("this kernel has no SCTP: the SCTP mapping was checked in the maps only");
+    }
+}
+
+#[test]
+fn hairpin_reaches_the_container_itself_and_its_neighbour_without_netfilter_help() {
+    let sim = SimHost::new("hp-hairpin", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp"), (5353, 53, "udp")]));
+    let c2 = sim.container("c2", port_mappings(&[(8081, 80, "tcp")]));
+    // None of the crutches the reference portmap needs for hairpin.
+    assert_eq!(
+        sim.host
+            .exec(&["sysctl", "-n", "net.bridge.bridge-nf-call-iptables"])
+            .trim(),
+        "0"
+    );
+    assert_eq!(
+        sim.host
+            .exec(&["sysctl", "-n", "net.ipv4.conf.all.route_localnet"])
+            .trim(),
+        "0"
+    );
+    assert!(
+        !sim.host
+            .exec(&["ip", "link", "show", BRIDGE])
+            .contains("PROMISC")
+    );
+
+    for family in Family::BOTH {
+        let s1 = TcpServer::start(&c1.netns, c1.at(family, 80), "c1");
+        let _s2 = TcpServer::start(&c2.netns, c2.at(family, 80), "c2");
+        let _dns = UdpServer::start(&c1.netns, c1.at(family, 53), "dns c1");
+        let gateway = match family {
+            Family::V4 => SocketAddr::from((GATEWAY, 0)),
+            Family::V6 => SocketAddr::from((GATEWAY6, 0)),
+        };
+        for host_address in [sim.uplink(family, 0), gateway] {
+            let at = |port| SocketAddr::new(host_address.ip(), port);
+            assert_eq!(
+                tcp_request(&c1.netns, at(8080)).as_deref(),
+                Ok("c1"),
+                "{family:?} c1 -> itself via {}",
+                at(8080)
+            );
+            assert_eq!(
+                tcp_request(&c1.netns, at(8081)).as_deref(),
+                Ok("c2"),
+                "{family:?} c1 -> neighbour via {}",
+                at(8081)
+            );
+            assert_eq!(
+                tcp_request(&c2.netns, at(8080)).as_deref(),
+                Ok("c1"),
+                "{family:?} c2 -> neighbour via {}",
+                at(8080)
+            );
+            let (answer, from) = udp_request(&c1.netns, at(5353)).unwrap_or_else(|error| {
+                panic!("{family:?} UDP hairpin to itself via {}: {error}", at(5353))
+            });
+            assert_eq!(
+                (answer.as_str(), from),
+                ("dns c1", at(5353)),
+                "{family:?} UDP hairpin answers from the hostPort"
+            );
+        }
+        let own = c1.at(family, 0).ip();
+        assert!(
+            s1.peers()
+                .iter()
+                .any(|peer| peer.ip() == c2.at(family, 0).ip()),
+            "{family:?}: the neighbour's connection keeps its source address: {:?}",
+            s1.peers()
+        );
+        assert!(
+            s1.peers().iter().all(|peer| peer.ip() != own),
+            "{family:?}: a container never sees a connection from its own address"
+        );
+    }
+}
+
+#[test]
+fn fifty_containers_with_distinct_mappings_are_all_reachable() {
+    let sim = SimHost::new("hp-fifty", json!({}));
+    let containers: Vec<_> = (0..50u16)
+        .map(|n| sim.container(&format!("c{n}"), port_mappings(&[(10_000 + n, 80, "tcp")])))
+        .collect();
+    let _servers: Vec<_> = containers
+        .iter()
+        .map(|c| TcpServer::start(&c.netns, Family::V6.any(80), &c.attachment.container_id))
+        .collect();
+    for family in Family::BOTH {
+        for (n, container) in (0..50u16).zip(&containers) {
+            let answer = tcp_request(&sim.outside, sim.uplink(family, 10_000 + n));
+            assert_eq!(
+                answer.as_deref(),
+                Ok(container.attachment.container_id.as_str()),
+                "{family:?} hostPort {}",
+                10_000 + n
+            );
+        }
+    }
+}
+
+/// Sends a datagram from one fixed source port every 20 ms until dropped.
+struct SteadyUdpClient {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SteadyUdpClient {
+    fn start(sim: &SimHost, family: Family, target: SocketAddr) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = Arc::clone(&stop);
+            sim.outside.spawn(move || {
+                let socket =
+                    UdpSocket::bind(family.any(40_000)).expect("bind the fixed client port");
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = socket.send_to(b"ping", target);
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+        };
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for SteadyUdpClient {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[test]
+fn a_host_port_that_changes_owner_reaches_the_new_container_within_a_second() {
+    let sim = SimHost::new("hp-owner", json!({}));
+    for family in Family::BOTH {
+        let a = sim.container(
+            &format!("a{family:?}"),
+            port_mappings(&[(5353, 53, "udp"), (8080, 80, "tcp")]),
+        );
+        let server_a = UdpServer::start(&a.netns, a.at(family, 53), "a");
+        let _web_a = TcpServer::start(&a.netns, a.at(family, 80), "a");
+        let client = SteadyUdpClient::start(&sim, family, sim.uplink(family, 5353));
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while server_a.peers().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            !server_a.peers().is_empty(),
+            "{family:?}: A receives the client first"
+        );
+        assert_eq!(
+            tcp_request(&sim.outside, sim.uplink(family, 8080)).as_deref(),
+            Ok("a")
+        );
+
+        sim.del(&a)
+            .unwrap_or_else(|error| panic!("DEL of A: {error}"));
+        drop(server_a);
+        let b = sim.container(
+            &format!("b{family:?}"),
+            port_mappings(&[(5353, 53, "udp"), (8080, 80, "tcp")]),
+        );
+        let server_b = UdpServer::start(&b.netns, b.at(family, 53), "b");
+        let _web_b = TcpServer::start(&b.netns, b.at(family, 80), "b");
+        let added = Instant::now();
+        while server_b.peers().is_empty() && added.elapsed() < Duration::from_secs(3) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let waited = added.elapsed();
+        assert!(
+            !server_b.peers().is_empty(),
+            "{family:?}: B never received the steady client"
+        );
+        assert!(
+            waited < Duration::from_secs(1),
+            "{family:?}: B received the client only after {waited:?}"
+        );
+        assert_eq!(
+            server_b.peers()[0].port(),
+            40_000,
+            "the same client, same source port"
+        );
+        assert_eq!(
+            tcp_request(&sim.outside, sim.uplink(family, 8080)).as_deref(),
+            Ok("b"),
+            "{family:?}: a reconnecting TCP client reaches B"
+        );
+        drop(client);
+        sim.del(&b)
+            .unwrap_or_else(|error| panic!("DEL of B: {error}"));
+    }
+}
