@@ -12,8 +12,14 @@
 mod maps;
 mod packet;
 mod portmap;
+mod sock;
 
-use aya_ebpf::{bindings::TC_ACT_OK, macros::classifier, programs::TcContext};
+use aya_ebpf::{
+    bindings::TC_ACT_OK,
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
+};
+use cnibpf_common::{FAMILY_IPV4, FAMILY_IPV6};
 
 use crate::packet::DatapathError;
 
@@ -41,6 +47,58 @@ pub fn from_container(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn to_container(_ctx: TcContext) -> i32 {
     TC_ACT_OK
+}
+
+/// Host sockets, connect(2) over IPv4: a hostPort of this host becomes its container.
+#[cgroup_sock_addr(connect4)]
+pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
+    sock::to_container(&ctx, FAMILY_IPV4);
+    sock::ALLOW
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
+    sock::to_container(&ctx, FAMILY_IPV6);
+    sock::ALLOW
+}
+
+/// Host sockets, sendmsg(2) with a destination (unconnected UDP).
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::to_container(&ctx, FAMILY_IPV4);
+    sock::ALLOW
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock::to_container(&ctx, FAMILY_IPV6);
+    sock::ALLOW
+}
+
+/// Host sockets, recvmsg(2): datagrams from a container show the hostPort they answer for.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::to_host_port(&ctx, FAMILY_IPV4);
+    sock::ALLOW
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn sock_recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock::to_host_port(&ctx, FAMILY_IPV6);
+    sock::ALLOW
+}
+
+/// Host sockets, getpeername(2): a translated connection's peer is the hostPort.
+#[cgroup_sock_addr(getpeername4)]
+pub fn sock_peername4(ctx: SockAddrContext) -> i32 {
+    sock::to_host_port(&ctx, FAMILY_IPV4);
+    sock::ALLOW
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn sock_peername6(ctx: SockAddrContext) -> i32 {
+    sock::to_host_port(&ctx, FAMILY_IPV6);
+    sock::ALLOW
 }
 
 #[cfg(not(test))]

@@ -59,3 +59,32 @@ impl Drop for NetnsGuard {
         }
     }
 }
+
+/// The cookie of the current thread's network namespace (`SO_NETNS_COOKIE`), the identity the
+/// socket hooks compare with `bpf_get_netns_cookie`.
+pub fn current_cookie() -> std::io::Result<u64> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    // SAFETY: socket(2) with constant arguments; the descriptor is owned right away.
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: raw is a fresh descriptor nobody else owns.
+    let socket = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mut cookie: u64 = 0;
+    let mut length = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) writes at most `length` bytes into `cookie`.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &raw mut length,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cookie)
+}

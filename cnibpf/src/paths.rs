@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/cnibpf";
 /// Where bpffs is mounted when the host has no bpffs at all.
 pub const BPFFS_MOUNT_POINT: &str = "/sys/fs/bpf";
+/// Mount table consulted for the cgroup v2 root.
+pub const MOUNTS: &str = "/proc/self/mounts";
 /// Directory of lock files (tmpfs on every systemd host, so stale locks vanish on reboot).
 pub const LOCK_DIR: &str = "/run/cnibpf";
 
@@ -46,6 +48,11 @@ impl PinLayout {
         self.links_dir().join(format!("uplink-{ifname}-{hook}"))
     }
 
+    /// Link of a socket hook attached to the instance's cgroup (shared).
+    pub fn cgroup_link(&self, program: &str) -> PathBuf {
+        self.links_dir().join(format!("cgroup-{program}"))
+    }
+
     /// Link of a program attached to an attachment's host-side interface.
     pub fn endpoint_link(&self, owner: u64, hook: &str) -> PathBuf {
         self.links_dir()
@@ -63,4 +70,15 @@ impl PinLayout {
             .collect();
         Path::new(LOCK_DIR).join(format!("{name}.lock"))
     }
+}
+
+/// Where the cgroup v2 hierarchy is mounted (the default `cgroupPath`): `/sys/fs/cgroup` on a
+/// unified host, `/sys/fs/cgroup/unified` on a hybrid one.
+pub fn cgroup2_root() -> Option<PathBuf> {
+    let mounts = std::fs::read_to_string(MOUNTS).ok()?;
+    mounts.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (_, mount_point, fs_type) = (fields.next()?, fields.next()?, fields.next()?);
+        (fs_type == "cgroup2").then(|| PathBuf::from(mount_point))
+    })
 }

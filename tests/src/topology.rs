@@ -47,6 +47,18 @@ pub fn cnibpf_binary() -> PathBuf {
     path.canonicalize().expect("canonical cnibpf path")
 }
 
+/// Where the cgroup v2 hierarchy is mounted on this machine.
+pub fn cgroup2_root() -> PathBuf {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").expect("read /proc/self/mounts");
+    mounts
+        .lines()
+        .find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            (fields.get(2) == Some(&"cgroup2")).then(|| PathBuf::from(fields[1]))
+        })
+        .expect("a cgroup v2 hierarchy is mounted")
+}
+
 /// CNI_PATH with the reference plugins and the cnibpf under test.
 pub fn cni_path() -> String {
     let cnibpf = cnibpf_binary();
@@ -61,6 +73,8 @@ pub struct SimHost {
     pub outside: Netns,
     pub pin_path: PathBuf,
     pub work_dir: PathBuf,
+    /// The cgroup (v2) the socket hooks attach to; test clients of "host processes" join it.
+    pub cgroup: PathBuf,
     pub chain: Chain,
     attached: Mutex<Vec<Attachment>>,
 }
@@ -80,6 +94,10 @@ impl SimHost {
         let _ = std::fs::remove_dir_all(&pin_path);
         let _ = std::fs::remove_dir_all(&work_dir);
         std::fs::create_dir_all(&work_dir).expect("work dir");
+        let cgroup = cgroup2_root().join(format!("cnibpf-test-{id}"));
+        let _ = std::fs::remove_dir(&cgroup);
+        std::fs::create_dir(&cgroup)
+            .unwrap_or_else(|error| panic!("create cgroup {}: {error}", cgroup.display()));
 
         crate::netns::run_checked(std::process::Command::new("ip").args([
             "link",
@@ -159,7 +177,9 @@ impl SimHost {
             host.sysctl("net.bridge.bridge-nf-call-ip6tables", "0");
         }
 
-        let mut cnibpf = json!({ "type": "cnibpf", "pinPath": pin_path, "capabilities": { "portMappings": true } });
+        let mut cnibpf = json!({
+            "type": "cnibpf", "pinPath": pin_path, "cgroupPath": cgroup, "capabilities": { "portMappings": true }
+        });
         if let (Some(entry), Some(extra)) = (cnibpf.as_object_mut(), cnibpf_keys.as_object()) {
             for (key, value) in extra {
                 entry.insert(key.clone(), value.clone());
@@ -187,6 +207,7 @@ impl SimHost {
             outside,
             pin_path,
             work_dir,
+            cgroup,
             chain,
             attached: Mutex::new(Vec::new()),
         }
@@ -258,6 +279,51 @@ impl SimHost {
         process.output().expect("run cnibpf")
     }
 
+    /// One request by a "host process": a client in the host namespace and in this host's
+    /// cgroup. Returns what it was answered and the peer address it saw.
+    pub fn host_client(
+        &self,
+        protocol: &str,
+        target: SocketAddr,
+    ) -> Result<(String, SocketAddr), String> {
+        self.client_in(&self.host, protocol, target)
+    }
+
+    /// [`Self::host_client`] from another namespace (still in this host's cgroup).
+    pub fn client_in(
+        &self,
+        netns: &Netns,
+        protocol: &str,
+        target: SocketAddr,
+    ) -> Result<(String, SocketAddr), String> {
+        let binary = std::env::current_exe()
+            .ok()
+            .and_then(|test| Some(test.parent()?.parent()?.join("cnibpf-test-client")))
+            .filter(|path| path.exists())
+            .expect("cnibpf-test-client is built next to the tests");
+        let mut process = std::process::Command::new(binary);
+        process
+            .arg(&self.cgroup)
+            .arg(protocol)
+            .arg(target.to_string());
+        chain::enter_netns_on_exec(&mut process, &netns.path());
+        let output = process.output().expect("run cnibpf-test-client");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let field = |name: &str| {
+            stdout
+                .lines()
+                .find_map(|line| line.strip_prefix(&format!("{name}=")).map(str::to_owned))
+        };
+        if !output.status.success() {
+            return Err(field("error").unwrap_or(stdout));
+        }
+        let answer = field("answer").unwrap_or_default();
+        let peer = field("peer")
+            .and_then(|peer| peer.parse().ok())
+            .ok_or_else(|| format!("no peer in {stdout}"))?;
+        Ok((answer, peer))
+    }
+
     /// Invokes cnibpf alone with the given command, environment and raw stdin.
     pub fn invoke_cnibpf(
         &self,
@@ -304,6 +370,7 @@ impl Drop for SimHost {
         if let Some(lock_file) = self.try_lock_file() {
             let _ = std::fs::remove_file(lock_file);
         }
+        let _ = std::fs::remove_dir(&self.cgroup);
     }
 }
 

@@ -16,7 +16,8 @@ use aya::{
     EbpfLoader,
     maps::{Array, HashMap, Map, MapData, MapError, MapType},
     programs::{
-        LinkOrder, SchedClassifier, TcAttachType,
+        CgroupAttachMode, CgroupSockAddr, LinkOrder, Program, SchedClassifier, TcAttachType,
+        cgroup_sock_addr::{CgroupSockAddrAttachType, CgroupSockAddrLink},
         links::{FdLink, PinnedLink},
         tc::{SchedClassifierLink, TcAttach},
     },
@@ -29,6 +30,7 @@ use cnibpf_common::{
     nat_flow::{self, NatFlowKey, NatFlowValue},
     owner::{self, OwnerInfo},
     portmap::{self, PortMapKey, PortMapValue},
+    settings::{self, Settings},
 };
 use nix::{
     mount::{MsFlags, mount},
@@ -39,7 +41,7 @@ use super::{AttachmentRecord, Backend, BackendError, Endpoint};
 use crate::{
     attachment::{Attachment, ResolvedMapping, read_name},
     config::Protocol,
-    netlink,
+    netlink, netns,
     paths::{BPFFS_MOUNT_POINT, PinLayout},
 };
 
@@ -56,7 +58,24 @@ pub const UPLINK_INGRESS: &str = "uplink_ingress";
 pub const UPLINK_EGRESS: &str = "uplink_egress";
 pub const FROM_CONTAINER: &str = "from_container";
 pub const TO_CONTAINER: &str = "to_container";
-const PROGRAMS: [&str; 4] = [UPLINK_INGRESS, UPLINK_EGRESS, FROM_CONTAINER, TO_CONTAINER];
+const TC_PROGRAMS: [&str; 4] = [UPLINK_INGRESS, UPLINK_EGRESS, FROM_CONTAINER, TO_CONTAINER];
+/// The socket hooks of host processes, attached to the instance's cgroup.
+const SOCK_PROGRAMS: [(&str, CgroupSockAddrAttachType); 8] = [
+    ("sock_connect4", CgroupSockAddrAttachType::Connect4),
+    ("sock_connect6", CgroupSockAddrAttachType::Connect6),
+    ("sock_sendmsg4", CgroupSockAddrAttachType::UDPSendMsg4),
+    ("sock_sendmsg6", CgroupSockAddrAttachType::UDPSendMsg6),
+    ("sock_recvmsg4", CgroupSockAddrAttachType::UDPRecvMsg4),
+    ("sock_recvmsg6", CgroupSockAddrAttachType::UDPRecvMsg6),
+    ("sock_peername4", CgroupSockAddrAttachType::GetPeerName4),
+    ("sock_peername6", CgroupSockAddrAttachType::GetPeerName6),
+];
+
+fn all_programs() -> impl Iterator<Item = &'static str> {
+    TC_PROGRAMS
+        .into_iter()
+        .chain(SOCK_PROGRAMS.iter().map(|(name, _)| *name))
+}
 
 /// One tcx hook: the program and where its link is pinned.
 struct Hook<'a> {
@@ -97,7 +116,7 @@ impl EbpfBackend {
     pub fn load(pins: &PinLayout) -> Result<Self, BackendError> {
         prepare_pin_dir(pins)?;
         let state = check_layout(pins)?;
-        let programs_present = PROGRAMS.iter().all(|name| pins.program(name).exists());
+        let programs_present = all_programs().all(|name| pins.program(name).exists());
         if state == PinnedState::Current && programs_present {
             return Self::open_maps(pins);
         }
@@ -200,6 +219,58 @@ impl EbpfBackend {
                 "{} is not attached to {ifname} (index {ifindex})",
                 hook.program
             )));
+        }
+        Ok(())
+    }
+
+    /// Attaches the socket hooks to `cgroup` once per instance; their links are pinned, so
+    /// later ADDs find them in place.
+    fn attach_socket_hooks(&self, cgroup: &Path) -> Result<(), BackendError> {
+        let mut cgroup_dir = None;
+        for (name, attach_type) in SOCK_PROGRAMS {
+            let link_pin = self.pins.cgroup_link(name);
+            if link_pin.exists() {
+                continue;
+            }
+            let cgroup_dir = match &mut cgroup_dir {
+                Some(dir) => dir,
+                None => cgroup_dir.insert(fs::File::open(cgroup).map_err(|source| {
+                    BackendError::Pin {
+                        action: format!("could not open cgroup {}", cgroup.display()),
+                        source: Box::new(source),
+                    }
+                })?),
+            };
+            let program_path = self.pins.program(name);
+            let program_error = |action: String| {
+                move |source| BackendError::Program {
+                    action,
+                    source: Box::new(source),
+                }
+            };
+            let mut program =
+                CgroupSockAddr::from_pin(&program_path, attach_type).map_err(program_error(
+                    format!("could not open pinned program {}", program_path.display()),
+                ))?;
+            let link_id = program
+                // Links coexist with other programs on the cgroup whatever the mode; the kernel
+                // takes no mode flags for link creation.
+                .attach(&*cgroup_dir, CgroupAttachMode::Single)
+                .map_err(program_error(format!(
+                    "could not attach {name} to cgroup {}",
+                    cgroup.display()
+                )))?;
+            let link = program
+                .take_link(link_id)
+                .map_err(program_error(format!("could not take the link of {name}")))?;
+            let link: FdLink = link.try_into().map_err(|source| BackendError::Pin {
+                action: format!("link of {name} is not a bpf link"),
+                source: Box::new(source),
+            })?;
+            link.pin(&link_pin).map_err(|source| BackendError::Pin {
+                action: format!("could not pin link {}", link_pin.display()),
+                source: Box::new(source),
+            })?;
         }
         Ok(())
     }
@@ -399,7 +470,7 @@ impl Backend for EbpfBackend {
                 self.attach(uplink.index, &hook)?;
             }
         }
-        Ok(())
+        self.attach_socket_hooks(&endpoint.cgroup)
     }
 
     fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
@@ -439,6 +510,16 @@ impl Backend for EbpfBackend {
             let uplink_pins = self.uplink_link_pins(&uplink.name);
             for hook in Self::uplink_hooks(&uplink_pins) {
                 self.check_attached(uplink.index, &uplink.name, &hook)?;
+            }
+        }
+        for (name, _) in SOCK_PROGRAMS {
+            let pin = self.pins.cgroup_link(name);
+            if !pin.exists() {
+                return Err(BackendError::CheckFailed(format!(
+                    "socket hook {name} is not attached to cgroup {} (link {} missing)",
+                    endpoint.cgroup.display(),
+                    pin.display()
+                )));
             }
         }
         Ok(())
@@ -764,6 +845,34 @@ fn check_layout(pins: &PinLayout) -> Result<PinnedState, BackendError> {
     }
 }
 
+/// Points a pinned cgroup link at the socket hook now pinned under the same name.
+fn relink_cgroup(pins: &PinLayout, path: &Path, program_name: &str) -> Result<(), BackendError> {
+    let Some((name, attach_type)) = SOCK_PROGRAMS.iter().find(|(name, _)| *name == program_name)
+    else {
+        // A hook this build no longer has: unpinning detaches it.
+        return remove_pin(path);
+    };
+    let link_error = |source: Box<dyn std::error::Error + Send + Sync>| BackendError::Pin {
+        action: format!("could not move link {} to the new {name}", path.display()),
+        source,
+    };
+    let mut program = CgroupSockAddr::from_pin(pins.program(name), *attach_type)
+        .map_err(|error| link_error(Box::new(error)))?;
+    let pinned = PinnedLink::from_pin(path).map_err(|error| link_error(Box::new(error)))?;
+    let link = CgroupSockAddrLink::try_from(FdLink::from(pinned))
+        .map_err(|error| link_error(Box::new(error)))?;
+    match program.attach_to_link(link) {
+        Ok(link_id) => drop(program.take_link(link_id)),
+        Err(aya::programs::ProgramError::SyscallError(error))
+            if error.io_error.raw_os_error() == Some(libc::ENOLINK) =>
+        {
+            remove_pin(path)?;
+        }
+        Err(error) => return Err(link_error(Box::new(error))),
+    }
+    Ok(())
+}
+
 /// The program a pinned link (by its file name, see `PinLayout`) belongs to.
 fn program_of_link(file_name: &str) -> Option<&'static str> {
     let hook_ingress = file_name.ends_with("-ingress");
@@ -790,7 +899,12 @@ fn relink(pins: &PinLayout) -> Result<(), BackendError> {
     })?;
     for entry in entries.filter_map(Result::ok) {
         let path = entry.path();
-        let Some(program_name) = program_of_link(&entry.file_name().to_string_lossy()) else {
+        let file_name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(program_name) = file_name.strip_prefix("cgroup-") {
+            relink_cgroup(pins, &path, program_name)?;
+            continue;
+        }
+        let Some(program_name) = program_of_link(&file_name) else {
             continue;
         };
         let program_path = pins.program(program_name);
@@ -831,22 +945,13 @@ fn load_object(pins: &PinLayout) -> Result<(), BackendError> {
         .default_map_pin_directory(pins.root())
         .load(OBJECT)
         .map_err(|error| BackendError::Load(Box::new(error)))?;
-    for name in PROGRAMS {
-        let program: &mut SchedClassifier = ebpf
-            .program_mut(name)
-            .ok_or_else(|| {
-                BackendError::Load(Box::new(aya::EbpfError::ProgramError(
-                    aya::programs::ProgramError::InvalidName {
-                        name: name.to_owned(),
-                    },
-                )))
-            })?
-            .try_into()
-            .map_err(|source| BackendError::Program {
-                action: format!("{name} is not a TC classifier"),
-                source: Box::new(source),
-            })?;
-        program.load().map_err(|source| BackendError::Program {
+    for (name, program) in ebpf.programs_mut() {
+        let loaded = match program {
+            Program::SchedClassifier(program) => program.load(),
+            Program::CgroupSockAddr(program) => program.load(),
+            _ => Err(aya::programs::ProgramError::UnexpectedProgramType),
+        };
+        loaded.map_err(|source| BackendError::Program {
             action: format!("the kernel rejected program {name}"),
             source: Box::new(source),
         })?;
@@ -857,6 +962,22 @@ fn load_object(pins: &PinLayout) -> Result<(), BackendError> {
             source: Box::new(source),
         })?;
     }
+    let settings_map =
+        ebpf.map_mut(settings::MAP_NAME)
+            .ok_or_else(|| BackendError::IncompatibleState {
+                path: pins.root().to_owned(),
+                found: "an object without a settings map".to_owned(),
+                expected: format!("v{}", layout::VERSION),
+            })?;
+    let mut settings_array: Array<&mut MapData, Settings> =
+        Array::try_from(settings_map).map_err(map_error("could not open map settings"))?;
+    let host_netns_cookie = netns::current_cookie().map_err(|source| BackendError::Pin {
+        action: "could not read the host's network namespace cookie".to_owned(),
+        source: Box::new(source),
+    })?;
+    settings_array
+        .set(0, &Settings { host_netns_cookie }, 0)
+        .map_err(map_error("could not write map settings"))?;
     let layout_map =
         ebpf.map_mut(layout::MAP_NAME)
             .ok_or_else(|| BackendError::IncompatibleState {

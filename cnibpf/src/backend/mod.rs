@@ -108,6 +108,8 @@ pub struct Endpoint {
     pub gateway_mac: [u8; 6],
     pub gateway_v4: Option<Ipv4Addr>,
     pub gateway_v6: Option<Ipv6Addr>,
+    /// The cgroup (v2) whose processes' sockets reach hostPorts through the socket hooks.
+    pub cgroup: PathBuf,
 }
 
 /// What a backend knows about one attachment it serves.

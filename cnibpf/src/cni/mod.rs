@@ -207,6 +207,20 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     let link =
         attachment::find_container_link(&prev, &netns, &env.ifname).map_err(EnvError::from)?;
     let uplinks = resolve_uplinks(conf)?;
+    let cgroup = match &conf.plugin.cgroup_path {
+        Some(path) => path.clone(),
+        None => crate::paths::cgroup2_root().ok_or_else(|| ConfigError::Invalid {
+            key: "cgroupPath".to_owned(),
+            reason: "no cgroup v2 hierarchy is mounted: mount one or name a cgroupPath".to_owned(),
+        })?,
+    };
+    if !cgroup.is_dir() {
+        return Err(ConfigError::Invalid {
+            key: "cgroupPath".to_owned(),
+            reason: format!("{} is not a directory", cgroup.display()),
+        }
+        .into());
+    }
     if !mappings.is_empty() && uplinks.is_empty() {
         return Err(ConfigError::Invalid {
             key: "uplinks".to_owned(),
@@ -231,6 +245,7 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
                 IpAddr::V6(gateway) => Some(*gateway),
                 IpAddr::V4(_) => None,
             }),
+            cgroup,
         },
         attachment,
         mappings,

@@ -1,0 +1,189 @@
+//! Host processes reaching hostPorts: cgroup sock_addr hooks translate the address a socket of
+//! the host namespace connects or sends to (127.0.0.1, ::1, any host address, or a mapping's
+//! hostIP) into the container's, and show the application the address it asked for on
+//! recvmsg and getpeername. Packets then carry the container address from the start, so
+//! loopback needs neither route_localnet nor any packet rewriting.
+//!
+//! These hooks never deny: whatever they cannot translate proceeds unchanged.
+
+use core::ptr::{read_volatile, write_volatile};
+
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::{BPF_ANY, bpf_sock_addr},
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
+    programs::SockAddrContext,
+};
+use cnibpf_common::{
+    FAMILY_IPV4,
+    portmap::PortMapKey,
+    sock_rev::{SockRevKey, SockRevValue},
+};
+
+use crate::{maps, packet::widen, portmap::is_host_address};
+
+/// The verdict that lets the syscall proceed.
+pub const ALLOW: i32 = 1;
+
+/// connect and sendmsg: a hostPort of this host becomes the container behind it.
+pub fn to_container(ctx: &SockAddrContext, family: u8) {
+    if !in_host_namespace(ctx) {
+        return;
+    }
+    let sock = ctx.sock_addr;
+    // SAFETY: sock is the bpf_sock_addr context the kernel handed to this program.
+    let protocol = unsafe { read_volatile(&raw const (*sock).protocol) } as u8;
+    let (addr, port) = user_address(sock, family);
+    let mut key = PortMapKey {
+        host_addr: addr,
+        host_port: port,
+        protocol,
+        family,
+    };
+    let mapping = match maps::portmap.get_ptr(&key) {
+        Some(mapping) => mapping,
+        None => {
+            if !is_loopback(&addr, family) && !is_host_address(&addr, family) {
+                return;
+            }
+            key.host_addr = [0; 16];
+            match maps::portmap.get_ptr(&key) {
+                Some(mapping) => mapping,
+                None => return,
+            }
+        }
+    };
+    // SAFETY: read at once; userspace replaces portmap values whole.
+    let (container_addr, container_port) =
+        unsafe { ((*mapping).container_addr, (*mapping).container_port) };
+    set_user_address(sock, family, &container_addr, container_port);
+    let reverse_key = SockRevKey {
+        // SAFETY: bpf_get_socket_cookie accepts the sock_addr context.
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        addr: container_addr,
+        port: container_port,
+        family,
+        _pad: [0; 5],
+    };
+    let original = SockRevValue {
+        orig_addr: addr,
+        orig_port: port,
+        _pad: [0; 6],
+    };
+    // A full LRU map evicts the oldest socket's entry; failing here only means the application
+    // sees the container address in recvmsg/getpeername, so the connection proceeds regardless.
+    let _ = maps::sock_rev.insert(&reverse_key, &original, u64::from(BPF_ANY));
+}
+
+/// recvmsg and getpeername: the container address becomes the hostPort the socket asked for.
+pub fn to_host_port(ctx: &SockAddrContext, family: u8) {
+    if !in_host_namespace(ctx) {
+        return;
+    }
+    let sock = ctx.sock_addr;
+    let (addr, port) = user_address(sock, family);
+    let key = SockRevKey {
+        // SAFETY: bpf_get_socket_cookie accepts the sock_addr context.
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        addr,
+        port,
+        family,
+        _pad: [0; 5],
+    };
+    if let Some(original) = maps::sock_rev.get_ptr(&key) {
+        // SAFETY: read at once from the entry just looked up.
+        let (orig_addr, orig_port) = unsafe { ((*original).orig_addr, (*original).orig_port) };
+        set_user_address(sock, family, &orig_addr, orig_port);
+    }
+}
+
+/// Only sockets of the host's network namespace are translated: a process in a container
+/// connecting to its own 127.0.0.1 means its own loopback.
+fn in_host_namespace(ctx: &SockAddrContext) -> bool {
+    // SAFETY: bpf_get_netns_cookie accepts the sock_addr context.
+    let cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    maps::settings.get(0).is_some_and(|settings| {
+        settings.host_netns_cookie != 0 && settings.host_netns_cookie == cookie
+    })
+}
+
+/// The address and port (host byte order) the syscall names, in the 16-byte map form.
+fn user_address(sock: *mut bpf_sock_addr, family: u8) -> ([u8; 16], u16) {
+    // SAFETY: sock is the context; user_ip4, user_ip6 and user_port are readable in every
+    // sock_addr hook, 4 bytes at a time. Volatile reads keep each one a load at a constant
+    // offset from the context, the only form the verifier accepts.
+    unsafe {
+        let port = u16::from_be(read_volatile(&raw const (*sock).user_port) as u16);
+        if family == FAMILY_IPV4 {
+            (
+                widen(read_volatile(&raw const (*sock).user_ip4).to_ne_bytes()),
+                port,
+            )
+        } else {
+            let words = [
+                read_volatile(&raw const (*sock).user_ip6[0]).to_ne_bytes(),
+                read_volatile(&raw const (*sock).user_ip6[1]).to_ne_bytes(),
+                read_volatile(&raw const (*sock).user_ip6[2]).to_ne_bytes(),
+                read_volatile(&raw const (*sock).user_ip6[3]).to_ne_bytes(),
+            ];
+            let addr = [
+                words[0][0],
+                words[0][1],
+                words[0][2],
+                words[0][3],
+                words[1][0],
+                words[1][1],
+                words[1][2],
+                words[1][3],
+                words[2][0],
+                words[2][1],
+                words[2][2],
+                words[2][3],
+                words[3][0],
+                words[3][1],
+                words[3][2],
+                words[3][3],
+            ];
+            (addr, port)
+        }
+    }
+}
+
+fn set_user_address(sock: *mut bpf_sock_addr, family: u8, addr: &[u8; 16], port: u16) {
+    // SAFETY: sock is the context; these fields are writable in connect, sendmsg, recvmsg and
+    // getpeername hooks, 4 bytes at a time.
+    unsafe {
+        if family == FAMILY_IPV4 {
+            write_volatile(
+                &raw mut (*sock).user_ip4,
+                u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]),
+            );
+        } else {
+            write_volatile(
+                &raw mut (*sock).user_ip6[0],
+                u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]),
+            );
+            write_volatile(
+                &raw mut (*sock).user_ip6[1],
+                u32::from_ne_bytes([addr[4], addr[5], addr[6], addr[7]]),
+            );
+            write_volatile(
+                &raw mut (*sock).user_ip6[2],
+                u32::from_ne_bytes([addr[8], addr[9], addr[10], addr[11]]),
+            );
+            write_volatile(
+                &raw mut (*sock).user_ip6[3],
+                u32::from_ne_bytes([addr[12], addr[13], addr[14], addr[15]]),
+            );
+        }
+        write_volatile(&raw mut (*sock).user_port, u32::from(port.to_be()));
+    }
+}
+
+fn is_loopback(addr: &[u8; 16], family: u8) -> bool {
+    if family == FAMILY_IPV4 {
+        addr[0] == 127
+    } else {
+        addr[..15].iter().all(|byte| *byte == 0) && addr[15] == 1
+    }
+}
