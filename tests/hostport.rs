@@ -311,3 +311,44 @@ fn a_host_port_that_changes_owner_reaches_the_new_container_within_a_second() {
             .unwrap_or_else(|error| panic!("DEL of B: {error}"));
     }
 }
+
+#[test]
+fn a_client_that_switches_from_the_host_port_to_the_container_address_is_not_rewritten() {
+    let sim = SimHost::new("hp-stale", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(5353, 53, "udp")]));
+    let _dns = UdpServer::start(&c1.netns, c1.at(Family::V4, 53), "dns");
+    sim.outside.exec(&[
+        "ip",
+        "route",
+        "add",
+        "10.22.0.0/16",
+        "via",
+        &sim.uplink(Family::V4, 0).ip().to_string(),
+    ]);
+    let (hostport, direct) = (sim.uplink(Family::V4, 5353), c1.at(Family::V4, 53));
+    let answers = sim.outside.run(move || {
+        let socket = UdpSocket::bind("0.0.0.0:41000").expect("bind the fixed client port");
+        socket
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .expect("timeout");
+        let mut buffer = [0u8; 64];
+        let mut ask = |target| {
+            socket.send_to(b"ping", target).expect("send");
+            socket
+                .recv_from(&mut buffer)
+                .map(|(_, from)| from)
+                .map_err(|error| error.to_string())
+        };
+        (ask(hostport), ask(direct))
+    });
+    assert_eq!(
+        answers.0,
+        Ok(hostport),
+        "through the hostPort the answer comes from the hostPort"
+    );
+    assert_eq!(
+        answers.1,
+        Ok(direct),
+        "the same client port talking to the container directly must get the container's own answer"
+    );
+}

@@ -15,7 +15,6 @@ mod portmap;
 mod sock;
 
 use aya_ebpf::{
-    bindings::TC_ACT_OK,
     macros::{cgroup_sock_addr, classifier},
     programs::{SockAddrContext, TcContext},
 };
@@ -42,11 +41,12 @@ pub fn from_container(ctx: TcContext) -> i32 {
     portmap::try_from_container(&ctx).unwrap_or_else(DatapathError::verdict)
 }
 
-/// Container host-side interface, TC egress: packets towards the container. The attachment point
-/// for ingress filtering; until that slice lands every packet is delivered unchanged.
+/// Container host-side interface, TC egress: packets towards the container that did not come
+/// through a hostPort (those are handed to the container directly). A connection opened this
+/// way reuses its 5-tuple, so a translation remembered for it is stale and goes.
 #[classifier]
-pub fn to_container(_ctx: TcContext) -> i32 {
-    TC_ACT_OK
+pub fn to_container(ctx: TcContext) -> i32 {
+    portmap::try_to_container(&ctx).unwrap_or_else(DatapathError::verdict)
 }
 
 /// Host sockets, connect(2) over IPv4: a hostPort of this host becomes its container.

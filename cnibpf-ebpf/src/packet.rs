@@ -27,6 +27,8 @@ const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 /// More-fragments flag and fragment offset: any bit set means this is a fragment.
 const IPV4_FRAGMENT_MASK: u16 = 0x3fff;
+const TCP_SYN: u8 = 0x02;
+const TCP_ACK: u8 = 0x10;
 /// Enough of any L4 header for ports and checksum, pulled into the linear area up front.
 const L4_PULL: usize = 20;
 
@@ -140,6 +142,12 @@ impl Flow {
             ip_len: u16::from_be(payload_len).saturating_add(IPV6_HLEN as u16),
             l4_off,
         }))
+    }
+
+    /// Whether a TCP packet opens a connection (SYN without ACK).
+    pub fn is_tcp_syn(&self, ctx: &TcContext) -> Result<bool, DatapathError> {
+        let flags: u8 = load(ctx, self.l4_off + 13)?;
+        Ok(flags & TCP_SYN != 0 && flags & TCP_ACK == 0)
     }
 
     /// Offset of the L4 checksum that covers the addresses; SCTP's CRC32c does not.

@@ -13,7 +13,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use cnibpf_common::{
-    FAMILY_IPV4,
+    FAMILY_IPV4, PROTO_TCP,
     endpoint::EndpointInfo,
     host_addr::HostAddrKey,
     nat_flow::{NatFlowKey, NatFlowValue},
@@ -79,6 +79,32 @@ pub fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
         return Ok(verdict);
     }
     hairpin(ctx, &flow)
+}
+
+/// Packets towards the container that did not come through a hostPort: a TCP connection
+/// opening, or any UDP datagram, on a 5-tuple that has a translation remembered means that
+/// translation is stale (the client now talks to the container directly with the same ports),
+/// and its replies must not be rewritten.
+pub fn try_to_container(ctx: &TcContext) -> Result<i32, DatapathError> {
+    let Some(flow) = Flow::parse(ctx)? else {
+        return Ok(TC_ACT_OK);
+    };
+    if flow.protocol == PROTO_TCP && !flow.is_tcp_syn(ctx)? {
+        return Ok(TC_ACT_OK);
+    }
+    let reply = NatFlowKey {
+        src_addr: flow.daddr,
+        dst_addr: flow.saddr,
+        src_port: u16::from_be(flow.dport),
+        dst_port: u16::from_be(flow.sport),
+        protocol: flow.protocol,
+        family: flow.family,
+        _pad: [0; 2],
+    };
+    if maps::nat_flows.get_ptr(&reply).is_some() {
+        let _ = maps::nat_flows.remove(&reply);
+    }
+    Ok(TC_ACT_OK)
 }
 
 /// The reverse translation of a reply, sent on to its next hop; `None` when the packet is not

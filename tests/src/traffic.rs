@@ -272,3 +272,110 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
         }
     }
 }
+
+/// A server for connection-rate measurements: each connection sends one byte and gets one byte
+/// back, then the client closes. Stops on drop.
+#[derive(Debug)]
+pub struct EchoServer {
+    stop: Arc<AtomicBool>,
+    threads: Vec<thread::JoinHandle<()>>,
+}
+
+impl EchoServer {
+    pub fn start(netns: &Netns, bind: SocketAddr, workers: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let listener = netns.run(move || {
+            let listener =
+                TcpListener::bind(bind).unwrap_or_else(|error| panic!("bind {bind}: {error}"));
+            listener
+                .set_nonblocking(true)
+                .expect("nonblocking listener");
+            listener
+        });
+        let threads = (0..workers)
+            .map(|_| {
+                let listener = listener.try_clone().expect("clone listener");
+                let stop = Arc::clone(&stop);
+                thread::spawn(move || {
+                    let mut byte = [0u8; 1];
+                    while !stop.load(Ordering::Relaxed) {
+                        match listener.accept() {
+                            Ok((mut stream, _)) => {
+                                let _ = stream.set_nonblocking(false);
+                                let _ = stream.set_read_timeout(Some(CLIENT_TIMEOUT));
+                                if stream.read_exact(&mut byte).is_ok() {
+                                    let _ = stream.write_all(&byte);
+                                }
+                            }
+                            Err(_) => thread::sleep(Duration::from_micros(200)),
+                        }
+                    }
+                })
+            })
+            .collect();
+        Self { stop, threads }
+    }
+}
+
+impl Drop for EchoServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Connections per second from `netns` to `target` over `duration` with `clients` parallel
+/// clients, each connecting, sending one byte, reading one byte and closing with a reset (so
+/// that no TIME_WAIT piles up on either side). Failed connections are not counted.
+pub fn connection_rate(
+    netns: &Netns,
+    target: SocketAddr,
+    clients: usize,
+    duration: Duration,
+) -> f64 {
+    let handles: Vec<_> = (0..clients)
+        .map(|_| {
+            netns.spawn(move || {
+                let started = std::time::Instant::now();
+                let mut completed = 0u64;
+                let mut byte = [1u8; 1];
+                while started.elapsed() < duration {
+                    let Ok(mut stream) = TcpStream::connect_timeout(&target, CLIENT_TIMEOUT) else {
+                        continue;
+                    };
+                    let _ = stream.set_read_timeout(Some(CLIENT_TIMEOUT));
+                    if stream.write_all(&byte).is_ok() && stream.read_exact(&mut byte).is_ok() {
+                        completed += 1;
+                    }
+                    reset_on_close(&stream);
+                }
+                completed
+            })
+        })
+        .collect();
+    let total: u64 = handles
+        .into_iter()
+        .map(|handle| handle.join().unwrap_or(0))
+        .sum();
+    total as f64 / duration.as_secs_f64()
+}
+
+fn reset_on_close(stream: &TcpStream) {
+    use std::os::fd::AsRawFd as _;
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt(2) on a descriptor `stream` owns, with a correctly sized value.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+}

@@ -1,6 +1,7 @@
 //! Developer and CI commands: `cargo xtask <command>`. Run through `./dev`, which first installs
 //! what is missing (scripts/bootstrap.sh).
 
+mod bench;
 mod demo;
 
 use std::{
@@ -37,6 +38,11 @@ enum Task {
     },
     /// Wire a container in a simulated host with cnibpf and show it working.
     Demo,
+    /// Benchmarks against same-run baselines; results in target/bench (table, JSON, PNG).
+    Bench {
+        /// Which suite (default: all): portmap.
+        suite: Option<String>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -49,6 +55,14 @@ fn main() -> Result<()> {
         Task::Demo => {
             build()?;
             demo::run()
+        }
+        Task::Bench { suite } => {
+            build()?;
+            run(
+                cargo(&["build", "--release", "--package", "cnibpf"]),
+                "build cnibpf (release) for benchmarks",
+            )?;
+            bench::run(suite.as_deref())
         }
     }
 }

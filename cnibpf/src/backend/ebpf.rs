@@ -461,6 +461,8 @@ impl Backend for EbpfBackend {
             .insert(&endpoint.host.index, &endpoint_info, 0)
             .map_err(map_error("could not write map endpoints"))?;
         let endpoint_pins = self.endpoint_link_pins(owner);
+        // Each new tcx attachment waits out an RCU grace period in the kernel, under the RTNL
+        // lock: this is where an ADD spends most of its time, and threads would not shorten it.
         for hook in Self::endpoint_hooks(&endpoint_pins) {
             self.attach(endpoint.host.index, &hook)?;
         }

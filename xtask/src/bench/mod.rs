@@ -1,0 +1,185 @@
+//! `cargo xtask bench [suite]`: measurements in the simulated host, each reported against a
+//! baseline measured in the same run (these machines are noisy), as a table and a PNG chart
+//! under `target/bench/`.
+
+mod chart;
+mod portmap;
+
+use std::{
+    fmt::Write as _,
+    path::{Path, PathBuf},
+    process::{Child, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use cnibpf_tests::Netns;
+
+pub fn run(suite: Option<&str>) -> Result<()> {
+    let release = crate::workspace_root().join("target/release/cnibpf");
+    // SAFETY: set before any thread of this process starts; the simulated host reads it to run
+    // the optimised plugin, the build users install.
+    unsafe { std::env::set_var("CNIBPF_BIN", &release) };
+    let out_dir = crate::workspace_root().join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    match suite {
+        None | Some("portmap") => portmap::run(&out_dir),
+        Some(other) => bail!("unknown bench suite {other:?}; suites: portmap"),
+    }
+}
+
+/// Progress with elapsed time, for runs that take minutes.
+pub struct Progress {
+    started: Instant,
+}
+
+impl Progress {
+    pub fn new() -> Self {
+        Self {
+            started: Instant::now(),
+        }
+    }
+
+    pub fn step(&self, what: &str) {
+        eprintln!(
+            "\x1b[1m[{:6.1}s]\x1b[0m {what}",
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// One line of a report: a measurement and, when it has one, the baseline it is compared to.
+pub struct Row {
+    pub scenario: String,
+    pub metric: &'static str,
+    pub unit: &'static str,
+    pub value: f64,
+    pub baseline: Option<(String, f64)>,
+}
+
+impl Row {
+    pub fn ratio(&self) -> Option<f64> {
+        self.baseline
+            .as_ref()
+            .map(|(_, baseline)| self.value / baseline)
+    }
+}
+
+/// Writes `<name>.md` (and prints it) and `<name>.json` into `out_dir`.
+pub fn write_report(
+    out_dir: &Path,
+    name: &str,
+    title: &str,
+    rows: &[Row],
+    notes: &[String],
+) -> Result<PathBuf> {
+    let mut table = format!(
+        "# {title}\n\n| scenario | metric | value | baseline | ratio |\n|---|---|---:|---|---:|\n"
+    );
+    for row in rows {
+        let (baseline, ratio) = match (&row.baseline, row.ratio()) {
+            (Some((label, value)), Some(ratio)) => (
+                format!("{label}: {} {}", format_value(*value), row.unit),
+                format!("{ratio:.3}×"),
+            ),
+            _ => ("—".to_owned(), "—".to_owned()),
+        };
+        writeln!(
+            table,
+            "| {} | {} | {} {} | {} | {} |",
+            row.scenario,
+            row.metric,
+            format_value(row.value),
+            row.unit,
+            baseline,
+            ratio
+        )?;
+    }
+    for note in notes {
+        writeln!(table, "\n{note}")?;
+    }
+    let markdown = out_dir.join(format!("{name}.md"));
+    std::fs::write(&markdown, &table)?;
+    println!("{table}");
+    let json: Vec<_> = rows
+        .iter()
+        .map(|row| {
+            serde_json::json!({
+                "scenario": row.scenario, "metric": row.metric, "unit": row.unit, "value": row.value,
+                "baseline": row.baseline.as_ref().map(|(label, value)| serde_json::json!({ "label": label, "value": value })),
+                "ratio": row.ratio(),
+            })
+        })
+        .collect();
+    std::fs::write(
+        out_dir.join(format!("{name}.json")),
+        serde_json::to_string_pretty(&json)?,
+    )?;
+    Ok(markdown)
+}
+
+fn format_value(value: f64) -> String {
+    if value >= 100.0 {
+        format!("{value:.0}")
+    } else {
+        format!("{value:.2}")
+    }
+}
+
+pub fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// An iperf3 server in a namespace, killed on drop.
+pub struct Iperf3Server {
+    child: Child,
+}
+
+impl Iperf3Server {
+    pub fn start(netns: &Netns, port: u16) -> Result<Self> {
+        let child = netns
+            .command(&["iperf3", "--server", "--port", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("start iperf3 server")?;
+        // iperf3 has no readiness signal; it listens within milliseconds.
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(Self { child })
+    }
+}
+
+impl Drop for Iperf3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// TCP throughput in Gbit/s from `netns` to `target` over `seconds` (iperf3, one stream).
+pub fn iperf3(netns: &Netns, target: std::net::SocketAddr, seconds: u32) -> Result<f64> {
+    let output = netns
+        .command(&[
+            "iperf3",
+            "--client",
+            &target.ip().to_string(),
+            "--port",
+            &target.port().to_string(),
+            "--time",
+            &seconds.to_string(),
+            "--json",
+        ])
+        .output()
+        .context("run iperf3 client")?;
+    let report: serde_json::Value =
+        serde_json::from_slice(&output.stdout).context("iperf3 prints JSON")?;
+    report["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .map(|bits| bits / 1e9)
+        .with_context(|| format!("iperf3 to {target} failed: {}", report["error"]))
+}
