@@ -40,10 +40,12 @@ fn outside_client_reaches_container_through_host_port() {
     );
 
     let host_if = sim.host_interface(&c1);
-    assert_eq!(
-        sim.tcx_programs(&host_if),
-        ["from_container", "to_container"]
-    );
+    let endpoint: Vec<String> = sim
+        .tc_filter_programs(&host_if)
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect();
+    assert_eq!(endpoint, ["from_container", "to_container"]);
     assert_eq!(
         sim.tcx_programs(UPLINK),
         ["uplink_egress", "uplink_ingress"]
@@ -97,10 +99,12 @@ fn second_add_reuses_pinned_programs() {
         before, after,
         "the second ADD must reuse the pinned programs, not load new ones"
     );
-    assert_eq!(
-        sim.tcx_programs(&sim.host_interface(&c2)),
-        ["from_container", "to_container"]
-    );
+    let endpoint: Vec<String> = sim
+        .tc_filter_programs(&sim.host_interface(&c2))
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect();
+    assert_eq!(endpoint, ["from_container", "to_container"]);
     assert_eq!(
         sim.tcx_programs(UPLINK),
         ["uplink_egress", "uplink_ingress"],
@@ -248,18 +252,34 @@ fn check_detects_missing_state_and_re_add_repairs_it() {
     sim.check(&c1)
         .unwrap_or_else(|error| panic!("CHECK of a fresh ADD failed: {error}"));
 
+    // A mapping deleted behind cnibpf's back (wildcard IPv4 tcp/8080: 16 zero address bytes,
+    // the port little-endian, protocol 6, family 2).
+    let portmap = sim.pin_path.join("portmap");
+    let mut delete = std::process::Command::new("bpftool");
+    delete
+        .args(["map", "delete", "pinned"])
+        .arg(&portmap)
+        .arg("key");
+    delete
+        .args(std::iter::repeat_n("0", 16))
+        .args(["0x90", "0x1f", "6", "2"]);
+    cnibpf_tests::netns::run_checked(&mut delete);
+    let error = sim
+        .check(&c1)
+        .expect_err("CHECK must notice the missing mapping");
+    assert_eq!(error.0.error_code(), Some(105), "{error}");
+    assert!(error.0.error_msg().contains("tcp 0.0.0.0:8080"), "{error}");
+    sim.chain
+        .add_again(&c1.attachment, "cnibpf")
+        .unwrap_or_else(|error| panic!("repairing ADD failed: {error}"));
+    sim.check(&c1)
+        .unwrap_or_else(|error| panic!("CHECK after re-adding the mapping failed: {error}"));
+
     // A detached endpoint program.
-    let links = sim.pin_path.join("links");
-    let endpoint_link = std::fs::read_dir(&links)
-        .expect("links dir")
-        .filter_map(Result::ok)
-        .map(|entry| entry.path())
-        .find(|path| {
-            path.to_string_lossy().ends_with("-ingress")
-                && path.to_string_lossy().contains("endpoint-")
-        })
-        .expect("an endpoint ingress link");
-    std::fs::remove_file(&endpoint_link).expect("remove link pin");
+    let host_if = sim.host_interface(&c1);
+    sim.host.exec(&[
+        "tc", "filter", "del", "dev", &host_if, "ingress", "pref", "51999",
+    ]);
     let error = sim
         .check(&c1)
         .expect_err("CHECK must notice the detached program");
@@ -301,7 +321,7 @@ fn gc_removes_only_attachments_missing_from_the_valid_list() {
         dual_stack(&c1.attachment.container_id, 8080)
     );
     assert!(
-        sim.tcx_programs(&sim.host_interface(&c2)).is_empty(),
+        sim.tc_filter_programs(&sim.host_interface(&c2)).is_empty(),
         "GC detaches c2's programs"
     );
 }
@@ -409,7 +429,7 @@ fn programs_of_another_build_are_replaced_and_links_follow() {
     );
     assert_ne!(new_uplink, old_uplink);
     let attached_c1: Vec<u32> = sim
-        .tcx_program_ids(&c1_if)
+        .tc_filter_programs(&c1_if)
         .into_iter()
         .map(|(_, id)| id)
         .collect();

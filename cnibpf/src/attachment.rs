@@ -122,10 +122,10 @@ pub struct ContainerLink {
 /// prevResult or, failing that, from CNI_IFNAME itself.
 pub fn find_container_link(
     prev: &PrevResult,
+    host_links: &[Link],
     netns: &Path,
     ifname: &str,
 ) -> Result<ContainerLink, HostInterfaceError> {
-    let host_links = netlink::links()?;
     let mut veths = host_links.iter().filter(|link| {
         link.kind.as_deref() == Some("veth") && prev.host_interfaces.contains(&link.name)
     });

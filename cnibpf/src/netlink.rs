@@ -2,7 +2,8 @@
 //! namespace. A one-shot CNI plugin needs a handful of dumps, not an async runtime.
 
 use netlink_packet_core::{
-    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST, NetlinkHeader,
+    NetlinkMessage, NetlinkPayload,
 };
 use std::net::IpAddr;
 
@@ -11,6 +12,7 @@ use netlink_packet_route::{
     address::{AddressAttribute, AddressMessage},
     link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage},
     route::{RouteAttribute, RouteHeader, RouteMessage, RouteType},
+    tc::{TcAttribute, TcBpfFlags, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
@@ -18,8 +20,8 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 pub enum NetlinkError {
     #[error("netlink socket")]
     Socket(#[source] std::io::Error),
-    #[error("netlink {request} dump failed")]
-    Dump {
+    #[error("netlink {request} request failed")]
+    Request {
         request: &'static str,
         #[source]
         source: std::io::Error,
@@ -62,13 +64,6 @@ pub fn link_by_name(name: &str) -> Result<Link, NetlinkError> {
         .into_iter()
         .find(|link| link.name == name)
         .ok_or_else(|| NetlinkError::NoSuchName(name.to_owned()))
-}
-
-pub fn link_by_index(index: u32) -> Result<Link, NetlinkError> {
-    links()?
-        .into_iter()
-        .find(|link| link.index == index)
-        .ok_or(NetlinkError::NoSuchIndex(index))
 }
 
 /// Every address of every interface, with the interface's index.
@@ -174,12 +169,175 @@ fn link_from_message(message: LinkMessage) -> Link {
     link
 }
 
+/// Which clsact hook of an interface a TC filter sits on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcHook {
+    Ingress,
+    Egress,
+}
+
+impl TcHook {
+    fn parent(self) -> TcHandle {
+        TcHandle {
+            major: TcHandle::CLSACT.major,
+            minor: match self {
+                Self::Ingress => TcHandle::MIN_INGRESS,
+                Self::Egress => TcHandle::MIN_EGRESS,
+            },
+        }
+    }
+}
+
+/// Position of one TC filter: its priority and handle on a hook.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcFilterSlot {
+    pub hook: TcHook,
+    pub priority: u16,
+    pub handle: u32,
+}
+
+/// `ETH_P_ALL` in network byte order, as filters carry their protocol.
+const ETH_P_ALL_BE: u16 = 0x0003u16.to_be();
+
+/// Adds the clsact qdisc to an interface (already present is fine).
+pub fn add_clsact(ifindex: u32) -> Result<(), NetlinkError> {
+    let mut message = TcMessage::with_index(ifindex_i32(ifindex));
+    message.header.parent = TcHandle::CLSACT;
+    message.header.handle = TcHandle {
+        major: TcHandle::CLSACT.major,
+        minor: 0,
+    };
+    message
+        .attributes
+        .push(TcAttribute::Kind("clsact".to_owned()));
+    let request = RouteNetlinkMessage::NewQueueDiscipline(message);
+    match exchange(
+        "clsact qdisc",
+        request,
+        NLM_F_CREATE | NLM_F_EXCL | NLM_F_ACK,
+        |_| None::<()>,
+    ) {
+        Ok(_) => Ok(()),
+        Err(NetlinkError::Request { source, .. })
+            if source.raw_os_error() == Some(libc::EEXIST) =>
+        {
+            Ok(())
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// Creates or atomically replaces a direct-action BPF filter in `slot`.
+pub fn replace_bpf_filter(
+    ifindex: u32,
+    slot: TcFilterSlot,
+    program_fd: i32,
+    name: &str,
+) -> Result<(), NetlinkError> {
+    let mut message = filter_message(ifindex, slot);
+    message.attributes.push(TcAttribute::Kind("bpf".to_owned()));
+    let fd = u32::try_from(program_fd).map_err(|_| NetlinkError::Decode {
+        request: "bpf filter",
+        reason: format!("bad program descriptor {program_fd}"),
+    })?;
+    message.attributes.push(TcAttribute::Options(vec![
+        TcOption::Bpf(TcFilterBpfOption::ProgFd(fd)),
+        TcOption::Bpf(TcFilterBpfOption::ProgName(name.to_owned())),
+        TcOption::Bpf(TcFilterBpfOption::Flags(TcBpfFlags::DirectAction)),
+    ]));
+    let request = RouteNetlinkMessage::NewTrafficFilter(message);
+    exchange(
+        "bpf filter",
+        request,
+        NLM_F_CREATE | NLM_F_REPLACE | NLM_F_ACK,
+        |_| None::<()>,
+    )
+    .map(|_| ())
+}
+
+/// The id of the BPF program in `slot`, if a BPF filter is there.
+pub fn bpf_filter_program(ifindex: u32, slot: TcFilterSlot) -> Result<Option<u32>, NetlinkError> {
+    let mut message = TcMessage::with_index(ifindex_i32(ifindex));
+    message.header.parent = slot.hook.parent();
+    let request = RouteNetlinkMessage::GetTrafficFilter(message);
+    let programs = exchange("bpf filter", request, NLM_F_DUMP, |message| match message {
+        RouteNetlinkMessage::NewTrafficFilter(filter)
+            if u32::from(filter.header.handle) == slot.handle
+                && (filter.header.info >> 16) as u16 == slot.priority =>
+        {
+            filter
+                .attributes
+                .iter()
+                .find_map(|attribute| match attribute {
+                    TcAttribute::Options(options) => {
+                        options.iter().find_map(|option| match option {
+                            TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => Some(*id),
+                            _ => None,
+                        })
+                    }
+                    _ => None,
+                })
+        }
+        _ => None,
+    });
+    match programs {
+        Ok(ids) => Ok(ids.into_iter().next()),
+        // The interface (and so its filters) is gone.
+        Err(NetlinkError::Request { source, .. })
+            if source.raw_os_error() == Some(libc::ENODEV) =>
+        {
+            Ok(None)
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// Removes the filter in `slot`; a filter, qdisc or interface that is gone already is success.
+pub fn delete_filter(ifindex: u32, slot: TcFilterSlot) -> Result<(), NetlinkError> {
+    let request = RouteNetlinkMessage::DelTrafficFilter(filter_message(ifindex, slot));
+    match exchange("bpf filter", request, NLM_F_ACK, |_| None::<()>) {
+        Ok(_) => Ok(()),
+        Err(NetlinkError::Request { source, .. })
+            if matches!(
+                source.raw_os_error(),
+                Some(libc::ENOENT | libc::ENODEV | libc::EINVAL)
+            ) =>
+        {
+            Ok(())
+        }
+        Err(error) => Err(error),
+    }
+}
+
+fn filter_message(ifindex: u32, slot: TcFilterSlot) -> TcMessage {
+    let mut message = TcMessage::with_index(ifindex_i32(ifindex));
+    message.header.parent = slot.hook.parent();
+    message.header.handle = TcHandle::from(slot.handle);
+    message.header.info = (u32::from(slot.priority) << 16) | u32::from(ETH_P_ALL_BE);
+    message
+}
+
+fn ifindex_i32(ifindex: u32) -> i32 {
+    i32::try_from(ifindex).unwrap_or(i32::MAX)
+}
+
 fn dump<T>(
     request_name: &'static str,
     request: RouteNetlinkMessage,
+    keep: impl FnMut(RouteNetlinkMessage) -> Option<T>,
+) -> Result<Vec<T>, NetlinkError> {
+    exchange(request_name, request, NLM_F_DUMP, keep)
+}
+
+/// Sends one request and collects what `keep` takes from the replies, until the dump's end or
+/// the request's acknowledgement.
+fn exchange<T>(
+    request_name: &'static str,
+    request: RouteNetlinkMessage,
+    flags: u16,
     mut keep: impl FnMut(RouteNetlinkMessage) -> Option<T>,
 ) -> Result<Vec<T>, NetlinkError> {
-    let io_error = |source| NetlinkError::Dump {
+    let io_error = |source| NetlinkError::Request {
         request: request_name,
         source,
     };
@@ -190,7 +348,7 @@ fn dump<T>(
         .map_err(NetlinkError::Socket)?;
 
     let mut header = NetlinkHeader::default();
-    header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+    header.flags = NLM_F_REQUEST | flags;
     header.sequence_number = 1;
     let mut message = NetlinkMessage::new(header, NetlinkPayload::from(request));
     message.finalize();
@@ -218,11 +376,13 @@ fn dump<T>(
             offset += length;
             match message.payload {
                 NetlinkPayload::Done(_) => return Ok(out),
-                NetlinkPayload::Error(error) => {
-                    if let Some(code) = error.code {
+                NetlinkPayload::Error(error) => match error.code {
+                    Some(code) => {
                         return Err(io_error(std::io::Error::from_raw_os_error(-code.get())));
                     }
-                }
+                    // The acknowledgement of a request that is not a dump.
+                    None => return Ok(out),
+                },
                 NetlinkPayload::InnerMessage(inner) => out.extend(keep(inner)),
                 _ => {}
             }

@@ -53,12 +53,6 @@ impl PinLayout {
         self.links_dir().join(format!("cgroup-{program}"))
     }
 
-    /// Link of a program attached to an attachment's host-side interface.
-    pub fn endpoint_link(&self, owner: u64, hook: &str) -> PathBuf {
-        self.links_dir()
-            .join(format!("endpoint-{owner:016x}-{hook}"))
-    }
-
     /// The lock file serialising changes to this instance. Named after the pin path so that
     /// instances with different `pinPath`s (tests, several networks) never wait on each other.
     pub fn lock_file(&self) -> PathBuf {

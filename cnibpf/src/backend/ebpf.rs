@@ -9,6 +9,7 @@ use std::{
     collections::HashSet,
     fs, io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    os::fd::{AsFd as _, AsRawFd as _},
     path::Path,
 };
 
@@ -41,7 +42,8 @@ use super::{AttachmentRecord, Backend, BackendError, Endpoint};
 use crate::{
     attachment::{Attachment, ResolvedMapping, read_name},
     config::Protocol,
-    netlink, netns,
+    netlink::{self, TcFilterSlot, TcHook},
+    netns,
     paths::{BPFFS_MOUNT_POINT, PinLayout},
 };
 
@@ -59,6 +61,29 @@ pub const UPLINK_EGRESS: &str = "uplink_egress";
 pub const FROM_CONTAINER: &str = "from_container";
 pub const TO_CONTAINER: &str = "to_container";
 const TC_PROGRAMS: [&str; 4] = [UPLINK_INGRESS, UPLINK_EGRESS, FROM_CONTAINER, TO_CONTAINER];
+/// The filters on each container's host-side interface: from the container (ingress) and to
+/// it (egress). Priority and handle are fixed, so every run finds and replaces its own.
+const ENDPOINT_FILTERS: [(TcFilterSlot, &str); 2] = [
+    (
+        TcFilterSlot {
+            hook: TcHook::Ingress,
+            priority: ENDPOINT_FILTER_PRIORITY,
+            handle: 1,
+        },
+        FROM_CONTAINER,
+    ),
+    (
+        TcFilterSlot {
+            hook: TcHook::Egress,
+            priority: ENDPOINT_FILTER_PRIORITY,
+            handle: 1,
+        },
+        TO_CONTAINER,
+    ),
+];
+/// 0xcb1f: "cb" for cnibpf, and clear of the priorities tc assigns by default (49152 down).
+const ENDPOINT_FILTER_PRIORITY: u16 = 0xcb1f;
+
 /// The socket hooks of host processes, attached to the instance's cgroup.
 const SOCK_PROGRAMS: [(&str, CgroupSockAddrAttachType); 8] = [
     ("sock_connect4", CgroupSockAddrAttachType::Connect4),
@@ -102,9 +127,11 @@ impl EbpfBackend {
             backend: "ebpf",
             reason,
         };
-        match aya::sys::is_map_supported(MapType::LruHash) {
+        // The cheapest map there is: LRU maps (which the datapath needs) cost far more to
+        // create, and every kernel with tcx has them.
+        match aya::sys::is_map_supported(MapType::Array) {
             Ok(true) => Ok(()),
-            Ok(false) => Err(unavailable("the kernel has no LRU hash maps".to_owned())),
+            Ok(false) => Err(unavailable("the kernel has no BPF maps".to_owned())),
             Err(error) => Err(unavailable(format!("bpf() failed: {error}"))),
         }
     }
@@ -127,7 +154,9 @@ impl EbpfBackend {
             }
             return Err(error);
         }
-        Self::open_maps(pins)
+        let backend = Self::open_maps(pins)?;
+        backend.reattach_endpoints()?;
+        Ok(backend)
     }
 
     /// The pinned state if there is any, without loading anything.
@@ -283,28 +312,6 @@ impl EbpfBackend {
         })
     }
 
-    fn endpoint_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
-        [
-            Hook {
-                program: FROM_CONTAINER,
-                attach_type: TcAttachType::Ingress,
-                link_pin: &link_pins[0],
-            },
-            Hook {
-                program: TO_CONTAINER,
-                attach_type: TcAttachType::Egress,
-                link_pin: &link_pins[1],
-            },
-        ]
-    }
-
-    fn endpoint_link_pins(&self, owner: u64) -> [std::path::PathBuf; 2] {
-        [
-            self.pins.endpoint_link(owner, "ingress"),
-            self.pins.endpoint_link(owner, "egress"),
-        ]
-    }
-
     fn uplink_link_pins(&self, ifname: &str) -> [std::path::PathBuf; 2] {
         [
             self.pins.uplink_link(ifname, "ingress"),
@@ -381,10 +388,54 @@ impl EbpfBackend {
     fn forget_endpoint(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
         match self.endpoints.get(&ifindex, 0) {
             Ok(info) if info.owner == owner => {
+                for (slot, _) in ENDPOINT_FILTERS {
+                    netlink::delete_filter(ifindex, slot)
+                        .map_err(|source| BackendError::Filter(Box::new(source)))?;
+                }
                 remove_entry(&mut self.endpoints, &ifindex, endpoint::MAP_NAME)
             }
             _ => Ok(()),
         }
+    }
+
+    /// Hooks the datapath onto a container's host-side interface: a clsact qdisc with one
+    /// direct-action filter per direction, created or swapped for the pinned program in one
+    /// atomic replace. Legacy TC rather than tcx on purpose: a new tcx attachment waits out an
+    /// RCU grace period under the RTNL lock (tens of milliseconds, twice per ADD), a filter
+    /// replace does not; the filter lives as long as the interface, no pin needed.
+    fn attach_endpoint(&self, ifindex: u32) -> Result<(), BackendError> {
+        let filter_error = |source| BackendError::Filter(Box::new(source));
+        netlink::add_clsact(ifindex).map_err(filter_error)?;
+        for (slot, program_name) in ENDPOINT_FILTERS {
+            let program = self.pinned_program(program_name)?;
+            let fd = program.fd().map_err(|source| BackendError::Program {
+                action: format!("pinned program {program_name} has no descriptor"),
+                source: Box::new(source),
+            })?;
+            netlink::replace_bpf_filter(ifindex, slot, fd.as_fd().as_raw_fd(), program_name)
+                .map_err(filter_error)?;
+        }
+        Ok(())
+    }
+
+    /// Points the filters of every recorded endpoint at the programs now pinned (after a load
+    /// replaced them); endpoints whose interface is gone are left to DEL and GC.
+    fn reattach_endpoints(&self) -> Result<(), BackendError> {
+        let mut ifindexes = Vec::new();
+        for key in self.endpoints.keys() {
+            ifindexes.push(key.map_err(map_error("could not read map endpoints"))?);
+        }
+        for ifindex in ifindexes {
+            match self.attach_endpoint(ifindex) {
+                Err(BackendError::Filter(error)) if is_missing_device(&error) => {}
+                other => other?,
+            }
+        }
+        Ok(())
+    }
+
+    fn pinned_program_id(&self, name: &str) -> Result<u32, BackendError> {
+        program_id(&self.pinned_program(name)?)
     }
 
     /// Removes the attachment's flows that `stale` selects.
@@ -460,12 +511,7 @@ impl Backend for EbpfBackend {
         self.endpoints
             .insert(&endpoint.host.index, &endpoint_info, 0)
             .map_err(map_error("could not write map endpoints"))?;
-        let endpoint_pins = self.endpoint_link_pins(owner);
-        // Each new tcx attachment waits out an RCU grace period in the kernel, under the RTNL
-        // lock: this is where an ADD spends most of its time, and threads would not shorten it.
-        for hook in Self::endpoint_hooks(&endpoint_pins) {
-            self.attach(endpoint.host.index, &hook)?;
-        }
+        self.attach_endpoint(endpoint.host.index)?;
         for uplink in &endpoint.uplinks {
             let uplink_pins = self.uplink_link_pins(&uplink.name);
             for hook in Self::uplink_hooks(&uplink_pins) {
@@ -476,9 +522,6 @@ impl Backend for EbpfBackend {
     }
 
     fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
-        for pin in self.endpoint_link_pins(owner) {
-            remove_pin(&pin)?;
-        }
         if let Ok(info) = self.owners.get(&owner, 0) {
             self.forget_endpoint(owner, info.host_ifindex)?;
         }
@@ -504,9 +547,16 @@ impl Backend for EbpfBackend {
                 endpoint.host.index
             )));
         }
-        let endpoint_pins = self.endpoint_link_pins(owner);
-        for hook in Self::endpoint_hooks(&endpoint_pins) {
-            self.check_attached(endpoint.host.index, &endpoint.host.name, &hook)?;
+        for (slot, program) in ENDPOINT_FILTERS {
+            let expected = self.pinned_program_id(program)?;
+            let attached = netlink::bpf_filter_program(endpoint.host.index, slot)
+                .map_err(|source| BackendError::Filter(Box::new(source)))?;
+            if attached != Some(expected) {
+                return Err(BackendError::CheckFailed(format!(
+                    "{program} is not attached to {} (index {})",
+                    endpoint.host.name, endpoint.host.index
+                )));
+            }
         }
         for uplink in &endpoint.uplinks {
             let uplink_pins = self.uplink_link_pins(&uplink.name);
@@ -755,6 +805,20 @@ fn remove_pin(path: &Path) -> Result<(), BackendError> {
             source: Box::new(source),
         }),
     }
+}
+
+fn is_missing_device(error: &netlink::NetlinkError) -> bool {
+    matches!(error, netlink::NetlinkError::Request { source, .. } if source.raw_os_error() == Some(libc::ENODEV))
+}
+
+fn program_id(program: &SchedClassifier) -> Result<u32, BackendError> {
+    program
+        .info()
+        .map(|info| info.id())
+        .map_err(|source| BackendError::Program {
+            action: "could not read program info".to_owned(),
+            source: Box::new(source),
+        })
 }
 
 fn is_attached(

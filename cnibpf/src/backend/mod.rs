@@ -73,6 +73,8 @@ pub enum BackendError {
     CheckFailed(String),
     #[error("could not list the host's addresses")]
     HostAddresses(#[source] Box<crate::netlink::NetlinkError>),
+    #[error("could not set up the TC filters of a container interface")]
+    Filter(#[source] Box<crate::netlink::NetlinkError>),
 }
 
 impl BackendError {
@@ -90,6 +92,7 @@ impl BackendError {
             | Self::Pin { .. }
             | Self::OwnerCollision { .. } => code::DATAPATH,
             Self::HostAddresses(_) => code::INTERFACE,
+            Self::Filter(_) => code::DATAPATH,
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::{
     config::{ConfigError, NetConf, SUPPORTED_VERSIONS, ifname_problem},
     error::Error,
     lock::{InstanceLock, lock_timeout},
-    netlink::{self, Link},
+    netlink::{self, Link, NetlinkError},
     paths::PinLayout,
 };
 use result::PrevResult;
@@ -204,9 +204,10 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     if !netns.exists() {
         return Err(EnvError::Netns(netns.display().to_string()).into());
     }
-    let link =
-        attachment::find_container_link(&prev, &netns, &env.ifname).map_err(EnvError::from)?;
-    let uplinks = resolve_uplinks(conf)?;
+    let host_links = netlink::links()?;
+    let link = attachment::find_container_link(&prev, &host_links, &netns, &env.ifname)
+        .map_err(EnvError::from)?;
+    let uplinks = resolve_uplinks(conf, &host_links)?;
     let cgroup = match &conf.plugin.cgroup_path {
         Some(path) => path.clone(),
         None => crate::paths::cgroup2_root().ok_or_else(|| ConfigError::Invalid {
@@ -252,15 +253,28 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     })
 }
 
-fn resolve_uplinks(conf: &NetConf) -> Result<Vec<Link>, Error> {
+/// The configured uplinks, or the devices of the default routes, among the host's `links`.
+fn resolve_uplinks(conf: &NetConf, links: &[Link]) -> Result<Vec<Link>, Error> {
+    let find =
+        |found: Option<&Link>, missing: NetlinkError| found.cloned().ok_or(Error::from(missing));
     match &conf.plugin.uplinks {
         Some(names) => names
             .iter()
-            .map(|name| netlink::link_by_name(name).map_err(Error::from))
+            .map(|name| {
+                find(
+                    links.iter().find(|link| link.name == *name),
+                    NetlinkError::NoSuchName(name.clone()),
+                )
+            })
             .collect(),
         None => netlink::default_route_links()?
             .into_iter()
-            .map(|index| netlink::link_by_index(index).map_err(Error::from))
+            .map(|index| {
+                find(
+                    links.iter().find(|link| link.index == index),
+                    NetlinkError::NoSuchIndex(index),
+                )
+            })
             .collect(),
     }
 }

@@ -50,7 +50,10 @@ pub fn bars(path: &Path, caption: &str, panels: &[BarPanel<'_>]) -> Result<()> {
             .margin(12)
             .x_label_area_size(70)
             .y_label_area_size(60)
-            .build_cartesian_2d((0..count).into_segmented(), 0.0..top.max(0.001))?;
+            .build_cartesian_2d(
+                (0..count.saturating_sub(1)).into_segmented(),
+                0.0..top.max(0.001),
+            )?;
         let labels: Vec<String> = panel.bars.iter().map(|(label, _)| label.clone()).collect();
         chart
             .configure_mesh()

@@ -23,7 +23,7 @@ use super::{
     iperf3, median, write_report,
 };
 
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 const IPERF_SECONDS: u32 = 4;
 const RATE_WINDOW: Duration = Duration::from_secs(3);
 const RATE_CLIENTS: usize = 2;
@@ -277,6 +277,21 @@ fn plugin_time(progress: &Progress) -> Result<Vec<Row>> {
     };
 
     let mut rows = Vec::new();
+    let version: Vec<f64> = (0..TIMED_CYCLES)
+        .map(|_| {
+            let started = Instant::now();
+            sim.invoke_cnibpf("VERSION", None, "");
+            started.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    let exec_floor = median(version);
+    rows.push(Row {
+        scenario: "process start (VERSION)".to_owned(),
+        metric: "plugin VERSION",
+        unit: "ms",
+        value: exec_floor,
+        baseline: None,
+    });
     let mut existing = 0;
     let probe = max;
     for level in SCALE_LEVELS {
@@ -300,7 +315,7 @@ fn plugin_time(progress: &Progress) -> Result<Vec<Row>> {
                 metric,
                 unit: "ms",
                 value: median(samples),
-                baseline: None,
+                baseline: Some(("VERSION".to_owned(), exec_floor)),
             });
         }
     }
