@@ -200,6 +200,21 @@ fn host_port_held_by_another_attachment_is_refused_with_100() {
         .expect_err("a specific hostIP under a wildcard must be refused");
     assert_eq!(error.0.error_code(), Some(100), "{error}");
     sim.container("c4", port_mappings(&[(8080, 80, "udp")]));
+
+    // ...and a wildcard overlaps a specific hostIP held before it.
+    let specific = json!({ "portMappings": [{ "hostPort": 9090, "containerPort": 80, "hostIP": HOST_UPLINK_ADDR.to_string() }] });
+    let c5 = sim.container("c5", specific);
+    let error = sim
+        .add_container("c6", port_mappings(&[(9090, 80, "tcp")]))
+        .expect_err("a wildcard over a specific hostIP must be refused");
+    assert_eq!(error.0.error_code(), Some(100), "{error}");
+    assert!(
+        error.0.error_msg().contains(&c5.attachment.container_id),
+        "{error}"
+    );
+    sim.del(&c5)
+        .unwrap_or_else(|error| panic!("DEL of c5: {error}"));
+    sim.container("c7", port_mappings(&[(9090, 80, "tcp")]));
 }
 
 #[test]

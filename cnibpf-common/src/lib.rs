@@ -12,6 +12,8 @@ pub mod host_addr;
 pub mod layout;
 pub mod nat_flow;
 pub mod owner;
+pub mod owner_port;
+pub mod port_claim;
 pub mod portmap;
 pub mod settings;
 pub mod sock_rev;

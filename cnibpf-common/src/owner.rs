@@ -28,7 +28,8 @@ pub struct OwnerInfo {
     pub host_ifname: [u8; IFNAME_LEN],
     /// Index of `host_ifname` when the attachment was made.
     pub host_ifindex: u32,
-    pub _pad: u32,
+    /// Slots of `owner_ports` in use: the attachment's port mappings.
+    pub port_count: u32,
 }
 const _: () = assert!(size_of::<OwnerInfo>() == 552);
 
@@ -40,7 +41,7 @@ impl Default for OwnerInfo {
             ifname: [0; IFNAME_LEN],
             host_ifname: [0; IFNAME_LEN],
             host_ifindex: 0,
-            _pad: 0,
+            port_count: 0,
         }
     }
 }

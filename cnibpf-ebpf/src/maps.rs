@@ -12,6 +12,8 @@ use cnibpf_common::{
     layout::{self, LayoutInfo},
     nat_flow::{self, NatFlowKey, NatFlowValue},
     owner::{self, OwnerInfo},
+    owner_port::{self, OwnerPortKey},
+    port_claim::{self, PortClaim, PortClaimKey},
     portmap::{self, PortMapKey, PortMapValue},
     settings::{self, Settings},
     sock_rev::{self, SockRevKey, SockRevValue},
@@ -78,3 +80,20 @@ pub static settings: Array<Settings, { settings::MAX_ENTRIES as usize }> = Array
 #[btf_map(pin_by_name)]
 pub static sock_rev: LruHashMap<SockRevKey, SockRevValue, { sock_rev::MAX_ENTRIES as usize }> =
     LruHashMap::new();
+
+/// Userspace-only bookkeeping, declared here so that it is created and pinned with the rest.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static owner_ports: HashMap<OwnerPortKey, PortMapKey, { owner_port::MAX_ENTRIES as usize }> =
+    HashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static port_claims: HashMap<PortClaimKey, PortClaim, { port_claim::MAX_ENTRIES as usize }> =
+    HashMap::new();

@@ -122,16 +122,20 @@ pub struct ContainerLink {
 /// prevResult or, failing that, from CNI_IFNAME itself.
 pub fn find_container_link(
     prev: &PrevResult,
-    host_links: &[Link],
     netns: &Path,
     ifname: &str,
 ) -> Result<ContainerLink, HostInterfaceError> {
-    let mut veths = host_links.iter().filter(|link| {
-        link.kind.as_deref() == Some("veth") && prev.host_interfaces.contains(&link.name)
-    });
-    let from_prev_result = match (veths.next(), veths.next()) {
-        (Some(only), None) => Some(only.clone()),
-        _ => None,
+    let mut veths = Vec::new();
+    for name in &prev.host_interfaces {
+        match netlink::link_by_name(name) {
+            Ok(link) if link.kind.as_deref() == Some("veth") => veths.push(link),
+            Ok(_) | Err(NetlinkError::NoSuchName(_)) => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+    let from_prev_result = match <[Link; 1]>::try_from(veths) {
+        Ok([only]) => Some(only),
+        Err(_) => None,
     };
     let inside = match (&from_prev_result, prev.container_mac) {
         (Some(_), Some(_)) => None,
@@ -151,11 +155,7 @@ pub fn find_container_link(
                 .as_ref()
                 .and_then(|link| link.peer_index)
                 .ok_or_else(no_peer)?;
-            let link = host_links
-                .iter()
-                .find(|link| link.index == peer_index)
-                .cloned()
-                .ok_or_else(no_peer)?;
+            let link = netlink::link_by_index(peer_index).map_err(|_| no_peer())?;
             if link.kind.as_deref() != Some("veth") {
                 return Err(HostInterfaceError::NotVeth {
                     name: link.name,
@@ -170,10 +170,10 @@ pub fn find_container_link(
         .container_mac
         .or_else(|| inside.as_ref().and_then(|link| link.mac))
         .ok_or_else(|| HostInterfaceError::NoMac(ifname.to_owned()))?;
-    let gateway = host
-        .master
-        .and_then(|master| host_links.iter().find(|link| link.index == master))
-        .unwrap_or(&host);
+    let gateway = match host.master {
+        Some(master) => netlink::link_by_index(master)?,
+        None => host.clone(),
+    };
     let gateway_mac = gateway
         .mac
         .ok_or_else(|| HostInterfaceError::NoMac(gateway.name.clone()))?;
@@ -196,23 +196,8 @@ pub struct ResolvedMapping {
 }
 
 impl ResolvedMapping {
-    pub fn as_mapping(&self) -> PortMapping {
-        PortMapping {
-            host_port: self.host_port,
-            container_port: self.container_port,
-            protocol: self.protocol,
-            host_ip: self.host_addr,
-        }
-    }
-
     pub fn is_ipv4(&self) -> bool {
         self.container_addr.is_ipv4()
-    }
-
-    /// Whether two entries could claim the same packet: same family, and overlapping
-    /// (protocol, host address, hostPort).
-    pub fn overlaps(&self, other: &Self) -> bool {
-        self.is_ipv4() == other.is_ipv4() && self.as_mapping().overlaps(&other.as_mapping())
     }
 }
 

@@ -51,19 +51,46 @@ pub struct Link {
     pub mac: Option<[u8; 6]>,
 }
 
-pub fn links() -> Result<Vec<Link>, NetlinkError> {
-    let request = RouteNetlinkMessage::GetLink(LinkMessage::default());
-    dump("link", request, |message| match message {
-        RouteNetlinkMessage::NewLink(link) => Some(link_from_message(link)),
-        _ => None,
+/// One interface by name, asked of the kernel directly (a dump of every link costs
+/// milliseconds on a host with a thousand containers).
+pub fn link_by_name(name: &str) -> Result<Link, NetlinkError> {
+    let mut message = LinkMessage::default();
+    message
+        .attributes
+        .push(LinkAttribute::IfName(name.to_owned()));
+    get_link(message).map_err(|error| match error {
+        NetlinkError::Request { ref source, .. } if source.raw_os_error() == Some(libc::ENODEV) => {
+            NetlinkError::NoSuchName(name.to_owned())
+        }
+        other => other,
     })
 }
 
-pub fn link_by_name(name: &str) -> Result<Link, NetlinkError> {
-    links()?
+/// One interface by index.
+pub fn link_by_index(index: u32) -> Result<Link, NetlinkError> {
+    let mut message = LinkMessage::default();
+    message.header.index = index;
+    get_link(message).map_err(|error| match error {
+        NetlinkError::Request { ref source, .. } if source.raw_os_error() == Some(libc::ENODEV) => {
+            NetlinkError::NoSuchIndex(index)
+        }
+        other => other,
+    })
+}
+
+fn get_link(message: LinkMessage) -> Result<Link, NetlinkError> {
+    let request = RouteNetlinkMessage::GetLink(message);
+    let links = exchange("link", request, NLM_F_ACK, |message| match message {
+        RouteNetlinkMessage::NewLink(link) => Some(link_from_message(link)),
+        _ => None,
+    })?;
+    links
         .into_iter()
-        .find(|link| link.name == name)
-        .ok_or_else(|| NetlinkError::NoSuchName(name.to_owned()))
+        .next()
+        .ok_or_else(|| NetlinkError::Decode {
+            request: "link",
+            reason: "no link in the reply".to_owned(),
+        })
 }
 
 /// Every address of every interface, with the interface's index.

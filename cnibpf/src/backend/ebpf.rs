@@ -30,6 +30,8 @@ use cnibpf_common::{
     layout::{self, LayoutInfo},
     nat_flow::{self, NatFlowKey, NatFlowValue},
     owner::{self, OwnerInfo},
+    owner_port::{self, OwnerPortKey},
+    port_claim::{self, PortClaim, PortClaimKey},
     portmap::{self, PortMapKey, PortMapValue},
     settings::{self, Settings},
 };
@@ -117,6 +119,8 @@ pub struct EbpfBackend {
     owners: HashMap<MapData, u64, OwnerInfo>,
     endpoints: HashMap<MapData, u32, EndpointInfo>,
     host_addrs: HashMap<MapData, HostAddrKey, u32>,
+    owner_ports: HashMap<MapData, OwnerPortKey, PortMapKey>,
+    port_claims: HashMap<MapData, PortClaimKey, PortClaim>,
 }
 
 impl EbpfBackend {
@@ -183,6 +187,8 @@ impl EbpfBackend {
             owners: open_pinned(pins, owner::MAP_NAME)?,
             endpoints: open_pinned(pins, endpoint::MAP_NAME)?,
             host_addrs: open_pinned(pins, host_addr::MAP_NAME)?,
+            owner_ports: open_pinned(pins, owner_port::MAP_NAME)?,
+            port_claims: open_pinned(pins, port_claim::MAP_NAME)?,
         })
     }
 
@@ -334,15 +340,90 @@ impl EbpfBackend {
         ]
     }
 
+    /// The `portmap` keys the attachment owns, from its `owner_ports` slots.
     fn owned_portmap_keys(&self, owner: u64) -> Result<Vec<PortMapKey>, BackendError> {
-        let mut keys = Vec::new();
-        for entry in self.portmap.iter() {
-            let (key, value) = entry.map_err(map_error("could not read map portmap"))?;
-            if value.owner == owner {
-                keys.push(key);
+        let Ok(info) = self.owners.get(&owner, 0) else {
+            return Ok(Vec::new());
+        };
+        let mut keys = Vec::with_capacity(info.port_count as usize);
+        for slot in 0..info.port_count {
+            match self.owner_ports.get(&owner_port_key(owner, slot), 0) {
+                Ok(key) => keys.push(key),
+                Err(MapError::KeyNotFound) => {}
+                Err(error) => return Err(map_error("could not read map owner_ports")(error)),
             }
         }
         Ok(keys)
+    }
+
+    /// Makes `keys` the attachment's `owner_ports` slots and its `port_count`.
+    fn record_owned_keys(&mut self, owner: u64, keys: &[PortMapKey]) -> Result<(), BackendError> {
+        let Ok(mut info) = self.owners.get(&owner, 0) else {
+            return Ok(());
+        };
+        for (slot, key) in (0..).zip(keys) {
+            self.owner_ports
+                .insert(&owner_port_key(owner, slot), key, 0)
+                .map_err(map_error("could not write map owner_ports"))?;
+        }
+        let count = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+        for slot in count..info.port_count {
+            remove_entry(
+                &mut self.owner_ports,
+                &owner_port_key(owner, slot),
+                owner_port::MAP_NAME,
+            )?;
+        }
+        info.port_count = count;
+        self.owners
+            .insert(&owner, &info, 0)
+            .map_err(map_error("could not write map owners"))
+    }
+
+    /// Counts a specific-address key in or out of `port_claims`; wildcard keys are not counted.
+    fn claim(&mut self, key: &PortMapKey, taken: bool) -> Result<(), BackendError> {
+        if key.host_addr == [0; 16] {
+            return Ok(());
+        }
+        let claim_key = PortClaimKey {
+            host_port: key.host_port,
+            protocol: key.protocol,
+            family: key.family,
+        };
+        let current = self
+            .port_claims
+            .get(&claim_key, 0)
+            .map_or(0, |claim| claim.specific);
+        let next = if taken {
+            current.saturating_add(1)
+        } else {
+            current.saturating_sub(1)
+        };
+        if next == 0 {
+            remove_entry(&mut self.port_claims, &claim_key, port_claim::MAP_NAME)
+        } else {
+            self.port_claims
+                .insert(
+                    &claim_key,
+                    &PortClaim {
+                        specific: next,
+                        _pad: 0,
+                    },
+                    0,
+                )
+                .map_err(map_error("could not write map port_claims"))
+        }
+    }
+
+    /// Removes one of the attachment's mappings, unless another attachment holds the key now.
+    fn remove_owned_mapping(&mut self, owner: u64, key: &PortMapKey) -> Result<(), BackendError> {
+        match self.portmap.get(key, 0) {
+            Ok(value) if value.owner == owner => {
+                remove_entry(&mut self.portmap, key, portmap::MAP_NAME)?;
+                self.claim(key, false)
+            }
+            _ => Ok(()),
+        }
     }
 
     fn sync_host_addresses(&mut self) -> Result<(), BackendError> {
@@ -494,7 +575,11 @@ impl Backend for EbpfBackend {
                 });
             }
         }
-        let info = endpoint.attachment.to_owner_info(&endpoint.host);
+        let mut info = endpoint.attachment.to_owner_info(&endpoint.host);
+        info.port_count = self
+            .owners
+            .get(&owner, 0)
+            .map_or(0, |existing| existing.port_count);
         self.owners
             .insert(&owner, &info, 0)
             .map_err(map_error("could not record the attachment in map owners"))?;
@@ -583,18 +668,33 @@ impl Backend for EbpfBackend {
         mappings: &[ResolvedMapping],
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let mut wanted = Vec::new();
+        let previous = self.owned_portmap_keys(owner)?;
+        let mut wanted = Vec::with_capacity(mappings.len());
+        // Whether a flow translated before could now be reversed wrongly.
+        let mut flows_stale = false;
         for mapping in mappings {
             let (key, value) = entry_for(endpoint, mapping);
+            let before = self.portmap.get(&key, 0).ok();
             self.portmap
                 .insert(&key, &value, 0)
                 .map_err(map_error("could not write map portmap"))?;
+            if previous.contains(&key) {
+                flows_stale |= before != Some(value);
+            } else {
+                self.claim(&key, true)?;
+            }
             wanted.push((key, value));
         }
-        for key in self.owned_portmap_keys(owner)? {
-            if !wanted.iter().any(|(wanted_key, _)| *wanted_key == key) {
-                remove_entry(&mut self.portmap, &key, portmap::MAP_NAME)?;
+        for key in &previous {
+            if !wanted.iter().any(|(wanted_key, _)| wanted_key == key) {
+                self.remove_owned_mapping(owner, key)?;
+                flows_stale = true;
             }
+        }
+        let keys: Vec<PortMapKey> = wanted.iter().map(|(key, _)| *key).collect();
+        self.record_owned_keys(owner, &keys)?;
+        if !flows_stale {
+            return Ok(());
         }
         // Flows translated by a mapping that is gone or leads elsewhere now must not keep
         // rewriting replies.
@@ -607,9 +707,53 @@ impl Backend for EbpfBackend {
 
     fn teardown_port_mappings(&mut self, owner: u64) -> Result<(), BackendError> {
         for key in self.owned_portmap_keys(owner)? {
-            remove_entry(&mut self.portmap, &key, portmap::MAP_NAME)?;
+            self.remove_owned_mapping(owner, &key)?;
         }
+        self.record_owned_keys(owner, &[])?;
         self.remove_flows(owner, |_, _| true)
+    }
+
+    fn holder_of(
+        &self,
+        owner: u64,
+        mapping: &ResolvedMapping,
+    ) -> Result<Option<u64>, BackendError> {
+        let key = key_for(mapping);
+        let other = |found: Result<PortMapValue, MapError>| {
+            found
+                .ok()
+                .map(|value| value.owner)
+                .filter(|holder| *holder != owner)
+        };
+        if let Some(holder) = other(self.portmap.get(&key, 0)) {
+            return Ok(Some(holder));
+        }
+        if key.host_addr != [0; 16] {
+            let wildcard = PortMapKey {
+                host_addr: [0; 16],
+                ..key
+            };
+            return Ok(other(self.portmap.get(&wildcard, 0)));
+        }
+        let claim_key = PortClaimKey {
+            host_port: key.host_port,
+            protocol: key.protocol,
+            family: key.family,
+        };
+        if self.port_claims.get(&claim_key, 0).is_err() {
+            return Ok(None);
+        }
+        // Some address-specific mapping holds this port: find whose (rare, so a scan is fine).
+        for entry in self.portmap.iter() {
+            let (found, value) = entry.map_err(map_error("could not read map portmap"))?;
+            let same_port = found.host_port == key.host_port
+                && found.protocol == key.protocol
+                && found.family == key.family;
+            if same_port && value.owner != owner {
+                return Ok(Some(value.owner));
+            }
+        }
+        Ok(None)
     }
 
     fn check_port_mappings(
@@ -692,18 +836,29 @@ pub fn describe_mapping(mapping: &ResolvedMapping) -> String {
     )
 }
 
-fn entry_for(endpoint: &Endpoint, mapping: &ResolvedMapping) -> (PortMapKey, PortMapValue) {
-    let family = if mapping.is_ipv4() {
-        FAMILY_IPV4
-    } else {
-        FAMILY_IPV6
-    };
-    let key = PortMapKey {
+fn owner_port_key(owner: u64, slot: u32) -> OwnerPortKey {
+    OwnerPortKey {
+        owner,
+        slot,
+        _pad: 0,
+    }
+}
+
+fn key_for(mapping: &ResolvedMapping) -> PortMapKey {
+    PortMapKey {
         host_addr: mapping.host_addr.map_or([0; 16], key_addr),
         host_port: mapping.host_port,
         protocol: mapping.protocol.number(),
-        family,
-    };
+        family: if mapping.is_ipv4() {
+            FAMILY_IPV4
+        } else {
+            FAMILY_IPV6
+        },
+    }
+}
+
+fn entry_for(endpoint: &Endpoint, mapping: &ResolvedMapping) -> (PortMapKey, PortMapValue) {
+    let key = key_for(mapping);
     let value = PortMapValue {
         container_addr: key_addr(mapping.container_addr),
         owner: endpoint.attachment.owner_id(),

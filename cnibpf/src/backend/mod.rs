@@ -149,6 +149,9 @@ pub trait Backend {
 
     /// Every attachment this backend holds state for, on any network.
     fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError>;
+    /// The attachment, other than `owner`, holding a mapping that overlaps `mapping`.
+    fn holder_of(&self, owner: u64, mapping: &ResolvedMapping)
+    -> Result<Option<u64>, BackendError>;
     /// Every installed port mapping with its owner.
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError>;
 }

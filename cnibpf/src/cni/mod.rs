@@ -17,7 +17,7 @@ use crate::{
     config::{ConfigError, NetConf, SUPPORTED_VERSIONS, ifname_problem},
     error::Error,
     lock::{InstanceLock, lock_timeout},
-    netlink::{self, Link, NetlinkError},
+    netlink::{self, Link},
     paths::PinLayout,
 };
 use result::PrevResult;
@@ -204,10 +204,9 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     if !netns.exists() {
         return Err(EnvError::Netns(netns.display().to_string()).into());
     }
-    let host_links = netlink::links()?;
-    let link = attachment::find_container_link(&prev, &host_links, &netns, &env.ifname)
-        .map_err(EnvError::from)?;
-    let uplinks = resolve_uplinks(conf, &host_links)?;
+    let link =
+        attachment::find_container_link(&prev, &netns, &env.ifname).map_err(EnvError::from)?;
+    let uplinks = resolve_uplinks(conf)?;
     let cgroup = match &conf.plugin.cgroup_path {
         Some(path) => path.clone(),
         None => crate::paths::cgroup2_root().ok_or_else(|| ConfigError::Invalid {
@@ -253,28 +252,16 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     })
 }
 
-/// The configured uplinks, or the devices of the default routes, among the host's `links`.
-fn resolve_uplinks(conf: &NetConf, links: &[Link]) -> Result<Vec<Link>, Error> {
-    let find =
-        |found: Option<&Link>, missing: NetlinkError| found.cloned().ok_or(Error::from(missing));
+/// The configured uplinks, or the devices of the default routes.
+fn resolve_uplinks(conf: &NetConf) -> Result<Vec<Link>, Error> {
     match &conf.plugin.uplinks {
         Some(names) => names
             .iter()
-            .map(|name| {
-                find(
-                    links.iter().find(|link| link.name == *name),
-                    NetlinkError::NoSuchName(name.clone()),
-                )
-            })
+            .map(|name| netlink::link_by_name(name).map_err(Error::from))
             .collect(),
         None => netlink::default_route_links()?
             .into_iter()
-            .map(|index| {
-                find(
-                    links.iter().find(|link| link.index == index),
-                    NetlinkError::NoSuchIndex(index),
-                )
-            })
+            .map(|index| netlink::link_by_index(index).map_err(Error::from))
             .collect(),
     }
 }
@@ -312,21 +299,14 @@ fn ensure_host_ports_free(
     owner: u64,
     wanted: &[attachment::ResolvedMapping],
 ) -> Result<(), BackendError> {
-    if wanted.is_empty() {
-        return Ok(());
-    }
-    let installed = backend.port_mappings()?;
     for mapping in wanted {
-        let Some((holder, _)) = installed
-            .iter()
-            .find(|(holder, existing)| *holder != owner && existing.overlaps(mapping))
-        else {
+        let Some(holder) = backend.holder_of(owner, mapping)? else {
             continue;
         };
         let holder = backend
             .attachments()?
             .into_iter()
-            .find(|record| record.owner == *holder)
+            .find(|record| record.owner == holder)
             .map_or_else(
                 || Attachment::new("(unknown)", &format!("owner {holder:016x}"), "?"),
                 |record| record.attachment,

@@ -1,0 +1,30 @@
+//! `port_claims`: how many address-specific mappings hold each (hostPort, protocol, family).
+//!
+//! Key: [`PortClaimKey`]. Value: [`PortClaim`]. Written and read by the CNI plugin only: a
+//! wildcard mapping overlaps every specific one of the same port, and this count answers "is
+//! there any?" without scanning `portmap`.
+
+use crate::impl_pod;
+
+pub const MAP_NAME: &str = "port_claims";
+pub const MAX_ENTRIES: u32 = 65_536;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PortClaimKey {
+    pub host_port: u16,
+    pub protocol: u8,
+    pub family: u8,
+}
+const _: () = assert!(size_of::<PortClaimKey>() == 4);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PortClaim {
+    /// Mappings of this port with a specific host address.
+    pub specific: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<PortClaim>() == 8);
+
+impl_pod!(PortClaimKey, PortClaim);
