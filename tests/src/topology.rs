@@ -66,6 +66,13 @@ pub fn cni_path() -> String {
     format!("/usr/lib/cni:{}", dir.display())
 }
 
+/// The plugin chained after the bridge.
+enum Chained {
+    /// cnibpf, with these keys besides `type`, `pinPath`, `cgroupPath` and `capabilities`.
+    Cnibpf(Value),
+    ReferencePortmap,
+}
+
 #[derive(Debug)]
 pub struct SimHost {
     pub id: String,
@@ -87,6 +94,16 @@ impl SimHost {
     }
 
     pub fn with_version(id: &str, cni_version: &str, cnibpf_keys: Value) -> Self {
+        Self::build(id, cni_version, Chained::Cnibpf(cnibpf_keys))
+    }
+
+    /// A simulated host whose conflist chains Debian's reference `portmap` (iptables) after
+    /// the bridge instead of cnibpf, for comparisons.
+    pub fn with_reference_portmap(id: &str) -> Self {
+        Self::build(id, "1.0.0", Chained::ReferencePortmap)
+    }
+
+    fn build(id: &str, cni_version: &str, chained: Chained) -> Self {
         let host = Netns::create(&format!("cbt-{id}-host"));
         let outside = Netns::create(&format!("cbt-{id}-out"));
         let pin_path = PathBuf::from(format!("/sys/fs/bpf/cnibpf-test-{id}"));
@@ -177,14 +194,24 @@ impl SimHost {
             host.sysctl("net.bridge.bridge-nf-call-ip6tables", "0");
         }
 
-        let mut cnibpf = json!({
-            "type": "cnibpf", "pinPath": pin_path, "cgroupPath": cgroup, "capabilities": { "portMappings": true }
-        });
-        if let (Some(entry), Some(extra)) = (cnibpf.as_object_mut(), cnibpf_keys.as_object()) {
-            for (key, value) in extra {
-                entry.insert(key.clone(), value.clone());
+        let chained = match chained {
+            Chained::Cnibpf(cnibpf_keys) => {
+                let mut cnibpf = json!({
+                    "type": "cnibpf", "pinPath": pin_path, "cgroupPath": cgroup, "capabilities": { "portMappings": true }
+                });
+                if let (Some(entry), Some(extra)) =
+                    (cnibpf.as_object_mut(), cnibpf_keys.as_object())
+                {
+                    for (key, value) in extra {
+                        entry.insert(key.clone(), value.clone());
+                    }
+                }
+                cnibpf
             }
-        }
+            Chained::ReferencePortmap => {
+                json!({ "type": "portmap", "capabilities": { "portMappings": true }, "snat": true })
+            }
+        };
         let conflist = json!({
             "cniVersion": cni_version,
             "name": format!("net-{id}"),
@@ -197,7 +224,7 @@ impl SimHost {
                         "routes": [{ "dst": "0.0.0.0/0" }, { "dst": "::/0" }]
                     }
                 },
-                cnibpf
+                chained
             ]
         });
         let chain = Chain::new(conflist, &cni_path(), &host.path());

@@ -163,6 +163,15 @@ impl EbpfBackend {
         Ok(backend)
     }
 
+    /// [`Self::load`] for changes (ADD), which also brings `host_addrs` up to date: the
+    /// datapath cannot ask the kernel which addresses are the host's, so each ADD tells it.
+    /// (Not on DEL: an address dump lists every container interface's link-local address.)
+    pub fn load_for_changes(pins: &PinLayout) -> Result<Self, BackendError> {
+        let mut backend = Self::load(pins)?;
+        backend.sync_host_addresses()?;
+        Ok(backend)
+    }
+
     /// The pinned state if there is any, without loading anything.
     pub fn open_existing(pins: &PinLayout) -> Result<Option<Self>, BackendError> {
         if check_layout(pins)? == PinnedState::Absent {
@@ -171,15 +180,7 @@ impl EbpfBackend {
         Self::open_maps(pins).map(Some)
     }
 
-    /// Opens the pinned maps and brings `host_addrs` up to date: the datapath cannot ask the
-    /// kernel which addresses are the host's, so every CNI call tells it.
     fn open_maps(pins: &PinLayout) -> Result<Self, BackendError> {
-        let mut backend = Self::open_maps_only(pins)?;
-        backend.sync_host_addresses()?;
-        Ok(backend)
-    }
-
-    fn open_maps_only(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
             pins: pins.clone(),
             portmap: open_pinned(pins, portmap::MAP_NAME)?,

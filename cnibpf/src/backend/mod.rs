@@ -164,7 +164,7 @@ pub fn select(
     match choice {
         BackendChoice::Auto | BackendChoice::Ebpf => {
             ebpf::EbpfBackend::probe()?;
-            Ok(Box::new(ebpf::EbpfBackend::load(pins)?))
+            Ok(Box::new(ebpf::EbpfBackend::load_for_changes(pins)?))
         }
         BackendChoice::Nftables => Err(BackendError::NotSupportedYet {
             feature: "backend \"nftables\"",

@@ -10,9 +10,9 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
-    Netns, SimHost,
-    chain::Attachment,
-    topology::{HOST_UPLINK_ADDR, port_mappings},
+    Container, Netns, SimHost,
+    chain::{Attachment, invoke_plugin},
+    topology::{HOST_UPLINK_ADDR, cni_path, port_mappings},
     traffic::{EchoServer, connection_rate},
 };
 use serde_json::{Value, json};
@@ -28,16 +28,28 @@ const IPERF_SECONDS: u32 = 4;
 const RATE_WINDOW: Duration = Duration::from_secs(3);
 const RATE_CLIENTS: usize = 2;
 const SCALE_LEVELS: [usize; 3] = [1, 100, 1_000];
+/// The reference portmap adds iptables chains per container: 1,000 would take many minutes.
+const REFERENCE_SCALE_LEVELS: [usize; 2] = [1, 100];
 const TIMED_CYCLES: usize = 15;
 
 pub fn run(out_dir: &Path) -> Result<()> {
     let progress = Progress::new();
     let mut rows = datapath(&progress)?;
-    rows.extend(plugin_time(&progress)?);
+    let sim = SimHost::new("bench-scale", json!({}));
+    rows.extend(plugin_time(&progress, &sim, "cnibpf", &SCALE_LEVELS)?);
+    drop(sim);
+    let reference = SimHost::with_reference_portmap("bench-refscale");
+    rows.extend(plugin_time(
+        &progress,
+        &reference,
+        "portmap",
+        &REFERENCE_SCALE_LEVELS,
+    )?);
     let notes = vec![format!(
         "Medians of {ROUNDS} alternating rounds; iperf3 {IPERF_SECONDS} s single stream; connection rate: {RATE_CLIENTS} clients, \
          connect + 1-byte request/response + close, {} s windows. Baseline \"routed\": the outside client talks to the container \
-         address directly, routed by the host (bridge, no NAT).",
+         address directly, routed by the host (bridge, no NAT). Plugin times: wall time of the plugin process run by the test \
+         harness, the chained plugin alone (no bridge); \"process start\" is the same harness running VERSION.",
         RATE_WINDOW.as_secs()
     )];
     let report = write_report(
@@ -106,126 +118,186 @@ pub fn run(out_dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Throughput and connection rate through a hostPort against routing to the container.
-fn datapath(progress: &Progress) -> Result<Vec<Row>> {
-    progress.step("simulated host with one container (iperf3 and an echo server inside)");
-    let sim = SimHost::new("bench-pm", json!({}));
-    sim.outside.exec(&[
-        "ip",
-        "route",
-        "add",
-        "10.22.0.0/16",
-        "via",
-        &HOST_UPLINK_ADDR.to_string(),
-    ]);
-    let target = sim.container(
-        "target",
-        port_mappings(&[(8080, 5201, "tcp"), (8081, 7000, "tcp")]),
-    );
-    let _iperf = Iperf3Server::start(&target.netns, 5201)?;
-    let _echo = EchoServer::start(&target.netns, target.socket(7000), 2);
-    let routed = (target.socket(5201), target.socket(7000));
-    let host_port = (sim.uplink_target(8080), sim.uplink_target(8081));
+/// One measured hostPort setup: a simulated host with a container serving iperf3 (5201, via
+/// hostPort 8080) and an echo server (7000, via hostPort 8081), reachable routed too.
+struct HostPortSetup {
+    sim: SimHost,
+    target: Container,
+    _iperf: Iperf3Server,
+    _echo: EchoServer,
+}
 
-    let measure = |label: &str| -> Result<[Vec<f64>; 4]> {
+impl HostPortSetup {
+    fn new(sim: SimHost) -> Result<Self> {
+        sim.outside.exec(&[
+            "ip",
+            "route",
+            "add",
+            "10.22.0.0/16",
+            "via",
+            &HOST_UPLINK_ADDR.to_string(),
+        ]);
+        let target = sim.container(
+            "target",
+            port_mappings(&[(8080, 5201, "tcp"), (8081, 7000, "tcp")]),
+        );
+        let iperf = Iperf3Server::start(&target.netns, 5201)?;
+        let echo = EchoServer::start(&target.netns, target.socket(7000), 2);
+        Ok(Self {
+            sim,
+            target,
+            _iperf: iperf,
+            _echo: echo,
+        })
+    }
+
+    /// Medians of (routed throughput, hostPort throughput, routed rate, hostPort rate).
+    fn measure(&self, progress: &Progress, label: &str) -> Result<[f64; 4]> {
+        let routed = (self.target.socket(5201), self.target.socket(7000));
+        let host_port = (self.sim.uplink_target(8080), self.sim.uplink_target(8081));
+        let outside = &self.sim.outside;
         let mut samples: [Vec<f64>; 4] = Default::default();
         for round in 1..=ROUNDS {
             progress.step(&format!("{label}: round {round}/{ROUNDS}"));
-            samples[0].push(iperf3(&sim.outside, routed.0, IPERF_SECONDS)?);
-            samples[1].push(iperf3(&sim.outside, host_port.0, IPERF_SECONDS)?);
+            samples[0].push(iperf3(outside, routed.0, IPERF_SECONDS)?);
+            samples[1].push(iperf3(outside, host_port.0, IPERF_SECONDS)?);
             samples[2].push(connection_rate(
-                &sim.outside,
+                outside,
                 routed.1,
                 RATE_CLIENTS,
                 RATE_WINDOW,
             ));
             samples[3].push(connection_rate(
-                &sim.outside,
+                outside,
                 host_port.1,
                 RATE_CLIENTS,
                 RATE_WINDOW,
             ));
         }
-        Ok(samples)
-    };
-    let [routed_tput, nat_tput, routed_rate, nat_rate] = measure("1 mapping")?.map(median);
-    if nat_rate == 0.0 || nat_tput == 0.0 {
-        bail!("no traffic passed the hostPort");
+        let medians = samples.map(median);
+        if medians[1] == 0.0 || medians[3] == 0.0 {
+            bail!("{label}: no traffic passed the hostPort");
+        }
+        Ok(medians)
     }
+}
 
-    progress.step("a second container with 5,000 hostPorts");
-    let many: Vec<Value> = (20_000..25_000u16)
-        .map(|port| json!({ "hostPort": port, "containerPort": 80, "protocol": "tcp" }))
-        .collect();
-    let _crowd = sim.container("crowd", json!({ "portMappings": many }));
-    let [routed_tput_5k, nat_tput_5k, routed_rate_5k, nat_rate_5k] =
-        measure("5,000 mappings")?.map(median);
-
-    let row = |scenario: &str,
-               metric: &'static str,
-               unit: &'static str,
-               value: f64,
-               baseline: (&str, f64)| Row {
+fn ratio_row(
+    scenario: &str,
+    metric: &'static str,
+    unit: &'static str,
+    value: f64,
+    baseline: (&str, f64),
+) -> Row {
+    Row {
         scenario: scenario.to_owned(),
         metric,
         unit,
         value,
         baseline: Some((baseline.0.to_owned(), baseline.1)),
-    };
-    Ok(vec![
-        row(
+    }
+}
+
+/// Throughput and connection rate through a hostPort against routing to the container, with 1
+/// and 5,000 mappings, and Debian's reference portmap (iptables) in the same topology.
+fn datapath(progress: &Progress) -> Result<Vec<Row>> {
+    progress.step("cnibpf: simulated host with one container (iperf3 and an echo server inside)");
+    let cnibpf = HostPortSetup::new(SimHost::new("bench-pm", json!({})))?;
+    let [routed_tput, nat_tput, routed_rate, nat_rate] =
+        cnibpf.measure(progress, "cnibpf, 1 mapping")?;
+
+    progress.step("cnibpf: a second container with 5,000 hostPorts");
+    let many: Vec<Value> = (20_000..25_000u16)
+        .map(|port| json!({ "hostPort": port, "containerPort": 80, "protocol": "tcp" }))
+        .collect();
+    let _crowd = cnibpf
+        .sim
+        .container("crowd", json!({ "portMappings": many }));
+    let [routed_tput_5k, nat_tput_5k, routed_rate_5k, nat_rate_5k] =
+        cnibpf.measure(progress, "cnibpf, 5,000 mappings")?;
+    drop(_crowd);
+    drop(cnibpf);
+
+    let mut rows = vec![
+        ratio_row(
             "hostPort, 1 mapping",
             "TCP throughput",
             "Gbit/s",
             nat_tput,
             ("routed", routed_tput),
         ),
-        row(
+        ratio_row(
             "hostPort, 1 mapping",
             "connection rate",
             "conn/s",
             nat_rate,
             ("routed", routed_rate),
         ),
-        row(
+        ratio_row(
             "hostPort, 5,000 mappings",
             "TCP throughput",
             "Gbit/s",
             nat_tput_5k,
             ("routed", routed_tput_5k),
         ),
-        row(
+        ratio_row(
             "hostPort, 5,000 mappings",
             "connection rate",
             "conn/s",
             nat_rate_5k,
             ("routed", routed_rate_5k),
         ),
-        row(
+        ratio_row(
             "5,000 vs 1 mapping",
             "TCP throughput",
             "Gbit/s",
             nat_tput_5k,
             ("1 mapping", nat_tput),
         ),
-        row(
+        ratio_row(
             "5,000 vs 1 mapping",
             "connection rate",
             "conn/s",
             nat_rate_5k,
             ("1 mapping", nat_rate),
         ),
-    ])
+    ];
+
+    progress.step("reference portmap (iptables): the same topology and traffic");
+    let reference = HostPortSetup::new(SimHost::with_reference_portmap("bench-ref"))?;
+    let [ref_routed_tput, ref_tput, ref_routed_rate, ref_rate] =
+        reference.measure(progress, "reference portmap")?;
+    rows.extend([
+        ratio_row(
+            "reference portmap (iptables)",
+            "TCP throughput",
+            "Gbit/s",
+            ref_tput,
+            ("routed", ref_routed_tput),
+        ),
+        ratio_row(
+            "reference portmap (iptables)",
+            "connection rate",
+            "conn/s",
+            ref_rate,
+            ("routed", ref_routed_rate),
+        ),
+    ]);
+    Ok(rows)
 }
 
-/// Median wall time of one cnibpf ADD and DEL (the plugin process alone) with 1, 100 and
-/// 1,000 attachments already in place.
-fn plugin_time(progress: &Progress) -> Result<Vec<Row>> {
-    let sim = SimHost::new("bench-scale", json!({}));
-    let containers = Netns::create("cbt-bench-scale-c");
-    let max = SCALE_LEVELS[SCALE_LEVELS.len() - 1];
+/// Median wall time of one ADD and DEL of the plugin chained after the bridge (that plugin
+/// alone) with `levels` attachments already in place.
+fn plugin_time(
+    progress: &Progress,
+    sim: &SimHost,
+    plugin_type: &str,
+    levels: &[usize],
+) -> Result<Vec<Row>> {
+    let containers = Netns::create(&format!("cbt-{}-c", sim.id));
+    let max = levels[levels.len() - 1];
     progress.step(&format!(
-        "{max} veth pairs for attachments made by cnibpf alone"
+        "{plugin_type}: {max} veth pairs for attachments made by the plugin alone"
     ));
     let mut batch = String::new();
     for n in 0..=max {
@@ -280,13 +352,20 @@ fn plugin_time(progress: &Progress) -> Result<Vec<Row>> {
     let version: Vec<f64> = (0..TIMED_CYCLES)
         .map(|_| {
             let started = Instant::now();
-            sim.invoke_cnibpf("VERSION", None, "");
+            invoke_plugin(
+                &cni_path(),
+                &sim.host.path(),
+                plugin_type,
+                "VERSION",
+                None,
+                "",
+            );
             started.elapsed().as_secs_f64() * 1e3
         })
         .collect();
     let exec_floor = median(version);
     rows.push(Row {
-        scenario: "process start (VERSION)".to_owned(),
+        scenario: format!("{plugin_type}, process start"),
         metric: "plugin VERSION",
         unit: "ms",
         value: exec_floor,
@@ -294,7 +373,7 @@ fn plugin_time(progress: &Progress) -> Result<Vec<Row>> {
     });
     let mut existing = 0;
     let probe = max;
-    for level in SCALE_LEVELS {
+    for &level in levels {
         progress.step(&format!("filling to {level} attachments"));
         while existing < level {
             invoke("ADD", existing)?;
@@ -308,7 +387,7 @@ fn plugin_time(progress: &Progress) -> Result<Vec<Row>> {
             adds.push(invoke("ADD", probe)?.as_secs_f64() * 1e3);
             dels.push(invoke("DEL", probe)?.as_secs_f64() * 1e3);
         }
-        let scenario = format!("{level} existing attachments");
+        let scenario = format!("{plugin_type}, {level} existing attachments");
         for (metric, samples) in [("plugin ADD", adds), ("plugin DEL", dels)] {
             rows.push(Row {
                 scenario: scenario.clone(),
