@@ -31,7 +31,7 @@ pub struct BarPanel<'a> {
 /// Draws the panels side by side into `path`.
 pub fn bars(path: &Path, caption: &str, panels: &[BarPanel<'_>]) -> Result<()> {
     register_font()?;
-    let width = 560 * u32::try_from(panels.len()).unwrap_or(1);
+    let width = 700 * u32::try_from(panels.len()).unwrap_or(1);
     let root = BitMapBackend::new(path, (width, 460)).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled(caption, ("sans-serif", 22))?;
@@ -64,7 +64,7 @@ pub fn bars(path: &Path, caption: &str, panels: &[BarPanel<'_>]) -> Result<()> {
                 SegmentValue::CenterOf(index) => labels.get(*index).cloned().unwrap_or_default(),
                 _ => String::new(),
             })
-            .label_style(("sans-serif", 12))
+            .label_style(("sans-serif", 11))
             .draw()?;
         chart.draw_series(panel.bars.iter().enumerate().map(|(index, (_, value))| {
             let mut bar = Rectangle::new(
