@@ -317,14 +317,7 @@ fn a_client_that_switches_from_the_host_port_to_the_container_address_is_not_rew
     let sim = SimHost::new("hp-stale", json!({}));
     let c1 = sim.container("c1", port_mappings(&[(5353, 53, "udp")]));
     let _dns = UdpServer::start(&c1.netns, c1.at(Family::V4, 53), "dns");
-    sim.outside.exec(&[
-        "ip",
-        "route",
-        "add",
-        "10.22.0.0/16",
-        "via",
-        &sim.uplink(Family::V4, 0).ip().to_string(),
-    ]);
+    sim.route_outside_to_containers();
     let (hostport, direct) = (sim.uplink(Family::V4, 5353), c1.at(Family::V4, 53));
     let answers = sim.outside.run(move || {
         let socket = UdpSocket::bind("0.0.0.0:41000").expect("bind the fixed client port");

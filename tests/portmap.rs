@@ -3,8 +3,10 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+use std::time::Duration;
+
 use cnibpf_tests::{
-    SimHost,
+    SimHost, eventually,
     topology::{HOST_UPLINK_ADDR, OUTSIDE_ADDR, UPLINK, dual_stack, port_mappings},
     traffic::{TcpServer, UdpServer, tcp_request, udp_request},
 };
@@ -55,7 +57,9 @@ fn outside_client_reaches_container_through_host_port() {
         .unwrap_or_else(|error| panic!("DEL failed: {error}"));
     expect_refused(&sim, 8080);
     assert!(
-        sim.tcx_programs(UPLINK).is_empty(),
+        eventually(Duration::from_secs(3), || sim
+            .tcx_programs(UPLINK)
+            .is_empty()),
         "the last DEL detaches the uplink programs"
     );
     assert!(
@@ -238,14 +242,7 @@ fn traffic_routed_through_the_host_is_not_captured_by_a_wildcard_host_port() {
     let sim = SimHost::new("pm-routed", json!({}));
     let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
     let _server = TcpServer::start(&c1.netns, c1.socket(80), "c1");
-    sim.outside.exec(&[
-        "ip",
-        "route",
-        "add",
-        "10.22.0.0/16",
-        "via",
-        &HOST_UPLINK_ADDR.to_string(),
-    ]);
+    sim.route_outside_to_containers();
 
     // Straight to the container's own port 80 works (plain routing)...
     let direct = tcp_request(&sim.outside, c1.socket(80));
@@ -303,6 +300,13 @@ fn check_detects_missing_state_and_re_add_repairs_it() {
 
     // Everything pinned gone: the hostPort stops working and CHECK fails.
     std::fs::remove_dir_all(&sim.pin_path).expect("remove pins");
+    // The kernel releases an unpinned link from a work queue: wait for the uplink hooks to go.
+    assert!(
+        eventually(Duration::from_secs(3), || sim
+            .tcx_programs(UPLINK)
+            .is_empty()),
+        "unpinned uplink links were never released"
+    );
     expect_refused(&sim, 8080);
     let error = sim
         .check(&c1)
@@ -414,7 +418,9 @@ fn parallel_adds_and_dels_lose_no_update() {
         !sim.pin_path.exists(),
         "the last of the parallel DELs removed the shared state"
     );
-    assert!(sim.tcx_programs(UPLINK).is_empty());
+    assert!(eventually(Duration::from_secs(3), || sim
+        .tcx_programs(UPLINK)
+        .is_empty()));
 }
 
 #[test]

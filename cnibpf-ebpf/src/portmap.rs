@@ -92,15 +92,7 @@ pub fn try_to_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     if flow.protocol == PROTO_TCP && !flow.is_tcp_syn(ctx)? {
         return Ok(TC_ACT_OK);
     }
-    let reply = NatFlowKey {
-        src_addr: flow.daddr,
-        dst_addr: flow.saddr,
-        src_port: u16::from_be(flow.dport),
-        dst_port: u16::from_be(flow.sport),
-        protocol: flow.protocol,
-        family: flow.family,
-        _pad: [0; 2],
-    };
+    let reply = flow_key(&flow, Direction::Reply);
     if maps::nat_flows.get_ptr(&reply).is_some() {
         let _ = maps::nat_flows.remove(&reply);
     }
@@ -205,17 +197,33 @@ fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<[u8; 16]> {
     (address != [0; 16]).then_some(address)
 }
 
-fn lookup_flow(flow: &Flow) -> Option<*const NatFlowValue> {
-    let key = NatFlowKey {
-        src_addr: flow.saddr,
-        dst_addr: flow.daddr,
-        src_port: u16::from_be(flow.sport),
-        dst_port: u16::from_be(flow.dport),
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// The packet's own tuple.
+    Packet,
+    /// The tuple of the packet's replies.
+    Reply,
+}
+
+/// The `nat_flows` key of a packet's tuple, or of its replies' tuple.
+fn flow_key(flow: &Flow, direction: Direction) -> NatFlowKey {
+    let (src, dst) = match direction {
+        Direction::Packet => ((flow.saddr, flow.sport), (flow.daddr, flow.dport)),
+        Direction::Reply => ((flow.daddr, flow.dport), (flow.saddr, flow.sport)),
+    };
+    NatFlowKey {
+        src_addr: src.0,
+        dst_addr: dst.0,
+        src_port: u16::from_be(src.1),
+        dst_port: u16::from_be(dst.1),
         protocol: flow.protocol,
         family: flow.family,
         _pad: [0; 2],
-    };
-    maps::nat_flows.get_ptr(&key)
+    }
+}
+
+fn lookup_flow(flow: &Flow) -> Option<*const NatFlowValue> {
+    maps::nat_flows.get_ptr(&flow_key(flow, Direction::Packet))
 }
 
 /// The mapping for the packet's destination: an exact host address first, then the wildcard,
@@ -254,15 +262,7 @@ pub fn is_host_address(addr: &[u8; 16], family: u8) -> bool {
 /// refreshed at most once a second per flow unless what it records changed.
 #[inline(never)]
 fn remember_flow(flow: &Flow, owner: u64, origin: &Origin) {
-    let key = NatFlowKey {
-        src_addr: flow.daddr,
-        dst_addr: flow.saddr,
-        src_port: u16::from_be(flow.dport),
-        dst_port: u16::from_be(flow.sport),
-        protocol: flow.protocol,
-        family: flow.family,
-        _pad: [0; 2],
-    };
+    let key = flow_key(flow, Direction::Reply);
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let orig_port = u16::from_be(origin.original_port);

@@ -15,3 +15,18 @@ pub mod traffic;
 pub use chain::{Chain, ChainError, PluginOutput};
 pub use netns::Netns;
 pub use topology::{Container, SimHost};
+
+/// Polls `condition` until it holds or `timeout` passes; whether it held. For state the kernel
+/// changes asynchronously (an unpinned link is released from a work queue).
+pub fn eventually(timeout: std::time::Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

@@ -306,6 +306,19 @@ impl SimHost {
         process.output().expect("run cnibpf")
     }
 
+    /// Gives the outside namespace a route to the container subnet via the uplink, for
+    /// traffic that reaches containers by their own address (routed, no NAT).
+    pub fn route_outside_to_containers(&self) {
+        self.outside.exec(&[
+            "ip",
+            "route",
+            "add",
+            SUBNET,
+            "via",
+            &HOST_UPLINK_ADDR.to_string(),
+        ]);
+    }
+
     /// One request by a "host process": a client in the host namespace and in this host's
     /// cgroup. Returns what it was answered and the peer address it saw.
     pub fn host_client(

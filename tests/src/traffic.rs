@@ -79,18 +79,23 @@ impl Drop for TcpServer {
 
 /// Connects from `netns` to `target` and returns what the server sent, or why it failed.
 pub fn tcp_request(netns: &Netns, target: SocketAddr) -> Result<String, String> {
-    netns.run(move || {
-        let mut stream = TcpStream::connect_timeout(&target, CLIENT_TIMEOUT)
-            .map_err(|error| error.to_string())?;
-        stream
-            .set_read_timeout(Some(CLIENT_TIMEOUT))
-            .map_err(|error| error.to_string())?;
-        let mut answer = String::new();
-        stream
-            .read_to_string(&mut answer)
-            .map_err(|error| error.to_string())?;
-        Ok(answer)
-    })
+    netns.run(move || tcp_exchange(target, CLIENT_TIMEOUT).map(|(answer, _)| answer))
+}
+
+/// Connects to `target` from the current namespace and reads what the server sends until it
+/// closes; returns that and the peer address the socket reports.
+pub fn tcp_exchange(target: SocketAddr, timeout: Duration) -> Result<(String, SocketAddr), String> {
+    let mut stream =
+        TcpStream::connect_timeout(&target, timeout).map_err(|error| error.to_string())?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|error| error.to_string())?;
+    let peer = stream.peer_addr().map_err(|error| error.to_string())?;
+    let mut answer = String::new();
+    stream
+        .read_to_string(&mut answer)
+        .map_err(|error| error.to_string())?;
+    Ok((answer, peer))
 }
 
 /// A UDP server answering each datagram with its greeting, recording the peers.
@@ -152,30 +157,34 @@ impl Drop for UdpServer {
 
 /// Sends one datagram from `netns` to `target` and returns the answer and where it came from.
 pub fn udp_request(netns: &Netns, target: SocketAddr) -> Result<(String, SocketAddr), String> {
-    netns.run(move || {
-        let bind: SocketAddr = if target.is_ipv4() {
-            "0.0.0.0:0"
-        } else {
-            "[::]:0"
-        }
-        .parse()
-        .expect("literal");
-        let socket = UdpSocket::bind(bind).map_err(|error| error.to_string())?;
-        socket
-            .set_read_timeout(Some(CLIENT_TIMEOUT))
-            .map_err(|error| error.to_string())?;
-        socket
-            .send_to(b"ping", target)
-            .map_err(|error| error.to_string())?;
-        let mut buffer = [0u8; 1500];
-        let (length, from) = socket
-            .recv_from(&mut buffer)
-            .map_err(|error| error.to_string())?;
-        Ok((
-            String::from_utf8_lossy(&buffer[..length]).into_owned(),
-            from,
-        ))
-    })
+    netns.run(move || udp_exchange(target, CLIENT_TIMEOUT))
+}
+
+/// Sends one datagram to `target` from the current namespace and returns the answer and where
+/// it came from.
+pub fn udp_exchange(target: SocketAddr, timeout: Duration) -> Result<(String, SocketAddr), String> {
+    let bind: SocketAddr = if target.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    }
+    .parse()
+    .expect("literal");
+    let socket = UdpSocket::bind(bind).map_err(|error| error.to_string())?;
+    socket
+        .set_read_timeout(Some(timeout))
+        .map_err(|error| error.to_string())?;
+    socket
+        .send_to(b"ping", target)
+        .map_err(|error| error.to_string())?;
+    let mut buffer = [0u8; 1500];
+    let (length, from) = socket
+        .recv_from(&mut buffer)
+        .map_err(|error| error.to_string())?;
+    Ok((
+        String::from_utf8_lossy(&buffer[..length]).into_owned(),
+        from,
+    ))
 }
 
 /// One SCTP request from `client` to `target`, answered by a one-shot SCTP server bound to

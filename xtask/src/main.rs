@@ -215,6 +215,8 @@ fn test(filter: &[String]) -> Result<()> {
         "--lib",
         "--bins",
         "--tests",
+        // Every test binary runs even when one fails, so the summary counts all of them.
+        "--no-fail-fast",
         "--",
     ]);
     command.args(filter);

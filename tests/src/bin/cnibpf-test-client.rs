@@ -4,12 +4,9 @@
 //! `cnibpf-test-client <cgroup-dir> tcp|udp <address:port>` prints `answer=<text>` and
 //! `peer=<address>` (getpeername for TCP, the datagram's source for UDP).
 
-use std::{
-    io::Read as _,
-    net::{SocketAddr, TcpStream, UdpSocket},
-    process::ExitCode,
-    time::Duration,
-};
+use std::{net::SocketAddr, process::ExitCode, time::Duration};
+
+use cnibpf_tests::traffic::{tcp_exchange, udp_exchange};
 
 fn main() -> ExitCode {
     match run() {
@@ -32,44 +29,12 @@ fn run() -> Result<(), String> {
         .parse()
         .map_err(|error| format!("{target}: {error}"))?;
     let timeout = Duration::from_secs(2);
-    match protocol.as_str() {
-        "tcp" => {
-            let mut stream =
-                TcpStream::connect_timeout(&target, timeout).map_err(|error| error.to_string())?;
-            stream
-                .set_read_timeout(Some(timeout))
-                .map_err(|error| error.to_string())?;
-            let peer = stream.peer_addr().map_err(|error| error.to_string())?;
-            let mut answer = String::new();
-            stream
-                .read_to_string(&mut answer)
-                .map_err(|error| error.to_string())?;
-            println!("answer={answer}");
-            println!("peer={peer}");
-        }
-        "udp" => {
-            let bind: SocketAddr = if target.is_ipv4() {
-                "0.0.0.0:0"
-            } else {
-                "[::]:0"
-            }
-            .parse()
-            .expect("literal");
-            let socket = UdpSocket::bind(bind).map_err(|error| error.to_string())?;
-            socket
-                .set_read_timeout(Some(timeout))
-                .map_err(|error| error.to_string())?;
-            socket
-                .send_to(b"ping", target)
-                .map_err(|error| error.to_string())?;
-            let mut buffer = [0u8; 1500];
-            let (length, from) = socket
-                .recv_from(&mut buffer)
-                .map_err(|error| error.to_string())?;
-            println!("answer={}", String::from_utf8_lossy(&buffer[..length]));
-            println!("peer={from}");
-        }
+    let (answer, peer) = match protocol.as_str() {
+        "tcp" => tcp_exchange(target, timeout)?,
+        "udp" => udp_exchange(target, timeout)?,
         other => return Err(format!("unknown protocol {other}")),
-    }
+    };
+    println!("answer={answer}");
+    println!("peer={peer}");
     Ok(())
 }

@@ -12,7 +12,7 @@ use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
     Container, Netns, SimHost,
     chain::{Attachment, invoke_plugin},
-    topology::{HOST_UPLINK_ADDR, cni_path, port_mappings},
+    topology::{cni_path, port_mappings},
     traffic::{EchoServer, connection_rate},
 };
 use serde_json::{Value, json};
@@ -136,14 +136,7 @@ struct HostPortSetup {
 
 impl HostPortSetup {
     fn new(sim: SimHost) -> Result<Self> {
-        sim.outside.exec(&[
-            "ip",
-            "route",
-            "add",
-            "10.22.0.0/16",
-            "via",
-            &HOST_UPLINK_ADDR.to_string(),
-        ]);
+        sim.route_outside_to_containers();
         let target = sim.container(
             "target",
             port_mappings(&[(8080, 5201, "tcp"), (8081, 7000, "tcp")]),
