@@ -380,6 +380,16 @@ fn a_pin_path_outside_bpffs_is_error_102() {
         .expect_err("a pinPath on tmpfs cannot hold pins");
     assert_cni_error(&error.0, 102, "could not prepare bpffs directory");
     assert!(!dir.exists(), "a wrong pinPath must not be created");
+    let inspect = sim.cnibpf(&[
+        "inspect",
+        "--json",
+        "--pin-path",
+        &dir.display().to_string(),
+    ]);
+    let inspect: Value = serde_json::from_slice(&inspect.stdout).expect("inspect prints JSON");
+    if let Some(lock) = inspect["lockFile"].as_str() {
+        let _ = std::fs::remove_file(lock);
+    }
     assert!(sim.tcx_programs(UPLINK).is_empty());
     let _ = std::fs::remove_dir_all(&dir);
 }

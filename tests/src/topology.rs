@@ -336,11 +336,15 @@ impl SimHost {
         protocol: &str,
         target: SocketAddr,
     ) -> Result<(String, SocketAddr), String> {
-        let binary = std::env::current_exe()
-            .ok()
-            .and_then(|test| Some(test.parent()?.parent()?.join("cnibpf-test-client")))
-            .filter(|path| path.exists())
-            .expect("cnibpf-test-client is built next to the tests");
+        // Integration tests run from target/<profile>/deps, xtask from target/<profile>.
+        let executable = std::env::current_exe().expect("current executable");
+        let binary = executable
+            .ancestors()
+            .skip(1)
+            .take(2)
+            .map(|dir| dir.join("cnibpf-test-client"))
+            .find(|path| path.exists())
+            .expect("cnibpf-test-client is built next to the tests (cargo build -p cnibpf-tests)");
         let mut process = std::process::Command::new(binary);
         process
             .arg(&self.cgroup)

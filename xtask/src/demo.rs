@@ -6,7 +6,7 @@ use std::time::Instant;
 use anyhow::{Context as _, Result, bail, ensure};
 use cnibpf_tests::{
     SimHost,
-    topology::{OUTSIDE_ADDR, port_mappings},
+    topology::{Family, OUTSIDE_ADDR, port_mappings},
     traffic::{TcpServer, tcp_request},
 };
 use serde_json::json;
@@ -56,6 +56,32 @@ pub fn run() -> Result<()> {
         "the container should see the client's own address"
     );
 
+    section(
+        started,
+        "a host process -> 127.0.0.1:8080 and [::1]:8080 (socket hooks, no route_localnet)",
+    );
+    let _server6 = TcpServer::start(
+        &web.netns,
+        web.at(Family::V6, 80),
+        "hello from the web container over IPv6\n",
+    );
+    for target in ["127.0.0.1:8080", "[::1]:8080"] {
+        let target = target.parse().context("literal address")?;
+        let (answer, peer) = sim
+            .host_client("tcp", target)
+            .map_err(|error| anyhow::anyhow!("host process -> {target}: {error}"))?;
+        print!("{target}: {answer}");
+        println!("  (getpeername says {peer})");
+    }
+
+    section(
+        started,
+        "hairpin: the container itself -> 203.0.113.1:8080 (no br_netfilter)",
+    );
+    let answer = tcp_request(&web.netns, sim.uplink_target(8080))
+        .map_err(|error| anyhow::anyhow!("hairpin request failed: {error}"))?;
+    print!("answer: {answer}");
+
     section(started, "installed state: cnibpf inspect");
     let pin_path = sim.pin_path.display().to_string();
     print!(
@@ -85,6 +111,7 @@ pub fn run() -> Result<()> {
         Err(error) => println!("refused as expected: {error}"),
     }
     drop(server);
+    drop(_server6);
     drop(web);
     drop(sim);
     section(

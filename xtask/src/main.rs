@@ -54,6 +54,10 @@ fn main() -> Result<()> {
         Task::Test { filter } => test(&filter),
         Task::Demo => {
             build()?;
+            run(
+                cargo(&["build", "--package", "cnibpf-tests", "--bins"]),
+                "build the demo's client",
+            )?;
             demo::run()
         }
         Task::Bench { suite } => {
