@@ -563,10 +563,8 @@ impl Backend for EbpfBackend {
 
     fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        if let Ok(existing) = self.owners.get(&owner, 0) {
-            if existing.host_ifindex != endpoint.host.index {
-                self.forget_endpoint(owner, existing.host_ifindex)?;
-            }
+        let existing = self.owners.get(&owner, 0).ok();
+        if let Some(existing) = existing {
             let holder = Attachment::from_owner_info(&existing);
             if holder != endpoint.attachment {
                 return Err(BackendError::OwnerCollision {
@@ -575,12 +573,12 @@ impl Backend for EbpfBackend {
                     holder: Box::new(holder),
                 });
             }
+            if existing.host_ifindex != endpoint.host.index {
+                self.forget_endpoint(owner, existing.host_ifindex)?;
+            }
         }
         let mut info = endpoint.attachment.to_owner_info(&endpoint.host);
-        info.port_count = self
-            .owners
-            .get(&owner, 0)
-            .map_or(0, |existing| existing.port_count);
+        info.port_count = existing.map_or(0, |existing| existing.port_count);
         self.owners
             .insert(&owner, &info, 0)
             .map_err(map_error("could not record the attachment in map owners"))?;
