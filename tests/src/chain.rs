@@ -398,12 +398,17 @@ pub fn run_with_stdin(
     let mut child = process
         .spawn()
         .unwrap_or_else(|error| panic!("could not start {what}: {error}"));
-    child
+    let written = child
         .stdin
         .take()
         .expect("piped stdin")
-        .write_all(stdin.as_bytes())
-        .unwrap_or_else(|error| panic!("could not write stdin of {what}: {error}"));
+        .write_all(stdin.as_bytes());
+    // A plugin may exit before reading its configuration; what it printed still tells why.
+    if let Err(error) = written
+        && error.kind() != std::io::ErrorKind::BrokenPipe
+    {
+        panic!("could not write stdin of {what}: {error}");
+    }
     let output = child
         .wait_with_output()
         .unwrap_or_else(|error| panic!("could not wait for {what}: {error}"));

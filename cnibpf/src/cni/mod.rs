@@ -116,15 +116,14 @@ impl Env {
 
 /// Runs one CNI invocation; returns the process exit code.
 pub fn run(command_text: &str) -> i32 {
+    // The configuration is read whatever the command: a runtime writing it to a plugin that
+    // quit early would get EPIPE instead of the error this plugin prints.
     let mut stdin = Vec::new();
-    let outcome = Command::parse(command_text)
-        .map_err(Error::from)
-        .and_then(|command| {
-            std::io::stdin()
-                .read_to_end(&mut stdin)
-                .map_err(Error::Stdin)?;
-            dispatch(command, &stdin)
-        });
+    let outcome = std::io::stdin()
+        .read_to_end(&mut stdin)
+        .map_err(Error::Stdin)
+        .and_then(|_| Command::parse(command_text).map_err(Error::from))
+        .and_then(|command| dispatch(command, &stdin));
     let mut stdout = std::io::stdout().lock();
     match outcome {
         Ok(Some(output)) => {
