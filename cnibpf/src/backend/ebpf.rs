@@ -1,9 +1,11 @@
-//! The eBPF backend: TC programs attached with tcx, everything pinned under `pinPath`.
+//! The eBPF backend: TC programs on the uplinks (tcx) and on each container's host-side
+//! interface (clsact filters), socket hooks on a cgroup, everything pinned under `pinPath`.
 //!
 //! Layout of `pinPath`: the maps, pinned by name (see `cnibpf-common`); `programs/<name>`, one
 //! pinned instance of each program shared by every attachment; `links/uplink-<if>-<hook>` and
-//! `links/endpoint-<owner>-<hook>`, the tcx links that keep the programs attached after the
-//! plugin exits. Removing a link pin detaches it.
+//! `links/cgroup-<program>`, the links that keep the shared hooks attached after the plugin
+//! exits (removing a link pin detaches it). Container interfaces carry filters, which live as
+//! long as the interface.
 
 use std::{
     collections::HashSet,
@@ -1081,31 +1083,39 @@ fn relink_cgroup(pins: &PinLayout, path: &Path, program_name: &str) -> Result<()
     let pinned = PinnedLink::from_pin(path).map_err(|error| link_error(Box::new(error)))?;
     let link = CgroupSockAddrLink::try_from(FdLink::from(pinned))
         .map_err(|error| link_error(Box::new(error)))?;
-    match program.attach_to_link(link) {
-        Ok(link_id) => drop(program.take_link(link_id)),
+    let moved = program
+        .attach_to_link(link)
+        .map(|link_id| drop(program.take_link(link_id)));
+    settle_relink(moved, path, link_error)
+}
+
+/// The uplink program a pinned tcx link (by its file name, see `PinLayout`) belongs to.
+fn program_of_uplink_link(file_name: &str) -> Option<&'static str> {
+    if !file_name.starts_with("uplink-") {
+        return None;
+    }
+    if file_name.ends_with("-ingress") {
+        Some(UPLINK_INGRESS)
+    } else {
+        Some(UPLINK_EGRESS)
+    }
+}
+
+/// What is left to do once `attach_to_link` moved (or failed to move) the link pinned at
+/// `path`: nothing, unpin a link whose interface or cgroup is gone, or report the failure.
+fn settle_relink(
+    moved: Result<(), aya::programs::ProgramError>,
+    path: &Path,
+    link_error: impl Fn(Box<dyn std::error::Error + Send + Sync>) -> BackendError,
+) -> Result<(), BackendError> {
+    match moved {
+        Ok(()) => Ok(()),
         Err(aya::programs::ProgramError::SyscallError(error))
             if error.io_error.raw_os_error() == Some(libc::ENOLINK) =>
         {
-            remove_pin(path)?;
+            remove_pin(path)
         }
-        Err(error) => return Err(link_error(Box::new(error))),
-    }
-    Ok(())
-}
-
-/// The program a pinned link (by its file name, see `PinLayout`) belongs to.
-fn program_of_link(file_name: &str) -> Option<&'static str> {
-    let hook_ingress = file_name.ends_with("-ingress");
-    match (
-        file_name.starts_with("uplink-"),
-        file_name.starts_with("endpoint-"),
-        hook_ingress,
-    ) {
-        (true, _, true) => Some(UPLINK_INGRESS),
-        (true, _, false) => Some(UPLINK_EGRESS),
-        (_, true, true) => Some(FROM_CONTAINER),
-        (_, true, false) => Some(TO_CONTAINER),
-        _ => None,
+        Err(error) => Err(link_error(Box::new(error))),
     }
 }
 
@@ -1124,7 +1134,7 @@ fn relink(pins: &PinLayout) -> Result<(), BackendError> {
             relink_cgroup(pins, &path, program_name)?;
             continue;
         }
-        let Some(program_name) = program_of_link(&file_name) else {
+        let Some(program_name) = program_of_uplink_link(&file_name) else {
             continue;
         };
         let program_path = pins.program(program_name);
@@ -1143,17 +1153,12 @@ fn relink(pins: &PinLayout) -> Result<(), BackendError> {
         let pinned = PinnedLink::from_pin(&path).map_err(|error| link_error(Box::new(error)))?;
         let link = SchedClassifierLink::try_from(FdLink::from(pinned))
             .map_err(|error| link_error(Box::new(error)))?;
-        match program.attach_to_link(link) {
-            // The program would detach nothing on drop (tcx links live on through their pin),
-            // but taking the link out states that this process keeps no hold on it.
-            Ok(link_id) => drop(program.take_link(link_id)),
-            Err(aya::programs::ProgramError::SyscallError(error))
-                if error.io_error.raw_os_error() == Some(libc::ENOLINK) =>
-            {
-                remove_pin(&path)?;
-            }
-            Err(error) => return Err(link_error(Box::new(error))),
-        }
+        // Dropping the program would detach nothing (tcx links live on through their pin), but
+        // taking the link out states that this process keeps no hold on it.
+        let moved = program
+            .attach_to_link(link)
+            .map(|link_id| drop(program.take_link(link_id)));
+        settle_relink(moved, &path, link_error)?;
     }
     Ok(())
 }
@@ -1182,35 +1187,49 @@ fn load_object(pins: &PinLayout) -> Result<(), BackendError> {
             source: Box::new(source),
         })?;
     }
-    let settings_map =
-        ebpf.map_mut(settings::MAP_NAME)
-            .ok_or_else(|| BackendError::IncompatibleState {
-                path: pins.root().to_owned(),
-                found: "an object without a settings map".to_owned(),
-                expected: format!("v{}", layout::VERSION),
-            })?;
-    let mut settings_array: Array<&mut MapData, Settings> =
-        Array::try_from(settings_map).map_err(map_error("could not open map settings"))?;
     let host_netns_cookie = netns::current_cookie().map_err(|source| BackendError::Pin {
         action: "could not read the host's network namespace cookie".to_owned(),
         source: Box::new(source),
     })?;
-    settings_array
-        .set(0, &Settings { host_netns_cookie }, 0)
-        .map_err(map_error("could not write map settings"))?;
-    let layout_map =
-        ebpf.map_mut(layout::MAP_NAME)
-            .ok_or_else(|| BackendError::IncompatibleState {
-                path: pins.root().to_owned(),
-                found: "an object without a layout map".to_owned(),
-                expected: format!("v{}", layout::VERSION),
-            })?;
-    let mut array: Array<&mut MapData, LayoutInfo> =
-        Array::try_from(layout_map).map_err(map_error("could not open map layout"))?;
-    array
-        .set(0, &LayoutInfo::current(object_id()), 0)
-        .map_err(map_error("could not write map layout"))?;
+    set_only_entry(
+        &mut ebpf,
+        pins,
+        settings::MAP_NAME,
+        &Settings { host_netns_cookie },
+    )?;
+    // Last: a layout stamp means everything before it is in place.
+    set_only_entry(
+        &mut ebpf,
+        pins,
+        layout::MAP_NAME,
+        &LayoutInfo::current(object_id()),
+    )?;
     Ok(())
+}
+
+/// Writes the single entry of the one-entry array map `name` of the loaded object.
+fn set_only_entry<T: aya::Pod>(
+    ebpf: &mut aya::Ebpf,
+    pins: &PinLayout,
+    name: &str,
+    value: &T,
+) -> Result<(), BackendError> {
+    let map = ebpf
+        .map_mut(name)
+        .ok_or_else(|| BackendError::IncompatibleState {
+            path: pins.root().to_owned(),
+            found: format!("an object without a {name} map"),
+            expected: format!("v{}", layout::VERSION),
+        })?;
+    let mut array: Array<&mut MapData, T> =
+        Array::try_from(map).map_err(|source| BackendError::Map {
+            action: format!("could not open map {name}"),
+            source: Box::new(source),
+        })?;
+    array.set(0, value, 0).map_err(|source| BackendError::Map {
+        action: format!("could not write map {name}"),
+        source: Box::new(source),
+    })
 }
 
 /// Mounts bpffs if the host has none at the usual place and creates the pin directories.
