@@ -10,6 +10,11 @@
 pub mod endpoint;
 pub mod host_addr;
 pub mod layout;
+pub mod masq_exclude;
+pub mod masq_flow;
+pub mod masq_reply;
+pub mod masq_source;
+pub mod masq_stats;
 pub mod nat_flow;
 pub mod owner;
 pub mod owner_port;
@@ -17,6 +22,7 @@ pub mod port_claim;
 pub mod portmap;
 pub mod settings;
 pub mod sock_rev;
+pub mod uplink;
 
 /// `AF_INET`, as stored in the `family` field of keys.
 pub const FAMILY_IPV4: u8 = 2;
@@ -24,8 +30,10 @@ pub const FAMILY_IPV4: u8 = 2;
 pub const FAMILY_IPV6: u8 = 10;
 
 /// IANA protocol numbers used in keys.
+pub const PROTO_ICMP: u8 = 1;
 pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
+pub const PROTO_ICMPV6: u8 = 58;
 pub const PROTO_SCTP: u8 = 132;
 
 /// Implements `aya::Pod` for a map type on the userspace side.

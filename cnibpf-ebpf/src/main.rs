@@ -10,6 +10,7 @@
 )]
 
 mod maps;
+mod masquerade;
 mod packet;
 mod portmap;
 mod sock;
@@ -22,20 +23,23 @@ use cnibpf_common::{FAMILY_IPV4, FAMILY_IPV6};
 
 use crate::packet::DatapathError;
 
-/// Uplink ingress: traffic from outside to a hostPort is translated to its container.
+/// Uplink ingress: traffic from outside to a hostPort is translated to its container; replies
+/// of masqueraded flows (and ICMP errors about them) are translated back to theirs.
 #[classifier]
 pub fn uplink_ingress(ctx: TcContext) -> i32 {
     portmap::try_uplink_ingress(&ctx).unwrap_or_else(DatapathError::verdict)
 }
 
-/// Uplink egress: replies of translated flows get the hostPort address back as their source.
+/// Uplink egress: replies of translated flows get the hostPort address back as their source;
+/// container traffic the host stack forwarded is masqueraded.
 #[classifier]
 pub fn uplink_egress(ctx: TcContext) -> i32 {
     portmap::try_uplink_egress(&ctx).unwrap_or_else(DatapathError::verdict)
 }
 
 /// Container host-side interface, TC ingress: packets the container sends. Replies of
-/// translated flows and hairpin traffic to hostPorts; everything else continues unchanged.
+/// translated flows, hairpin traffic to hostPorts, and masqueraded traffic leaving through an
+/// uplink; everything else continues unchanged.
 #[classifier]
 pub fn from_container(ctx: TcContext) -> i32 {
     portmap::try_from_container(&ctx).unwrap_or_else(DatapathError::verdict)

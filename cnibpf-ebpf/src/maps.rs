@@ -3,13 +3,19 @@
 //! instance and every plugin run shares them.
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LruHashMap},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
+use crate::masquerade::{IcmpError, PortSearch};
 use cnibpf_common::{
     endpoint::{self, EndpointInfo},
     host_addr::{self, HostAddrKey},
     layout::{self, LayoutInfo},
+    masq_exclude::{self, MasqExcludeKey},
+    masq_flow::{self, MasqFlow},
+    masq_reply::{self, MasqReply},
+    masq_source::{self, MasqSource, MasqSourceKey},
+    masq_stats::{self, MasqStats},
     nat_flow::{self, NatFlowKey, NatFlowValue},
     owner::{self, OwnerInfo},
     owner_port::{self, OwnerPortKey},
@@ -17,6 +23,7 @@ use cnibpf_common::{
     portmap::{self, PortMapKey, PortMapValue},
     settings::{self, Settings},
     sock_rev::{self, SockRevKey, SockRevValue},
+    uplink::{self, UplinkInfo},
 };
 
 /// Map names are the pin names users pass to bpftool, so they are lowercase like the files.
@@ -80,6 +87,71 @@ pub static settings: Array<Settings, { settings::MAX_ENTRIES as usize }> = Array
 #[btf_map(pin_by_name)]
 pub static sock_rev: LruHashMap<SockRevKey, SockRevValue, { sock_rev::MAX_ENTRIES as usize }> =
     LruHashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static masq_sources: HashMap<MasqSourceKey, MasqSource, { masq_source::MAX_ENTRIES as usize }> =
+    HashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static masq_excludes: LpmTrie<MasqExcludeKey, u32, { masq_exclude::MAX_ENTRIES as usize }> =
+    LpmTrie::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static uplinks: HashMap<u32, UplinkInfo, { uplink::MAX_ENTRIES as usize }> = HashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static masq_flows: LruHashMap<NatFlowKey, MasqFlow, { masq_flow::MAX_ENTRIES as usize }> =
+    LruHashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static masq_replies: LruHashMap<NatFlowKey, MasqReply, { masq_reply::MAX_ENTRIES as usize }> =
+    LruHashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static masq_stats: PerCpuArray<MasqStats, { masq_stats::MAX_ENTRIES as usize }> =
+    PerCpuArray::new();
+
+/// Scratch space of the masquerade port search (see `masquerade::claim_port`); private to
+/// each loaded object, not pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static port_search: PerCpuArray<PortSearch, 1> = PerCpuArray::new();
+
+/// Scratch space of ICMP error translation (see `masquerade::IcmpError`); private to each
+/// loaded object, not pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static icmp_error_scratch: PerCpuArray<IcmpError, 1> = PerCpuArray::new();
 
 /// Userspace-only bookkeeping, declared here so that it is created and pinned with the rest.
 #[expect(

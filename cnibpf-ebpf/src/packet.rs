@@ -1,6 +1,8 @@
-//! Parsing and rewriting of IPv4 and IPv6 TCP, UDP and SCTP packets as TC programs see them
-//! (offsets from the Ethernet header). Addresses are kept as the 16-byte map form (IPv4 in the
-//! first four bytes), ports in network byte order as on the wire.
+//! Parsing and rewriting of IPv4 and IPv6 TCP, UDP, SCTP and ICMP echo packets as TC programs
+//! see them (offsets from the Ethernet header). Addresses are kept as the 16-byte map form (IPv4
+//! in the first four bytes), ports in network byte order as on the wire. An ICMP echo's
+//! identifier plays the port of the side that chose it: the source port of a request, the
+//! destination port of a reply, so that a reply's tuple is the request's reversed.
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -14,7 +16,9 @@ use aya_ebpf::{
     },
     programs::TcContext,
 };
-use cnibpf_common::{FAMILY_IPV4, FAMILY_IPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP};
+use cnibpf_common::{
+    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+};
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -27,8 +31,14 @@ const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 /// More-fragments flag and fragment offset: any bit set means this is a fragment.
 const IPV4_FRAGMENT_MASK: u16 = 0x3fff;
-const TCP_SYN: u8 = 0x02;
-const TCP_ACK: u8 = 0x10;
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+const ICMP_ECHO_REPLY: u8 = 0;
+const ICMP_ECHO_REQUEST: u8 = 8;
+const ICMPV6_ECHO_REQUEST: u8 = 128;
+const ICMPV6_ECHO_REPLY: u8 = 129;
 /// Enough of any L4 header for ports and checksum, pulled into the linear area up front.
 const L4_PULL: usize = 20;
 
@@ -51,7 +61,8 @@ impl DatapathError {
     }
 }
 
-/// A TCP, UDP or SCTP packet over IPv4 (unfragmented) or IPv6 (no extension headers).
+/// A TCP, UDP, SCTP or ICMP echo packet over IPv4 (unfragmented) or IPv6 (no extension
+/// headers).
 #[derive(Clone, Copy)]
 pub struct Flow {
     pub family: u8,
@@ -102,11 +113,11 @@ impl Flow {
             return Ok(None);
         }
         let protocol: u8 = load(ctx, ETH_HLEN + 9)?;
-        if !is_translated_protocol(protocol) {
-            return Ok(None);
-        }
         let total_len: u16 = load(ctx, ETH_HLEN + 2)?;
         let l4_off = ETH_HLEN + header_len;
+        let Some((sport, dport)) = ports(ctx, protocol, l4_off)? else {
+            return Ok(None);
+        };
         let saddr: [u8; 4] = load(ctx, IPV4_SADDR_OFF)?;
         let daddr: [u8; 4] = load(ctx, IPV4_DADDR_OFF)?;
         Ok(Some(Self {
@@ -114,8 +125,8 @@ impl Flow {
             protocol,
             saddr: widen(saddr),
             daddr: widen(daddr),
-            sport: load(ctx, l4_off)?,
-            dport: load(ctx, l4_off + 2)?,
+            sport,
+            dport,
             ip_len: u16::from_be(total_len),
             l4_off,
         }))
@@ -127,18 +138,18 @@ impl Flow {
             return Ok(None);
         }
         let protocol: u8 = load(ctx, ETH_HLEN + 6)?;
-        if !is_translated_protocol(protocol) {
-            return Ok(None);
-        }
         let payload_len: u16 = load(ctx, ETH_HLEN + 4)?;
         let l4_off = ETH_HLEN + IPV6_HLEN;
+        let Some((sport, dport)) = ports(ctx, protocol, l4_off)? else {
+            return Ok(None);
+        };
         Ok(Some(Self {
             family: FAMILY_IPV6,
             protocol,
             saddr: load(ctx, IPV6_SADDR_OFF)?,
             daddr: load(ctx, IPV6_DADDR_OFF)?,
-            sport: load(ctx, l4_off)?,
-            dport: load(ctx, l4_off + 2)?,
+            sport,
+            dport,
             ip_len: u16::from_be(payload_len).saturating_add(IPV6_HLEN as u16),
             l4_off,
         }))
@@ -146,17 +157,75 @@ impl Flow {
 
     /// Whether a TCP packet opens a connection (SYN without ACK).
     pub fn is_tcp_syn(&self, ctx: &TcContext) -> Result<bool, DatapathError> {
-        let flags: u8 = load(ctx, self.l4_off + 13)?;
+        let flags = self.tcp_flags(ctx)?;
         Ok(flags & TCP_SYN != 0 && flags & TCP_ACK == 0)
     }
 
-    /// Offset of the L4 checksum that covers the addresses; SCTP's CRC32c does not.
-    fn l4_csum_off(&self) -> Option<usize> {
+    /// The TCP flags byte (zero for other protocols). Read with `bpf_skb_load_bytes`: a
+    /// `Flow` passed between functions loses the bounds the verifier needs on `l4_off` for
+    /// direct packet access.
+    pub fn tcp_flags(&self, ctx: &TcContext) -> Result<u8, DatapathError> {
+        if self.protocol != PROTO_TCP {
+            return Ok(0);
+        }
+        ctx.load(self.l4_off + 13)
+            .map_err(|_| DatapathError::Truncated)
+    }
+
+    /// Offset of the L4 checksum where it covers the addresses (the pseudo-header): not
+    /// SCTP's CRC32c, not ICMPv4's.
+    fn address_csum_off(&self) -> Option<usize> {
         match self.protocol {
             PROTO_TCP => Some(self.l4_off + 16),
             PROTO_UDP => Some(self.l4_off + 6),
+            PROTO_ICMPV6 => Some(self.l4_off + 2),
             _ => None,
         }
+    }
+
+    /// Offset of the L4 checksum that covers the ports (or the echo identifier).
+    fn port_csum_off(&self) -> Option<usize> {
+        match self.protocol {
+            PROTO_TCP => Some(self.l4_off + 16),
+            PROTO_UDP => Some(self.l4_off + 6),
+            PROTO_ICMP | PROTO_ICMPV6 => Some(self.l4_off + 2),
+            _ => None,
+        }
+    }
+
+    fn port_off(&self, side: Side) -> usize {
+        match (self.protocol, side) {
+            (PROTO_ICMP | PROTO_ICMPV6, _) => self.l4_off + 4,
+            (_, Side::Source) => self.l4_off,
+            (_, Side::Destination) => self.l4_off + 2,
+        }
+    }
+
+    /// Decrements the TTL (hop limit) of a packet the datapath forwards itself, as a router
+    /// does; `false` when it must not be forwarded (the host stack then answers with ICMP time
+    /// exceeded).
+    #[inline(never)]
+    pub fn decrement_hop_limit(&self, ctx: &TcContext) -> Result<bool, DatapathError> {
+        let failed = |_| DatapathError::RewriteFailed;
+        if self.family == FAMILY_IPV4 {
+            // TTL and protocol share the 16-bit word the checksum update works on.
+            let word: u16 = load(ctx, ETH_HLEN + 8)?;
+            if u16::from_be(word) >> 8 <= 1 {
+                return Ok(false);
+            }
+            let new = (u16::from_be(word) - 0x0100).to_be();
+            ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(word), u64::from(new), 2)
+                .map_err(failed)?;
+            ctx.store(ETH_HLEN + 8, &new, 0).map_err(failed)?;
+        } else {
+            let hop_limit: u8 = load(ctx, ETH_HLEN + 7)?;
+            if hop_limit <= 1 {
+                return Ok(false);
+            }
+            ctx.store(ETH_HLEN + 7, &(hop_limit - 1), 0)
+                .map_err(failed)?;
+        }
+        Ok(true)
     }
 
     /// `bpf_l4_csum_replace` flags: UDP may carry no checksum at all, which must stay zero.
@@ -219,7 +288,7 @@ impl Flow {
         if self.family == FAMILY_IPV4 {
             let old4 = u32::from_ne_bytes([old[0], old[1], old[2], old[3]]);
             let new4 = u32::from_ne_bytes([new[0], new[1], new[2], new[3]]);
-            if let Some(csum_off) = self.l4_csum_off() {
+            if let Some(csum_off) = self.address_csum_off() {
                 let flags = u64::from(BPF_F_PSEUDO_HDR) | self.l4_csum_flags() | 4;
                 ctx.l4_csum_replace(csum_off, u64::from(old4), u64::from(new4), flags)
                     .map_err(failed)?;
@@ -228,7 +297,7 @@ impl Flow {
                 .map_err(failed)?;
             ctx.store(v4_off, &new4, 0).map_err(failed)
         } else {
-            if let Some(csum_off) = self.l4_csum_off() {
+            if let Some(csum_off) = self.address_csum_off() {
                 let mut from = old;
                 let mut to = *new;
                 // SAFETY: both buffers are 16 bytes on this program's stack.
@@ -248,15 +317,16 @@ impl Flow {
 
     #[inline(always)]
     fn rewrite_port(&self, ctx: &TcContext, side: Side, new: u16) -> Result<(), DatapathError> {
-        let (old, offset) = match side {
-            Side::Source => (self.sport, self.l4_off),
-            Side::Destination => (self.dport, self.l4_off + 2),
+        let old = match side {
+            Side::Source => self.sport,
+            Side::Destination => self.dport,
         };
         if old == new {
             return Ok(());
         }
+        let offset = self.port_off(side);
         let failed = |_| DatapathError::RewriteFailed;
-        if let Some(csum_off) = self.l4_csum_off() {
+        if let Some(csum_off) = self.port_csum_off() {
             ctx.l4_csum_replace(
                 csum_off,
                 u64::from(old),
@@ -278,8 +348,31 @@ enum Side {
     Destination,
 }
 
-fn is_translated_protocol(protocol: u8) -> bool {
-    protocol == PROTO_TCP || protocol == PROTO_UDP || protocol == PROTO_SCTP
+/// The ports of a TCP, UDP or SCTP header at `l4_off`, or an ICMP echo's identifier in the
+/// place of the side that chose it; `None` for any other packet. Inlined: as a BPF call,
+/// LLVM packs the return value from a register the verifier sees uninitialised.
+#[inline(always)]
+fn ports(ctx: &TcContext, protocol: u8, l4_off: usize) -> Result<Option<(u16, u16)>, DatapathError> {
+    match protocol {
+        PROTO_TCP | PROTO_UDP | PROTO_SCTP => Ok(Some((load(ctx, l4_off)?, load(ctx, l4_off + 2)?))),
+        PROTO_ICMP | PROTO_ICMPV6 => {
+            // One read of the whole echo header: LLVM merges separate bounds checks into one
+            // the verifier cannot follow.
+            let header: [u8; 8] = load(ctx, l4_off)?;
+            let icmp_type = header[0];
+            let identifier = u16::from_ne_bytes([header[4], header[5]]);
+            Ok(match (protocol, icmp_type) {
+                (PROTO_ICMP, ICMP_ECHO_REQUEST) | (PROTO_ICMPV6, ICMPV6_ECHO_REQUEST) => {
+                    Some((identifier, 0))
+                }
+                (PROTO_ICMP, ICMP_ECHO_REPLY) | (PROTO_ICMPV6, ICMPV6_ECHO_REPLY) => {
+                    Some((0, identifier))
+                }
+                _ => None,
+            })
+        }
+        _ => Ok(None),
+    }
 }
 
 /// An IPv4 address in the 16-byte map form.
@@ -324,10 +417,19 @@ pub enum Route {
     Other,
 }
 
-/// Looks the flow's current destination up in the FIB as the host would route a packet it sends
-/// itself (`BPF_FIB_LOOKUP_OUTPUT`): translated replies carry one of its addresses as source.
+/// How a FIB lookup sees the packet.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// As the host routes a packet it sends itself (`BPF_FIB_LOOKUP_OUTPUT`): translated
+    /// replies carry one of its addresses as source.
+    Output,
+    /// As the host forwards a packet received on the program's interface.
+    Forward,
+}
+
+/// Looks the flow's current destination up in the FIB.
 #[inline(never)]
-pub fn route(ctx: &TcContext, flow: &Flow) -> Route {
+pub fn route(ctx: &TcContext, flow: &Flow, lookup: Lookup) -> Route {
     // SAFETY: bpf_fib_lookup is plain old data; all-zero is its documented initial state.
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     params.family = flow.family;
@@ -353,7 +455,11 @@ pub fn route(ctx: &TcContext, flow: &Flow) -> Route {
             skb,
             &raw mut params,
             size_of::<bpf_fib_lookup>() as i32,
-            BPF_FIB_LOOKUP_OUTPUT,
+            if lookup == Lookup::Output {
+                BPF_FIB_LOOKUP_OUTPUT
+            } else {
+                0
+            },
         )
     };
     match rc as u32 {

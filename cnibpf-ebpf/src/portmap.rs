@@ -21,8 +21,8 @@ use cnibpf_common::{
 };
 
 use crate::{
-    maps,
-    packet::{DatapathError, Flow, forward, redirect_to_peer, route, set_macs},
+    maps, masquerade,
+    packet::{DatapathError, Flow, Lookup, forward, redirect_to_peer, route, set_macs},
 };
 
 /// How often a flow's `last_seen_ns` is refreshed: writing it on every packet would turn each
@@ -32,10 +32,21 @@ const FLOW_REFRESH_NS: u64 = 1_000_000_000;
 /// Traffic from outside, at an uplink's ingress.
 pub fn try_uplink_ingress(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(mut flow) = Flow::parse(ctx)? else {
-        return Ok(TC_ACT_OK);
+        return Ok(masquerade::icmp_error(ctx));
     };
-    let Some(mapping) = lookup_mapping(&flow) else {
-        return Ok(TC_ACT_OK);
+    Ok(from_outside(ctx, &mut flow))
+}
+
+/// A TCP, UDP, SCTP or ICMP echo packet from outside: to a hostPort, or a reply to a
+/// masqueraded flow. Not inlined, so that its stack is not under `masquerade::icmp_error`'s.
+#[inline(never)]
+fn from_outside(ctx: &TcContext, flow: &mut Flow) -> i32 {
+    try_from_outside(ctx, flow).unwrap_or_else(DatapathError::verdict)
+}
+
+fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
+    let Some(mapping) = lookup_mapping(flow) else {
+        return Ok(masquerade::reply(ctx, flow));
     };
     let origin = Origin {
         original_addr: flow.daddr,
@@ -49,19 +60,20 @@ pub fn try_uplink_ingress(ctx: &TcContext) -> Result<i32, DatapathError> {
     // SAFETY: mapping points into portmap and is read at once; see `lookup_mapping`.
     let mapping = unsafe { &*mapping };
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
-    remember_flow(&flow, mapping.owner, &origin);
+    remember_flow(flow, mapping.owner, &origin);
     set_macs(ctx, &mapping.container_mac, &mapping.gateway_mac)?;
     Ok(redirect_to_peer(mapping.host_ifindex))
 }
 
 /// Replies that the host stack routed out of an uplink untranslated (when `from_container`
-/// could not route them itself) get the hostPort address back here.
+/// could not route them itself) get the hostPort address back here; container traffic the
+/// stack forwarded is masqueraded here.
 pub fn try_uplink_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(mut flow) = Flow::parse(ctx)? else {
         return Ok(TC_ACT_OK);
     };
     let Some(entry) = lookup_flow(&flow) else {
-        return Ok(TC_ACT_OK);
+        return Ok(masquerade::uplink_egress(ctx, &mut flow));
     };
     // SAFETY: entry points into nat_flows; the fields are copied out before any rewrite.
     let (orig_addr, orig_port) = unsafe { ((*entry).orig_addr, (*entry).orig_port) };
@@ -72,13 +84,16 @@ pub fn try_uplink_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
 /// Packets a container sends, at its host-side veth's ingress: replies of translated flows, and
 /// hairpin traffic to a hostPort of this host.
 pub fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
-    let Some(flow) = Flow::parse(ctx)? else {
+    let Some(mut flow) = Flow::parse(ctx)? else {
         return Ok(TC_ACT_OK);
     };
     if let Some(verdict) = reply(ctx, &flow)? {
         return Ok(verdict);
     }
-    hairpin(ctx, &flow)
+    if let Some(verdict) = hairpin(ctx, &flow)? {
+        return Ok(verdict);
+    }
+    masquerade::from_container(ctx, &mut flow)
 }
 
 /// Packets towards the container that did not come through a hostPort: a TCP connection
@@ -122,7 +137,7 @@ fn reply(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
     }
     let (reply_addr, reply_port) = (flow.saddr, flow.sport);
     flow.rewrite_source(ctx, &orig_addr, orig_port)?;
-    let next_hop = route(ctx, &flow);
+    let next_hop = route(ctx, &flow, Lookup::Output);
     if let Some(verdict) = forward(ctx, &next_hop)? {
         return Ok(Some(verdict));
     }
@@ -148,16 +163,17 @@ struct Origin {
     gateway_mac: [u8; 6],
 }
 
-/// Hairpin traffic: a container to a hostPort of this host, handed straight to the target.
+/// Hairpin traffic: a container to a hostPort of this host, handed straight to the target;
+/// `None` when the packet is not for a hostPort.
 #[inline(never)]
-fn hairpin(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
+fn hairpin(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
     let Some(mapping) = lookup_mapping(flow) else {
-        return Ok(TC_ACT_OK);
+        return Ok(None);
     };
     // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
     let ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
     let Some(client) = maps::endpoints.get_ptr(&ifindex) else {
-        return Ok(TC_ACT_OK);
+        return Ok(Some(TC_ACT_OK));
     };
     // SAFETY: both point into maps and are read right away; see `lookup_mapping`.
     let (mapping, client) = unsafe { (&*mapping, &*client) };
@@ -175,7 +191,7 @@ fn hairpin(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
     let source = if mapping.container_addr == flow.saddr {
         match gateway(client, flow.family) {
             Some(gateway) => gateway,
-            None => return Ok(TC_ACT_OK),
+            None => return Ok(Some(TC_ACT_OK)),
         }
     } else {
         flow.saddr
@@ -185,7 +201,7 @@ fn hairpin(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
     flow.rewrite_source(ctx, &source, flow.sport)?;
     remember_flow(&flow, mapping.owner, &origin);
     set_macs(ctx, &mapping.container_mac, &mapping.gateway_mac)?;
-    Ok(redirect_to_peer(mapping.host_ifindex))
+    Ok(Some(redirect_to_peer(mapping.host_ifindex)))
 }
 
 fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<[u8; 16]> {
@@ -247,6 +263,21 @@ fn lookup_mapping(flow: &Flow) -> Option<*const PortMapValue> {
     key.host_addr = [0; 16];
     let wildcard = maps::portmap.get_ptr(&key)?;
     is_host_address(&flow.daddr, flow.family).then_some(wildcard)
+}
+
+/// Whether `port` (host byte order) of host address `addr` is a hostPort.
+pub fn is_host_port(addr: &[u8; 16], port: u16, protocol: u8, family: u8) -> bool {
+    let mut key = PortMapKey {
+        host_addr: *addr,
+        host_port: port,
+        protocol,
+        family,
+    };
+    if maps::portmap.get_ptr(&key).is_some() {
+        return true;
+    }
+    key.host_addr = [0; 16];
+    maps::portmap.get_ptr(&key).is_some()
 }
 
 pub fn is_host_address(addr: &[u8; 16], family: u8) -> bool {

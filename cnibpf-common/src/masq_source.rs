@@ -1,0 +1,37 @@
+//! `masq_sources`: the container addresses whose traffic is masqueraded.
+//!
+//! Key: [`MasqSourceKey`] — a container address. Value: [`MasqSource`] — its attachment and how
+//! to hand it packets. Written by the CNI plugin on ADD for each address of an attachment with
+//! `ipMasq: true`, removed on DEL and GC (and on an ADD that turns `ipMasq` off); read by
+//! `from_container` and `uplink_egress`, which masquerade only packets whose source is listed
+//! here and that arrive from the interface recorded with it.
+
+use crate::impl_pod;
+
+pub const MAP_NAME: &str = "masq_sources";
+pub const MAX_ENTRIES: u32 = 16_384;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MasqSourceKey {
+    pub addr: [u8; 16],
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(size_of::<MasqSourceKey>() == 20);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MasqSource {
+    /// Owner id of the attachment; also selects its entries in `masq_excludes`.
+    pub owner: u64,
+    /// Index of the container's host-side veth: translated replies are handed to its peer.
+    pub host_ifindex: u32,
+    /// MAC address of the container's interface.
+    pub container_mac: [u8; 6],
+    /// MAC address the container expects its gateway's packets from.
+    pub gateway_mac: [u8; 6],
+}
+const _: () = assert!(size_of::<MasqSource>() == 24);
+
+impl_pod!(MasqSourceKey, MasqSource);

@@ -1,0 +1,784 @@
+//! Masquerade (SNAT of container traffic leaving through an uplink to the uplink's address),
+//! with its own connection tracking in `masq_flows` / `masq_replies`.
+//!
+//! A container's packet is masqueraded when its source is in `masq_sources`, its destination is
+//! not excluded (`masq_excludes`) and the FIB sends it out of an uplink (`uplinks`); anything
+//! for the host itself or for another local interface is never an uplink's. `from_container`
+//! does it and hands the packet straight to the uplink; `uplink_egress` does it for packets the
+//! host stack forwarded instead. Replies, and ICMP errors about masqueraded packets, are
+//! translated back at `uplink_ingress` and handed straight to the container.
+//!
+//! State is reclaimed without a daemon: an entry expires after its state's timeout
+//! (`masq_flow::timeout_ns`); the packet that meets an expired entry replaces it, the CNI
+//! plugin's DEL and GC sweep expired entries away, and the LRU maps evict the least recently
+//! used entries when full.
+
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::{__sk_buff, BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    cty::c_void,
+    helpers::{bpf_csum_diff, bpf_csum_level, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop},
+    programs::TcContext,
+};
+use cnibpf_common::{
+    FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    masq_exclude::{MasqExcludeKey, OWNER_FAMILY_BITS},
+    masq_flow::{
+        FIN_FROM_CONTAINER, FIN_FROM_REMOTE, MasqFlow, STATE_CLOSING, STATE_ESTABLISHED,
+        STATE_OPENING,
+    },
+    masq_reply::MasqReply,
+    masq_source::{MasqSource, MasqSourceKey},
+    masq_stats::MasqStats,
+    nat_flow::NatFlowKey,
+    uplink::UplinkInfo,
+};
+
+use crate::{
+    maps,
+    packet::{
+        DatapathError, Flow, Lookup, Route, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, forward,
+        redirect_to_peer, route, set_macs, widen,
+    },
+    portmap,
+};
+
+/// How often a flow's `last_seen_ns` is refreshed when its state does not change.
+const REFRESH_NS: u64 = 1_000_000_000;
+/// Candidate ports tried before a new flow is given up (the first is its own source port).
+const PORT_ATTEMPTS: u32 = 24;
+
+/// A container's packet at its host-side veth: masqueraded and sent out of the uplink the FIB
+/// chooses, or left alone. Not inlined (nor are the functions it calls): the verifier caps the
+/// stack of a whole call chain at 512 bytes.
+#[inline(never)]
+pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
+    let Some(source) = masqueraded_source(flow) else {
+        return Ok(TC_ACT_OK);
+    };
+    // A container can only be masqueraded through the interface it was attached with: another
+    // one sending with its address is spoofing it.
+    if source.host_ifindex != ifindex(ctx) || is_excluded(source.owner, flow) {
+        return Ok(TC_ACT_OK);
+    }
+    let next_hop = route(ctx, flow, Lookup::Forward);
+    let uplink_ifindex = match next_hop {
+        Route::Neighbour { ifindex, .. } | Route::Unresolved { ifindex } => ifindex,
+        // Local, unroutable, or too big for the route: the host stack decides, and
+        // `uplink_egress` masquerades what it forwards out of an uplink.
+        Route::Other => return Ok(TC_ACT_OK),
+    };
+    let Some(uplink) = maps::uplinks.get_ptr(&uplink_ifindex) else {
+        return Ok(TC_ACT_OK);
+    };
+    // SAFETY: points into `uplinks`, read at once.
+    let Some(nat_addr) = uplink_address(unsafe { &*uplink }, flow.family) else {
+        count(|stats| &mut stats.no_uplink_address);
+        return Ok(TC_ACT_SHOT);
+    };
+    if !flow.decrement_hop_limit(ctx)? {
+        return Ok(TC_ACT_OK);
+    }
+    let plan = Plan {
+        source,
+        uplink_ifindex,
+        nat_addr,
+    };
+    if !masquerade(ctx, flow, &plan)? {
+        return Ok(TC_ACT_SHOT);
+    }
+    Ok(forward(ctx, &next_hop)?.unwrap_or(TC_ACT_OK))
+}
+
+/// A packet the host stack sends out of an uplink: masqueraded when it comes from a container
+/// that `from_container` did not forward itself. The verdicts of this function, `reply` and
+/// `icmp_error` are final (the packets are not anyone else's), returned as plain integers:
+/// LLVM returns an `Option` from a BPF call with bits the verifier sees uninitialised.
+#[inline(never)]
+pub fn uplink_egress(ctx: &TcContext, flow: &mut Flow) -> i32 {
+    try_uplink_egress(ctx, flow).unwrap_or_else(DatapathError::verdict)
+}
+
+fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
+    let Some(source) = masqueraded_source(flow) else {
+        return Ok(TC_ACT_OK);
+    };
+    if is_excluded(source.owner, flow) {
+        return Ok(TC_ACT_OK);
+    }
+    let uplink_ifindex = ifindex(ctx);
+    let Some(uplink) = maps::uplinks.get_ptr(&uplink_ifindex) else {
+        return Ok(TC_ACT_OK);
+    };
+    // SAFETY: points into `uplinks`, read at once.
+    let Some(nat_addr) = uplink_address(unsafe { &*uplink }, flow.family) else {
+        count(|stats| &mut stats.no_uplink_address);
+        return Ok(TC_ACT_SHOT);
+    };
+    let plan = Plan {
+        source,
+        uplink_ifindex,
+        nat_addr,
+    };
+    if !masquerade(ctx, flow, &plan)? {
+        return Ok(TC_ACT_SHOT);
+    }
+    Ok(TC_ACT_OK)
+}
+
+/// A reply to a masqueraded flow at the uplink's ingress, translated back and handed to its
+/// container; anything else passes.
+#[inline(never)]
+pub fn reply(ctx: &TcContext, flow: &Flow) -> i32 {
+    try_reply(ctx, flow).unwrap_or_else(DatapathError::verdict)
+}
+
+fn try_reply(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
+    let key = flow_key(flow);
+    let Some(reply) = maps::masq_replies.get_ptr(&key) else {
+        return Ok(TC_ACT_OK);
+    };
+    // SAFETY: points into `masq_replies`. An LRU map may recycle an entry under a reader; the
+    // worst that does is misdirect the packet at hand.
+    let reply = unsafe { &*reply };
+    if !track_reply(ctx, flow, reply)? {
+        let _ = maps::masq_replies.remove(&key);
+        return Ok(TC_ACT_OK);
+    }
+    let mut flow = *flow;
+    flow.rewrite_destination(ctx, &reply.container_addr, reply.container_port.to_be())?;
+    set_macs(ctx, &reply.container_mac, &reply.gateway_mac)?;
+    Ok(redirect_to_peer(reply.host_ifindex))
+}
+
+/// Moves the state of the flow a reply belongs to on; `false` when that state has expired
+/// (it is removed, and the reply is not translated).
+#[inline(never)]
+fn track_reply(ctx: &TcContext, flow: &Flow, reply: &MasqReply) -> Result<bool, DatapathError> {
+    let forward_key = NatFlowKey {
+        src_addr: reply.container_addr,
+        dst_addr: flow.saddr,
+        src_port: reply.container_port,
+        dst_port: u16::from_be(flow.sport),
+        protocol: flow.protocol,
+        family: flow.family,
+        _pad: [0; 2],
+    };
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let flags = flow.tcp_flags(ctx)?;
+    let Some(state) = maps::masq_flows.get_ptr_mut(&forward_key) else {
+        // Evicted under pressure while its reverse entry survived: rebuild it, the reply
+        // proves the flow alive.
+        count(|stats| &mut stats.state_lost);
+        let state = MasqFlow {
+            nat_addr: flow.daddr,
+            owner: reply.owner,
+            last_seen_ns: now,
+            uplink_ifindex: ifindex(ctx),
+            nat_port: u16::from_be(flow.dport),
+            state: STATE_ESTABLISHED,
+            fin: 0,
+        };
+        let _ = maps::masq_flows.insert(&forward_key, &state, u64::from(BPF_ANY));
+        return Ok(true);
+    };
+    // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
+    let state = unsafe { &mut *state };
+    if state.is_expired(flow.protocol, now) {
+        count(|stats| &mut stats.expired);
+        let _ = maps::masq_flows.remove(&forward_key);
+        return Ok(false);
+    }
+    advance(state, flow.protocol, flags, FIN_FROM_REMOTE, now);
+    Ok(true)
+}
+
+/// The state of a search for a free masquerade port (`port_search`).
+pub struct PortSearch {
+    /// The reply tuple of the flow; its destination port is the candidate.
+    reverse: NatFlowKey,
+    /// The `masq_replies` entry the flow gets.
+    reply: MasqReply,
+    span: u32,
+    low: u16,
+    /// Non-zero once `reverse` is claimed.
+    claimed: u8,
+}
+
+/// What `masquerade` translates a packet with.
+struct Plan {
+    source: MasqSource,
+    uplink_ifindex: u32,
+    nat_addr: [u8; 16],
+}
+
+/// Rewrites the packet's source to the uplink's address and the flow's port, creating the
+/// flow's state when it has none (or only an expired one); `false` when no port was free.
+#[inline(never)]
+fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, DatapathError> {
+    let key = flow_key(flow);
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let flags = flow.tcp_flags(ctx)?;
+    let opens = flags & TCP_SYN != 0 && flags & TCP_ACK == 0;
+    let mut known_port = None;
+    if let Some(state) = maps::masq_flows.get_ptr_mut(&key) {
+        // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
+        let state = unsafe { &mut *state };
+        if state.is_expired(flow.protocol, now) || state.nat_addr != plan.nat_addr {
+            count(|stats| &mut stats.expired);
+        } else {
+            advance(state, flow.protocol, flags, FIN_FROM_CONTAINER, now);
+            known_port = Some(state.nat_port);
+        }
+    } else if flow.protocol == PROTO_TCP && !opens {
+        // A connection in the middle of its life without state: its state was evicted.
+        count(|stats| &mut stats.state_lost);
+    }
+    let nat_port = match known_port {
+        Some(port) => port,
+        None => {
+            let Some(port) = claim_port(flow, plan) else {
+                count(|stats| &mut stats.ports_exhausted);
+                return Ok(false);
+            };
+            record_flow(flow, plan, port, now, opens);
+            port
+        }
+    };
+    flow.rewrite_source(ctx, &plan.nat_addr, nat_port.to_be())?;
+    Ok(true)
+}
+
+/// Records a new flow whose port `claim_port` claimed. Called after `claim_port` rather than
+/// from it, so that their stack frames are not stacked on each other.
+#[inline(never)]
+fn record_flow(flow: &Flow, plan: &Plan, nat_port: u16, now: u64, opens: bool) {
+    let state = MasqFlow {
+        nat_addr: plan.nat_addr,
+        owner: plan.source.owner,
+        last_seen_ns: now,
+        uplink_ifindex: plan.uplink_ifindex,
+        nat_port,
+        // A TCP connection met mid-stream (state evicted) is taken as established, like the
+        // kernel's nf_conntrack_tcp_loose.
+        state: if flow.protocol == PROTO_TCP && !opens {
+            STATE_ESTABLISHED
+        } else {
+            STATE_OPENING
+        },
+        fin: 0,
+    };
+    let _ = maps::masq_flows.insert(&flow_key(flow), &state, u64::from(BPF_ANY));
+    count(|stats| &mut stats.flows_created);
+}
+
+/// Finds and claims a free masquerade port for a new flow in at most `PORT_ATTEMPTS` tries:
+/// its own source port when free, else random ones of the same class, as the kernel's NAT
+/// does.
+/// The search state lives in the per-CPU `port_search` map: on the stack it would push the
+/// call chain past the verifier's 512 bytes.
+#[inline(never)]
+fn claim_port(flow: &Flow, plan: &Plan) -> Option<u16> {
+    let search = maps::port_search.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
+    let search = unsafe { &mut *search };
+    let original = u16::from_be(flow.sport);
+    let (low, span) = port_range(flow.protocol, original);
+    search.reverse = NatFlowKey {
+        src_addr: flow.daddr,
+        dst_addr: plan.nat_addr,
+        src_port: u16::from_be(flow.dport),
+        dst_port: original,
+        protocol: flow.protocol,
+        family: flow.family,
+        _pad: [0; 2],
+    };
+    search.reply = MasqReply {
+        container_addr: flow.saddr,
+        owner: plan.source.owner,
+        host_ifindex: plan.source.host_ifindex,
+        container_port: original,
+        _pad: [0; 2],
+        container_mac: plan.source.container_mac,
+        gateway_mac: plan.source.gateway_mac,
+        _pad2: [0; 4],
+    };
+    search.span = span;
+    search.low = low;
+    search.claimed = 0;
+    // bpf_loop: the verifier checks the callback once instead of every iteration.
+    // SAFETY: the callback has the signature bpf_loop expects and takes no context.
+    unsafe {
+        bpf_loop(
+            PORT_ATTEMPTS,
+            try_port as *mut c_void,
+            core::ptr::null_mut(),
+            0,
+        )
+    };
+    (search.claimed != 0).then_some(search.reverse.dst_port)
+}
+
+/// One attempt of the port search (`bpf_loop` callback): the flow's own port first, then
+/// random ones; returns 1 to stop.
+extern "C" fn try_port(attempt: u64, _context: *mut c_void) -> i64 {
+    let Some(search) = maps::port_search.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's slot, filled by `claim_port` before the loop.
+    let search = unsafe { &mut *search };
+    if attempt > 0 {
+        // SAFETY: bpf_get_prandom_u32 has no preconditions.
+        let random = unsafe { bpf_get_prandom_u32() };
+        let offset = random.checked_rem(search.span).unwrap_or(0);
+        search.reverse.dst_port = search.low.wrapping_add(offset as u16);
+    }
+    if claim(&search.reverse, &search.reply) {
+        search.claimed = 1;
+        return 1;
+    }
+    count(|stats| &mut stats.port_collisions);
+    0
+}
+
+/// Takes the reply tuple `reverse` for the flow: free, or held by this very flow or by one
+/// whose state is gone or expired. A hostPort of the masquerade address is never taken.
+fn claim(reverse: &NatFlowKey, reply: &MasqReply) -> bool {
+    if reverse.dst_port == 0
+        || portmap::is_host_port(
+            &reverse.dst_addr,
+            reverse.dst_port,
+            reverse.protocol,
+            reverse.family,
+        )
+    {
+        return false;
+    }
+    if maps::masq_replies
+        .insert(reverse, reply, u64::from(BPF_NOEXIST))
+        .is_ok()
+    {
+        return true;
+    }
+    let Some(holder) = maps::masq_replies.get_ptr(reverse) else {
+        return maps::masq_replies
+            .insert(reverse, reply, u64::from(BPF_NOEXIST))
+            .is_ok();
+    };
+    // SAFETY: points into `masq_replies`, read at once.
+    let holder = unsafe { &*holder };
+    let reusable = if holder.container_addr == reply.container_addr
+        && holder.container_port == reply.container_port
+    {
+        true
+    } else {
+        let holder_key = NatFlowKey {
+            src_addr: holder.container_addr,
+            dst_addr: reverse.src_addr,
+            src_port: holder.container_port,
+            dst_port: reverse.src_port,
+            protocol: reverse.protocol,
+            family: reverse.family,
+            _pad: [0; 2],
+        };
+        // SAFETY: bpf_ktime_get_ns has no preconditions.
+        let now = unsafe { bpf_ktime_get_ns() };
+        match maps::masq_flows.get_ptr(&holder_key) {
+            // SAFETY: points into `masq_flows`, read at once.
+            Some(state) => unsafe { &*state }.is_expired(reverse.protocol, now),
+            None => true,
+        }
+    };
+    reusable
+        && maps::masq_replies
+            .insert(reverse, reply, u64::from(BPF_ANY))
+            .is_ok()
+}
+
+/// The first port and the number of ports a new flow's port is chosen from: the class of its
+/// own (below 512, below 1024, the rest), any identifier for ICMP echo.
+fn port_range(protocol: u8, original: u16) -> (u16, u32) {
+    if protocol == PROTO_ICMP || protocol == PROTO_ICMPV6 {
+        (1, 65_535)
+    } else if original < 512 {
+        (1, 511)
+    } else if original < 1024 {
+        (600, 424)
+    } else {
+        (1024, 64_512)
+    }
+}
+
+/// Moves the flow's state on for a packet with TCP `flags` from `side`, and refreshes it.
+fn advance(state: &mut MasqFlow, protocol: u8, flags: u8, side: u8, now: u64) {
+    let before = (state.state, state.fin);
+    if protocol == PROTO_TCP {
+        if side == FIN_FROM_CONTAINER && flags & TCP_SYN != 0 && flags & TCP_ACK == 0 {
+            // The tuple is reused for a new connection (after TIME_WAIT).
+            if state.state == STATE_CLOSING {
+                state.state = STATE_OPENING;
+                state.fin = 0;
+            }
+        } else if flags & TCP_RST != 0 {
+            state.state = STATE_CLOSING;
+        } else {
+            if flags & TCP_FIN != 0 {
+                state.fin |= side;
+            }
+            if state.fin == FIN_FROM_CONTAINER | FIN_FROM_REMOTE {
+                state.state = STATE_CLOSING;
+            } else if side == FIN_FROM_REMOTE && state.state == STATE_OPENING {
+                state.state = STATE_ESTABLISHED;
+            }
+        }
+    } else if side == FIN_FROM_REMOTE && state.state == STATE_OPENING {
+        state.state = STATE_ESTABLISHED;
+    }
+    if (state.state, state.fin) != before || now.wrapping_sub(state.last_seen_ns) >= REFRESH_NS {
+        state.last_seen_ns = now;
+    }
+}
+
+fn masqueraded_source(flow: &Flow) -> Option<MasqSource> {
+    let key = MasqSourceKey {
+        addr: flow.saddr,
+        family: flow.family,
+        _pad: [0; 3],
+    };
+    // SAFETY: points into `masq_sources`, copied at once.
+    maps::masq_sources.get_ptr(&key).map(|source| unsafe { *source })
+}
+
+/// Whether the destination is one the attachment's traffic is never masqueraded towards.
+fn is_excluded(owner: u64, flow: &Flow) -> bool {
+    let key = aya_ebpf::btf_maps::lpm_trie::Key::new(
+        OWNER_FAMILY_BITS + 128,
+        MasqExcludeKey {
+            owner: owner.to_be_bytes(),
+            family: flow.family,
+            addr: flow.daddr,
+            _pad: [0; 3],
+        },
+    );
+    maps::masq_excludes.get(&key).is_some()
+}
+
+fn uplink_address(uplink: &UplinkInfo, family: u8) -> Option<[u8; 16]> {
+    let address = if family == FAMILY_IPV4 {
+        widen(uplink.addr_v4)
+    } else {
+        uplink.addr_v6
+    };
+    (address != [0; 16]).then_some(address)
+}
+
+/// The `masq_flows` / `masq_replies` key of a packet's own tuple.
+fn flow_key(flow: &Flow) -> NatFlowKey {
+    NatFlowKey {
+        src_addr: flow.saddr,
+        dst_addr: flow.daddr,
+        src_port: u16::from_be(flow.sport),
+        dst_port: u16::from_be(flow.dport),
+        protocol: flow.protocol,
+        family: flow.family,
+        _pad: [0; 2],
+    }
+}
+
+fn ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
+    unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex }
+}
+
+fn count(field: impl FnOnce(&mut MasqStats) -> &mut u64) {
+    if let Some(stats) = maps::masq_stats.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
+        *field(unsafe { &mut *stats }) += 1;
+    }
+}
+
+/// ICMP errors (destination unreachable, packet too big, time exceeded, parameter problem)
+/// about a masqueraded packet, at the uplink's ingress: the quoted packet's source and the
+/// error's destination become the container's again, and the error is handed to it, so that
+/// "port unreachable" and path MTU discovery work through the NAT. Anything else passes.
+#[inline(never)]
+pub fn icmp_error(ctx: &TcContext) -> i32 {
+    try_icmp_error(ctx).unwrap_or_else(DatapathError::verdict)
+}
+
+fn try_icmp_error(ctx: &TcContext) -> Result<i32, DatapathError> {
+    let Some(error) = maps::icmp_error_scratch.get_ptr_mut(0) else {
+        return Ok(TC_ACT_OK);
+    };
+    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
+    let error = unsafe { &mut *error };
+    if !error.parse(ctx)? {
+        return Ok(TC_ACT_OK);
+    }
+    let key = NatFlowKey {
+        src_addr: error.inner_daddr,
+        dst_addr: error.inner_saddr,
+        src_port: u16::from_be(error.inner_dport),
+        dst_port: u16::from_be(error.inner_sport),
+        protocol: error.inner_protocol,
+        family: error.family,
+        _pad: [0; 2],
+    };
+    let Some(reply) = maps::masq_replies.get_ptr(&key) else {
+        return Ok(TC_ACT_OK);
+    };
+    // SAFETY: points into `masq_replies`; the fields are read before the next map operation.
+    let reply = unsafe { &*reply };
+    error.translate(ctx, &reply.container_addr, reply.container_port.to_be())?;
+    // The checksums are right; the hardware's verdict on the original packet no longer is.
+    // SAFETY: the context pointer is this program's __sk_buff.
+    unsafe { bpf_csum_level(ctx.as_ptr().cast(), u64::from(BPF_CSUM_LEVEL_RESET)) };
+    count(|stats| &mut stats.icmp_errors);
+    set_macs(ctx, &reply.container_mac, &reply.gateway_mac)?;
+    Ok(redirect_to_peer(reply.host_ifindex))
+}
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const IPV6_HLEN: usize = 40;
+const ICMP_HLEN: usize = 8;
+
+/// An ICMP error quoting a TCP, UDP or ICMP echo packet, read with `bpf_skb_load_bytes`
+/// (the quoted packet need not be in the linear area). Kept in the per-CPU
+/// `icmp_error_scratch` map: on the stack it would push the call chain past 512 bytes.
+pub struct IcmpError {
+    family: u8,
+    /// Offset of the ICMP header.
+    icmp_off: usize,
+    /// Offset of the quoted IP header.
+    inner_off: usize,
+    /// Offset of the quoted L4 header.
+    inner_l4_off: usize,
+    inner_protocol: u8,
+    /// The error's own destination.
+    daddr: [u8; 16],
+    inner_saddr: [u8; 16],
+    inner_daddr: [u8; 16],
+    /// Network byte order; an echo's identifier as its source port.
+    inner_sport: u16,
+    inner_dport: u16,
+}
+
+fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
+    ctx.load(offset).map_err(|_| DatapathError::Truncated)
+}
+
+impl IcmpError {
+    /// Reads the packet into `self`; `false` when it is not such an error.
+    #[inline(never)]
+    fn parse(&mut self, ctx: &TcContext) -> Result<bool, DatapathError> {
+        let ethertype: u16 = load(ctx, 12)?;
+        let (family, icmp_off, protocol, daddr) = if ethertype == ETH_P_IP.to_be() {
+            let version_ihl: u8 = load(ctx, ETH_HLEN)?;
+            let fragment: u16 = load(ctx, ETH_HLEN + 6)?;
+            if version_ihl >> 4 != 4 || u16::from_be(fragment) & 0x3fff != 0 {
+                return Ok(false);
+            }
+            let daddr: [u8; 4] = load(ctx, ETH_HLEN + 16)?;
+            (
+                FAMILY_IPV4,
+                ETH_HLEN + usize::from(version_ihl & 0x0f) * 4,
+                load::<u8>(ctx, ETH_HLEN + 9)?,
+                widen(daddr),
+            )
+        } else if ethertype == ETH_P_IPV6.to_be() {
+            (
+                cnibpf_common::FAMILY_IPV6,
+                ETH_HLEN + IPV6_HLEN,
+                load::<u8>(ctx, ETH_HLEN + 6)?,
+                load::<[u8; 16]>(ctx, ETH_HLEN + 24)?,
+            )
+        } else {
+            return Ok(false);
+        };
+        let icmp_type: u8 = load(ctx, icmp_off)?;
+        let is_error = match protocol {
+            // Destination unreachable (incl. fragmentation needed), time exceeded, parameter
+            // problem.
+            PROTO_ICMP => matches!(icmp_type, 3 | 11 | 12),
+            // Destination unreachable, packet too big, time exceeded, parameter problem.
+            PROTO_ICMPV6 => matches!(icmp_type, 1..=4),
+            _ => false,
+        };
+        if !is_error {
+            return Ok(false);
+        }
+        let inner_off = icmp_off + ICMP_HLEN;
+        let (inner_protocol, inner_l4_off, inner_saddr, inner_daddr) = if family == FAMILY_IPV4 {
+            let version_ihl: u8 = load(ctx, inner_off)?;
+            let saddr: [u8; 4] = load(ctx, inner_off + 12)?;
+            let daddr: [u8; 4] = load(ctx, inner_off + 16)?;
+            (
+                load::<u8>(ctx, inner_off + 9)?,
+                inner_off + usize::from(version_ihl & 0x0f) * 4,
+                widen(saddr),
+                widen(daddr),
+            )
+        } else {
+            (
+                load::<u8>(ctx, inner_off + 6)?,
+                inner_off + IPV6_HLEN,
+                load::<[u8; 16]>(ctx, inner_off + 8)?,
+                load::<[u8; 16]>(ctx, inner_off + 24)?,
+            )
+        };
+        let (inner_sport, inner_dport) = match inner_protocol {
+            PROTO_TCP | PROTO_UDP => (
+                load::<u16>(ctx, inner_l4_off)?,
+                load::<u16>(ctx, inner_l4_off + 2)?,
+            ),
+            // Only a quoted echo request: its identifier is what was translated.
+            PROTO_ICMP | PROTO_ICMPV6 => {
+                let quoted_type: u8 = load(ctx, inner_l4_off)?;
+                if quoted_type != 8 && quoted_type != 128 {
+                    return Ok(false);
+                }
+                (load::<u16>(ctx, inner_l4_off + 4)?, 0)
+            }
+            _ => return Ok(false),
+        };
+        *self = Self {
+            family,
+            icmp_off,
+            inner_off,
+            inner_l4_off,
+            inner_protocol,
+            daddr,
+            inner_saddr,
+            inner_daddr,
+            inner_sport,
+            inner_dport,
+        };
+        Ok(true)
+    }
+
+    /// Offset of the quoted L4 checksum, and whether it covers the quoted addresses.
+    fn inner_csum(&self) -> (usize, bool) {
+        match self.inner_protocol {
+            PROTO_TCP => (self.inner_l4_off + 16, true),
+            PROTO_UDP => (self.inner_l4_off + 6, true),
+            PROTO_ICMPV6 => (self.inner_l4_off + 2, true),
+            _ => (self.inner_l4_off + 2, false),
+        }
+    }
+
+    /// Rewrites the quoted source to `addr`:`port` and the error's destination to `addr`, and
+    /// every checksum these touch: the quoted IP and L4 headers', and the error's own (which
+    /// covers the whole quote, and for ICMPv6 the destination too).
+    #[inline(never)]
+    fn translate(&self, ctx: &TcContext, addr: &[u8; 16], port: u16) -> Result<(), DatapathError> {
+        let failed = |_| DatapathError::RewriteFailed;
+        let outer_csum = self.icmp_off + 2;
+        let (inner_csum, inner_covers_addresses) = self.inner_csum();
+        // A quoted L4 checksum cut off by the quote, or a UDP datagram without one, stays.
+        let inner_csum_present = u32::try_from(inner_csum + 2).is_ok_and(|end| end <= ctx.len())
+            && (self.inner_protocol != PROTO_UDP
+                || self.family != FAMILY_IPV4
+                || load::<u16>(ctx, inner_csum)? != 0);
+        let address_diff = csum_diff(&self.inner_saddr, addr)?;
+        let port_diff = csum_diff_u16(self.inner_sport, port)?;
+        if inner_csum_present {
+            let old: u16 = load(ctx, inner_csum)?;
+            let diff = if inner_covers_addresses {
+                csum_add(address_diff, port_diff)
+            } else {
+                port_diff
+            };
+            ctx.l4_csum_replace(inner_csum, 0, u64::from(fold(diff)), 0)
+                .map_err(failed)?;
+            let new: u16 = load(ctx, inner_csum)?;
+            ctx.l4_csum_replace(outer_csum, u64::from(old), u64::from(new), 2)
+                .map_err(failed)?;
+        }
+        let port_off = if matches!(self.inner_protocol, PROTO_ICMP | PROTO_ICMPV6) {
+            self.inner_l4_off + 4
+        } else {
+            self.inner_l4_off
+        };
+        ctx.store(port_off, &port, 0).map_err(failed)?;
+        ctx.l4_csum_replace(outer_csum, u64::from(self.inner_sport), u64::from(port), 2)
+            .map_err(failed)?;
+        if self.family == FAMILY_IPV4 {
+            let old_addr = u32::from_ne_bytes([
+                self.inner_saddr[0],
+                self.inner_saddr[1],
+                self.inner_saddr[2],
+                self.inner_saddr[3],
+            ]);
+            let new_addr = u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]);
+            let inner_ip_csum = self.inner_off + 10;
+            let old: u16 = load(ctx, inner_ip_csum)?;
+            ctx.l3_csum_replace(inner_ip_csum, u64::from(old_addr), u64::from(new_addr), 4)
+                .map_err(failed)?;
+            let new: u16 = load(ctx, inner_ip_csum)?;
+            ctx.store(self.inner_off + 12, &new_addr, 0).map_err(failed)?;
+            // The quoted header still sums to the same, but its bytes changed.
+            ctx.l4_csum_replace(outer_csum, u64::from(old_addr), u64::from(new_addr), 4)
+                .map_err(failed)?;
+            ctx.l4_csum_replace(outer_csum, u64::from(old), u64::from(new), 2)
+                .map_err(failed)?;
+            // The error's own destination; ICMPv4's checksum does not cover it.
+            let old_daddr = u32::from_ne_bytes([
+                self.daddr[0],
+                self.daddr[1],
+                self.daddr[2],
+                self.daddr[3],
+            ]);
+            ctx.l3_csum_replace(ETH_HLEN + 10, u64::from(old_daddr), u64::from(new_addr), 4)
+                .map_err(failed)?;
+            ctx.store(ETH_HLEN + 16, &new_addr, 0).map_err(failed)?;
+        } else {
+            ctx.store(self.inner_off + 8, addr, 0).map_err(failed)?;
+            ctx.l4_csum_replace(outer_csum, 0, u64::from(fold(address_diff)), 0)
+                .map_err(failed)?;
+            let daddr_diff = csum_diff(&self.daddr, addr)?;
+            ctx.l4_csum_replace(
+                outer_csum,
+                0,
+                u64::from(fold(daddr_diff)),
+                u64::from(aya_ebpf::bindings::BPF_F_PSEUDO_HDR),
+            )
+            .map_err(failed)?;
+            ctx.store(ETH_HLEN + 24, addr, 0).map_err(failed)?;
+        }
+        Ok(())
+    }
+}
+
+/// The ones'-complement difference between two 16-byte addresses (IPv4: the first four).
+fn csum_diff(old: &[u8; 16], new: &[u8; 16]) -> Result<u32, DatapathError> {
+    let mut from = *old;
+    let mut to = *new;
+    // SAFETY: both buffers are 16 bytes on this program's stack.
+    let diff = unsafe { bpf_csum_diff(from.as_mut_ptr().cast(), 16, to.as_mut_ptr().cast(), 16, 0) };
+    u32::try_from(diff).map_err(|_| DatapathError::RewriteFailed)
+}
+
+fn csum_diff_u16(old: u16, new: u16) -> Result<u32, DatapathError> {
+    // bpf_csum_diff works on 4-byte multiples: pad both with the same zero half.
+    let mut from = u32::from(old).to_ne_bytes();
+    let mut to = u32::from(new).to_ne_bytes();
+    // SAFETY: both buffers are 4 bytes on this program's stack.
+    let diff = unsafe { bpf_csum_diff(from.as_mut_ptr().cast(), 4, to.as_mut_ptr().cast(), 4, 0) };
+    u32::try_from(diff).map_err(|_| DatapathError::RewriteFailed)
+}
+
+/// Ones'-complement addition of two 32-bit partial sums.
+fn csum_add(a: u32, b: u32) -> u32 {
+    let (sum, carry) = a.overflowing_add(b);
+    sum.wrapping_add(u32::from(carry))
+}
+
+/// Folds a 32-bit ones'-complement sum to 16 bits, in the form `bpf_l4_csum_replace` adds.
+fn fold(sum: u32) -> u32 {
+    let sum = (sum & 0xffff) + (sum >> 16);
+    (sum & 0xffff) + (sum >> 16)
+}
