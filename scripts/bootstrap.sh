@@ -18,7 +18,7 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 # Debian packages: the tests' tools and the reference CNI plugins.
-packages=(iproute2 nftables iptables bpftool containernetworking-plugins jq iperf3 util-linux procps gcc libc6-dev fonts-dejavu-core)
+packages=(iproute2 nftables iptables bpftool containernetworking-plugins jq iperf3 iputils-ping util-linux procps gcc libc6-dev fonts-dejavu-core)
 missing=()
 for package in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then

@@ -257,7 +257,6 @@ fn unimplemented_datapath_is_error_101_not_silent_success() {
     let c1 = sim.container("c1", json!({}));
     let base = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
     let cases = [
-        (json!({ "ipMasq": true }), "ipMasq is not supported yet"),
         (
             json!({ "filter": [{ "index": 1, "target": "DROP" }] }),
             "filter is not supported yet",

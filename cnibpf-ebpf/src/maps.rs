@@ -2,11 +2,11 @@
 //! `cnibpf-common`; all are pinned by name under the instance's `pinPath`, so every program
 //! instance and every plugin run shares them.
 
+use crate::masquerade::{IcmpError, PortSearch};
 use aya_ebpf::{
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
-use crate::masquerade::{IcmpError, PortSearch};
 use cnibpf_common::{
     endpoint::{self, EndpointInfo},
     host_addr::{self, HostAddrKey},

@@ -448,7 +448,9 @@ fn masqueraded_source(flow: &Flow) -> Option<MasqSource> {
         _pad: [0; 3],
     };
     // SAFETY: points into `masq_sources`, copied at once.
-    maps::masq_sources.get_ptr(&key).map(|source| unsafe { *source })
+    maps::masq_sources
+        .get_ptr(&key)
+        .map(|source| unsafe { *source })
 }
 
 /// Whether the destination is one the attachment's traffic is never masqueraded towards.
@@ -719,19 +721,16 @@ impl IcmpError {
             ctx.l3_csum_replace(inner_ip_csum, u64::from(old_addr), u64::from(new_addr), 4)
                 .map_err(failed)?;
             let new: u16 = load(ctx, inner_ip_csum)?;
-            ctx.store(self.inner_off + 12, &new_addr, 0).map_err(failed)?;
+            ctx.store(self.inner_off + 12, &new_addr, 0)
+                .map_err(failed)?;
             // The quoted header still sums to the same, but its bytes changed.
             ctx.l4_csum_replace(outer_csum, u64::from(old_addr), u64::from(new_addr), 4)
                 .map_err(failed)?;
             ctx.l4_csum_replace(outer_csum, u64::from(old), u64::from(new), 2)
                 .map_err(failed)?;
             // The error's own destination; ICMPv4's checksum does not cover it.
-            let old_daddr = u32::from_ne_bytes([
-                self.daddr[0],
-                self.daddr[1],
-                self.daddr[2],
-                self.daddr[3],
-            ]);
+            let old_daddr =
+                u32::from_ne_bytes([self.daddr[0], self.daddr[1], self.daddr[2], self.daddr[3]]);
             ctx.l3_csum_replace(ETH_HLEN + 10, u64::from(old_daddr), u64::from(new_addr), 4)
                 .map_err(failed)?;
             ctx.store(ETH_HLEN + 16, &new_addr, 0).map_err(failed)?;
@@ -758,7 +757,8 @@ fn csum_diff(old: &[u8; 16], new: &[u8; 16]) -> Result<u32, DatapathError> {
     let mut from = *old;
     let mut to = *new;
     // SAFETY: both buffers are 16 bytes on this program's stack.
-    let diff = unsafe { bpf_csum_diff(from.as_mut_ptr().cast(), 16, to.as_mut_ptr().cast(), 16, 0) };
+    let diff =
+        unsafe { bpf_csum_diff(from.as_mut_ptr().cast(), 16, to.as_mut_ptr().cast(), 16, 0) };
     u32::try_from(diff).map_err(|_| DatapathError::RewriteFailed)
 }
 

@@ -352,9 +352,15 @@ enum Side {
 /// place of the side that chose it; `None` for any other packet. Inlined: as a BPF call,
 /// LLVM packs the return value from a register the verifier sees uninitialised.
 #[inline(always)]
-fn ports(ctx: &TcContext, protocol: u8, l4_off: usize) -> Result<Option<(u16, u16)>, DatapathError> {
+fn ports(
+    ctx: &TcContext,
+    protocol: u8,
+    l4_off: usize,
+) -> Result<Option<(u16, u16)>, DatapathError> {
     match protocol {
-        PROTO_TCP | PROTO_UDP | PROTO_SCTP => Ok(Some((load(ctx, l4_off)?, load(ctx, l4_off + 2)?))),
+        PROTO_TCP | PROTO_UDP | PROTO_SCTP => {
+            Ok(Some((load(ctx, l4_off)?, load(ctx, l4_off + 2)?)))
+        }
         PROTO_ICMP | PROTO_ICMPV6 => {
             // One read of the whole echo header: LLVM merges separate bounds checks into one
             // the verifier cannot follow.

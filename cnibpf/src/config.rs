@@ -290,9 +290,6 @@ impl NetConf {
         if self.plugin.backend == BackendChoice::Nftables {
             return not_yet("backend \"nftables\"");
         }
-        if self.plugin.ip_masq {
-            return not_yet("ipMasq");
-        }
         if !self.plugin.filter.is_empty() || self.plugin.filter_default == Target::Drop {
             return not_yet("filter");
         }

@@ -5,15 +5,17 @@ use std::{io::Write as _, path::Path};
 use serde_json::json;
 
 use crate::{
-    backend::{self, BackendError, ebpf::describe_mapping},
+    backend::{self, BackendError, ExcludeReason, ebpf::describe_mapping},
     paths::PinLayout,
 };
 
 pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
     let pins = PinLayout::new(pin_path);
     let mut attachments = Vec::new();
+    let mut counters = Vec::new();
     for backend in backend::existing(&pins)? {
         let mappings = backend.port_mappings()?;
+        let masquerades = backend.masquerades()?;
         for record in backend.attachments()? {
             let mut own: Vec<_> = mappings
                 .iter()
@@ -21,8 +23,14 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 .map(|(_, mapping)| *mapping)
                 .collect();
             own.sort_by_key(|mapping| (mapping.protocol, mapping.host_port, mapping.host_addr));
-            attachments.push((backend.name(), record, own));
+            let masquerade = masquerades
+                .iter()
+                .find(|(owner, _)| *owner == record.owner)
+                .map(|(_, masquerade)| masquerade.clone())
+                .filter(|masquerade| !masquerade.masquerade.sources.is_empty());
+            attachments.push((backend.name(), record, own, masquerade));
         }
+        counters.push((backend.name(), backend.counters()?));
     }
     attachments.sort_by(|a, b| {
         (
@@ -40,7 +48,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
     if as_json {
         let list: Vec<_> = attachments
             .iter()
-            .map(|(backend, record, mappings)| {
+            .map(|(backend, record, mappings, masquerade)| {
                 json!({
                     "network": record.attachment.network,
                     "containerID": record.attachment.container_id,
@@ -56,11 +64,33 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                         "containerIP": mapping.container_addr.to_string(),
                         "containerPort": mapping.container_port,
                     })).collect::<Vec<_>>(),
+                    "masquerade": masquerade.as_ref().map(|record| json!({
+                        "sources": record.masquerade.sources.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                        "excludes": record.masquerade.excludes.iter().map(|(net, reason)| json!({
+                            "destination": net.to_string(),
+                            "reason": reason_name(*reason),
+                        })).collect::<Vec<_>>(),
+                        "flows": record.flows,
+                    })),
                 })
             })
             .collect();
-        let document =
-            json!({ "pinPath": pin_path, "lockFile": pins.lock_file(), "attachments": list });
+        let counters: serde_json::Map<String, serde_json::Value> = counters
+            .iter()
+            .map(|(backend, values)| {
+                let values: serde_json::Map<String, serde_json::Value> = values
+                    .iter()
+                    .map(|(name, value)| ((*name).to_owned(), json!(value)))
+                    .collect();
+                ((*backend).to_owned(), serde_json::Value::Object(values))
+            })
+            .collect();
+        let document = json!({
+            "pinPath": pin_path,
+            "lockFile": pins.lock_file(),
+            "attachments": list,
+            "counters": counters,
+        });
         let _ = writeln!(out, "{document:#}");
         return Ok(());
     }
@@ -73,7 +103,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
         "{:<16} {:<20} {:<8} {:<16} {:<7} {:<16}",
         "NETWORK", "CONTAINER", "IFNAME", "HOST-IF", "BACKEND", "OWNER"
     );
-    for (backend, record, mappings) in &attachments {
+    for (backend, record, mappings, masquerade) in &attachments {
         let container: String = record.attachment.container_id.chars().take(20).collect();
         let _ = writeln!(
             out,
@@ -88,6 +118,41 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
         for mapping in mappings {
             let _ = writeln!(out, "    portmap {}", describe_mapping(mapping));
         }
+        if let Some(record) = masquerade {
+            let sources: Vec<String> = record
+                .masquerade
+                .sources
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            let excludes: Vec<String> = record
+                .masquerade
+                .excludes
+                .iter()
+                .map(|(net, reason)| format!("{net} ({})", reason_name(*reason)))
+                .collect();
+            let _ = writeln!(
+                out,
+                "    masquerade {} except to {}; {} tracked flows",
+                sources.join(", "),
+                excludes.join(", "),
+                record.flows
+            );
+        }
+    }
+    for (backend, values) in &counters {
+        let _ = writeln!(out, "{backend} counters:");
+        for (name, value) in values {
+            let _ = writeln!(out, "    {name:<30} {value}");
+        }
     }
     Ok(())
+}
+
+fn reason_name(reason: ExcludeReason) -> &'static str {
+    match reason {
+        ExcludeReason::OwnSubnet => "own subnet",
+        ExcludeReason::Multicast => "multicast",
+        ExcludeReason::Configured => "ipMasqExclude",
+    }
 }

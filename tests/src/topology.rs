@@ -15,6 +15,7 @@ use std::{
     sync::Mutex,
 };
 
+use cnibpf_common::{masq_flow::MasqFlow, masq_stats::MasqStats, nat_flow::NatFlowKey};
 use serde_json::{Value, json};
 
 use crate::{
@@ -32,6 +33,11 @@ pub const SUBNET: &str = "10.22.0.0/16";
 pub const SUBNET6: &str = "fd00:22::/64";
 pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 22, 0, 1);
 pub const GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x22, 0, 0, 0, 0, 0, 1);
+/// The "far" network behind the outside namespace (see [`SimHost::far_network`]).
+pub const FAR_SUBNET: &str = "198.18.0.0/24";
+pub const FAR_SUBNET6: &str = "2001:db8:3::/64";
+pub const FAR_ADDR: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
+pub const FAR_ADDR6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 3, 0, 0, 0, 0, 2);
 
 /// The cnibpf binary under test: `CNIBPF_BIN`, or the workspace's debug build.
 pub fn cnibpf_binary() -> PathBuf {
@@ -306,7 +312,7 @@ impl SimHost {
         process.output().expect("run cnibpf")
     }
 
-    /// Gives the outside namespace a route to the container subnet via the uplink, for
+    /// Gives the outside namespace a route to the container subnets via the uplink, for
     /// traffic that reaches containers by their own address (routed, no NAT).
     pub fn route_outside_to_containers(&self) {
         self.outside.exec(&[
@@ -317,6 +323,87 @@ impl SimHost {
             "via",
             &HOST_UPLINK_ADDR.to_string(),
         ]);
+        self.outside.exec(&[
+            "ip",
+            "-6",
+            "route",
+            "add",
+            SUBNET6,
+            "via",
+            &HOST_UPLINK_ADDR6.to_string(),
+        ]);
+    }
+
+    /// A "far" namespace one router hop away: the outside namespace forwards between the uplink
+    /// and a link to it whose outside end has `mtu` (so the outside namespace is the router that
+    /// sends "fragmentation needed" / "packet too big" when a packet does not fit).
+    ///
+    /// ```text
+    ///   host up0 <-> eth0 outside fr0 (mtu) <-> eth0 far 198.18.0.2/24, 2001:db8:3::2/64
+    /// ```
+    pub fn far_network(&self, mtu: u32) -> Netns {
+        let far = Netns::create(&format!("cbt-{}-far", self.id));
+        crate::netns::run_checked(std::process::Command::new("ip").args([
+            "link",
+            "add",
+            "fr0",
+            "netns",
+            self.outside.name(),
+            "mtu",
+            &mtu.to_string(),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            far.name(),
+        ]));
+        self.outside
+            .exec(&["ip", "addr", "add", "198.18.0.1/24", "dev", "fr0"]);
+        self.outside.exec(&[
+            "ip",
+            "-6",
+            "addr",
+            "add",
+            "2001:db8:3::1/64",
+            "dev",
+            "fr0",
+            "nodad",
+        ]);
+        self.outside.exec(&["ip", "link", "set", "fr0", "up"]);
+        self.outside.sysctl("net.ipv4.ip_forward", "1");
+        self.outside.sysctl("net.ipv6.conf.all.forwarding", "1");
+        far.exec(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{FAR_ADDR}/24"),
+            "dev",
+            "eth0",
+        ]);
+        far.exec(&[
+            "ip",
+            "-6",
+            "addr",
+            "add",
+            &format!("{FAR_ADDR6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ]);
+        far.exec(&["ip", "link", "set", "eth0", "up"]);
+        far.exec(&["ip", "route", "add", "default", "via", "198.18.0.1"]);
+        far.exec(&[
+            "ip",
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            "2001:db8:3::1",
+        ]);
+        far
     }
 
     /// One request by a "host process": a client in the host namespace and in this host's
@@ -555,6 +642,42 @@ impl SimHost {
             .collect();
         flows.sort_unstable();
         flows
+    }
+
+    /// The pinned map `name` of this host's instance, opened with aya.
+    pub fn pinned_map(&self, name: &str) -> aya::maps::Map {
+        let path = self.pin_path.join(name);
+        let data = aya::maps::MapData::from_pin(&path)
+            .unwrap_or_else(|error| panic!("open pinned map {}: {error}", path.display()));
+        aya::maps::Map::from_map_data(data)
+            .unwrap_or_else(|error| panic!("map {}: {error}", path.display()))
+    }
+
+    /// Every entry of `masq_flows`: the container's tuple and the flow's state.
+    pub fn masq_flows(&self) -> Vec<(NatFlowKey, MasqFlow)> {
+        let map: aya::maps::HashMap<_, NatFlowKey, MasqFlow> =
+            aya::maps::HashMap::try_from(self.pinned_map("masq_flows")).expect("masq_flows");
+        map.iter()
+            .map(|entry| entry.expect("read masq_flows"))
+            .collect()
+    }
+
+    /// `masq_stats` summed over the CPUs.
+    pub fn masq_stats(&self) -> MasqStats {
+        let map: aya::maps::PerCpuArray<_, MasqStats> =
+            aya::maps::PerCpuArray::try_from(self.pinned_map("masq_stats")).expect("masq_stats");
+        let per_cpu = map.get(&0, 0).expect("read masq_stats");
+        per_cpu
+            .iter()
+            .fold(MasqStats::default(), |sum, cpu| MasqStats {
+                flows_created: sum.flows_created + cpu.flows_created,
+                port_collisions: sum.port_collisions + cpu.port_collisions,
+                ports_exhausted: sum.ports_exhausted + cpu.ports_exhausted,
+                state_lost: sum.state_lost + cpu.state_lost,
+                expired: sum.expired + cpu.expired,
+                icmp_errors: sum.icmp_errors + cpu.icmp_errors,
+                no_uplink_address: sum.no_uplink_address + cpu.no_uplink_address,
+            })
     }
 
     /// The layout version the pinned state was written with.

@@ -388,3 +388,147 @@ fn reset_on_close(stream: &TcpStream) {
         );
     }
 }
+
+/// [`udp_exchange`] from a fixed source port of the current namespace.
+pub fn udp_exchange_from(
+    source_port: u16,
+    target: SocketAddr,
+    timeout: Duration,
+) -> Result<(String, SocketAddr), String> {
+    let bind: SocketAddr = if target.is_ipv4() {
+        SocketAddr::from(([0, 0, 0, 0], source_port))
+    } else {
+        SocketAddr::from(([0u16; 8], source_port))
+    };
+    let socket = UdpSocket::bind(bind).map_err(|error| error.to_string())?;
+    socket
+        .set_read_timeout(Some(timeout))
+        .map_err(|error| error.to_string())?;
+    socket
+        .send_to(b"ping", target)
+        .map_err(|error| error.to_string())?;
+    let mut buffer = [0u8; 1500];
+    let (length, from) = socket
+        .recv_from(&mut buffer)
+        .map_err(|error| error.to_string())?;
+    Ok((
+        String::from_utf8_lossy(&buffer[..length]).into_owned(),
+        from,
+    ))
+}
+
+/// Sends a datagram on a connected UDP socket from `netns` to `target` and returns the error
+/// the next receive reports: `ConnectionRefused` when an ICMP "port unreachable" came back.
+pub fn udp_error(netns: &Netns, target: SocketAddr) -> std::io::ErrorKind {
+    netns.run(move || {
+        let bind: SocketAddr = if target.is_ipv4() {
+            "0.0.0.0:0"
+        } else {
+            "[::]:0"
+        }
+        .parse()
+        .expect("literal");
+        let socket = UdpSocket::bind(bind).expect("bind udp");
+        socket.connect(target).expect("connect udp");
+        socket
+            .set_read_timeout(Some(CLIENT_TIMEOUT))
+            .expect("timeout");
+        socket.send(b"ping").expect("send");
+        let mut buffer = [0u8; 64];
+        match socket.recv(&mut buffer) {
+            Ok(_) => std::io::ErrorKind::Other,
+            Err(error) => error.kind(),
+        }
+    })
+}
+
+/// A TCP server that reads each connection to its end and answers with the number of bytes
+/// it read. Stops on drop.
+#[derive(Debug)]
+pub struct SinkServer {
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl SinkServer {
+    pub fn start(netns: &Netns, bind: SocketAddr) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let listener = netns.run(move || {
+            let listener =
+                TcpListener::bind(bind).unwrap_or_else(|error| panic!("bind {bind}: {error}"));
+            listener
+                .set_nonblocking(true)
+                .expect("nonblocking listener");
+            listener
+        });
+        let thread = {
+            let stop = Arc::clone(&stop);
+            thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((mut stream, _)) => {
+                            let _ = stream.set_nonblocking(false);
+                            let _ = stream.set_read_timeout(Some(Duration::from_secs(20)));
+                            let mut buffer = vec![0u8; 65_536];
+                            let mut total = 0u64;
+                            while let Ok(length) = stream.read(&mut buffer) {
+                                if length == 0 {
+                                    break;
+                                }
+                                total += length as u64;
+                            }
+                            let _ = stream.write_all(total.to_string().as_bytes());
+                        }
+                        Err(_) => thread::sleep(Duration::from_millis(1)),
+                    }
+                }
+            })
+        };
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for SinkServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Sends `bytes` bytes from `netns` to a [`SinkServer`] at `target` in full-size segments and
+/// returns how many it says it read.
+pub fn tcp_upload(
+    netns: &Netns,
+    target: SocketAddr,
+    bytes: usize,
+    timeout: Duration,
+) -> Result<u64, String> {
+    netns.run(move || {
+        let mut stream =
+            TcpStream::connect_timeout(&target, timeout).map_err(|error| error.to_string())?;
+        stream
+            .set_write_timeout(Some(timeout))
+            .map_err(|error| error.to_string())?;
+        stream
+            .set_read_timeout(Some(timeout))
+            .map_err(|error| error.to_string())?;
+        stream
+            .write_all(&vec![0x5a; bytes])
+            .map_err(|error| format!("write: {error}"))?;
+        stream
+            .shutdown(std::net::Shutdown::Write)
+            .map_err(|error| error.to_string())?;
+        let mut answer = String::new();
+        stream
+            .read_to_string(&mut answer)
+            .map_err(|error| format!("read: {error}"))?;
+        answer
+            .parse()
+            .map_err(|_| format!("unexpected answer {answer:?}"))
+    })
+}

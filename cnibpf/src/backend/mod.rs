@@ -4,9 +4,12 @@
 pub mod ebpf;
 
 use std::{
-    net::{Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
 };
+
+pub use cnibpf_common::masq_exclude::Reason as ExcludeReason;
+use ipnet::IpNet;
 
 use crate::{
     attachment::{Attachment, ResolvedMapping},
@@ -115,6 +118,23 @@ pub struct Endpoint {
     pub cgroup: PathBuf,
 }
 
+/// How one attachment is masqueraded.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Masquerade {
+    /// The container's addresses whose traffic is masqueraded.
+    pub sources: Vec<IpAddr>,
+    /// Destinations never masqueraded, and why.
+    pub excludes: Vec<(IpNet, ExcludeReason)>,
+}
+
+/// An attachment's masquerade as a backend holds it, for `cnibpf inspect`.
+#[derive(Clone, Debug, Default)]
+pub struct MasqueradeRecord {
+    pub masquerade: Masquerade,
+    /// Tracked flows of the attachment (expired ones included until they are swept).
+    pub flows: usize,
+}
+
 /// What a backend knows about one attachment it serves.
 #[derive(Clone, Debug)]
 pub struct AttachmentRecord {
@@ -147,6 +167,25 @@ pub trait Backend {
         mappings: &[ResolvedMapping],
     ) -> Result<(), BackendError>;
 
+    /// Makes the attachment's masquerade exactly `masquerade`; `None` turns it off.
+    fn setup_masquerade(
+        &mut self,
+        endpoint: &Endpoint,
+        masquerade: Option<&Masquerade>,
+    ) -> Result<(), BackendError>;
+    /// Removes the attachment's masquerade and its flows' state.
+    fn teardown_masquerade(&mut self, owner: u64) -> Result<(), BackendError>;
+    fn check_masquerade(
+        &self,
+        endpoint: &Endpoint,
+        masquerade: Option<&Masquerade>,
+    ) -> Result<(), BackendError>;
+    /// Removes expired connection-tracking state of every attachment (DEL and GC call it: no
+    /// daemon runs between CNI calls).
+    fn sweep_expired(&mut self) -> Result<(), BackendError>;
+    /// Takes the uplinks' current addresses as the addresses they masquerade to.
+    fn refresh_uplinks(&mut self, uplinks: &[Link]) -> Result<(), BackendError>;
+
     /// Every attachment this backend holds state for, on any network.
     fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError>;
     /// The attachment, other than `owner`, holding a mapping that overlaps `mapping`.
@@ -154,6 +193,10 @@ pub trait Backend {
     -> Result<Option<u64>, BackendError>;
     /// Every installed port mapping with its owner.
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError>;
+    /// Every attachment's masquerade, by owner.
+    fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError>;
+    /// Datapath counters and table sizes, by name.
+    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError>;
 }
 
 /// The backend `choice` names, ready for changes, or why it cannot be used.

@@ -5,15 +5,17 @@ pub mod result;
 use std::{
     collections::BTreeSet,
     io::{Read as _, Write as _},
-    net::IpAddr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
 };
+
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use serde_json::{Value, json};
 
 use crate::{
     attachment::{self, Attachment, HostInterfaceError},
-    backend::{self, Backend, BackendError, Endpoint},
+    backend::{self, Backend, BackendError, Endpoint, ExcludeReason, Masquerade},
     config::{ConfigError, NetConf, SUPPORTED_VERSIONS, ifname_problem},
     error::Error,
     lock::{InstanceLock, lock_timeout},
@@ -193,6 +195,7 @@ struct Plan {
     attachment: Attachment,
     endpoint: Endpoint,
     mappings: Vec<attachment::ResolvedMapping>,
+    masquerade: Option<Masquerade>,
 }
 
 fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
@@ -220,15 +223,15 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
         }
         .into());
     }
-    if !mappings.is_empty() && uplinks.is_empty() {
+    if (!mappings.is_empty() || conf.plugin.ip_masq) && uplinks.is_empty() {
         return Err(ConfigError::Invalid {
             key: "uplinks".to_owned(),
-            reason:
-                "port mappings need an uplink, and the host has no default route: name the uplinks"
-                    .to_owned(),
+            reason: "port mappings and ipMasq need an uplink, and the host has no default route: name the uplinks"
+                .to_owned(),
         }
         .into());
     }
+    let masquerade = masquerade_plan(conf, &prev)?;
     Ok(Plan {
         endpoint: Endpoint {
             attachment: attachment.clone(),
@@ -248,7 +251,51 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
         },
         attachment,
         mappings,
+        masquerade,
     })
+}
+
+/// The masquerade `ipMasq` asks for: the container's addresses, never towards their own
+/// subnets, multicast or `ipMasqExclude`.
+fn masquerade_plan(conf: &NetConf, prev: &PrevResult) -> Result<Option<Masquerade>, ConfigError> {
+    if !conf.plugin.ip_masq {
+        return Ok(None);
+    }
+    if prev.container_addresses.is_empty() {
+        return Err(ConfigError::Invalid {
+            key: "ipMasq".to_owned(),
+            reason: "needs the container's addresses, and prevResult has none for CNI_IFNAME"
+                .to_owned(),
+        });
+    }
+    let multicast: [IpNet; 2] = [
+        IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(224, 0, 0, 0), 4)),
+        IpNet::V6(Ipv6Net::new_assert(
+            Ipv6Addr::new(0xff00, 0, 0, 0, 0, 0, 0, 0),
+            8,
+        )),
+    ];
+    let mut excludes: Vec<(IpNet, ExcludeReason)> = Vec::new();
+    let candidates = prev
+        .container_addresses
+        .iter()
+        .map(|net| (net.trunc(), ExcludeReason::OwnSubnet))
+        .chain(multicast.map(|net| (net, ExcludeReason::Multicast)))
+        .chain(
+            conf.plugin
+                .ip_masq_exclude
+                .iter()
+                .map(|net| (net.trunc(), ExcludeReason::Configured)),
+        );
+    for (net, reason) in candidates {
+        if !excludes.iter().any(|(held, _)| *held == net) {
+            excludes.push((net, reason));
+        }
+    }
+    Ok(Some(Masquerade {
+        sources: prev.container_addresses.iter().map(IpNet::addr).collect(),
+        excludes,
+    }))
 }
 
 /// The configured uplinks, or the devices of the default routes.
@@ -281,11 +328,12 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     ensure_host_ports_free(backend.as_ref(), owner, &plan.mappings)?;
     let applied = backend
         .setup_endpoint(&plan.endpoint)
-        .and_then(|()| backend.setup_port_mappings(&plan.endpoint, &plan.mappings));
+        .and_then(|()| backend.refresh_uplinks(&plan.endpoint.uplinks))
+        .and_then(|()| backend.setup_port_mappings(&plan.endpoint, &plan.mappings))
+        .and_then(|()| backend.setup_masquerade(&plan.endpoint, plan.masquerade.as_ref()));
     if let Err(error) = applied {
         // Undo: an attachment is either complete or absent.
-        let _ = backend.teardown_port_mappings(owner);
-        let _ = backend.teardown_endpoint(owner);
+        let _ = remove_attachment(backend.as_mut(), owner);
         return Err(error.into());
     }
     Ok(output.to_string())
@@ -364,12 +412,14 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
     let _lock = InstanceLock::acquire(&conf.pins.lock_file(), lock_timeout())?;
     for mut backend in backend::existing(&conf.pins)? {
+        backend.sweep_expired()?;
         remove_attachment(backend.as_mut(), attachment.owner_id())?;
     }
     Ok(())
 }
 
 fn remove_attachment(backend: &mut dyn Backend, owner: u64) -> Result<(), BackendError> {
+    backend.teardown_masquerade(owner)?;
     backend.teardown_port_mappings(owner)?;
     backend.teardown_endpoint(owner)
 }
@@ -384,8 +434,9 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     conf.reject_unimplemented()?;
     let plan = plan(env, &conf, &prev_result)?;
     let pins = PinLayout::new(&conf.plugin.pin_path);
-    let backends = backend::existing(&pins)?;
-    let Some(backend) = backends.first() else {
+    let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
+    let mut backends = backend::existing(&pins)?;
+    let Some(backend) = backends.first_mut() else {
         return Err(BackendError::CheckFailed(format!(
             "no cnibpf state under {} for {}",
             pins.root().display(),
@@ -395,6 +446,9 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     };
     backend.check_endpoint(&plan.endpoint)?;
     backend.check_port_mappings(&plan.endpoint, &plan.mappings)?;
+    // CHECK is how an operator makes a changed uplink address take effect (see README).
+    backend.refresh_uplinks(&plan.endpoint.uplinks)?;
+    backend.check_masquerade(&plan.endpoint, plan.masquerade.as_ref())?;
     Ok(())
 }
 
@@ -429,6 +483,7 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
             })
             .map(|record| record.owner)
             .collect();
+        backend.sweep_expired()?;
         for owner in stale {
             remove_attachment(backend.as_mut(), owner)?;
         }

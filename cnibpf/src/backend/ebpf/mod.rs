@@ -17,7 +17,7 @@ use std::{
 
 use aya::{
     EbpfLoader,
-    maps::{Array, HashMap, Map, MapData, MapError, MapType},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, MapType, PerCpuArray},
     programs::{
         CgroupAttachMode, CgroupSockAddr, LinkOrder, Program, SchedClassifier, TcAttachType,
         cgroup_sock_addr::{CgroupSockAddrAttachType, CgroupSockAddrLink},
@@ -30,23 +30,31 @@ use cnibpf_common::{
     endpoint::{self, EndpointInfo},
     host_addr::{self, HostAddrKey},
     layout::{self, LayoutInfo},
+    masq_exclude::{self, MasqExcludeKey},
+    masq_flow::{self, MasqFlow},
+    masq_reply::{self, MasqReply},
+    masq_source::{self, MasqSource, MasqSourceKey},
+    masq_stats::{self, MasqStats},
     nat_flow::{self, NatFlowKey, NatFlowValue},
     owner::{self, OwnerInfo},
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
     portmap::{self, PortMapKey, PortMapValue},
     settings::{self, Settings},
+    uplink::{self, UplinkInfo},
 };
 use nix::{
     mount::{MsFlags, mount},
     sys::statfs::statfs,
 };
 
-use super::{AttachmentRecord, Backend, BackendError, Endpoint};
+mod masquerade;
+
+use super::{AttachmentRecord, Backend, BackendError, Endpoint, Masquerade, MasqueradeRecord};
 use crate::{
     attachment::{Attachment, ResolvedMapping, read_name},
     config::Protocol,
-    netlink::{self, TcFilterSlot, TcHook},
+    netlink::{self, Link, TcFilterSlot, TcHook},
     netns,
     paths::{BPFFS_MOUNT_POINT, PinLayout},
 };
@@ -113,7 +121,6 @@ struct Hook<'a> {
     link_pin: &'a Path,
 }
 
-#[derive(Debug)]
 pub struct EbpfBackend {
     pins: PinLayout,
     portmap: HashMap<MapData, PortMapKey, PortMapValue>,
@@ -123,6 +130,22 @@ pub struct EbpfBackend {
     host_addrs: HashMap<MapData, HostAddrKey, u32>,
     owner_ports: HashMap<MapData, OwnerPortKey, PortMapKey>,
     port_claims: HashMap<MapData, PortClaimKey, PortClaim>,
+    masq_sources: HashMap<MapData, MasqSourceKey, MasqSource>,
+    masq_excludes: LpmTrie<MapData, MasqExcludeKey, u32>,
+    uplinks: HashMap<MapData, u32, UplinkInfo>,
+    masq_flows: HashMap<MapData, NatFlowKey, MasqFlow>,
+    masq_replies: HashMap<MapData, NatFlowKey, MasqReply>,
+    masq_stats: PerCpuArray<MapData, MasqStats>,
+    /// The host's addresses (interface index, address) as dumped by `load_for_changes`.
+    host_addresses: Vec<(u32, IpAddr)>,
+}
+
+impl std::fmt::Debug for EbpfBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EbpfBackend")
+            .field("pins", &self.pins)
+            .finish_non_exhaustive()
+    }
 }
 
 impl EbpfBackend {
@@ -192,6 +215,13 @@ impl EbpfBackend {
             host_addrs: open_pinned(pins, host_addr::MAP_NAME)?,
             owner_ports: open_pinned(pins, owner_port::MAP_NAME)?,
             port_claims: open_pinned(pins, port_claim::MAP_NAME)?,
+            masq_sources: open_pinned(pins, masq_source::MAP_NAME)?,
+            masq_excludes: open_pinned(pins, masq_exclude::MAP_NAME)?,
+            uplinks: open_pinned(pins, uplink::MAP_NAME)?,
+            masq_flows: open_pinned(pins, masq_flow::MAP_NAME)?,
+            masq_replies: open_pinned(pins, masq_reply::MAP_NAME)?,
+            masq_stats: open_pinned(pins, masq_stats::MAP_NAME)?,
+            host_addresses: Vec::new(),
         })
     }
 
@@ -430,9 +460,12 @@ impl EbpfBackend {
     }
 
     fn sync_host_addresses(&mut self) -> Result<(), BackendError> {
-        let current: Vec<(HostAddrKey, u32)> = netlink::addresses()
-            .map_err(|source| BackendError::HostAddresses(Box::new(source)))?
-            .into_iter()
+        self.host_addresses =
+            netlink::addresses().map_err(|source| BackendError::HostAddresses(Box::new(source)))?;
+        let current: Vec<(HostAddrKey, u32)> = self
+            .host_addresses
+            .iter()
+            .copied()
             .filter(|(_, addr)| !is_link_local(*addr))
             .map(|(ifindex, addr)| {
                 let key = HostAddrKey {
@@ -806,6 +839,42 @@ impl Backend for EbpfBackend {
         Ok(records)
     }
 
+    fn setup_masquerade(
+        &mut self,
+        endpoint: &Endpoint,
+        masquerade: Option<&Masquerade>,
+    ) -> Result<(), BackendError> {
+        self.apply_masquerade(endpoint, masquerade)
+    }
+
+    fn teardown_masquerade(&mut self, owner: u64) -> Result<(), BackendError> {
+        self.remove_masquerade(owner)
+    }
+
+    fn check_masquerade(
+        &self,
+        endpoint: &Endpoint,
+        masquerade: Option<&Masquerade>,
+    ) -> Result<(), BackendError> {
+        self.verify_masquerade(endpoint, masquerade)
+    }
+
+    fn sweep_expired(&mut self) -> Result<(), BackendError> {
+        self.remove_expired_flows()
+    }
+
+    fn refresh_uplinks(&mut self, uplinks: &[Link]) -> Result<(), BackendError> {
+        self.write_uplink_addresses(uplinks)
+    }
+
+    fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError> {
+        self.read_masquerades()
+    }
+
+    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
+        self.read_counters()
+    }
+
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
         let mut mappings = Vec::new();
         for entry in self.portmap.iter() {
@@ -1007,10 +1076,10 @@ fn is_attached(
     }
 }
 
-fn open_pinned<K: aya::Pod, V: aya::Pod>(
+fn open_pinned<T: TryFrom<Map, Error = MapError>>(
     pins: &PinLayout,
     name: &str,
-) -> Result<HashMap<MapData, K, V>, BackendError> {
+) -> Result<T, BackendError> {
     let path = pins.map(name);
     let error = |source| BackendError::Map {
         action: format!("could not open pinned map {}", path.display()),
@@ -1018,7 +1087,7 @@ fn open_pinned<K: aya::Pod, V: aya::Pod>(
     };
     let data = MapData::from_pin(&path).map_err(error)?;
     let map = Map::from_map_data(data).map_err(error)?;
-    HashMap::try_from(map).map_err(error)
+    T::try_from(map).map_err(error)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,0 +1,521 @@
+//! Masquerade (`ipMasq`): container traffic leaving through the uplink carries the uplink's
+//! address, and the outside namespace has no route back to the containers.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
+
+use cnibpf_common::{
+    masq_flow::{MasqFlow, STATE_CLOSING, STATE_ESTABLISHED, timeout_ns},
+    nat_flow::NatFlowKey,
+};
+use cnibpf_tests::{
+    Container, SimHost,
+    topology::{FAR_ADDR, FAR_ADDR6, Family, HOST_UPLINK_ADDR, HOST_UPLINK_ADDR6, port_mappings},
+    traffic::{
+        CLIENT_TIMEOUT, EchoServer, SinkServer, TcpServer, UdpServer, tcp_exchange, tcp_request,
+        tcp_upload, udp_error, udp_exchange_from, udp_request,
+    },
+};
+use serde_json::{Value, json};
+
+fn masquerading(id: &str) -> SimHost {
+    SimHost::new(id, json!({ "ipMasq": true }))
+}
+
+fn uplink_address(family: Family) -> IpAddr {
+    match family {
+        Family::V4 => IpAddr::V4(HOST_UPLINK_ADDR),
+        Family::V6 => IpAddr::V6(HOST_UPLINK_ADDR6),
+    }
+}
+
+fn far(family: Family, port: u16) -> SocketAddr {
+    match family {
+        Family::V4 => SocketAddr::new(IpAddr::V4(FAR_ADDR), port),
+        Family::V6 => SocketAddr::new(IpAddr::V6(FAR_ADDR6), port),
+    }
+}
+
+fn ping(container: &Container, target: IpAddr) -> bool {
+    container
+        .netns
+        .command(&["ping", "-c", "1", "-W", "2", &target.to_string()])
+        .output()
+        .expect("run ping")
+        .status
+        .success()
+}
+
+#[test]
+fn tcp_udp_and_ping_reach_an_outside_without_a_route_back_as_the_uplink() {
+    let host = masquerading("mq-basic");
+    let container = host.container("c1", Value::Null);
+    for family in Family::BOTH {
+        let tcp = TcpServer::start(&host.outside, family.any(8080), "tcp hello");
+        let udp = UdpServer::start(&host.outside, family.any(5353), "udp hello");
+        let target = |port| SocketAddr::new(family.outside(), port);
+        assert_eq!(
+            tcp_request(&container.netns, target(8080)).as_deref(),
+            Ok("tcp hello"),
+            "{family:?} TCP"
+        );
+        let (answer, from) = udp_request(&container.netns, target(5353))
+            .unwrap_or_else(|error| panic!("{family:?} UDP: {error}"));
+        assert_eq!(
+            (answer.as_str(), from),
+            ("udp hello", target(5353)),
+            "{family:?} UDP reply comes from the server's own address"
+        );
+        for peers in [tcp.peers(), udp.peers()] {
+            assert!(
+                !peers.is_empty() && peers.iter().all(|peer| peer.ip() == uplink_address(family)),
+                "{family:?}: the server saw {peers:?}, not the uplink address"
+            );
+        }
+        assert!(ping(&container, family.outside()), "{family:?} ping");
+    }
+    let icmp_flows = host
+        .masq_flows()
+        .iter()
+        .filter(|(key, _)| key.protocol == 1 || key.protocol == 58)
+        .count();
+    assert_eq!(icmp_flows, 2, "one tracked echo flow per family");
+}
+
+#[test]
+fn source_ports_are_kept_when_free_and_a_collision_picks_another() {
+    let host = masquerading("mq-ports");
+    let first = host.container("c1", Value::Null);
+    let second = host.container("c2", Value::Null);
+    for family in Family::BOTH {
+        let udp = UdpServer::start(&host.outside, family.any(5353), "hello");
+        let target = SocketAddr::new(family.outside(), 5353);
+        for container in [&first, &second] {
+            let (answer, _) = container
+                .netns
+                .run(move || udp_exchange_from(40_000, target, CLIENT_TIMEOUT))
+                .unwrap_or_else(|error| panic!("{family:?} from port 40000: {error}"));
+            assert_eq!(answer, "hello");
+        }
+        let ports: Vec<u16> = udp.peers().iter().map(SocketAddr::port).collect();
+        assert_eq!(ports.len(), 2, "{family:?}: {ports:?}");
+        assert_eq!(ports[0], 40_000, "{family:?}: the first keeps its port");
+        assert_ne!(ports[1], 40_000, "{family:?}: the second gets another");
+        assert!(ports[1] >= 1024, "{family:?}: from the same port class");
+    }
+    assert!(host.masq_stats().port_collisions >= 2);
+}
+
+#[test]
+fn a_thousand_concurrent_flows_from_eight_containers_all_complete() {
+    let host = masquerading("mq-many");
+    let containers: Vec<Container> = (0..8)
+        .map(|index| host.container(&format!("c{index}"), Value::Null))
+        .collect();
+    let _server = EchoServer::start(&host.outside, Family::V4.any(7000), 8);
+    let target = SocketAddr::new(Family::V4.outside(), 7000);
+    let handles: Vec<_> = containers
+        .iter()
+        .map(|container| {
+            container.netns.spawn(move || {
+                use std::io::{Read as _, Write as _};
+                // 125 connections held open at once; each sends its byte at once, and the
+                // answers are read once all are open.
+                let mut streams = Vec::new();
+                for _ in 0..125 {
+                    let mut stream =
+                        std::net::TcpStream::connect_timeout(&target, Duration::from_secs(5))
+                            .map_err(|error| error.to_string())?;
+                    stream.write_all(&[7]).map_err(|error| error.to_string())?;
+                    streams.push(stream);
+                }
+                let mut completed = 0;
+                for mut stream in streams {
+                    let mut byte = [0u8];
+                    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+                    if stream.read_exact(&mut byte).is_ok() && byte == [7] {
+                        completed += 1;
+                    }
+                }
+                Ok::<u32, String>(completed)
+            })
+        })
+        .collect();
+    let completed: u32 = handles
+        .into_iter()
+        .map(|handle| {
+            handle
+                .join()
+                .expect("client thread")
+                .unwrap_or_else(|error| panic!("connect: {error}"))
+        })
+        .sum();
+    assert_eq!(completed, 1000);
+}
+
+#[test]
+fn own_subnet_host_exclusions_and_multicast_are_not_masqueraded() {
+    let host = SimHost::new(
+        "mq-excl",
+        json!({ "ipMasq": true, "ipMasqExclude": ["198.18.0.0/24", "2001:db8:3::/64"] }),
+    );
+    let _far = host.far_network(1500);
+    host.route_outside_to_containers();
+    let client = host.container("c1", Value::Null);
+    let neighbour = host.container("c2", Value::Null);
+    for family in Family::BOTH {
+        // Excluded by ipMasqExclude: the far server sees the container itself.
+        let far_server = TcpServer::start(&_far, family.any(8080), "far");
+        assert_eq!(
+            tcp_request(&client.netns, far(family, 8080)).as_deref(),
+            Ok("far")
+        );
+        assert_eq!(
+            far_server
+                .peers()
+                .iter()
+                .map(SocketAddr::ip)
+                .collect::<Vec<_>>(),
+            vec![client.at(family, 0).ip()],
+            "{family:?} ipMasqExclude"
+        );
+        // The own subnet: a neighbour sees the container itself.
+        let neighbour_server = TcpServer::start(&neighbour.netns, family.any(8081), "n");
+        assert_eq!(
+            tcp_request(&client.netns, neighbour.at(family, 8081)).as_deref(),
+            Ok("n")
+        );
+        assert_eq!(
+            neighbour_server.peers()[0].ip(),
+            client.at(family, 0).ip(),
+            "{family:?} own subnet"
+        );
+        // The host itself: a host process sees the container itself.
+        let host_server = TcpServer::start(&host.host, family.any(8082), "h");
+        assert_eq!(
+            tcp_request(&client.netns, host.uplink(family, 8082)).as_deref(),
+            Ok("h")
+        );
+        assert_eq!(
+            host_server.peers()[0].ip(),
+            client.at(family, 0).ip(),
+            "{family:?} host"
+        );
+    }
+    // Multicast: nothing is tracked or translated for it.
+    let before = host.masq_stats().flows_created;
+    for group in ["239.1.2.3", "ff0e::123"] {
+        let target: IpAddr = group.parse().expect("literal");
+        client.netns.run(move || {
+            let bind: SocketAddr = if target.is_ipv4() {
+                "0.0.0.0:0"
+            } else {
+                "[::]:0"
+            }
+            .parse()
+            .expect("literal");
+            let socket = std::net::UdpSocket::bind(bind).expect("bind");
+            let _ = socket.send_to(b"hello", SocketAddr::new(target, 9999));
+        });
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        host.masq_stats().flows_created,
+        before,
+        "multicast was tracked"
+    );
+    let inspect = host.inspect();
+    let excludes = &inspect["attachments"][0]["masquerade"]["excludes"];
+    for (destination, reason) in [
+        ("10.22.0.0/16", "own subnet"),
+        ("fd00:22::/64", "own subnet"),
+        ("224.0.0.0/4", "multicast"),
+        ("ff00::/8", "multicast"),
+        ("198.18.0.0/24", "ipMasqExclude"),
+        ("2001:db8:3::/64", "ipMasqExclude"),
+    ] {
+        assert!(
+            excludes
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|entry| entry["destination"] == destination && entry["reason"] == reason),
+            "{destination} ({reason}) missing from {excludes}"
+        );
+    }
+}
+
+#[test]
+fn icmp_errors_reach_the_container_translated() {
+    let host = masquerading("mq-icmp");
+    let container = host.container("c1", Value::Null);
+    for family in Family::BOTH {
+        assert_eq!(
+            udp_error(&container.netns, SocketAddr::new(family.outside(), 9)),
+            std::io::ErrorKind::ConnectionRefused,
+            "{family:?}: port unreachable reaches the container"
+        );
+    }
+    assert!(host.masq_stats().icmp_errors >= 2);
+}
+
+#[test]
+fn path_mtu_discovery_works_through_the_nat() {
+    let host = masquerading("mq-pmtu");
+    let far_network = host.far_network(1280);
+    let container = host.container("c1", Value::Null);
+    for family in Family::BOTH {
+        let _sink = SinkServer::start(&far_network, family.any(9000));
+        let bytes = 256 * 1024;
+        let received = tcp_upload(
+            &container.netns,
+            far(family, 9000),
+            bytes,
+            Duration::from_secs(10),
+        )
+        .unwrap_or_else(|error| panic!("{family:?} upload through a 1280-byte link: {error}"));
+        assert_eq!(received, bytes as u64, "{family:?}");
+    }
+    assert!(
+        host.masq_stats().icmp_errors >= 2,
+        "the too-big errors were translated"
+    );
+}
+
+#[test]
+fn tcp_state_follows_the_connection_and_expired_state_goes_away() {
+    let host = masquerading("mq-state");
+    let container = host.container("c1", Value::Null);
+    let _tcp = TcpServer::start(&host.outside, Family::V4.any(8080), "bye");
+    let _udp = UdpServer::start(&host.outside, Family::V4.any(5353), "hello");
+    // A connection the server closes: FIN both ways shortens its life.
+    assert_eq!(
+        tcp_request(
+            &container.netns,
+            SocketAddr::new(Family::V4.outside(), 8080)
+        )
+        .as_deref(),
+        Ok("bye")
+    );
+    let state_of = |protocol: u8| {
+        host.masq_flows()
+            .into_iter()
+            .find(|(key, _)| key.protocol == protocol)
+            .unwrap_or_else(|| panic!("no flow of protocol {protocol}"))
+            .1
+    };
+    assert!(
+        cnibpf_tests::eventually(Duration::from_secs(2), || state_of(6).state
+            == STATE_CLOSING),
+        "a closed connection is closing"
+    );
+    // A UDP flow that was answered is established.
+    let target = SocketAddr::new(Family::V4.outside(), 5353);
+    container
+        .netns
+        .run(move || udp_exchange_from(41_000, target, CLIENT_TIMEOUT))
+        .expect("udp");
+    assert_eq!(state_of(17).state, STATE_ESTABLISHED);
+
+    // Age every entry past its timeout: the next packet replaces the state (lazy expiry) ...
+    age_flows(&host);
+    let expired_before = host.masq_stats().expired;
+    container
+        .netns
+        .run(move || udp_exchange_from(41_000, target, CLIENT_TIMEOUT))
+        .expect("udp after expiry");
+    assert_eq!(host.masq_stats().expired, expired_before + 1);
+    // ... and a GC sweeps every expired entry away, whoever it belongs to.
+    age_flows(&host);
+    host.chain
+        .gc(&[(container.attachment.container_id.as_str(), "eth0")])
+        .unwrap_or_else(|error| panic!("GC: {error}"));
+    assert_eq!(host.masq_flows().len(), 0, "expired flows were swept");
+    let replies = reply_count(&host);
+    assert_eq!(replies, 0, "their reverse entries too");
+}
+
+/// Moves every `masq_flows` entry's last-seen time a second past its state's timeout (these
+/// are the short timeouts of closed TCP and UDP: the clock started long enough ago).
+fn age_flows(host: &SimHost) {
+    let mut map: aya::maps::HashMap<_, NatFlowKey, MasqFlow> =
+        aya::maps::HashMap::try_from(host.pinned_map("masq_flows")).expect("masq_flows");
+    for (key, mut flow) in host.masq_flows() {
+        let age = timeout_ns(key.protocol, flow.state) + 1_000_000_000;
+        assert!(
+            flow.last_seen_ns > age,
+            "the monotonic clock started too recently"
+        );
+        flow.last_seen_ns -= age;
+        map.insert(&key, &flow, 0).expect("age flow");
+    }
+}
+
+fn reply_count(host: &SimHost) -> usize {
+    let map: aya::maps::HashMap<_, NatFlowKey, cnibpf_common::masq_reply::MasqReply> =
+        aya::maps::HashMap::try_from(host.pinned_map("masq_replies")).expect("masq_replies");
+    map.keys().count()
+}
+
+#[test]
+fn a_full_table_evicts_old_state_new_flows_pass_and_the_counter_shows_it() {
+    let host = masquerading("mq-full");
+    let container = host.container("c1", Value::Null);
+    let _tcp = TcpServer::start(&host.outside, Family::V4.any(8080), "hello");
+    // Fill the table with other flows, as a busy host would.
+    let mut map: aya::maps::HashMap<_, NatFlowKey, MasqFlow> =
+        aya::maps::HashMap::try_from(host.pinned_map("masq_flows")).expect("masq_flows");
+    let capacity = cnibpf_common::masq_flow::MAX_ENTRIES;
+    for index in 0..capacity {
+        let key = NatFlowKey {
+            src_addr: [
+                10,
+                99,
+                (index >> 8) as u8,
+                index as u8,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+            ],
+            dst_addr: [192, 0, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            src_port: (index >> 16) as u16 + 1,
+            dst_port: 80,
+            protocol: 6,
+            family: 2,
+            _pad: [0; 2],
+        };
+        let flow = MasqFlow {
+            last_seen_ns: u64::MAX / 2,
+            state: STATE_ESTABLISHED,
+            ..Default::default()
+        };
+        map.insert(&key, &flow, 0).expect("fill masq_flows");
+    }
+    for attempt in 0..20 {
+        assert_eq!(
+            tcp_request(
+                &container.netns,
+                SocketAddr::new(Family::V4.outside(), 8080)
+            )
+            .as_deref(),
+            Ok("hello"),
+            "connection {attempt} through a full table"
+        );
+    }
+    let inspect = host.inspect();
+    let counters = &inspect["counters"]["ebpf"];
+    // An LRU map keeps some free slots per CPU: "full" is within a percent of capacity.
+    let entries = counters["masq_flows entries"].as_u64().unwrap_or(0);
+    assert!(
+        entries * 100 >= u64::from(capacity) * 99,
+        "{entries} of {capacity}: {counters}"
+    );
+    assert!(counters["flows created"].as_u64() >= Some(20), "{counters}");
+}
+
+#[test]
+fn del_gc_and_check_manage_the_masquerade_state() {
+    let host = masquerading("mq-life");
+    let kept = host.container("c1", Value::Null);
+    let gone = host.container("c2", Value::Null);
+    let _tcp = TcpServer::start(&host.outside, Family::V4.any(8080), "hello");
+    for container in [&kept, &gone] {
+        assert!(
+            tcp_request(
+                &container.netns,
+                SocketAddr::new(Family::V4.outside(), 8080)
+            )
+            .is_ok()
+        );
+    }
+    host.check(&kept).expect("CHECK of a complete attachment");
+    // CHECK fails when an entry is missing, and ADD repairs it.
+    let mut sources: aya::maps::HashMap<
+        _,
+        cnibpf_common::masq_source::MasqSourceKey,
+        cnibpf_common::masq_source::MasqSource,
+    > = aya::maps::HashMap::try_from(host.pinned_map("masq_sources")).expect("masq_sources");
+    let key = cnibpf_common::masq_source::MasqSourceKey {
+        addr: {
+            let mut addr = [0u8; 16];
+            addr[..4].copy_from_slice(&kept.address.octets());
+            addr
+        },
+        family: 2,
+        _pad: [0; 3],
+    };
+    sources.remove(&key).expect("remove the entry");
+    let error = host.check(&kept).expect_err("CHECK must notice");
+    assert!(error.to_string().contains("masq_sources"), "{error}");
+    host.chain
+        .add_again(&kept.attachment, "cnibpf")
+        .expect("re-ADD");
+    host.check(&kept).expect("CHECK after repair");
+
+    let owners_with_flows = |host: &SimHost| {
+        let mut owners: Vec<u64> = host
+            .masq_flows()
+            .iter()
+            .map(|(_, flow)| flow.owner)
+            .collect();
+        owners.sort_unstable();
+        owners.dedup();
+        owners.len()
+    };
+    assert_eq!(owners_with_flows(&host), 2);
+    // GC with only c1 valid removes c2's masquerade and flows.
+    host.chain
+        .gc(&[(kept.attachment.container_id.as_str(), "eth0")])
+        .expect("GC");
+    let inspect = host.inspect();
+    assert_eq!(inspect["attachments"].as_array().map(Vec::len), Some(1));
+    assert_eq!(owners_with_flows(&host), 1);
+    // DEL of the last attachment removes the rest, maps included.
+    host.del(&kept).expect("DEL");
+    assert!(!host.pin_path.join("masq_flows").exists());
+    let _ = gone;
+}
+
+#[test]
+fn port_mapping_keeps_working_with_masquerade_on() {
+    let host = masquerading("mq-pm");
+    let container = host.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let _outside = TcpServer::start(&host.outside, Family::V4.any(9090), "out");
+    for family in Family::BOTH {
+        let web = TcpServer::start(&container.netns, family.any(80), "web");
+        let target = host.uplink(family, 8080);
+        let answer = host
+            .outside
+            .run(move || tcp_exchange(target, CLIENT_TIMEOUT));
+        assert_eq!(
+            answer.map(|(answer, _)| answer).as_deref(),
+            Ok("web"),
+            "{family:?}: outside → hostPort with masquerade on"
+        );
+        assert_eq!(
+            web.peers().iter().map(SocketAddr::ip).collect::<Vec<_>>(),
+            vec![family.outside()],
+            "{family:?}: the container sees the outside client itself"
+        );
+    }
+    assert_eq!(
+        tcp_request(
+            &container.netns,
+            SocketAddr::new(Family::V4.outside(), 9090)
+        )
+        .as_deref(),
+        Ok("out"),
+        "container → outside, masqueraded"
+    );
+}
