@@ -37,7 +37,7 @@ use cnibpf_common::{
 use crate::{
     maps,
     packet::{
-        DatapathError, Flow, Lookup, Route, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, forward,
+        DatapathError, Flow, Route, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, forward,
         redirect_to_peer, route, set_macs, widen,
     },
     portmap,
@@ -61,7 +61,7 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
     if source.host_ifindex != ifindex(ctx) || is_excluded(source.owner, flow) {
         return Ok(TC_ACT_OK);
     }
-    let next_hop = route(ctx, flow, Lookup::Forward);
+    let next_hop = route(ctx, flow);
     let uplink_ifindex = match next_hop {
         Route::Neighbour { ifindex, .. } | Route::Unresolved { ifindex } => ifindex,
         // Local, unroutable, or too big for the route: the host stack decides, and

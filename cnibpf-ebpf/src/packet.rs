@@ -8,10 +8,10 @@ use aya_ebpf::{
     EbpfContext as _,
     bindings::{
         __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH,
-        BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_OUTPUT, TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup,
+        BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT, bpf_check_mtu_flags, bpf_fib_lookup,
     },
     helpers::{
-        bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh,
+        bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh,
         bpf_redirect_peer,
     },
     programs::TcContext,
@@ -73,9 +73,17 @@ pub struct Flow {
     pub sport: u16,
     /// Network byte order.
     pub dport: u16,
-    /// Length of the IP packet, host byte order (for the FIB's MTU check).
-    pub ip_len: u16,
     l4_off: usize,
+}
+
+/// Brings the first `length` bytes into the linear area, where direct reads can see them —
+/// only when they are not there already: pulling also makes a cloned packet (every TCP
+/// segment a container sends is one) writable, which copies its headers even when nothing is
+/// rewritten. A packet shorter than `length` stays as it is; reads check their own bounds.
+fn ensure_linear(ctx: &TcContext, length: usize) {
+    if ctx.data() + length > ctx.data_end() {
+        let _ = ctx.pull_data(length as u32);
+    }
 }
 
 fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
@@ -90,8 +98,7 @@ fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
 
 impl Flow {
     pub fn parse(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
-        // Headers of a full-size IPv6 TCP packet; a no-op when they are linear already.
-        let _ = ctx.pull_data((ETH_HLEN + IPV6_HLEN + L4_PULL) as u32);
+        ensure_linear(ctx, ETH_HLEN);
         let ethertype: u16 = load(ctx, 12)?;
         if ethertype == ETH_P_IP.to_be() {
             Self::parse_ipv4(ctx)
@@ -112,8 +119,8 @@ impl Flow {
         if u16::from_be(fragment) & IPV4_FRAGMENT_MASK != 0 {
             return Ok(None);
         }
+        ensure_linear(ctx, ETH_HLEN + header_len + L4_PULL);
         let protocol: u8 = load(ctx, ETH_HLEN + 9)?;
-        let total_len: u16 = load(ctx, ETH_HLEN + 2)?;
         let l4_off = ETH_HLEN + header_len;
         let Some((sport, dport)) = ports(ctx, protocol, l4_off)? else {
             return Ok(None);
@@ -127,7 +134,6 @@ impl Flow {
             daddr: widen(daddr),
             sport,
             dport,
-            ip_len: u16::from_be(total_len),
             l4_off,
         }))
     }
@@ -137,8 +143,8 @@ impl Flow {
         if version >> 4 != 6 {
             return Ok(None);
         }
+        ensure_linear(ctx, ETH_HLEN + IPV6_HLEN + L4_PULL);
         let protocol: u8 = load(ctx, ETH_HLEN + 6)?;
-        let payload_len: u16 = load(ctx, ETH_HLEN + 4)?;
         let l4_off = ETH_HLEN + IPV6_HLEN;
         let Some((sport, dport)) = ports(ctx, protocol, l4_off)? else {
             return Ok(None);
@@ -150,7 +156,6 @@ impl Flow {
             daddr: load(ctx, IPV6_DADDR_OFF)?,
             sport,
             dport,
-            ip_len: u16::from_be(payload_len).saturating_add(IPV6_HLEN as u16),
             l4_off,
         }))
     }
@@ -423,26 +428,19 @@ pub enum Route {
     Other,
 }
 
-/// How a FIB lookup sees the packet.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Lookup {
-    /// As the host routes a packet it sends itself (`BPF_FIB_LOOKUP_OUTPUT`): translated
-    /// replies carry one of its addresses as source.
-    Output,
-    /// As the host forwards a packet received on the program's interface.
-    Forward,
-}
-
-/// Looks the flow's current destination up in the FIB.
+/// Looks the flow's current destination up in the FIB as the host forwards a packet received
+/// on the program's interface. (`BPF_FIB_LOOKUP_OUTPUT` would take that interface as the
+/// output device and find no route out of another one.) The MTU is checked separately:
+/// the FIB's own check compares the whole length of a GSO packet, while only its segments
+/// need to fit.
 #[inline(never)]
-pub fn route(ctx: &TcContext, flow: &Flow, lookup: Lookup) -> Route {
+pub fn route(ctx: &TcContext, flow: &Flow) -> Route {
     // SAFETY: bpf_fib_lookup is plain old data; all-zero is its documented initial state.
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     params.family = flow.family;
     params.l4_protocol = flow.protocol;
     params.sport = flow.sport;
     params.dport = flow.dport;
-    params.__bindgen_anon_1.tot_len = flow.ip_len;
     if flow.family == FAMILY_IPV4 {
         params.__bindgen_anon_3.ipv4_src =
             u32::from_ne_bytes([flow.saddr[0], flow.saddr[1], flow.saddr[2], flow.saddr[3]]);
@@ -456,19 +454,8 @@ pub fn route(ctx: &TcContext, flow: &Flow, lookup: Lookup) -> Route {
     // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
     params.ifindex = unsafe { (*skb.cast::<__sk_buff>()).ifindex };
     // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
-    let rc = unsafe {
-        fib_lookup(
-            skb,
-            &raw mut params,
-            size_of::<bpf_fib_lookup>() as i32,
-            if lookup == Lookup::Output {
-                BPF_FIB_LOOKUP_OUTPUT
-            } else {
-                0
-            },
-        )
-    };
-    match rc as u32 {
+    let rc = unsafe { fib_lookup(skb, &raw mut params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    let route = match rc as u32 {
         BPF_FIB_LKUP_RET_SUCCESS => {
             // SAFETY: on success the kernel filled in the MAC addresses.
             let macs = unsafe { params.__bindgen_anon_6.__bindgen_anon_2 };
@@ -481,8 +468,22 @@ pub fn route(ctx: &TcContext, flow: &Flow, lookup: Lookup) -> Route {
         BPF_FIB_LKUP_RET_NO_NEIGH => Route::Unresolved {
             ifindex: params.ifindex,
         },
-        _ => Route::Other,
-    }
+        _ => return Route::Other,
+    };
+    let mut mtu: u32 = 0;
+    // SAFETY: skb is this program's context; mtu is a u32 on this stack, zero as the
+    // BPF_MTU_CHK_SEGS mode requires.
+    let fits = unsafe {
+        bpf_check_mtu(
+            skb,
+            params.ifindex,
+            &raw mut mtu,
+            0,
+            u64::from(bpf_check_mtu_flags::BPF_MTU_CHK_SEGS),
+        )
+    } == 0;
+    // Too big: the host stack answers with "fragmentation needed" or fragments it.
+    if fits { route } else { Route::Other }
 }
 
 /// Sends the packet on along `route`; `None` when the route is not one to send it on.

@@ -3,6 +3,7 @@
 //! under `target/bench/`.
 
 mod chart;
+mod masquerade;
 mod portmap;
 
 use std::{
@@ -23,8 +24,13 @@ pub fn run(suite: Option<&str>) -> Result<()> {
     let out_dir = crate::workspace_root().join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
     match suite {
-        None | Some("portmap") => portmap::run(&out_dir),
-        Some(other) => bail!("unknown bench suite {other:?}; suites: portmap"),
+        None => {
+            portmap::run(&out_dir)?;
+            masquerade::run(&out_dir)
+        }
+        Some("portmap") => portmap::run(&out_dir),
+        Some("masquerade") => masquerade::run(&out_dir),
+        Some(other) => bail!("unknown bench suite {other:?}; suites: portmap, masquerade"),
     }
 }
 
@@ -163,6 +169,17 @@ impl Drop for Iperf3Server {
 
 /// TCP throughput in Gbit/s from `netns` to `target` over `seconds` (iperf3, one stream).
 pub fn iperf3(netns: &Netns, target: std::net::SocketAddr, seconds: u32) -> Result<f64> {
+    iperf3_streams(netns, target, seconds, 1)
+}
+
+/// TCP throughput in Gbit/s from `netns` to `target` over `seconds`, summed over `streams`
+/// parallel streams of one iperf3 client.
+pub fn iperf3_streams(
+    netns: &Netns,
+    target: std::net::SocketAddr,
+    seconds: u32,
+    streams: u32,
+) -> Result<f64> {
     let output = netns
         .command(&[
             "iperf3",
@@ -172,6 +189,8 @@ pub fn iperf3(netns: &Netns, target: std::net::SocketAddr, seconds: u32) -> Resu
             &target.port().to_string(),
             "--time",
             &seconds.to_string(),
+            "--parallel",
+            &streams.to_string(),
             "--json",
         ])
         .output()

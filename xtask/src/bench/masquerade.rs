@@ -1,0 +1,162 @@
+//! `cargo xtask bench masquerade`: container → outside traffic masqueraded by cnibpf against
+//! the same traffic routed without NAT (the outside has a route back), in the same run.
+
+use std::{net::SocketAddr, path::Path, thread, time::Duration};
+
+use anyhow::{Context as _, Result, bail};
+use cnibpf_tests::{
+    Container, SimHost,
+    topology::Family,
+    traffic::{EchoServer, connection_rate},
+};
+use serde_json::{Value, json};
+
+use super::{
+    Iperf3Server, Progress, Row,
+    chart::{self, BarPanel},
+    iperf3_streams, median, write_report,
+};
+
+const ROUNDS: usize = 5;
+const IPERF_SECONDS: u32 = 4;
+const RATE_WINDOW: Duration = Duration::from_secs(3);
+const RATE_CLIENTS: usize = 2;
+const CONTAINERS: usize = 8;
+const STREAMS: u32 = 8;
+
+pub fn run(out_dir: &Path) -> Result<()> {
+    let progress = Progress::new();
+    progress.step(&format!(
+        "two simulated hosts with {CONTAINERS} containers each: masquerade, and routed without NAT"
+    ));
+    let masquerade = Setup::new(SimHost::new("bench-mq", json!({ "ipMasq": true })), false)?;
+    let routed = Setup::new(SimHost::new("bench-rt", json!({})), true)?;
+    let (mut masquerade_rounds, mut routed_rounds) = (Vec::new(), Vec::new());
+    // The two alternate within each round, so that drift on this noisy machine falls on both.
+    for round in 1..=ROUNDS {
+        progress.step(&format!("round {round}/{ROUNDS}: masquerade"));
+        masquerade_rounds.push(masquerade.round()?);
+        progress.step(&format!("round {round}/{ROUNDS}: routed"));
+        routed_rounds.push(routed.round()?);
+    }
+    let medians = |rounds: &[[f64; 3]]| {
+        [0, 1, 2].map(|series| median(rounds.iter().map(|round| round[series]).collect()))
+    };
+    let nat = medians(&masquerade_rounds);
+    let plain = medians(&routed_rounds);
+    if nat.contains(&0.0) {
+        bail!("no traffic passed the masquerade");
+    }
+    let row = |scenario: &str, metric: &'static str, unit: &'static str, series: usize| Row {
+        scenario: scenario.to_owned(),
+        metric,
+        unit,
+        value: nat[series],
+        baseline: Some(("routed, no NAT".to_owned(), plain[series])),
+    };
+    let rows = vec![
+        row("masquerade, 1 container", "TCP throughput", "Gbit/s", 0),
+        row("masquerade, 1 container", "connection rate", "conn/s", 1),
+        row(
+            &format!("masquerade, {CONTAINERS} containers × {STREAMS} streams"),
+            "TCP throughput",
+            "Gbit/s",
+            2,
+        ),
+    ];
+    let notes = vec![format!(
+        "Medians of {ROUNDS} alternating rounds, container → a server in the outside namespace. iperf3 {IPERF_SECONDS} s, one stream; \
+         connection rate: {RATE_CLIENTS} clients, connect + 1-byte request/response + close, {} s windows; \
+         {CONTAINERS} containers each running iperf3 with {STREAMS} parallel streams at once, summed. \
+         Baseline \"routed, no NAT\": an identical simulated host with cnibpf chained but ipMasq off, whose outside \
+         namespace has a route back to the containers.",
+        RATE_WINDOW.as_secs()
+    )];
+    let report = write_report(
+        out_dir,
+        "masquerade",
+        "cnibpf bench: masquerade",
+        &rows,
+        &notes,
+    )?;
+    chart::bars(
+        &out_dir.join("masquerade.png"),
+        "cnibpf masquerade (eBPF backend)",
+        &[BarPanel {
+            title: "masquerade / routed without NAT (higher is better)",
+            y_label: "ratio",
+            bars: rows
+                .iter()
+                .zip(["throughput", "conn/s", "8×8 streams"])
+                .map(|(row, label)| (label.to_owned(), row.ratio().unwrap_or(f64::NAN)))
+                .collect(),
+            reference: Some(1.0),
+        }],
+    )?;
+    progress.step(&format!("report: {} and masquerade.png", report.display()));
+    Ok(())
+}
+
+/// A simulated host with `CONTAINERS` containers and, in its outside namespace, one iperf3
+/// server per container and an echo server.
+struct Setup {
+    _sim: SimHost,
+    containers: Vec<Container>,
+    _iperf: Vec<Iperf3Server>,
+    _echo: EchoServer,
+}
+
+impl Setup {
+    fn new(sim: SimHost, route_back: bool) -> Result<Self> {
+        if route_back {
+            sim.route_outside_to_containers();
+        }
+        let containers = (0..CONTAINERS)
+            .map(|index| sim.container(&format!("c{index}"), Value::Null))
+            .collect();
+        let iperf = (0..CONTAINERS)
+            .map(|index| Iperf3Server::start(&sim.outside, 5201 + index as u16))
+            .collect::<Result<_>>()?;
+        let echo = EchoServer::start(&sim.outside, Family::V4.any(7000), 2);
+        Ok(Self {
+            _sim: sim,
+            containers,
+            _iperf: iperf,
+            _echo: echo,
+        })
+    }
+
+    fn server(&self, port: u16) -> SocketAddr {
+        SocketAddr::new(Family::V4.outside(), port)
+    }
+
+    /// One round: (single-stream throughput, connection rate, parallel throughput).
+    fn round(&self) -> Result<[f64; 3]> {
+        let first = &self.containers[0].netns;
+        let single = iperf3_streams(first, self.server(5201), IPERF_SECONDS, 1)?;
+        let rate = connection_rate(first, self.server(7000), RATE_CLIENTS, RATE_WINDOW);
+        let parallel = thread::scope(|scope| {
+            let clients: Vec<_> = self
+                .containers
+                .iter()
+                .enumerate()
+                .map(|(index, container)| {
+                    let target = self.server(5201 + index as u16);
+                    scope.spawn(move || {
+                        iperf3_streams(&container.netns, target, IPERF_SECONDS, STREAMS)
+                    })
+                })
+                .collect();
+            clients
+                .into_iter()
+                .map(|client| {
+                    client
+                        .join()
+                        .map_err(|_| anyhow::anyhow!("iperf3 client thread panicked"))?
+                        .context("parallel iperf3")
+                })
+                .sum::<Result<f64>>()
+        })?;
+        Ok([single, rate, parallel])
+    }
+}
