@@ -37,8 +37,8 @@ use cnibpf_common::{
 use crate::{
     maps,
     packet::{
-        DatapathError, Flow, Route, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, forward,
-        redirect_to_peer, route, set_macs, widen,
+        DatapathError, Flow, Route, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, forward, redirect_to_peer,
+        route, set_macs, widen,
     },
     portmap,
 };

@@ -11,8 +11,8 @@ use aya_ebpf::{
         BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT, bpf_check_mtu_flags, bpf_fib_lookup,
     },
     helpers::{
-        bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh,
-        bpf_redirect_peer,
+        bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_redirect,
+        bpf_redirect_neigh, bpf_redirect_peer,
     },
     programs::TcContext,
 };

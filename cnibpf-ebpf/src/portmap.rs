@@ -138,10 +138,11 @@ fn reply(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
     let (reply_addr, reply_port) = (flow.saddr, flow.sport);
     flow.rewrite_source(ctx, &orig_addr, orig_port)?;
     let next_hop = route(ctx, &flow);
-    if !matches!(next_hop, Route::Other) && flow.decrement_hop_limit(ctx)? {
-        if let Some(verdict) = forward(ctx, &next_hop)? {
-            return Ok(Some(verdict));
-        }
+    if !matches!(next_hop, Route::Other)
+        && flow.decrement_hop_limit(ctx)?
+        && let Some(verdict) = forward(ctx, &next_hop)?
+    {
+        return Ok(Some(verdict));
     }
     // The datapath cannot route it: undo, and leave it to the host stack untranslated (a local
     // source address would be dropped as martian); uplink_egress translates it on the way out.
