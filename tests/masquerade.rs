@@ -114,11 +114,19 @@ fn a_thousand_concurrent_flows_from_eight_containers_all_complete() {
     let containers: Vec<Container> = (0..8)
         .map(|index| host.container(&format!("c{index}"), Value::Null))
         .collect();
-    let _server = EchoServer::start(&host.outside, Family::V4.any(7000), 8);
-    let target = SocketAddr::new(Family::V4.outside(), 7000);
+    // Bound to [::], it serves IPv4 too.
+    let _server = EchoServer::start(&host.outside, Family::V6.any(7000), 8);
     let handles: Vec<_> = containers
         .iter()
-        .map(|container| {
+        .enumerate()
+        .map(|(index, container)| {
+            // Half the containers over IPv4, half over IPv6.
+            let family = if index % 2 == 0 {
+                Family::V4
+            } else {
+                Family::V6
+            };
+            let target = SocketAddr::new(family.outside(), 7000);
             container.netns.spawn(move || {
                 use std::io::{Read as _, Write as _};
                 // 125 connections held open at once; each sends its byte at once, and the
@@ -288,53 +296,97 @@ fn path_mtu_discovery_works_through_the_nat() {
 fn tcp_state_follows_the_connection_and_expired_state_goes_away() {
     let host = masquerading("mq-state");
     let container = host.container("c1", Value::Null);
-    let _tcp = TcpServer::start(&host.outside, Family::V4.any(8080), "bye");
-    let _udp = UdpServer::start(&host.outside, Family::V4.any(5353), "hello");
-    // A connection the server closes: FIN both ways shortens its life.
-    assert_eq!(
-        tcp_request(
-            &container.netns,
-            SocketAddr::new(Family::V4.outside(), 8080)
-        )
-        .as_deref(),
-        Ok("bye")
-    );
-    let state_of = |protocol: u8| {
-        host.masq_flows()
-            .into_iter()
-            .find(|(key, _)| key.protocol == protocol)
-            .unwrap_or_else(|| panic!("no flow of protocol {protocol}"))
-            .1
-    };
-    assert!(
-        cnibpf_tests::eventually(Duration::from_secs(2), || state_of(6).state
-            == STATE_CLOSING),
-        "a closed connection is closing"
-    );
-    // A UDP flow that was answered is established.
-    let target = SocketAddr::new(Family::V4.outside(), 5353);
-    container
-        .netns
-        .run(move || udp_exchange_from(41_000, target, CLIENT_TIMEOUT))
-        .expect("udp");
-    assert_eq!(state_of(17).state, STATE_ESTABLISHED);
+    for family in Family::BOTH {
+        let family_code = if family == Family::V4 { 2 } else { 10 };
+        let state_towards = |port: u16| {
+            host.masq_flows()
+                .into_iter()
+                .find(|(key, _)| key.dst_port == port && key.family == family_code)
+                .unwrap_or_else(|| panic!("{family:?}: no flow to port {port}"))
+                .1
+                .state
+        };
+        let target = move |port| SocketAddr::new(family.outside(), port);
+        let _closing = TcpServer::start(&host.outside, family.any(8080), "bye");
+        let _echo = EchoServer::start(&host.outside, family.any(7000), 2);
+        let _udp = UdpServer::start(&host.outside, family.any(5353), "hello");
 
-    // Age every entry past its timeout: the next packet replaces the state (lazy expiry) ...
-    age_flows(&host);
-    let expired_before = host.masq_stats().expired;
-    container
-        .netns
-        .run(move || udp_exchange_from(41_000, target, CLIENT_TIMEOUT))
-        .expect("udp after expiry");
-    assert_eq!(host.masq_stats().expired, expired_before + 1);
-    // ... and a GC sweeps every expired entry away, whoever it belongs to.
-    age_flows(&host);
-    host.chain
-        .gc(&[(container.attachment.container_id.as_str(), "eth0")])
-        .unwrap_or_else(|error| panic!("GC: {error}"));
-    assert_eq!(host.masq_flows().len(), 0, "expired flows were swept");
-    let replies = reply_count(&host);
-    assert_eq!(replies, 0, "their reverse entries too");
+        // An open connection is established once the remote side answered ...
+        let open = container
+            .netns
+            .run(move || std::net::TcpStream::connect_timeout(&target(7000), CLIENT_TIMEOUT))
+            .unwrap_or_else(|error| panic!("{family:?} connect: {error}"));
+        assert_eq!(state_towards(7000), STATE_ESTABLISHED, "{family:?}");
+        // ... an RST shortens its life ...
+        reset(&open);
+        drop(open);
+        assert!(
+            cnibpf_tests::eventually(Duration::from_secs(2), || state_towards(7000)
+                == STATE_CLOSING),
+            "{family:?}: a reset connection is closing"
+        );
+        // ... and so do FINs both ways.
+        assert_eq!(
+            tcp_request(&container.netns, target(8080)).as_deref(),
+            Ok("bye")
+        );
+        assert!(
+            cnibpf_tests::eventually(Duration::from_secs(2), || state_towards(8080)
+                == STATE_CLOSING),
+            "{family:?}: a closed connection is closing"
+        );
+        // A UDP flow that was answered is established.
+        container
+            .netns
+            .run(move || udp_exchange_from(41_000, target(5353), CLIENT_TIMEOUT))
+            .unwrap_or_else(|error| panic!("{family:?} udp: {error}"));
+        assert_eq!(state_towards(5353), STATE_ESTABLISHED, "{family:?}");
+
+        // Age every entry past its timeout: the next packet replaces the state (lazy
+        // expiry) ...
+        age_flows(&host);
+        let expired_before = host.masq_stats().expired;
+        container
+            .netns
+            .run(move || udp_exchange_from(41_000, target(5353), CLIENT_TIMEOUT))
+            .unwrap_or_else(|error| panic!("{family:?} udp after expiry: {error}"));
+        assert_eq!(host.masq_stats().expired, expired_before + 1, "{family:?}");
+        // ... and a GC sweeps every expired entry away, whoever it belongs to.
+        age_flows(&host);
+        host.chain
+            .gc(&[(container.attachment.container_id.as_str(), "eth0")])
+            .unwrap_or_else(|error| panic!("GC: {error}"));
+        assert_eq!(
+            host.masq_flows().len(),
+            0,
+            "{family:?}: expired flows were swept"
+        );
+        assert_eq!(
+            reply_count(&host),
+            0,
+            "{family:?}: their reverse entries too"
+        );
+    }
+}
+
+/// Closes `stream` with an RST (SO_LINGER 0) when it is dropped.
+fn reset(stream: &std::net::TcpStream) {
+    use std::os::fd::AsRawFd as _;
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt(2) on a descriptor `stream` owns, with a correctly sized value.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "SO_LINGER");
 }
 
 /// Moves every `masq_flows` entry's last-seen time a second past its state's timeout (these
@@ -360,10 +412,17 @@ fn reply_count(host: &SimHost) -> usize {
 }
 
 #[test]
-fn a_full_table_evicts_old_state_new_flows_pass_and_the_counter_shows_it() {
+fn a_full_table_keeps_live_flows_lets_new_ones_through_and_shows_the_pressure() {
     let host = masquerading("mq-full");
     let container = host.container("c1", Value::Null);
     let _tcp = TcpServer::start(&host.outside, Family::V4.any(8080), "hello");
+    let _echo = EchoServer::start(&host.outside, Family::V4.any(7000), 1);
+    // A connection that lives through the filling.
+    let target = SocketAddr::new(Family::V4.outside(), 7000);
+    let mut long_lived = container
+        .netns
+        .run(move || std::net::TcpStream::connect_timeout(&target, CLIENT_TIMEOUT))
+        .expect("connect");
     // Fill the table with other flows, as a busy host would.
     let mut map: aya::maps::HashMap<_, NatFlowKey, MasqFlow> =
         aya::maps::HashMap::try_from(host.pinned_map("masq_flows")).expect("masq_flows");
@@ -402,6 +461,32 @@ fn a_full_table_evicts_old_state_new_flows_pass_and_the_counter_shows_it() {
         };
         map.insert(&key, &flow, 0).expect("fill masq_flows");
     }
+    // The LRU keeps entries in use, so the live connection survived the filling; evict its
+    // state as more pressure eventually would: its next packet rebuilds it (counted), and the
+    // connection carries on.
+    let live = host
+        .masq_flows()
+        .into_iter()
+        .find(|(key, _)| key.dst_port == 7000)
+        .expect("the live connection's state survived the filling")
+        .0;
+    map.remove(&live)
+        .expect("evict the live connection's state");
+    {
+        use std::io::{Read as _, Write as _};
+        let mut byte = [9u8];
+        long_lived
+            .set_read_timeout(Some(CLIENT_TIMEOUT))
+            .expect("timeout");
+        long_lived
+            .write_all(&byte)
+            .expect("write on the long-lived connection");
+        long_lived
+            .read_exact(&mut byte)
+            .expect("answer on the long-lived connection");
+        assert_eq!(byte, [9]);
+    }
+    assert!(host.masq_stats().state_lost >= 1, "state lost is counted");
     for attempt in 0..20 {
         assert_eq!(
             tcp_request(
@@ -518,4 +603,71 @@ fn port_mapping_keeps_working_with_masquerade_on() {
         Ok("out"),
         "container → outside, masqueraded"
     );
+}
+
+#[test]
+fn a_changed_uplink_address_takes_effect_at_check() {
+    let host = masquerading("mq-addr");
+    let container = host.container("c1", Value::Null);
+    let new_addresses = [
+        (Family::V4, "203.0.113.9", "24", "203.0.113.2"),
+        (Family::V6, "2001:db8:1::9", "64", "2001:db8:1::2"),
+    ];
+    host.host
+        .sysctl("net.ipv4.conf.all.promote_secondaries", "1");
+    host.host
+        .sysctl("net.ipv4.conf.up0.promote_secondaries", "1");
+    for (family, new, prefix, gateway) in new_addresses {
+        let old = uplink_address(family);
+        let version = if family == Family::V4 { "-4" } else { "-6" };
+        host.host.exec(&[
+            "ip",
+            version,
+            "addr",
+            "add",
+            &format!("{new}/{prefix}"),
+            "dev",
+            "up0",
+            "nodad",
+        ]);
+        host.host.exec(&[
+            "ip",
+            version,
+            "addr",
+            "del",
+            &format!("{old}/{prefix}"),
+            "dev",
+            "up0",
+        ]);
+        host.host
+            .exec(&["ip", version, "route", "replace", "default", "via", gateway]);
+    }
+    let servers: Vec<TcpServer> = Family::BOTH
+        .iter()
+        .map(|family| TcpServer::start(&host.outside, family.any(8080 + *family as u16), "hello"))
+        .collect();
+    let target = |family: Family| SocketAddr::new(family.outside(), 8080 + family as u16);
+    // Until the plugin runs again, packets still leave with the old address, whose replies no
+    // longer reach this host.
+    for family in Family::BOTH {
+        assert!(
+            tcp_request(&container.netns, target(family)).is_err(),
+            "{family:?}: the old address still worked"
+        );
+    }
+    host.check(&container)
+        .unwrap_or_else(|error| panic!("CHECK: {error}"));
+    for ((family, new, _, _), server) in new_addresses.iter().zip(&servers) {
+        assert_eq!(
+            tcp_request(&container.netns, target(*family)).as_deref(),
+            Ok("hello"),
+            "{family:?} after CHECK"
+        );
+        let seen: Vec<String> = server
+            .peers()
+            .iter()
+            .map(|peer| peer.ip().to_string())
+            .collect();
+        assert_eq!(seen, vec![new.to_owned()], "{family:?}");
+    }
 }
