@@ -1,5 +1,6 @@
 //! `cargo xtask demo`: a simulated host, one container wired by a conflist with cnibpf chained
-//! after bridge + host-local, and real traffic through its hostPort.
+//! after bridge + host-local, and real traffic through its hostPort and out through the
+//! masquerade.
 
 use std::time::Instant;
 
@@ -24,7 +25,7 @@ pub fn run() -> Result<()> {
         started,
         "simulated host: netns cbt-demo-host (uplink up0 203.0.113.1) <-> cbt-demo-out (203.0.113.2)",
     );
-    let sim = SimHost::new("demo", json!({}));
+    let sim = SimHost::new("demo", json!({ "ipMasq": true }));
     println!("conflist:\n{:#}", sim.chain.conflist());
 
     section(
@@ -58,6 +59,27 @@ pub fn run() -> Result<()> {
 
     section(
         started,
+        "masquerade: the container -> a server in the outside netns, which has no route back",
+    );
+    for family in Family::BOTH {
+        let outside_server =
+            TcpServer::start(&sim.outside, family.any(9090), "hello from outside\n");
+        let target = std::net::SocketAddr::new(family.outside(), 9090);
+        let answer = tcp_request(&web.netns, target)
+            .map_err(|error| anyhow::anyhow!("container -> {target} failed: {error}"))?;
+        let peers = outside_server.peers();
+        print!("{target}: {answer}");
+        println!("  the outside server saw the connection from {peers:?} (the uplink's address)");
+        ensure!(
+            peers
+                .iter()
+                .all(|peer| peer.ip() == sim.uplink(family, 0).ip()),
+            "the outside should see the uplink's address"
+        );
+    }
+
+    section(
+        started,
         "a host process -> 127.0.0.1:8080 and [::1]:8080 (socket hooks, no route_localnet)",
     );
     let _server6 = TcpServer::start(
@@ -88,15 +110,17 @@ pub fn run() -> Result<()> {
         "{}",
         String::from_utf8_lossy(&sim.cnibpf(&["inspect", "--pin-path", &pin_path]).stdout)
     );
-    section(
-        started,
-        &format!("installed state: bpftool map dump pinned {pin_path}/portmap"),
-    );
-    let dump = std::process::Command::new("bpftool")
-        .args(["map", "dump", "pinned", &format!("{pin_path}/portmap")])
-        .output()
-        .context("run bpftool")?;
-    print!("{}", String::from_utf8_lossy(&dump.stdout));
+    for map in ["portmap", "masq_flows"] {
+        section(
+            started,
+            &format!("installed state: bpftool map dump pinned {pin_path}/{map}"),
+        );
+        let dump = std::process::Command::new("bpftool")
+            .args(["map", "dump", "pinned", &format!("{pin_path}/{map}")])
+            .output()
+            .context("run bpftool")?;
+        print!("{}", String::from_utf8_lossy(&dump.stdout));
+    }
 
     section(started, "CHECK");
     sim.check(&web)
