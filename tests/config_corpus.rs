@@ -435,6 +435,15 @@ fn every_bad_configuration_fails_cleanly() {
             7,
             "hostIP 203.0.113.1 is IPv4 but the container has no IPv4 address",
         ),
+        (
+            "ipMasq without container addresses",
+            with(
+                &sim,
+                json!({ "ipMasq": true, "runtimeConfig": null, "prevResult": { "cniVersion": "1.0.0", "ips": [] } }),
+            ),
+            7,
+            "ipMasq: needs the container's addresses",
+        ),
     ];
     assert!(
         cases.len() >= 40,

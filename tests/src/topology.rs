@@ -77,6 +77,8 @@ enum Chained {
     /// cnibpf, with these keys besides `type`, `pinPath`, `cgroupPath` and `capabilities`.
     Cnibpf(Value),
     ReferencePortmap,
+    /// Nothing chained: the reference bridge masquerades itself (`ipMasq: true`, iptables).
+    ReferenceMasquerade,
 }
 
 #[derive(Debug)]
@@ -107,6 +109,12 @@ impl SimHost {
     /// the bridge instead of cnibpf, for comparisons.
     pub fn with_reference_portmap(id: &str) -> Self {
         Self::build(id, "1.0.0", Chained::ReferencePortmap)
+    }
+
+    /// A simulated host whose bridge masquerades with iptables (the reference `ipMasq`) and
+    /// that chains nothing after it, for comparisons.
+    pub fn with_reference_masquerade(id: &str) -> Self {
+        Self::build(id, "1.0.0", Chained::ReferenceMasquerade)
     }
 
     fn build(id: &str, cni_version: &str, chained: Chained) -> Self {
@@ -200,6 +208,7 @@ impl SimHost {
             host.sysctl("net.bridge.bridge-nf-call-ip6tables", "0");
         }
 
+        let bridge_masquerades = matches!(chained, Chained::ReferenceMasquerade);
         let chained = match chained {
             Chained::Cnibpf(cnibpf_keys) => {
                 let mut cnibpf = json!({
@@ -212,26 +221,27 @@ impl SimHost {
                         entry.insert(key.clone(), value.clone());
                     }
                 }
-                cnibpf
+                Some(cnibpf)
             }
-            Chained::ReferencePortmap => {
-                json!({ "type": "portmap", "capabilities": { "portMappings": true }, "snat": true })
-            }
+            Chained::ReferencePortmap => Some(
+                json!({ "type": "portmap", "capabilities": { "portMappings": true }, "snat": true }),
+            ),
+            Chained::ReferenceMasquerade => None,
         };
+        let bridge = json!({
+            "type": "bridge", "bridge": BRIDGE, "isGateway": true,
+            "ipMasq": bridge_masquerades,
+            "ipam": {
+                "type": "host-local", "dataDir": work_dir.join("ipam"),
+                "ranges": [[{ "subnet": SUBNET }], [{ "subnet": SUBNET6 }]],
+                "routes": [{ "dst": "0.0.0.0/0" }, { "dst": "::/0" }]
+            }
+        });
+        let plugins: Vec<Value> = std::iter::once(bridge).chain(chained).collect();
         let conflist = json!({
             "cniVersion": cni_version,
             "name": format!("net-{id}"),
-            "plugins": [
-                {
-                    "type": "bridge", "bridge": BRIDGE, "isGateway": true, "ipMasq": false,
-                    "ipam": {
-                        "type": "host-local", "dataDir": work_dir.join("ipam"),
-                        "ranges": [[{ "subnet": SUBNET }], [{ "subnet": SUBNET6 }]],
-                        "routes": [{ "dst": "0.0.0.0/0" }, { "dst": "::/0" }]
-                    }
-                },
-                chained
-            ]
+            "plugins": plugins,
         });
         let chain = Chain::new(conflist, &cni_path(), &host.path());
         Self {

@@ -202,6 +202,7 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     let prev = PrevResult::parse(prev_result, &env.ifname)?;
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
     let mappings = attachment::resolve_mappings(&conf.port_mappings, &prev)?;
+    let masquerade = masquerade_plan(conf, &prev)?;
     let netns = env.netns.clone().ok_or(EnvError::Missing("CNI_NETNS"))?;
     if !netns.exists() {
         return Err(EnvError::Netns(netns.display().to_string()).into());
@@ -231,7 +232,6 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
         }
         .into());
     }
-    let masquerade = masquerade_plan(conf, &prev)?;
     Ok(Plan {
         endpoint: Endpoint {
             attachment: attachment.clone(),
@@ -412,8 +412,8 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
     let _lock = InstanceLock::acquire(&conf.pins.lock_file(), lock_timeout())?;
     for mut backend in backend::existing(&conf.pins)? {
-        backend.sweep_expired()?;
         remove_attachment(backend.as_mut(), attachment.owner_id())?;
+        backend.sweep_expired()?;
     }
     Ok(())
 }
@@ -483,10 +483,10 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
             })
             .map(|record| record.owner)
             .collect();
-        backend.sweep_expired()?;
         for owner in stale {
             remove_attachment(backend.as_mut(), owner)?;
         }
+        backend.sweep_expired()?;
     }
     Ok(())
 }

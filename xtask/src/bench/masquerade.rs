@@ -17,7 +17,7 @@ use super::{
     iperf3_streams, median, write_report,
 };
 
-const ROUNDS: usize = 5;
+const ROUNDS: usize = 7;
 const IPERF_SECONDS: u32 = 4;
 const RATE_WINDOW: Duration = Duration::from_secs(3);
 const RATE_CLIENTS: usize = 2;
@@ -27,49 +27,57 @@ const STREAMS: u32 = 8;
 pub fn run(out_dir: &Path) -> Result<()> {
     let progress = Progress::new();
     progress.step(&format!(
-        "two simulated hosts with {CONTAINERS} containers each: masquerade, and routed without NAT"
+        "three simulated hosts with {CONTAINERS} containers each: cnibpf masquerade, routed without NAT, iptables MASQUERADE"
     ));
     let masquerade = Setup::new(SimHost::new("bench-mq", json!({ "ipMasq": true })), false)?;
     let routed = Setup::new(SimHost::new("bench-rt", json!({})), true)?;
-    let (mut masquerade_rounds, mut routed_rounds) = (Vec::new(), Vec::new());
-    // The two alternate within each round, so that drift on this noisy machine falls on both.
-    for round in 1..=ROUNDS {
-        progress.step(&format!("round {round}/{ROUNDS}: masquerade"));
-        masquerade_rounds.push(masquerade.round()?);
-        progress.step(&format!("round {round}/{ROUNDS}: routed"));
-        routed_rounds.push(routed.round()?);
-    }
-    let medians = |rounds: &[[f64; 3]]| {
-        [0, 1, 2].map(|series| median(rounds.iter().map(|round| round[series]).collect()))
-    };
-    let nat = medians(&masquerade_rounds);
-    let plain = medians(&routed_rounds);
-    if nat.contains(&0.0) {
-        bail!("no traffic passed the masquerade");
-    }
-    let row = |scenario: &str, metric: &'static str, unit: &'static str, series: usize| Row {
-        scenario: scenario.to_owned(),
-        metric,
-        unit,
-        value: nat[series],
-        baseline: Some(("routed, no NAT".to_owned(), plain[series])),
-    };
-    let rows = vec![
-        row("masquerade, 1 container", "TCP throughput", "Gbit/s", 0),
-        row("masquerade, 1 container", "connection rate", "conn/s", 1),
-        row(
-            &format!("masquerade, {CONTAINERS} containers × {STREAMS} streams"),
-            "TCP throughput",
-            "Gbit/s",
-            2,
-        ),
+    let reference = Setup::new(SimHost::with_reference_masquerade("bench-ipt"), false)?;
+    let setups = [
+        ("cnibpf masquerade", &masquerade),
+        ("routed", &routed),
+        ("iptables MASQUERADE", &reference),
     ];
+    let mut rounds: [Vec<[f64; 3]>; 3] = Default::default();
+    // The three alternate within each round, so that drift on this noisy machine falls on all.
+    for round in 1..=ROUNDS {
+        for (series, (label, setup)) in setups.iter().enumerate() {
+            progress.step(&format!("round {round}/{ROUNDS}: {label}"));
+            rounds[series].push(setup.round()?);
+        }
+    }
+    let [nat, plain, iptables] = rounds.map(|rounds| {
+        [0, 1, 2].map(|series| median(rounds.iter().map(|round| round[series]).collect()))
+    });
+    if nat.contains(&0.0) || iptables.contains(&0.0) {
+        bail!("no traffic passed a masquerade");
+    }
+    let parallel = format!("{CONTAINERS} containers × {STREAMS} streams");
+    let mut rows = Vec::new();
+    for (name, values) in [
+        ("cnibpf masquerade", nat),
+        ("iptables MASQUERADE (reference bridge ipMasq)", iptables),
+    ] {
+        for (scenario, metric, unit, series) in [
+            ("1 container", "TCP throughput", "Gbit/s", 0),
+            ("1 container", "connection rate", "conn/s", 1),
+            (parallel.as_str(), "TCP throughput", "Gbit/s", 2),
+        ] {
+            rows.push(Row {
+                scenario: format!("{name}, {scenario}"),
+                metric,
+                unit,
+                value: values[series],
+                baseline: Some(("routed, no NAT".to_owned(), plain[series])),
+            });
+        }
+    }
     let notes = vec![format!(
         "Medians of {ROUNDS} alternating rounds, container → a server in the outside namespace. iperf3 {IPERF_SECONDS} s, one stream; \
          connection rate: {RATE_CLIENTS} clients, connect + 1-byte request/response + close, {} s windows; \
          {CONTAINERS} containers each running iperf3 with {STREAMS} parallel streams at once, summed. \
          Baseline \"routed, no NAT\": an identical simulated host with cnibpf chained but ipMasq off, whose outside \
-         namespace has a route back to the containers.",
+         namespace has a route back to the containers. iptables MASQUERADE: the reference bridge plugin with \
+         ipMasq: true and nothing chained.",
         RATE_WINDOW.as_secs()
     )];
     let report = write_report(
@@ -83,11 +91,18 @@ pub fn run(out_dir: &Path) -> Result<()> {
         &out_dir.join("masquerade.png"),
         "cnibpf masquerade (eBPF backend)",
         &[BarPanel {
-            title: "masquerade / routed without NAT (higher is better)",
+            title: "masquerade / routed without NAT (higher is better); ipt = iptables",
             y_label: "ratio",
             bars: rows
                 .iter()
-                .zip(["throughput", "conn/s", "8×8 streams"])
+                .zip([
+                    "throughput",
+                    "conn/s",
+                    "8×8 streams",
+                    "ipt throughput",
+                    "ipt conn/s",
+                    "ipt 8×8",
+                ])
                 .map(|(row, label)| (label.to_owned(), row.ratio().unwrap_or(f64::NAN)))
                 .collect(),
             reference: Some(1.0),

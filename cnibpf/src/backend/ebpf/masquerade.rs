@@ -52,9 +52,11 @@ impl EbpfBackend {
             }
         }
         let (current_sources, current_excludes) = self.owned_masquerade(owner)?;
+        let mut dropped_sources = false;
         for key in current_sources {
             if !wanted_sources.contains(&key) {
                 remove_entry(&mut self.masq_sources, &key, masq_source::MAP_NAME)?;
+                dropped_sources = true;
             }
         }
         let wanted_excludes: Vec<(Key<MasqExcludeKey>, u32)> = masquerade
@@ -77,6 +79,9 @@ impl EbpfBackend {
                 self.remove_exclude(&key)?;
             }
         }
+        if !dropped_sources {
+            return Ok(());
+        }
         // Flows of an address the attachment no longer masquerades must not be translated.
         self.remove_masquerade_flows(|flow_key, flow| {
             flow.owner == owner
@@ -94,7 +99,12 @@ impl EbpfBackend {
         for (key, _) in excludes {
             self.remove_exclude(&key)?;
         }
-        self.remove_masquerade_flows(|_, flow| flow.owner == owner)?;
+        // One pass over the table serves this attachment and the sweep of expired state.
+        let now = monotonic_now_ns();
+        self.remove_masquerade_flows(|key, flow| {
+            flow.owner == owner || flow.is_expired(key.protocol, now)
+        })?;
+        self.expired_swept = true;
         // Reverse entries whose forward entry was evicted are found by their owner.
         let mut orphans = Vec::new();
         for entry in self.masq_replies.iter() {
@@ -110,8 +120,13 @@ impl EbpfBackend {
     }
 
     pub(super) fn remove_expired_flows(&mut self) -> Result<(), BackendError> {
+        if self.expired_swept {
+            return Ok(());
+        }
         let now = monotonic_now_ns();
-        self.remove_masquerade_flows(|key, flow| flow.is_expired(key.protocol, now))
+        self.remove_masquerade_flows(|key, flow| flow.is_expired(key.protocol, now))?;
+        self.expired_swept = true;
+        Ok(())
     }
 
     pub(super) fn verify_masquerade(

@@ -138,6 +138,8 @@ pub struct EbpfBackend {
     masq_stats: PerCpuArray<MapData, MasqStats>,
     /// The host's addresses (interface index, address) as dumped by `load_for_changes`.
     host_addresses: Vec<(u32, IpAddr)>,
+    /// Whether this invocation already removed expired flow state (one pass is enough).
+    expired_swept: bool,
 }
 
 impl std::fmt::Debug for EbpfBackend {
@@ -222,6 +224,7 @@ impl EbpfBackend {
             masq_replies: open_pinned(pins, masq_reply::MAP_NAME)?,
             masq_stats: open_pinned(pins, masq_stats::MAP_NAME)?,
             host_addresses: Vec::new(),
+            expired_swept: false,
         })
     }
 
