@@ -173,15 +173,16 @@ pub trait Backend {
         endpoint: &Endpoint,
         masquerade: Option<&Masquerade>,
     ) -> Result<(), BackendError>;
-    /// Removes the attachment's masquerade and its flows' state.
+    /// Removes the attachment's masquerade and its flows' state (and may sweep expired state
+    /// of others on the way).
     fn teardown_masquerade(&mut self, owner: u64) -> Result<(), BackendError>;
     fn check_masquerade(
         &self,
         endpoint: &Endpoint,
         masquerade: Option<&Masquerade>,
     ) -> Result<(), BackendError>;
-    /// Removes expired connection-tracking state of every attachment (DEL and GC call it: no
-    /// daemon runs between CNI calls).
+    /// Removes expired connection-tracking state of every attachment. GC, which runtimes call
+    /// periodically, runs it: no daemon runs between CNI calls.
     fn sweep_expired(&mut self) -> Result<(), BackendError>;
     /// Takes the uplinks' current addresses as the addresses they masquerade to.
     fn refresh_uplinks(&mut self, uplinks: &[Link]) -> Result<(), BackendError>;

@@ -413,7 +413,6 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let _lock = InstanceLock::acquire(&conf.pins.lock_file(), lock_timeout())?;
     for mut backend in backend::existing(&conf.pins)? {
         remove_attachment(backend.as_mut(), attachment.owner_id())?;
-        backend.sweep_expired()?;
     }
     Ok(())
 }

@@ -93,6 +93,11 @@ impl EbpfBackend {
 
     pub(super) fn remove_masquerade(&mut self, owner: u64) -> Result<(), BackendError> {
         let (sources, excludes) = self.owned_masquerade(owner)?;
+        // Without masquerade entries the attachment has no flows either: skip the scans of the
+        // flow tables, which cost a walk over all their buckets even when empty.
+        if sources.is_empty() && excludes.is_empty() {
+            return Ok(());
+        }
         for key in sources {
             remove_entry(&mut self.masq_sources, &key, masq_source::MAP_NAME)?;
         }

@@ -743,8 +743,14 @@ impl Backend for EbpfBackend {
     }
 
     fn teardown_port_mappings(&mut self, owner: u64) -> Result<(), BackendError> {
-        for key in self.owned_portmap_keys(owner)? {
-            self.remove_owned_mapping(owner, &key)?;
+        let keys = self.owned_portmap_keys(owner)?;
+        // Without mappings the attachment translated no flows: skip the scan of `nat_flows`,
+        // which walks all its buckets even when empty.
+        if keys.is_empty() {
+            return Ok(());
+        }
+        for key in &keys {
+            self.remove_owned_mapping(owner, key)?;
         }
         self.record_owned_keys(owner, &[])?;
         self.remove_flows(owner, |_, _| true)
