@@ -14,8 +14,9 @@ use cnibpf_tests::{
     Container, SimHost,
     topology::{FAR_ADDR, FAR_ADDR6, Family, HOST_UPLINK_ADDR, HOST_UPLINK_ADDR6, port_mappings},
     traffic::{
-        CLIENT_TIMEOUT, EchoServer, SinkServer, TcpServer, UdpServer, tcp_exchange, tcp_request,
-        tcp_upload, udp_error, udp_exchange_from, udp_request,
+        CLIENT_TIMEOUT, EchoServer, SinkServer, TcpServer, UdpServer, any_address_for,
+        reset_on_close, tcp_exchange, tcp_request, tcp_upload, udp_error, udp_exchange_from,
+        udp_request,
     },
 };
 use serde_json::{Value, json};
@@ -217,14 +218,7 @@ fn own_subnet_host_exclusions_and_multicast_are_not_masqueraded() {
     for group in ["239.1.2.3", "ff0e::123"] {
         let target: IpAddr = group.parse().expect("literal");
         client.netns.run(move || {
-            let bind: SocketAddr = if target.is_ipv4() {
-                "0.0.0.0:0"
-            } else {
-                "[::]:0"
-            }
-            .parse()
-            .expect("literal");
-            let socket = std::net::UdpSocket::bind(bind).expect("bind");
+            let socket = std::net::UdpSocket::bind(any_address_for(target, 0)).expect("bind");
             let _ = socket.send_to(b"hello", SocketAddr::new(target, 9999));
         });
     }
@@ -318,7 +312,7 @@ fn tcp_state_follows_the_connection_and_expired_state_goes_away() {
             .unwrap_or_else(|error| panic!("{family:?} connect: {error}"));
         assert_eq!(state_towards(7000), STATE_ESTABLISHED, "{family:?}");
         // ... an RST shortens its life ...
-        reset(&open);
+        reset_on_close(&open);
         drop(open);
         assert!(
             cnibpf_tests::eventually(Duration::from_secs(2), || state_towards(7000)
@@ -367,26 +361,6 @@ fn tcp_state_follows_the_connection_and_expired_state_goes_away() {
             "{family:?}: their reverse entries too"
         );
     }
-}
-
-/// Closes `stream` with an RST (SO_LINGER 0) when it is dropped.
-fn reset(stream: &std::net::TcpStream) {
-    use std::os::fd::AsRawFd as _;
-    let linger = libc::linger {
-        l_onoff: 1,
-        l_linger: 0,
-    };
-    // SAFETY: setsockopt(2) on a descriptor `stream` owns, with a correctly sized value.
-    let rc = unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            (&raw const linger).cast(),
-            size_of::<libc::linger>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(rc, 0, "SO_LINGER");
 }
 
 /// Moves every `masq_flows` entry's last-seen time a second past its state's timeout (these

@@ -68,22 +68,14 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
         // `uplink_egress` masquerades what it forwards out of an uplink.
         Route::Other => return Ok(TC_ACT_OK),
     };
-    let Some(uplink) = maps::uplinks.get_ptr(&uplink_ifindex) else {
-        return Ok(TC_ACT_OK);
-    };
-    // SAFETY: points into `uplinks`, read at once.
-    let Some(nat_addr) = uplink_address(unsafe { &*uplink }, flow.family) else {
-        count(|stats| &mut stats.no_uplink_address);
-        return Ok(TC_ACT_SHOT);
+    let plan = match Plan::new(source, uplink_ifindex, flow.family) {
+        Ok(Some(plan)) => plan,
+        Ok(None) => return Ok(TC_ACT_OK),
+        Err(verdict) => return Ok(verdict),
     };
     if !flow.decrement_hop_limit(ctx)? {
         return Ok(TC_ACT_OK);
     }
-    let plan = Plan {
-        source,
-        uplink_ifindex,
-        nat_addr,
-    };
     if !masquerade(ctx, flow, &plan)? {
         return Ok(TC_ACT_SHOT);
     }
@@ -106,19 +98,10 @@ fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathEr
     if is_excluded(source.owner, flow) {
         return Ok(TC_ACT_OK);
     }
-    let uplink_ifindex = ifindex(ctx);
-    let Some(uplink) = maps::uplinks.get_ptr(&uplink_ifindex) else {
-        return Ok(TC_ACT_OK);
-    };
-    // SAFETY: points into `uplinks`, read at once.
-    let Some(nat_addr) = uplink_address(unsafe { &*uplink }, flow.family) else {
-        count(|stats| &mut stats.no_uplink_address);
-        return Ok(TC_ACT_SHOT);
-    };
-    let plan = Plan {
-        source,
-        uplink_ifindex,
-        nat_addr,
+    let plan = match Plan::new(source, ifindex(ctx), flow.family) {
+        Ok(Some(plan)) => plan,
+        Ok(None) => return Ok(TC_ACT_OK),
+        Err(verdict) => return Ok(verdict),
     };
     if !masquerade(ctx, flow, &plan)? {
         return Ok(TC_ACT_SHOT);
@@ -211,6 +194,29 @@ struct Plan {
     source: MasqSource,
     uplink_ifindex: u32,
     nat_addr: [u8; 16],
+}
+
+impl Plan {
+    /// The plan for a packet of `family` from `source` leaving through `uplink_ifindex`;
+    /// `None` when that interface is not an uplink (the packet is not masqueraded), the
+    /// verdict `TC_ACT_SHOT` when the uplink has no address of the family (as the kernel's
+    /// MASQUERADE drops it).
+    #[inline(always)]
+    fn new(source: MasqSource, uplink_ifindex: u32, family: u8) -> Result<Option<Self>, i32> {
+        let Some(uplink) = maps::uplinks.get_ptr(&uplink_ifindex) else {
+            return Ok(None);
+        };
+        // SAFETY: points into `uplinks`, read at once.
+        let Some(nat_addr) = uplink_address(unsafe { &*uplink }, family) else {
+            count(|stats| &mut stats.no_uplink_address);
+            return Err(TC_ACT_SHOT);
+        };
+        Ok(Some(Self {
+            source,
+            uplink_ifindex,
+            nat_addr,
+        }))
+    }
 }
 
 /// Rewrites the packet's source to the uplink's address and the flow's port, creating the

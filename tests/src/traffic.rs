@@ -2,7 +2,7 @@
 
 use std::{
     io::{Read as _, Write as _},
-    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -163,28 +163,15 @@ pub fn udp_request(netns: &Netns, target: SocketAddr) -> Result<(String, SocketA
 /// Sends one datagram to `target` from the current namespace and returns the answer and where
 /// it came from.
 pub fn udp_exchange(target: SocketAddr, timeout: Duration) -> Result<(String, SocketAddr), String> {
-    let bind: SocketAddr = if target.is_ipv4() {
-        "0.0.0.0:0"
-    } else {
-        "[::]:0"
+    udp_exchange_from(0, target, timeout)
+}
+
+/// The wildcard address of `target`'s family with `port`, to bind a client to.
+pub fn any_address_for(target: IpAddr, port: u16) -> SocketAddr {
+    match target {
+        IpAddr::V4(_) => SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)),
+        IpAddr::V6(_) => SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)),
     }
-    .parse()
-    .expect("literal");
-    let socket = UdpSocket::bind(bind).map_err(|error| error.to_string())?;
-    socket
-        .set_read_timeout(Some(timeout))
-        .map_err(|error| error.to_string())?;
-    socket
-        .send_to(b"ping", target)
-        .map_err(|error| error.to_string())?;
-    let mut buffer = [0u8; 1500];
-    let (length, from) = socket
-        .recv_from(&mut buffer)
-        .map_err(|error| error.to_string())?;
-    Ok((
-        String::from_utf8_lossy(&buffer[..length]).into_owned(),
-        from,
-    ))
 }
 
 /// One SCTP request from `client` to `target`, answered by a one-shot SCTP server bound to
@@ -293,14 +280,7 @@ pub struct EchoServer {
 impl EchoServer {
     pub fn start(netns: &Netns, bind: SocketAddr, workers: usize) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let listener = netns.run(move || {
-            let listener =
-                TcpListener::bind(bind).unwrap_or_else(|error| panic!("bind {bind}: {error}"));
-            listener
-                .set_nonblocking(true)
-                .expect("nonblocking listener");
-            listener
-        });
+        let listener = nonblocking_listener(netns, bind);
         let threads = (0..workers)
             .map(|_| {
                 let listener = listener.try_clone().expect("clone listener");
@@ -371,7 +351,20 @@ pub fn connection_rate(
     total as f64 / duration.as_secs_f64()
 }
 
-fn reset_on_close(stream: &TcpStream) {
+/// A non-blocking TCP listener bound to `bind` in `netns`, for servers that poll a stop flag.
+fn nonblocking_listener(netns: &Netns, bind: SocketAddr) -> TcpListener {
+    netns.run(move || {
+        let listener =
+            TcpListener::bind(bind).unwrap_or_else(|error| panic!("bind {bind}: {error}"));
+        listener
+            .set_nonblocking(true)
+            .expect("nonblocking listener");
+        listener
+    })
+}
+
+/// Makes closing `stream` send an RST (SO_LINGER 0): no TIME_WAIT piles up.
+pub fn reset_on_close(stream: &TcpStream) {
     use std::os::fd::AsRawFd as _;
     let linger = libc::linger {
         l_onoff: 1,
@@ -389,18 +382,14 @@ fn reset_on_close(stream: &TcpStream) {
     }
 }
 
-/// [`udp_exchange`] from a fixed source port of the current namespace.
+/// [`udp_exchange`] from a fixed source port of the current namespace (0: any).
 pub fn udp_exchange_from(
     source_port: u16,
     target: SocketAddr,
     timeout: Duration,
 ) -> Result<(String, SocketAddr), String> {
-    let bind: SocketAddr = if target.is_ipv4() {
-        SocketAddr::from(([0, 0, 0, 0], source_port))
-    } else {
-        SocketAddr::from(([0u16; 8], source_port))
-    };
-    let socket = UdpSocket::bind(bind).map_err(|error| error.to_string())?;
+    let socket = UdpSocket::bind(any_address_for(target.ip(), source_port))
+        .map_err(|error| error.to_string())?;
     socket
         .set_read_timeout(Some(timeout))
         .map_err(|error| error.to_string())?;
@@ -421,14 +410,7 @@ pub fn udp_exchange_from(
 /// the next receive reports: `ConnectionRefused` when an ICMP "port unreachable" came back.
 pub fn udp_error(netns: &Netns, target: SocketAddr) -> std::io::ErrorKind {
     netns.run(move || {
-        let bind: SocketAddr = if target.is_ipv4() {
-            "0.0.0.0:0"
-        } else {
-            "[::]:0"
-        }
-        .parse()
-        .expect("literal");
-        let socket = UdpSocket::bind(bind).expect("bind udp");
+        let socket = UdpSocket::bind(any_address_for(target.ip(), 0)).expect("bind udp");
         socket.connect(target).expect("connect udp");
         socket
             .set_read_timeout(Some(CLIENT_TIMEOUT))
@@ -453,14 +435,7 @@ pub struct SinkServer {
 impl SinkServer {
     pub fn start(netns: &Netns, bind: SocketAddr) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let listener = netns.run(move || {
-            let listener =
-                TcpListener::bind(bind).unwrap_or_else(|error| panic!("bind {bind}: {error}"));
-            listener
-                .set_nonblocking(true)
-                .expect("nonblocking listener");
-            listener
-        });
+        let listener = nonblocking_listener(netns, bind);
         let thread = {
             let stop = Arc::clone(&stop);
             thread::spawn(move || {
