@@ -16,7 +16,7 @@ use cnibpf_tests::{
     traffic::{
         CLIENT_TIMEOUT, EchoServer, SinkServer, TcpServer, UdpServer, any_address_for,
         reset_on_close, tcp_exchange, tcp_request, tcp_upload, udp_error, udp_exchange_from,
-        udp_request,
+        udp_exchange_with, udp_request,
     },
 };
 use serde_json::{Value, json};
@@ -245,6 +245,28 @@ fn own_subnet_host_exclusions_and_multicast_are_not_masqueraded() {
                 .flatten()
                 .any(|entry| entry["destination"] == destination && entry["reason"] == reason),
             "{destination} ({reason}) missing from {excludes}"
+        );
+    }
+}
+
+#[test]
+fn fragmented_udp_datagrams_are_masqueraded_both_ways() {
+    let host = masquerading("mq-frag");
+    let container = host.container("c1", Value::Null);
+    // Both ways larger than the 1500-byte MTU: the container and the server fragment them.
+    let greeting = "r".repeat(4000);
+    for family in Family::BOTH {
+        let udp = UdpServer::start(&host.outside, family.any(5353), &greeting);
+        let target = SocketAddr::new(family.outside(), 5353);
+        let (answer, from) = container
+            .netns
+            .run(move || udp_exchange_with(0, target, &[7; 4000], CLIENT_TIMEOUT))
+            .unwrap_or_else(|error| panic!("{family:?}: fragmented exchange: {error}"));
+        assert_eq!((answer.len(), from), (4000, target), "{family:?}");
+        let peers = udp.peers();
+        assert!(
+            !peers.is_empty() && peers.iter().all(|peer| peer.ip() == uplink_address(family)),
+            "{family:?}: the server reassembled {peers:?}, not the uplink address"
         );
     }
 }

@@ -12,6 +12,7 @@ pub mod host_addr;
 pub mod layout;
 pub mod masq_exclude;
 pub mod masq_flow;
+pub mod masq_fragment;
 pub mod masq_reply;
 pub mod masq_source;
 pub mod masq_stats;

@@ -13,6 +13,7 @@ use cnibpf_common::{
     layout::{self, LayoutInfo},
     masq_exclude::{self, MasqExcludeKey},
     masq_flow::{self, MasqFlow},
+    masq_fragment::{self, FragmentKey},
     masq_reply::{self, MasqReply},
     masq_source::{self, MasqSource, MasqSourceKey},
     masq_stats::{self, MasqStats},
@@ -126,6 +127,17 @@ pub static masq_flows: LruHashMap<NatFlowKey, MasqFlow, { masq_flow::MAX_ENTRIES
 #[btf_map(pin_by_name)]
 pub static masq_replies: LruHashMap<NatFlowKey, MasqReply, { masq_reply::MAX_ENTRIES as usize }> =
     LruHashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static masq_fragments: LruHashMap<
+    FragmentKey,
+    MasqReply,
+    { masq_fragment::MAX_ENTRIES as usize },
+> = LruHashMap::new();
 
 #[expect(
     non_upper_case_globals,

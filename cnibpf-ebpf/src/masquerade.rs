@@ -27,6 +27,7 @@ use cnibpf_common::{
         FIN_FROM_CONTAINER, FIN_FROM_REMOTE, MasqFlow, STATE_CLOSING, STATE_ESTABLISHED,
         STATE_OPENING,
     },
+    masq_fragment::FragmentKey,
     masq_reply::MasqReply,
     masq_source::{MasqSource, MasqSourceKey},
     masq_stats::MasqStats,
@@ -37,8 +38,8 @@ use cnibpf_common::{
 use crate::{
     maps,
     packet::{
-        DatapathError, Flow, Route, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, forward, redirect_to_peer,
-        route, set_macs, widen,
+        DatapathError, Flow, Fragment, Route, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, forward,
+        redirect_to_peer, route, set_macs, widen,
     },
     portmap,
 };
@@ -117,6 +118,9 @@ pub fn reply(ctx: &TcContext, flow: &Flow) -> i32 {
 }
 
 fn try_reply(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
+    if flow.fragment == Fragment::Later {
+        return later_fragment_reply(ctx, flow);
+    }
     let key = flow_key(flow);
     let Some(reply) = maps::masq_replies.get_ptr(&key) else {
         return Ok(TC_ACT_OK);
@@ -128,10 +132,38 @@ fn try_reply(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
         let _ = maps::masq_replies.remove(&key);
         return Ok(TC_ACT_OK);
     }
+    if flow.fragment == Fragment::First {
+        let _ = maps::masq_fragments.insert(&fragment_key(flow), reply, u64::from(BPF_ANY));
+    }
     let mut flow = *flow;
     flow.rewrite_destination(ctx, &reply.container_addr, reply.container_port.to_be())?;
     set_macs(ctx, &reply.container_mac, &reply.gateway_mac)?;
     Ok(redirect_to_peer(reply.host_ifindex))
+}
+
+/// A later fragment of a reply: it goes where its first fragment went.
+#[inline(never)]
+fn later_fragment_reply(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
+    let Some(reply) = maps::masq_fragments.get_ptr(&fragment_key(flow)) else {
+        return Ok(TC_ACT_OK);
+    };
+    // SAFETY: points into `masq_fragments`; see `try_reply` on reading LRU entries.
+    let reply = unsafe { &*reply };
+    let mut flow = *flow;
+    flow.rewrite_destination(ctx, &reply.container_addr, flow.dport)?;
+    set_macs(ctx, &reply.container_mac, &reply.gateway_mac)?;
+    Ok(redirect_to_peer(reply.host_ifindex))
+}
+
+fn fragment_key(flow: &Flow) -> FragmentKey {
+    FragmentKey {
+        src_addr: flow.saddr,
+        dst_addr: flow.daddr,
+        id: flow.fragment_id,
+        protocol: flow.protocol,
+        family: flow.family,
+        _pad: [0; 2],
+    }
 }
 
 /// Moves the state of the flow a reply belongs to on; `false` when that state has expired
@@ -223,6 +255,12 @@ impl Plan {
 /// flow's state when it has none (or only an expired one); `false` when no port was free.
 #[inline(never)]
 fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, DatapathError> {
+    if flow.fragment == Fragment::Later {
+        // No ports, no state: the first fragment's translation covers the datagram's
+        // checksum; the later ones need only the source address.
+        flow.rewrite_source(ctx, &plan.nat_addr, flow.sport)?;
+        return Ok(true);
+    }
     let key = flow_key(flow);
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };

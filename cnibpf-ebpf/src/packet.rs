@@ -29,8 +29,8 @@ const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
 const IPV6_HLEN: usize = 40;
 const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
-/// More-fragments flag and fragment offset: any bit set means this is a fragment.
-const IPV4_FRAGMENT_MASK: u16 = 0x3fff;
+const IPV4_FRAGMENT_OFFSET_MASK: u16 = 0x1fff;
+const IPV4_MORE_FRAGMENTS: u16 = 0x2000;
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
@@ -61,20 +61,38 @@ impl DatapathError {
     }
 }
 
-/// A TCP, UDP, SCTP or ICMP echo packet over IPv4 (unfragmented) or IPv6 (no extension
-/// headers).
+/// A TCP, UDP, SCTP or ICMP echo packet over IPv4 or IPv6 (no extension headers but a
+/// fragment header).
 #[derive(Clone, Copy)]
 pub struct Flow {
     pub family: u8,
     pub protocol: u8,
     pub saddr: [u8; 16],
     pub daddr: [u8; 16],
-    /// Network byte order.
+    /// Network byte order; zero in a later fragment.
     pub sport: u16,
-    /// Network byte order.
+    /// Network byte order; zero in a later fragment.
     pub dport: u16,
+    pub fragment: Fragment,
+    /// The datagram's identification (IPv4's 16 bits or the IPv6 fragment header's 32) as on
+    /// the wire; zero for a whole datagram.
+    pub fragment_id: u32,
     l4_off: usize,
 }
+
+/// Where a packet stands in its datagram.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Fragment {
+    Whole,
+    /// The first fragment, which carries the L4 header.
+    First,
+    /// A later fragment: no L4 header, so no ports; only addresses can be rewritten.
+    Later,
+}
+
+/// The IPv6 fragment header's next-header value.
+const IPV6_FRAGMENT_HEADER: u8 = 44;
+const IPV6_FRAGMENT_HLEN: usize = 8;
 
 /// Brings the first `length` bytes into the linear area, where direct reads can see them —
 /// only when they are not there already: pulling also makes a cloned packet (every TCP
@@ -97,6 +115,8 @@ fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
 }
 
 impl Flow {
+    /// A whole datagram, a first fragment (with ports) or a later fragment (without) of TCP,
+    /// UDP, SCTP or ICMP echo; `None` for anything else.
     pub fn parse(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
         ensure_linear(ctx, ETH_HLEN);
         let ethertype: u16 = load(ctx, 12)?;
@@ -109,21 +129,36 @@ impl Flow {
         }
     }
 
+    #[inline(always)]
     fn parse_ipv4(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
         let version_ihl: u8 = load(ctx, ETH_HLEN)?;
         let header_len = usize::from(version_ihl & 0x0f) * 4;
         if version_ihl >> 4 != 4 || header_len < 20 {
             return Ok(None);
         }
-        let fragment: u16 = load(ctx, ETH_HLEN + 6)?;
-        if u16::from_be(fragment) & IPV4_FRAGMENT_MASK != 0 {
-            return Ok(None);
-        }
+        // Identification and flags/offset, read together.
+        let id_and_fragment: [u8; 4] = load(ctx, ETH_HLEN + 4)?;
+        let fragment_bits = u16::from_be_bytes([id_and_fragment[2], id_and_fragment[3]]);
+        let fragment = if fragment_bits & IPV4_FRAGMENT_OFFSET_MASK != 0 {
+            Fragment::Later
+        } else if fragment_bits & IPV4_MORE_FRAGMENTS != 0 {
+            Fragment::First
+        } else {
+            Fragment::Whole
+        };
         ensure_linear(ctx, ETH_HLEN + header_len + L4_PULL);
         let protocol: u8 = load(ctx, ETH_HLEN + 9)?;
         let l4_off = ETH_HLEN + header_len;
-        let Some((sport, dport)) = ports(ctx, protocol, l4_off)? else {
-            return Ok(None);
+        let (sport, dport) = if fragment == Fragment::Later {
+            if !is_translated_protocol(protocol) {
+                return Ok(None);
+            }
+            (0, 0)
+        } else {
+            let Some(ports) = ports(ctx, protocol, l4_off)? else {
+                return Ok(None);
+            };
+            ports
         };
         let saddr: [u8; 4] = load(ctx, IPV4_SADDR_OFF)?;
         let daddr: [u8; 4] = load(ctx, IPV4_DADDR_OFF)?;
@@ -134,20 +169,54 @@ impl Flow {
             daddr: widen(daddr),
             sport,
             dport,
+            fragment,
+            fragment_id: if fragment == Fragment::Whole {
+                0
+            } else {
+                u32::from(u16::from_ne_bytes([id_and_fragment[0], id_and_fragment[1]]))
+            },
             l4_off,
         }))
     }
 
+    #[inline(always)]
     fn parse_ipv6(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
         let version: u8 = load(ctx, ETH_HLEN)?;
         if version >> 4 != 6 {
             return Ok(None);
         }
-        ensure_linear(ctx, ETH_HLEN + IPV6_HLEN + L4_PULL);
-        let protocol: u8 = load(ctx, ETH_HLEN + 6)?;
-        let l4_off = ETH_HLEN + IPV6_HLEN;
-        let Some((sport, dport)) = ports(ctx, protocol, l4_off)? else {
-            return Ok(None);
+        ensure_linear(ctx, ETH_HLEN + IPV6_HLEN + IPV6_FRAGMENT_HLEN + L4_PULL);
+        let next_header: u8 = load(ctx, ETH_HLEN + 6)?;
+        let (protocol, l4_off, fragment, fragment_id) = if next_header == IPV6_FRAGMENT_HEADER {
+            let header: [u8; 8] = load(ctx, ETH_HLEN + IPV6_HLEN)?;
+            let offset_and_more = u16::from_be_bytes([header[2], header[3]]);
+            let fragment = if offset_and_more >> 3 != 0 {
+                Fragment::Later
+            } else if offset_and_more & 1 != 0 {
+                Fragment::First
+            } else {
+                Fragment::Whole
+            };
+            let id = u32::from_ne_bytes([header[4], header[5], header[6], header[7]]);
+            (
+                header[0],
+                ETH_HLEN + IPV6_HLEN + IPV6_FRAGMENT_HLEN,
+                fragment,
+                id,
+            )
+        } else {
+            (next_header, ETH_HLEN + IPV6_HLEN, Fragment::Whole, 0)
+        };
+        let (sport, dport) = if fragment == Fragment::Later {
+            if !is_translated_protocol(protocol) {
+                return Ok(None);
+            }
+            (0, 0)
+        } else {
+            let Some(ports) = ports(ctx, protocol, l4_off)? else {
+                return Ok(None);
+            };
+            ports
         };
         Ok(Some(Self {
             family: FAMILY_IPV6,
@@ -156,6 +225,8 @@ impl Flow {
             daddr: load(ctx, IPV6_DADDR_OFF)?,
             sport,
             dport,
+            fragment,
+            fragment_id,
             l4_off,
         }))
     }
@@ -170,7 +241,7 @@ impl Flow {
     /// `Flow` passed between functions loses the bounds the verifier needs on `l4_off` for
     /// direct packet access.
     pub fn tcp_flags(&self, ctx: &TcContext) -> Result<u8, DatapathError> {
-        if self.protocol != PROTO_TCP {
+        if self.protocol != PROTO_TCP || self.fragment == Fragment::Later {
             return Ok(0);
         }
         ctx.load(self.l4_off + 13)
@@ -180,6 +251,9 @@ impl Flow {
     /// Offset of the L4 checksum where it covers the addresses (the pseudo-header): not
     /// SCTP's CRC32c, not ICMPv4's.
     fn address_csum_off(&self) -> Option<usize> {
+        if self.fragment == Fragment::Later {
+            return None;
+        }
         match self.protocol {
             PROTO_TCP => Some(self.l4_off + 16),
             PROTO_UDP => Some(self.l4_off + 6),
@@ -190,6 +264,9 @@ impl Flow {
 
     /// Offset of the L4 checksum that covers the ports (or the echo identifier).
     fn port_csum_off(&self) -> Option<usize> {
+        if self.fragment == Fragment::Later {
+            return None;
+        }
         match self.protocol {
             PROTO_TCP => Some(self.l4_off + 16),
             PROTO_UDP => Some(self.l4_off + 6),
@@ -351,6 +428,13 @@ impl Flow {
 enum Side {
     Source,
     Destination,
+}
+
+fn is_translated_protocol(protocol: u8) -> bool {
+    matches!(
+        protocol,
+        PROTO_TCP | PROTO_UDP | PROTO_SCTP | PROTO_ICMP | PROTO_ICMPV6
+    )
 }
 
 /// The ports of a TCP, UDP or SCTP header at `l4_off`, or an ICMP echo's identifier in the

@@ -22,7 +22,7 @@ use cnibpf_common::{
 
 use crate::{
     maps, masquerade,
-    packet::{DatapathError, Flow, Route, forward, redirect_to_peer, route, set_macs},
+    packet::{DatapathError, Flow, Fragment, Route, forward, redirect_to_peer, route, set_macs},
 };
 
 /// How often a flow's `last_seen_ns` is refreshed: writing it on every packet would turn each
@@ -45,6 +45,11 @@ fn from_outside(ctx: &TcContext, flow: &mut Flow) -> i32 {
 }
 
 fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
+    // Fragments are translated only for masqueraded flows (their later fragments carry no
+    // ports to find a mapping by).
+    if flow.fragment != Fragment::Whole {
+        return Ok(masquerade::reply(ctx, flow));
+    }
     let Some(mapping) = lookup_mapping(flow) else {
         return Ok(masquerade::reply(ctx, flow));
     };
@@ -72,7 +77,12 @@ pub fn try_uplink_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(mut flow) = Flow::parse(ctx)? else {
         return Ok(TC_ACT_OK);
     };
-    let Some(entry) = lookup_flow(&flow) else {
+    let entry = if flow.fragment == Fragment::Whole {
+        lookup_flow(&flow)
+    } else {
+        None
+    };
+    let Some(entry) = entry else {
         return Ok(masquerade::uplink_egress(ctx, &mut flow));
     };
     // SAFETY: entry points into nat_flows; the fields are copied out before any rewrite.
@@ -87,11 +97,13 @@ pub fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(mut flow) = Flow::parse(ctx)? else {
         return Ok(TC_ACT_OK);
     };
-    if let Some(verdict) = reply(ctx, &flow)? {
-        return Ok(verdict);
-    }
-    if let Some(verdict) = hairpin(ctx, &flow)? {
-        return Ok(verdict);
+    if flow.fragment == Fragment::Whole {
+        if let Some(verdict) = reply(ctx, &flow)? {
+            return Ok(verdict);
+        }
+        if let Some(verdict) = hairpin(ctx, &flow)? {
+            return Ok(verdict);
+        }
     }
     masquerade::from_container(ctx, &mut flow)
 }
@@ -104,7 +116,7 @@ pub fn try_to_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(flow) = Flow::parse(ctx)? else {
         return Ok(TC_ACT_OK);
     };
-    if flow.protocol == PROTO_TCP && !flow.is_tcp_syn(ctx)? {
+    if flow.fragment != Fragment::Whole || (flow.protocol == PROTO_TCP && !flow.is_tcp_syn(ctx)?) {
         return Ok(TC_ACT_OK);
     }
     let reply = flow_key(&flow, Direction::Reply);

@@ -34,8 +34,7 @@ impl TcpServer {
             let stop = Arc::clone(&stop);
             let peers = Arc::clone(&peers);
             netns.spawn(move || {
-                let listener =
-                    TcpListener::bind(bind).unwrap_or_else(|error| panic!("bind {bind}: {error}"));
+                let listener = bind_server(bind, TcpListener::bind);
                 listener
                     .set_nonblocking(true)
                     .expect("nonblocking listener");
@@ -116,13 +115,12 @@ impl UdpServer {
             let stop = Arc::clone(&stop);
             let peers = Arc::clone(&peers);
             netns.spawn(move || {
-                let socket =
-                    UdpSocket::bind(bind).unwrap_or_else(|error| panic!("bind {bind}: {error}"));
+                let socket = bind_server(bind, UdpSocket::bind);
                 socket
                     .set_read_timeout(Some(Duration::from_millis(20)))
                     .expect("read timeout");
                 ready_tx.send(()).expect("test waits for the server");
-                let mut buffer = [0u8; 1500];
+                let mut buffer = vec![0u8; 65_536];
                 while !stop.load(Ordering::Relaxed) {
                     if let Ok((_, peer)) = socket.recv_from(&mut buffer) {
                         peers.lock().expect("peers lock").push(peer);
@@ -351,11 +349,36 @@ pub fn connection_rate(
     total as f64 / duration.as_secs_f64()
 }
 
+/// Binds a socket to a fixed port, waiting out an "address in use" for up to two seconds: a
+/// socket the previous user of the port closed stays bound while a process that another test
+/// thread forks still holds its descriptor (until that child execs).
+fn bind_retrying<T>(
+    bind: SocketAddr,
+    open: impl Fn(SocketAddr) -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        match open(bind) {
+            Err(error)
+                if error.kind() == std::io::ErrorKind::AddrInUse
+                    && std::time::Instant::now() < deadline =>
+            {
+                thread::sleep(Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// [`bind_retrying`] for a server, which cannot do without its port.
+fn bind_server<T>(bind: SocketAddr, open: impl Fn(SocketAddr) -> std::io::Result<T>) -> T {
+    bind_retrying(bind, open).unwrap_or_else(|error| panic!("bind {bind}: {error}"))
+}
+
 /// A non-blocking TCP listener bound to `bind` in `netns`, for servers that poll a stop flag.
 fn nonblocking_listener(netns: &Netns, bind: SocketAddr) -> TcpListener {
     netns.run(move || {
-        let listener =
-            TcpListener::bind(bind).unwrap_or_else(|error| panic!("bind {bind}: {error}"));
+        let listener = bind_server(bind, TcpListener::bind);
         listener
             .set_nonblocking(true)
             .expect("nonblocking listener");
@@ -388,15 +411,25 @@ pub fn udp_exchange_from(
     target: SocketAddr,
     timeout: Duration,
 ) -> Result<(String, SocketAddr), String> {
-    let socket = UdpSocket::bind(any_address_for(target.ip(), source_port))
+    udp_exchange_with(source_port, target, b"ping", timeout)
+}
+
+/// [`udp_exchange_from`] with `payload` as the datagram (larger than the MTU: fragmented).
+pub fn udp_exchange_with(
+    source_port: u16,
+    target: SocketAddr,
+    payload: &[u8],
+    timeout: Duration,
+) -> Result<(String, SocketAddr), String> {
+    let socket = bind_retrying(any_address_for(target.ip(), source_port), UdpSocket::bind)
         .map_err(|error| error.to_string())?;
     socket
         .set_read_timeout(Some(timeout))
         .map_err(|error| error.to_string())?;
     socket
-        .send_to(b"ping", target)
+        .send_to(payload, target)
         .map_err(|error| error.to_string())?;
-    let mut buffer = [0u8; 1500];
+    let mut buffer = vec![0u8; 65_536];
     let (length, from) = socket
         .recv_from(&mut buffer)
         .map_err(|error| error.to_string())?;

@@ -9,7 +9,7 @@ use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6,
     masq_exclude::{self, MasqExcludeKey, OWNER_FAMILY_BITS},
     masq_flow::{self, MasqFlow},
-    masq_reply,
+    masq_fragment, masq_reply,
     masq_source::{self, MasqSource, MasqSourceKey},
     nat_flow::NatFlowKey,
     uplink::UplinkInfo,
@@ -120,6 +120,16 @@ impl EbpfBackend {
         }
         for key in orphans {
             remove_entry(&mut self.masq_replies, &key, masq_reply::MAP_NAME)?;
+        }
+        let mut fragments = Vec::new();
+        for entry in self.masq_fragments.iter() {
+            let (key, reply) = entry.map_err(map_error("could not read map masq_fragments"))?;
+            if reply.owner == owner {
+                fragments.push(key);
+            }
+        }
+        for key in fragments {
+            remove_entry(&mut self.masq_fragments, &key, masq_fragment::MAP_NAME)?;
         }
         Ok(())
     }

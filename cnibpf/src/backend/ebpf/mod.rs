@@ -32,6 +32,7 @@ use cnibpf_common::{
     layout::{self, LayoutInfo},
     masq_exclude::{self, MasqExcludeKey},
     masq_flow::{self, MasqFlow},
+    masq_fragment::{self, FragmentKey},
     masq_reply::{self, MasqReply},
     masq_source::{self, MasqSource, MasqSourceKey},
     masq_stats::{self, MasqStats},
@@ -135,6 +136,7 @@ pub struct EbpfBackend {
     uplinks: HashMap<MapData, u32, UplinkInfo>,
     masq_flows: HashMap<MapData, NatFlowKey, MasqFlow>,
     masq_replies: HashMap<MapData, NatFlowKey, MasqReply>,
+    masq_fragments: HashMap<MapData, FragmentKey, MasqReply>,
     masq_stats: PerCpuArray<MapData, MasqStats>,
     /// The host's addresses (interface index, address) as dumped by `load_for_changes`.
     host_addresses: Vec<(u32, IpAddr)>,
@@ -222,6 +224,7 @@ impl EbpfBackend {
             uplinks: open_pinned(pins, uplink::MAP_NAME)?,
             masq_flows: open_pinned(pins, masq_flow::MAP_NAME)?,
             masq_replies: open_pinned(pins, masq_reply::MAP_NAME)?,
+            masq_fragments: open_pinned(pins, masq_fragment::MAP_NAME)?,
             masq_stats: open_pinned(pins, masq_stats::MAP_NAME)?,
             host_addresses: Vec::new(),
             expired_swept: false,

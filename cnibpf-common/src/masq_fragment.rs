@@ -1,0 +1,28 @@
+//! `masq_fragments`: where the later fragments of a fragmented reply go.
+//!
+//! Key: [`FragmentKey`] — the reply datagram's addresses (remote to masquerade address),
+//! protocol and identification. Value: [`MasqReply`](crate::masq_reply::MasqReply) — the
+//! container the datagram's first fragment was translated for. Written by `uplink_ingress` when
+//! it translates the first fragment of a reply (which carries the ports); read for the later
+//! fragments, which carry none. Later fragments that arrive before the first are not
+//! translated. An LRU map: entries live as long as fragments of the datagram keep coming.
+
+use crate::impl_pod;
+
+pub const MAP_NAME: &str = "masq_fragments";
+pub const MAX_ENTRIES: u32 = 16_384;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragmentKey {
+    pub src_addr: [u8; 16],
+    pub dst_addr: [u8; 16],
+    /// IPv4 identification (16 bits) or IPv6 fragment identification, as on the wire.
+    pub id: u32,
+    pub protocol: u8,
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(size_of::<FragmentKey>() == 40);
+
+impl_pod!(FragmentKey);
