@@ -270,6 +270,7 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
     if let Some(state) = maps::masq_flows.get_ptr_mut(&key) {
         // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
         let state = unsafe { &mut *state };
+        // Expired, or made with an uplink address that has changed since: replaced.
         if state.is_expired(flow.protocol, now) || state.nat_addr != plan.nat_addr {
             count(|stats| &mut stats.expired);
         } else {
@@ -321,6 +322,7 @@ fn record_flow(flow: &Flow, plan: &Plan, nat_port: u16, now: u64, opens: bool) {
 /// Finds and claims a free masquerade port for a new flow in at most `PORT_ATTEMPTS` tries:
 /// its own source port when free, else random ones of the same class, as the kernel's NAT
 /// does.
+///
 /// The search state lives in the per-CPU `port_search` map: on the stack it would push the
 /// call chain past the verifier's 512 bytes.
 #[inline(never)]
