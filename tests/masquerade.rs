@@ -110,6 +110,45 @@ fn source_ports_are_kept_when_free_and_a_collision_picks_another() {
 }
 
 #[test]
+fn a_port_a_host_socket_holds_is_not_taken_for_a_container() {
+    let host = masquerading("mq-hsock");
+    let container = host.container("c1", Value::Null);
+    for family in Family::BOTH {
+        let udp = UdpServer::start(&host.outside, family.any(5353), "hello");
+        let target = SocketAddr::new(family.outside(), 5353);
+        // A host process talks to the server from port 40000 of the uplink's address ...
+        let host_socket = host.host.run(move || {
+            let socket = std::net::UdpSocket::bind(SocketAddr::new(uplink_address(family), 40_000))
+                .expect("bind the host socket");
+            socket.connect(target).expect("connect the host socket");
+            socket
+                .set_read_timeout(Some(CLIENT_TIMEOUT))
+                .expect("timeout");
+            socket
+        });
+        // ... when a container uses the same source port towards the same server.
+        let (answer, _) = container
+            .netns
+            .run(move || udp_exchange_from(40_000, target, CLIENT_TIMEOUT))
+            .unwrap_or_else(|error| panic!("{family:?} container: {error}"));
+        assert_eq!(answer, "hello");
+        host_socket.send(b"ping").expect("host send");
+        let mut buffer = [0u8; 64];
+        let length = host_socket.recv(&mut buffer).unwrap_or_else(|error| {
+            panic!("{family:?}: the host socket's reply was taken: {error}")
+        });
+        assert_eq!(&buffer[..length], b"hello");
+        let ports: Vec<u16> = udp.peers().iter().map(SocketAddr::port).collect();
+        assert_eq!(ports.len(), 2, "{family:?}: {ports:?}");
+        assert_ne!(
+            ports[0], 40_000,
+            "{family:?}: the container got another port"
+        );
+        assert_eq!(ports[1], 40_000, "{family:?}: the host socket kept its own");
+    }
+}
+
+#[test]
 fn a_thousand_concurrent_flows_from_eight_containers_all_complete() {
     let host = masquerading("mq-many");
     let containers: Vec<Container> = (0..8)

@@ -15,9 +15,15 @@
 
 use aya_ebpf::{
     EbpfContext as _,
-    bindings::{__sk_buff, BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{
+        __sk_buff, BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_F_CURRENT_NETNS, BPF_NOEXIST, TC_ACT_OK,
+        TC_ACT_SHOT, bpf_sock_tuple,
+    },
     cty::c_void,
-    helpers::{bpf_csum_diff, bpf_csum_level, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop},
+    helpers::{
+        bpf_csum_diff, bpf_csum_level, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop,
+        bpf_sk_lookup_udp, bpf_sk_release, bpf_skc_lookup_tcp,
+    },
     programs::TcContext,
 };
 use cnibpf_common::{
@@ -39,7 +45,7 @@ use crate::{
     maps,
     packet::{
         DatapathError, Flow, Fragment, Route, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, forward,
-        redirect_to_peer, route, set_macs, widen,
+        redirect_to_peer, route, set_macs, widen, words,
     },
     portmap,
 };
@@ -284,7 +290,8 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
     let nat_port = match known_port {
         Some(port) => port,
         None => {
-            let Some(port) = claim_port(flow, plan) else {
+            let keep_own_port = !host_socket_holds(ctx, flow, &plan.nat_addr);
+            let Some(port) = claim_port(flow, plan, keep_own_port) else {
                 count(|stats| &mut stats.ports_exhausted);
                 return Ok(false);
             };
@@ -294,6 +301,52 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
     };
     flow.rewrite_source(ctx, &plan.nat_addr, nat_port.to_be())?;
     Ok(true)
+}
+
+/// Whether a socket of the host holds the flow's own source port on the masquerade address
+/// for its remote address and port (a connection, or a listener or unconnected socket on the
+/// port): its replies would be taken for the container's. The masquerade state knows only
+/// masqueraded flows; the host's own connections are the kernel's.
+#[inline(never)]
+fn host_socket_holds(ctx: &TcContext, flow: &Flow, nat_addr: &[u8; 16]) -> bool {
+    if flow.protocol != PROTO_TCP && flow.protocol != PROTO_UDP {
+        return false;
+    }
+    // SAFETY: bpf_sock_tuple is plain old data; all-zero is a valid value.
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    // The tuple as a reply would carry it: from the remote side to the masquerade address.
+    let size = if flow.family == FAMILY_IPV4 {
+        tuple.__bindgen_anon_1.ipv4.saddr =
+            u32::from_ne_bytes([flow.daddr[0], flow.daddr[1], flow.daddr[2], flow.daddr[3]]);
+        tuple.__bindgen_anon_1.ipv4.daddr =
+            u32::from_ne_bytes([nat_addr[0], nat_addr[1], nat_addr[2], nat_addr[3]]);
+        tuple.__bindgen_anon_1.ipv4.sport = flow.dport;
+        tuple.__bindgen_anon_1.ipv4.dport = flow.sport;
+        12
+    } else {
+        tuple.__bindgen_anon_1.ipv6.saddr = words(&flow.daddr);
+        tuple.__bindgen_anon_1.ipv6.daddr = words(nat_addr);
+        tuple.__bindgen_anon_1.ipv6.sport = flow.dport;
+        tuple.__bindgen_anon_1.ipv6.dport = flow.sport;
+        36
+    };
+    let skb = ctx.as_ptr();
+    let netns = BPF_F_CURRENT_NETNS as u64;
+    // SAFETY: skb is this program's context and tuple a correctly sized, initialised struct;
+    // a socket found is released below.
+    let socket = unsafe {
+        if flow.protocol == PROTO_TCP {
+            bpf_skc_lookup_tcp(skb, &raw mut tuple, size, netns, 0)
+        } else {
+            bpf_sk_lookup_udp(skb, &raw mut tuple, size, netns, 0)
+        }
+    };
+    if socket.is_null() {
+        return false;
+    }
+    // SAFETY: a socket the lookup returned, released exactly once.
+    unsafe { bpf_sk_release(socket.cast()) };
+    true
 }
 
 /// Records a new flow whose port `claim_port` claimed. Called after `claim_port` rather than
@@ -326,7 +379,7 @@ fn record_flow(flow: &Flow, plan: &Plan, nat_port: u16, now: u64, opens: bool) {
 /// The search state lives in the per-CPU `port_search` map: on the stack it would push the
 /// call chain past the verifier's 512 bytes.
 #[inline(never)]
-fn claim_port(flow: &Flow, plan: &Plan) -> Option<u16> {
+fn claim_port(flow: &Flow, plan: &Plan, keep_own_port: bool) -> Option<u16> {
     let search = maps::port_search.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
     let search = unsafe { &mut *search };
@@ -336,7 +389,8 @@ fn claim_port(flow: &Flow, plan: &Plan) -> Option<u16> {
         src_addr: flow.daddr,
         dst_addr: plan.nat_addr,
         src_port: u16::from_be(flow.dport),
-        dst_port: original,
+        // Port 0 is never claimed: the search goes straight to random ports.
+        dst_port: if keep_own_port { original } else { 0 },
         protocol: flow.protocol,
         family: flow.family,
         _pad: [0; 2],

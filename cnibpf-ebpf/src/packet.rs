@@ -592,7 +592,8 @@ pub fn forward(ctx: &TcContext, route: &Route) -> Result<Option<i32>, DatapathEr
     }
 }
 
-fn words(addr: &[u8; 16]) -> [u32; 4] {
+/// An address as the four 32-bit words BPF helper structures take.
+pub fn words(addr: &[u8; 16]) -> [u32; 4] {
     [
         u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]),
         u32::from_ne_bytes([addr[4], addr[5], addr[6], addr[7]]),
