@@ -692,6 +692,17 @@ fn a_changed_uplink_address_takes_effect_at_check() {
     }
     host.check(&container)
         .unwrap_or_else(|error| panic!("CHECK: {error}"));
+    let inspect = host.inspect();
+    let uplink = &inspect["uplinks"][0];
+    assert_eq!(
+        (
+            uplink["ifname"].as_str(),
+            uplink["masqueradeV4"].as_str(),
+            uplink["masqueradeV6"].as_str()
+        ),
+        (Some("up0"), Some("203.0.113.9"), Some("2001:db8:1::9")),
+        "inspect shows the addresses taken at CHECK: {inspect}"
+    );
     for ((family, new, _, _), server) in new_addresses.iter().zip(&servers) {
         assert_eq!(
             tcp_request(&container.netns, target(*family)).as_deref(),

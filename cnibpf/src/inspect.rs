@@ -1,6 +1,6 @@
 //! `cnibpf inspect`: the state of an instance, for people (a table) or scripts (`--json`).
 
-use std::{io::Write as _, path::Path};
+use std::{io::Write as _, net::IpAddr, path::Path};
 
 use serde_json::json;
 
@@ -13,6 +13,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
     let pins = PinLayout::new(pin_path);
     let mut attachments = Vec::new();
     let mut counters = Vec::new();
+    let mut uplinks = Vec::new();
     for backend in backend::existing(&pins)? {
         let mappings = backend.port_mappings()?;
         let masquerades = backend.masquerades()?;
@@ -31,6 +32,9 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
             attachments.push((backend.name(), record, own, masquerade));
         }
         counters.push((backend.name(), backend.counters()?));
+        for uplink in backend.uplink_addresses()? {
+            uplinks.push((backend.name(), uplink));
+        }
     }
     attachments.sort_by(|a, b| {
         (
@@ -85,10 +89,23 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 ((*backend).to_owned(), serde_json::Value::Object(values))
             })
             .collect();
+        let uplinks: Vec<_> = uplinks
+            .iter()
+            .map(|(backend, uplink)| {
+                json!({
+                    "backend": backend,
+                    "ifindex": uplink.ifindex,
+                    "ifname": interface_name(uplink.ifindex),
+                    "masqueradeV4": uplink.v4.map(|addr| addr.to_string()),
+                    "masqueradeV6": uplink.v6.map(|addr| addr.to_string()),
+                })
+            })
+            .collect();
         let document = json!({
             "pinPath": pin_path,
             "lockFile": pins.lock_file(),
             "attachments": list,
+            "uplinks": uplinks,
             "counters": counters,
         });
         let _ = writeln!(out, "{document:#}");
@@ -140,6 +157,24 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
             );
         }
     }
+    for (backend, uplink) in &uplinks {
+        let addresses: Vec<String> = [uplink.v4.map(IpAddr::V4), uplink.v6.map(IpAddr::V6)]
+            .into_iter()
+            .flatten()
+            .map(|addr| addr.to_string())
+            .collect();
+        let _ = writeln!(
+            out,
+            "uplink {} (index {}, {backend}) masquerades to {}",
+            interface_name(uplink.ifindex).unwrap_or_else(|| "?".to_owned()),
+            uplink.ifindex,
+            if addresses.is_empty() {
+                "nothing (no address)".to_owned()
+            } else {
+                addresses.join(", ")
+            }
+        );
+    }
     for (backend, values) in &counters {
         let _ = writeln!(out, "{backend} counters:");
         for (name, value) in values {
@@ -147,6 +182,13 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
         }
     }
     Ok(())
+}
+
+/// The interface's current name, when it still exists.
+fn interface_name(ifindex: u32) -> Option<String> {
+    crate::netlink::link_by_index(ifindex)
+        .ok()
+        .map(|link| link.name)
 }
 
 fn reason_name(reason: ExcludeReason) -> &'static str {

@@ -198,6 +198,16 @@ pub trait Backend {
     fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError>;
     /// Datapath counters and table sizes, by name.
     fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError>;
+    /// The addresses each uplink masquerades to, as last taken by ADD or CHECK.
+    fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError>;
+}
+
+/// An uplink and the addresses it masquerades to.
+#[derive(Clone, Debug)]
+pub struct UplinkAddresses {
+    pub ifindex: u32,
+    pub v4: Option<Ipv4Addr>,
+    pub v6: Option<Ipv6Addr>,
 }
 
 /// The backend `choice` names, ready for changes, or why it cannot be used.

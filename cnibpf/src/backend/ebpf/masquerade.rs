@@ -2,7 +2,7 @@
 //! attachment and uplink, and the connection tracking state in `masq_flows` / `masq_replies`,
 //! which DEL and GC remove per attachment and sweep of expired entries.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use aya::maps::lpm_trie::Key;
 use cnibpf_common::{
@@ -19,7 +19,9 @@ use nix::time::{ClockId, clock_gettime};
 
 use super::{EbpfBackend, addr_from_key, is_link_local, key_addr, map_error, remove_entry};
 use crate::{
-    backend::{BackendError, Endpoint, ExcludeReason, Masquerade, MasqueradeRecord},
+    backend::{
+        BackendError, Endpoint, ExcludeReason, Masquerade, MasqueradeRecord, UplinkAddresses,
+    },
     netlink::{self, Link},
 };
 
@@ -263,6 +265,20 @@ impl EbpfBackend {
             records[position].1.flows += 1;
         }
         Ok(records)
+    }
+
+    pub(super) fn read_uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
+        let mut uplinks = Vec::new();
+        for entry in self.uplinks.iter() {
+            let (ifindex, info) = entry.map_err(map_error("could not read map uplinks"))?;
+            uplinks.push(UplinkAddresses {
+                ifindex,
+                v4: (info.addr_v4 != [0; 4]).then(|| Ipv4Addr::from(info.addr_v4)),
+                v6: (info.addr_v6 != [0; 16]).then(|| Ipv6Addr::from(info.addr_v6)),
+            });
+        }
+        uplinks.sort_by_key(|uplink| uplink.ifindex);
+        Ok(uplinks)
     }
 
     pub(super) fn read_counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {

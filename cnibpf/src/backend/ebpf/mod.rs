@@ -887,6 +887,10 @@ impl Backend for EbpfBackend {
         self.read_counters()
     }
 
+    fn uplink_addresses(&self) -> Result<Vec<super::UplinkAddresses>, BackendError> {
+        self.read_uplink_addresses()
+    }
+
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
         let mut mappings = Vec::new();
         for entry in self.portmap.iter() {
