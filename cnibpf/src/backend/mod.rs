@@ -47,6 +47,12 @@ pub enum BackendError {
         #[source]
         source: Box<aya::maps::MapError>,
     },
+    #[error("could not read map {name}")]
+    MapRead {
+        name: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{action}")]
     Pin {
         action: String,
@@ -92,6 +98,7 @@ impl BackendError {
             | Self::Load(_)
             | Self::Program { .. }
             | Self::Map { .. }
+            | Self::MapRead { .. }
             | Self::Pin { .. }
             | Self::OwnerCollision { .. } => code::DATAPATH,
             Self::HostAddresses(_) => code::INTERFACE,

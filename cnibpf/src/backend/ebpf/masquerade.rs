@@ -17,7 +17,9 @@ use cnibpf_common::{
 use ipnet::IpNet;
 use nix::time::{ClockId, clock_gettime};
 
-use super::{EbpfBackend, addr_from_key, is_link_local, key_addr, map_error, remove_entry};
+use super::{
+    EbpfBackend, addr_from_key, batch, is_link_local, key_addr, map_error, read_error, remove_entry,
+};
 use crate::{
     backend::{
         BackendError, Endpoint, ExcludeReason, Masquerade, MasqueradeRecord, UplinkAddresses,
@@ -113,25 +115,19 @@ impl EbpfBackend {
         })?;
         self.expired_swept = true;
         // Reverse entries whose forward entry was evicted are found by their owner.
-        let mut orphans = Vec::new();
-        for entry in self.masq_replies.iter() {
-            let (key, reply) = entry.map_err(map_error("could not read map masq_replies"))?;
+        let orphans =
+            batch::entries(&self.masq_replies).map_err(read_error(masq_reply::MAP_NAME))?;
+        for (key, reply) in orphans {
             if reply.owner == owner {
-                orphans.push(key);
+                remove_entry(&mut self.masq_replies, &key, masq_reply::MAP_NAME)?;
             }
         }
-        for key in orphans {
-            remove_entry(&mut self.masq_replies, &key, masq_reply::MAP_NAME)?;
-        }
-        let mut fragments = Vec::new();
-        for entry in self.masq_fragments.iter() {
-            let (key, reply) = entry.map_err(map_error("could not read map masq_fragments"))?;
+        let fragments =
+            batch::entries(&self.masq_fragments).map_err(read_error(masq_fragment::MAP_NAME))?;
+        for (key, reply) in fragments {
             if reply.owner == owner {
-                fragments.push(key);
+                remove_entry(&mut self.masq_fragments, &key, masq_fragment::MAP_NAME)?;
             }
-        }
-        for key in fragments {
-            remove_entry(&mut self.masq_fragments, &key, masq_fragment::MAP_NAME)?;
         }
         Ok(())
     }
@@ -259,8 +255,9 @@ impl EbpfBackend {
             let position = record_of(&mut records, u64::from_be_bytes(data.owner));
             records[position].1.masquerade.excludes.push((net, reason));
         }
-        for entry in self.masq_flows.iter() {
-            let (_, flow) = entry.map_err(map_error("could not read map masq_flows"))?;
+        for (_, flow) in
+            batch::entries(&self.masq_flows).map_err(read_error(masq_flow::MAP_NAME))?
+        {
             let position = record_of(&mut records, flow.owner);
             records[position].1.flows += 1;
         }
@@ -289,7 +286,9 @@ impl EbpfBackend {
         let sum = |field: fn(&cnibpf_common::masq_stats::MasqStats) -> u64| {
             per_cpu.iter().map(field).sum::<u64>()
         };
-        let flows = self.masq_flows.keys().count() as u64;
+        let flows = batch::entries(&self.masq_flows)
+            .map_err(read_error(masq_flow::MAP_NAME))?
+            .len() as u64;
         Ok(vec![
             ("masq_flows entries", flows),
             ("masq_flows capacity", u64::from(masq_flow::MAX_ENTRIES)),
@@ -349,14 +348,8 @@ impl EbpfBackend {
         &mut self,
         stale: impl Fn(&NatFlowKey, &MasqFlow) -> bool,
     ) -> Result<(), BackendError> {
-        let mut flows = Vec::new();
-        for entry in self.masq_flows.iter() {
-            let (key, flow) = entry.map_err(map_error("could not read map masq_flows"))?;
-            if stale(&key, &flow) {
-                flows.push((key, flow));
-            }
-        }
-        for (key, flow) in flows {
+        let flows = batch::entries(&self.masq_flows).map_err(read_error(masq_flow::MAP_NAME))?;
+        for (key, flow) in flows.into_iter().filter(|(key, flow)| stale(key, flow)) {
             let reverse = NatFlowKey {
                 src_addr: key.dst_addr,
                 dst_addr: flow.nat_addr,

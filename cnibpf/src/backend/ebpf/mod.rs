@@ -49,6 +49,7 @@ use nix::{
     sys::statfs::statfs,
 };
 
+mod batch;
 mod masquerade;
 
 use super::{AttachmentRecord, Backend, BackendError, Endpoint, Masquerade, MasqueradeRecord};
@@ -567,15 +568,11 @@ impl EbpfBackend {
         owner: u64,
         stale: impl Fn(&NatFlowKey, &NatFlowValue) -> bool,
     ) -> Result<(), BackendError> {
-        let mut flows = Vec::new();
-        for entry in self.nat_flows.iter() {
-            let (key, value) = entry.map_err(map_error("could not read map nat_flows"))?;
+        let flows = batch::entries(&self.nat_flows).map_err(read_error(nat_flow::MAP_NAME))?;
+        for (key, value) in flows {
             if value.owner == owner && stale(&key, &value) {
-                flows.push(key);
+                remove_entry(&mut self.nat_flows, &key, nat_flow::MAP_NAME)?;
             }
-        }
-        for key in flows {
-            remove_entry(&mut self.nat_flows, &key, nat_flow::MAP_NAME)?;
         }
         Ok(())
     }
@@ -1010,6 +1007,11 @@ fn addr_from_key(bytes: [u8; 16], ipv4: bool) -> IpAddr {
     } else {
         IpAddr::V6(Ipv6Addr::from(bytes))
     }
+}
+
+/// For a failed whole-map read (see `batch`).
+fn read_error(name: &'static str) -> impl Fn(io::Error) -> BackendError {
+    move |source| BackendError::MapRead { name, source }
 }
 
 fn map_error(action: &str) -> impl Fn(MapError) -> BackendError + '_ {
