@@ -10,7 +10,6 @@ use std::{
 };
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
-
 use serde_json::{Value, json};
 
 use crate::{
