@@ -149,16 +149,8 @@ impl Flow {
         ensure_linear(ctx, ETH_HLEN + header_len + L4_PULL);
         let protocol: u8 = load(ctx, ETH_HLEN + 9)?;
         let l4_off = ETH_HLEN + header_len;
-        let (sport, dport) = if fragment == Fragment::Later {
-            if !is_translated_protocol(protocol) {
-                return Ok(None);
-            }
-            (0, 0)
-        } else {
-            let Some(ports) = ports(ctx, protocol, l4_off)? else {
-                return Ok(None);
-            };
-            ports
+        let Some((sport, dport)) = ports(ctx, protocol, l4_off, fragment)? else {
+            return Ok(None);
         };
         let saddr: [u8; 4] = load(ctx, IPV4_SADDR_OFF)?;
         let daddr: [u8; 4] = load(ctx, IPV4_DADDR_OFF)?;
@@ -207,16 +199,8 @@ impl Flow {
         } else {
             (next_header, ETH_HLEN + IPV6_HLEN, Fragment::Whole, 0)
         };
-        let (sport, dport) = if fragment == Fragment::Later {
-            if !is_translated_protocol(protocol) {
-                return Ok(None);
-            }
-            (0, 0)
-        } else {
-            let Some(ports) = ports(ctx, protocol, l4_off)? else {
-                return Ok(None);
-            };
-            ports
+        let Some((sport, dport)) = ports(ctx, protocol, l4_off, fragment)? else {
+            return Ok(None);
         };
         Ok(Some(Self {
             family: FAMILY_IPV6,
@@ -438,14 +422,19 @@ fn is_translated_protocol(protocol: u8) -> bool {
 }
 
 /// The ports of a TCP, UDP or SCTP header at `l4_off`, or an ICMP echo's identifier in the
-/// place of the side that chose it; `None` for any other packet. Inlined: as a BPF call,
-/// LLVM packs the return value from a register the verifier sees uninitialised.
+/// place of the side that chose it (zeros in a later fragment, which has no L4 header); `None`
+/// for any other packet. Inlined: as a BPF call, LLVM packs the return value from a register
+/// the verifier sees uninitialised.
 #[inline(always)]
 fn ports(
     ctx: &TcContext,
     protocol: u8,
     l4_off: usize,
+    fragment: Fragment,
 ) -> Result<Option<(u16, u16)>, DatapathError> {
+    if fragment == Fragment::Later {
+        return Ok(is_translated_protocol(protocol).then_some((0, 0)));
+    }
     match protocol {
         PROTO_TCP | PROTO_UDP | PROTO_SCTP => {
             Ok(Some((load(ctx, l4_off)?, load(ctx, l4_off + 2)?)))
