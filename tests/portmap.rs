@@ -5,6 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use std::time::Duration;
 
+use cnibpf_common::nat_flow::{NatFlowKey, NatFlowValue, idle_timeout_ns};
 use cnibpf_tests::{
     SimHost, eventually,
     topology::{HOST_UPLINK_ADDR, OUTSIDE_ADDR, UPLINK, dual_stack, port_mappings},
@@ -474,4 +475,45 @@ fn programs_of_another_build_are_replaced_and_links_follow() {
         .unwrap_or_else(|error| panic!("CHECK of c1 after the upgrade: {error}"));
     sim.check(&c2)
         .unwrap_or_else(|error| panic!("CHECK of c2: {error}"));
+}
+
+#[test]
+fn gc_sweeps_translations_idle_past_their_timeout() {
+    let sim = SimHost::new("pm-idle", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp"), (5353, 53, "udp")]));
+    let _tcp = TcpServer::start(&c1.netns, c1.socket(80), "c1");
+    let _udp = UdpServer::start(&c1.netns, c1.socket(53), "c1");
+    expect_answer(&sim, 8080, "c1");
+    udp_request(&sim.outside, sim.uplink_target(5353)).expect("udp through the hostPort");
+    let mut ports: Vec<u64> = sim.nat_flows().into_iter().map(|(_, port)| port).collect();
+    ports.sort_unstable();
+    assert_eq!(ports, [5353, 8080]);
+
+    // Only the UDP flow falls silent longer than its timeout.
+    let mut flows: aya::maps::HashMap<_, NatFlowKey, NatFlowValue> =
+        aya::maps::HashMap::try_from(sim.pinned_map("nat_flows")).expect("nat_flows");
+    let entries: Vec<(NatFlowKey, NatFlowValue)> = flows
+        .iter()
+        .map(|entry| entry.expect("read nat_flows"))
+        .collect();
+    for (key, mut value) in entries {
+        if key.protocol == 17 {
+            let age = idle_timeout_ns(key.protocol) + 1_000_000_000;
+            assert!(
+                value.last_seen_ns > age,
+                "the monotonic clock started too recently"
+            );
+            value.last_seen_ns -= age;
+            flows.insert(&key, &value, 0).expect("age the UDP flow");
+        }
+    }
+    sim.chain
+        .gc(&[(c1.attachment.container_id.as_str(), "eth0")])
+        .unwrap_or_else(|error| panic!("GC failed: {error}"));
+    let ports: Vec<u64> = sim.nat_flows().into_iter().map(|(_, port)| port).collect();
+    assert_eq!(
+        ports,
+        [8080],
+        "the idle UDP translation was swept, the TCP one kept"
+    );
 }

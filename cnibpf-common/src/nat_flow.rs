@@ -6,9 +6,9 @@
 //! read by `from_container` (and `uplink_egress`, the fallback when the host stack routed the
 //! reply) to rewrite replies; entries of an attachment are deleted by the CNI plugin on DEL and
 //! GC. An LRU map: when full, the least recently used flow is evicted rather than new flows
-//! failing.
+//! failing. Entries idle longer than [`idle_timeout_ns`] are swept by the CNI plugin's GC.
 
-use crate::impl_pod;
+use crate::{PROTO_SCTP, PROTO_TCP, PROTO_UDP, impl_pod};
 
 pub const MAP_NAME: &str = "nat_flows";
 pub const MAX_ENTRIES: u32 = 262_144;
@@ -37,7 +37,7 @@ pub struct NatFlowValue {
     pub peer_addr: [u8; 16],
     /// Owner id of the attachment whose mapping translated the flow.
     pub owner: u64,
-    /// `bpf_ktime_get_ns` of the last packet from the client, refreshed at most once a second.
+    /// `bpf_ktime_get_ns` of the last packet either way, refreshed at most once a second.
     pub last_seen_ns: u64,
     /// For hairpin traffic, the client container's host-side veth: the reply is handed to its
     /// peer directly. Zero: the reply is routed (to an uplink).
@@ -53,5 +53,22 @@ pub struct NatFlowValue {
     pub _pad: [u8; 4],
 }
 const _: () = assert!(size_of::<NatFlowValue>() == 72);
+
+/// How long a translated flow may stay silent before GC sweeps it: the established timeouts of
+/// `masq_flows` (the port-mapping path keeps no TCP state).
+pub const fn idle_timeout_ns(protocol: u8) -> u64 {
+    const SECOND: u64 = 1_000_000_000;
+    match protocol {
+        PROTO_TCP | PROTO_SCTP => 6 * 3600 * SECOND,
+        PROTO_UDP => 120 * SECOND,
+        _ => 30 * SECOND,
+    }
+}
+
+impl NatFlowValue {
+    pub const fn is_expired(&self, protocol: u8, now_ns: u64) -> bool {
+        now_ns.saturating_sub(self.last_seen_ns) > idle_timeout_ns(protocol)
+    }
+}
 
 impl_pod!(NatFlowKey, NatFlowValue);

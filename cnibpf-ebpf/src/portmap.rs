@@ -131,11 +131,18 @@ pub fn try_to_container(ctx: &TcContext) -> Result<i32, DatapathError> {
 /// 512 bytes, and the reply and hairpin paths each need much of it.
 #[inline(never)]
 fn reply(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
-    let Some(entry) = lookup_flow(flow) else {
+    let Some(entry) = maps::nat_flows.get_ptr_mut(&flow_key(flow, Direction::Packet)) else {
         return Ok(None);
     };
-    // SAFETY: entry points into nat_flows; it is copied out field by field before any rewrite.
-    let entry = unsafe { &*entry };
+    // SAFETY: entry points into nat_flows; it is copied out field by field before any rewrite,
+    // and only its refresh time is written (racing writers write the same).
+    let entry = unsafe { &mut *entry };
+    // Replies keep the flow alive too (GC sweeps idle ones), at most one write a second.
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if now.wrapping_sub(entry.last_seen_ns) >= FLOW_REFRESH_NS {
+        entry.last_seen_ns = now;
+    }
     let (orig_addr, orig_port) = (entry.orig_addr, entry.orig_port.to_be());
     let mut flow = *flow;
     if entry.peer_ifindex != 0 {

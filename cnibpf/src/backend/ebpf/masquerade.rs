@@ -1,6 +1,7 @@
 //! The eBPF backend's masquerade: `masq_sources`, `masq_excludes` and `uplinks` per
 //! attachment and uplink, and the connection tracking state in `masq_flows` / `masq_replies`,
-//! which DEL and GC remove per attachment and sweep of expired entries.
+//! which DEL and GC remove per attachment; GC also sweeps expired state, of the port-mapping
+//! translations in `nat_flows` too.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -11,7 +12,7 @@ use cnibpf_common::{
     masq_flow::{self, MasqFlow},
     masq_fragment, masq_reply,
     masq_source::{self, MasqSource, MasqSourceKey},
-    nat_flow::NatFlowKey,
+    nat_flow::{self, NatFlowKey},
     uplink::UplinkInfo,
 };
 use ipnet::IpNet;
@@ -138,6 +139,14 @@ impl EbpfBackend {
         }
         let now = monotonic_now_ns();
         self.remove_masquerade_flows(|key, flow| flow.is_expired(key.protocol, now))?;
+        // The port-mapping translations age the same way.
+        let translations =
+            batch::entries(&self.nat_flows).map_err(read_error(nat_flow::MAP_NAME))?;
+        for (key, value) in translations {
+            if value.is_expired(key.protocol, now) {
+                remove_entry(&mut self.nat_flows, &key, nat_flow::MAP_NAME)?;
+            }
+        }
         self.expired_swept = true;
         Ok(())
     }
