@@ -114,7 +114,7 @@ impl EbpfBackend {
         self.remove_masquerade_flows(|key, flow| {
             flow.owner == owner || flow.is_expired(key.protocol, now)
         })?;
-        self.expired_swept = true;
+        self.masq_flows_swept = true;
         // Reverse entries whose forward entry was evicted are found by their owner.
         let orphans =
             batch::entries(&self.masq_replies).map_err(read_error(masq_reply::MAP_NAME))?;
@@ -134,11 +134,11 @@ impl EbpfBackend {
     }
 
     pub(super) fn remove_expired_flows(&mut self) -> Result<(), BackendError> {
-        if self.expired_swept {
-            return Ok(());
-        }
         let now = monotonic_now_ns();
-        self.remove_masquerade_flows(|key, flow| flow.is_expired(key.protocol, now))?;
+        if !self.masq_flows_swept {
+            self.remove_masquerade_flows(|key, flow| flow.is_expired(key.protocol, now))?;
+            self.masq_flows_swept = true;
+        }
         // The port-mapping translations age the same way.
         let translations =
             batch::entries(&self.nat_flows).map_err(read_error(nat_flow::MAP_NAME))?;
@@ -147,7 +147,6 @@ impl EbpfBackend {
                 remove_entry(&mut self.nat_flows, &key, nat_flow::MAP_NAME)?;
             }
         }
-        self.expired_swept = true;
         Ok(())
     }
 

@@ -141,8 +141,9 @@ pub struct EbpfBackend {
     masq_stats: PerCpuArray<MapData, MasqStats>,
     /// The host's addresses (interface index, address) as dumped by `load_for_changes`.
     host_addresses: Vec<(u32, IpAddr)>,
-    /// Whether this invocation already removed expired flow state (one pass is enough).
-    expired_swept: bool,
+    /// Whether this invocation already removed the expired entries of `masq_flows` (removing an
+    /// attachment's flows does it in the same pass).
+    masq_flows_swept: bool,
 }
 
 impl std::fmt::Debug for EbpfBackend {
@@ -228,7 +229,7 @@ impl EbpfBackend {
             masq_fragments: open_pinned(pins, masq_fragment::MAP_NAME)?,
             masq_stats: open_pinned(pins, masq_stats::MAP_NAME)?,
             host_addresses: Vec::new(),
-            expired_swept: false,
+            masq_flows_swept: false,
         })
     }
 
