@@ -19,7 +19,8 @@ pub struct MasqStats {
     pub ports_exhausted: u64,
     /// Packets of a flow whose state had been evicted (table pressure): the state is rebuilt.
     pub state_lost: u64,
-    /// Flows whose state was found expired and replaced.
+    /// Packets that met their flow's state expired (or made with an uplink address that has
+    /// changed since): a packet from the container replaces it, a reply removes it.
     pub expired: u64,
     /// ICMP errors about masqueraded packets translated back to their container.
     pub icmp_errors: u64,

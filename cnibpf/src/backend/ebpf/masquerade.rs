@@ -304,7 +304,7 @@ impl EbpfBackend {
             ("port collisions", sum(|stats| stats.port_collisions)),
             ("ports exhausted", sum(|stats| stats.ports_exhausted)),
             ("state lost (table pressure)", sum(|stats| stats.state_lost)),
-            ("expired flows replaced", sum(|stats| stats.expired)),
+            ("expired state met", sum(|stats| stats.expired)),
             ("icmp errors translated", sum(|stats| stats.icmp_errors)),
             ("no uplink address", sum(|stats| stats.no_uplink_address)),
         ])
