@@ -149,6 +149,31 @@ fn a_port_a_host_socket_holds_is_not_taken_for_a_container() {
 }
 
 #[test]
+fn a_host_port_added_later_does_not_take_a_masqueraded_flows_replies() {
+    let host = masquerading("mq-later");
+    let client = host.container("c1", Value::Null);
+    for family in Family::BOTH {
+        let _udp = UdpServer::start(&host.outside, family.any(5353), "hello");
+        let target = SocketAddr::new(family.outside(), 5353);
+        let exchange = || {
+            client
+                .netns
+                .run(move || udp_exchange_from(40_000, target, CLIENT_TIMEOUT))
+        };
+        exchange().unwrap_or_else(|error| panic!("{family:?} before: {error}"));
+        // Another container now maps the uplink's port 40000 the flow's replies arrive on.
+        let mapper = host.container(
+            &format!("m{}", family as u8),
+            port_mappings(&[(40_000, 53, "udp")]),
+        );
+        let (answer, _) =
+            exchange().unwrap_or_else(|error| panic!("{family:?} after the hostPort: {error}"));
+        assert_eq!(answer, "hello", "{family:?}");
+        host.del(&mapper).expect("DEL the mapper");
+    }
+}
+
+#[test]
 fn a_thousand_concurrent_flows_from_eight_containers_all_complete() {
     let host = masquerading("mq-many");
     let containers: Vec<Container> = (0..8)

@@ -90,8 +90,8 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
 }
 
 /// A packet the host stack sends out of an uplink: masqueraded when it comes from a container
-/// that `from_container` did not forward itself. The verdicts of this function, `reply` and
-/// `icmp_error` are final (the packets are not anyone else's), returned as plain integers:
+/// that `from_container` did not forward itself. The verdicts of this function, `reply`,
+/// `later_fragment_reply` and `icmp_error` are final (the packets are not anyone else's), returned as plain integers:
 /// LLVM returns an `Option` from a BPF call with bits the verifier sees uninitialised.
 #[inline(never)]
 pub fn uplink_egress(ctx: &TcContext, flow: &mut Flow) -> i32 {
@@ -116,40 +116,42 @@ fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathEr
     Ok(TC_ACT_OK)
 }
 
-/// A reply to a masqueraded flow at the uplink's ingress, translated back and handed to its
-/// container; anything else passes.
-#[inline(never)]
-pub fn reply(ctx: &TcContext, flow: &Flow) -> i32 {
-    try_reply(ctx, flow).unwrap_or_else(DatapathError::verdict)
+/// The `masq_replies` entry of a packet (a whole datagram or a first fragment) that is a reply
+/// to a masqueraded flow. The pointer is into the map; see `reply`.
+#[inline(always)]
+pub fn lookup_reply(flow: &Flow) -> Option<*const MasqReply> {
+    maps::masq_replies.get_ptr(&flow_key(flow))
 }
 
-fn try_reply(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
-    if flow.fragment == Fragment::Later {
-        return later_fragment_reply(ctx, flow);
-    }
-    let key = flow_key(flow);
-    let Some(reply) = maps::masq_replies.get_ptr(&key) else {
-        return Ok(TC_ACT_OK);
-    };
-    // SAFETY: points into `masq_replies`. An LRU map may recycle an entry under a reader; the
-    // worst that does is misdirect the packet at hand.
-    let reply = unsafe { &*reply };
-    if !track_reply(ctx, flow, reply)? {
-        let _ = maps::masq_replies.remove(&key);
+/// A reply to a masqueraded flow at the uplink's ingress, translated back and handed to its
+/// container; `entry` is its `masq_replies` entry (`lookup_reply`). An LRU map may recycle an
+/// entry under a reader; the worst that does is misdirect the packet at hand.
+#[inline(never)]
+pub fn reply(ctx: &TcContext, flow: &Flow, entry: &MasqReply) -> i32 {
+    try_reply(ctx, flow, entry).unwrap_or_else(DatapathError::verdict)
+}
+
+fn try_reply(ctx: &TcContext, flow: &Flow, entry: &MasqReply) -> Result<i32, DatapathError> {
+    if !track_reply(ctx, flow, entry)? {
+        let _ = maps::masq_replies.remove(&flow_key(flow));
         return Ok(TC_ACT_OK);
     }
     if flow.fragment == Fragment::First {
-        let _ = maps::masq_fragments.insert(&fragment_key(flow), reply, u64::from(BPF_ANY));
+        let _ = maps::masq_fragments.insert(&fragment_key(flow), entry, u64::from(BPF_ANY));
     }
     let mut flow = *flow;
-    flow.rewrite_destination(ctx, &reply.container_addr, reply.container_port.to_be())?;
-    set_macs(ctx, &reply.container_mac, &reply.gateway_mac)?;
-    Ok(redirect_to_peer(reply.host_ifindex))
+    flow.rewrite_destination(ctx, &entry.container_addr, entry.container_port.to_be())?;
+    set_macs(ctx, &entry.container_mac, &entry.gateway_mac)?;
+    Ok(redirect_to_peer(entry.host_ifindex))
 }
 
-/// A later fragment of a reply: it goes where its first fragment went.
+/// A later fragment of a reply: it goes where its first fragment went; anything else passes.
 #[inline(never)]
-fn later_fragment_reply(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
+pub fn later_fragment_reply(ctx: &TcContext, flow: &Flow) -> i32 {
+    try_later_fragment_reply(ctx, flow).unwrap_or_else(DatapathError::verdict)
+}
+
+fn try_later_fragment_reply(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
     let Some(reply) = maps::masq_fragments.get_ptr(&fragment_key(flow)) else {
         return Ok(TC_ACT_OK);
     };

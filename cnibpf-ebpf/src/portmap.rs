@@ -1,8 +1,9 @@
 //! Port mapping (DNAT of hostIP:hostPort to containerIP:containerPort).
 //!
-//! Every packet towards a hostPort is looked up in `portmap` first, never in a cached flow, so
-//! a hostPort that changed owner takes effect on the very next packet — also for a UDP client
-//! that keeps its source port. Translated packets are handed straight to the container
+//! Every packet towards a hostPort is looked up in `portmap`, never in a cached flow, so a
+//! hostPort that changed owner takes effect on the very next packet — also for a UDP client
+//! that keeps its source port. Only a reply to a masqueraded connection, matched by its exact
+//! 5-tuple, comes before it. Translated packets are handed straight to the container
 //! (`bpf_redirect_peer`) and replies straight to their next hop, so neither direction crosses
 //! the bridge or the host's IP stack; the flow entry only serves to reverse the translation.
 
@@ -45,13 +46,23 @@ fn from_outside(ctx: &TcContext, flow: &mut Flow) -> i32 {
 }
 
 fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
-    // Fragments are translated only for masqueraded flows (their later fragments carry no
-    // ports to find a mapping by).
+    if flow.fragment == Fragment::Later {
+        return Ok(masquerade::later_fragment_reply(ctx, flow));
+    }
+    // A reply to a masqueraded flow first, by its exact tuple: as conntrack matches an
+    // existing connection before a DNAT rule, a hostPort added on a port such a flow already
+    // uses does not take its replies.
+    if let Some(entry) = masquerade::lookup_reply(flow) {
+        // SAFETY: points into `masq_replies`; see `masquerade::reply`.
+        return Ok(masquerade::reply(ctx, flow, unsafe { &*entry }));
+    }
+    // Port mapping does not translate fragments (later ones carry no ports to find a mapping
+    // by).
     if flow.fragment != Fragment::Whole {
-        return Ok(masquerade::reply(ctx, flow));
+        return Ok(TC_ACT_OK);
     }
     let Some(mapping) = lookup_mapping(flow) else {
-        return Ok(masquerade::reply(ctx, flow));
+        return Ok(TC_ACT_OK);
     };
     let origin = Origin {
         original_addr: flow.daddr,
