@@ -44,8 +44,9 @@ use cnibpf_common::{
 use crate::{
     maps,
     packet::{
-        DatapathError, Flow, Fragment, Route, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, forward,
-        redirect_to_peer, route, set_macs, widen, words,
+        DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, Route, TCP_ACK,
+        TCP_FIN, TCP_RST, TCP_SYN, csum_diff, forward, load_anywhere, redirect_to_peer, route,
+        set_macs, widen, words,
     },
     portmap,
 };
@@ -644,10 +645,6 @@ fn try_icmp_error(ctx: &TcContext) -> Result<i32, DatapathError> {
     Ok(redirect_to_peer(reply.host_ifindex))
 }
 
-const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
-const IPV6_HLEN: usize = 40;
 const ICMP_HLEN: usize = 8;
 
 /// An ICMP error quoting a TCP, UDP or ICMP echo packet, read with `bpf_skb_load_bytes`
@@ -671,39 +668,35 @@ pub struct IcmpError {
     inner_dport: u16,
 }
 
-fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
-    ctx.load(offset).map_err(|_| DatapathError::Truncated)
-}
-
 impl IcmpError {
     /// Reads the packet into `self`; `false` when it is not such an error.
     #[inline(never)]
     fn parse(&mut self, ctx: &TcContext) -> Result<bool, DatapathError> {
-        let ethertype: u16 = load(ctx, 12)?;
+        let ethertype: u16 = load_anywhere(ctx, 12)?;
         let (family, icmp_off, protocol, daddr) = if ethertype == ETH_P_IP.to_be() {
-            let version_ihl: u8 = load(ctx, ETH_HLEN)?;
-            let fragment: u16 = load(ctx, ETH_HLEN + 6)?;
+            let version_ihl: u8 = load_anywhere(ctx, ETH_HLEN)?;
+            let fragment: u16 = load_anywhere(ctx, ETH_HLEN + 6)?;
             if version_ihl >> 4 != 4 || u16::from_be(fragment) & 0x3fff != 0 {
                 return Ok(false);
             }
-            let daddr: [u8; 4] = load(ctx, ETH_HLEN + 16)?;
+            let daddr: [u8; 4] = load_anywhere(ctx, ETH_HLEN + 16)?;
             (
                 FAMILY_IPV4,
                 ETH_HLEN + usize::from(version_ihl & 0x0f) * 4,
-                load::<u8>(ctx, ETH_HLEN + 9)?,
+                load_anywhere::<u8>(ctx, ETH_HLEN + 9)?,
                 widen(daddr),
             )
         } else if ethertype == ETH_P_IPV6.to_be() {
             (
                 cnibpf_common::FAMILY_IPV6,
                 ETH_HLEN + IPV6_HLEN,
-                load::<u8>(ctx, ETH_HLEN + 6)?,
-                load::<[u8; 16]>(ctx, ETH_HLEN + 24)?,
+                load_anywhere::<u8>(ctx, ETH_HLEN + 6)?,
+                load_anywhere::<[u8; 16]>(ctx, ETH_HLEN + 24)?,
             )
         } else {
             return Ok(false);
         };
-        let icmp_type: u8 = load(ctx, icmp_off)?;
+        let icmp_type: u8 = load_anywhere(ctx, icmp_off)?;
         let is_error = match protocol {
             // Destination unreachable (incl. fragmentation needed), time exceeded, parameter
             // problem.
@@ -717,35 +710,35 @@ impl IcmpError {
         }
         let inner_off = icmp_off + ICMP_HLEN;
         let (inner_protocol, inner_l4_off, inner_saddr, inner_daddr) = if family == FAMILY_IPV4 {
-            let version_ihl: u8 = load(ctx, inner_off)?;
-            let saddr: [u8; 4] = load(ctx, inner_off + 12)?;
-            let daddr: [u8; 4] = load(ctx, inner_off + 16)?;
+            let version_ihl: u8 = load_anywhere(ctx, inner_off)?;
+            let saddr: [u8; 4] = load_anywhere(ctx, inner_off + 12)?;
+            let daddr: [u8; 4] = load_anywhere(ctx, inner_off + 16)?;
             (
-                load::<u8>(ctx, inner_off + 9)?,
+                load_anywhere::<u8>(ctx, inner_off + 9)?,
                 inner_off + usize::from(version_ihl & 0x0f) * 4,
                 widen(saddr),
                 widen(daddr),
             )
         } else {
             (
-                load::<u8>(ctx, inner_off + 6)?,
+                load_anywhere::<u8>(ctx, inner_off + 6)?,
                 inner_off + IPV6_HLEN,
-                load::<[u8; 16]>(ctx, inner_off + 8)?,
-                load::<[u8; 16]>(ctx, inner_off + 24)?,
+                load_anywhere::<[u8; 16]>(ctx, inner_off + 8)?,
+                load_anywhere::<[u8; 16]>(ctx, inner_off + 24)?,
             )
         };
         let (inner_sport, inner_dport) = match inner_protocol {
             PROTO_TCP | PROTO_UDP => (
-                load::<u16>(ctx, inner_l4_off)?,
-                load::<u16>(ctx, inner_l4_off + 2)?,
+                load_anywhere::<u16>(ctx, inner_l4_off)?,
+                load_anywhere::<u16>(ctx, inner_l4_off + 2)?,
             ),
             // Only a quoted echo request: its identifier is what was translated.
             PROTO_ICMP | PROTO_ICMPV6 => {
-                let quoted_type: u8 = load(ctx, inner_l4_off)?;
+                let quoted_type: u8 = load_anywhere(ctx, inner_l4_off)?;
                 if quoted_type != 8 && quoted_type != 128 {
                     return Ok(false);
                 }
-                (load::<u16>(ctx, inner_l4_off + 4)?, 0)
+                (load_anywhere::<u16>(ctx, inner_l4_off + 4)?, 0)
             }
             _ => return Ok(false),
         };
@@ -786,11 +779,11 @@ impl IcmpError {
         let inner_csum_present = u32::try_from(inner_csum + 2).is_ok_and(|end| end <= ctx.len())
             && (self.inner_protocol != PROTO_UDP
                 || self.family != FAMILY_IPV4
-                || load::<u16>(ctx, inner_csum)? != 0);
+                || load_anywhere::<u16>(ctx, inner_csum)? != 0);
         let address_diff = csum_diff(&self.inner_saddr, addr)?;
         let port_diff = csum_diff_u16(self.inner_sport, port)?;
         if inner_csum_present {
-            let old: u16 = load(ctx, inner_csum)?;
+            let old: u16 = load_anywhere(ctx, inner_csum)?;
             let diff = if inner_covers_addresses {
                 csum_add(address_diff, port_diff)
             } else {
@@ -798,7 +791,7 @@ impl IcmpError {
             };
             ctx.l4_csum_replace(inner_csum, 0, u64::from(fold(diff)), 0)
                 .map_err(failed)?;
-            let new: u16 = load(ctx, inner_csum)?;
+            let new: u16 = load_anywhere(ctx, inner_csum)?;
             ctx.l4_csum_replace(outer_csum, u64::from(old), u64::from(new), 2)
                 .map_err(failed)?;
         }
@@ -819,10 +812,10 @@ impl IcmpError {
             ]);
             let new_addr = u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]);
             let inner_ip_csum = self.inner_off + 10;
-            let old: u16 = load(ctx, inner_ip_csum)?;
+            let old: u16 = load_anywhere(ctx, inner_ip_csum)?;
             ctx.l3_csum_replace(inner_ip_csum, u64::from(old_addr), u64::from(new_addr), 4)
                 .map_err(failed)?;
-            let new: u16 = load(ctx, inner_ip_csum)?;
+            let new: u16 = load_anywhere(ctx, inner_ip_csum)?;
             ctx.store(self.inner_off + 12, &new_addr, 0)
                 .map_err(failed)?;
             // The quoted header still sums to the same, but its bytes changed.
@@ -852,16 +845,6 @@ impl IcmpError {
         }
         Ok(())
     }
-}
-
-/// The ones'-complement difference between two 16-byte addresses (IPv4: the first four).
-fn csum_diff(old: &[u8; 16], new: &[u8; 16]) -> Result<u32, DatapathError> {
-    let mut from = *old;
-    let mut to = *new;
-    // SAFETY: both buffers are 16 bytes on this program's stack.
-    let diff =
-        unsafe { bpf_csum_diff(from.as_mut_ptr().cast(), 16, to.as_mut_ptr().cast(), 16, 0) };
-    u32::try_from(diff).map_err(|_| DatapathError::RewriteFailed)
 }
 
 fn csum_diff_u16(old: u16, new: u16) -> Result<u32, DatapathError> {

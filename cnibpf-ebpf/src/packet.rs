@@ -20,13 +20,13 @@ use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
 };
 
-const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
+pub const ETH_HLEN: usize = 14;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
 const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
 const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
-const IPV6_HLEN: usize = 40;
+pub const IPV6_HLEN: usize = 40;
 const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 const IPV4_FRAGMENT_OFFSET_MASK: u16 = 0x1fff;
@@ -102,6 +102,22 @@ fn ensure_linear(ctx: &TcContext, length: usize) {
     if ctx.data() + length > ctx.data_end() {
         let _ = ctx.pull_data(length as u32);
     }
+}
+
+/// Reads a packet field with `bpf_skb_load_bytes`, wherever it lies (the linear area or not)
+/// and whatever bounds the verifier knows of `offset`.
+pub fn load_anywhere<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
+    ctx.load(offset).map_err(|_| DatapathError::Truncated)
+}
+
+/// The ones'-complement difference between two 16-byte addresses (IPv4: the first four).
+pub fn csum_diff(old: &[u8; 16], new: &[u8; 16]) -> Result<u32, DatapathError> {
+    let mut from = *old;
+    let mut to = *new;
+    // SAFETY: both buffers are 16 bytes on this program's stack.
+    let diff =
+        unsafe { bpf_csum_diff(from.as_mut_ptr().cast(), 16, to.as_mut_ptr().cast(), 16, 0) };
+    u32::try_from(diff).map_err(|_| DatapathError::RewriteFailed)
 }
 
 fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
@@ -228,8 +244,7 @@ impl Flow {
         if self.protocol != PROTO_TCP || self.fragment == Fragment::Later {
             return Ok(0);
         }
-        ctx.load(self.l4_off + 13)
-            .map_err(|_| DatapathError::Truncated)
+        load_anywhere(ctx, self.l4_off + 13)
     }
 
     /// Offset of the L4 checksum where it covers the addresses (the pseudo-header): not
@@ -364,17 +379,9 @@ impl Flow {
             ctx.store(v4_off, &new4, 0).map_err(failed)
         } else {
             if let Some(csum_off) = self.address_csum_off() {
-                let mut from = old;
-                let mut to = *new;
-                // SAFETY: both buffers are 16 bytes on this program's stack.
-                let diff = unsafe {
-                    bpf_csum_diff(from.as_mut_ptr().cast(), 16, to.as_mut_ptr().cast(), 16, 0)
-                };
-                if diff < 0 {
-                    return Err(DatapathError::RewriteFailed);
-                }
+                let diff = csum_diff(&old, new)?;
                 let flags = u64::from(BPF_F_PSEUDO_HDR) | self.l4_csum_flags();
-                ctx.l4_csum_replace(csum_off, 0, diff as u64, flags)
+                ctx.l4_csum_replace(csum_off, 0, u64::from(diff), flags)
                     .map_err(failed)?;
             }
             ctx.store(v6_off, new, 0).map_err(failed)
