@@ -8,6 +8,8 @@ use std::{
 
 use cnibpf_common::{
     masq_flow::{MasqFlow, STATE_CLOSING, STATE_ESTABLISHED, timeout_ns},
+    masq_reply::MasqReply,
+    masq_source::{MasqSource, MasqSourceKey},
     nat_flow::NatFlowKey,
 };
 use cnibpf_tests::{
@@ -452,8 +454,7 @@ fn tcp_state_follows_the_connection_and_expired_state_goes_away() {
 /// Moves every `masq_flows` entry's last-seen time a second past its state's timeout (these
 /// are the short timeouts of closed TCP and UDP: the clock started long enough ago).
 fn age_flows(host: &SimHost) {
-    let mut map: aya::maps::HashMap<_, NatFlowKey, MasqFlow> =
-        aya::maps::HashMap::try_from(host.pinned_map("masq_flows")).expect("masq_flows");
+    let mut map = host.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
     for (key, mut flow) in host.masq_flows() {
         let age = timeout_ns(key.protocol, flow.state) + 1_000_000_000;
         assert!(
@@ -466,8 +467,7 @@ fn age_flows(host: &SimHost) {
 }
 
 fn reply_count(host: &SimHost) -> usize {
-    let map: aya::maps::HashMap<_, NatFlowKey, cnibpf_common::masq_reply::MasqReply> =
-        aya::maps::HashMap::try_from(host.pinned_map("masq_replies")).expect("masq_replies");
+    let map = host.pinned_hash_map::<NatFlowKey, MasqReply>("masq_replies");
     map.keys().count()
 }
 
@@ -484,8 +484,7 @@ fn a_full_table_keeps_live_flows_lets_new_ones_through_and_shows_the_pressure() 
         .run(move || std::net::TcpStream::connect_timeout(&target, CLIENT_TIMEOUT))
         .expect("connect");
     // Fill the table with other flows, as a busy host would.
-    let mut map: aya::maps::HashMap<_, NatFlowKey, MasqFlow> =
-        aya::maps::HashMap::try_from(host.pinned_map("masq_flows")).expect("masq_flows");
+    let mut map = host.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
     let capacity = cnibpf_common::masq_flow::MAX_ENTRIES;
     for index in 0..capacity {
         let key = NatFlowKey {
@@ -586,12 +585,8 @@ fn del_gc_and_check_manage_the_masquerade_state() {
     }
     host.check(&kept).expect("CHECK of a complete attachment");
     // CHECK fails when an entry is missing, and ADD repairs it.
-    let mut sources: aya::maps::HashMap<
-        _,
-        cnibpf_common::masq_source::MasqSourceKey,
-        cnibpf_common::masq_source::MasqSource,
-    > = aya::maps::HashMap::try_from(host.pinned_map("masq_sources")).expect("masq_sources");
-    let key = cnibpf_common::masq_source::MasqSourceKey {
+    let mut sources = host.pinned_hash_map::<MasqSourceKey, MasqSource>("masq_sources");
+    let key = MasqSourceKey {
         addr: {
             let mut addr = [0u8; 16];
             addr[..4].copy_from_slice(&kept.address.octets());

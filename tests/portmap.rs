@@ -490,8 +490,7 @@ fn gc_sweeps_translations_idle_past_their_timeout() {
     assert_eq!(ports, [5353, 8080]);
 
     // Only the UDP flow falls silent longer than its timeout.
-    let mut flows: aya::maps::HashMap<_, NatFlowKey, NatFlowValue> =
-        aya::maps::HashMap::try_from(sim.pinned_map("nat_flows")).expect("nat_flows");
+    let mut flows = sim.pinned_hash_map::<NatFlowKey, NatFlowValue>("nat_flows");
     let entries: Vec<(NatFlowKey, NatFlowValue)> = flows
         .iter()
         .map(|entry| entry.expect("read nat_flows"))

@@ -632,15 +632,21 @@ impl SimHost {
             .unwrap_or_else(|| panic!("no id for {name}: {info}"))
     }
 
-    /// (owner, original destination port) of every entry in `nat_flows`, via bpftool's BTF dump.
-    pub fn nat_flows(&self) -> Vec<(u64, u64)> {
+    /// `bpftool -j map dump pinned` of this instance's map `name`: what a user sees, BTF
+    /// field names included.
+    fn bpftool_dump(&self, name: &str) -> Value {
         let output = crate::netns::run_checked(
             std::process::Command::new("bpftool")
                 .args(["-j", "map", "dump", "pinned"])
-                .arg(self.pin_path.join("nat_flows")),
+                .arg(self.pin_path.join(name)),
         );
-        let entries: Value = serde_json::from_slice(&output.stdout)
-            .unwrap_or_else(|error| panic!("bpftool map dump nat_flows: {error}"));
+        serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("bpftool map dump {name}: {error}"))
+    }
+
+    /// (owner, original destination port) of every entry in `nat_flows`, via bpftool's BTF dump.
+    pub fn nat_flows(&self) -> Vec<(u64, u64)> {
+        let entries = self.bpftool_dump("nat_flows");
         let mut flows: Vec<(u64, u64)> = entries
             .as_array()
             .into_iter()
@@ -663,10 +669,18 @@ impl SimHost {
             .unwrap_or_else(|error| panic!("map {}: {error}", path.display()))
     }
 
+    /// The pinned hash (or LRU hash) map `name` with its key and value types.
+    pub fn pinned_hash_map<K: aya::Pod, V: aya::Pod>(
+        &self,
+        name: &str,
+    ) -> aya::maps::HashMap<aya::maps::MapData, K, V> {
+        aya::maps::HashMap::try_from(self.pinned_map(name))
+            .unwrap_or_else(|error| panic!("map {name} as a hash map: {error}"))
+    }
+
     /// Every entry of `masq_flows`: the container's tuple and the flow's state.
     pub fn masq_flows(&self) -> Vec<(NatFlowKey, MasqFlow)> {
-        let map: aya::maps::HashMap<_, NatFlowKey, MasqFlow> =
-            aya::maps::HashMap::try_from(self.pinned_map("masq_flows")).expect("masq_flows");
+        let map = self.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
         map.iter()
             .map(|entry| entry.expect("read masq_flows"))
             .collect()
@@ -692,13 +706,7 @@ impl SimHost {
 
     /// The layout version the pinned state was written with.
     pub fn layout_version(&self) -> u32 {
-        let output = crate::netns::run_checked(
-            std::process::Command::new("bpftool")
-                .args(["-j", "map", "dump", "pinned"])
-                .arg(self.pin_path.join("layout")),
-        );
-        let entries: Value = serde_json::from_slice(&output.stdout)
-            .unwrap_or_else(|error| panic!("bpftool map dump layout: {error}"));
+        let entries = self.bpftool_dump("layout");
         let entry = &entries[0];
         entry.get("formatted").unwrap_or(entry)["value"]["version"]
             .as_u64()
