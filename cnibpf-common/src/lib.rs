@@ -8,6 +8,12 @@
 #![no_std]
 
 pub mod endpoint;
+pub mod filter;
+pub mod filter_event;
+pub mod filter_flow;
+pub mod filter_fragment;
+pub mod filter_hits;
+pub mod filter_stats;
 pub mod host_addr;
 pub mod layout;
 pub mod masq_exclude;

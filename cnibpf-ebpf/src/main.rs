@@ -9,6 +9,8 @@
     reason = "aya-ebpf's #[classifier] generates the extern entry point that takes the kernel's raw context pointer"
 )]
 
+mod conntrack;
+mod filter;
 mod maps;
 mod masquerade;
 mod packet;
@@ -50,7 +52,7 @@ pub fn from_container(ctx: TcContext) -> i32 {
 /// way reuses its 5-tuple, so a translation remembered for it is stale and goes.
 #[classifier]
 pub fn to_container(ctx: TcContext) -> i32 {
-    portmap::try_to_container(&ctx).unwrap_or_else(DatapathError::verdict)
+    portmap::to_container(&ctx)
 }
 
 /// Host sockets, connect(2) over IPv4: a hostPort of this host becomes its container.

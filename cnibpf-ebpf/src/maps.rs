@@ -2,13 +2,23 @@
 //! `cnibpf-common`; all are pinned by name under the instance's `pinPath`, so every program
 //! instance and every plugin run shares them.
 
-use crate::masquerade::{IcmpError, PortSearch};
+use crate::{
+    filter::Subject,
+    masquerade::{IcmpError, PortSearch},
+};
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    bindings::BPF_F_NO_PREALLOC,
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
     macros::btf_map,
 };
 use cnibpf_common::{
     endpoint::{self, EndpointInfo},
+    filter::{self, FilterSet},
+    filter_event::{self, FilterEvent},
+    filter_flow::{self, FilterFlow, FilterFlowKey},
+    filter_fragment::{self, FilterFragmentKey},
+    filter_hits::{self, FilterHits},
+    filter_stats::{self, FilterStats},
     host_addr::{self, HostAddrKey},
     layout::{self, LayoutInfo},
     masq_exclude::{self, MasqExcludeKey},
@@ -147,6 +157,70 @@ pub static masq_fragments: LruHashMap<
 pub static masq_stats: PerCpuArray<MasqStats, { masq_stats::MAX_ENTRIES as usize }> =
     PerCpuArray::new();
 
+/// Replaced whole by userspace: without preallocation, the old element is freed only after
+/// every program that may still read it is done (RCU), so a reader never sees a mix.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static filters: HashMap<
+    u32,
+    FilterSet,
+    { filter::MAX_ENTRIES as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static filter_hits: PerCpuHashMap<
+    u32,
+    FilterHits,
+    { filter_hits::MAX_ENTRIES as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = PerCpuHashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static filter_flows: LruHashMap<
+    FilterFlowKey,
+    FilterFlow,
+    { filter_flow::MAX_ENTRIES as usize },
+> = LruHashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static filter_fragments: LruHashMap<
+    FilterFragmentKey,
+    u64,
+    { filter_fragment::MAX_ENTRIES as usize },
+> = LruHashMap::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static filter_events: RingBuf<FilterEvent, { filter_event::RING_BYTES as usize }> =
+    RingBuf::new();
+
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static filter_stats: PerCpuArray<FilterStats, { filter_stats::MAX_ENTRIES as usize }> =
+    PerCpuArray::new();
+
 /// Scratch space of the masquerade port search (see `masquerade::claim_port`); private to
 /// each loaded object, not pinned.
 #[expect(
@@ -155,6 +229,15 @@ pub static masq_stats: PerCpuArray<MasqStats, { masq_stats::MAX_ENTRIES as usize
 )]
 #[btf_map]
 pub static port_search: PerCpuArray<PortSearch, 1> = PerCpuArray::new();
+
+/// Scratch space of the filter (see `filter::Subject`); private to each loaded object, not
+/// pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static filter_scratch: PerCpuArray<Subject, 1> = PerCpuArray::new();
 
 /// Scratch space of ICMP error translation (see `masquerade::IcmpError`); private to each
 /// loaded object, not pinned.

@@ -16,7 +16,7 @@
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{
-        __sk_buff, BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_F_CURRENT_NETNS, BPF_NOEXIST, TC_ACT_OK,
+        BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_F_CURRENT_NETNS, BPF_NOEXIST, TC_ACT_OK,
         TC_ACT_SHOT, bpf_sock_tuple,
     },
     cty::c_void,
@@ -28,11 +28,9 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    filter::DIRECTION_INGRESS,
     masq_exclude::{MasqExcludeKey, OWNER_FAMILY_BITS},
-    masq_flow::{
-        FIN_FROM_CONTAINER, FIN_FROM_REMOTE, MasqFlow, STATE_CLOSING, STATE_ESTABLISHED,
-        STATE_OPENING,
-    },
+    masq_flow::{MasqFlow, STATE_ESTABLISHED, STATE_OPENING},
     masq_fragment::FragmentKey,
     masq_reply::MasqReply,
     masq_source::{MasqSource, MasqSourceKey},
@@ -42,17 +40,16 @@ use cnibpf_common::{
 };
 
 use crate::{
-    maps,
+    conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
+    filter, maps,
     packet::{
-        DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, Route, TCP_ACK,
-        TCP_FIN, TCP_RST, TCP_SYN, csum_diff, forward, load_anywhere, redirect_to_peer, route,
+        DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, Route,
+        csum_diff, forward, ifindex, load_anywhere, redirect_to_peer, route,
         set_macs, widen, words,
     },
     portmap,
 };
 
-/// How often a flow's `last_seen_ns` is refreshed when its state does not change.
-const REFRESH_NS: u64 = 1_000_000_000;
 /// Candidate ports tried before a new flow is given up (the first is its own source port).
 const PORT_ATTEMPTS: u32 = 24;
 
@@ -142,6 +139,9 @@ fn try_reply(ctx: &TcContext, flow: &Flow, entry: &MasqReply) -> Result<i32, Dat
     }
     let mut flow = *flow;
     flow.rewrite_destination(ctx, &entry.container_addr, entry.container_port.to_be())?;
+    if !filter::allows(ctx, &flow, entry.host_ifindex, DIRECTION_INGRESS) {
+        return Ok(TC_ACT_SHOT);
+    }
     set_macs(ctx, &entry.container_mac, &entry.gateway_mac)?;
     Ok(redirect_to_peer(entry.host_ifindex))
 }
@@ -160,6 +160,9 @@ fn try_later_fragment_reply(ctx: &TcContext, flow: &Flow) -> Result<i32, Datapat
     let reply = unsafe { &*reply };
     let mut flow = *flow;
     flow.rewrite_destination(ctx, &reply.container_addr, flow.dport)?;
+    if !filter::allows(ctx, &flow, reply.host_ifindex, DIRECTION_INGRESS) {
+        return Ok(TC_ACT_SHOT);
+    }
     set_macs(ctx, &reply.container_mac, &reply.gateway_mac)?;
     Ok(redirect_to_peer(reply.host_ifindex))
 }
@@ -214,7 +217,7 @@ fn track_reply(ctx: &TcContext, flow: &Flow, reply: &MasqReply) -> Result<bool, 
         let _ = maps::masq_flows.remove(&forward_key);
         return Ok(false);
     }
-    advance(state, flow.protocol, flags, FIN_FROM_REMOTE, now);
+    conntrack::advance(state, flow.protocol, flags, SIDE_REPLY, now);
     Ok(true)
 }
 
@@ -274,7 +277,7 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     let flags = flow.tcp_flags(ctx)?;
-    let opens = flags & TCP_SYN != 0 && flags & TCP_ACK == 0;
+    let opens = conntrack::is_opening(flags);
     let mut known_port = None;
     if let Some(state) = maps::masq_flows.get_ptr_mut(&key) {
         // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
@@ -283,7 +286,7 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
         if state.is_expired(flow.protocol, now) || state.nat_addr != plan.nat_addr {
             count(|stats| &mut stats.expired);
         } else {
-            advance(state, flow.protocol, flags, FIN_FROM_CONTAINER, now);
+            conntrack::advance(state, flow.protocol, flags, SIDE_ORIGIN, now);
             known_port = Some(state.nat_port);
         }
     } else if flow.protocol == PROTO_TCP && !opens {
@@ -514,36 +517,6 @@ fn port_range(protocol: u8, original: u16) -> (u16, u32) {
     }
 }
 
-/// Moves the flow's state on for a packet with TCP `flags` from `side`, and refreshes it.
-fn advance(state: &mut MasqFlow, protocol: u8, flags: u8, side: u8, now: u64) {
-    let before = (state.state, state.fin);
-    if protocol == PROTO_TCP {
-        if side == FIN_FROM_CONTAINER && flags & TCP_SYN != 0 && flags & TCP_ACK == 0 {
-            // The tuple is reused for a new connection (after TIME_WAIT).
-            if state.state == STATE_CLOSING {
-                state.state = STATE_OPENING;
-                state.fin = 0;
-            }
-        } else if flags & TCP_RST != 0 {
-            state.state = STATE_CLOSING;
-        } else {
-            if flags & TCP_FIN != 0 {
-                state.fin |= side;
-            }
-            if state.fin == FIN_FROM_CONTAINER | FIN_FROM_REMOTE {
-                state.state = STATE_CLOSING;
-            } else if side == FIN_FROM_REMOTE && state.state == STATE_OPENING {
-                state.state = STATE_ESTABLISHED;
-            }
-        }
-    } else if side == FIN_FROM_REMOTE && state.state == STATE_OPENING {
-        state.state = STATE_ESTABLISHED;
-    }
-    if (state.state, state.fin) != before || now.wrapping_sub(state.last_seen_ns) >= REFRESH_NS {
-        state.last_seen_ns = now;
-    }
-}
-
 fn masqueraded_source(flow: &Flow) -> Option<MasqSource> {
     let key = MasqSourceKey {
         addr: flow.saddr,
@@ -592,11 +565,6 @@ fn flow_key(flow: &Flow) -> NatFlowKey {
     }
 }
 
-fn ifindex(ctx: &TcContext) -> u32 {
-    // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
-    unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex }
-}
-
 fn count(field: impl FnOnce(&mut MasqStats) -> &mut u64) {
     if let Some(stats) = maps::masq_stats.get_ptr_mut(0) {
         // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
@@ -634,13 +602,17 @@ fn try_icmp_error(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(reply) = maps::masq_replies.get_ptr(&key) else {
         return Ok(TC_ACT_OK);
     };
-    // SAFETY: points into `masq_replies`; the fields are read before the next map operation.
+    // SAFETY: points into `masq_replies`; the fields are read before the next map operation
+    // but the filter's, which comes last.
     let reply = unsafe { &*reply };
     error.translate(ctx, &reply.container_addr, reply.container_port.to_be())?;
     // The checksums are right; the hardware's verdict on the original packet no longer is.
     // SAFETY: the context pointer is this program's __sk_buff.
     unsafe { bpf_csum_level(ctx.as_ptr().cast(), u64::from(BPF_CSUM_LEVEL_RESET)) };
     count(|stats| &mut stats.icmp_errors);
+    if !filter::allows_other(ctx, reply.host_ifindex, DIRECTION_INGRESS) {
+        return Ok(TC_ACT_SHOT);
+    }
     set_macs(ctx, &reply.container_mac, &reply.gateway_mac)?;
     Ok(redirect_to_peer(reply.host_ifindex))
 }
@@ -651,27 +623,27 @@ const ICMP_HLEN: usize = 8;
 /// (the quoted packet need not be in the linear area). Kept in the per-CPU
 /// `icmp_error_scratch` map: on the stack it would push the call chain past 512 bytes.
 pub struct IcmpError {
-    family: u8,
+    pub family: u8,
     /// Offset of the ICMP header.
     icmp_off: usize,
     /// Offset of the quoted IP header.
     inner_off: usize,
     /// Offset of the quoted L4 header.
     inner_l4_off: usize,
-    inner_protocol: u8,
+    pub inner_protocol: u8,
     /// The error's own destination.
     daddr: [u8; 16],
-    inner_saddr: [u8; 16],
-    inner_daddr: [u8; 16],
+    pub inner_saddr: [u8; 16],
+    pub inner_daddr: [u8; 16],
     /// Network byte order; an echo's identifier as its source port.
-    inner_sport: u16,
-    inner_dport: u16,
+    pub inner_sport: u16,
+    pub inner_dport: u16,
 }
 
 impl IcmpError {
     /// Reads the packet into `self`; `false` when it is not such an error.
     #[inline(never)]
-    fn parse(&mut self, ctx: &TcContext) -> Result<bool, DatapathError> {
+    pub fn parse(&mut self, ctx: &TcContext) -> Result<bool, DatapathError> {
         let ethertype: u16 = load_anywhere(ctx, 12)?;
         let (family, icmp_off, protocol, daddr) = if ethertype == ETH_P_IP.to_be() {
             let version_ihl: u8 = load_anywhere(ctx, ETH_HLEN)?;

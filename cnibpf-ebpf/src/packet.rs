@@ -476,6 +476,12 @@ pub fn widen(addr: [u8; 4]) -> [u8; 16] {
     out
 }
 
+/// The interface the program runs on.
+pub fn ifindex(ctx: &TcContext) -> u32 {
+    // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
+    unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex }
+}
+
 /// Writes the Ethernet destination and source addresses.
 pub fn set_macs(
     ctx: &TcContext,
@@ -531,8 +537,7 @@ pub fn route(ctx: &TcContext, flow: &Flow) -> Route {
         params.__bindgen_anon_4.ipv6_dst = words(&flow.daddr);
     }
     let skb = ctx.as_ptr();
-    // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
-    params.ifindex = unsafe { (*skb.cast::<__sk_buff>()).ifindex };
+    params.ifindex = ifindex(ctx);
     // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
     let rc = unsafe { fib_lookup(skb, &raw mut params, size_of::<bpf_fib_lookup>() as i32, 0) };
     let route = match rc as u32 {

@@ -8,22 +8,25 @@
 //! the bridge or the host's IP stack; the flow entry only serves to reverse the translation.
 
 use aya_ebpf::{
-    EbpfContext as _,
-    bindings::{__sk_buff, BPF_ANY, TC_ACT_OK},
+    bindings::{BPF_ANY, TC_ACT_OK, TC_ACT_SHOT},
     helpers::bpf_ktime_get_ns,
     programs::TcContext,
 };
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
     endpoint::EndpointInfo,
+    filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
     host_addr::HostAddrKey,
     nat_flow::{NatFlowKey, NatFlowValue},
     portmap::{PortMapKey, PortMapValue},
 };
 
 use crate::{
-    maps, masquerade,
-    packet::{DatapathError, Flow, Fragment, Route, forward, redirect_to_peer, route, set_macs},
+    filter, maps, masquerade,
+    packet::{
+        DatapathError, Flow, Fragment, Route, forward, ifindex, redirect_to_peer, route,
+        set_macs,
+    },
 };
 
 /// How often a flow's `last_seen_ns` is refreshed: writing it on every packet would turn each
@@ -76,6 +79,9 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
     // SAFETY: mapping points into portmap and is read at once; see `lookup_mapping`.
     let mapping = unsafe { &*mapping };
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
+    if !filter::allows(ctx, flow, mapping.host_ifindex, DIRECTION_INGRESS) {
+        return Ok(TC_ACT_SHOT);
+    }
     remember_flow(flow, mapping.owner, &origin);
     set_macs(ctx, &mapping.container_mac, &mapping.gateway_mac)?;
     Ok(redirect_to_peer(mapping.host_ifindex))
@@ -106,8 +112,15 @@ pub fn try_uplink_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
 /// hairpin traffic to a hostPort of this host.
 pub fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(mut flow) = Flow::parse(ctx)? else {
-        return Ok(TC_ACT_OK);
+        return Ok(filter::verdict(filter::allows_other(
+            ctx,
+            ifindex(ctx),
+            DIRECTION_EGRESS,
+        )));
     };
+    if !filter::allows(ctx, &flow, ifindex(ctx), DIRECTION_EGRESS) {
+        return Ok(TC_ACT_SHOT);
+    }
     if flow.fragment == Fragment::Whole {
         if let Some(verdict) = reply(ctx, &flow)? {
             return Ok(verdict);
@@ -119,22 +132,38 @@ pub fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     masquerade::from_container(ctx, &mut flow)
 }
 
-/// Packets towards the container that did not come through a hostPort: a TCP connection
-/// opening, or any UDP datagram, on a 5-tuple that has a translation remembered means that
-/// translation is stale (the client now talks to the container directly with the same ports),
-/// and its replies must not be rewritten.
-pub fn try_to_container(ctx: &TcContext) -> Result<i32, DatapathError> {
-    let Some(flow) = Flow::parse(ctx)? else {
-        return Ok(TC_ACT_OK);
+/// Packets towards the container that did not come through a hostPort: filtered, and a TCP
+/// connection opening, or any UDP datagram, on a 5-tuple that has a translation remembered
+/// means that translation is stale (the client now talks to the container directly with the
+/// same ports), and its replies must not be rewritten. Returns the verdict itself: with the
+/// filter's early drop inside a `Result`, LLVM reads a register the verifier sees unset.
+pub fn to_container(ctx: &TcContext) -> i32 {
+    let flow = match Flow::parse(ctx) {
+        Ok(Some(flow)) => flow,
+        Ok(None) => {
+            return filter::verdict(filter::allows_other(ctx, ifindex(ctx), DIRECTION_INGRESS));
+        }
+        Err(error) => return error.verdict(),
     };
-    if flow.fragment != Fragment::Whole || (flow.protocol == PROTO_TCP && !flow.is_tcp_syn(ctx)?) {
-        return Ok(TC_ACT_OK);
+    if !filter::allows(ctx, &flow, ifindex(ctx), DIRECTION_INGRESS) {
+        return TC_ACT_SHOT;
     }
-    let reply = flow_key(&flow, Direction::Reply);
+    forget_stale_translation(ctx, &flow);
+    TC_ACT_OK
+}
+
+fn forget_stale_translation(ctx: &TcContext, flow: &Flow) {
+    let opens = match flow.protocol {
+        PROTO_TCP => flow.is_tcp_syn(ctx).unwrap_or(false),
+        _ => true,
+    };
+    if flow.fragment != Fragment::Whole || !opens {
+        return;
+    }
+    let reply = flow_key(flow, Direction::Reply);
     if maps::nat_flows.get_ptr(&reply).is_some() {
         let _ = maps::nat_flows.remove(&reply);
     }
-    Ok(TC_ACT_OK)
 }
 
 /// The reverse translation of a reply, sent on to its next hop; `None` when the packet is not
@@ -162,6 +191,9 @@ fn reply(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
             (entry.peer_mac, entry.gateway_mac, entry.peer_ifindex);
         flow.rewrite_source(ctx, &orig_addr, orig_port)?;
         flow.rewrite_destination(ctx, &peer_addr, peer_port)?;
+        if !filter::allows(ctx, &flow, peer_ifindex, DIRECTION_INGRESS) {
+            return Ok(Some(TC_ACT_SHOT));
+        }
         set_macs(ctx, &peer_mac, &gateway_mac)?;
         return Ok(Some(redirect_to_peer(peer_ifindex)));
     }
@@ -203,8 +235,7 @@ fn hairpin(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
     let Some(mapping) = lookup_mapping(flow) else {
         return Ok(None);
     };
-    // SAFETY: the context pointer is the __sk_buff the kernel handed to this program.
-    let ifindex = unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex };
+    let ifindex = ifindex(ctx);
     let Some(client) = maps::endpoints.get_ptr(&ifindex) else {
         return Ok(Some(TC_ACT_OK));
     };
@@ -232,6 +263,9 @@ fn hairpin(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
     let mut flow = *flow;
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
     flow.rewrite_source(ctx, &source, flow.sport)?;
+    if !filter::allows(ctx, &flow, mapping.host_ifindex, DIRECTION_INGRESS) {
+        return Ok(Some(TC_ACT_SHOT));
+    }
     remember_flow(&flow, mapping.owner, &origin);
     set_macs(ctx, &mapping.container_mac, &mapping.gateway_mac)?;
     Ok(Some(redirect_to_peer(mapping.host_ifindex)))
