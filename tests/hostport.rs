@@ -13,7 +13,7 @@ use std::{
 use cnibpf_tests::{
     SimHost,
     topology::{BRIDGE, Family, GATEWAY, GATEWAY6, port_mappings},
-    traffic::{TcpServer, UdpServer, tcp_request, udp_request},
+    traffic::{TcpServer, UdpServer, kernel_has_sctp, tcp_request, udp_request},
 };
 use serde_json::json;
 
@@ -70,18 +70,6 @@ fn an_ipv6_host_ip_restricts_the_mapping_to_ipv6() {
     );
     let v4 = tcp_request(&sim.outside, sim.uplink(Family::V4, 8080));
     assert!(v4.is_err(), "the IPv6 hostIP must not open IPv4: {v4:?}");
-}
-
-/// Whether this kernel can open SCTP sockets at all (it may be built without SCTP).
-fn kernel_has_sctp() -> bool {
-    // SAFETY: socket(2) with constant arguments; the descriptor is closed right away.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, libc::IPPROTO_SCTP) };
-    if fd < 0 {
-        return false;
-    }
-    // SAFETY: fd was just returned by socket(2).
-    unsafe { libc::close(fd) };
-    true
 }
 
 #[test]

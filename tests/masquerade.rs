@@ -17,7 +17,7 @@ use cnibpf_tests::{
     topology::{FAR_ADDR, FAR_ADDR6, Family, HOST_UPLINK_ADDR, HOST_UPLINK_ADDR6, port_mappings},
     traffic::{
         CLIENT_TIMEOUT, EchoServer, SinkServer, TcpServer, UdpServer, any_address_for,
-        reset_on_close, tcp_exchange, tcp_request, tcp_upload, udp_error, udp_exchange_from,
+        ping, reset_on_close, tcp_exchange, tcp_request, tcp_upload, udp_error, udp_exchange_from,
         udp_exchange_with, udp_request,
     },
 };
@@ -39,16 +39,6 @@ fn far(family: Family, port: u16) -> SocketAddr {
         Family::V4 => SocketAddr::new(IpAddr::V4(FAR_ADDR), port),
         Family::V6 => SocketAddr::new(IpAddr::V6(FAR_ADDR6), port),
     }
-}
-
-fn ping(container: &Container, target: IpAddr) -> bool {
-    container
-        .netns
-        .command(&["ping", "-c", "1", "-W", "2", &target.to_string()])
-        .output()
-        .expect("run ping")
-        .status
-        .success()
 }
 
 #[test]
@@ -77,7 +67,7 @@ fn tcp_udp_and_ping_reach_an_outside_without_a_route_back_as_the_uplink() {
                 "{family:?}: the server saw {peers:?}, not the uplink address"
             );
         }
-        assert!(ping(&container, family.outside()), "{family:?} ping");
+        assert!(ping(&container.netns, family.outside()), "{family:?} ping");
     }
     let icmp_flows = host
         .masq_flows()

@@ -28,6 +28,9 @@ pub const DIRECTION_EGRESS: u8 = 2;
 pub const CONNSTATE_NEW: u8 = 1;
 pub const CONNSTATE_ESTABLISHED: u8 = 2;
 
+/// [`FilterRule::src_prefix`] / [`FilterRule::dst_prefix`] of a rule that names no address.
+pub const NO_PREFIX: u8 = u8::MAX;
+
 /// One rule. Addresses are stored masked, with their masks, so that matching is four word
 /// compares; a rule without `src` (`dst`) has an all-zero address and mask there, which every
 /// address matches. Ports are host byte order, `0..=65535` when the rule names none.
@@ -54,7 +57,11 @@ pub struct FilterRule {
     pub direction: u8,
     /// `TARGET_*`.
     pub target: u8,
-    pub _pad: [u8; 3],
+    /// Prefix length of `src` as configured, [`NO_PREFIX`] for a rule without `src` (for
+    /// people and userspace; the programs match on the mask).
+    pub src_prefix: u8,
+    pub dst_prefix: u8,
+    pub _pad: u8,
 }
 const _: () = assert!(size_of::<FilterRule>() == 84);
 

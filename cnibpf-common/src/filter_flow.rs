@@ -49,14 +49,17 @@ pub struct FilterFlow {
     pub rule: u16,
     /// `DIRECTION_*` of the connection's first packet.
     pub origin: u8,
-    /// `TARGET_*` of the connection's later packets in the originating direction; replies pass
-    /// while it is ALLOW.
+    /// `TARGET_*` of the connection's later packets in the originating direction under
+    /// `generation`.
     pub verdict: u8,
     /// `masq_flow::STATE_*`.
     pub state: u8,
     /// `masq_flow::FIN_FROM_*` bits, "container" read as the originating side.
     pub fin: u8,
-    pub _pad: [u8; 2],
+    /// `TARGET_*` of the latest packet in the originating direction: replies, and ICMP errors
+    /// about the connection, pass while it is ALLOW.
+    pub last_verdict: u8,
+    pub _pad: u8,
 }
 const _: () = assert!(size_of::<FilterFlow>() == 32);
 

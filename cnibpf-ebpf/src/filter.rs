@@ -194,8 +194,8 @@ fn decide(subject: &mut Subject, set: &FilterSet) -> bool {
 const ALLOWED: u32 = 0x1_0000;
 const UNTRACKED: u32 = 0x1_0001;
 
-/// A packet of a tracked connection: a reply passes while the connection's packets are
-/// allowed; a later packet in the originating direction takes the verdict cached for the
+/// A packet of a tracked connection: a reply passes while the connection's latest packet the
+/// other way was allowed; a later packet in the originating direction takes the verdict cached for the
 /// rules' generation, evaluated again when they changed. Answers [`ALLOWED`], [`UNTRACKED`]
 /// (no live connection: the packet opens one) or the position of the rule that drops it — a
 /// plain integer: LLVM returns enums with payloads from BPF calls in a form the verifier
@@ -214,7 +214,7 @@ fn tracked(subject: &mut Subject, set: &FilterSet) -> u32 {
     }
     if entry.origin != subject.direction {
         conntrack::advance(entry, protocol, subject.flags, SIDE_REPLY, subject.now);
-        return if entry.verdict == TARGET_ALLOW {
+        return if entry.last_verdict == TARGET_ALLOW {
             ALLOWED
         } else {
             u32::from(entry.rule)
@@ -232,6 +232,7 @@ fn tracked(subject: &mut Subject, set: &FilterSet) -> u32 {
     }
     conntrack::advance(entry, protocol, subject.flags, SIDE_ORIGIN, subject.now);
     let (rule, verdict) = (entry.rule, entry.verdict);
+    entry.last_verdict = verdict;
     count_hit(subject, rule);
     if verdict == TARGET_ALLOW {
         ALLOWED
@@ -259,7 +260,8 @@ fn opens_connection(subject: &mut Subject, set: &FilterSet) -> bool {
         verdict: target(set, subject.established),
         state: STATE_OPENING,
         fin: 0,
-        _pad: [0; 2],
+        last_verdict: TARGET_ALLOW,
+        _pad: 0,
     };
     // A full LRU map evicts the least recently used connection; should the insert still fail,
     // the connection's next packet is judged as a first one again.
@@ -415,7 +417,7 @@ fn error_of_allowed_connection(ctx: &TcContext, ifindex: u32, direction: u8) -> 
     let entry = unsafe { &*entry };
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
-    entry.verdict == TARGET_ALLOW && !entry.is_expired(key.protocol, now)
+    entry.last_verdict == TARGET_ALLOW && !entry.is_expired(key.protocol, now)
 }
 
 /// A later fragment passes when its datagram's first fragment did (it carries no ports for

@@ -16,8 +16,8 @@
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{
-        BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_F_CURRENT_NETNS, BPF_NOEXIST, TC_ACT_OK,
-        TC_ACT_SHOT, bpf_sock_tuple,
+        BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_F_CURRENT_NETNS, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
+        bpf_sock_tuple,
     },
     cty::c_void,
     helpers::{
@@ -43,9 +43,8 @@ use crate::{
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
     filter, maps,
     packet::{
-        DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, Route,
-        csum_diff, forward, ifindex, load_anywhere, redirect_to_peer, route,
-        set_macs, widen, words,
+        DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, Route, csum_diff,
+        forward, ifindex, load_anywhere, redirect_to_peer, route, set_macs, widen, words,
     },
     portmap,
 };

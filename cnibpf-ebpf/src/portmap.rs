@@ -24,8 +24,7 @@ use cnibpf_common::{
 use crate::{
     filter, maps, masquerade,
     packet::{
-        DatapathError, Flow, Fragment, Route, forward, ifindex, redirect_to_peer, route,
-        set_macs,
+        DatapathError, Flow, Fragment, Route, forward, ifindex, redirect_to_peer, route, set_macs,
     },
 };
 

@@ -11,7 +11,7 @@ use crate::{error::code, paths};
 /// Spec versions this plugin speaks, oldest first.
 pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
 /// Most rules one attachment may carry (the datapath evaluates them in a bounded loop).
-pub const MAX_FILTER_RULES: usize = 256;
+pub const MAX_FILTER_RULES: usize = cnibpf_common::filter::MAX_RULES;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -289,9 +289,6 @@ impl NetConf {
         };
         if self.plugin.backend == BackendChoice::Nftables {
             return not_yet("backend \"nftables\"");
-        }
-        if !self.plugin.filter.is_empty() || self.plugin.filter_default == Target::Drop {
-            return not_yet("filter");
         }
         for (position, mapping) in self.port_mappings.iter().enumerate() {
             // SCTP's CRC32c covers the ports but not the addresses: translating the address

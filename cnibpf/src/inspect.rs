@@ -5,7 +5,8 @@ use std::{io::Write as _, net::IpAddr, path::Path};
 use serde_json::json;
 
 use crate::{
-    backend::{self, BackendError, ExcludeReason, ebpf::describe_mapping},
+    backend::{self, BackendError, ExcludeReason, FilterRecord, ebpf::describe_mapping},
+    config::{ConnState, Direction, FilterRule, PortRange, RuleProtocol, Target},
     paths::PinLayout,
 };
 
@@ -17,6 +18,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
     for backend in backend::existing(&pins)? {
         let mappings = backend.port_mappings()?;
         let masquerades = backend.masquerades()?;
+        let filters = backend.filters()?;
         for record in backend.attachments()? {
             let mut own: Vec<_> = mappings
                 .iter()
@@ -29,7 +31,11 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 .find(|(owner, _)| *owner == record.owner)
                 .map(|(_, masquerade)| masquerade.clone())
                 .filter(|masquerade| !masquerade.masquerade.sources.is_empty());
-            attachments.push((backend.name(), record, own, masquerade));
+            let filter = filters
+                .iter()
+                .find(|(owner, _)| *owner == record.owner)
+                .map(|(_, filter)| filter.clone());
+            attachments.push((backend.name(), record, own, masquerade, filter));
         }
         counters.push((backend.name(), backend.counters()?));
         for uplink in backend.uplink_addresses()? {
@@ -52,7 +58,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
     if as_json {
         let list: Vec<_> = attachments
             .iter()
-            .map(|(backend, record, mappings, masquerade)| {
+            .map(|(backend, record, mappings, masquerade, filter)| {
                 json!({
                     "network": record.attachment.network,
                     "containerID": record.attachment.container_id,
@@ -76,6 +82,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                         })).collect::<Vec<_>>(),
                         "flows": record.flows,
                     })),
+                    "filter": filter.as_ref().map(filter_json),
                 })
             })
             .collect();
@@ -120,7 +127,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
         "{:<16} {:<20} {:<8} {:<16} {:<7} {:<16}",
         "NETWORK", "CONTAINER", "IFNAME", "HOST-IF", "BACKEND", "OWNER"
     );
-    for (backend, record, mappings, masquerade) in &attachments {
+    for (backend, record, mappings, masquerade, filter) in &attachments {
         let container: String = record.attachment.container_id.chars().take(20).collect();
         let _ = writeln!(
             out,
@@ -156,6 +163,25 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 record.flows
             );
         }
+        if let Some(filter) = filter {
+            let (packets, bytes) = filter.default_hits;
+            let _ = writeln!(
+                out,
+                "    filter: {} rules, default {} ({packets} packets, {bytes} bytes); {} tracked connections",
+                filter.filter.rules.len(),
+                target_name(filter.filter.default),
+                filter.flows
+            );
+            for (rule, (packets, bytes)) in filter.filter.rules.iter().zip(&filter.hits) {
+                let _ = writeln!(
+                    out,
+                    "      {:>10} {:<5} {:<60} {packets:>10} packets {bytes:>12} bytes",
+                    rule.index,
+                    target_name(rule.target),
+                    describe_rule(rule)
+                );
+            }
+        }
     }
     for (backend, uplink) in &uplinks {
         let addresses: Vec<String> = [uplink.v4.map(IpAddr::V4), uplink.v6.map(IpAddr::V6)]
@@ -182,6 +208,101 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
         }
     }
     Ok(())
+}
+
+fn filter_json(record: &FilterRecord) -> serde_json::Value {
+    let (packets, bytes) = record.default_hits;
+    json!({
+        "default": target_name(record.filter.default),
+        "defaultHits": { "packets": packets, "bytes": bytes },
+        "flows": record.flows,
+        "rules": record.filter.rules.iter().zip(&record.hits).map(|(rule, (packets, bytes))| json!({
+            "index": rule.index,
+            "target": target_name(rule.target),
+            "src": rule.src.map(|net| net.to_string()),
+            "dst": rule.dst.map(|net| net.to_string()),
+            "proto": protocol_name(rule.protocol),
+            "sport": rule.sport.map(range_text),
+            "dport": rule.dport.map(range_text),
+            "connstate": connstate_name(rule.connstate),
+            "direction": direction_name(rule.direction),
+            "packets": packets,
+            "bytes": bytes,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// A rule's match in the words of its configuration ("any" when it matches everything).
+fn describe_rule(rule: &FilterRule) -> String {
+    let mut parts = Vec::new();
+    if let Some(src) = rule.src {
+        parts.push(format!("src {src}"));
+    }
+    if let Some(dst) = rule.dst {
+        parts.push(format!("dst {dst}"));
+    }
+    if rule.protocol != RuleProtocol::Any {
+        parts.push(protocol_name(rule.protocol).to_owned());
+    }
+    if let Some(range) = rule.sport {
+        parts.push(format!("sport {}", range_text(range)));
+    }
+    if let Some(range) = rule.dport {
+        parts.push(format!("dport {}", range_text(range)));
+    }
+    if rule.connstate != ConnState::Any {
+        parts.push(connstate_name(rule.connstate).to_owned());
+    }
+    if rule.direction != Direction::Both {
+        parts.push(direction_name(rule.direction).to_owned());
+    }
+    if parts.is_empty() {
+        "any".to_owned()
+    } else {
+        parts.join(" ")
+    }
+}
+
+fn range_text(range: PortRange) -> String {
+    if range.low == range.high {
+        range.low.to_string()
+    } else {
+        format!("{}-{}", range.low, range.high)
+    }
+}
+
+fn target_name(target: Target) -> &'static str {
+    match target {
+        Target::Allow => "ALLOW",
+        Target::Drop => "DROP",
+    }
+}
+
+fn protocol_name(protocol: RuleProtocol) -> &'static str {
+    match protocol {
+        RuleProtocol::Any => "any",
+        RuleProtocol::Tcp => "tcp",
+        RuleProtocol::Udp => "udp",
+        RuleProtocol::Sctp => "sctp",
+        RuleProtocol::Icmp => "icmp",
+        RuleProtocol::Icmpv6 => "icmpv6",
+    }
+}
+
+fn connstate_name(connstate: ConnState) -> &'static str {
+    match connstate {
+        ConnState::New => "new",
+        ConnState::Established => "established",
+        ConnState::Any => "any",
+    }
+}
+
+fn direction_name(direction: Direction) -> &'static str {
+    match direction {
+        Direction::Ingress => "ingress",
+        Direction::Egress => "egress",
+        Direction::Both => "both",
+    }
 }
 
 /// The interface's current name, when it still exists.

@@ -7,6 +7,7 @@ mod config;
 mod error;
 mod inspect;
 mod lock;
+mod monitor;
 mod netlink;
 mod netns;
 mod paths;
@@ -36,6 +37,15 @@ enum AdminCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Follow the packets the filter drops, one line each, until Ctrl-C.
+    Monitor {
+        /// The instance's pinPath.
+        #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
+        pin_path: PathBuf,
+        /// Print one JSON object per event instead of a line of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -47,6 +57,13 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
                 eprintln!("cnibpf inspect: {error}");
+                ExitCode::FAILURE
+            }
+        },
+        AdminCommand::Monitor { pin_path, json } => match monitor::run(&pin_path, json) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("cnibpf monitor: {error}");
                 ExitCode::FAILURE
             }
         },

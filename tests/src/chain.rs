@@ -173,6 +173,17 @@ impl Chain {
         attachment: &Attachment,
         plugin_type: &str,
     ) -> Result<Value, ChainError> {
+        self.add_again_with(attachment, plugin_type, &Value::Null)
+    }
+
+    /// [`Self::add_again`] with `overrides` (an object) replacing keys of the plugin's entry:
+    /// how an operator changes a plugin's configuration for a running container.
+    pub fn add_again_with(
+        &self,
+        attachment: &Attachment,
+        plugin_type: &str,
+        overrides: &Value,
+    ) -> Result<Value, ChainError> {
         let key = (attachment.container_id.clone(), attachment.ifname.clone());
         let (prev, _) = self
             .cache
@@ -186,11 +197,14 @@ impl Chain {
                     attachment.container_id
                 )
             });
-        let plugin = self
+        let mut plugin = self
             .plugins()
             .into_iter()
             .find(|plugin| plugin["type"] == plugin_type)
             .unwrap_or_else(|| panic!("no plugin {plugin_type} in the chain"));
+        if let (Some(entry), Some(overrides)) = (plugin.as_object_mut(), overrides.as_object()) {
+            entry.extend(overrides.clone());
+        }
         let config = self.plugin_config(
             &plugin,
             &self.version(),

@@ -310,6 +310,13 @@ impl SimHost {
         Ok(())
     }
 
+    /// ADD of cnibpf again for `container` with `keys` replacing keys of its conflist entry
+    /// (how an operator changes its filter).
+    pub fn readd_with(&self, container: &Container, keys: Value) -> Result<Value, ChainError> {
+        self.chain
+            .add_again_with(&container.attachment, "cnibpf", &keys)
+    }
+
     pub fn check(&self, container: &Container) -> Result<(), ChainError> {
         self.chain.check(&container.attachment)
     }
@@ -634,7 +641,8 @@ impl SimHost {
 
     /// `bpftool -j map dump pinned` of this instance's map `name`: what a user sees, BTF
     /// field names included.
-    fn bpftool_dump(&self, name: &str) -> Value {
+    /// `bpftool -j map dump pinned` of the instance's map `name`.
+    pub fn bpftool_dump(&self, name: &str) -> Value {
         let output = crate::netns::run_checked(
             std::process::Command::new("bpftool")
                 .args(["-j", "map", "dump", "pinned"])

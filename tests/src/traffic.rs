@@ -540,3 +540,225 @@ pub fn tcp_upload(
             .map_err(|_| format!("unexpected answer {answer:?}"))
     })
 }
+
+/// A TCP server that echoes everything each connection sends until it closes. Stops on drop.
+#[derive(Debug)]
+pub struct StreamEchoServer {
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl StreamEchoServer {
+    pub fn start(netns: &Netns, bind: SocketAddr) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let listener = nonblocking_listener(netns, bind);
+        let thread = {
+            let stop = Arc::clone(&stop);
+            thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((mut stream, _)) => {
+                            let _ = stream.set_nonblocking(false);
+                            let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
+                            let stop = Arc::clone(&stop);
+                            thread::spawn(move || {
+                                let mut buffer = [0u8; 4096];
+                                while !stop.load(Ordering::Relaxed) {
+                                    match stream.read(&mut buffer) {
+                                        Ok(0) => break,
+                                        Ok(length) => {
+                                            if stream.write_all(&buffer[..length]).is_err() {
+                                                break;
+                                            }
+                                        }
+                                        Err(error)
+                                            if matches!(
+                                                error.kind(),
+                                                std::io::ErrorKind::WouldBlock
+                                                    | std::io::ErrorKind::TimedOut
+                                            ) => {}
+                                        Err(_) => break,
+                                    }
+                                }
+                            });
+                        }
+                        Err(_) => thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            })
+        };
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for StreamEchoServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// One TCP connection opened from a namespace and kept across exchanges with a
+/// [`StreamEchoServer`].
+#[derive(Debug)]
+pub struct Conversation {
+    stream: TcpStream,
+}
+
+impl Conversation {
+    pub fn open(netns: &Netns, target: SocketAddr) -> Result<Self, String> {
+        let stream = netns.run(move || TcpStream::connect_timeout(&target, CLIENT_TIMEOUT));
+        Ok(Self {
+            stream: stream.map_err(|error| error.to_string())?,
+        })
+    }
+
+    /// Sends `message` and waits up to `timeout` for it to come back whole.
+    pub fn exchange(&mut self, message: &[u8], timeout: Duration) -> Result<(), String> {
+        self.stream
+            .set_read_timeout(Some(timeout))
+            .map_err(|error| error.to_string())?;
+        self.stream
+            .write_all(message)
+            .map_err(|error| error.to_string())?;
+        let mut echoed = vec![0u8; message.len()];
+        self.stream
+            .read_exact(&mut echoed)
+            .map_err(|error| error.to_string())?;
+        if echoed == message {
+            Ok(())
+        } else {
+            Err(format!("echoed {echoed:?} for {message:?}"))
+        }
+    }
+}
+
+/// One ping from `netns` to `target`; whether it was answered.
+pub fn ping(netns: &Netns, target: IpAddr) -> bool {
+    netns
+        .command(&["ping", "-c", "1", "-W", "2", &target.to_string()])
+        .output()
+        .expect("run ping")
+        .status
+        .success()
+}
+
+/// Counts the datagrams arriving on a UDP socket in a namespace. Stops on drop.
+#[derive(Debug)]
+pub struct UdpCounter {
+    stop: Arc<AtomicBool>,
+    received: Arc<std::sync::atomic::AtomicU64>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl UdpCounter {
+    pub fn start(netns: &Netns, bind: SocketAddr) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let received = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let socket = netns.run(move || bind_server(bind, UdpSocket::bind));
+        socket
+            .set_read_timeout(Some(Duration::from_millis(50)))
+            .expect("timeout");
+        let thread = {
+            let (stop, received) = (Arc::clone(&stop), Arc::clone(&received));
+            thread::spawn(move || {
+                let mut buffer = [0u8; 2048];
+                while !stop.load(Ordering::Relaxed) {
+                    if socket.recv(&mut buffer).is_ok() {
+                        received.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        };
+        Self {
+            stop,
+            received,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for UdpCounter {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Sends datagrams from `netns` to each of `targets` in turn, one round every `interval`,
+/// until stopped; counts the rounds sent. Stops on drop.
+#[derive(Debug)]
+pub struct UdpSender {
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<u64>>,
+}
+
+impl UdpSender {
+    pub fn start(netns: &Netns, targets: Vec<SocketAddr>, interval: Duration) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = Arc::clone(&stop);
+            netns.spawn(move || {
+                let bind = |unspecified: IpAddr| UdpSocket::bind((unspecified, 0)).expect("bind");
+                let (v4, v6) = (
+                    bind(Ipv4Addr::UNSPECIFIED.into()),
+                    bind(Ipv6Addr::UNSPECIFIED.into()),
+                );
+                let mut rounds = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    for target in &targets {
+                        let socket = if target.is_ipv4() { &v4 } else { &v6 };
+                        socket.send_to(b"tick", target).expect("send");
+                    }
+                    rounds += 1;
+                    thread::sleep(interval);
+                }
+                rounds
+            })
+        };
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops sending; the rounds sent.
+    pub fn stop(mut self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread
+            .take()
+            .map_or(0, |thread| thread.join().expect("sender thread"))
+    }
+}
+
+impl Drop for UdpSender {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Whether this kernel can open SCTP sockets at all (it may be built without SCTP).
+pub fn kernel_has_sctp() -> bool {
+    // SAFETY: socket(2) with constant arguments; the descriptor is closed right away.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, libc::IPPROTO_SCTP) };
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: fd was just returned by socket(2).
+    unsafe { libc::close(fd) };
+    true
+}

@@ -13,7 +13,7 @@ use ipnet::IpNet;
 
 use crate::{
     attachment::{Attachment, ResolvedMapping},
-    config::BackendChoice,
+    config::{BackendChoice, FilterRule, Target},
     error::code,
     netlink::Link,
 };
@@ -142,6 +142,26 @@ pub struct MasqueradeRecord {
     pub flows: usize,
 }
 
+/// An attachment's filter: its rules in evaluation order (ascending `index`) and the verdict
+/// when none matches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Filter {
+    pub rules: Vec<FilterRule>,
+    pub default: Target,
+}
+
+/// An attachment's filter as a backend holds it, for `cnibpf inspect`.
+#[derive(Clone, Debug)]
+pub struct FilterRecord {
+    pub filter: Filter,
+    /// (packets, bytes) each rule decided, in rule order.
+    pub hits: Vec<(u64, u64)>,
+    /// (packets, bytes) the default verdict decided.
+    pub default_hits: (u64, u64),
+    /// Tracked connections of the attachment (expired ones included until they are swept).
+    pub flows: usize,
+}
+
 /// What a backend knows about one attachment it serves.
 #[derive(Clone, Debug)]
 pub struct AttachmentRecord {
@@ -188,6 +208,23 @@ pub trait Backend {
         endpoint: &Endpoint,
         masquerade: Option<&Masquerade>,
     ) -> Result<(), BackendError>;
+    /// Makes the attachment's filter exactly `filter` in one atomic step; `None` leaves it
+    /// unfiltered.
+    fn setup_filter(
+        &mut self,
+        endpoint: &Endpoint,
+        filter: Option<&Filter>,
+    ) -> Result<(), BackendError>;
+    /// Removes the attachment's filter and its connections' state.
+    fn teardown_filter(&mut self, owner: u64) -> Result<(), BackendError>;
+    fn check_filter(
+        &self,
+        endpoint: &Endpoint,
+        filter: Option<&Filter>,
+    ) -> Result<(), BackendError>;
+    /// Every attachment's filter with its counters, by owner.
+    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError>;
+
     /// Removes expired connection-tracking state of every attachment. GC, which runtimes call
     /// periodically, runs it: no daemon runs between CNI calls.
     fn sweep_expired(&mut self) -> Result<(), BackendError>;

@@ -14,8 +14,8 @@ use serde_json::{Value, json};
 
 use crate::{
     attachment::{self, Attachment, HostInterfaceError},
-    backend::{self, Backend, BackendError, Endpoint, ExcludeReason, Masquerade},
-    config::{ConfigError, NetConf, SUPPORTED_VERSIONS, ifname_problem},
+    backend::{self, Backend, BackendError, Endpoint, ExcludeReason, Filter, Masquerade},
+    config::{ConfigError, NetConf, SUPPORTED_VERSIONS, Target, ifname_problem},
     error::Error,
     lock::{InstanceLock, lock_timeout},
     netlink::{self, Link},
@@ -195,6 +195,8 @@ struct Plan {
     endpoint: Endpoint,
     mappings: Vec<attachment::ResolvedMapping>,
     masquerade: Option<Masquerade>,
+    /// `None`: the attachment is not filtered (no rules, default ALLOW).
+    filter: Option<Filter>,
 }
 
 fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
@@ -251,6 +253,11 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
         attachment,
         mappings,
         masquerade,
+        filter: (!conf.plugin.filter.is_empty() || conf.plugin.filter_default == Target::Drop)
+            .then(|| Filter {
+                rules: conf.plugin.filter.clone(),
+                default: conf.plugin.filter_default,
+            }),
     })
 }
 
@@ -325,14 +332,19 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     let mut backend = backend::select(conf.plugin.backend, &pins)?;
     let owner = plan.attachment.owner_id();
     ensure_host_ports_free(backend.as_ref(), owner, &plan.mappings)?;
+    // The filter goes first: once the datapath is hooked onto the interface, no packet may
+    // pass unfiltered.
     let applied = backend
-        .setup_endpoint(&plan.endpoint)
+        .setup_filter(&plan.endpoint, plan.filter.as_ref())
+        .and_then(|()| backend.setup_endpoint(&plan.endpoint))
         .and_then(|()| backend.refresh_uplinks(&plan.endpoint.uplinks))
         .and_then(|()| backend.setup_port_mappings(&plan.endpoint, &plan.mappings))
         .and_then(|()| backend.setup_masquerade(&plan.endpoint, plan.masquerade.as_ref()));
     if let Err(error) = applied {
-        // Undo: an attachment is either complete or absent.
+        // Undo: an attachment is either complete or absent. (The filter is found by its
+        // interface: the attachment may not be recorded yet.)
         let _ = remove_attachment(backend.as_mut(), owner);
+        let _ = backend.setup_filter(&plan.endpoint, None);
         return Err(error.into());
     }
     Ok(output.to_string())
@@ -419,6 +431,7 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
 fn remove_attachment(backend: &mut dyn Backend, owner: u64) -> Result<(), BackendError> {
     backend.teardown_masquerade(owner)?;
     backend.teardown_port_mappings(owner)?;
+    backend.teardown_filter(owner)?;
     backend.teardown_endpoint(owner)
 }
 
@@ -447,6 +460,7 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     // CHECK is how an operator makes a changed uplink address take effect (see README).
     backend.refresh_uplinks(&plan.endpoint.uplinks)?;
     backend.check_masquerade(&plan.endpoint, plan.masquerade.as_ref())?;
+    backend.check_filter(&plan.endpoint, plan.filter.as_ref())?;
     Ok(())
 }
 

@@ -416,7 +416,7 @@ fn exclude_net(key: &Key<MasqExcludeKey>) -> Option<IpNet> {
 }
 
 /// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
-fn monotonic_now_ns() -> u64 {
+pub(super) fn monotonic_now_ns() -> u64 {
     clock_gettime(ClockId::CLOCK_MONOTONIC).map_or(0, |now| {
         u64::try_from(now.tv_sec()).unwrap_or(0) * 1_000_000_000
             + u64::try_from(now.tv_nsec()).unwrap_or(0)

@@ -17,7 +17,7 @@ use std::{
 
 use aya::{
     EbpfLoader,
-    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, MapType, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, MapType, PerCpuArray, PerCpuHashMap},
     programs::{
         CgroupAttachMode, CgroupSockAddr, LinkOrder, Program, SchedClassifier, TcAttachType,
         cgroup_sock_addr::{CgroupSockAddrAttachType, CgroupSockAddrLink},
@@ -28,6 +28,11 @@ use aya::{
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6,
     endpoint::{self, EndpointInfo},
+    filter::{self as filter_set, FilterSet},
+    filter_flow::{self, FilterFlow, FilterFlowKey},
+    filter_fragment::{self, FilterFragmentKey},
+    filter_hits::{self, FilterHits},
+    filter_stats::{self, FilterStats},
     host_addr::{self, HostAddrKey},
     layout::{self, LayoutInfo},
     masq_exclude::{self, MasqExcludeKey},
@@ -50,9 +55,13 @@ use nix::{
 };
 
 mod batch;
+mod filter;
 mod masquerade;
 
-use super::{AttachmentRecord, Backend, BackendError, Endpoint, Masquerade, MasqueradeRecord};
+use super::{
+    AttachmentRecord, Backend, BackendError, Endpoint, Filter, FilterRecord, Masquerade,
+    MasqueradeRecord,
+};
 use crate::{
     attachment::{Attachment, ResolvedMapping, read_name},
     config::Protocol,
@@ -139,11 +148,18 @@ pub struct EbpfBackend {
     masq_replies: HashMap<MapData, NatFlowKey, MasqReply>,
     masq_fragments: HashMap<MapData, FragmentKey, MasqReply>,
     masq_stats: PerCpuArray<MapData, MasqStats>,
+    filters: HashMap<MapData, u32, FilterSet>,
+    filter_hits: PerCpuHashMap<MapData, u32, FilterHits>,
+    filter_flows: HashMap<MapData, FilterFlowKey, FilterFlow>,
+    filter_fragments: HashMap<MapData, FilterFragmentKey, u64>,
+    filter_stats: PerCpuArray<MapData, FilterStats>,
     /// The host's addresses (interface index, address) as dumped by `load_for_changes`.
     host_addresses: Vec<(u32, IpAddr)>,
     /// Whether this invocation already removed the expired entries of `masq_flows` (removing an
     /// attachment's flows does it in the same pass).
     masq_flows_swept: bool,
+    /// The same for `filter_flows`.
+    filter_flows_swept: bool,
 }
 
 impl std::fmt::Debug for EbpfBackend {
@@ -211,6 +227,11 @@ impl EbpfBackend {
         Self::open_maps(pins).map(Some)
     }
 
+    /// The ring buffer of the filter's drop events, for `cnibpf monitor`.
+    pub fn drop_events(&self) -> Result<aya::maps::RingBuf<MapData>, BackendError> {
+        open_pinned(&self.pins, cnibpf_common::filter_event::MAP_NAME)
+    }
+
     fn open_maps(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
             pins: pins.clone(),
@@ -228,8 +249,14 @@ impl EbpfBackend {
             masq_replies: open_pinned(pins, masq_reply::MAP_NAME)?,
             masq_fragments: open_pinned(pins, masq_fragment::MAP_NAME)?,
             masq_stats: open_pinned(pins, masq_stats::MAP_NAME)?,
+            filters: open_pinned(pins, filter_set::MAP_NAME)?,
+            filter_hits: open_pinned(pins, filter_hits::MAP_NAME)?,
+            filter_flows: open_pinned(pins, filter_flow::MAP_NAME)?,
+            filter_fragments: open_pinned(pins, filter_fragment::MAP_NAME)?,
+            filter_stats: open_pinned(pins, filter_stats::MAP_NAME)?,
             host_addresses: Vec::new(),
             masq_flows_swept: false,
+            filter_flows_swept: false,
         })
     }
 
@@ -513,6 +540,7 @@ impl EbpfBackend {
     fn forget_endpoint(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
         match self.endpoints.get(&ifindex, 0) {
             Ok(info) if info.owner == owner => {
+                self.remove_filter(owner, ifindex)?;
                 for (slot, _) in ENDPOINT_FILTERS {
                     netlink::delete_filter(ifindex, slot)
                         .map_err(|source| BackendError::Filter(Box::new(source)))?;
@@ -869,8 +897,36 @@ impl Backend for EbpfBackend {
         self.verify_masquerade(endpoint, masquerade)
     }
 
+    fn setup_filter(
+        &mut self,
+        endpoint: &Endpoint,
+        filter: Option<&Filter>,
+    ) -> Result<(), BackendError> {
+        self.apply_filter(endpoint, filter)
+    }
+
+    fn teardown_filter(&mut self, owner: u64) -> Result<(), BackendError> {
+        match self.owners.get(&owner, 0) {
+            Ok(info) => self.remove_filter(owner, info.host_ifindex),
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn check_filter(
+        &self,
+        endpoint: &Endpoint,
+        filter: Option<&Filter>,
+    ) -> Result<(), BackendError> {
+        self.verify_filter(endpoint, filter)
+    }
+
+    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
+        self.read_filters()
+    }
+
     fn sweep_expired(&mut self) -> Result<(), BackendError> {
-        self.remove_expired_flows()
+        self.remove_expired_flows()?;
+        self.remove_expired_filter_flows()
     }
 
     fn refresh_uplinks(&mut self, uplinks: &[Link]) -> Result<(), BackendError> {
@@ -882,7 +938,9 @@ impl Backend for EbpfBackend {
     }
 
     fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
-        self.read_counters()
+        let mut counters = self.read_counters()?;
+        counters.extend(self.read_filter_counters()?);
+        Ok(counters)
     }
 
     fn uplink_addresses(&self) -> Result<Vec<super::UplinkAddresses>, BackendError> {

@@ -1,0 +1,388 @@
+//! The eBPF backend's filter: one `filters` element per filtered attachment (keyed by its
+//! host-side interface), replaced whole so that packets see the old rules or the new ones; its
+//! per-rule counters in `filter_hits`; and the connection tracking state in `filter_flows` and
+//! `filter_fragments`, which DEL and GC remove per attachment and GC sweeps when expired.
+
+use std::net::IpAddr;
+
+use aya::maps::PerCpuValues;
+use cnibpf_common::{
+    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    filter::{
+        self, CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS, DIRECTION_INGRESS,
+        FilterRule as StoredRule, FilterSet, MAX_RULES, NO_PREFIX, TARGET_ALLOW, TARGET_DROP,
+    },
+    filter_flow, filter_fragment,
+    filter_hits::{self, DEFAULT_SLOT, FilterHits, RuleHits},
+    filter_stats::FilterStats,
+};
+use ipnet::IpNet;
+
+use super::{
+    EbpfBackend, addr_from_key, batch, key_addr, map_error, masquerade::monotonic_now_ns,
+    read_error, remove_entry,
+};
+use crate::{
+    backend::{BackendError, Endpoint, Filter, FilterRecord},
+    config::{ConnState, Direction, FilterRule, PortRange, RuleProtocol, Target},
+};
+
+impl EbpfBackend {
+    pub(super) fn apply_filter(
+        &mut self,
+        endpoint: &Endpoint,
+        filter: Option<&Filter>,
+    ) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
+        let ifindex = endpoint.host.index;
+        let Some(filter) = filter else {
+            return self.remove_filter(owner, ifindex);
+        };
+        let wanted = stored_set(owner, filter);
+        let current = self.filters.get(&ifindex, 0).ok();
+        if current.is_some_and(|current| same_rules(&current, &wanted)) {
+            return Ok(());
+        }
+        // Counters first: a packet judged by the new rules never counts on the old ones'
+        // positions (one judged by the old rules meanwhile may count on the new ones').
+        let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
+            name: filter_hits::MAP_NAME,
+            source,
+        })?;
+        let zeroed = PerCpuValues::try_from(vec![FilterHits::default(); cpus.get() as usize])
+            .map_err(|source| BackendError::MapRead {
+                name: filter_hits::MAP_NAME,
+                source,
+            })?;
+        self.filter_hits
+            .insert(&ifindex, zeroed, 0)
+            .map_err(map_error("could not write map filter_hits"))?;
+        self.filters
+            .insert(&ifindex, &wanted, 0)
+            .map_err(map_error("could not write map filters"))
+    }
+
+    /// Removes the attachment's filter (if the element on `ifindex` is still its own) and its
+    /// connections' state; expired state of others goes in the same pass.
+    pub(super) fn remove_filter(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
+        let Ok(current) = self.filters.get(&ifindex, 0) else {
+            // Never filtered (or already cleaned up): it tracked no connections either, so
+            // the scans of the flow tables are skipped.
+            return Ok(());
+        };
+        if current.owner != owner {
+            return Ok(());
+        }
+        remove_entry(&mut self.filters, &ifindex, filter::MAP_NAME)?;
+        match self.filter_hits.remove(&ifindex) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+            Err(error) => return Err(map_error("could not remove from map filter_hits")(error)),
+        }
+        self.remove_filter_flows(|flow_owner| flow_owner == owner)
+    }
+
+    /// Removes the tracked connections and fragments whose owner `stale` selects, and every
+    /// expired connection on the way.
+    fn remove_filter_flows(&mut self, stale: impl Fn(u64) -> bool) -> Result<(), BackendError> {
+        let now = monotonic_now_ns();
+        let flows =
+            batch::entries(&self.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
+        for (key, flow) in flows {
+            if stale(flow.owner) || flow.is_expired(key.protocol, now) {
+                remove_entry(&mut self.filter_flows, &key, filter_flow::MAP_NAME)?;
+            }
+        }
+        self.filter_flows_swept = true;
+        let fragments = batch::entries(&self.filter_fragments)
+            .map_err(read_error(filter_fragment::MAP_NAME))?;
+        for (key, owner) in fragments {
+            if stale(owner) {
+                remove_entry(&mut self.filter_fragments, &key, filter_fragment::MAP_NAME)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The GC sweep of expired connections (unless a removal in this run did it already).
+    pub(super) fn remove_expired_filter_flows(&mut self) -> Result<(), BackendError> {
+        if self.filter_flows_swept {
+            return Ok(());
+        }
+        self.remove_filter_flows(|_| false)
+    }
+
+    pub(super) fn verify_filter(
+        &self,
+        endpoint: &Endpoint,
+        filter: Option<&Filter>,
+    ) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
+        let current = self.filters.get(&endpoint.host.index, 0).ok();
+        match (filter, current) {
+            (None, None) => Ok(()),
+            (None, Some(_)) => Err(BackendError::CheckFailed(format!(
+                "{} is filtered, and its configuration has no filter",
+                endpoint.attachment
+            ))),
+            (Some(_), None) => Err(BackendError::CheckFailed(format!(
+                "the filter of {} is missing from map filters",
+                endpoint.attachment
+            ))),
+            (Some(filter), Some(current)) => {
+                if current.owner != owner || !same_rules(&current, &stored_set(owner, filter)) {
+                    return Err(BackendError::CheckFailed(format!(
+                        "the filter of {} differs from its configuration",
+                        endpoint.attachment
+                    )));
+                }
+                if self.filter_hits.get(&endpoint.host.index, 0).is_err() {
+                    return Err(BackendError::CheckFailed(format!(
+                        "the rule counters of {} are missing from map filter_hits",
+                        endpoint.attachment
+                    )));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    pub(super) fn read_filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
+        let mut records = Vec::new();
+        for entry in self.filters.iter() {
+            let (ifindex, set) = entry.map_err(map_error("could not read map filters"))?;
+            let rule_count = (set.rule_count as usize).min(MAX_RULES);
+            let hits = self.filter_hits.get(&ifindex, 0).ok();
+            let summed = |slot: usize| {
+                hits.as_ref().map_or((0, 0), |per_cpu| {
+                    per_cpu.iter().fold((0, 0), |(packets, bytes), hits| {
+                        let RuleHits {
+                            packets: more_packets,
+                            bytes: more_bytes,
+                        } = hits.rules[slot];
+                        (packets + more_packets, bytes + more_bytes)
+                    })
+                })
+            };
+            records.push((
+                set.owner,
+                FilterRecord {
+                    filter: Filter {
+                        rules: set.rules[..rule_count].iter().map(config_rule).collect(),
+                        default: if set.default_target == TARGET_DROP {
+                            Target::Drop
+                        } else {
+                            Target::Allow
+                        },
+                    },
+                    hits: (0..rule_count).map(summed).collect(),
+                    default_hits: summed(DEFAULT_SLOT),
+                    flows: 0,
+                },
+            ));
+        }
+        if records.is_empty() {
+            return Ok(records);
+        }
+        let flows =
+            batch::entries(&self.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
+        for (_, flow) in flows {
+            if let Some((_, record)) = records.iter_mut().find(|(owner, _)| *owner == flow.owner) {
+                record.flows += 1;
+            }
+        }
+        Ok(records)
+    }
+
+    pub(super) fn read_filter_counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
+        let per_cpu = self
+            .filter_stats
+            .get(&0, 0)
+            .map_err(map_error("could not read map filter_stats"))?;
+        let sum = |field: fn(&FilterStats) -> u64| per_cpu.iter().map(field).sum::<u64>();
+        Ok(vec![
+            (
+                "filter connections created",
+                sum(|stats| stats.flows_created),
+            ),
+            ("filter drop events lost", sum(|stats| stats.events_lost)),
+        ])
+    }
+}
+
+/// Whether two sets hold the same rules and default (their generations aside).
+fn same_rules(a: &FilterSet, b: &FilterSet) -> bool {
+    let count = (a.rule_count as usize).min(MAX_RULES);
+    a.rule_count == b.rule_count
+        && a.default_target == b.default_target
+        && a.rules[..count] == b.rules[..count]
+}
+
+/// The `filters` element of `filter`, with a new generation.
+fn stored_set(owner: u64, filter: &Filter) -> FilterSet {
+    let mut set = FilterSet {
+        owner,
+        generation: monotonic_now_ns(),
+        rule_count: filter.rules.len().min(MAX_RULES) as u32,
+        default_target: target_value(filter.default),
+        ..FilterSet::default()
+    };
+    for (stored, rule) in set.rules.iter_mut().zip(&filter.rules) {
+        *stored = stored_rule(rule);
+    }
+    set
+}
+
+fn target_value(target: Target) -> u8 {
+    match target {
+        Target::Allow => TARGET_ALLOW,
+        Target::Drop => TARGET_DROP,
+    }
+}
+
+fn stored_rule(rule: &FilterRule) -> StoredRule {
+    let (src_addr, src_mask, src_prefix) = stored_net(rule.src);
+    let (dst_addr, dst_mask, dst_prefix) = stored_net(rule.dst);
+    let family = match (rule.src.or(rule.dst), rule.protocol) {
+        (Some(IpNet::V4(_)), _) | (None, RuleProtocol::Icmp) => FAMILY_IPV4,
+        (Some(IpNet::V6(_)), _) | (None, RuleProtocol::Icmpv6) => FAMILY_IPV6,
+        (None, _) => 0,
+    };
+    let ports = |range: Option<PortRange>| range.map_or((0, u16::MAX), |r| (r.low, r.high));
+    let (sport_low, sport_high) = ports(rule.sport);
+    let (dport_low, dport_high) = ports(rule.dport);
+    StoredRule {
+        src_addr,
+        src_mask,
+        dst_addr,
+        dst_mask,
+        index: rule.index,
+        sport_low,
+        sport_high,
+        dport_low,
+        dport_high,
+        family,
+        protocol: match rule.protocol {
+            RuleProtocol::Any => 0,
+            RuleProtocol::Tcp => PROTO_TCP,
+            RuleProtocol::Udp => PROTO_UDP,
+            RuleProtocol::Sctp => PROTO_SCTP,
+            RuleProtocol::Icmp => PROTO_ICMP,
+            RuleProtocol::Icmpv6 => PROTO_ICMPV6,
+        },
+        connstate: match rule.connstate {
+            ConnState::New => CONNSTATE_NEW,
+            ConnState::Established => CONNSTATE_ESTABLISHED,
+            ConnState::Any => CONNSTATE_NEW | CONNSTATE_ESTABLISHED,
+        },
+        direction: match rule.direction {
+            Direction::Ingress => DIRECTION_INGRESS,
+            Direction::Egress => DIRECTION_EGRESS,
+            Direction::Both => DIRECTION_INGRESS | DIRECTION_EGRESS,
+        },
+        target: target_value(rule.target),
+        src_prefix,
+        dst_prefix,
+        _pad: 0,
+    }
+}
+
+/// A rule's network as the datapath matches it: masked address, mask, prefix length.
+fn stored_net(net: Option<IpNet>) -> ([u8; 16], [u8; 16], u8) {
+    let Some(net) = net else {
+        return ([0; 16], [0; 16], NO_PREFIX);
+    };
+    (
+        key_addr(net.trunc().addr()),
+        key_addr(net.netmask()),
+        net.prefix_len(),
+    )
+}
+
+/// The configuration rule a stored one was made from.
+fn config_rule(stored: &StoredRule) -> FilterRule {
+    let net = |addr: [u8; 16], prefix: u8| {
+        (prefix != NO_PREFIX)
+            .then(|| {
+                let addr: IpAddr = addr_from_key(addr, stored.family == FAMILY_IPV4);
+                IpNet::new(addr, prefix).ok()
+            })
+            .flatten()
+    };
+    let ports =
+        |low: u16, high: u16| ((low, high) != (0, u16::MAX)).then_some(PortRange { low, high });
+    FilterRule {
+        index: stored.index,
+        target: if stored.target == TARGET_DROP {
+            Target::Drop
+        } else {
+            Target::Allow
+        },
+        src: net(stored.src_addr, stored.src_prefix),
+        dst: net(stored.dst_addr, stored.dst_prefix),
+        protocol: match stored.protocol {
+            PROTO_TCP => RuleProtocol::Tcp,
+            PROTO_UDP => RuleProtocol::Udp,
+            PROTO_SCTP => RuleProtocol::Sctp,
+            PROTO_ICMP => RuleProtocol::Icmp,
+            PROTO_ICMPV6 => RuleProtocol::Icmpv6,
+            _ => RuleProtocol::Any,
+        },
+        sport: ports(stored.sport_low, stored.sport_high),
+        dport: ports(stored.dport_low, stored.dport_high),
+        connstate: match stored.connstate {
+            CONNSTATE_NEW => ConnState::New,
+            CONNSTATE_ESTABLISHED => ConnState::Established,
+            _ => ConnState::Any,
+        },
+        direction: match stored.direction {
+            DIRECTION_INGRESS => Direction::Ingress,
+            DIRECTION_EGRESS => Direction::Egress,
+            _ => Direction::Both,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(json: serde_json::Value) -> FilterRule {
+        let conf = crate::config::NetConf::parse(
+            serde_json::json!({
+                "cniVersion": "1.0.0", "name": "n", "type": "cnibpf", "filter": [json]
+            })
+            .to_string()
+            .as_bytes(),
+        )
+        .unwrap_or_else(|error| panic!("test rule does not parse: {error}"));
+        conf.plugin.filter[0]
+    }
+
+    #[test]
+    fn stored_rules_read_back_as_configured() {
+        for json in [
+            serde_json::json!({"index": 1, "target": "DROP"}),
+            serde_json::json!({"index": 2, "target": "ALLOW", "src": "10.1.2.3/16", "proto": "tcp", "dport": "80-90", "connstate": "new", "direction": "ingress"}),
+            serde_json::json!({"index": 3, "target": "ALLOW", "dst": "2001:db8::/32", "proto": "udp", "sport": 53, "connstate": "established", "direction": "egress"}),
+            serde_json::json!({"index": 4, "target": "DROP", "proto": "icmpv6"}),
+            serde_json::json!({"index": 5, "target": "DROP", "src": "0.0.0.0/0"}),
+        ] {
+            let configured = rule(json);
+            let stored = stored_rule(&configured);
+            let mut expected = configured;
+            expected.src = expected.src.map(|net| net.trunc());
+            assert_eq!(config_rule(&stored), expected);
+        }
+    }
+
+    #[test]
+    fn stored_addresses_are_masked_with_their_masks() {
+        let stored = stored_rule(&rule(
+            serde_json::json!({"index": 1, "target": "DROP", "src": "172.64.9.9/13"}),
+        ));
+        assert_eq!(stored.src_addr[..4], [172, 64, 0, 0]);
+        assert_eq!(stored.src_mask[..4], [255, 248, 0, 0]);
+        assert_eq!(stored.dst_prefix, NO_PREFIX);
+        assert_eq!(stored.family, FAMILY_IPV4);
+    }
+}

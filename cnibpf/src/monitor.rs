@@ -1,0 +1,183 @@
+//! `cnibpf monitor`: follows the filter's drop events (the pinned `filter_events` ring buffer)
+//! and prints one line — or one JSON object — per dropped packet, until Ctrl-C.
+
+use std::{
+    collections::HashMap,
+    io::Write as _,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::Path,
+    time::{Duration, SystemTime},
+};
+
+use cnibpf_common::{
+    FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    filter::DIRECTION_INGRESS,
+    filter_event::{FilterEvent, REASON_DEFAULT, REASON_FRAGMENT},
+};
+use nix::time::{ClockId, clock_gettime};
+use serde_json::json;
+use tokio::io::{Interest, unix::AsyncFd};
+
+use crate::{
+    attachment::Attachment,
+    backend::{Backend as _, BackendError, ebpf::EbpfBackend},
+    paths::PinLayout,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MonitorError {
+    #[error("no eBPF state under {0}: nothing is filtered there")]
+    NoState(String),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("could not wait for events")]
+    Io(#[from] std::io::Error),
+}
+
+pub fn run(pin_path: &Path, as_json: bool) -> Result<(), MonitorError> {
+    let pins = PinLayout::new(pin_path);
+    let backend = EbpfBackend::open_existing(&pins)?
+        .ok_or_else(|| MonitorError::NoState(pin_path.display().to_string()))?;
+    let events = backend.drop_events()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()?;
+    runtime.block_on(follow(&backend, events, as_json))
+}
+
+async fn follow(
+    backend: &EbpfBackend,
+    events: aya::maps::RingBuf<aya::maps::MapData>,
+    as_json: bool,
+) -> Result<(), MonitorError> {
+    // SAFETY: the ring buffer owns its map descriptor, which stays open and the same until
+    // it is dropped with the `AsyncFd`.
+    let mut events = unsafe { AsyncFd::register_with_interest(events, Interest::READABLE) }
+        .map_err(|error| MonitorError::Io(error.into_parts().1))?;
+    let mut names: HashMap<u64, Attachment> = HashMap::new();
+    let interrupted = tokio::signal::ctrl_c();
+    tokio::pin!(interrupted);
+    loop {
+        tokio::select! {
+            result = &mut interrupted => return result.map_err(MonitorError::Io),
+            guard = events.readable_mut() => {
+                let mut guard = guard?;
+                let ring = guard.get_inner_mut();
+                let mut lines = Vec::new();
+                while let Some(item) = ring.next() {
+                    if item.len() < size_of::<FilterEvent>() {
+                        continue;
+                    }
+                    // SAFETY: the datapath writes whole `FilterEvent`s, checked long enough
+                    // just above; read unaligned as the ring promises only 8-byte alignment.
+                    let event = unsafe { item.as_ptr().cast::<FilterEvent>().read_unaligned() };
+                    if !names.contains_key(&event.owner) {
+                        names = backend
+                            .attachments()?
+                            .into_iter()
+                            .map(|record| (record.owner, record.attachment))
+                            .collect();
+                    }
+                    lines.push(render(&event, names.get(&event.owner), as_json));
+                }
+                guard.clear_ready();
+                let mut out = std::io::stdout().lock();
+                for line in lines {
+                    // A closed stdout (the reader went away) ends the monitor like Ctrl-C.
+                    if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn render(event: &FilterEvent, attachment: Option<&Attachment>, as_json: bool) -> String {
+    let time = humantime::format_rfc3339_micros(wall_clock(event.time_ns)).to_string();
+    let ipv4 = event.family == FAMILY_IPV4;
+    let (source, destination) = (address(event.src_addr, ipv4), address(event.dst_addr, ipv4));
+    let direction = if event.direction == DIRECTION_INGRESS {
+        "ingress"
+    } else {
+        "egress"
+    };
+    let rule = (event.reason != REASON_DEFAULT && event.reason != REASON_FRAGMENT)
+        .then_some(event.rule_index);
+    let reason = match event.reason {
+        REASON_DEFAULT => "default".to_owned(),
+        REASON_FRAGMENT => "fragment without its first".to_owned(),
+        _ => format!("rule {}", event.rule_index),
+    };
+    let protocol = protocol_name(event.protocol);
+    let (network, container_id, ifname) = attachment.map_or(("?", "?", "?"), |attachment| {
+        (
+            attachment.network.as_str(),
+            attachment.container_id.as_str(),
+            attachment.ifname.as_str(),
+        )
+    });
+    if as_json {
+        return json!({
+            "time": time,
+            "network": network,
+            "containerID": container_id,
+            "ifname": ifname,
+            "direction": direction,
+            "verdict": "DROP",
+            "reason": match event.reason {
+                REASON_DEFAULT => "default",
+                REASON_FRAGMENT => "fragment",
+                _ => "rule",
+            },
+            "rule": rule,
+            "protocol": protocol,
+            "src": source.to_string(),
+            "sport": event.src_port,
+            "dst": destination.to_string(),
+            "dport": event.dst_port,
+        })
+        .to_string();
+    }
+    let endpoint = |addr: IpAddr, port: u16| match (event.protocol, addr) {
+        (PROTO_TCP | PROTO_UDP | PROTO_SCTP, IpAddr::V6(addr)) => format!("[{addr}]:{port}"),
+        (PROTO_TCP | PROTO_UDP | PROTO_SCTP, addr) => format!("{addr}:{port}"),
+        (PROTO_ICMP | PROTO_ICMPV6, addr) if port != 0 => format!("{addr} (echo id {port})"),
+        (_, addr) => addr.to_string(),
+    };
+    format!(
+        "{time} {network} {container_id} {ifname} {direction} DROP by {reason}: {protocol} {} -> {}",
+        endpoint(source, event.src_port),
+        endpoint(destination, event.dst_port)
+    )
+}
+
+/// The wall-clock time of a `bpf_ktime_get_ns` timestamp (CLOCK_MONOTONIC).
+fn wall_clock(monotonic_ns: u64) -> SystemTime {
+    let now = SystemTime::now();
+    let Ok(monotonic) = clock_gettime(ClockId::CLOCK_MONOTONIC) else {
+        return now;
+    };
+    let monotonic_now = Duration::from(monotonic).as_nanos();
+    let age = monotonic_now.saturating_sub(u128::from(monotonic_ns));
+    now - Duration::from_nanos(u64::try_from(age).unwrap_or(u64::MAX))
+}
+
+fn address(bytes: [u8; 16], ipv4: bool) -> IpAddr {
+    if ipv4 {
+        IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]))
+    } else {
+        IpAddr::V6(Ipv6Addr::from(bytes))
+    }
+}
+
+fn protocol_name(protocol: u8) -> String {
+    match protocol {
+        PROTO_TCP => "tcp".to_owned(),
+        PROTO_UDP => "udp".to_owned(),
+        PROTO_SCTP => "sctp".to_owned(),
+        PROTO_ICMP => "icmp".to_owned(),
+        PROTO_ICMPV6 => "icmpv6".to_owned(),
+        other => format!("protocol {other}"),
+    }
+}
