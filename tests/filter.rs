@@ -15,8 +15,7 @@ use cnibpf_common::{
 };
 use cnibpf_tests::{
     Container, Netns, SimHost,
-    chain::enter_netns_on_exec,
-    topology::{Family, GATEWAY, OUTSIDE_ADDR, OUTSIDE_ADDR6, cnibpf_binary, port_mappings},
+    topology::{Family, GATEWAY, OUTSIDE_ADDR, OUTSIDE_ADDR6, port_mappings},
     traffic::{
         CLIENT_TIMEOUT, Conversation, StreamEchoServer, TcpServer, UdpCounter, UdpSender,
         UdpServer, kernel_has_sctp, ping, sctp_request, tcp_exchange, tcp_request, udp_error,
@@ -30,7 +29,9 @@ use serde_json::{Value, json};
 const DROPPED_AFTER: Duration = Duration::from_millis(1200);
 
 fn tcp_dropped(netns: &Netns, target: SocketAddr) -> bool {
-    netns.run(move || tcp_exchange(target, DROPPED_AFTER)).is_err()
+    netns
+        .run(move || tcp_exchange(target, DROPPED_AFTER))
+        .is_err()
 }
 
 fn udp_dropped(netns: &Netns, target: SocketAddr) -> bool {
@@ -54,7 +55,12 @@ fn inspected_filter(host: &SimHost, container: &Container) -> Value {
         .flatten()
         .find(|attachment| attachment["containerID"] == container.attachment.container_id)
         .map(|attachment| attachment["filter"].clone())
-        .unwrap_or_else(|| panic!("{} not in inspect: {inspect:#}", container.attachment.container_id))
+        .unwrap_or_else(|| {
+            panic!(
+                "{} not in inspect: {inspect:#}",
+                container.attachment.container_id
+            )
+        })
 }
 
 /// Packets counted on the rule with `index` (`None`: the default verdict).
@@ -103,7 +109,11 @@ fn rules_apply_in_index_order_not_in_array_order() {
         .flatten()
         .filter_map(|rule| rule["index"].as_u64())
         .collect();
-    assert_eq!(indexes, [10, 20], "inspect lists the rules in evaluation order");
+    assert_eq!(
+        indexes,
+        [10, 20],
+        "inspect lists the rules in evaluation order"
+    );
     assert!(hits(&filter, Some(10)) >= 2, "{filter:#}");
     assert_eq!(hits(&filter, Some(20)), 0, "{filter:#}");
 }
@@ -136,7 +146,10 @@ fn the_proposal_example_drops_a_source_network_before_allowing_new_web_connectio
     let filter = inspected_filter(&host, &container);
     assert!(hits(&filter, Some(10)) >= 1, "{filter:#}");
     assert_eq!(hits(&filter, Some(20)), 1, "one new connection: {filter:#}");
-    assert!(hits(&filter, None) >= 2, "its later packets: default ALLOW: {filter:#}");
+    assert!(
+        hits(&filter, None) >= 2,
+        "its later packets: default ALLOW: {filter:#}"
+    );
 }
 
 #[test]
@@ -162,7 +175,10 @@ fn replies_and_related_errors_pass_a_default_drop_unsolicited_packets_do_not() {
             Ok("udp out".to_owned()),
             "{family:?}: the replies of an allowed UDP flow pass"
         );
-        assert!(ping(&container.netns, family.outside()), "{family:?}: echo replies pass");
+        assert!(
+            ping(&container.netns, family.outside()),
+            "{family:?}: echo replies pass"
+        );
         assert_eq!(
             udp_error(&container.netns, outside(5999)),
             std::io::ErrorKind::ConnectionRefused,
@@ -170,10 +186,19 @@ fn replies_and_related_errors_pass_a_default_drop_unsolicited_packets_do_not() {
         );
         let _inside_tcp = TcpServer::start(&container.netns, family.any(8080), "tcp in");
         let _inside_udp = UdpServer::start(&container.netns, family.any(5353), "udp in");
-        assert!(tcp_dropped(&host.outside, container.at(family, 8080)), "{family:?} TCP in");
-        assert!(udp_dropped(&host.outside, container.at(family, 5353)), "{family:?} UDP in");
+        assert!(
+            tcp_dropped(&host.outside, container.at(family, 8080)),
+            "{family:?} TCP in"
+        );
+        assert!(
+            udp_dropped(&host.outside, container.at(family, 5353)),
+            "{family:?} UDP in"
+        );
         let address = container.at(family, 0).ip();
-        assert!(!ping(&host.outside, address), "{family:?}: unsolicited echo requests");
+        assert!(
+            !ping(&host.outside, address),
+            "{family:?}: unsolicited echo requests"
+        );
     }
 }
 
@@ -183,7 +208,10 @@ fn connstate_new_matches_first_packets_and_established_the_later_ones_until_rule
         { "index": 1, "direction": "ingress", "proto": "tcp", "dport": 8080, "connstate": "new",
           "target": "ALLOW" },
     ]);
-    let host = SimHost::new("fl-connst", json!({ "filterDefault": "DROP", "filter": new_only }));
+    let host = SimHost::new(
+        "fl-connst",
+        json!({ "filterDefault": "DROP", "filter": new_only }),
+    );
     host.route_outside_to_containers();
     let container = host.container("c1", Value::Null);
     for family in Family::BOTH {
@@ -259,8 +287,14 @@ fn rules_match_addresses_protocols_ports_and_directions() {
             .into_iter()
             .map(|port| UdpServer::start(&container.netns, family.any(port), "udp"))
             .collect();
-        assert_eq!(udp_from(&host.outside, 0, container.at(family, 6010)).as_deref(), Ok("udp"));
-        assert!(udp_dropped(&host.outside, container.at(family, 6005)), "{family:?} dport range");
+        assert_eq!(
+            udp_from(&host.outside, 0, container.at(family, 6010)).as_deref(),
+            Ok("udp")
+        );
+        assert!(
+            udp_dropped(&host.outside, container.at(family, 6005)),
+            "{family:?} dport range"
+        );
         assert_eq!(
             udp_from(&host.outside, 41000, container.at(family, 6100)).as_deref(),
             Ok("udp"),
@@ -280,7 +314,10 @@ fn rules_match_addresses_protocols_ports_and_directions() {
                 "the IPv6 src rule drops TCP from {OUTSIDE_ADDR6}"
             ),
         }
-        assert!(ping(&container.netns, family.outside()), "{family:?}: egress pings pass");
+        assert!(
+            ping(&container.netns, family.outside()),
+            "{family:?}: egress pings pass"
+        );
         assert!(
             !ping(&host.outside, container.at(family, 0).ip()),
             "{family:?}: ingress echo requests are dropped (icmp / icmpv6 rules)"
@@ -353,7 +390,65 @@ fn host_port_traffic_is_filtered_by_the_container_side_addresses() {
         let (answer, _) = host
             .host_client("tcp", host.uplink(family, 8080))
             .unwrap_or_else(|error| panic!("{family:?}: a host process, same hostPort: {error}"));
-        assert_eq!(answer, "80", "{family:?}: the rules' src is the outside only");
+        assert_eq!(
+            answer, "80",
+            "{family:?}: the rules' src is the outside only"
+        );
+    }
+    // Hairpin: a neighbour reaching the hostPort arrives with its own address as the source.
+    let neighbour = host.container("c2", Value::Null);
+    let _open = TcpServer::start(&container.netns, Family::V4.any(81), "81");
+    assert_eq!(
+        tcp_request(&neighbour.netns, host.uplink(Family::V4, 8081)).as_deref(),
+        Ok("81"),
+        "hairpin from the neighbour"
+    );
+    let mut rules = inspected_filter(&host, &container)["rules"].clone();
+    if let Some(rules) = rules.as_array_mut() {
+        for rule in rules.iter_mut().filter_map(Value::as_object_mut) {
+            rule.retain(|_, value| !value.is_null());
+            for counter in ["packets", "bytes", "connstate", "direction"] {
+                rule.remove(counter);
+            }
+        }
+        rules.push(
+            json!({ "index": 3, "src": format!("{}/32", neighbour.address),
+                           "target": "DROP" }),
+        );
+    }
+    host.readd_with(&container, json!({ "filter": rules }))
+        .unwrap_or_else(|error| panic!("re-ADD: {error}"));
+    assert!(
+        tcp_dropped(&neighbour.netns, host.uplink(Family::V4, 8081)),
+        "hairpin traffic is filtered with the neighbour's address as its source"
+    );
+}
+
+#[test]
+fn masqueraded_connections_replies_and_errors_pass_a_default_drop() {
+    let host = SimHost::new(
+        "fl-masq",
+        json!({ "ipMasq": true, "filterDefault": "DROP", "filter": [
+            { "index": 1, "direction": "egress", "proto": "tcp", "dport": 8080, "target": "ALLOW" },
+            { "index": 2, "direction": "egress", "proto": "udp", "target": "ALLOW" },
+        ]}),
+    );
+    let container = host.container("c1", Value::Null);
+    for family in Family::BOTH {
+        let outside = |port| SocketAddr::new(family.outside(), port);
+        let _allowed = TcpServer::start(&host.outside, family.any(8080), "masqueraded");
+        let _other = TcpServer::start(&host.outside, family.any(8090), "not allowed");
+        let answer = tcp_request(&container.netns, outside(8080));
+        assert_eq!(answer.as_deref(), Ok("masqueraded"), "{family:?}");
+        assert!(
+            tcp_dropped(&container.netns, outside(8090)),
+            "{family:?}: no rule allows 8090"
+        );
+        assert_eq!(
+            udp_error(&container.netns, outside(5999)),
+            std::io::ErrorKind::ConnectionRefused,
+            "{family:?}: the translated port-unreachable error passes with its flow"
+        );
     }
 }
 
@@ -371,9 +466,8 @@ fn filler_rules(first_index: u64, count: u64) -> Vec<Value> {
 fn readd_replaces_the_rules_atomically_while_traffic_runs() {
     // Both rule sets allow port 7002 and drop 7001 (by default), with the ALLOW at the
     // other end of 200 other rules: a half-written set would drop 7002 or pass 7001.
-    let allow_7002 = |index: u64| {
-        json!({ "index": index, "proto": "udp", "dport": 7002, "target": "ALLOW" })
-    };
+    let allow_7002 =
+        |index: u64| json!({ "index": index, "proto": "udp", "dport": 7002, "target": "ALLOW" });
     let mut first = vec![allow_7002(5)];
     first.extend(filler_rules(100, 200));
     let mut second = filler_rules(10, 200);
@@ -398,7 +492,10 @@ fn readd_replaces_the_rules_atomically_while_traffic_runs() {
     for family in Family::BOTH {
         let _ = udp_request(&host.outside, container.at(family, 7002));
     }
-    let before: Vec<u64> = counters.iter().map(|(_, _, counter)| counter.received()).collect();
+    let before: Vec<u64> = counters
+        .iter()
+        .map(|(_, _, counter)| counter.received())
+        .collect();
     let sender = UdpSender::start(&host.outside, targets, Duration::from_micros(100));
     for round in 0..10 {
         for rules in [&second, &first] {
@@ -408,7 +505,10 @@ fn readd_replaces_the_rules_atomically_while_traffic_runs() {
     }
     let rounds = sender.stop();
     std::thread::sleep(Duration::from_millis(300));
-    assert!(rounds > 100, "the sender ran through the changes ({rounds} rounds)");
+    assert!(
+        rounds > 100,
+        "the sender ran through the changes ({rounds} rounds)"
+    );
     for ((family, port, counter), before) in counters.iter().zip(before) {
         let received = counter.received() - before;
         let expected = if *port == 7002 { rounds } else { 0 };
@@ -441,7 +541,10 @@ fn up_to_256_rules_per_attachment_more_is_invalid_config() {
     let container = host.container("c1", Value::Null);
     let _open = UdpServer::start(&container.netns, Family::V4.any(5354), "open");
     let _last = UdpServer::start(&container.netns, Family::V4.any(5353), "last");
-    assert_eq!(udp_from(&host.outside, 0, container.at(Family::V4, 5354)).as_deref(), Ok("open"));
+    assert_eq!(
+        udp_from(&host.outside, 0, container.at(Family::V4, 5354)).as_deref(),
+        Ok("open")
+    );
     assert!(
         udp_dropped(&host.outside, container.at(Family::V4, 5353)),
         "the 256th rule applies"
@@ -482,8 +585,12 @@ fn fragmented_datagrams_follow_their_first_fragment() {
             "{family:?}: fragments of a dropped datagram do not reassemble"
         );
         assert_eq!(
-            send(&container.netns, SocketAddr::new(family.outside(), 5002), CLIENT_TIMEOUT)
-                .map(|(answer, _)| answer),
+            send(
+                &container.netns,
+                SocketAddr::new(family.outside(), 5002),
+                CLIENT_TIMEOUT
+            )
+            .map(|(answer, _)| answer),
             Ok("back".to_owned()),
             "{family:?}: fragmented egress"
         );
@@ -492,18 +599,16 @@ fn fragmented_datagrams_follow_their_first_fragment() {
 
 /// `cnibpf monitor` in the host namespace, stdout piped.
 fn start_monitor(host: &SimHost, json: bool) -> Child {
-    let mut command = std::process::Command::new(cnibpf_binary());
-    command
-        .args(["monitor", "--pin-path"])
-        .arg(&host.pin_path)
-        .env_remove("CNI_COMMAND")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let pin_path = host.pin_path.display().to_string();
+    let mut args = vec!["monitor", "--pin-path", pin_path.as_str()];
     if json {
-        command.arg("--json");
+        args.push("--json");
     }
-    enter_netns_on_exec(&mut command, &host.host.path());
-    command.spawn().expect("start cnibpf monitor")
+    host.cnibpf_command(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start cnibpf monitor")
 }
 
 /// The lines a monitor prints, as they come.
@@ -542,10 +647,16 @@ fn interrupt(mut monitor: Child) {
     let deadline = Instant::now() + Duration::from_secs(3);
     loop {
         if let Some(status) = monitor.try_wait().expect("wait for monitor") {
-            assert!(status.success(), "monitor exits cleanly on Ctrl-C: {status}");
+            assert!(
+                status.success(),
+                "monitor exits cleanly on Ctrl-C: {status}"
+            );
             return;
         }
-        assert!(Instant::now() < deadline, "monitor still running 3 s after Ctrl-C");
+        assert!(
+            Instant::now() < deadline,
+            "monitor still running 3 s after Ctrl-C"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -584,7 +695,10 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
         let event: Value = serde_json::from_str(&event)
             .unwrap_or_else(|error| panic!("monitor printed no JSON ({error}): {event}"));
         assert_eq!(event["network"], host.network(), "{event}");
-        assert_eq!(event["containerID"], container.attachment.container_id, "{event}");
+        assert_eq!(
+            event["containerID"], container.attachment.container_id,
+            "{event}"
+        );
         assert_eq!(event["ifname"], "eth0", "{event}");
         assert_eq!(event["direction"], "ingress", "{event}");
         assert_eq!(event["rule"], 10, "{event}");
@@ -592,7 +706,12 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
         assert_eq!(event["src"], source, "{event}");
         assert_eq!(event["dst"], destination, "{event}");
         assert_eq!(event["dport"], 8080, "{event}");
-        assert!(event["time"].as_str().is_some_and(|time| time.ends_with('Z')), "{event}");
+        assert!(
+            event["time"]
+                .as_str()
+                .is_some_and(|time| time.ends_with('Z')),
+            "{event}"
+        );
         let line = first_line_matching(&text_lines, |line| line.contains(&source))
             .unwrap_or_else(|| panic!("no {family:?} drop event from the text monitor"));
         assert!(
@@ -603,8 +722,14 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
     interrupt(json_monitor);
     interrupt(text_monitor);
     let filter = inspected_filter(&host, &container);
-    assert!(hits(&filter, Some(10)) >= 2, "both families' SYNs: {filter:#}");
-    assert!(hits(&filter, None) >= 4, "the open connections' packets: {filter:#}");
+    assert!(
+        hits(&filter, Some(10)) >= 2,
+        "both families' SYNs: {filter:#}"
+    );
+    assert!(
+        hits(&filter, None) >= 4,
+        "the open connections' packets: {filter:#}"
+    );
     let dumped = host.bpftool_dump("filter_hits");
     let per_cpu_rule_10: u64 = dumped
         .as_array()
@@ -641,7 +766,8 @@ fn del_gc_and_check_cover_the_filter_and_its_connections() {
             Ok("out")
         );
     }
-    host.check(&first).unwrap_or_else(|error| panic!("CHECK: {error}"));
+    host.check(&first)
+        .unwrap_or_else(|error| panic!("CHECK: {error}"));
     let ifindex = |container: &Container| -> u32 {
         let name = host.host_interface(container);
         host.host
@@ -649,11 +775,14 @@ fn del_gc_and_check_cover_the_filter_and_its_connections() {
     };
     let mut filters = host.pinned_hash_map::<u32, FilterSet>("filters");
     filters.remove(&ifindex(&first)).expect("remove the filter");
-    let error = host.check(&first).expect_err("CHECK must notice the missing filter");
+    let error = host
+        .check(&first)
+        .expect_err("CHECK must notice the missing filter");
     assert_eq!(error.0.error_code(), Some(105), "{error}");
     host.readd_with(&first, keys)
         .unwrap_or_else(|error| panic!("re-ADD repairs: {error}"));
-    host.check(&first).unwrap_or_else(|error| panic!("CHECK after repair: {error}"));
+    host.check(&first)
+        .unwrap_or_else(|error| panic!("CHECK after repair: {error}"));
     let flows_of = |container: &Container| -> usize {
         let ifindex = ifindex(container);
         host.pinned_hash_map::<FilterFlowKey, FilterFlow>("filter_flows")
@@ -662,11 +791,18 @@ fn del_gc_and_check_cover_the_filter_and_its_connections() {
             .filter(|(key, _)| key.ifindex == ifindex)
             .count()
     };
-    assert!(flows_of(&first) >= 1 && flows_of(&second) >= 1, "connections are tracked");
+    assert!(
+        flows_of(&first) >= 1 && flows_of(&second) >= 1,
+        "connections are tracked"
+    );
     let first_ifindex = ifindex(&first);
-    host.del(&first).unwrap_or_else(|error| panic!("DEL: {error}"));
+    host.del(&first)
+        .unwrap_or_else(|error| panic!("DEL: {error}"));
     let filters = host.pinned_hash_map::<u32, FilterSet>("filters");
-    assert!(filters.get(&first_ifindex, 0).is_err(), "DEL removes the filter");
+    assert!(
+        filters.get(&first_ifindex, 0).is_err(),
+        "DEL removes the filter"
+    );
     assert!(
         host.pinned_hash_map::<FilterFlowKey, FilterFlow>("filter_flows")
             .iter()
@@ -679,9 +815,12 @@ fn del_gc_and_check_cover_the_filter_and_its_connections() {
         .gc(&[])
         .unwrap_or_else(|error| panic!("GC: {error}"));
     assert!(
-        !host.pin_path.join("filters").exists()
-            || filters.get(&second_ifindex, 0).is_err(),
+        !host.pin_path.join("filters").exists() || filters.get(&second_ifindex, 0).is_err(),
         "GC removes the filter of an attachment not listed"
     );
-    assert!(host.inspect()["attachments"].as_array().is_none_or(Vec::is_empty));
+    assert!(
+        host.inspect()["attachments"]
+            .as_array()
+            .is_none_or(Vec::is_empty)
+    );
 }

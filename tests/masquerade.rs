@@ -16,8 +16,8 @@ use cnibpf_tests::{
     Container, SimHost,
     topology::{FAR_ADDR, FAR_ADDR6, Family, HOST_UPLINK_ADDR, HOST_UPLINK_ADDR6, port_mappings},
     traffic::{
-        CLIENT_TIMEOUT, EchoServer, SinkServer, TcpServer, UdpServer, any_address_for,
-        ping, reset_on_close, tcp_exchange, tcp_request, tcp_upload, udp_error, udp_exchange_from,
+        CLIENT_TIMEOUT, EchoServer, SinkServer, TcpServer, UdpServer, any_address_for, ping,
+        reset_on_close, tcp_exchange, tcp_request, tcp_upload, udp_error, udp_exchange_from,
         udp_exchange_with, udp_request,
     },
 };

@@ -167,8 +167,13 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
             let (packets, bytes) = filter.default_hits;
             let _ = writeln!(
                 out,
-                "    filter: {} rules, default {} ({packets} packets, {bytes} bytes); {} tracked connections",
+                "    filter: {} rule{}, default {} ({packets} packets, {bytes} bytes); {} tracked connections",
                 filter.filter.rules.len(),
+                if filter.filter.rules.len() == 1 {
+                    ""
+                } else {
+                    "s"
+                },
                 target_name(filter.filter.default),
                 filter.flows
             );

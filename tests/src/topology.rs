@@ -323,10 +323,15 @@ impl SimHost {
 
     /// Runs `cnibpf` with `args` in the host namespace (for `inspect`).
     pub fn cnibpf(&self, args: &[&str]) -> std::process::Output {
+        self.cnibpf_command(args).output().expect("run cnibpf")
+    }
+
+    /// `cnibpf` with `args` as an admin command in the host namespace, to spawn (`monitor`).
+    pub fn cnibpf_command(&self, args: &[&str]) -> std::process::Command {
         let mut process = std::process::Command::new(cnibpf_binary());
         process.args(args).env_remove("CNI_COMMAND");
         chain::enter_netns_on_exec(&mut process, &self.host.path());
-        process.output().expect("run cnibpf")
+        process
     }
 
     /// Gives the outside namespace a route to the container subnets via the uplink, for

@@ -1,8 +1,12 @@
 //! `cargo xtask demo`: a simulated host, one container wired by a conflist with cnibpf chained
-//! after bridge + host-local, and real traffic through its hostPort and out through the
-//! masquerade.
+//! after bridge + host-local, and real traffic through its hostPort, out through the
+//! masquerade, and against its filter.
 
-use std::time::Instant;
+use std::{
+    io::Read as _,
+    process::Stdio,
+    time::{Duration, Instant},
+};
 
 use anyhow::{Context as _, Result, bail, ensure};
 use cnibpf_tests::{
@@ -25,15 +29,27 @@ pub fn run() -> Result<()> {
         started,
         "simulated host: netns cbt-demo-host (uplink up0 203.0.113.1) <-> cbt-demo-out (203.0.113.2)",
     );
-    let sim = SimHost::new("demo", json!({ "ipMasq": true }));
+    let sim = SimHost::new(
+        "demo",
+        json!({
+            "ipMasq": true,
+            "filter": [
+                { "index": 10, "direction": "ingress", "proto": "tcp", "dport": 81, "target": "DROP" },
+            ],
+            "filterDefault": "ALLOW",
+        }),
+    );
     println!("conflist:\n{:#}", sim.chain.conflist());
 
     section(
         started,
-        "ADD container \"web\" with portMappings [8080 -> 80/tcp]",
+        "ADD container \"web\" with portMappings [8080 -> 80/tcp, 8081 -> 81/tcp]",
     );
     let web = sim
-        .add_container("web", port_mappings(&[(8080, 80, "tcp")]))
+        .add_container(
+            "web",
+            port_mappings(&[(8080, 80, "tcp"), (8081, 81, "tcp")]),
+        )
         .map_err(|error| anyhow::anyhow!("ADD failed: {error}"))?;
     println!(
         "container address {}; result:\n{:#}",
@@ -104,13 +120,48 @@ pub fn run() -> Result<()> {
         .map_err(|error| anyhow::anyhow!("hairpin request failed: {error}"))?;
     print!("answer: {answer}");
 
-    section(started, "installed state: cnibpf inspect");
+    section(
+        started,
+        "filter: rule 10 drops TCP to container port 81; outside client -> 203.0.113.1:8081, watched by cnibpf monitor",
+    );
+    let _guarded = TcpServer::start(&web.netns, web.socket(81), "should not be seen\n");
     let pin_path = sim.pin_path.display().to_string();
+    let mut monitor = sim
+        .cnibpf_command(&["monitor", "--pin-path", &pin_path])
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("start cnibpf monitor")?;
+    std::thread::sleep(Duration::from_millis(300));
+    match tcp_request(&sim.outside, sim.uplink_target(8081)) {
+        Ok(answer) => bail!("the filter let through a connection to port 81: {answer}"),
+        Err(error) => println!("the client gave up as expected: {error}"),
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(monitor.id())?),
+        nix::sys::signal::Signal::SIGINT,
+    )?;
+    let mut events = String::new();
+    monitor
+        .stdout
+        .take()
+        .context("monitor stdout")?
+        .read_to_string(&mut events)?;
+    ensure!(
+        monitor.wait()?.success(),
+        "cnibpf monitor exits cleanly on Ctrl-C"
+    );
+    print!("cnibpf monitor printed:\n{events}");
+    ensure!(
+        events.contains("DROP by rule 10"),
+        "the monitor should report the drops of rule 10"
+    );
+
+    section(started, "installed state: cnibpf inspect");
     print!(
         "{}",
         String::from_utf8_lossy(&sim.cnibpf(&["inspect", "--pin-path", &pin_path]).stdout)
     );
-    for map in ["portmap", "masq_flows"] {
+    for map in ["portmap", "masq_flows", "filter_flows"] {
         section(
             started,
             &format!("installed state: bpftool map dump pinned {pin_path}/{map}"),

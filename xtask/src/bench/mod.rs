@@ -3,6 +3,7 @@
 //! under `target/bench/`.
 
 mod chart;
+mod filter;
 mod masquerade;
 mod portmap;
 
@@ -26,11 +27,13 @@ pub fn run(suite: Option<&str>) -> Result<()> {
     match suite {
         None => {
             portmap::run(&out_dir)?;
-            masquerade::run(&out_dir)
+            masquerade::run(&out_dir)?;
+            filter::run(&out_dir)
         }
         Some("portmap") => portmap::run(&out_dir),
         Some("masquerade") => masquerade::run(&out_dir),
-        Some(other) => bail!("unknown bench suite {other:?}; suites: portmap, masquerade"),
+        Some("filter") => filter::run(&out_dir),
+        Some(other) => bail!("unknown bench suite {other:?}; suites: portmap, masquerade, filter"),
     }
 }
 
