@@ -258,14 +258,6 @@ fn unimplemented_datapath_is_error_101_not_silent_success() {
     let base = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
     let cases = [
         (
-            json!({ "filter": [{ "index": 1, "target": "DROP" }] }),
-            "filter is not supported yet",
-        ),
-        (
-            json!({ "filterDefault": "DROP" }),
-            "filter is not supported yet",
-        ),
-        (
             json!({ "backend": "nftables" }),
             "backend \"nftables\" is not supported yet",
         ),
