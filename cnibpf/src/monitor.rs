@@ -54,7 +54,8 @@ async fn follow(
     // it is dropped with the `AsyncFd`.
     let mut events = unsafe { AsyncFd::register_with_interest(events, Interest::READABLE) }
         .map_err(|error| MonitorError::Io(error.into_parts().1))?;
-    let mut names: HashMap<u64, Attachment> = HashMap::new();
+    // Owners read from `owners` (None: not there, e.g. removed since the drop).
+    let mut names: HashMap<u64, Option<Attachment>> = HashMap::new();
     let interrupted = tokio::signal::ctrl_c();
     tokio::pin!(interrupted);
     loop {
@@ -75,10 +76,12 @@ async fn follow(
                         names = backend
                             .attachments()?
                             .into_iter()
-                            .map(|record| (record.owner, record.attachment))
+                            .map(|record| (record.owner, Some(record.attachment)))
                             .collect();
+                        names.entry(event.owner).or_insert(None);
                     }
-                    lines.push(render(&event, names.get(&event.owner), as_json));
+                    let attachment = names.get(&event.owner).and_then(Option::as_ref);
+                    lines.push(render(&event, attachment, as_json));
                 }
                 guard.clear_ready();
                 let mut out = std::io::stdout().lock();

@@ -40,7 +40,9 @@ impl EbpfBackend {
         };
         let wanted = stored_set(owner, filter);
         let current = self.filters.get(&ifindex, 0).ok();
-        if current.is_some_and(|current| same_rules(&current, &wanted)) {
+        if current.is_some_and(|current| same_rules(&current, &wanted))
+            && self.filter_hits.get(&ifindex, 0).is_ok()
+        {
             return Ok(());
         }
         // Counters first: a packet judged by the new rules never counts on the old ones'
