@@ -278,6 +278,8 @@ fn rules_match_addresses_protocols_ports_and_directions() {
             { "index": 6, "dst": format!("{OUTSIDE_ADDR}/32"), "proto": "tcp", "dport": 9000,
               "direction": "egress", "target": "DROP" },
             { "index": 7, "proto": "sctp", "dport": 7000, "target": "DROP" },
+            { "index": 8, "dst": "2001:db8:1::/64", "proto": "udp", "dport": 9100,
+              "direction": "egress", "target": "DROP" },
         ]}),
     );
     host.route_outside_to_containers();
@@ -340,6 +342,14 @@ fn rules_match_addresses_protocols_ports_and_directions() {
         Ok("in 9000"),
         "the egress rule does not apply to ingress"
     );
+    for family in Family::BOTH {
+        let _server = UdpServer::start(&host.outside, family.any(9100), "9100");
+        let sent = udp_from(&container.netns, 0, SocketAddr::new(family.outside(), 9100));
+        match family {
+            Family::V4 => assert_eq!(sent.as_deref(), Ok("9100"), "the dst rule is IPv6"),
+            Family::V6 => assert!(sent.is_err(), "the IPv6 dst CIDR rule drops it"),
+        }
+    }
     let filter = inspected_filter(&host, &container);
     assert_eq!(filter["rules"][6]["proto"], "sctp", "{filter:#}");
     if kernel_has_sctp() {

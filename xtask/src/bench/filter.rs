@@ -4,7 +4,7 @@
 
 use std::{net::SocketAddr, path::Path, time::Duration};
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
     Container, SimHost,
     topology::Family,
@@ -18,7 +18,7 @@ use super::{
     iperf3, median, write_report,
 };
 
-const ROUNDS: usize = 5;
+const ROUNDS: usize = 7;
 const IPERF_SECONDS: u32 = 4;
 const RATE_WINDOW: Duration = Duration::from_secs(3);
 const RATE_CLIENTS: usize = 2;
@@ -62,28 +62,46 @@ pub fn run(out_dir: &Path) -> Result<()> {
         .collect::<Result<_>>()?;
     let _echo = EchoServer::start(&sim.outside, Family::V4.any(7000), 2);
     let server = |port| SocketAddr::new(Family::V4.outside(), port);
+    let stats = BpfStats::enable()?;
     let mut throughput = vec![Vec::new(); containers.len()];
+    let mut cost = vec![Vec::new(); containers.len()];
+    let mut connection_cost = vec![Vec::new(); containers.len()];
     let mut rate = vec![Vec::new(); containers.len()];
     // The containers alternate within each round, so that drift on this noisy machine falls
     // on all of them.
     for round in 1..=ROUNDS {
         for (index, (label, container)) in containers.iter().enumerate() {
             progress.step(&format!("round {round}/{ROUNDS}: {label}"));
+            let before = stats.container_programs(&sim.pin_path)?;
             throughput[index].push(iperf3(
                 &container.netns,
                 server(5201 + index as u16),
                 IPERF_SECONDS,
             )?);
+            let after = stats.container_programs(&sim.pin_path)?;
+            if after.1 <= before.1 {
+                bail!("no run of the container programs counted during iperf3 ({label})");
+            }
+            cost[index].push((after.0 - before.0) as f64 / (after.1 - before.1) as f64);
+            let before = stats.container_programs(&sim.pin_path)?;
             rate[index].push(connection_rate(
                 &container.netns,
                 server(7000),
                 RATE_CLIENTS,
                 RATE_WINDOW,
             ));
+            let after = stats.container_programs(&sim.pin_path)?;
+            if after.1 <= before.1 {
+                bail!("no run of the container programs counted during the connections ({label})");
+            }
+            connection_cost[index].push((after.0 - before.0) as f64 / (after.1 - before.1) as f64);
         }
     }
     let throughput: Vec<f64> = throughput.into_iter().map(median).collect();
     let rate: Vec<f64> = rate.into_iter().map(median).collect();
+    let cost: Vec<f64> = cost.into_iter().map(median).collect();
+    let connection_cost: Vec<f64> = connection_cost.into_iter().map(median).collect();
+    drop(stats);
     if throughput.contains(&0.0) || rate.contains(&0.0) {
         bail!("no traffic passed a filter");
     }
@@ -102,10 +120,37 @@ pub fn run(out_dir: &Path) -> Result<()> {
             });
         }
     }
+    for (index, (label, _)) in containers.iter().enumerate() {
+        for (metric, values) in [
+            ("datapath time per packet during the throughput run", &cost),
+            (
+                "datapath time per packet during the connection-rate run",
+                &connection_cost,
+            ),
+        ] {
+            rows.push(Row {
+                scenario: label.clone(),
+                metric,
+                unit: "ns",
+                value: values[index],
+                baseline: Some(("no filter".to_owned(), values[0])),
+            });
+        }
+    }
     // The targets compare 256 rules with 1 rule.
     for (metric, unit, values) in [
         ("TCP throughput", "Gbit/s", &throughput),
         ("connection rate", "conn/s", &rate),
+        (
+            "datapath time per packet during the throughput run",
+            "ns",
+            &cost,
+        ),
+        (
+            "datapath time per packet during the connection-rate run",
+            "ns",
+            &connection_cost,
+        ),
     ] {
         rows.push(Row {
             scenario: "256 rules vs 1 rule".to_owned(),
@@ -121,7 +166,10 @@ pub fn run(out_dir: &Path) -> Result<()> {
          connect + 1-byte request/response + close, {} s windows. Filters: filterDefault DROP, the \
          ALLOW for the traffic last, after rules that differ from it only in the destination port \
          (each new connection walks every rule). Targets: throughput at 256 rules ≥ 0.97× of 1 rule \
-         (later packets take the verdict cached with their connection), connection rate ≥ 0.9×.",
+         (later packets take the verdict cached with their connection), connection rate ≥ 0.9×. \
+         Datapath time per packet: run time over run count of from_container and to_container \
+         (kernel.bpf_stats_enabled) while the container's iperf3 or connections run alone — the cost \
+         the filter adds, without the machine's throughput noise.",
         RATE_WINDOW.as_secs()
     )];
     let report = write_report(out_dir, "filter", "cnibpf bench: filter", &rows, &notes)?;
@@ -145,4 +193,43 @@ pub fn run(out_dir: &Path) -> Result<()> {
     )?;
     progress.step(&format!("report: {} and filter.png", report.display()));
     Ok(())
+}
+
+/// The kernel's per-program run time statistics, on while this lives (they cost a clock read
+/// per run, for every program alike).
+struct BpfStats {
+    previous: String,
+}
+
+const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+impl BpfStats {
+    fn enable() -> Result<Self> {
+        let previous = std::fs::read_to_string(BPF_STATS)?.trim().to_owned();
+        std::fs::write(BPF_STATS, "1")?;
+        Ok(Self { previous })
+    }
+
+    /// (run time in ns, runs) of the container-side programs pinned under `pin_path`.
+    fn container_programs(&self, pin_path: &Path) -> Result<(u64, u64)> {
+        let mut total = (0, 0);
+        for program in ["from_container", "to_container"] {
+            let output = std::process::Command::new("bpftool")
+                .args(["-j", "prog", "show", "pinned"])
+                .arg(pin_path.join("programs").join(program))
+                .output()?;
+            let shown: Value = serde_json::from_slice(&output.stdout)
+                .with_context(|| format!("bpftool prog show {program}"))?;
+            // bpftool leaves both out while the program has not run.
+            total.0 += shown["run_time_ns"].as_u64().unwrap_or(0);
+            total.1 += shown["run_cnt"].as_u64().unwrap_or(0);
+        }
+        Ok(total)
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        let _ = std::fs::write(BPF_STATS, &self.previous);
+    }
 }
