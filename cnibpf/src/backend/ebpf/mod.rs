@@ -17,7 +17,7 @@ use std::{
 
 use aya::{
     EbpfLoader,
-    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, MapType, PerCpuArray, PerCpuHashMap},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, PerCpuHashMap},
     programs::{
         CgroupAttachMode, CgroupSockAddr, LinkOrder, Program, SchedClassifier, TcAttachType,
         cgroup_sock_addr::{CgroupSockAddrAttachType, CgroupSockAddrLink},
@@ -57,6 +57,7 @@ use nix::{
 mod batch;
 mod filter;
 mod masquerade;
+mod probe;
 
 use super::{
     AttachmentRecord, Backend, BackendError, Endpoint, Filter, FilterRecord, Masquerade,
@@ -171,20 +172,13 @@ impl std::fmt::Debug for EbpfBackend {
 }
 
 impl EbpfBackend {
-    /// Whether this host lets us use BPF at all (a kernel without it, or a sandbox that denies
-    /// `bpf()`, fails here).
+    /// Whether the eBPF backend can work on this host: the kernel loads and attaches a TC
+    /// program (a kernel without BPF or tcx, or a sandbox that denies `bpf()`, fails here).
     pub fn probe() -> Result<(), BackendError> {
-        let unavailable = |reason: String| BackendError::Unavailable {
+        probe::load_and_attach().map_err(|reason| BackendError::Unavailable {
             backend: "ebpf",
             reason,
-        };
-        // The cheapest map there is: LRU maps (which the datapath needs) cost far more to
-        // create, and every kernel with tcx has them.
-        match aya::sys::is_map_supported(MapType::Array) {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(unavailable("the kernel has no BPF maps".to_owned())),
-            Err(error) => Err(unavailable(format!("bpf() failed: {error}"))),
-        }
+        })
     }
 
     /// Opens the pinned state, loading and pinning the object first if it is not (all) there.

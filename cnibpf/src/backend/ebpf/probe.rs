@@ -1,0 +1,64 @@
+//! Whether the eBPF backend can work on this host, asked of the kernel itself: a two-instruction
+//! TC program is loaded and attached, as a clsact filter like the container hooks, to the
+//! loopback of a scratch network namespace (which disappears with the probe). Nothing is
+//! cached: a kernel or sandbox that changes between calls is seen as it is. (A tcx link would
+//! wait out an RCU grace period — tens of milliseconds on every ADD.)
+
+use std::{
+    io,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+};
+
+use nix::sched::{CloneFlags, unshare};
+
+use crate::netlink::{self, TcFilterSlot, TcHook};
+
+/// `BPF_PROG_LOAD`, `BPF_PROG_TYPE_SCHED_CLS` (uapi).
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+
+/// `r0 = 0 (TC_ACT_OK); exit`.
+const PROGRAM: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
+
+/// Loads and attaches the probe program; the error says which step the kernel refused.
+pub fn load_and_attach() -> Result<(), String> {
+    let program = load().map_err(|error| format!("loading a TC program failed: {error}"))?;
+    // The scratch namespace belongs to a thread of its own, which ends with the probe.
+    std::thread::spawn(move || {
+        unshare(CloneFlags::CLONE_NEWNET)
+            .map_err(|error| format!("could not create a scratch network namespace: {error}"))?;
+        // The loopback of a new namespace always has index 1.
+        let slot = TcFilterSlot {
+            hook: TcHook::Ingress,
+            priority: 1,
+            handle: 1,
+        };
+        netlink::add_clsact(1)
+            .and_then(|()| netlink::replace_bpf_filter(1, slot, program.as_raw_fd(), "probe"))
+            .map_err(|error| format!("attaching a TC filter failed: {error}"))
+    })
+    .join()
+    .unwrap_or_else(|_| Err("the probe thread panicked".to_owned()))
+}
+
+fn load() -> io::Result<OwnedFd> {
+    let license = c"GPL";
+    // union bpf_attr, BPF_PROG_LOAD: prog_type, insn_cnt, insns, license.
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
+    attr[4..8].copy_from_slice(&(PROGRAM.len() as u32).to_ne_bytes());
+    attr[8..16].copy_from_slice(&(PROGRAM.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+    bpf(BPF_PROG_LOAD, &attr)
+}
+
+fn bpf(command: libc::c_long, attr: &[u8; 128]) -> io::Result<OwnedFd> {
+    // SAFETY: bpf(2) reads `size` bytes of `attr`, a zero-initialised union bpf_attr whose
+    // pointers (instructions, license) outlive the call; it returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, command, attr.as_ptr(), attr.len()) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor to us, nobody else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
