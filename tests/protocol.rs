@@ -6,7 +6,8 @@ use cnibpf_tests::{
     PluginOutput, SimHost,
     assertions::{assert_cni_error, assert_silent_success},
     chain::{self, Attachment, deny_bpf_syscall, run_with_stdin},
-    topology::{UPLINK, cni_path, port_mappings},
+    topology::{Family, UPLINK, cni_path, port_mappings},
+    traffic::{TcpServer, tcp_request},
 };
 use serde_json::{Value, json};
 
@@ -221,20 +222,46 @@ fn status_answers_ready_and_gc_succeeds_silently() {
 }
 
 #[test]
-fn without_bpf_status_is_50_and_a_forced_ebpf_backend_is_104() {
-    let sim = SimHost::new("proto-nobpf", json!({}));
-    let c1 = sim.container("c1", json!({}));
+fn without_bpf_auto_serves_with_nftables_and_a_forced_ebpf_backend_is_104() {
     for errno in [libc::EPERM, libc::ENOSYS] {
-        let mut status =
-            chain::plugin_command(&cni_path(), &sim.host.path(), "cnibpf", "STATUS", None);
-        deny_bpf_syscall(&mut status, errno);
-        let output = run_with_stdin(
-            status,
-            "cnibpf",
-            "STATUS",
-            &cnibpf_config(&sim, "1.1.0", None).to_string(),
+        let mut sim = SimHost::new(
+            &format!("proto-nobpf{errno}"),
+            json!({ "capabilities": { "portMappings": true } }),
         );
-        assert_cni_error(&output, 50, "no backend can work on this host");
+        sim.chain.deny_bpf_to_cnibpf(errno);
+        let status = |path: &str| {
+            let mut status =
+                chain::plugin_command(&cni_path(), &sim.host.path(), "cnibpf", "STATUS", None);
+            status.env("PATH", path);
+            deny_bpf_syscall(&mut status, errno);
+            run_with_stdin(
+                status,
+                "cnibpf",
+                "STATUS",
+                &cnibpf_config(&sim, "1.1.0", None).to_string(),
+            )
+        };
+        assert_silent_success(&status(&std::env::var("PATH").unwrap_or_default()));
+        // Without `nft` either, nothing can work.
+        assert_cni_error(
+            &status("/nonexistent"),
+            50,
+            "no backend can work on this host",
+        );
+
+        let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+        let _server = TcpServer::start(&c1.netns, Family::V4.any(80), "served by nftables");
+        assert_eq!(
+            tcp_request(&sim.outside, sim.uplink(Family::V4, 8080)).as_deref(),
+            Ok("served by nftables"),
+            "auto without BPF: the hostPort works through nftables"
+        );
+        let inspect = sim.inspect();
+        assert_eq!(
+            inspect["attachments"][0]["backend"], "nftables",
+            "{inspect:#}"
+        );
+        assert!(!sim.pin_path.exists(), "no eBPF state was made");
 
         let mut config = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
         config["backend"] = json!("ebpf");
@@ -248,7 +275,42 @@ fn without_bpf_status_is_50_and_a_forced_ebpf_backend_is_104() {
         deny_bpf_syscall(&mut add, errno);
         let output = run_with_stdin(add, "cnibpf", "ADD", &config.to_string());
         assert_cni_error(&output, 104, "backend ebpf cannot work on this host");
+
+        sim.del(&c1).unwrap_or_else(|error| panic!("DEL: {error}"));
+        assert!(
+            !sim.host.exec(&["nft", "list", "tables"]).contains("cnibpf"),
+            "DEL of the last attachment removes the table"
+        );
     }
+}
+
+#[test]
+fn del_cleans_up_what_the_other_backend_made() {
+    let sim = SimHost::new(
+        "proto-cross",
+        json!({ "backend": "nftables", "capabilities": { "portMappings": true } }),
+    );
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let mut config = cnibpf_config(&sim, "1.0.0", None);
+    config["backend"] = json!("ebpf");
+    let del = invoke(&sim, "DEL", Some(&c1.attachment), &config);
+    assert_silent_success(&del);
+    assert!(
+        !sim.host.exec(&["nft", "list", "tables"]).contains("cnibpf"),
+        "a DEL configured for eBPF removes the nftables attachment"
+    );
+    let ebpf = SimHost::new(
+        "proto-cross2",
+        json!({ "capabilities": { "portMappings": true } }),
+    );
+    let c2 = ebpf.container("c2", port_mappings(&[(8080, 80, "tcp")]));
+    let mut config = cnibpf_config(&ebpf, "1.0.0", None);
+    config["backend"] = json!("nftables");
+    assert_silent_success(&invoke(&ebpf, "DEL", Some(&c2.attachment), &config));
+    assert!(
+        !ebpf.pin_path.exists(),
+        "a DEL configured for nftables removes the eBPF state"
+    );
 }
 
 #[test]
@@ -256,16 +318,10 @@ fn unimplemented_datapath_is_error_101_not_silent_success() {
     let sim = SimHost::new("proto-notyet", json!({}));
     let c1 = sim.container("c1", json!({}));
     let base = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
-    let cases = [
-        (
-            json!({ "backend": "nftables" }),
-            "backend \"nftables\" is not supported yet",
-        ),
-        (
-            json!({ "runtimeConfig": { "portMappings": [{ "hostPort": 9, "containerPort": 10, "protocol": "sctp" }] } }),
-            "sctp with hostPort 9 != containerPort 10",
-        ),
-    ];
+    let cases = [(
+        json!({ "runtimeConfig": { "portMappings": [{ "hostPort": 9, "containerPort": 10, "protocol": "sctp" }] } }),
+        "sctp with hostPort 9 != containerPort 10",
+    )];
     for (change, fragment) in cases {
         let mut config = base.clone();
         for (key, value) in change.as_object().expect("object") {

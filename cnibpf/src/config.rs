@@ -287,9 +287,6 @@ impl NetConf {
                 feature: feature.to_owned(),
             })
         };
-        if self.plugin.backend == BackendChoice::Nftables {
-            return not_yet("backend \"nftables\"");
-        }
         for (position, mapping) in self.port_mappings.iter().enumerate() {
             // SCTP's CRC32c covers the ports but not the addresses: translating the address
             // alone keeps it valid, changing a port would mean recomputing it per packet.

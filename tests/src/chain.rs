@@ -76,6 +76,8 @@ pub struct Chain {
     /// Network namespace the plugins run in (the simulated host).
     host_netns: PathBuf,
     cache: Mutex<HashMap<(String, String), (Value, Value)>>,
+    /// When set, cnibpf runs with `bpf(2)` failing with this errno (a host without BPF).
+    cnibpf_bpf_errno: Option<i32>,
 }
 
 impl Chain {
@@ -85,7 +87,13 @@ impl Chain {
             cni_path: cni_path.to_owned(),
             host_netns: host_netns.to_owned(),
             cache: Mutex::new(HashMap::new()),
+            cnibpf_bpf_errno: None,
         }
+    }
+
+    /// From now on cnibpf runs as on a host without BPF: `bpf(2)` fails with `errno`.
+    pub fn deny_bpf_to_cnibpf(&mut self, errno: i32) {
+        self.cnibpf_bpf_errno = Some(errno);
     }
 
     pub fn conflist(&self) -> &Value {
@@ -330,14 +338,17 @@ impl Chain {
             .as_str()
             .expect("plugin has a type")
             .to_owned();
-        invoke_plugin(
+        let mut process = plugin_command(
             &self.cni_path,
             &self.host_netns,
             &plugin_type,
             command,
             attachment,
-            &config.to_string(),
-        )
+        );
+        if let Some(errno) = self.cnibpf_bpf_errno.filter(|_| plugin_type == "cnibpf") {
+            deny_bpf_syscall(&mut process, errno);
+        }
+        run_with_stdin(process, &plugin_type, command, &config.to_string())
     }
 }
 

@@ -2,6 +2,7 @@
 //! objects stay inside the backend that made them.
 
 pub mod ebpf;
+pub mod nftables;
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -25,8 +26,6 @@ pub enum BackendError {
         backend: &'static str,
         reason: String,
     },
-    #[error("{feature} is not supported yet by this version of cnibpf")]
-    NotSupportedYet { feature: &'static str },
     #[error("could not prepare bpffs directory {path}")]
     Bpffs {
         path: PathBuf,
@@ -84,13 +83,14 @@ pub enum BackendError {
     HostAddresses(#[source] Box<crate::netlink::NetlinkError>),
     #[error("could not set up the TC filters of a container interface")]
     Filter(#[source] Box<crate::netlink::NetlinkError>),
+    #[error(transparent)]
+    Nftables(#[from] nftables::NftablesError),
 }
 
 impl BackendError {
     pub fn code(&self) -> u32 {
         match self {
             Self::Unavailable { .. } => code::BACKEND_UNAVAILABLE,
-            Self::NotSupportedYet { .. } => code::NOT_SUPPORTED_YET,
             Self::IncompatibleState { .. } => code::INCOMPATIBLE_STATE,
             Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
             Self::CheckFailed(_) => code::CHECK_FAILED,
@@ -102,7 +102,7 @@ impl BackendError {
             | Self::Pin { .. }
             | Self::OwnerCollision { .. } => code::DATAPATH,
             Self::HostAddresses(_) => code::INTERFACE,
-            Self::Filter(_) => code::DATAPATH,
+            Self::Filter(_) | Self::Nftables(_) => code::DATAPATH,
         }
     }
 }
@@ -123,6 +123,8 @@ pub struct Endpoint {
     pub gateway_v6: Option<Ipv6Addr>,
     /// The cgroup (v2) whose processes' sockets reach hostPorts through the socket hooks.
     pub cgroup: PathBuf,
+    /// The container's addresses with their prefixes (from prevResult).
+    pub container_networks: Vec<IpNet>,
 }
 
 /// How one attachment is masqueraded.
@@ -244,6 +246,10 @@ pub trait Backend {
     fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError>;
     /// The addresses each uplink masquerades to, as last taken by ADD or CHECK.
     fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError>;
+
+    /// Applies the changes of this operation. The eBPF backend applies each as it is made (so
+    /// it has nothing left to do); the nftables backend collects them into one transaction.
+    fn commit(&mut self) -> Result<(), BackendError>;
 }
 
 /// An uplink and the addresses it masquerades to.
@@ -254,28 +260,53 @@ pub struct UplinkAddresses {
     pub v6: Option<Ipv6Addr>,
 }
 
-/// The backend `choice` names, ready for changes, or why it cannot be used.
+/// The backend `choice` names, ready for changes, or why it cannot be used. `auto` asks the
+/// kernel every time (nothing cached could go stale): eBPF when it works, else nftables.
 pub fn select(
     choice: BackendChoice,
     pins: &crate::paths::PinLayout,
 ) -> Result<Box<dyn Backend>, BackendError> {
     match choice {
-        BackendChoice::Auto | BackendChoice::Ebpf => {
+        BackendChoice::Ebpf => {
             ebpf::EbpfBackend::probe()?;
             Ok(Box::new(ebpf::EbpfBackend::load_for_changes(pins)?))
         }
-        BackendChoice::Nftables => Err(BackendError::NotSupportedYet {
-            feature: "backend \"nftables\"",
-        }),
+        BackendChoice::Nftables => {
+            nftables::NftablesBackend::probe()?;
+            Ok(Box::new(nftables::NftablesBackend::open()?))
+        }
+        BackendChoice::Auto => match ebpf::EbpfBackend::probe() {
+            Ok(()) => Ok(Box::new(ebpf::EbpfBackend::load_for_changes(pins)?)),
+            Err(ebpf_error) => match nftables::NftablesBackend::probe() {
+                Ok(()) => Ok(Box::new(nftables::NftablesBackend::open()?)),
+                Err(nftables_error) => Err(BackendError::Unavailable {
+                    backend: "auto",
+                    reason: format!("{ebpf_error}; {nftables_error}"),
+                }),
+            },
+        },
     }
 }
 
+/// Whether any backend can work on this host (STATUS).
+pub fn any_available() -> Result<(), BackendError> {
+    ebpf::EbpfBackend::probe().or_else(|ebpf_error| {
+        nftables::NftablesBackend::probe().map_err(|nftables_error| BackendError::Unavailable {
+            backend: "auto",
+            reason: format!("{ebpf_error}; {nftables_error}"),
+        })
+    })
+}
+
 /// Every backend that holds state under `pins`, for DEL, GC and inspect, which must find an
-/// attachment whichever backend made it.
+/// attachment whichever backend made it (a host may gain or lose BPF across a reboot).
 pub fn existing(pins: &crate::paths::PinLayout) -> Result<Vec<Box<dyn Backend>>, BackendError> {
     let mut backends: Vec<Box<dyn Backend>> = Vec::new();
     if let Some(ebpf) = ebpf::EbpfBackend::open_existing(pins)? {
         backends.push(Box::new(ebpf));
+    }
+    if let Some(nftables) = nftables::NftablesBackend::open_existing()? {
+        backends.push(Box::new(nftables));
     }
     Ok(backends)
 }

@@ -249,6 +249,7 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
                 IpAddr::V4(_) => None,
             }),
             cgroup,
+            container_networks: prev.container_addresses.clone(),
         },
         attachment,
         mappings,
@@ -331,7 +332,14 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     let mut backend = backend::select(conf.plugin.backend, &pins)?;
     let owner = plan.attachment.owner_id();
+    // A hostPort may be held by an attachment of either backend.
     ensure_host_ports_free(backend.as_ref(), owner, &plan.mappings)?;
+    for other in backend::existing(&pins)?
+        .iter()
+        .filter(|other| other.name() != backend.name())
+    {
+        ensure_host_ports_free(other.as_ref(), owner, &plan.mappings)?;
+    }
     // The filter goes first: once the datapath is hooked onto the interface, no packet may
     // pass unfiltered.
     let applied = backend
@@ -339,12 +347,14 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
         .and_then(|()| backend.setup_endpoint(&plan.endpoint))
         .and_then(|()| backend.refresh_uplinks(&plan.endpoint.uplinks))
         .and_then(|()| backend.setup_port_mappings(&plan.endpoint, &plan.mappings))
-        .and_then(|()| backend.setup_masquerade(&plan.endpoint, plan.masquerade.as_ref()));
+        .and_then(|()| backend.setup_masquerade(&plan.endpoint, plan.masquerade.as_ref()))
+        .and_then(|()| backend.commit());
     if let Err(error) = applied {
         // Undo: an attachment is either complete or absent. (The filter is found by its
         // interface: the attachment may not be recorded yet.)
         let _ = remove_attachment(backend.as_mut(), owner);
         let _ = backend.setup_filter(&plan.endpoint, None);
+        let _ = backend.commit();
         return Err(error.into());
     }
     Ok(output.to_string())
@@ -424,6 +434,7 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let _lock = InstanceLock::acquire(&conf.pins.lock_file(), lock_timeout())?;
     for mut backend in backend::existing(&conf.pins)? {
         remove_attachment(backend.as_mut(), attachment.owner_id())?;
+        backend.commit()?;
     }
     Ok(())
 }
@@ -461,6 +472,7 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     backend.refresh_uplinks(&plan.endpoint.uplinks)?;
     backend.check_masquerade(&plan.endpoint, plan.masquerade.as_ref())?;
     backend.check_filter(&plan.endpoint, plan.filter.as_ref())?;
+    backend.commit()?;
     Ok(())
 }
 
@@ -499,6 +511,7 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
             remove_attachment(backend.as_mut(), owner)?;
         }
         backend.sweep_expired()?;
+        backend.commit()?;
     }
     Ok(())
 }
@@ -506,10 +519,6 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
 fn status(stdin: &[u8]) -> Result<(), Error> {
     let conf = NetConf::parse(stdin)?;
     conf.require_version("STATUS")?;
-    match backend::ebpf::EbpfBackend::probe() {
-        Ok(()) => Ok(()),
-        Err(error) => Err(Error::Unavailable(format!(
-            "no backend can work on this host: {error}; the nftables backend is not supported yet"
-        ))),
-    }
+    backend::any_available()
+        .map_err(|error| Error::Unavailable(format!("no backend can work on this host: {error}")))
 }

@@ -941,6 +941,10 @@ impl Backend for EbpfBackend {
         self.read_uplink_addresses()
     }
 
+    fn commit(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
         let mut mappings = Vec::new();
         for entry in self.portmap.iter() {
@@ -1047,7 +1051,7 @@ fn key_addr(addr: IpAddr) -> [u8; 16] {
     }
 }
 
-fn is_link_local(addr: IpAddr) -> bool {
+pub fn is_link_local(addr: IpAddr) -> bool {
     match addr {
         IpAddr::V4(addr) => addr.is_link_local(),
         IpAddr::V6(addr) => addr.is_unicast_link_local(),
