@@ -14,8 +14,8 @@ use cnibpf_common::{
     filter_flow::{FilterFlow, FilterFlowKey},
 };
 use cnibpf_tests::{
-    Container, Netns, SimHost,
-    topology::{Family, GATEWAY, OUTSIDE_ADDR, OUTSIDE_ADDR6, port_mappings},
+    Container, Netns, SimHost, for_both_backends,
+    topology::{Backend, Family, GATEWAY, OUTSIDE_ADDR, OUTSIDE_ADDR6, port_mappings},
     traffic::{
         CLIENT_TIMEOUT, Conversation, StreamEchoServer, TcpServer, UdpCounter, UdpSender,
         UdpServer, kernel_has_sctp, ping, sctp_request, tcp_exchange, tcp_request, udp_error,
@@ -77,10 +77,10 @@ fn hits(filter: &Value, index: Option<u64>) -> u64 {
     .unwrap_or_else(|| panic!("no counter for rule {index:?} in {filter:#}"))
 }
 
-#[test]
-fn rules_apply_in_index_order_not_in_array_order() {
+fn rules_apply_in_index_order_not_in_array_order(backend: Backend) {
     // In array order the ALLOW would decide port 8080; by index the DROP comes first.
-    let host = SimHost::new(
+    let host = SimHost::on(
+        backend,
         "fl-order",
         json!({ "filter": [
             { "index": 20, "proto": "tcp", "dport": 8080, "target": "ALLOW" },
@@ -118,9 +118,10 @@ fn rules_apply_in_index_order_not_in_array_order() {
     assert_eq!(hits(&filter, Some(20)), 0, "{filter:#}");
 }
 
-#[test]
-fn the_proposal_example_drops_a_source_network_before_allowing_new_web_connections() {
-    let host = SimHost::new("fl-proposal", json!({}));
+fn the_proposal_example_drops_a_source_network_before_allowing_new_web_connections(
+    backend: Backend,
+) {
+    let host = SimHost::on(backend, "fl-proposal", json!({}));
     host.route_outside_to_containers();
     let container = host.container("c1", Value::Null);
     // The proposal's 172.64.0.0/13 is the outside network here; its 10.10.10.100 the container.
@@ -152,9 +153,9 @@ fn the_proposal_example_drops_a_source_network_before_allowing_new_web_connectio
     );
 }
 
-#[test]
-fn replies_and_related_errors_pass_a_default_drop_unsolicited_packets_do_not() {
-    let host = SimHost::new(
+fn replies_and_related_errors_pass_a_default_drop_unsolicited_packets_do_not(backend: Backend) {
+    let host = SimHost::on(
+        backend,
         "fl-state",
         json!({ "filterDefault": "DROP",
                 "filter": [{ "index": 1, "direction": "egress", "target": "ALLOW" }] }),
@@ -202,13 +203,15 @@ fn replies_and_related_errors_pass_a_default_drop_unsolicited_packets_do_not() {
     }
 }
 
-#[test]
-fn connstate_new_matches_first_packets_and_established_the_later_ones_until_rules_change() {
+fn connstate_new_matches_first_packets_and_established_the_later_ones_until_rules_change(
+    backend: Backend,
+) {
     let new_only = json!([
         { "index": 1, "direction": "ingress", "proto": "tcp", "dport": 8080, "connstate": "new",
           "target": "ALLOW" },
     ]);
-    let host = SimHost::new(
+    let host = SimHost::on(
+        backend,
         "fl-connst",
         json!({ "filterDefault": "DROP", "filter": new_only }),
     );
@@ -264,9 +267,9 @@ fn connstate_new_matches_first_packets_and_established_the_later_ones_until_rule
     }
 }
 
-#[test]
-fn rules_match_addresses_protocols_ports_and_directions() {
-    let host = SimHost::new(
+fn rules_match_addresses_protocols_ports_and_directions(backend: Backend) {
+    let host = SimHost::on(
+        backend,
         "fl-match",
         json!({ "filter": [
             { "index": 1, "proto": "udp", "dport": "6000-6009", "target": "DROP" },
@@ -372,10 +375,10 @@ fn rules_match_addresses_protocols_ports_and_directions() {
     }
 }
 
-#[test]
-fn host_port_traffic_is_filtered_by_the_container_side_addresses() {
+fn host_port_traffic_is_filtered_by_the_container_side_addresses(backend: Backend) {
     // The rules name containerPort 80; clients use hostPort 8080.
-    let host = SimHost::new(
+    let host = SimHost::on(
+        backend,
         "fl-hostport",
         json!({ "capabilities": { "portMappings": true }, "filter": [
             { "index": 1, "src": format!("{OUTSIDE_ADDR}/32"), "proto": "tcp", "dport": 80,
@@ -434,9 +437,9 @@ fn host_port_traffic_is_filtered_by_the_container_side_addresses() {
     );
 }
 
-#[test]
-fn masqueraded_connections_replies_and_errors_pass_a_default_drop() {
-    let host = SimHost::new(
+fn masqueraded_connections_replies_and_errors_pass_a_default_drop(backend: Backend) {
+    let host = SimHost::on(
+        backend,
         "fl-masq",
         json!({ "ipMasq": true, "filterDefault": "DROP", "filter": [
             { "index": 1, "direction": "egress", "proto": "tcp", "dport": 8080, "target": "ALLOW" },
@@ -472,8 +475,7 @@ fn filler_rules(first_index: u64, count: u64) -> Vec<Value> {
         .collect()
 }
 
-#[test]
-fn readd_replaces_the_rules_atomically_while_traffic_runs() {
+fn readd_replaces_the_rules_atomically_while_traffic_runs(backend: Backend) {
     // Both rule sets allow port 7002 and drop 7001 (by default), with the ALLOW at the
     // other end of 200 other rules: a half-written set would drop 7002 or pass 7001.
     let allow_7002 =
@@ -483,7 +485,7 @@ fn readd_replaces_the_rules_atomically_while_traffic_runs() {
     let mut second = filler_rules(10, 200);
     second.push(allow_7002(250));
     let keys = |rules: &Vec<Value>| json!({ "filterDefault": "DROP", "filter": rules });
-    let host = SimHost::new("fl-atomic", keys(&first));
+    let host = SimHost::on(backend, "fl-atomic", keys(&first));
     host.route_outside_to_containers();
     let container = host.container("c1", Value::Null);
     let counters: Vec<(Family, u16, UdpCounter)> = Family::BOTH
@@ -529,9 +531,12 @@ fn readd_replaces_the_rules_atomically_while_traffic_runs() {
     }
 }
 
-#[test]
-fn up_to_256_rules_per_attachment_more_is_invalid_config() {
-    let host = SimHost::new("fl-limit", json!({ "filter": filler_rules(0, 257) }));
+fn up_to_256_rules_per_attachment_more_is_invalid_config(backend: Backend) {
+    let host = SimHost::on(
+        backend,
+        "fl-limit",
+        json!({ "filter": filler_rules(0, 257) }),
+    );
     let error = host
         .add_container("c1", Value::Null)
         .expect_err("257 rules must be refused");
@@ -546,7 +551,7 @@ fn up_to_256_rules_per_attachment_more_is_invalid_config() {
     );
     let mut rules = filler_rules(0, 255);
     rules.push(json!({ "index": 1000, "proto": "udp", "dport": 5353, "target": "DROP" }));
-    let host = SimHost::new("fl-256", json!({ "filter": rules }));
+    let host = SimHost::on(backend, "fl-256", json!({ "filter": rules }));
     host.route_outside_to_containers();
     let container = host.container("c1", Value::Null);
     let _open = UdpServer::start(&container.netns, Family::V4.any(5354), "open");
@@ -564,9 +569,9 @@ fn up_to_256_rules_per_attachment_more_is_invalid_config() {
     assert!(hits(&filter, Some(1000)) >= 1, "{filter:#}");
 }
 
-#[test]
-fn fragmented_datagrams_follow_their_first_fragment() {
-    let host = SimHost::new(
+fn fragmented_datagrams_follow_their_first_fragment(backend: Backend) {
+    let host = SimHost::on(
+        backend,
         "fl-frag",
         json!({ "filterDefault": "DROP", "filter": [
             { "index": 1, "proto": "udp", "dport": 5000, "direction": "ingress", "target": "ALLOW" },
@@ -760,12 +765,11 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
     );
 }
 
-#[test]
-fn del_gc_and_check_cover_the_filter_and_its_connections() {
+fn del_gc_and_check_cover_the_filter_and_its_connections(backend: Backend) {
     let keys = json!({ "filterDefault": "DROP", "filter": [
         { "index": 1, "direction": "egress", "target": "ALLOW" },
     ]});
-    let host = SimHost::new("fl-life", keys.clone());
+    let host = SimHost::on(backend, "fl-life", keys.clone());
     host.route_outside_to_containers();
     let first = host.container("c1", Value::Null);
     let second = host.container("c2", Value::Null);
@@ -783,8 +787,40 @@ fn del_gc_and_check_cover_the_filter_and_its_connections() {
         host.host
             .run(move || nix::net::if_::if_nametoindex(name.as_str()).expect("host interface"))
     };
-    let mut filters = host.pinned_hash_map::<u32, FilterSet>("filters");
-    filters.remove(&ifindex(&first)).expect("remove the filter");
+    // The filter's state of an attachment: (rule set present, tracked connections).
+    let state_of = |ifindex: u32, owner_chain: &str| -> (bool, usize) {
+        match backend {
+            Backend::Ebpf if !host.pin_path.exists() => (false, 0),
+            Backend::Ebpf => (
+                host.pinned_hash_map::<u32, FilterSet>("filters")
+                    .get(&ifindex, 0)
+                    .is_ok(),
+                host.pinned_hash_map::<FilterFlowKey, FilterFlow>("filter_flows")
+                    .iter()
+                    .filter_map(Result::ok)
+                    .filter(|(key, _)| key.ifindex == ifindex)
+                    .count(),
+            ),
+            // The kernel's conntrack holds the connections; the chains are cnibpf's.
+            Backend::Nftables => (host.nft_ruleset().contains(owner_chain), 0),
+        }
+    };
+    let chain_of = |container: &Container| {
+        let owner = inspected_owner(&host, container);
+        format!("f{owner}_in")
+    };
+    let (first_ifindex, first_chain) = (ifindex(&first), chain_of(&first));
+    let (second_ifindex, second_chain) = (ifindex(&second), chain_of(&second));
+    match backend {
+        Backend::Ebpf => {
+            let mut filters = host.pinned_hash_map::<u32, FilterSet>("filters");
+            filters.remove(&first_ifindex).expect("remove the filter");
+        }
+        Backend::Nftables => {
+            host.host
+                .exec(&["nft", "flush", "chain", "inet", "cnibpf", &first_chain]);
+        }
+    }
     let error = host
         .check(&first)
         .expect_err("CHECK must notice the missing filter");
@@ -793,39 +829,28 @@ fn del_gc_and_check_cover_the_filter_and_its_connections() {
         .unwrap_or_else(|error| panic!("re-ADD repairs: {error}"));
     host.check(&first)
         .unwrap_or_else(|error| panic!("CHECK after repair: {error}"));
-    let flows_of = |container: &Container| -> usize {
-        let ifindex = ifindex(container);
-        host.pinned_hash_map::<FilterFlowKey, FilterFlow>("filter_flows")
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(key, _)| key.ifindex == ifindex)
-            .count()
-    };
-    assert!(
-        flows_of(&first) >= 1 && flows_of(&second) >= 1,
-        "connections are tracked"
-    );
-    let first_ifindex = ifindex(&first);
+    let (present, flows) = state_of(first_ifindex, &first_chain);
+    assert!(present, "the filter is in place");
+    if backend == Backend::Ebpf {
+        assert!(flows >= 1, "connections are tracked");
+    }
     host.del(&first)
         .unwrap_or_else(|error| panic!("DEL: {error}"));
-    let filters = host.pinned_hash_map::<u32, FilterSet>("filters");
-    assert!(
-        filters.get(&first_ifindex, 0).is_err(),
-        "DEL removes the filter"
+    assert_eq!(
+        state_of(first_ifindex, &first_chain),
+        (false, 0),
+        "DEL removes the filter and the attachment's connections"
     );
     assert!(
-        host.pinned_hash_map::<FilterFlowKey, FilterFlow>("filter_flows")
-            .iter()
-            .filter_map(Result::ok)
-            .all(|(key, _)| key.ifindex != first_ifindex),
-        "DEL removes the attachment's connections"
+        state_of(second_ifindex, &second_chain).0,
+        "the other attachment keeps its filter"
     );
-    let second_ifindex = ifindex(&second);
     host.chain
         .gc(&[])
         .unwrap_or_else(|error| panic!("GC: {error}"));
-    assert!(
-        !host.pin_path.join("filters").exists() || filters.get(&second_ifindex, 0).is_err(),
+    assert_eq!(
+        state_of(second_ifindex, &second_chain),
+        (false, 0),
         "GC removes the filter of an attachment not listed"
     );
     assert!(
@@ -834,3 +859,28 @@ fn del_gc_and_check_cover_the_filter_and_its_connections() {
             .is_none_or(Vec::is_empty)
     );
 }
+
+/// The owner id `cnibpf inspect` shows for `container`.
+fn inspected_owner(host: &SimHost, container: &Container) -> String {
+    host.inspect()["attachments"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|attachment| attachment["containerID"] == container.attachment.container_id)
+        .and_then(|attachment| attachment["owner"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| panic!("{} not in inspect", container.attachment.container_id))
+}
+
+for_both_backends!(
+    rules_apply_in_index_order_not_in_array_order,
+    the_proposal_example_drops_a_source_network_before_allowing_new_web_connections,
+    replies_and_related_errors_pass_a_default_drop_unsolicited_packets_do_not,
+    connstate_new_matches_first_packets_and_established_the_later_ones_until_rules_change,
+    rules_match_addresses_protocols_ports_and_directions,
+    host_port_traffic_is_filtered_by_the_container_side_addresses,
+    masqueraded_connections_replies_and_errors_pass_a_default_drop,
+    readd_replaces_the_rules_atomically_while_traffic_runs,
+    up_to_256_rules_per_attachment_more_is_invalid_config,
+    fragmented_datagrams_follow_their_first_fragment,
+    del_gc_and_check_cover_the_filter_and_its_connections,
+);

@@ -30,3 +30,24 @@ pub fn eventually(timeout: std::time::Duration, mut condition: impl FnMut() -> b
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+/// Registers each listed test body — a `fn(Backend)` — as two tests, `<name>::ebpf` and
+/// `<name>::nftables`: the suites run for both backends.
+#[macro_export]
+macro_rules! for_both_backends {
+    ($($name:ident),+ $(,)?) => {
+        $(
+            mod $name {
+                #[test]
+                fn ebpf() {
+                    super::$name($crate::topology::Backend::Ebpf);
+                }
+
+                #[test]
+                fn nftables() {
+                    super::$name($crate::topology::Backend::Nftables);
+                }
+            }
+        )+
+    };
+}

@@ -94,7 +94,38 @@ pub struct SimHost {
     attached: Mutex<Vec<Attachment>>,
 }
 
+/// The datapath backend a simulated host's cnibpf is forced to, for suites that run for both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Ebpf,
+    Nftables,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ebpf => "ebpf",
+            Self::Nftables => "nftables",
+        }
+    }
+}
+
 impl SimHost {
+    /// [`Self::new`] with cnibpf forced to `backend`; the names of an nftables host end in
+    /// `-n`, so that both variants of a test can run at once.
+    pub fn on(backend: Backend, id: &str, mut cnibpf_keys: Value) -> Self {
+        cnibpf_keys["backend"] = Value::from(backend.name());
+        match backend {
+            Backend::Ebpf => Self::new(id, cnibpf_keys),
+            Backend::Nftables => Self::new(&format!("{id}-n"), cnibpf_keys),
+        }
+    }
+
+    /// The rules of cnibpf's nftables table in the host namespace, as `nft` prints them.
+    pub fn nft_ruleset(&self) -> String {
+        self.host.exec(&["nft", "list", "ruleset"])
+    }
+
     /// A simulated host whose conflist's cnibpf entry carries `cnibpf_keys` besides `type` and
     /// `pinPath`. `id` must be unique among concurrently running tests; keep it short.
     pub fn new(id: &str, cnibpf_keys: Value) -> Self {

@@ -499,9 +499,12 @@ fn rule_match(rule: &FilterRule) -> String {
     parts.join(" ")
 }
 
+/// A rule's verdict in an attachment's chain. ALLOW returns rather than accepts: an accept
+/// would end the hook, and the other side's chain (the receiving container's ingress after
+/// the sender's egress) must still judge the packet.
 fn verdict(target: Target) -> &'static str {
     match target {
-        Target::Allow => "accept",
+        Target::Allow => "return",
         Target::Drop => "drop",
     }
 }
@@ -776,10 +779,10 @@ impl Backend for NftablesBackend {
             self.rules.retain(|rule| rule.chain != *chain);
             let mut lines = vec![
                 // Replies of tracked connections and errors about them pass.
-                "ct direction reply accept".to_owned(),
-                "ct state related accept".to_owned(),
+                "ct direction reply return".to_owned(),
+                "ct state related return".to_owned(),
                 // Link-local control, as the eBPF backend lets it pass.
-                "icmpv6 type { nd-router-solicit, nd-router-advert, nd-neighbor-solicit, nd-neighbor-advert, nd-redirect, mld-listener-query, mld-listener-report, mld-listener-done, mld2-listener-report } accept".to_owned(),
+                "icmpv6 type { nd-router-solicit, nd-router-advert, nd-neighbor-solicit, nd-neighbor-advert, nd-redirect, mld-listener-query, mld-listener-report, mld-listener-done, mld2-listener-report } return".to_owned(),
             ];
             for rule in &filter.rules {
                 if rule.direction == direction || rule.direction == Direction::Both {
