@@ -731,6 +731,15 @@ impl SimHost {
     }
 
     /// `masq_stats` summed over the CPUs.
+    /// [`Self::masq_stats`] on the eBPF backend; all zero on nftables (the kernel's conntrack
+    /// keeps no such counters).
+    pub fn masq_stats_if(&self, backend: Backend) -> MasqStats {
+        match backend {
+            Backend::Ebpf => self.masq_stats(),
+            Backend::Nftables => MasqStats::default(),
+        }
+    }
+
     pub fn masq_stats(&self) -> MasqStats {
         let map: aya::maps::PerCpuArray<_, MasqStats> =
             aya::maps::PerCpuArray::try_from(self.pinned_map("masq_stats")).expect("masq_stats");

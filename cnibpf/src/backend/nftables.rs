@@ -129,6 +129,9 @@ pub struct NftablesBackend {
     rules: Vec<ListedRule>,
     /// Commands of this operation, applied together by [`Backend::commit`].
     script: Vec<String>,
+    /// hostPorts added or removed by this operation, whose connection tracking entries go
+    /// once the transaction is in (before, a packet could recreate them).
+    forget: Vec<ResolvedMapping>,
 }
 
 impl NftablesBackend {
@@ -616,14 +619,20 @@ impl Backend for NftablesBackend {
                 );
             }
         }
-        // Connections translated by a mapping that is gone or leads elsewhere must not keep
-        // going to the old container (the reference portmap's UDP bug).
-        for stale in previous
+        // Connections of a mapping that is gone or leads elsewhere must not keep going to the
+        // old container, nor those a new hostPort met untranslated stay so (the reference
+        // portmap's UDP bug): the kernel matches them before any DNAT.
+        let changed: Vec<ResolvedMapping> = previous
             .iter()
             .filter(|mapping| !mappings.contains(mapping))
-        {
-            forget_connections(stale);
-        }
+            .chain(
+                mappings
+                    .iter()
+                    .filter(|mapping| !previous.contains(mapping)),
+            )
+            .copied()
+            .collect();
+        self.forget.extend(changed);
         Ok(())
     }
 
@@ -631,9 +640,8 @@ impl Backend for NftablesBackend {
         let Some(text) = self.owner_text(owner) else {
             return Ok(());
         };
-        for mapping in self.owned_mappings(&text) {
-            forget_connections(&mapping);
-        }
+        let owned = self.owned_mappings(&text);
+        self.forget.extend(owned);
         self.delete_elements(
             &text,
             &[
@@ -1110,6 +1118,9 @@ impl Backend for NftablesBackend {
         }
         let output = child.wait_with_output().map_err(NftablesError::Run)?;
         if output.status.success() {
+            for mapping in std::mem::take(&mut self.forget) {
+                forget_connections(&mapping);
+            }
             Ok(())
         } else {
             Err(
@@ -1201,16 +1212,17 @@ fn has_verdict(expr: &[Value], verdict: &str) -> bool {
         .any(|statement| statement.get(verdict).is_some())
 }
 
-/// Removes the kernel's connection tracking entries translated by `mapping`, so that a
-/// client is not kept on the old container (`conntrack -D`; best effort: without the tool,
-/// such entries age out by themselves).
+/// Removes the kernel's connection tracking entries towards `mapping`'s hostPort (on its
+/// hostIP, or any address), so that the next packet meets the mappings as they are now
+/// (`conntrack -D`; best effort: without the tool such entries age out by themselves).
 fn forget_connections(mapping: &ResolvedMapping) {
     let family = if mapping.is_ipv4() { "ipv4" } else { "ipv6" };
-    let _ = Command::new("conntrack")
+    let mut command = Command::new("conntrack");
+    command
         .args(["-D", "-f", family, "-p", protocol_name(mapping.protocol)])
-        .args(["--orig-port-dst", &mapping.host_port.to_string()])
-        .args(["--reply-src", &mapping.container_addr.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
+        .args(["--orig-port-dst", &mapping.host_port.to_string()]);
+    if let Some(addr) = mapping.host_addr {
+        command.args(["--orig-dst", &addr.to_string()]);
+    }
+    let _ = command.stdout(Stdio::null()).stderr(Stdio::null()).status();
 }
