@@ -121,6 +121,12 @@ impl SimHost {
         }
     }
 
+    /// Whether neither backend holds state of this host's instance: no pinned state under
+    /// pinPath, no nftables table.
+    pub fn holds_no_state(&self) -> bool {
+        !self.pin_path.exists() && !self.nft_ruleset().contains("table inet cnibpf")
+    }
+
     /// The rules of cnibpf's nftables table in the host namespace, as `nft` prints them.
     pub fn nft_ruleset(&self) -> String {
         self.host.exec(&["nft", "list", "ruleset"])
