@@ -465,6 +465,35 @@ fn masqueraded_connections_replies_and_errors_pass_a_default_drop(backend: Backe
     }
 }
 
+fn containers_on_one_bridge_are_filtered_only_by_the_ebpf_backend(backend: Backend) {
+    let host = SimHost::on(
+        backend,
+        "fl-bridge",
+        json!({ "filter": [
+            { "index": 1, "direction": "ingress", "proto": "tcp", "dport": 8080, "target": "DROP" },
+        ]}),
+    );
+    let guarded = host.container("c1", Value::Null);
+    let neighbour = host.container("c2", Value::Null);
+    let _server = TcpServer::start(&guarded.netns, Family::V4.any(8080), "bridged");
+    let _open = TcpServer::start(&guarded.netns, Family::V4.any(8081), "open");
+    assert_eq!(
+        tcp_request(&neighbour.netns, guarded.at(Family::V4, 8081)).as_deref(),
+        Ok("open")
+    );
+    match backend {
+        Backend::Ebpf => assert!(
+            tcp_dropped(&neighbour.netns, guarded.at(Family::V4, 8080)),
+            "the veth hook sees bridged traffic"
+        ),
+        // Bridged traffic never reaches the inet hooks without br_netfilter (README).
+        Backend::Nftables => assert_eq!(
+            tcp_request(&neighbour.netns, guarded.at(Family::V4, 8080)).as_deref(),
+            Ok("bridged")
+        ),
+    }
+}
+
 /// `count` filler rules from `first_index` on that match nothing the test sends.
 fn filler_rules(first_index: u64, count: u64) -> Vec<Value> {
     (0..count)
@@ -872,6 +901,7 @@ fn inspected_owner(host: &SimHost, container: &Container) -> String {
 }
 
 for_both_backends!(
+    containers_on_one_bridge_are_filtered_only_by_the_ebpf_backend,
     rules_apply_in_index_order_not_in_array_order,
     the_proposal_example_drops_a_source_network_before_allowing_new_web_connections,
     replies_and_related_errors_pass_a_default_drop_unsolicited_packets_do_not,

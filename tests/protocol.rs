@@ -285,6 +285,21 @@ fn without_bpf_auto_serves_with_nftables_and_a_forced_ebpf_backend_is_104() {
 }
 
 #[test]
+fn an_owner_too_long_for_an_nftables_comment_is_refused() {
+    let sim = SimHost::new("proto-long", json!({ "backend": "nftables" }));
+    let c1 = sim.container("c1", json!({}));
+    let mut long = c1.attachment.clone();
+    long.container_id = "x".repeat(120);
+    let config = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
+    let output = invoke(&sim, "ADD", Some(&long), &config);
+    assert_cni_error(&output, 102, "too long for the nftables backend");
+    assert!(
+        !sim.nft_ruleset().contains(&long.container_id),
+        "nothing of the refused attachment is in the table"
+    );
+}
+
+#[test]
 fn del_cleans_up_what_the_other_backend_made() {
     let sim = SimHost::new(
         "proto-cross",
