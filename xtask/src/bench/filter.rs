@@ -1,6 +1,6 @@
 //! `cargo xtask bench filter`: TCP throughput and connection rate of containers whose filter
-//! has 1, 16 and 256 rules, against a container without a filter, in one simulated host and
-//! the same run.
+//! has 1, 16 and 256 rules, against a container without a filter, in one simulated host per
+//! backend (eBPF, then nftables) in the same run.
 
 use std::{net::SocketAddr, path::Path, time::Duration};
 
@@ -18,7 +18,7 @@ use super::{
     iperf3, median, write_report,
 };
 
-const ROUNDS: usize = 7;
+const ROUNDS: usize = 5;
 const IPERF_SECONDS: u32 = 4;
 const RATE_WINDOW: Duration = Duration::from_secs(3);
 const RATE_CLIENTS: usize = 2;
@@ -42,25 +42,8 @@ fn filter_keys(count: usize) -> Value {
 pub fn run(out_dir: &Path) -> Result<()> {
     let progress = Progress::new();
     progress.step("a simulated host with 4 containers: no filter, 1, 16 and 256 rules");
-    let sim = SimHost::new("bench-fl", json!({}));
-    sim.route_outside_to_containers();
-    let mut containers: Vec<(String, Container)> =
-        vec![("no filter".to_owned(), sim.container("c0", Value::Null))];
-    for count in RULE_COUNTS {
-        let container = sim.container(&format!("c{count}"), Value::Null);
-        sim.readd_with(&container, filter_keys(count))
-            .map_err(|error| anyhow::anyhow!("filter of {count} rules: {error}"))?;
-        let label = if count == 1 {
-            "1 rule".to_owned()
-        } else {
-            format!("{count} rules")
-        };
-        containers.push((label, container));
-    }
-    let _iperf: Vec<Iperf3Server> = (0..containers.len())
-        .map(|index| Iperf3Server::start(&sim.outside, 5201 + index as u16))
-        .collect::<Result<_>>()?;
-    let _echo = EchoServer::start(&sim.outside, Family::V4.any(7000), 2);
+    let sim = SimHost::new("bench-fl", json!({ "backend": "ebpf" }));
+    let (containers, servers) = filtered_containers(&sim)?;
     let server = |port| SocketAddr::new(Family::V4.outside(), port);
     let stats = BpfStats::enable()?;
     let mut throughput = vec![Vec::new(); containers.len()];
@@ -172,27 +155,119 @@ pub fn run(out_dir: &Path) -> Result<()> {
          the filter adds, without the machine's throughput noise.",
         RATE_WINDOW.as_secs()
     )];
+    drop(servers);
+    drop(containers);
+    drop(sim);
+    let nftables = nftables_rows(&progress)?;
+    rows.extend(nftables.0);
     let report = write_report(out_dir, "filter", "cnibpf bench: filter", &rows, &notes)?;
     let panel = |title, values: &Vec<f64>| BarPanel {
         title,
         y_label: "ratio",
-        bars: containers
+        bars: LABELS
             .iter()
             .zip(values)
-            .map(|((label, _), value)| (label.clone(), value / values[0]))
+            .map(|(label, value)| ((*label).to_owned(), value / values[0]))
             .collect(),
         reference: Some(1.0),
     };
     chart::bars(
         &out_dir.join("filter.png"),
-        "cnibpf filter (eBPF backend) / no filter (higher is better)",
+        "cnibpf filter / no filter (higher is better)",
         &[
-            panel("TCP throughput", &throughput),
-            panel("connection rate", &rate),
+            panel("eBPF: TCP throughput", &throughput),
+            panel("eBPF: connection rate", &rate),
+            panel("nftables: TCP throughput", &nftables.1),
+            panel("nftables: connection rate", &nftables.2),
         ],
     )?;
     progress.step(&format!("report: {} and filter.png", report.display()));
     Ok(())
+}
+
+/// Labels of the four containers, in order.
+const LABELS: [&str; 4] = ["no filter", "1 rule", "16 rules", "256 rules"];
+
+/// The outside servers the containers talk to: one iperf3 server each (5201 on) and an echo
+/// server (7000).
+type Servers = (Vec<Iperf3Server>, EchoServer);
+
+/// The four containers of `sim` (no filter, then the `RULE_COUNTS` filters), and their servers.
+fn filtered_containers(sim: &SimHost) -> Result<(Vec<(String, Container)>, Servers)> {
+    sim.route_outside_to_containers();
+    let mut containers: Vec<(String, Container)> =
+        vec![(LABELS[0].to_owned(), sim.container("c0", Value::Null))];
+    for (count, label) in RULE_COUNTS.into_iter().zip(&LABELS[1..]) {
+        let container = sim.container(&format!("c{count}"), Value::Null);
+        sim.readd_with(&container, filter_keys(count))
+            .map_err(|error| anyhow::anyhow!("filter of {count} rules: {error}"))?;
+        containers.push(((*label).to_owned(), container));
+    }
+    let iperf = (0..containers.len())
+        .map(|index| Iperf3Server::start(&sim.outside, 5201 + index as u16))
+        .collect::<Result<_>>()?;
+    let echo = EchoServer::start(&sim.outside, Family::V4.any(7000), 2);
+    Ok((containers, (iperf, echo)))
+}
+
+/// The same containers and traffic with the nftables backend: rows against its own unfiltered
+/// container, and the medians (throughput, connection rate) per container.
+fn nftables_rows(progress: &Progress) -> Result<(Vec<Row>, Vec<f64>, Vec<f64>)> {
+    progress.step("nftables backend: the same 4 containers");
+    let sim = SimHost::new("bench-fln", json!({ "backend": "nftables" }));
+    let (containers, _servers) = filtered_containers(&sim)?;
+    let server = |port| SocketAddr::new(Family::V4.outside(), port);
+    let mut throughput = vec![Vec::new(); containers.len()];
+    let mut rate = vec![Vec::new(); containers.len()];
+    for round in 1..=ROUNDS {
+        for (index, (label, container)) in containers.iter().enumerate() {
+            progress.step(&format!("nftables round {round}/{ROUNDS}: {label}"));
+            throughput[index].push(iperf3(
+                &container.netns,
+                server(5201 + index as u16),
+                IPERF_SECONDS,
+            )?);
+            rate[index].push(connection_rate(
+                &container.netns,
+                server(7000),
+                RATE_CLIENTS,
+                RATE_WINDOW,
+            ));
+        }
+    }
+    let throughput: Vec<f64> = throughput.into_iter().map(median).collect();
+    let rate: Vec<f64> = rate.into_iter().map(median).collect();
+    if throughput.contains(&0.0) || rate.contains(&0.0) {
+        bail!("no traffic passed an nftables filter");
+    }
+    let mut rows = Vec::new();
+    for (index, label) in LABELS.iter().enumerate() {
+        for (metric, unit, values) in [
+            ("TCP throughput", "Gbit/s", &throughput),
+            ("connection rate", "conn/s", &rate),
+        ] {
+            rows.push(Row {
+                scenario: format!("nftables backend, {label}"),
+                metric,
+                unit,
+                value: values[index],
+                baseline: Some(("nftables, no filter".to_owned(), values[0])),
+            });
+        }
+    }
+    for (metric, unit, values) in [
+        ("TCP throughput", "Gbit/s", &throughput),
+        ("connection rate", "conn/s", &rate),
+    ] {
+        rows.push(Row {
+            scenario: "nftables backend, 256 rules vs 1 rule".to_owned(),
+            metric,
+            unit,
+            value: values[3],
+            baseline: Some(("nftables, 1 rule".to_owned(), values[1])),
+        });
+    }
+    Ok((rows, throughput, rate))
 }
 
 /// The kernel's per-program run time statistics, on while this lives (they cost a clock read

@@ -27,17 +27,28 @@ const STREAMS: u32 = 8;
 pub fn run(out_dir: &Path) -> Result<()> {
     let progress = Progress::new();
     progress.step(&format!(
-        "three simulated hosts with {CONTAINERS} containers each: cnibpf masquerade, routed without NAT, iptables MASQUERADE"
+        "four simulated hosts with {CONTAINERS} containers each: cnibpf masquerade (eBPF, nftables), routed without NAT, iptables MASQUERADE"
     ));
-    let masquerade = Setup::new(SimHost::new("bench-mq", json!({ "ipMasq": true })), false)?;
+    let masquerade = Setup::new(
+        SimHost::new("bench-mq", json!({ "ipMasq": true, "backend": "ebpf" })),
+        false,
+    )?;
     let routed = Setup::new(SimHost::new("bench-rt", json!({})), true)?;
     let reference = Setup::new(SimHost::with_reference_masquerade("bench-ipt"), false)?;
+    let nftables = Setup::new(
+        SimHost::new(
+            "bench-mqn",
+            json!({ "ipMasq": true, "backend": "nftables" }),
+        ),
+        false,
+    )?;
     let setups = [
         ("cnibpf masquerade", &masquerade),
         ("routed", &routed),
         ("iptables MASQUERADE", &reference),
+        ("cnibpf nftables masquerade", &nftables),
     ];
-    let mut rounds: [Vec<[f64; 3]>; 3] = Default::default();
+    let mut rounds: [Vec<[f64; 3]>; 4] = Default::default();
     // The three alternate within each round, so that drift on this noisy machine falls on all.
     for round in 1..=ROUNDS {
         for (series, (label, setup)) in setups.iter().enumerate() {
@@ -45,16 +56,17 @@ pub fn run(out_dir: &Path) -> Result<()> {
             rounds[series].push(setup.round()?);
         }
     }
-    let [nat, plain, iptables] = rounds.map(|rounds| {
+    let [nat, plain, iptables, nft] = rounds.map(|rounds| {
         [0, 1, 2].map(|series| median(rounds.iter().map(|round| round[series]).collect()))
     });
-    if nat.contains(&0.0) || iptables.contains(&0.0) {
+    if nat.contains(&0.0) || iptables.contains(&0.0) || nft.contains(&0.0) {
         bail!("no traffic passed a masquerade");
     }
     let parallel = format!("{CONTAINERS} containers × {STREAMS} streams");
     let mut rows = Vec::new();
     for (name, values) in [
         ("cnibpf masquerade", nat),
+        ("cnibpf masquerade, nftables backend", nft),
         ("iptables MASQUERADE (reference bridge ipMasq)", iptables),
     ] {
         for (scenario, metric, unit, series) in [
@@ -77,7 +89,7 @@ pub fn run(out_dir: &Path) -> Result<()> {
          {CONTAINERS} containers each running iperf3 with {STREAMS} parallel streams at once, summed. \
          Baseline \"routed, no NAT\": an identical simulated host with cnibpf chained but ipMasq off, whose outside \
          namespace has a route back to the containers. iptables MASQUERADE: the reference bridge plugin with \
-         ipMasq: true and nothing chained.",
+         ipMasq: true and nothing chained. nftables backend: cnibpf with backend: nftables.",
         RATE_WINDOW.as_secs()
     )];
     let report = write_report(
@@ -89,9 +101,9 @@ pub fn run(out_dir: &Path) -> Result<()> {
     )?;
     chart::bars(
         &out_dir.join("masquerade.png"),
-        "cnibpf masquerade (eBPF backend)",
+        "cnibpf masquerade (eBPF and nftables backends)",
         &[BarPanel {
-            title: "masquerade / routed without NAT (higher is better); ipt = iptables",
+            title: "masquerade / routed without NAT (higher is better); nft = nftables backend, ipt = iptables",
             y_label: "ratio",
             bars: rows
                 .iter()
@@ -99,6 +111,9 @@ pub fn run(out_dir: &Path) -> Result<()> {
                     "throughput",
                     "conn/s",
                     "8×8 streams",
+                    "nft throughput",
+                    "nft conn/s",
+                    "nft 8×8",
                     "ipt throughput",
                     "ipt conn/s",
                     "ipt 8×8",

@@ -35,13 +35,29 @@ const TIMED_CYCLES: usize = 15;
 pub fn run(out_dir: &Path) -> Result<()> {
     let progress = Progress::new();
     let mut rows = datapath(&progress)?;
-    let sim = SimHost::new("bench-scale", json!({}));
-    rows.extend(plugin_time(&progress, &sim, "cnibpf", &SCALE_LEVELS)?);
+    let sim = SimHost::new("bench-scale", json!({ "backend": "ebpf" }));
+    rows.extend(plugin_time(
+        &progress,
+        &sim,
+        "cnibpf",
+        "cnibpf",
+        &SCALE_LEVELS,
+    )?);
     drop(sim);
+    let nftables = SimHost::new("bench-nftscale", json!({ "backend": "nftables" }));
+    rows.extend(plugin_time(
+        &progress,
+        &nftables,
+        "cnibpf",
+        "cnibpf nftables",
+        &SCALE_LEVELS,
+    )?);
+    drop(nftables);
     let reference = SimHost::with_reference_portmap("bench-refscale");
     rows.extend(plugin_time(
         &progress,
         &reference,
+        "portmap",
         "portmap",
         &REFERENCE_SCALE_LEVELS,
     )?);
@@ -73,14 +89,18 @@ pub fn run(out_dir: &Path) -> Result<()> {
         .map(|row| {
             let (plugin, rest) = row.scenario.split_once(", ").unwrap_or_default();
             let existing = rest.split(' ').next().unwrap_or_default();
-            let prefix = if plugin == "cnibpf" { "" } else { "ref " };
+            let prefix = match plugin {
+                "cnibpf" => "",
+                "cnibpf nftables" => "nft ",
+                _ => "ref ",
+            };
             let verb = row.metric.trim_start_matches("plugin ");
             (format!("{prefix}{verb} {existing}"), row.value)
         })
         .collect();
     chart::bars(
         &out_dir.join("portmap.png"),
-        "cnibpf port mapping (eBPF backend)",
+        "cnibpf port mapping (eBPF and nftables backends)",
         &[
             BarPanel {
                 title: "hostPort / routed without NAT (higher is better)",
@@ -103,6 +123,14 @@ pub fn run(out_dir: &Path) -> Result<()> {
                         find("hostPort, 5,000 mappings", "connection rate"),
                     ),
                     (
+                        "nft throughput".to_owned(),
+                        find("hostPort, nftables backend", "TCP throughput"),
+                    ),
+                    (
+                        "nft conn/s".to_owned(),
+                        find("hostPort, nftables backend", "connection rate"),
+                    ),
+                    (
                         "ref throughput".to_owned(),
                         find("reference portmap (iptables)", "TCP throughput"),
                     ),
@@ -114,7 +142,7 @@ pub fn run(out_dir: &Path) -> Result<()> {
                 reference: Some(1.0),
             },
             BarPanel {
-                title: "plugin time in ms, median; ref = reference portmap",
+                title: "plugin time in ms, median; nft = nftables backend, ref = reference portmap",
                 y_label: "ms",
                 bars: times,
                 reference: Some(3.0),
@@ -195,7 +223,7 @@ fn ratio_row(
 /// and 5,000 mappings, and Debian's reference portmap (iptables) in the same topology.
 fn datapath(progress: &Progress) -> Result<Vec<Row>> {
     progress.step("cnibpf: simulated host with one container (iperf3 and an echo server inside)");
-    let cnibpf = HostPortSetup::new(SimHost::new("bench-pm", json!({})))?;
+    let cnibpf = HostPortSetup::new(SimHost::new("bench-pm", json!({ "backend": "ebpf" })))?;
     let many: Vec<Value> = (20_000..25_000u16)
         .map(|port| json!({ "hostPort": port, "containerPort": 80, "protocol": "tcp" }))
         .collect();
@@ -265,6 +293,33 @@ fn datapath(progress: &Progress) -> Result<Vec<Row>> {
         ),
     ];
 
+    progress.step("cnibpf nftables backend: the same topology and traffic");
+    let nftables = HostPortSetup::new(SimHost::new("bench-pmn", json!({ "backend": "nftables" })))?;
+    let mut rounds = Vec::new();
+    for round in 1..=ROUNDS {
+        progress.step(&format!("nftables backend, round {round}/{ROUNDS}"));
+        rounds.push(nftables.round()?);
+    }
+    drop(nftables);
+    let [nft_routed_tput, nft_tput, nft_routed_rate, nft_rate] =
+        medians("nftables backend", rounds)?;
+    rows.extend([
+        ratio_row(
+            "hostPort, nftables backend",
+            "TCP throughput",
+            "Gbit/s",
+            nft_tput,
+            ("routed", nft_routed_tput),
+        ),
+        ratio_row(
+            "hostPort, nftables backend",
+            "connection rate",
+            "conn/s",
+            nft_rate,
+            ("routed", nft_routed_rate),
+        ),
+    ]);
+
     progress.step("reference portmap (iptables): the same topology and traffic");
     let reference = HostPortSetup::new(SimHost::with_reference_portmap("bench-ref"))?;
     let mut rounds = Vec::new();
@@ -299,12 +354,13 @@ fn plugin_time(
     progress: &Progress,
     sim: &SimHost,
     plugin_type: &str,
+    label: &str,
     levels: &[usize],
 ) -> Result<Vec<Row>> {
     let containers = Netns::create(&format!("cbt-{}-c", sim.id));
     let max = levels[levels.len() - 1];
     progress.step(&format!(
-        "{plugin_type}: {max} veth pairs for attachments made by the plugin alone"
+        "{label}: {max} veth pairs for attachments made by the plugin alone"
     ));
     let mut batch = String::new();
     for n in 0..=max {
@@ -379,7 +435,7 @@ fn plugin_time(
         .collect();
     let exec_floor = median(version);
     rows.push(Row {
-        scenario: format!("{plugin_type}, process start"),
+        scenario: format!("{label}, process start"),
         metric: "plugin VERSION",
         unit: "ms",
         value: exec_floor,
@@ -402,7 +458,7 @@ fn plugin_time(
             adds.push(invoke("ADD", probe)?.as_secs_f64() * 1e3);
             dels.push(invoke("DEL", probe)?.as_secs_f64() * 1e3);
         }
-        let scenario = format!("{plugin_type}, {level} existing attachments");
+        let scenario = format!("{label}, {level} existing attachments");
         for (metric, samples) in [("plugin ADD", adds), ("plugin DEL", dels)] {
             rows.push(Row {
                 scenario: scenario.clone(),
