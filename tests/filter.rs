@@ -494,6 +494,90 @@ fn containers_on_one_bridge_are_filtered_only_by_the_ebpf_backend(backend: Backe
     }
 }
 
+fn connstate_new_is_the_first_packet_on_ebpf_and_conntracks_new_on_nftables(backend: Backend) {
+    let host = SimHost::on(
+        backend,
+        "fl-newness",
+        json!({ "filterDefault": "DROP", "filter": [
+            { "index": 1, "direction": "ingress", "proto": "udp", "dport": 6000,
+              "connstate": "new", "target": "ALLOW" },
+        ]}),
+    );
+    host.route_outside_to_containers();
+    let container = host.container("c1", Value::Null);
+    let counter = UdpCounter::start(&container.netns, container.at(Family::V4, 6000));
+    let target = container.at(Family::V4, 6000);
+    // Two datagrams of one flow, and no answer in between.
+    host.outside.run(move || {
+        let socket = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+        for _ in 0..2 {
+            socket.send_to(b"tick", target).expect("send");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let expected = match backend {
+        // The second datagram is a later packet of the connection: `new` no longer matches.
+        Backend::Ebpf => 1,
+        // conntrack calls a flow NEW until it sees a reply.
+        Backend::Nftables => 2,
+    };
+    assert_eq!(counter.received(), expected, "{backend:?}");
+}
+
+fn replies_after_a_rule_change_drops_the_connection(backend: Backend) {
+    let allow = json!({ "filterDefault": "DROP", "filter": [
+        { "index": 1, "direction": "egress", "proto": "udp", "target": "ALLOW" },
+    ]});
+    let host = SimHost::on(backend, "fl-cutreply", allow);
+    host.route_outside_to_containers();
+    let container = host.container("c1", Value::Null);
+    let server = host
+        .outside
+        .run(|| std::net::UdpSocket::bind("0.0.0.0:7100").expect("bind the outside socket"));
+    server
+        .set_read_timeout(Some(CLIENT_TIMEOUT))
+        .expect("timeout");
+    let client = container.netns.run(|| {
+        let socket = std::net::UdpSocket::bind("0.0.0.0:7200").expect("bind");
+        socket
+            .set_read_timeout(Some(DROPPED_AFTER))
+            .expect("timeout");
+        socket
+    });
+    let outside = SocketAddr::from((OUTSIDE_ADDR, 7100));
+    let mut buffer = [0u8; 64];
+    client.send_to(b"first", outside).expect("send");
+    let (_, peer) = server
+        .recv_from(&mut buffer)
+        .expect("the first datagram arrives");
+    server.send_to(b"reply", peer).expect("reply");
+    assert!(client.recv(&mut buffer).is_ok(), "a reply passes");
+    host.readd_with(
+        &container,
+        json!({ "filterDefault": "DROP", "filter": [
+            { "index": 0, "direction": "egress", "proto": "udp", "connstate": "established",
+              "target": "DROP" },
+            { "index": 1, "direction": "egress", "proto": "udp", "target": "ALLOW" },
+        ]}),
+    )
+    .unwrap_or_else(|error| panic!("re-ADD: {error}"));
+    client.send_to(b"second", outside).expect("send");
+    server
+        .set_read_timeout(Some(DROPPED_AFTER))
+        .expect("timeout");
+    assert!(
+        server.recv_from(&mut buffer).is_err(),
+        "the connection's packet is dropped"
+    );
+    server.send_to(b"late reply", peer).expect("reply");
+    let late = client.recv(&mut buffer).is_ok();
+    match backend {
+        Backend::Ebpf => assert!(!late, "replies of a dropped connection are dropped too"),
+        Backend::Nftables => assert!(late, "conntrack still lets the reply through"),
+    }
+}
+
 /// `count` filler rules from `first_index` on that match nothing the test sends.
 fn filler_rules(first_index: u64, count: u64) -> Vec<Value> {
     (0..count)
@@ -901,6 +985,8 @@ fn inspected_owner(host: &SimHost, container: &Container) -> String {
 }
 
 for_both_backends!(
+    connstate_new_is_the_first_packet_on_ebpf_and_conntracks_new_on_nftables,
+    replies_after_a_rule_change_drops_the_connection,
     containers_on_one_bridge_are_filtered_only_by_the_ebpf_backend,
     rules_apply_in_index_order_not_in_array_order,
     the_proposal_example_drops_a_source_network_before_allowing_new_web_connections,

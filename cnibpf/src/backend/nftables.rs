@@ -299,11 +299,11 @@ impl NftablesBackend {
         });
     }
 
-    /// The owner text of the attachment with id `owner`, from the `attachments` set.
+    /// The owner text of the attachment with id `owner`, from any element it owns (not only
+    /// its `attachments` entry: DEL must find what a half-removed attachment left).
     fn owner_text(&self, owner: u64) -> Option<String> {
         self.elements
             .iter()
-            .filter(|element| element.set == "attachments")
             .find(|element| parse_owner(&element.comment).is_some_and(|a| a.owner_id() == owner))
             .map(|element| element.comment.clone())
     }
@@ -567,6 +567,7 @@ impl Backend for NftablesBackend {
             self.script.push(format!("delete table {TABLE}"));
             *self = Self {
                 script: std::mem::take(&mut self.script),
+                forget: std::mem::take(&mut self.forget),
                 ..Self::default()
             };
         }

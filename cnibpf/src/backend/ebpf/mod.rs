@@ -175,10 +175,12 @@ impl EbpfBackend {
     /// Whether the eBPF backend can work on this host: the kernel loads and attaches a TC
     /// program (a kernel without BPF or tcx, or a sandbox that denies `bpf()`, fails here).
     pub fn probe() -> Result<(), BackendError> {
-        probe::load_and_attach().map_err(|reason| BackendError::Unavailable {
-            backend: "ebpf",
-            reason,
-        })
+        probe::load_and_attach()
+            .and_then(|()| probe::bpffs_writable())
+            .map_err(|reason| BackendError::Unavailable {
+                backend: "ebpf",
+                reason,
+            })
     }
 
     /// Opens the pinned state, loading and pinning the object first if it is not (all) there.
@@ -1407,6 +1409,6 @@ fn prepare_pin_dir(pins: &PinLayout) -> Result<(), BackendError> {
     Ok(())
 }
 
-fn is_bpffs(path: &Path) -> bool {
+pub(super) fn is_bpffs(path: &Path) -> bool {
     statfs(path).is_ok_and(|stats| stats.filesystem_type().0 == BPF_FS_MAGIC)
 }

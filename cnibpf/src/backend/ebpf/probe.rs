@@ -2,16 +2,20 @@
 //! TC program is loaded and attached, as a clsact filter like the container hooks, to the
 //! loopback of a scratch network namespace (which disappears with the probe). Nothing is
 //! cached: a kernel or sandbox that changes between calls is seen as it is. (A tcx link would
-//! wait out an RCU grace period — tens of milliseconds on every ADD.)
+//! wait out an RCU grace period — tens of milliseconds on every ADD.) bpffs must be writable.
 
 use std::{
-    io,
+    fs, io,
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    path::Path,
 };
 
 use nix::sched::{CloneFlags, unshare};
 
-use crate::netlink::{self, TcFilterSlot, TcHook};
+use crate::{
+    netlink::{self, TcFilterSlot, TcHook},
+    paths::BPFFS_MOUNT_POINT,
+};
 
 /// `BPF_PROG_LOAD`, `BPF_PROG_TYPE_SCHED_CLS` (uapi).
 const BPF_PROG_LOAD: libc::c_long = 5;
@@ -19,6 +23,20 @@ const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 
 /// `r0 = 0 (TC_ACT_OK); exit`.
 const PROGRAM: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
+
+/// bpffs, where the datapath pins everything, must take new entries: a directory is made and
+/// removed. (Where none is mounted yet, loading mounts one and says so if it cannot.)
+pub fn bpffs_writable() -> Result<(), String> {
+    let root = Path::new(BPFFS_MOUNT_POINT);
+    if !super::is_bpffs(root) {
+        return Ok(());
+    }
+    // bpffs refuses names with a dot.
+    let probe = root.join(format!("cnibpf-probe-{}", std::process::id()));
+    fs::create_dir(&probe)
+        .and_then(|()| fs::remove_dir(&probe))
+        .map_err(|error| format!("bpffs at {} is not writable: {error}", root.display()))
+}
 
 /// Loads and attaches the probe program; the error says which step the kernel refused.
 pub fn load_and_attach() -> Result<(), String> {
