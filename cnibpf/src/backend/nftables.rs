@@ -451,10 +451,6 @@ fn quote_if_name(set: &str, part: &str) -> String {
     }
 }
 
-fn protocol_name(protocol: Protocol) -> &'static str {
-    protocol.name()
-}
-
 fn protocol_of(name: &str) -> Option<Protocol> {
     match name {
         "tcp" => Some(Protocol::Tcp),
@@ -466,7 +462,7 @@ fn protocol_of(name: &str) -> Option<Protocol> {
 
 /// The hostPort element of a mapping: (map, key, value).
 fn mapping_element(mapping: &ResolvedMapping) -> (&'static str, String, String) {
-    let protocol = protocol_name(mapping.protocol);
+    let protocol = mapping.protocol.name();
     let (map, key) = match (mapping.host_addr, mapping.is_ipv4()) {
         (Some(addr), true) => (
             "hostports4",
@@ -1280,7 +1276,7 @@ fn forget_connections(mapping: &ResolvedMapping) {
     let family = if mapping.is_ipv4() { "ipv4" } else { "ipv6" };
     let mut command = Command::new("conntrack");
     command
-        .args(["-D", "-f", family, "-p", protocol_name(mapping.protocol)])
+        .args(["-D", "-f", family, "-p", mapping.protocol.name()])
         .args(["--orig-port-dst", &mapping.host_port.to_string()]);
     if let Some(addr) = mapping.host_addr {
         command.args(["--orig-dst", &addr.to_string()]);
