@@ -300,6 +300,54 @@ fn an_owner_too_long_for_an_nftables_comment_is_refused() {
 }
 
 #[test]
+fn a_re_add_on_the_other_backend_moves_the_attachment_and_check_follows_it() {
+    let sim = SimHost::new(
+        "proto-move",
+        json!({ "capabilities": { "portMappings": true } }),
+    );
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let c2 = sim.container("c2", port_mappings(&[(8081, 80, "tcp")]));
+    sim.readd_with(&c2, json!({ "backend": "nftables" }))
+        .unwrap_or_else(|error| panic!("re-ADD on nftables: {error}"));
+    let inspect = sim.inspect();
+    let backends: Vec<(String, String)> = inspect["attachments"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|attachment| {
+            (
+                attachment["containerID"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                attachment["backend"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        backends,
+        [
+            (c1.attachment.container_id.clone(), "ebpf".to_owned()),
+            (c2.attachment.container_id.clone(), "nftables".to_owned()),
+        ],
+        "c2 moved to nftables, listed once: {inspect:#}"
+    );
+    for (container, port) in [(&c1, 8080), (&c2, 8081)] {
+        let _server = TcpServer::start(&container.netns, Family::V4.any(80), "served");
+        assert_eq!(
+            tcp_request(&sim.outside, sim.uplink(Family::V4, port)).as_deref(),
+            Ok("served"),
+            "hostPort {port}"
+        );
+        sim.check(container)
+            .unwrap_or_else(|error| panic!("CHECK finds the serving backend: {error}"));
+    }
+}
+
+#[test]
 fn del_cleans_up_what_the_other_backend_made() {
     let sim = SimHost::new(
         "proto-cross",

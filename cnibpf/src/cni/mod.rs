@@ -332,12 +332,13 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     let mut backend = backend::select(conf.plugin.backend, &pins)?;
     let owner = plan.attachment.owner_id();
+    let mut others: Vec<Box<dyn Backend>> = backend::existing(&pins)?
+        .into_iter()
+        .filter(|other| other.name() != backend.name())
+        .collect();
     // A hostPort may be held by an attachment of either backend.
     ensure_host_ports_free(backend.as_ref(), owner, &plan.mappings)?;
-    for other in backend::existing(&pins)?
-        .iter()
-        .filter(|other| other.name() != backend.name())
-    {
+    for other in &others {
         ensure_host_ports_free(other.as_ref(), owner, &plan.mappings)?;
     }
     // The filter goes first: once the datapath is hooked onto the interface, no packet may
@@ -356,6 +357,19 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
         let _ = backend.setup_filter(&plan.endpoint, None);
         let _ = backend.commit();
         return Err(error.into());
+    }
+    // A re-ADD served by the other backend (the host gained or lost BPF, or `backend` changed)
+    // moves the attachment: what the previous backend holds of it goes, once the new one
+    // serves it.
+    for other in &mut others {
+        if other
+            .attachments()?
+            .iter()
+            .any(|record| record.owner == owner)
+        {
+            remove_attachment(other.as_mut(), owner)?;
+            other.commit()?;
+        }
     }
     Ok(output.to_string())
 }
@@ -457,12 +471,19 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let plan = plan(env, &conf, &prev_result)?;
     let pins = PinLayout::new(&conf.plugin.pin_path);
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
+    // The backend that serves the attachment, whichever the configuration asks for now.
+    let owner = plan.attachment.owner_id();
     let mut backends = backend::existing(&pins)?;
-    let Some(backend) = backends.first_mut() else {
+    let serving = backends.iter().position(|backend| {
+        backend
+            .attachments()
+            .is_ok_and(|records| records.iter().any(|record| record.owner == owner))
+    });
+    let Some(backend) = serving.and_then(|position| backends.get_mut(position)) else {
         return Err(BackendError::CheckFailed(format!(
-            "no cnibpf state under {} for {}",
-            pins.root().display(),
-            plan.attachment
+            "no backend holds state for {} (pinPath {}, table inet cnibpf)",
+            plan.attachment,
+            pins.root().display()
         ))
         .into());
     };
