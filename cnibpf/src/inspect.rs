@@ -5,7 +5,7 @@ use std::{io::Write as _, net::IpAddr, path::Path};
 use serde_json::json;
 
 use crate::{
-    backend::{self, BackendError, ExcludeReason, FilterRecord, ebpf::describe_mapping},
+    backend::{self, BackendError, ExcludeReason, FilterRecord, describe_mapping},
     config::{ConnState, Direction, FilterRule, PortRange, RuleProtocol, Target},
     paths::PinLayout,
 };

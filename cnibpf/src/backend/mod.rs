@@ -252,6 +252,44 @@ pub trait Backend {
     fn commit(&mut self) -> Result<(), BackendError>;
 }
 
+/// A mapping as people write it: `tcp 0.0.0.0:8080 -> 10.22.0.2:80`.
+pub fn describe_mapping(mapping: &ResolvedMapping) -> String {
+    let host = match mapping.host_addr {
+        Some(IpAddr::V6(addr)) => format!("[{addr}]"),
+        Some(addr) => addr.to_string(),
+        None if mapping.is_ipv4() => "0.0.0.0".to_owned(),
+        None => "[::]".to_owned(),
+    };
+    let container = match mapping.container_addr {
+        IpAddr::V6(addr) => format!("[{addr}]"),
+        addr => addr.to_string(),
+    };
+    format!(
+        "{} {host}:{} -> {container}:{}",
+        mapping.protocol.name(),
+        mapping.host_port,
+        mapping.container_port
+    )
+}
+
+/// CHECK's last word on port mappings, once each configured one was found: no more are
+/// installed than configured.
+fn check_mapping_count(installed: usize, configured: usize) -> Result<(), BackendError> {
+    if installed == configured {
+        return Ok(());
+    }
+    Err(BackendError::CheckFailed(format!(
+        "{installed} port mappings installed, {configured} configured"
+    )))
+}
+
+pub fn is_link_local(addr: IpAddr) -> bool {
+    match addr {
+        IpAddr::V4(addr) => addr.is_link_local(),
+        IpAddr::V6(addr) => addr.is_unicast_link_local(),
+    }
+}
+
 /// An uplink and the addresses it masquerades to.
 #[derive(Clone, Debug)]
 pub struct UplinkAddresses {
@@ -271,14 +309,11 @@ pub fn select(
             ebpf::EbpfBackend::probe()?;
             Ok(Box::new(ebpf::EbpfBackend::load_for_changes(pins)?))
         }
-        BackendChoice::Nftables => {
-            nftables::NftablesBackend::probe()?;
-            Ok(Box::new(nftables::NftablesBackend::open()?))
-        }
+        BackendChoice::Nftables => Ok(Box::new(nftables::NftablesBackend::open_for_changes()?)),
         BackendChoice::Auto => match ebpf::EbpfBackend::probe() {
             Ok(()) => Ok(Box::new(ebpf::EbpfBackend::load_for_changes(pins)?)),
-            Err(ebpf_error) => match nftables::NftablesBackend::probe() {
-                Ok(()) => Ok(Box::new(nftables::NftablesBackend::open()?)),
+            Err(ebpf_error) => match nftables::NftablesBackend::open_for_changes() {
+                Ok(nftables) => Ok(Box::new(nftables)),
                 Err(nftables_error) => Err(BackendError::Unavailable {
                     backend: "auto",
                     reason: format!("{ebpf_error}; {nftables_error}"),
@@ -301,11 +336,23 @@ pub fn any_available() -> Result<(), BackendError> {
 /// Every backend that holds state under `pins`, for DEL, GC and inspect, which must find an
 /// attachment whichever backend made it (a host may gain or lose BPF across a reboot).
 pub fn existing(pins: &crate::paths::PinLayout) -> Result<Vec<Box<dyn Backend>>, BackendError> {
+    existing_except(pins, None)
+}
+
+/// [`existing`] without the backend named `except` (the one an ADD already opened).
+pub fn existing_except(
+    pins: &crate::paths::PinLayout,
+    except: Option<&str>,
+) -> Result<Vec<Box<dyn Backend>>, BackendError> {
     let mut backends: Vec<Box<dyn Backend>> = Vec::new();
-    if let Some(ebpf) = ebpf::EbpfBackend::open_existing(pins)? {
+    if except != Some("ebpf")
+        && let Some(ebpf) = ebpf::EbpfBackend::open_existing(pins)?
+    {
         backends.push(Box::new(ebpf));
     }
-    if let Some(nftables) = nftables::NftablesBackend::open_existing()? {
+    if except != Some("nftables")
+        && let Some(nftables) = nftables::NftablesBackend::open_existing()?
+    {
         backends.push(Box::new(nftables));
     }
     Ok(backends)

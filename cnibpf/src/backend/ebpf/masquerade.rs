@@ -18,12 +18,11 @@ use cnibpf_common::{
 use ipnet::IpNet;
 use nix::time::{ClockId, clock_gettime};
 
-use super::{
-    EbpfBackend, addr_from_key, batch, is_link_local, key_addr, map_error, read_error, remove_entry,
-};
+use super::{EbpfBackend, addr_from_key, batch, key_addr, map_error, read_error, remove_entry};
 use crate::{
     backend::{
         BackendError, Endpoint, ExcludeReason, Masquerade, MasqueradeRecord, UplinkAddresses,
+        is_link_local,
     },
     netlink::{self, Link},
 };

@@ -61,7 +61,7 @@ mod probe;
 
 use super::{
     AttachmentRecord, Backend, BackendError, Endpoint, Filter, FilterRecord, Masquerade,
-    MasqueradeRecord,
+    MasqueradeRecord, describe_mapping, is_link_local,
 };
 use crate::{
     attachment::{Attachment, ResolvedMapping, read_name},
@@ -849,14 +849,7 @@ impl Backend for EbpfBackend {
                 }
             }
         }
-        if installed.len() != mappings.len() {
-            return Err(BackendError::CheckFailed(format!(
-                "{} port mappings installed, {} configured",
-                installed.len(),
-                mappings.len()
-            )));
-        }
-        Ok(())
+        super::check_mapping_count(installed.len(), mappings.len())
     }
 
     fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
@@ -959,25 +952,6 @@ impl Backend for EbpfBackend {
     }
 }
 
-pub fn describe_mapping(mapping: &ResolvedMapping) -> String {
-    let host = match mapping.host_addr {
-        Some(IpAddr::V6(addr)) => format!("[{addr}]"),
-        Some(addr) => addr.to_string(),
-        None if mapping.is_ipv4() => "0.0.0.0".to_owned(),
-        None => "[::]".to_owned(),
-    };
-    let container = match mapping.container_addr {
-        IpAddr::V6(addr) => format!("[{addr}]"),
-        addr => addr.to_string(),
-    };
-    format!(
-        "{} {host}:{} -> {container}:{}",
-        mapping.protocol.name(),
-        mapping.host_port,
-        mapping.container_port
-    )
-}
-
 fn owner_port_key(owner: u64, slot: u32) -> OwnerPortKey {
     OwnerPortKey {
         owner,
@@ -1050,13 +1024,6 @@ fn key_addr(addr: IpAddr) -> [u8; 16] {
             out
         }
         IpAddr::V6(addr) => addr.octets(),
-    }
-}
-
-pub fn is_link_local(addr: IpAddr) -> bool {
-    match addr {
-        IpAddr::V4(addr) => addr.is_link_local(),
-        IpAddr::V6(addr) => addr.is_unicast_link_local(),
     }
 }
 
