@@ -99,6 +99,24 @@ add rule inet cnibpf local_out ip daddr vmap @filter_in4
 add rule inet cnibpf local_out ip6 daddr vmap @filter_in6
 ";
 
+/// The sets and maps that hold an attachment's port mappings, its masquerade, and its
+/// filter's dispatch.
+const PORT_MAPPING_SETS: [&str; 6] = [
+    "hostports4",
+    "hostports4_any",
+    "hostports6",
+    "hostports6_any",
+    "hairpin4",
+    "hairpin6",
+];
+const MASQUERADE_SETS: [&str; 4] = [
+    "masq_sources4",
+    "masq_sources6",
+    "masq_excludes4",
+    "masq_excludes6",
+];
+const FILTER_MAPS: [&str; 4] = ["filter_out4", "filter_in4", "filter_out6", "filter_in6"];
+
 /// One element of a set or map, as the kernel lists it.
 #[derive(Clone, Debug)]
 struct Element {
@@ -135,7 +153,7 @@ pub struct NftablesBackend {
 }
 
 impl NftablesBackend {
-    /// Whether nftables can work here: `nft` runs and the kernel answers it.
+    /// Whether nftables can work here (STATUS): `nft` runs and the kernel answers it.
     pub fn probe() -> Result<(), BackendError> {
         let unavailable = |reason: String| BackendError::Unavailable {
             backend: "nftables",
@@ -154,6 +172,23 @@ impl NftablesBackend {
                 String::from_utf8_lossy(&output.stderr).trim()
             )))
         }
+    }
+
+    /// [`Self::open`] for ADD: a table that cannot be listed means nftables cannot work here
+    /// (no `nft`, no nf_tables), which a forced or fallen-back backend reports as such.
+    pub fn open_for_changes() -> Result<Self, BackendError> {
+        Self::open().map_err(|error| {
+            let mut reason = error.to_string();
+            let mut cause = std::error::Error::source(&error);
+            while let Some(inner) = cause {
+                reason = format!("{reason}: {inner}");
+                cause = inner.source();
+            }
+            BackendError::Unavailable {
+                backend: "nftables",
+                reason,
+            }
+        })
     }
 
     /// The table as the kernel has it (empty when there is none), ready for changes.
@@ -313,10 +348,7 @@ impl NftablesBackend {
     }
 
     fn remove_filter_chains(&mut self, owner: &str) {
-        self.delete_elements(
-            owner,
-            &["filter_out4", "filter_in4", "filter_out6", "filter_in6"],
-        );
+        self.delete_elements(owner, &FILTER_MAPS);
         for chain in filter_chains(owner) {
             if self.chains.contains(&chain) {
                 self.script.push(format!("delete chain {TABLE} {chain}"));
@@ -652,15 +684,7 @@ impl Backend for NftablesBackend {
         let owner = owner_comment(&endpoint.attachment)?;
         self.ensure_table();
         let previous = self.owned_mappings(&owner);
-        let sets = [
-            "hostports4",
-            "hostports4_any",
-            "hostports6",
-            "hostports6_any",
-            "hairpin4",
-            "hairpin6",
-        ];
-        self.delete_elements(&owner, &sets);
+        self.delete_elements(&owner, &PORT_MAPPING_SETS);
         for mapping in mappings {
             let (map, key, value) = mapping_element(mapping);
             self.add_element(map, key, Some(value), &owner);
@@ -699,17 +723,7 @@ impl Backend for NftablesBackend {
         };
         let owned = self.owned_mappings(&text);
         self.forget.extend(owned);
-        self.delete_elements(
-            &text,
-            &[
-                "hostports4",
-                "hostports4_any",
-                "hostports6",
-                "hostports6_any",
-                "hairpin4",
-                "hairpin6",
-            ],
-        );
+        self.delete_elements(&text, &PORT_MAPPING_SETS);
         Ok(())
     }
 
@@ -724,18 +738,11 @@ impl Backend for NftablesBackend {
             if !installed.contains(mapping) {
                 return Err(BackendError::CheckFailed(format!(
                     "port mapping {} is missing",
-                    super::ebpf::describe_mapping(mapping)
+                    super::describe_mapping(mapping)
                 )));
             }
         }
-        if installed.len() != mappings.len() {
-            return Err(BackendError::CheckFailed(format!(
-                "{} port mappings installed, {} configured",
-                installed.len(),
-                mappings.len()
-            )));
-        }
-        Ok(())
+        super::check_mapping_count(installed.len(), mappings.len())
     }
 
     fn setup_masquerade(
@@ -745,13 +752,7 @@ impl Backend for NftablesBackend {
     ) -> Result<(), BackendError> {
         let owner = owner_comment(&endpoint.attachment)?;
         self.ensure_table();
-        let sets = [
-            "masq_sources4",
-            "masq_sources6",
-            "masq_excludes4",
-            "masq_excludes6",
-        ];
-        self.delete_elements(&owner, &sets);
+        self.delete_elements(&owner, &MASQUERADE_SETS);
         let Some(masquerade) = masquerade else {
             return Ok(());
         };
@@ -779,15 +780,7 @@ impl Backend for NftablesBackend {
 
     fn teardown_masquerade(&mut self, owner: u64) -> Result<(), BackendError> {
         if let Some(text) = self.owner_text(owner) {
-            self.delete_elements(
-                &text,
-                &[
-                    "masq_sources4",
-                    "masq_sources6",
-                    "masq_excludes4",
-                    "masq_excludes6",
-                ],
-            );
+            self.delete_elements(&text, &MASQUERADE_SETS);
         }
         Ok(())
     }
@@ -867,10 +860,7 @@ impl Backend for NftablesBackend {
                 self.script.push(format!("add rule {TABLE} {chain} {line}"));
             }
         }
-        self.delete_elements(
-            &owner,
-            &["filter_out4", "filter_in4", "filter_out6", "filter_in6"],
-        );
+        self.delete_elements(&owner, &FILTER_MAPS);
         for network in &endpoint.container_networks {
             let addr = network.addr();
             let suffix = family_suffix(addr);
@@ -929,12 +919,7 @@ impl Backend for NftablesBackend {
                 comments
             })
             .unwrap_or_default();
-        let dispatched = self
-            .elements_of(
-                &owner,
-                &["filter_out4", "filter_in4", "filter_out6", "filter_in6"],
-            )
-            .count();
+        let dispatched = self.elements_of(&owner, &FILTER_MAPS).count();
         let wanted_dispatch = filter.map_or(0, |_| endpoint.container_networks.len() * 2);
         if installed != expected || dispatched != wanted_dispatch {
             return Err(BackendError::CheckFailed(format!(
@@ -1145,8 +1130,7 @@ impl Backend for NftablesBackend {
                 }),
                 v6: addresses.iter().find_map(|(index, addr)| match addr {
                     IpAddr::V6(addr)
-                        if *index == link.index
-                            && !super::ebpf::is_link_local(IpAddr::V6(*addr)) =>
+                        if *index == link.index && !super::is_link_local(IpAddr::V6(*addr)) =>
                     {
                         Some(*addr)
                     }

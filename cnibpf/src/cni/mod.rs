@@ -332,10 +332,7 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     let mut backend = backend::select(conf.plugin.backend, &pins)?;
     let owner = plan.attachment.owner_id();
-    let mut others: Vec<Box<dyn Backend>> = backend::existing(&pins)?
-        .into_iter()
-        .filter(|other| other.name() != backend.name())
-        .collect();
+    let mut others = backend::existing_except(&pins, Some(backend.name()))?;
     // A hostPort may be held by an attachment of either backend.
     ensure_host_ports_free(backend.as_ref(), owner, &plan.mappings)?;
     for other in &others {
