@@ -457,53 +457,94 @@ pub fn udp_error(netns: &Netns, target: SocketAddr) -> std::io::ErrorKind {
     })
 }
 
-/// A TCP server that reads each connection to its end and answers with the number of bytes
-/// it read. Stops on drop.
+/// A thread that runs until told to stop, stopped and joined on drop: the servers and senders
+/// below. `work` gets the stop flag to poll.
 #[derive(Debug)]
-pub struct SinkServer {
+struct Background<T: Send + 'static = ()> {
     stop: Arc<AtomicBool>,
-    thread: Option<thread::JoinHandle<()>>,
+    thread: Option<thread::JoinHandle<T>>,
 }
 
-impl SinkServer {
-    pub fn start(netns: &Netns, bind: SocketAddr) -> Self {
+impl<T: Send + 'static> Background<T> {
+    fn spawn(work: impl FnOnce(&Arc<AtomicBool>) -> T + Send + 'static) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let listener = nonblocking_listener(netns, bind);
-        let thread = {
-            let stop = Arc::clone(&stop);
-            thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    match listener.accept() {
-                        Ok((mut stream, _)) => {
-                            let _ = stream.set_nonblocking(false);
-                            let _ = stream.set_read_timeout(Some(Duration::from_secs(20)));
-                            let mut buffer = vec![0u8; 65_536];
-                            let mut total = 0u64;
-                            while let Ok(length) = stream.read(&mut buffer) {
-                                if length == 0 {
-                                    break;
-                                }
-                                total += length as u64;
-                            }
-                            let _ = stream.write_all(total.to_string().as_bytes());
-                        }
-                        Err(_) => thread::sleep(Duration::from_millis(1)),
-                    }
-                }
-            })
-        };
+        let flag = Arc::clone(&stop);
         Self {
             stop,
-            thread: Some(thread),
+            thread: Some(thread::spawn(move || work(&flag))),
         }
+    }
+
+    /// [`Self::spawn`] on a thread that has entered `netns`.
+    fn in_netns(netns: &Netns, work: impl FnOnce(&Arc<AtomicBool>) -> T + Send + 'static) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        Self {
+            stop,
+            thread: Some(netns.spawn(move || work(&flag))),
+        }
+    }
+
+    /// Stops the thread and returns what it returned.
+    fn finish(mut self) -> Option<T> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.take().and_then(|thread| thread.join().ok())
     }
 }
 
-impl Drop for SinkServer {
+impl<T: Send + 'static> Drop for Background<T> {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
+        }
+    }
+}
+
+/// Accepts connections on `bind` in `netns` until stopped, handing each, blocking again, to
+/// `serve` with the stop flag.
+fn accept_each(
+    netns: &Netns,
+    bind: SocketAddr,
+    serve: impl Fn(TcpStream, &Arc<AtomicBool>) + Send + 'static,
+) -> Background {
+    let listener = nonblocking_listener(netns, bind);
+    Background::spawn(move |stop| {
+        while !stop.load(Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nonblocking(false);
+                    serve(stream, stop);
+                }
+                Err(_) => thread::sleep(Duration::from_millis(1)),
+            }
+        }
+    })
+}
+
+/// A TCP server that reads each connection to its end and answers with the number of bytes
+/// it read. Stops on drop.
+#[derive(Debug)]
+pub struct SinkServer {
+    _accepting: Background,
+}
+
+impl SinkServer {
+    pub fn start(netns: &Netns, bind: SocketAddr) -> Self {
+        let accepting = accept_each(netns, bind, |mut stream, _| {
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(20)));
+            let mut buffer = vec![0u8; 65_536];
+            let mut total = 0u64;
+            while let Ok(length) = stream.read(&mut buffer) {
+                if length == 0 {
+                    break;
+                }
+                total += length as u64;
+            }
+            let _ = stream.write_all(total.to_string().as_bytes());
+        });
+        Self {
+            _accepting: accepting,
         }
     }
 }
@@ -544,61 +585,37 @@ pub fn tcp_upload(
 /// A TCP server that echoes everything each connection sends until it closes. Stops on drop.
 #[derive(Debug)]
 pub struct StreamEchoServer {
-    stop: Arc<AtomicBool>,
-    thread: Option<thread::JoinHandle<()>>,
+    _accepting: Background,
 }
 
 impl StreamEchoServer {
     pub fn start(netns: &Netns, bind: SocketAddr) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let listener = nonblocking_listener(netns, bind);
-        let thread = {
-            let stop = Arc::clone(&stop);
+        let accepting = accept_each(netns, bind, |mut stream, stop| {
+            let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
+            let stop = Arc::clone(stop);
+            // A thread per connection: conversations stay open across exchanges.
             thread::spawn(move || {
+                let mut buffer = [0u8; 4096];
                 while !stop.load(Ordering::Relaxed) {
-                    match listener.accept() {
-                        Ok((mut stream, _)) => {
-                            let _ = stream.set_nonblocking(false);
-                            let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
-                            let stop = Arc::clone(&stop);
-                            thread::spawn(move || {
-                                let mut buffer = [0u8; 4096];
-                                while !stop.load(Ordering::Relaxed) {
-                                    match stream.read(&mut buffer) {
-                                        Ok(0) => break,
-                                        Ok(length) => {
-                                            if stream.write_all(&buffer[..length]).is_err() {
-                                                break;
-                                            }
-                                        }
-                                        Err(error)
-                                            if matches!(
-                                                error.kind(),
-                                                std::io::ErrorKind::WouldBlock
-                                                    | std::io::ErrorKind::TimedOut
-                                            ) => {}
-                                        Err(_) => break,
-                                    }
-                                }
-                            });
+                    match stream.read(&mut buffer) {
+                        Ok(0) => break,
+                        Ok(length) => {
+                            if stream.write_all(&buffer[..length]).is_err() {
+                                break;
+                            }
                         }
-                        Err(_) => thread::sleep(Duration::from_millis(5)),
+                        Err(error)
+                            if matches!(
+                                error.kind(),
+                                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                            ) => {}
+                        Err(_) => break,
                     }
                 }
-            })
-        };
+            });
+        });
         Self {
-            stop,
-            thread: Some(thread),
-        }
-    }
-}
-
-impl Drop for StreamEchoServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+            _accepting: accepting,
         }
     }
 }
@@ -651,34 +668,29 @@ pub fn ping(netns: &Netns, target: IpAddr) -> bool {
 /// Counts the datagrams arriving on a UDP socket in a namespace. Stops on drop.
 #[derive(Debug)]
 pub struct UdpCounter {
-    stop: Arc<AtomicBool>,
     received: Arc<std::sync::atomic::AtomicU64>,
-    thread: Option<thread::JoinHandle<()>>,
+    _receiving: Background,
 }
 
 impl UdpCounter {
     pub fn start(netns: &Netns, bind: SocketAddr) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
         let received = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let socket = netns.run(move || bind_server(bind, UdpSocket::bind));
         socket
             .set_read_timeout(Some(Duration::from_millis(50)))
             .expect("timeout");
-        let thread = {
-            let (stop, received) = (Arc::clone(&stop), Arc::clone(&received));
-            thread::spawn(move || {
-                let mut buffer = [0u8; 2048];
-                while !stop.load(Ordering::Relaxed) {
-                    if socket.recv(&mut buffer).is_ok() {
-                        received.fetch_add(1, Ordering::Relaxed);
-                    }
+        let counted = Arc::clone(&received);
+        let receiving = Background::spawn(move |stop| {
+            let mut buffer = [0u8; 2048];
+            while !stop.load(Ordering::Relaxed) {
+                if socket.recv(&mut buffer).is_ok() {
+                    counted.fetch_add(1, Ordering::Relaxed);
                 }
-            })
-        };
+            }
+        });
         Self {
-            stop,
             received,
-            thread: Some(thread),
+            _receiving: receiving,
         }
     }
 
@@ -687,67 +699,38 @@ impl UdpCounter {
     }
 }
 
-impl Drop for UdpCounter {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
 /// Sends datagrams from `netns` to each of `targets` in turn, one round every `interval`,
 /// until stopped; counts the rounds sent. Stops on drop.
 #[derive(Debug)]
 pub struct UdpSender {
-    stop: Arc<AtomicBool>,
-    thread: Option<thread::JoinHandle<u64>>,
+    sending: Background<u64>,
 }
 
 impl UdpSender {
     pub fn start(netns: &Netns, targets: Vec<SocketAddr>, interval: Duration) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let stop = Arc::clone(&stop);
-            netns.spawn(move || {
-                let bind = |unspecified: IpAddr| UdpSocket::bind((unspecified, 0)).expect("bind");
-                let (v4, v6) = (
-                    bind(Ipv4Addr::UNSPECIFIED.into()),
-                    bind(Ipv6Addr::UNSPECIFIED.into()),
-                );
-                let mut rounds = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    for target in &targets {
-                        let socket = if target.is_ipv4() { &v4 } else { &v6 };
-                        socket.send_to(b"tick", target).expect("send");
-                    }
-                    rounds += 1;
-                    thread::sleep(interval);
+        let sending = Background::in_netns(netns, move |stop| {
+            let bind = |unspecified: IpAddr| UdpSocket::bind((unspecified, 0)).expect("bind");
+            let (v4, v6) = (
+                bind(Ipv4Addr::UNSPECIFIED.into()),
+                bind(Ipv6Addr::UNSPECIFIED.into()),
+            );
+            let mut rounds = 0;
+            while !stop.load(Ordering::Relaxed) {
+                for target in &targets {
+                    let socket = if target.is_ipv4() { &v4 } else { &v6 };
+                    socket.send_to(b"tick", target).expect("send");
                 }
-                rounds
-            })
-        };
-        Self {
-            stop,
-            thread: Some(thread),
-        }
+                rounds += 1;
+                thread::sleep(interval);
+            }
+            rounds
+        });
+        Self { sending }
     }
 
     /// Stops sending; the rounds sent.
-    pub fn stop(mut self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread
-            .take()
-            .map_or(0, |thread| thread.join().expect("sender thread"))
-    }
-}
-
-impl Drop for UdpSender {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+    pub fn stop(self) -> u64 {
+        self.sending.finish().expect("sender thread")
     }
 }
 
