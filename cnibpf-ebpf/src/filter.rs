@@ -77,6 +77,18 @@ pub struct Subject {
     established: u16,
 }
 
+impl Subject {
+    /// The packet's source and destination addresses, from its connection's key.
+    #[inline(always)]
+    fn addresses(&self) -> (&[u8; 16], &[u8; 16]) {
+        if self.direction == DIRECTION_EGRESS {
+            (&self.key.container_addr, &self.key.remote_addr)
+        } else {
+            (&self.key.remote_addr, &self.key.container_addr)
+        }
+    }
+}
+
 /// A packet's addresses and protocol as the filter reads them (ports in network byte order,
 /// zero when the packet has none).
 struct Packet {
@@ -425,14 +437,10 @@ fn error_of_allowed_connection(ctx: &TcContext, ifindex: u32, direction: u8) -> 
 #[inline(never)]
 fn later_fragment_allowed(subject: &Subject, set: &FilterSet, fragment_id: u32) -> bool {
     let key = &subject.key;
-    let (source, destination) = if subject.direction == DIRECTION_EGRESS {
-        (key.container_addr, key.remote_addr)
-    } else {
-        (key.remote_addr, key.container_addr)
-    };
+    let (source, destination) = subject.addresses();
     let fragment = FilterFragmentKey {
-        src_addr: source,
-        dst_addr: destination,
+        src_addr: *source,
+        dst_addr: *destination,
         id: fragment_id,
         ifindex: key.ifindex,
         protocol: key.protocol,
@@ -601,11 +609,7 @@ fn send_event(subject: &Subject, set: &FilterSet, reason: u8, rule_index: u32) {
     };
     let event = entry.as_mut_ptr();
     let key = &subject.key;
-    let (source, destination) = if subject.direction == DIRECTION_EGRESS {
-        (&key.container_addr, &key.remote_addr)
-    } else {
-        (&key.remote_addr, &key.container_addr)
-    };
+    let (source, destination) = subject.addresses();
     // SAFETY: `event` points to the reserved record, which only this program writes until it
     // is submitted; every field is written.
     unsafe {
