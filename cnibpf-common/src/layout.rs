@@ -14,7 +14,7 @@ pub const MAX_ENTRIES: u32 = 1;
 pub const MAGIC: u64 = u64::from_le_bytes(*b"cnibpf\0\0");
 
 /// Bumped whenever a key or value type of any pinned map changes.
-pub const VERSION: u32 = 6;
+pub const VERSION: u32 = 7;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

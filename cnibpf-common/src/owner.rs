@@ -2,8 +2,9 @@
 //!
 //! Key: `u64` owner id, a stable hash of (network, CNI_IFNAME, CNI_CONTAINERID). Value:
 //! [`OwnerInfo`]. Written by the CNI plugin on ADD, removed on DEL and GC; read by `cnibpf
-//! inspect` and by GC, which must know every attachment of a network without its config. The
-//! eBPF programs only carry the id in the entries they create.
+//! inspect` and `cnibpf monitor` (which name the attachment and its pod) and by GC, which must
+//! know every attachment of a network without its config. The eBPF programs only carry the id
+//! in the entries they create.
 
 use crate::impl_pod;
 
@@ -14,6 +15,10 @@ pub const MAX_ENTRIES: u32 = 16_384;
 pub const NAME_LEN: usize = 256;
 /// `IFNAMSIZ`.
 pub const IFNAME_LEN: usize = 16;
+/// Room for a Kubernetes namespace (a DNS label, at most 63 bytes) and its terminating zero.
+pub const POD_NAMESPACE_LEN: usize = 64;
+/// Room for a Kubernetes pod name (a DNS subdomain, at most 253 bytes) and its zero.
+pub const POD_NAME_LEN: usize = 256;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,8 +35,13 @@ pub struct OwnerInfo {
     pub host_ifindex: u32,
     /// Slots of `owner_ports` in use: the attachment's port mappings.
     pub port_count: u32,
+    /// Namespace of the pod, when the runtime named it in CNI_ARGS (`K8S_POD_NAMESPACE`);
+    /// zero padded, all zero when not named.
+    pub pod_namespace: [u8; POD_NAMESPACE_LEN],
+    /// Name of the pod (`K8S_POD_NAME`), zero padded.
+    pub pod_name: [u8; POD_NAME_LEN],
 }
-const _: () = assert!(size_of::<OwnerInfo>() == 552);
+const _: () = assert!(size_of::<OwnerInfo>() == 872);
 
 impl Default for OwnerInfo {
     fn default() -> Self {
@@ -42,6 +52,8 @@ impl Default for OwnerInfo {
             host_ifname: [0; IFNAME_LEN],
             host_ifindex: 0,
             port_count: 0,
+            pod_namespace: [0; POD_NAMESPACE_LEN],
+            pod_name: [0; POD_NAME_LEN],
         }
     }
 }

@@ -6,7 +6,7 @@ use std::{net::IpAddr, path::Path};
 use cnibpf_common::owner::{IFNAME_LEN, NAME_LEN, OwnerInfo};
 
 use crate::{
-    cni::result::PrevResult,
+    cni::{args::Pod, result::PrevResult},
     config::{PortMapping, Protocol},
     netlink::{self, Link, NetlinkError},
     netns::{NetnsError, NetnsGuard},
@@ -41,14 +41,25 @@ impl Attachment {
             })
     }
 
-    pub fn to_owner_info(&self, host: &Link) -> OwnerInfo {
+    pub fn to_owner_info(&self, host: &Link, pod: Option<&Pod>) -> OwnerInfo {
         let mut info = OwnerInfo::default();
         copy_name(&mut info.network, &self.network);
         copy_name(&mut info.container_id, &self.container_id);
         copy_name(&mut info.ifname, &self.ifname);
         copy_name(&mut info.host_ifname, &host.name);
         info.host_ifindex = host.index;
+        if let Some(pod) = pod {
+            copy_name(&mut info.pod_namespace, &pod.namespace);
+            copy_name(&mut info.pod_name, &pod.name);
+        }
         info
+    }
+
+    /// The pod an `owners` entry names, if any.
+    pub fn pod_of_owner_info(info: &OwnerInfo) -> Option<Pod> {
+        let namespace = read_name(&info.pod_namespace);
+        let name = read_name(&info.pod_name);
+        (!namespace.is_empty() && !name.is_empty()).then_some(Pod { namespace, name })
     }
 
     pub fn from_owner_info(info: &OwnerInfo) -> Self {
@@ -290,8 +301,17 @@ mod tests {
             master: None,
             mac: None,
         };
-        let info = a.to_owner_info(&host);
+        let pod = Pod {
+            namespace: "default".to_owned(),
+            name: "web-0".to_owned(),
+        };
+        let info = a.to_owner_info(&host, Some(&pod));
         assert_eq!(Attachment::from_owner_info(&info), a);
         assert_eq!(read_name(&info.host_ifname), "veth1234");
+        assert_eq!(Attachment::pod_of_owner_info(&info), Some(pod));
+        assert_eq!(
+            Attachment::pod_of_owner_info(&a.to_owner_info(&host, None)),
+            None
+        );
     }
 }

@@ -16,7 +16,7 @@ pub mod code {
     pub const TRY_AGAIN: u32 = 11;
     pub const PLUGIN_UNAVAILABLE: u32 = 50;
     pub const HOST_PORT_IN_USE: u32 = 100;
-    pub const NOT_SUPPORTED_YET: u32 = 101;
+    pub const NOT_SUPPORTED: u32 = 101;
     pub const DATAPATH: u32 = 102;
     pub const INTERFACE: u32 = 103;
     pub const BACKEND_UNAVAILABLE: u32 = 104;

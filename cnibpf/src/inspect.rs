@@ -6,7 +6,7 @@ use serde_json::json;
 
 use crate::{
     backend::{self, BackendError, ExcludeReason, FilterRecord, describe_mapping},
-    config::{ConnState, Direction, FilterRule, PortRange, RuleProtocol, Target},
+    config::{ConnState, Direction, FilterRule, RuleProtocol},
     paths::PinLayout,
 };
 
@@ -68,7 +68,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                     "hostInterface": record.host_ifname,
                     "hostIfindex": record.host_ifindex,
                     "portMappings": mappings.iter().map(|mapping| json!({
-                        "protocol": mapping.protocol.name(),
+                        "protocol": mapping.protocol.as_str(),
                         "hostIP": mapping.host_addr.map(|addr| addr.to_string()),
                         "hostPort": mapping.host_port,
                         "containerIP": mapping.container_addr.to_string(),
@@ -174,7 +174,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 } else {
                     "s"
                 },
-                target_name(filter.filter.default),
+                filter.filter.default.as_str(),
                 filter.flows
             );
             for (rule, (packets, bytes)) in filter.filter.rules.iter().zip(&filter.hits) {
@@ -182,7 +182,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                     out,
                     "      {:>10} {:<5} {:<60} {packets:>10} packets {bytes:>12} bytes",
                     rule.index,
-                    target_name(rule.target),
+                    rule.target.as_str(),
                     describe_rule(rule)
                 );
             }
@@ -218,19 +218,19 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
 fn filter_json(record: &FilterRecord) -> serde_json::Value {
     let (packets, bytes) = record.default_hits;
     json!({
-        "default": target_name(record.filter.default),
+        "default": record.filter.default.as_str(),
         "defaultHits": { "packets": packets, "bytes": bytes },
         "flows": record.flows,
         "rules": record.filter.rules.iter().zip(&record.hits).map(|(rule, (packets, bytes))| json!({
             "index": rule.index,
-            "target": target_name(rule.target),
+            "target": rule.target.as_str(),
             "src": rule.src.map(|net| net.to_string()),
             "dst": rule.dst.map(|net| net.to_string()),
-            "proto": protocol_name(rule.protocol),
-            "sport": rule.sport.map(range_text),
-            "dport": rule.dport.map(range_text),
-            "connstate": connstate_name(rule.connstate),
-            "direction": direction_name(rule.direction),
+            "proto": rule.protocol.as_str(),
+            "sport": rule.sport.map(|range| range.to_string()),
+            "dport": rule.dport.map(|range| range.to_string()),
+            "connstate": rule.connstate.as_str(),
+            "direction": rule.direction.as_str(),
             "packets": packets,
             "bytes": bytes,
         })).collect::<Vec<_>>(),
@@ -247,66 +247,24 @@ fn describe_rule(rule: &FilterRule) -> String {
         parts.push(format!("dst {dst}"));
     }
     if rule.protocol != RuleProtocol::Any {
-        parts.push(protocol_name(rule.protocol).to_owned());
+        parts.push(rule.protocol.to_string());
     }
     if let Some(range) = rule.sport {
-        parts.push(format!("sport {}", range_text(range)));
+        parts.push(format!("sport {}", range));
     }
     if let Some(range) = rule.dport {
-        parts.push(format!("dport {}", range_text(range)));
+        parts.push(format!("dport {}", range));
     }
     if rule.connstate != ConnState::Any {
-        parts.push(connstate_name(rule.connstate).to_owned());
+        parts.push(rule.connstate.to_string());
     }
     if rule.direction != Direction::Both {
-        parts.push(direction_name(rule.direction).to_owned());
+        parts.push(rule.direction.to_string());
     }
     if parts.is_empty() {
         "any".to_owned()
     } else {
         parts.join(" ")
-    }
-}
-
-fn range_text(range: PortRange) -> String {
-    if range.low == range.high {
-        range.low.to_string()
-    } else {
-        format!("{}-{}", range.low, range.high)
-    }
-}
-
-fn target_name(target: Target) -> &'static str {
-    match target {
-        Target::Allow => "ALLOW",
-        Target::Drop => "DROP",
-    }
-}
-
-fn protocol_name(protocol: RuleProtocol) -> &'static str {
-    match protocol {
-        RuleProtocol::Any => "any",
-        RuleProtocol::Tcp => "tcp",
-        RuleProtocol::Udp => "udp",
-        RuleProtocol::Sctp => "sctp",
-        RuleProtocol::Icmp => "icmp",
-        RuleProtocol::Icmpv6 => "icmpv6",
-    }
-}
-
-fn connstate_name(connstate: ConnState) -> &'static str {
-    match connstate {
-        ConnState::New => "new",
-        ConnState::Established => "established",
-        ConnState::Any => "any",
-    }
-}
-
-fn direction_name(direction: Direction) -> &'static str {
-    match direction {
-        Direction::Ingress => "ingress",
-        Direction::Egress => "egress",
-        Direction::Both => "both",
     }
 }
 

@@ -7,6 +7,7 @@ mod config;
 mod error;
 mod inspect;
 mod lock;
+mod model;
 mod monitor;
 mod netlink;
 mod netns;

@@ -112,7 +112,7 @@ fn render(event: &FilterEvent, attachment: Option<&Attachment>, as_json: bool) -
         REASON_FRAGMENT => "fragment without its first".to_owned(),
         _ => format!("rule {}", event.rule_index),
     };
-    let protocol = protocol_name(event.protocol);
+    let protocol = crate::model::protocol_name(event.protocol);
     let (network, container_id, ifname) = attachment.map_or(("?", "?", "?"), |attachment| {
         (
             attachment.network.as_str(),
@@ -171,16 +171,5 @@ fn address(bytes: [u8; 16], ipv4: bool) -> IpAddr {
         IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]))
     } else {
         IpAddr::V6(Ipv6Addr::from(bytes))
-    }
-}
-
-fn protocol_name(protocol: u8) -> String {
-    match protocol {
-        PROTO_TCP => "tcp".to_owned(),
-        PROTO_UDP => "udp".to_owned(),
-        PROTO_SCTP => "sctp".to_owned(),
-        PROTO_ICMP => "icmp".to_owned(),
-        PROTO_ICMPV6 => "icmpv6".to_owned(),
-        other => format!("protocol {other}"),
     }
 }

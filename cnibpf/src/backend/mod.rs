@@ -14,6 +14,7 @@ use ipnet::IpNet;
 
 use crate::{
     attachment::{Attachment, ResolvedMapping},
+    cni::args::Pod,
     config::{BackendChoice, FilterRule, Target},
     error::code,
     netlink::Link,
@@ -72,10 +73,11 @@ pub enum BackendError {
         attachment: Box<Attachment>,
         holder: Box<Attachment>,
     },
-    #[error("{mapping} is already held by {holder}")]
+    #[error("{mapping} is already held by {holder}{}", pod.as_ref().map(|pod| format!(" (pod {pod})")).unwrap_or_default())]
     HostPortInUse {
         mapping: String,
         holder: Box<Attachment>,
+        pod: Option<Pod>,
     },
     #[error("check failed: {0}")]
     CheckFailed(String),
@@ -125,6 +127,8 @@ pub struct Endpoint {
     pub cgroup: PathBuf,
     /// The container's addresses with their prefixes (from prevResult).
     pub container_networks: Vec<IpNet>,
+    /// The pod, when the runtime named it (CNI_ARGS).
+    pub pod: Option<Pod>,
 }
 
 /// How one attachment is masqueraded.
@@ -169,6 +173,7 @@ pub struct FilterRecord {
 pub struct AttachmentRecord {
     pub owner: u64,
     pub attachment: Attachment,
+    pub pod: Option<Pod>,
     pub host_ifname: String,
     pub host_ifindex: u32,
 }
@@ -266,7 +271,7 @@ pub fn describe_mapping(mapping: &ResolvedMapping) -> String {
     };
     format!(
         "{} {host}:{} -> {container}:{}",
-        mapping.protocol.name(),
+        mapping.protocol.as_str(),
         mapping.host_port,
         mapping.container_port
     )

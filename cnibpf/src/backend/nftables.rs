@@ -25,6 +25,7 @@ use super::{
 };
 use crate::{
     attachment::{Attachment, ResolvedMapping},
+    cni::args::Pod,
     config::{ConnState, Direction, FilterRule, PortRange, Protocol, RuleProtocol, Target},
     netlink::{self, Link},
 };
@@ -57,6 +58,7 @@ pub enum NftablesError {
 const SKELETON: &str = r"
 add table inet cnibpf
 add set inet cnibpf attachments { type ifname; }
+add set inet cnibpf pods { type ifname; }
 add set inet cnibpf uplinks { type ifname; }
 add map inet cnibpf hostports4 { type ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service; }
 add map inet cnibpf hostports4_any { type inet_proto . inet_service : ipv4_addr . inet_service; }
@@ -347,6 +349,52 @@ impl NftablesBackend {
             .map(|element| element.comment.clone())
     }
 
+    /// Makes `pod` the one recorded for the attachment on `host_ifname` (in set `pods`, keyed
+    /// by that interface, the pod in the comment); `None` removes it.
+    fn record_pod(&mut self, host_ifname: &str, pod: Option<&Pod>) {
+        let key = vec![host_ifname.to_owned()];
+        let current = self
+            .elements
+            .iter()
+            .find(|element| element.set == "pods" && element.key_parts == key)
+            .map(|element| element.comment.clone());
+        let wanted = pod.map(|pod| {
+            let mut text = pod.to_string();
+            while text.len() > COMMENT_MAX {
+                text.pop();
+            }
+            text
+        });
+        if current == wanted {
+            return;
+        }
+        // A table made by an earlier cnibpf has no such set yet.
+        self.script
+            .push(format!("add set {TABLE} pods {{ type ifname; }}"));
+        if current.is_some() {
+            self.script.push(format!(
+                "delete element {TABLE} pods {{ \"{host_ifname}\" }}"
+            ));
+            self.elements
+                .retain(|element| !(element.set == "pods" && element.key_parts == key));
+        }
+        if let Some(text) = wanted {
+            self.add_element("pods", format!("\"{host_ifname}\""), None, &text);
+        }
+    }
+
+    fn pod_of(&self, host_ifname: &str) -> Option<Pod> {
+        let element = self.elements.iter().find(|element| {
+            element.set == "pods"
+                && element.key_parts.first().map(String::as_str) == Some(host_ifname)
+        })?;
+        let (namespace, name) = element.comment.split_once('/')?;
+        Some(Pod {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+
     fn remove_filter_chains(&mut self, owner: &str) {
         self.delete_elements(owner, &FILTER_MAPS);
         for chain in filter_chains(owner) {
@@ -476,7 +524,7 @@ fn parts(value: &Value) -> Vec<String> {
 }
 
 fn quote_if_name(set: &str, part: &str) -> String {
-    if set == "attachments" || set == "uplinks" {
+    if set == "attachments" || set == "uplinks" || set == "pods" {
         format!("\"{part}\"")
     } else {
         part.to_owned()
@@ -494,7 +542,7 @@ fn protocol_of(name: &str) -> Option<Protocol> {
 
 /// The hostPort element of a mapping: (map, key, value).
 fn mapping_element(mapping: &ResolvedMapping) -> (&'static str, String, String) {
-    let protocol = mapping.protocol.name();
+    let protocol = mapping.protocol.as_str();
     let (map, key) = match (mapping.host_addr, mapping.is_ipv4()) {
         (Some(addr), true) => (
             "hostports4",
@@ -621,6 +669,7 @@ impl Backend for NftablesBackend {
     fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = owner_comment(&endpoint.attachment)?;
         self.ensure_table();
+        self.record_pod(&endpoint.host.name, endpoint.pod.as_ref());
         let current: Vec<Element> = self
             .elements_of(&owner, &["attachments"])
             .cloned()
@@ -630,6 +679,11 @@ impl Backend for NftablesBackend {
             .any(|element| element.key_parts == [endpoint.host.name.clone()])
         {
             return Ok(());
+        }
+        for element in &current {
+            if let Some(host_ifname) = element.key_parts.first().cloned() {
+                self.record_pod(&host_ifname, None);
+            }
         }
         self.delete_elements(&owner, &["attachments"]);
         self.add_element(
@@ -645,6 +699,13 @@ impl Backend for NftablesBackend {
         let Some(text) = self.owner_text(owner) else {
             return Ok(());
         };
+        let host_ifnames: Vec<String> = self
+            .elements_of(&text, &["attachments"])
+            .filter_map(|element| element.key_parts.first().cloned())
+            .collect();
+        for host_ifname in host_ifnames {
+            self.record_pod(&host_ifname, None);
+        }
         self.delete_elements(&text, &["attachments"]);
         if !self
             .elements
@@ -1029,6 +1090,7 @@ impl Backend for NftablesBackend {
                     owner: attachment.owner_id(),
                     host_ifindex: netlink::link_by_name(&host_ifname).map_or(0, |link| link.index),
                     attachment,
+                    pod: self.pod_of(&host_ifname),
                     host_ifname,
                 })
             })
@@ -1260,7 +1322,7 @@ fn forget_connections(mapping: &ResolvedMapping) {
     let family = if mapping.is_ipv4() { "ipv4" } else { "ipv6" };
     let mut command = Command::new("conntrack");
     command
-        .args(["-D", "-f", family, "-p", mapping.protocol.name()])
+        .args(["-D", "-f", family, "-p", mapping.protocol.as_str()])
         .args(["--orig-port-dst", &mapping.host_port.to_string()]);
     if let Some(addr) = mapping.host_addr {
         command.args(["--orig-dst", &addr.to_string()]);

@@ -1,5 +1,6 @@
 //! The CNI protocol: environment, verbs, results and errors on stdout.
 
+pub mod args;
 pub mod result;
 
 use std::{
@@ -15,12 +16,15 @@ use serde_json::{Value, json};
 use crate::{
     attachment::{self, Attachment, HostInterfaceError},
     backend::{self, Backend, BackendError, Endpoint, ExcludeReason, Filter, Masquerade},
-    config::{ConfigError, NetConf, SUPPORTED_VERSIONS, Target, ifname_problem},
+    config::{
+        CleanupConf, CniVersion, ConfigError, NetConf, SUPPORTED_VERSIONS, Target, ifname_problem,
+    },
     error::Error,
     lock::{InstanceLock, lock_timeout},
     netlink::{self, Link},
     paths::PinLayout,
 };
+use args::{ArgsError, CniArgs};
 use result::PrevResult;
 
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +43,8 @@ pub enum EnvError {
     Netns(String),
     #[error(transparent)]
     HostInterface(#[from] HostInterfaceError),
+    #[error(transparent)]
+    Args(#[from] ArgsError),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,6 +77,7 @@ struct Env {
     container_id: String,
     ifname: String,
     netns: Option<PathBuf>,
+    args: CniArgs,
 }
 
 impl Env {
@@ -107,10 +114,17 @@ impl Env {
         if command != Command::Version && var("CNI_PATH").is_none() {
             return Err(EnvError::Missing("CNI_PATH"));
         }
+        // Only ADD and CHECK use them (to name the pod): a DEL must not fail on arguments the
+        // ADD would have refused already.
+        let args = match command {
+            Command::Add | Command::Check => CniArgs::parse(&var("CNI_ARGS").unwrap_or_default())?,
+            _ => CniArgs::default(),
+        };
         Ok(Self {
             container_id: container_id.unwrap_or_default(),
             ifname: ifname.unwrap_or_default(),
             netns: netns.map(PathBuf::from),
+            args,
         })
     }
 }
@@ -133,16 +147,7 @@ pub fn run(command_text: &str) -> i32 {
         }
         Ok(None) => 0,
         Err(error) => {
-            let version = serde_json::from_slice::<Value>(&stdin)
-                .ok()
-                .and_then(|conf| {
-                    conf.get("cniVersion")
-                        .and_then(Value::as_str)
-                        .map(str::to_owned)
-                })
-                .filter(|version| SUPPORTED_VERSIONS.contains(&version.as_str()))
-                .unwrap_or_else(|| SUPPORTED_VERSIONS[SUPPORTED_VERSIONS.len() - 1].to_owned());
-            let cni_error = error.into_cni(&version);
+            let cni_error = error.into_cni(&CniVersion::answer_version(&stdin));
             if cni_error.details.is_empty() {
                 eprintln!("cnibpf: {command_text}: {}", cni_error.msg);
             } else {
@@ -177,16 +182,8 @@ fn dispatch(command: Command, stdin: &[u8]) -> Result<Option<String>, Error> {
 }
 
 fn version_output(stdin: &[u8]) -> String {
-    let requested = serde_json::from_slice::<Value>(stdin)
-        .ok()
-        .and_then(|conf| {
-            conf.get("cniVersion")
-                .and_then(Value::as_str)
-                .map(str::to_owned)
-        })
-        .filter(|version| SUPPORTED_VERSIONS.contains(&version.as_str()))
-        .unwrap_or_else(|| SUPPORTED_VERSIONS[SUPPORTED_VERSIONS.len() - 1].to_owned());
-    json!({ "cniVersion": requested, "supportedVersions": SUPPORTED_VERSIONS }).to_string()
+    json!({ "cniVersion": CniVersion::answer_version(stdin), "supportedVersions": SUPPORTED_VERSIONS })
+        .to_string()
 }
 
 /// Everything ADD and CHECK derive from the config and the host before taking the lock.
@@ -250,6 +247,7 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
             }),
             cgroup,
             container_networks: prev.container_addresses.clone(),
+            pod: env.args.pod.clone(),
         },
         attachment,
         mappings,
@@ -382,68 +380,42 @@ fn ensure_host_ports_free(
         let Some(holder) = backend.holder_of(owner, mapping)? else {
             continue;
         };
-        let holder = backend
+        let (holder, pod) = backend
             .attachments()?
             .into_iter()
             .find(|record| record.owner == holder)
             .map_or_else(
-                || Attachment::new("(unknown)", &format!("owner {holder:016x}"), "?"),
-                |record| record.attachment,
+                || {
+                    (
+                        Attachment::new("(unknown)", &format!("owner {holder:016x}"), "?"),
+                        None,
+                    )
+                },
+                |record| (record.attachment, record.pod),
             );
         return Err(BackendError::HostPortInUse {
             mapping: format!(
                 "hostPort {}/{}{}",
                 mapping.host_port,
-                mapping.protocol.name(),
+                mapping.protocol,
                 mapping
                     .host_addr
                     .map(|addr| format!(" on {addr}"))
                     .unwrap_or_default()
             ),
             holder: Box::new(holder),
+            pod,
         });
     }
     Ok(())
 }
 
-/// Only `name` and `pinPath` of the DEL/GC config matter: the attachment's state says the rest.
-struct CleanupConf {
-    name: String,
-    pins: PinLayout,
-}
-
-impl CleanupConf {
-    fn parse(stdin: &[u8]) -> Result<Self, ConfigError> {
-        let value: Value = serde_json::from_slice(stdin).map_err(ConfigError::Decode)?;
-        let text = |key: &str| value.get(key).and_then(Value::as_str).map(str::to_owned);
-        let cni_version = text("cniVersion").ok_or_else(|| ConfigError::Invalid {
-            key: "cniVersion".to_owned(),
-            reason: "is required".to_owned(),
-        })?;
-        crate::config::CniVersion::parse(&cni_version)?;
-        let name = text("name").ok_or_else(|| ConfigError::Invalid {
-            key: "name".to_owned(),
-            reason: "is required".to_owned(),
-        })?;
-        let pin_path = text("pinPath").unwrap_or_else(|| crate::paths::DEFAULT_PIN_PATH.to_owned());
-        if !pin_path.starts_with('/') || pin_path.split('/').any(|part| part == "..") {
-            return Err(ConfigError::Invalid {
-                key: "pinPath".to_owned(),
-                reason: format!("expected an absolute path without '..', got {pin_path:?}"),
-            });
-        }
-        Ok(Self {
-            name,
-            pins: PinLayout::new(pin_path),
-        })
-    }
-}
-
 fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let conf = CleanupConf::parse(stdin)?;
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
-    let _lock = InstanceLock::acquire(&conf.pins.lock_file(), lock_timeout())?;
-    for mut backend in backend::existing(&conf.pins)? {
+    let pins = PinLayout::new(&conf.pin_path);
+    let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
+    for mut backend in backend::existing(&pins)? {
         remove_attachment(backend.as_mut(), attachment.owner_id())?;
         backend.commit()?;
     }

@@ -8,9 +8,10 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use serde_json::Value;
 
-use crate::config::{CniVersion, ConfigError};
+use crate::config::{self, CniVersion, ConfigError, input::ResultInput, names_field};
 
 /// `prevResult` converted to `version` (`cniVersion` set, `ips[].version` added or removed).
+/// Keys are found as the reference plugins find them (ignoring case).
 pub fn convert(
     prev_result: &Value,
     version: CniVersion,
@@ -18,26 +19,33 @@ pub fn convert(
 ) -> Result<Value, ConfigError> {
     let mut result = prev_result.clone();
     let Some(object) = result.as_object_mut() else {
-        return Err(invalid("prevResult", "expected an object"));
+        return Err(ConfigError::invalid("prevResult", "expected an object"));
     };
+    object.retain(|key, _| !names_field(key, "cniVersion"));
     object.insert(
         "cniVersion".to_owned(),
         Value::String(version_text.to_owned()),
     );
-    if let Some(Value::Array(ips)) = object.get_mut("ips") {
+    let ips = object
+        .iter_mut()
+        .find(|(key, _)| names_field(key, "ips"))
+        .map(|(_, ips)| ips);
+    if let Some(Value::Array(ips)) = ips {
         for (position, ip) in ips.iter_mut().enumerate() {
             let key = format!("prevResult.ips[{position}]");
             let Some(ip) = ip.as_object_mut() else {
-                return Err(invalid(&key, "expected an object"));
+                return Err(ConfigError::invalid(key, "expected an object"));
             };
-            if version >= CniVersion::V1_0_0 {
-                ip.remove("version");
-            } else {
+            ip.retain(|key, _| !names_field(key, "version"));
+            if version < CniVersion::V1_0_0 {
                 let address = ip
-                    .get("address")
-                    .and_then(Value::as_str)
+                    .iter()
+                    .find(|(key, _)| names_field(key, "address"))
+                    .and_then(|(_, address)| address.as_str())
                     .and_then(|text| text.parse::<IpNet>().ok())
-                    .ok_or_else(|| invalid(&format!("{key}.address"), "expected a CIDR address"))?;
+                    .ok_or_else(|| {
+                        ConfigError::invalid(format!("{key}.address"), "expected a CIDR address")
+                    })?;
                 let family = if matches!(address, IpNet::V4(_)) {
                     "4"
                 } else {
@@ -66,58 +74,38 @@ pub struct PrevResult {
 
 impl PrevResult {
     pub fn parse(prev_result: &Value, ifname: &str) -> Result<Self, ConfigError> {
-        let interfaces = match prev_result.get("interfaces") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(interfaces)) => interfaces.clone(),
-            Some(_) => return Err(invalid("prevResult.interfaces", "expected an array")),
-        };
+        let input: ResultInput = config::decode(prev_result.clone(), "prevResult")?;
         let mut host_interfaces = Vec::new();
         let mut container_positions = Vec::new();
         let mut container_mac = None;
-        for (position, interface) in interfaces.iter().enumerate() {
-            let name = interface
-                .get("name")
-                .and_then(Value::as_str)
-                .ok_or_else(|| {
-                    invalid(
-                        &format!("prevResult.interfaces[{position}].name"),
-                        "expected a string",
-                    )
-                })?;
-            let sandbox = interface
-                .get("sandbox")
-                .and_then(Value::as_str)
-                .unwrap_or("");
-            if sandbox.is_empty() {
-                host_interfaces.push(name.to_owned());
+        for (position, interface) in input.interfaces.unwrap_or_default().into_iter().enumerate() {
+            let name = interface.name.ok_or_else(|| {
+                ConfigError::invalid(
+                    format!("prevResult.interfaces[{position}].name"),
+                    "is required",
+                )
+            })?;
+            if interface.sandbox.unwrap_or_default().is_empty() {
+                host_interfaces.push(name);
             } else if name == ifname {
                 container_positions.push(position);
-                container_mac = interface
-                    .get("mac")
-                    .and_then(Value::as_str)
-                    .and_then(parse_mac);
+                container_mac = interface.mac.as_deref().and_then(parse_mac);
             }
         }
-        let ips = match prev_result.get("ips") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(ips)) => ips.clone(),
-            Some(_) => return Err(invalid("prevResult.ips", "expected an array")),
-        };
         let mut container_addresses = Vec::new();
         let mut gateways = Vec::new();
-        for (position, ip) in ips.iter().enumerate() {
-            let key = format!("prevResult.ips[{position}]");
+        for (position, ip) in input.ips.unwrap_or_default().into_iter().enumerate() {
             let address = ip
-                .get("address")
-                .and_then(Value::as_str)
+                .address
+                .as_deref()
                 .and_then(|text| text.parse::<IpNet>().ok())
                 .ok_or_else(|| {
-                    invalid(
-                        &format!("{key}.address"),
+                    ConfigError::invalid(
+                        format!("prevResult.ips[{position}].address"),
                         "expected a CIDR address such as 10.22.0.5/16",
                     )
                 })?;
-            let belongs = match ip.get("interface").and_then(Value::as_u64) {
+            let belongs = match ip.interface {
                 None => true,
                 Some(index) => {
                     usize::try_from(index).is_ok_and(|index| container_positions.contains(&index))
@@ -125,11 +113,7 @@ impl PrevResult {
             };
             if belongs {
                 container_addresses.push(address);
-                gateways.extend(
-                    ip.get("gateway")
-                        .and_then(Value::as_str)
-                        .and_then(|text| text.parse::<IpAddr>().ok()),
-                );
+                gateways.extend(ip.gateway.and_then(|text| text.parse::<IpAddr>().ok()));
             }
         }
         Ok(Self {
@@ -156,13 +140,6 @@ pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
         *byte = u8::from_str_radix(parts.next()?, 16).ok()?;
     }
     parts.next().is_none().then_some(mac)
-}
-
-fn invalid(key: &str, reason: &str) -> ConfigError {
-    ConfigError::Invalid {
-        key: key.to_owned(),
-        reason: reason.to_owned(),
-    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::net::IpAddr;
 
 use aya::maps::PerCpuValues;
 use cnibpf_common::{
-    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    FAMILY_IPV4, FAMILY_IPV6,
     filter::{
         self, CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS, DIRECTION_INGRESS,
         FilterRule as StoredRule, FilterSet, MAX_RULES, NO_PREFIX, TARGET_ALLOW, TARGET_DROP,
@@ -263,14 +263,7 @@ fn stored_rule(rule: &FilterRule) -> StoredRule {
         dport_low,
         dport_high,
         family,
-        protocol: match rule.protocol {
-            RuleProtocol::Any => 0,
-            RuleProtocol::Tcp => PROTO_TCP,
-            RuleProtocol::Udp => PROTO_UDP,
-            RuleProtocol::Sctp => PROTO_SCTP,
-            RuleProtocol::Icmp => PROTO_ICMP,
-            RuleProtocol::Icmpv6 => PROTO_ICMPV6,
-        },
+        protocol: rule.protocol.number().unwrap_or(0),
         connstate: match rule.connstate {
             ConnState::New => CONNSTATE_NEW,
             ConnState::Established => CONNSTATE_ESTABLISHED,
@@ -321,14 +314,8 @@ fn config_rule(stored: &StoredRule) -> FilterRule {
         },
         src: net(stored.src_addr, stored.src_prefix),
         dst: net(stored.dst_addr, stored.dst_prefix),
-        protocol: match stored.protocol {
-            PROTO_TCP => RuleProtocol::Tcp,
-            PROTO_UDP => RuleProtocol::Udp,
-            PROTO_SCTP => RuleProtocol::Sctp,
-            PROTO_ICMP => RuleProtocol::Icmp,
-            PROTO_ICMPV6 => RuleProtocol::Icmpv6,
-            _ => RuleProtocol::Any,
-        },
+        protocol: RuleProtocol::from_number((stored.protocol != 0).then_some(stored.protocol))
+            .unwrap_or(RuleProtocol::Any),
         sport: ports(stored.sport_low, stored.sport_high),
         dport: ports(stored.dport_low, stored.dport_high),
         connstate: match stored.connstate {

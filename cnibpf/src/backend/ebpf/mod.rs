@@ -640,7 +640,9 @@ impl Backend for EbpfBackend {
                 self.forget_endpoint(owner, existing.host_ifindex)?;
             }
         }
-        let mut info = endpoint.attachment.to_owner_info(&endpoint.host);
+        let mut info = endpoint
+            .attachment
+            .to_owner_info(&endpoint.host, endpoint.pod.as_ref());
         info.port_count = existing.map_or(0, |existing| existing.port_count);
         self.owners
             .insert(&owner, &info, 0)
@@ -859,6 +861,7 @@ impl Backend for EbpfBackend {
             records.push(AttachmentRecord {
                 owner,
                 attachment: Attachment::from_owner_info(&info),
+                pod: Attachment::pod_of_owner_info(&info),
                 host_ifname: read_name(&info.host_ifname),
                 host_ifindex: info.host_ifindex,
             });

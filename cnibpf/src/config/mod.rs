@@ -1,0 +1,894 @@
+//! The network configuration: decoded from stdin as the reference plugins decode it (see
+//! `fold`), then validated completely before anything touches the kernel. Every message names
+//! the key (as a path into the JSON) and the bad value.
+
+mod fold;
+pub mod input;
+
+use std::{collections::BTreeMap, fmt, net::IpAddr, path::PathBuf};
+
+use ipnet::IpNet;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+pub use self::fold::{describe, names_field};
+use self::{
+    fold::Folding,
+    input::{AttachmentInput, CleanupInput, NetConfInput, PortMappingInput, RuleInput},
+};
+pub use crate::model::{
+    BackendChoice, ConnState, Direction, PortRange, Protocol, RuleProtocol, Target,
+};
+use crate::{error::code, paths};
+
+/// Spec versions this plugin speaks, oldest first.
+pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+/// Most rules one attachment may carry (the datapath evaluates them in a bounded loop).
+pub const MAX_FILTER_RULES: usize = cnibpf_common::filter::MAX_RULES;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("network configuration is not valid JSON")]
+    Decode(#[source] serde_json::Error),
+    #[error("unsupported cniVersion {version:?}; supported: {}", SUPPORTED_VERSIONS.join(", "))]
+    UnsupportedVersion { version: String },
+    #[error("{verb} needs cniVersion {minimum} or later, the configuration has {version}")]
+    VerbNeedsVersion {
+        verb: &'static str,
+        minimum: CniVersion,
+        version: String,
+    },
+    #[error("{key}: {reason}")]
+    Invalid { key: String, reason: String },
+    #[error(
+        "cnibpf is a chained plugin: ADD needs a prevResult from an interface plugin (e.g. bridge) before it in the conflist"
+    )]
+    MissingPrevResult,
+    #[error("{key}: {reason}")]
+    NotSupported { key: String, reason: String },
+}
+
+impl ConfigError {
+    pub fn code(&self) -> u32 {
+        match self {
+            Self::Decode(_) => code::DECODE,
+            Self::UnsupportedVersion { .. } | Self::VerbNeedsVersion { .. } => {
+                code::INCOMPATIBLE_VERSION
+            }
+            Self::Invalid { .. } | Self::MissingPrevResult => code::INVALID_CONFIG,
+            Self::NotSupported { .. } => code::NOT_SUPPORTED,
+        }
+    }
+
+    pub fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self::Invalid {
+            key: key.into(),
+            reason: reason.into(),
+        }
+    }
+
+    fn not_supported(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self::NotSupported {
+            key: key.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Decodes `value` into `T` the way the reference plugins would, with errors that name the
+/// key path. `prefix` is the path of `value` itself ("" for the top level).
+pub fn decode<T: DeserializeOwned>(value: Value, prefix: &str) -> Result<T, ConfigError> {
+    serde_path_to_error::deserialize(Folding(value)).map_err(|error| {
+        let path = error.path().to_string();
+        let path = match (prefix.is_empty(), path.as_str()) {
+            (true, ".") => "(top level)".to_owned(),
+            (true, _) => path,
+            (false, ".") => prefix.to_owned(),
+            (false, _) if path.starts_with('[') => format!("{prefix}{path}"),
+            (false, _) => format!("{prefix}.{path}"),
+        };
+        let message = error.into_inner().to_string();
+        // serde's words for a key that names no field of a struct that denies unknown ones
+        // (only filter rules do).
+        if message.starts_with("unknown field") {
+            return ConfigError::invalid(
+                path,
+                format!(
+                    "unknown rule key; a rule may only have {}",
+                    RULE_KEYS.join(", ")
+                ),
+            );
+        }
+        ConfigError::invalid(path, message)
+    })
+}
+
+const RULE_KEYS: &[&str] = &[
+    "index",
+    "target",
+    "src",
+    "dst",
+    "proto",
+    "sport",
+    "dport",
+    "connstate",
+    "direction",
+];
+
+/// A spec version, ordered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct CniVersion(u8, u8, u8);
+
+impl CniVersion {
+    pub const V0_4_0: Self = Self(0, 4, 0);
+    pub const V1_0_0: Self = Self(1, 0, 0);
+    pub const V1_1_0: Self = Self(1, 1, 0);
+
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        if !SUPPORTED_VERSIONS.contains(&text) {
+            return Err(ConfigError::UnsupportedVersion {
+                version: text.to_owned(),
+            });
+        }
+        let mut parts = text.split('.').map(|part| part.parse::<u8>().unwrap_or(0));
+        Ok(Self(
+            parts.next().unwrap_or(0),
+            parts.next().unwrap_or(0),
+            parts.next().unwrap_or(0),
+        ))
+    }
+
+    /// The version an error or VERSION answer is printed in: the configuration's own when it
+    /// names a supported one, else the newest.
+    pub fn answer_version(stdin: &[u8]) -> String {
+        serde_json::from_slice::<Value>(stdin)
+            .ok()
+            .and_then(|conf| {
+                let object = conf.as_object()?;
+                object
+                    .iter()
+                    .find(|(key, _)| names_field(key, "cniVersion"))
+                    .and_then(|(_, version)| version.as_str().map(str::to_owned))
+            })
+            .filter(|version| SUPPORTED_VERSIONS.contains(&version.as_str()))
+            .unwrap_or_else(|| SUPPORTED_VERSIONS[SUPPORTED_VERSIONS.len() - 1].to_owned())
+    }
+}
+
+impl fmt::Display for CniVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}.{}", self.0, self.1, self.2)
+    }
+}
+
+/// One entry of `runtimeConfig.portMappings`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PortMapping {
+    pub host_port: u16,
+    pub container_port: u16,
+    pub protocol: Protocol,
+    /// `None` for any address of the host (absent, empty, `0.0.0.0` or `::`).
+    pub host_ip: Option<IpAddr>,
+}
+
+/// Whether two (protocol, hostIP, hostPort) claims could both take one packet: same protocol
+/// and port, and host addresses that are equal or where either is a wildcard. The one rule
+/// for overlapping hostPorts, in a configuration and between attachments.
+pub fn host_ports_overlap(
+    a: (Protocol, Option<IpAddr>, u16),
+    b: (Protocol, Option<IpAddr>, u16),
+) -> bool {
+    a.0 == b.0
+        && a.2 == b.2
+        && match (a.1, b.1) {
+            (Some(a), Some(b)) => a == b,
+            _ => true,
+        }
+}
+
+impl PortMapping {
+    pub fn overlaps(&self, other: &Self) -> bool {
+        host_ports_overlap(
+            (self.protocol, self.host_ip, self.host_port),
+            (other.protocol, other.host_ip, other.host_port),
+        )
+    }
+}
+
+/// One validated `filter` rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FilterRule {
+    pub index: u32,
+    pub target: Target,
+    pub src: Option<IpNet>,
+    pub dst: Option<IpNet>,
+    pub protocol: RuleProtocol,
+    pub sport: Option<PortRange>,
+    pub dport: Option<PortRange>,
+    pub connstate: ConnState,
+    pub direction: Direction,
+}
+
+/// The cnibpf keys of the plugin entry.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PluginConfig {
+    pub backend: BackendChoice,
+    pub ip_masq: bool,
+    pub ip_masq_exclude: Vec<IpNet>,
+    /// Sorted by ascending `index`, the evaluation order.
+    pub filter: Vec<FilterRule>,
+    pub filter_default: Target,
+    pub uplinks: Option<Vec<String>>,
+    pub pin_path: PathBuf,
+    pub cgroup_path: Option<PathBuf>,
+}
+
+/// One entry of `cni.dev/valid-attachments` (GC).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct AttachmentRef {
+    pub container_id: String,
+    pub ifname: String,
+}
+
+/// A complete, validated network configuration.
+#[derive(Clone, Debug)]
+pub struct NetConf {
+    pub cni_version: CniVersion,
+    pub cni_version_text: String,
+    pub name: String,
+    pub prev_result: Option<Value>,
+    pub plugin: PluginConfig,
+    pub port_mappings: Vec<PortMapping>,
+    pub valid_attachments: Option<Vec<AttachmentRef>>,
+}
+
+/// The top level decoded into `T`, with the keys every verb needs checked.
+struct Header<T> {
+    input: T,
+    cni_version: CniVersion,
+    cni_version_text: String,
+    name: String,
+}
+
+impl<T: DeserializeOwned> Header<T> {
+    fn parse(
+        bytes: &[u8],
+        identity: impl FnOnce(&mut T) -> (Option<String>, Option<String>),
+    ) -> Result<Self, ConfigError> {
+        let value: Value = serde_json::from_slice(bytes).map_err(ConfigError::Decode)?;
+        if !value.is_object() {
+            return Err(ConfigError::invalid(
+                "(top level)",
+                format!("expected a JSON object, got {}", describe(&value)),
+            ));
+        }
+        let mut input: T = decode(value, "")?;
+        let (cni_version, name) = identity(&mut input);
+        let cni_version_text =
+            cni_version.ok_or_else(|| ConfigError::invalid("cniVersion", "is required"))?;
+        let name = name.ok_or_else(|| ConfigError::invalid("name", "is required"))?;
+        let cni_version = CniVersion::parse(&cni_version_text)?;
+        validate_network_name(&name)?;
+        Ok(Self {
+            input,
+            cni_version,
+            cni_version_text,
+            name,
+        })
+    }
+}
+
+impl NetConf {
+    pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let Header {
+            mut input,
+            cni_version,
+            cni_version_text,
+            name,
+        } = Header::<NetConfInput>::parse(bytes, |input| {
+            (input.cni_version.take(), input.name.take())
+        })?;
+        let port_mappings = parse_port_mappings(
+            input
+                .runtime_config
+                .take()
+                .and_then(|runtime| runtime.port_mappings)
+                .unwrap_or_default(),
+        )?;
+        let valid_attachments = input
+            .valid_attachments
+            .take()
+            .or_else(|| input.legacy_valid_attachments.take())
+            .map(parse_valid_attachments)
+            .transpose()?;
+        Ok(Self {
+            cni_version,
+            cni_version_text,
+            name,
+            prev_result: input.prev_result.take().map(Value::Object),
+            plugin: PluginConfig::parse(input)?,
+            port_mappings,
+            valid_attachments,
+        })
+    }
+
+    /// Refuses configuration that validates but asks for datapath this version cannot
+    /// provide yet: failing loudly beats pretending a container is masqueraded or filtered.
+    pub fn reject_unimplemented(&self) -> Result<(), ConfigError> {
+        for (position, mapping) in self.port_mappings.iter().enumerate() {
+            // SCTP's CRC32c covers the ports but not the addresses: translating the address
+            // alone keeps it valid, changing a port would mean recomputing it per packet.
+            if mapping.protocol == Protocol::Sctp && mapping.host_port != mapping.container_port {
+                return Err(ConfigError::not_supported(
+                    format!("runtimeConfig.portMappings[{position}]"),
+                    format!(
+                        "sctp with hostPort {} != containerPort {} is not supported yet by this version of cnibpf",
+                        mapping.host_port, mapping.container_port
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The `cniVersion` rules of the spec for verbs newer than 0.3.
+    pub fn require_version(&self, verb: &'static str) -> Result<(), ConfigError> {
+        require_version(self.cni_version, &self.cni_version_text, verb)
+    }
+}
+
+fn require_version(version: CniVersion, text: &str, verb: &'static str) -> Result<(), ConfigError> {
+    let minimum = match verb {
+        "CHECK" => CniVersion::V0_4_0,
+        "GC" | "STATUS" => CniVersion::V1_1_0,
+        _ => return Ok(()),
+    };
+    if version < minimum {
+        return Err(ConfigError::VerbNeedsVersion {
+            verb,
+            minimum,
+            version: text.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// What DEL and GC read of a configuration: they remove what an attachment owns, found through
+/// its stored state, so only `name` and `pinPath` matter (and the version, for the answer).
+#[derive(Clone, Debug)]
+pub struct CleanupConf {
+    pub name: String,
+    pub pin_path: PathBuf,
+}
+
+impl CleanupConf {
+    pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let header = Header::<CleanupInput>::parse(bytes, |input| {
+            (input.cni_version.take(), input.name.take())
+        })?;
+        Ok(Self {
+            name: header.name,
+            pin_path: pin_path(header.input.pin_path)?,
+        })
+    }
+}
+
+impl PluginConfig {
+    fn parse(input: NetConfInput) -> Result<Self, ConfigError> {
+        let backend = match input.backend {
+            None => BackendChoice::Auto,
+            Some(text) => text.parse().map_err(|error: crate::model::UnknownWord| {
+                ConfigError::invalid(
+                    "backend",
+                    format!("expected {}, got {text:?}", error.expected),
+                )
+            })?,
+        };
+        let uplinks = match input.uplinks {
+            None => None,
+            Some(names) if names.is_empty() => {
+                return Err(ConfigError::invalid(
+                    "uplinks",
+                    "must name at least one interface (leave the key out to use the default-route devices)",
+                ));
+            }
+            Some(names) => {
+                for (position, name) in names.iter().enumerate() {
+                    if let Some(problem) = ifname_problem(name) {
+                        return Err(ConfigError::invalid(
+                            format!("uplinks[{position}]"),
+                            format!("interface name {name:?} {problem}"),
+                        ));
+                    }
+                }
+                Some(names)
+            }
+        };
+        Ok(Self {
+            backend,
+            ip_masq: input.ip_masq.unwrap_or(false),
+            ip_masq_exclude: input
+                .ip_masq_exclude
+                .unwrap_or_default()
+                .into_iter()
+                .map(|cidr| cidr.0)
+                .collect(),
+            filter: parse_filter(input.filter.unwrap_or_default())?,
+            filter_default: match input.filter_default {
+                None => Target::Allow,
+                Some(text) => parse_word("filterDefault", &text)?,
+            },
+            uplinks,
+            pin_path: pin_path(input.pin_path)?,
+            cgroup_path: input
+                .cgroup_path
+                .map(|path| absolute_path("cgroupPath", &path))
+                .transpose()?,
+        })
+    }
+}
+
+fn pin_path(configured: Option<String>) -> Result<PathBuf, ConfigError> {
+    match configured {
+        None => Ok(PathBuf::from(paths::DEFAULT_PIN_PATH)),
+        Some(path) => absolute_path("pinPath", &path),
+    }
+}
+
+/// A vocabulary word at `key`, with the message naming what was expected.
+fn parse_word<T: std::str::FromStr<Err = crate::model::UnknownWord>>(
+    key: &str,
+    text: &str,
+) -> Result<T, ConfigError> {
+    text.parse().map_err(|error: crate::model::UnknownWord| {
+        ConfigError::invalid(key, format!("expected {}, got {text:?}", error.expected))
+    })
+}
+
+fn parse_port_mappings(entries: Vec<PortMappingInput>) -> Result<Vec<PortMapping>, ConfigError> {
+    let mut mappings: Vec<PortMapping> = Vec::with_capacity(entries.len());
+    for (position, entry) in entries.into_iter().enumerate() {
+        let prefix = format!("runtimeConfig.portMappings[{position}]");
+        let required = |port: Option<input::Port>, key: &str| {
+            port.map(|port| port.0)
+                .ok_or_else(|| ConfigError::invalid(format!("{prefix}.{key}"), "is required"))
+        };
+        let host_port = required(entry.host_port, "hostPort")?;
+        let container_port = required(entry.container_port, "containerPort")?;
+        let protocol = match entry.protocol.as_deref() {
+            None => Protocol::Tcp,
+            Some(text) => parse_word(&format!("{prefix}.protocol"), text)?,
+        };
+        let host_ip = match entry.host_ip.as_deref() {
+            None | Some("") => None,
+            Some(text) => match text.parse::<IpAddr>() {
+                Ok(addr) if addr.is_unspecified() => None,
+                Ok(addr) => Some(addr),
+                Err(_) => {
+                    return Err(ConfigError::invalid(
+                        format!("{prefix}.hostIP"),
+                        format!("expected an IPv4 or IPv6 address, got {text:?}"),
+                    ));
+                }
+            },
+        };
+        let mapping = PortMapping {
+            host_port,
+            container_port,
+            protocol,
+            host_ip,
+        };
+        if let Some(earlier) = mappings.iter().position(|other| other.overlaps(&mapping)) {
+            return Err(ConfigError::invalid(
+                prefix,
+                format!(
+                    "{protocol}/{} hostPort {host_port} overlaps runtimeConfig.portMappings[{earlier}]",
+                    host_ip.map_or_else(|| "*".to_owned(), |ip| ip.to_string()),
+                ),
+            ));
+        }
+        mappings.push(mapping);
+    }
+    Ok(mappings)
+}
+
+fn parse_valid_attachments(
+    entries: Vec<AttachmentInput>,
+) -> Result<Vec<AttachmentRef>, ConfigError> {
+    entries
+        .into_iter()
+        .enumerate()
+        .map(|(position, entry)| {
+            let required = |field: Option<String>, key: &str| {
+                field.ok_or_else(|| {
+                    ConfigError::invalid(
+                        format!("cni.dev/valid-attachments[{position}].{key}"),
+                        "is required",
+                    )
+                })
+            };
+            Ok(AttachmentRef {
+                container_id: required(entry.container_id, "containerID")?,
+                ifname: required(entry.ifname, "ifname")?,
+            })
+        })
+        .collect()
+}
+
+fn parse_filter(entries: Vec<RuleInput>) -> Result<Vec<FilterRule>, ConfigError> {
+    if entries.len() > MAX_FILTER_RULES {
+        return Err(ConfigError::invalid(
+            "filter",
+            format!(
+                "{} rules, at most {MAX_FILTER_RULES} are allowed per attachment",
+                entries.len()
+            ),
+        ));
+    }
+    let mut by_index: BTreeMap<u32, (usize, FilterRule)> = BTreeMap::new();
+    for (position, entry) in entries.into_iter().enumerate() {
+        let rule = parse_rule(position, entry)?;
+        if let Some((earlier, _)) = by_index.get(&rule.index) {
+            return Err(ConfigError::invalid(
+                format!("filter[{position}].index"),
+                format!("index {} is already used by filter[{earlier}]", rule.index),
+            ));
+        }
+        by_index.insert(rule.index, (position, rule));
+    }
+    Ok(by_index.into_values().map(|(_, rule)| rule).collect())
+}
+
+fn parse_rule(position: usize, rule: RuleInput) -> Result<FilterRule, ConfigError> {
+    let prefix = format!("filter[{position}]");
+    let key = |name: &str| format!("{prefix}.{name}");
+    let index = rule
+        .index
+        .ok_or_else(|| ConfigError::invalid(key("index"), "is required"))?
+        .0;
+    let target = match rule.target {
+        None => return Err(ConfigError::invalid(key("target"), "is required")),
+        Some(text) => parse_word(&key("target"), &text)?,
+    };
+    let src = rule.src.map(|cidr| cidr.0);
+    let dst = rule.dst.map(|cidr| cidr.0);
+    if let (Some(src), Some(dst)) = (src, dst)
+        && matches!(src, IpNet::V4(_)) != matches!(dst, IpNet::V4(_))
+    {
+        return Err(ConfigError::invalid(
+            key("dst"),
+            format!(
+                "{dst} and src {src} are of different address families: the rule could never match"
+            ),
+        ));
+    }
+    let protocol = match rule.proto {
+        None => RuleProtocol::Any,
+        Some(text) => parse_word(&key("proto"), &text)?,
+    };
+    let family_conflict = match protocol {
+        RuleProtocol::Icmp => [src, dst]
+            .into_iter()
+            .flatten()
+            .find(|net| matches!(net, IpNet::V6(_))),
+        RuleProtocol::Icmpv6 => [src, dst]
+            .into_iter()
+            .flatten()
+            .find(|net| matches!(net, IpNet::V4(_))),
+        _ => None,
+    };
+    if let Some(net) = family_conflict {
+        return Err(ConfigError::invalid(
+            key("proto"),
+            format!("{protocol} cannot match address {net}"),
+        ));
+    }
+    let sport = rule.sport.map(|range| range.0);
+    let dport = rule.dport.map(|range| range.0);
+    for (name, range) in [("sport", sport), ("dport", dport)] {
+        if range.is_some() && !protocol.has_ports() {
+            return Err(ConfigError::invalid(
+                key(name),
+                "ports need proto tcp, udp or sctp",
+            ));
+        }
+    }
+    Ok(FilterRule {
+        index,
+        target,
+        src,
+        dst,
+        protocol,
+        sport,
+        dport,
+        connstate: match rule.connstate {
+            None => ConnState::Any,
+            Some(text) => parse_word(&key("connstate"), &text)?,
+        },
+        direction: match rule.direction {
+            None => Direction::Both,
+            Some(text) => parse_word(&key("direction"), &text)?,
+        },
+    })
+}
+
+fn validate_network_name(name: &str) -> Result<(), ConfigError> {
+    let valid = name.len() < cnibpf_common::owner::NAME_LEN
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+    if valid {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(
+            "name",
+            format!(
+                "{name:?} is not a valid network name (letters, digits, '_', '.', '-', starting with a letter or digit, under {} bytes)",
+                cnibpf_common::owner::NAME_LEN
+            ),
+        ))
+    }
+}
+
+/// Interface name rules of the kernel (`dev_valid_name`).
+pub fn ifname_problem(name: &str) -> Option<&'static str> {
+    if name.is_empty() {
+        Some("is empty")
+    } else if name.len() >= cnibpf_common::owner::IFNAME_LEN {
+        Some("is longer than 15 bytes")
+    } else if name == "." || name == ".." {
+        Some("is not a valid interface name")
+    } else if name
+        .chars()
+        .any(|c| c == '/' || c == ':' || c.is_whitespace())
+    {
+        Some("contains '/', ':' or whitespace")
+    } else {
+        None
+    }
+}
+
+fn absolute_path(key: &str, text: &str) -> Result<PathBuf, ConfigError> {
+    let path = PathBuf::from(text);
+    if !path.is_absolute()
+        || path
+            .components()
+            .any(|c| c == std::path::Component::ParentDir)
+    {
+        return Err(ConfigError::invalid(
+            key,
+            format!("expected an absolute path without '..', got {text:?}"),
+        ));
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn parse_value(extra: Value) -> Result<NetConf, ConfigError> {
+        let mut config = json!({ "cniVersion": "1.0.0", "name": "n", "type": "cnibpf" });
+        for (key, value) in extra.as_object().expect("object") {
+            config[key] = value.clone();
+        }
+        NetConf::parse(config.to_string().as_bytes())
+    }
+
+    fn parse(extra: Value) -> NetConf {
+        parse_value(extra).expect("valid configuration")
+    }
+
+    fn error(extra: Value) -> String {
+        parse_value(extra).expect_err("invalid").to_string()
+    }
+
+    #[test]
+    fn rules_are_evaluated_in_index_order_whatever_the_array_order() {
+        let conf = parse(json!({ "filter": [
+            { "index": 20, "target": "allow", "proto": "TCP", "dport": "1000-2000" },
+            { "index": 10, "target": "Drop", "src": "172.64.0.0/13" },
+        ] }));
+        let indexes: Vec<u32> = conf.plugin.filter.iter().map(|rule| rule.index).collect();
+        assert_eq!(indexes, [10, 20]);
+        assert_eq!(conf.plugin.filter[0].target, Target::Drop);
+        assert_eq!(conf.plugin.filter[1].protocol, RuleProtocol::Tcp);
+        assert_eq!(
+            conf.plugin.filter[1].dport,
+            Some(PortRange {
+                low: 1000,
+                high: 2000
+            })
+        );
+        assert_eq!(conf.plugin.filter[1].direction, Direction::Both);
+    }
+
+    #[test]
+    fn defaults_and_wildcards() {
+        let conf = parse(json!({ "runtimeConfig": { "portMappings": [
+            { "hostPort": 80, "containerPort": 8080, "hostIP": "" },
+            { "hostPort": 81, "containerPort": 8081, "hostIP": "::", "protocol": "UDP" },
+            { "hostPort": 82, "containerPort": 8082, "hostIP": "10.0.0.1" },
+        ] } }));
+        assert_eq!(conf.plugin.backend, BackendChoice::Auto);
+        assert_eq!(conf.plugin.pin_path, PathBuf::from(paths::DEFAULT_PIN_PATH));
+        assert_eq!(conf.plugin.filter_default, Target::Allow);
+        assert!(!conf.plugin.ip_masq);
+        assert_eq!(conf.port_mappings[0].host_ip, None);
+        assert_eq!(conf.port_mappings[0].protocol, Protocol::Tcp);
+        assert_eq!(conf.port_mappings[1].host_ip, None);
+        assert_eq!(conf.port_mappings[1].protocol, Protocol::Udp);
+        assert_eq!(
+            conf.port_mappings[2].host_ip,
+            Some("10.0.0.1".parse().expect("literal"))
+        );
+    }
+
+    #[test]
+    fn containerd_spells_port_mapping_keys_like_go_fields() {
+        let conf = parse(json!({
+            "runtimeConfig": { "portMappings": [
+                { "HostPort": 18080, "ContainerPort": 80, "Protocol": "tcp", "HostIP": "" },
+                { "HostPort": 18081, "ContainerPort": 81, "Protocol": "UDP", "HostIP": "127.0.0.1" },
+            ], "bandwidth": { "IngressRate": 1 }, "io.kubernetes.cri.pod-annotations": { "a": "b" },
+               "cgroupPath": "/kubepods/x", "dns": { "servers": ["10.96.0.10"] }, "ipRanges": [[{ "subnet": "10.0.0.0/8" }]] },
+        }));
+        assert_eq!(
+            conf.port_mappings,
+            [
+                PortMapping {
+                    host_port: 18080,
+                    container_port: 80,
+                    protocol: Protocol::Tcp,
+                    host_ip: None
+                },
+                PortMapping {
+                    host_port: 18081,
+                    container_port: 81,
+                    protocol: Protocol::Udp,
+                    host_ip: Some("127.0.0.1".parse().expect("literal"))
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn plugin_keys_fold_too_but_a_rule_key_that_is_not_ours_stays_an_error() {
+        let conf = parse(
+            json!({ "IPMasq": true, "Filter": [{ "Index": 1, "TARGET": "DROP", "Src": "10.0.0.0/8" }] }),
+        );
+        assert!(conf.plugin.ip_masq);
+        assert_eq!(
+            conf.plugin.filter[0]
+                .src
+                .map(|net| net.to_string())
+                .as_deref(),
+            Some("10.0.0.0/8")
+        );
+        let message = error(json!({ "filter": [{ "index": 1, "target": "DROP", "Dports": 80 }] }));
+        assert!(
+            message.starts_with("filter[0].Dports: unknown rule key"),
+            "{message}"
+        );
+        let message = error(
+            json!({ "filter": [{ "index": 1, "target": "DROP", "src": "10.0.0.0/8", "SRC": "0.0.0.0/0" }] }),
+        );
+        assert!(message.starts_with("filter[0]: keys"), "{message}");
+    }
+
+    #[test]
+    fn messages_name_the_key_and_the_value() {
+        assert_eq!(
+            error(
+                json!({ "runtimeConfig": { "portMappings": [{ "hostPort": "8080", "containerPort": 80 }] } })
+            ),
+            "runtimeConfig.portMappings[0].hostPort: expected a port 1-65535, got string \"8080\""
+        );
+        assert_eq!(
+            error(json!({ "runtimeConfig": { "portMappings": [{ "hostPort": 1 }] } })),
+            "runtimeConfig.portMappings[0].containerPort: is required"
+        );
+        assert_eq!(
+            error(json!({ "ipMasq": "yes" })),
+            "ipMasq: expected true or false, got string \"yes\""
+        );
+        assert_eq!(
+            error(json!({ "capabilities": { "portMappings": 1 } })),
+            "capabilities.portMappings: expected true or false, got number 1"
+        );
+        assert_eq!(
+            error(json!({ "filter": [{ "index": -1, "target": "DROP" }] })),
+            "filter[0].index: expected an integer from 0 to 4294967295, got number -1"
+        );
+        assert_eq!(
+            error(
+                json!({ "filter": [{ "index": 1, "target": "DROP", "proto": "tcp", "dport": "90-80" }] })
+            ),
+            "filter[0].dport: range 90-80 is empty: the low port is above the high port"
+        );
+        assert_eq!(
+            error(json!({ "ipMasqExclude": ["10.0.0.0/33"] })),
+            "ipMasqExclude[0]: expected a CIDR such as 10.0.0.0/8 or an address, got \"10.0.0.0/33\""
+        );
+        assert_eq!(
+            error(json!({ "cniVersion": 1 })),
+            "cniVersion: expected a string, got number 1"
+        );
+        assert_eq!(
+            error(json!({ "prevResult": "x" })),
+            "prevResult: expected an object, got string \"x\""
+        );
+        assert_eq!(
+            NetConf::parse(b"[]").expect_err("array").to_string(),
+            "(top level): expected a JSON object, got an array"
+        );
+    }
+
+    #[test]
+    fn cidrs_are_normalised_and_addresses_become_host_routes() {
+        let conf = parse(json!({ "ipMasqExclude": ["10.1.2.3/8", "2001:db8::1"] }));
+        assert_eq!(conf.plugin.ip_masq_exclude[0].to_string(), "10.0.0.0/8");
+        assert_eq!(
+            conf.plugin.ip_masq_exclude[1].to_string(),
+            "2001:db8::1/128"
+        );
+    }
+
+    #[test]
+    fn versions_order_and_verb_minimums() {
+        assert!(CniVersion::parse("0.3.1").expect("supported") < CniVersion::V0_4_0);
+        assert!(CniVersion::parse("1.1.0").expect("supported") == CniVersion::V1_1_0);
+        assert!(CniVersion::parse("2.0.0").is_err());
+        let old = parse(json!({ "cniVersion": "0.3.0" }));
+        assert!(old.require_version("CHECK").is_err());
+        assert!(old.require_version("ADD").is_ok());
+        assert_eq!(
+            CniVersion::answer_version(br#"{"CNIVERSION":"0.4.0"}"#),
+            "0.4.0"
+        );
+        assert_eq!(CniVersion::answer_version(b"not json"), "1.1.0");
+    }
+
+    #[test]
+    fn gc_reads_either_spelling_of_the_valid_attachments() {
+        let conf =
+            parse(json!({ "cni.dev/attachments": [{ "ContainerID": "a", "IfName": "eth0" }] }));
+        assert_eq!(
+            conf.valid_attachments,
+            Some(vec![AttachmentRef {
+                container_id: "a".to_owned(),
+                ifname: "eth0".to_owned()
+            }])
+        );
+    }
+
+    #[test]
+    fn overlap_rule() {
+        let any = None;
+        let one = Some("10.0.0.1".parse().expect("literal"));
+        let two = Some("10.0.0.2".parse().expect("literal"));
+        assert!(host_ports_overlap(
+            (Protocol::Tcp, any, 80),
+            (Protocol::Tcp, one, 80)
+        ));
+        assert!(host_ports_overlap(
+            (Protocol::Tcp, one, 80),
+            (Protocol::Tcp, one, 80)
+        ));
+        assert!(!host_ports_overlap(
+            (Protocol::Tcp, one, 80),
+            (Protocol::Tcp, two, 80)
+        ));
+        assert!(!host_ports_overlap(
+            (Protocol::Tcp, any, 80),
+            (Protocol::Udp, any, 80)
+        ));
+        assert!(!host_ports_overlap(
+            (Protocol::Tcp, any, 80),
+            (Protocol::Tcp, any, 81)
+        ));
+    }
+}
