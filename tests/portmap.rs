@@ -43,12 +43,10 @@ fn outside_client_reaches_container_through_host_port(backend: Backend) {
 
     if backend == Backend::Ebpf {
         let host_if = sim.host_interface(&c1);
-        let endpoint: Vec<String> = sim
-            .tc_filter_programs(&host_if)
-            .into_iter()
-            .map(|(name, _)| name)
-            .collect();
-        assert_eq!(endpoint, ["from_container", "to_container"]);
+        assert_eq!(
+            sim.tcx_programs(&host_if),
+            ["from_container", "to_container"]
+        );
         assert_eq!(
             sim.tcx_programs(UPLINK),
             ["uplink_egress", "uplink_ingress"]
@@ -104,12 +102,10 @@ fn second_add_reuses_pinned_programs() {
         before, after,
         "the second ADD must reuse the pinned programs, not load new ones"
     );
-    let endpoint: Vec<String> = sim
-        .tc_filter_programs(&sim.host_interface(&c2))
-        .into_iter()
-        .map(|(name, _)| name)
-        .collect();
-    assert_eq!(endpoint, ["from_container", "to_container"]);
+    assert_eq!(
+        sim.tcx_programs(&sim.host_interface(&c2)),
+        ["from_container", "to_container"]
+    );
     assert_eq!(
         sim.tcx_programs(UPLINK),
         ["uplink_egress", "uplink_ingress"],
@@ -281,11 +277,24 @@ fn check_detects_missing_state_and_re_add_repairs_it() {
     sim.check(&c1)
         .unwrap_or_else(|error| panic!("CHECK after re-adding the mapping failed: {error}"));
 
-    // A detached endpoint program.
+    // A detached endpoint program: its link unpinned behind cnibpf's back.
     let host_if = sim.host_interface(&c1);
-    sim.host.exec(&[
-        "tc", "filter", "del", "dev", &host_if, "ingress", "pref", "51999",
-    ]);
+    let from_link = std::fs::read_dir(sim.pin_path.join("links"))
+        .expect("links dir")
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .find(|path| {
+            let name = path.file_name().unwrap_or_default().to_string_lossy();
+            name.starts_with("endpoint-") && name.ends_with("-from")
+        })
+        .expect("the endpoint's from_container link is pinned");
+    std::fs::remove_file(&from_link).expect("unpin the link");
+    assert!(
+        eventually(Duration::from_secs(3), || !sim
+            .tcx_programs(&host_if)
+            .contains(&"from_container".to_owned())),
+        "an unpinned link is released"
+    );
     let error = sim
         .check(&c1)
         .expect_err("CHECK must notice the detached program");
@@ -333,8 +342,11 @@ fn gc_removes_only_attachments_missing_from_the_valid_list(backend: Backend) {
         dual_stack(&c1.attachment.container_id, 8080)
     );
     if backend == Backend::Ebpf {
+        let c2_if = sim.host_interface(&c2);
         assert!(
-            sim.tc_filter_programs(&sim.host_interface(&c2)).is_empty(),
+            eventually(Duration::from_secs(3), || sim
+                .tcx_programs(&c2_if)
+                .is_empty()),
             "GC detaches c2's programs"
         );
     }
@@ -440,7 +452,7 @@ fn programs_of_another_build_are_replaced_and_links_follow() {
     );
     assert_ne!(new_uplink, old_uplink);
     let attached_c1: Vec<u32> = sim
-        .tc_filter_programs(&c1_if)
+        .tcx_program_ids(&c1_if)
         .into_iter()
         .map(|(_, id)| id)
         .collect();

@@ -26,6 +26,7 @@ pub mod nat_flow;
 pub mod owner;
 pub mod owner_port;
 pub mod port_claim;
+pub mod port_condition;
 pub mod portmap;
 pub mod settings;
 pub mod sock_rev;

@@ -11,6 +11,9 @@ use crate::impl_pod;
 pub const MAP_NAME: &str = "portmap";
 pub const MAX_ENTRIES: u32 = 65_536;
 
+/// `PortMapValue::flags`: the attachment's `port_conditions` gate the mapping.
+pub const FLAG_CONDITIONED: u8 = 1;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct PortMapKey {
@@ -41,7 +44,9 @@ pub struct PortMapValue {
     pub container_mac: [u8; 6],
     /// MAC address of the container's gateway (source of redirected frames).
     pub gateway_mac: [u8; 6],
-    pub _pad: [u8; 6],
+    /// `FLAG_*`.
+    pub flags: u8,
+    pub _pad: [u8; 5],
 }
 const _: () = assert!(size_of::<PortMapValue>() == 48);
 

@@ -14,7 +14,7 @@
 //! link-local control traffic (ARP, IPv6 neighbour discovery, MLD, IGMP) always passes.
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::BPF_ANY,
     cty::c_void,
     helpers::{bpf_ktime_get_ns, bpf_loop},
     programs::TcContext,
@@ -37,14 +37,14 @@ use crate::{
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
     maps,
     packet::{
-        DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, load_anywhere,
-        widen, words,
+        DROP, DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, NEXT,
+        load_anywhere, widen, words,
     },
 };
 
 /// The TC verdict of a filter decision.
 pub fn verdict(allowed: bool) -> i32 {
-    if allowed { TC_ACT_OK } else { TC_ACT_SHOT }
+    if allowed { NEXT } else { DROP }
 }
 
 /// IGMP: IPv4's multicast membership, link-local control like MLD.

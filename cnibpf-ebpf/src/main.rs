@@ -9,7 +9,9 @@
     reason = "aya-ebpf's #[classifier] generates the extern entry point that takes the kernel's raw context pointer"
 )]
 
+mod conditions;
 mod conntrack;
+mod delivery;
 mod filter;
 mod maps;
 mod masquerade;

@@ -31,6 +31,7 @@ use cnibpf_common::{
     owner::{self, OwnerInfo},
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
+    port_condition::{self, PortConditions, PortConditionsKey},
     portmap::{self, PortMapKey, PortMapValue},
     settings::{self, Settings},
     sock_rev::{self, SockRevKey, SockRevValue},
@@ -156,6 +157,19 @@ pub static masq_fragments: LruHashMap<
 #[btf_map(pin_by_name)]
 pub static masq_stats: PerCpuArray<MasqStats, { masq_stats::MAX_ENTRIES as usize }> =
     PerCpuArray::new();
+
+/// Replaced whole by userspace, like `filters`.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's pin name"
+)]
+#[btf_map(pin_by_name)]
+pub static port_conditions: HashMap<
+    PortConditionsKey,
+    PortConditions,
+    { port_condition::MAX_ENTRIES as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
 
 /// Replaced whole by userspace: without preallocation, the old element is freed only after
 /// every program that may still read it is done (RCU), so a reader never sees a mix.

@@ -15,10 +15,7 @@
 
 use aya_ebpf::{
     EbpfContext as _,
-    bindings::{
-        BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_F_CURRENT_NETNS, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
-        bpf_sock_tuple,
-    },
+    bindings::{BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_F_CURRENT_NETNS, BPF_NOEXIST, bpf_sock_tuple},
     cty::c_void,
     helpers::{
         bpf_csum_diff, bpf_csum_level, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop,
@@ -28,7 +25,6 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
-    filter::DIRECTION_INGRESS,
     masq_exclude::{MasqExcludeKey, OWNER_FAMILY_BITS},
     masq_flow::{MasqFlow, STATE_ESTABLISHED, STATE_OPENING},
     masq_fragment::FragmentKey,
@@ -41,10 +37,11 @@ use cnibpf_common::{
 
 use crate::{
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
-    filter, maps,
+    delivery::hand_over,
+    maps,
     packet::{
-        DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, Route, csum_diff,
-        forward, ifindex, load_anywhere, redirect_to_peer, route, set_macs, widen, words,
+        DROP, DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, NEXT,
+        Route, csum_diff, forward, ifindex, load_anywhere, route, widen, words,
     },
     portmap,
 };
@@ -58,32 +55,32 @@ const PORT_ATTEMPTS: u32 = 24;
 #[inline(never)]
 pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
     let Some(source) = masqueraded_source(flow) else {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     };
     // A container can only be masqueraded through the interface it was attached with: another
     // one sending with its address is spoofing it.
     if source.host_ifindex != ifindex(ctx) || is_excluded(source.owner, flow) {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     }
     let next_hop = route(ctx, flow);
     let uplink_ifindex = match next_hop {
         Route::Neighbour { ifindex, .. } | Route::Unresolved { ifindex } => ifindex,
         // Local, unroutable, or too big for the route: the host stack decides, and
         // `uplink_egress` masquerades what it forwards out of an uplink.
-        Route::Other => return Ok(TC_ACT_OK),
+        Route::Other => return Ok(NEXT),
     };
     let plan = match Plan::new(source, uplink_ifindex, flow.family) {
         Ok(Some(plan)) => plan,
-        Ok(None) => return Ok(TC_ACT_OK),
+        Ok(None) => return Ok(NEXT),
         Err(verdict) => return Ok(verdict),
     };
     if !flow.decrement_hop_limit(ctx)? {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     }
     if !masquerade(ctx, flow, &plan)? {
-        return Ok(TC_ACT_SHOT);
+        return Ok(DROP);
     }
-    Ok(forward(ctx, &next_hop)?.unwrap_or(TC_ACT_OK))
+    Ok(forward(ctx, &next_hop)?.unwrap_or(NEXT))
 }
 
 /// A packet the host stack sends out of an uplink: masqueraded when it comes from a container
@@ -97,20 +94,20 @@ pub fn uplink_egress(ctx: &TcContext, flow: &mut Flow) -> i32 {
 
 fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
     let Some(source) = masqueraded_source(flow) else {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     };
     if is_excluded(source.owner, flow) {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     }
     let plan = match Plan::new(source, ifindex(ctx), flow.family) {
         Ok(Some(plan)) => plan,
-        Ok(None) => return Ok(TC_ACT_OK),
+        Ok(None) => return Ok(NEXT),
         Err(verdict) => return Ok(verdict),
     };
     if !masquerade(ctx, flow, &plan)? {
-        return Ok(TC_ACT_SHOT);
+        return Ok(DROP);
     }
-    Ok(TC_ACT_OK)
+    Ok(NEXT)
 }
 
 /// The `masq_replies` entry of a packet (a whole datagram or a first fragment) that is a reply
@@ -131,18 +128,20 @@ pub fn reply(ctx: &TcContext, flow: &Flow, entry: &MasqReply) -> i32 {
 fn try_reply(ctx: &TcContext, flow: &Flow, entry: &MasqReply) -> Result<i32, DatapathError> {
     if !track_reply(ctx, flow, entry)? {
         let _ = maps::masq_replies.remove(&flow_key(flow));
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     }
     if flow.fragment == Fragment::First {
         let _ = maps::masq_fragments.insert(&fragment_key(flow), entry, u64::from(BPF_ANY));
     }
     let mut flow = *flow;
     flow.rewrite_destination(ctx, &entry.container_addr, entry.container_port.to_be())?;
-    if !filter::allows(ctx, &flow, entry.host_ifindex, DIRECTION_INGRESS) {
-        return Ok(TC_ACT_SHOT);
-    }
-    set_macs(ctx, &entry.container_mac, &entry.gateway_mac)?;
-    Ok(redirect_to_peer(entry.host_ifindex))
+    hand_over(
+        ctx,
+        Some(&flow),
+        entry.host_ifindex,
+        &entry.container_mac,
+        &entry.gateway_mac,
+    )
 }
 
 /// A later fragment of a reply: it goes where its first fragment went; anything else passes.
@@ -153,17 +152,19 @@ pub fn later_fragment_reply(ctx: &TcContext, flow: &Flow) -> i32 {
 
 fn try_later_fragment_reply(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
     let Some(reply) = maps::masq_fragments.get_ptr(&fragment_key(flow)) else {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     };
     // SAFETY: points into `masq_fragments`; see `try_reply` on reading LRU entries.
     let reply = unsafe { &*reply };
     let mut flow = *flow;
     flow.rewrite_destination(ctx, &reply.container_addr, flow.dport)?;
-    if !filter::allows(ctx, &flow, reply.host_ifindex, DIRECTION_INGRESS) {
-        return Ok(TC_ACT_SHOT);
-    }
-    set_macs(ctx, &reply.container_mac, &reply.gateway_mac)?;
-    Ok(redirect_to_peer(reply.host_ifindex))
+    hand_over(
+        ctx,
+        Some(&flow),
+        reply.host_ifindex,
+        &reply.container_mac,
+        &reply.gateway_mac,
+    )
 }
 
 fn fragment_key(flow: &Flow) -> FragmentKey {
@@ -242,7 +243,7 @@ struct Plan {
 impl Plan {
     /// The plan for a packet of `family` from `source` leaving through `uplink_ifindex`;
     /// `None` when that interface is not an uplink (the packet is not masqueraded), the
-    /// verdict `TC_ACT_SHOT` when the uplink has no address of the family (as the kernel's
+    /// verdict `DROP` when the uplink has no address of the family (as the kernel's
     /// MASQUERADE drops it).
     #[inline(always)]
     fn new(source: MasqSource, uplink_ifindex: u32, family: u8) -> Result<Option<Self>, i32> {
@@ -252,7 +253,7 @@ impl Plan {
         // SAFETY: points into `uplinks`, read at once.
         let Some(nat_addr) = uplink_address(unsafe { &*uplink }, family) else {
             count(|stats| &mut stats.no_uplink_address);
-            return Err(TC_ACT_SHOT);
+            return Err(DROP);
         };
         Ok(Some(Self {
             source,
@@ -582,12 +583,12 @@ pub fn icmp_error(ctx: &TcContext) -> i32 {
 
 fn try_icmp_error(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(error) = maps::icmp_error_scratch.get_ptr_mut(0) else {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     };
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
     let error = unsafe { &mut *error };
     if !error.parse(ctx)? {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     }
     let key = NatFlowKey {
         src_addr: error.inner_daddr,
@@ -599,7 +600,7 @@ fn try_icmp_error(ctx: &TcContext) -> Result<i32, DatapathError> {
         _pad: [0; 2],
     };
     let Some(reply) = maps::masq_replies.get_ptr(&key) else {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     };
     // SAFETY: points into `masq_replies`; the fields are read before the next map operation
     // but the filter's, which comes last.
@@ -609,11 +610,13 @@ fn try_icmp_error(ctx: &TcContext) -> Result<i32, DatapathError> {
     // SAFETY: the context pointer is this program's __sk_buff.
     unsafe { bpf_csum_level(ctx.as_ptr().cast(), u64::from(BPF_CSUM_LEVEL_RESET)) };
     count(|stats| &mut stats.icmp_errors);
-    if !filter::allows_other(ctx, reply.host_ifindex, DIRECTION_INGRESS) {
-        return Ok(TC_ACT_SHOT);
-    }
-    set_macs(ctx, &reply.container_mac, &reply.gateway_mac)?;
-    Ok(redirect_to_peer(reply.host_ifindex))
+    hand_over(
+        ctx,
+        None,
+        reply.host_ifindex,
+        &reply.container_mac,
+        &reply.gateway_mac,
+    )
 }
 
 const ICMP_HLEN: usize = 8;

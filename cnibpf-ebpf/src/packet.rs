@@ -8,7 +8,7 @@ use aya_ebpf::{
     EbpfContext as _,
     bindings::{
         __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH,
-        BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT, bpf_check_mtu_flags, bpf_fib_lookup,
+        BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_check_mtu_flags, bpf_fib_lookup,
     },
     helpers::{
         bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_redirect,
@@ -42,6 +42,15 @@ const ICMPV6_ECHO_REPLY: u8 = 129;
 /// Enough of any L4 header for ports and checksum, pulled into the linear area up front.
 const L4_PULL: usize = 20;
 
+/// The verdict for a packet cnibpf leaves alone, or rewrote and leaves to the stack: on to the
+/// next tcx program or tc filter, then the stack (`TCX_NEXT`, `TC_ACT_UNSPEC`). Never
+/// `TC_ACT_OK`, which would end tc processing for every program and filter after cnibpf's:
+/// an operator's own filters and other plugins' programs on the same hooks must keep seeing
+/// what cnibpf does not take.
+pub const NEXT: i32 = TC_ACT_UNSPEC;
+/// The verdict for a packet cnibpf drops (the filter, or a rewrite that failed half way).
+pub const DROP: i32 = TC_ACT_SHOT;
+
 /// Why a program stopped early, and what that means for the packet.
 #[derive(Clone, Copy)]
 pub enum DatapathError {
@@ -55,8 +64,8 @@ pub enum DatapathError {
 impl DatapathError {
     pub fn verdict(self) -> i32 {
         match self {
-            Self::Truncated => TC_ACT_OK,
-            Self::RewriteFailed => TC_ACT_SHOT,
+            Self::Truncated => NEXT,
+            Self::RewriteFailed => DROP,
         }
     }
 }

@@ -7,14 +7,10 @@
 //! (`bpf_redirect_peer`) and replies straight to their next hop, so neither direction crosses
 //! the bridge or the host's IP stack; the flow entry only serves to reverse the translation.
 
-use aya_ebpf::{
-    bindings::{BPF_ANY, TC_ACT_OK, TC_ACT_SHOT},
-    helpers::bpf_ktime_get_ns,
-    programs::TcContext,
-};
+use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
-    endpoint::EndpointInfo,
+    endpoint::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT, FLAG_VIA_STACK},
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
     host_addr::HostAddrKey,
     nat_flow::{NatFlowKey, NatFlowValue},
@@ -22,10 +18,10 @@ use cnibpf_common::{
 };
 
 use crate::{
+    conditions,
+    delivery::{endpoint_flags, hand_over, mark_translated, take_translated_mark},
     filter, maps, masquerade,
-    packet::{
-        DatapathError, Flow, Fragment, Route, forward, ifindex, redirect_to_peer, route, set_macs,
-    },
+    packet::{DROP, DatapathError, Flow, Fragment, NEXT, Route, forward, ifindex, route},
 };
 
 /// How often a flow's `last_seen_ns` is refreshed: writing it on every packet would turn each
@@ -61,11 +57,16 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
     // Port mapping does not translate fragments (later ones carry no ports to find a mapping
     // by).
     if flow.fragment != Fragment::Whole {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     }
     let Some(mapping) = lookup_mapping(flow) else {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     };
+    // SAFETY: mapping points into portmap and is read at once; see `lookup_mapping`.
+    let mapping = unsafe { &*mapping };
+    if !conditions::admit(mapping, &flow.saddr, &flow.daddr, ifindex(ctx), flow.family) {
+        return Ok(NEXT);
+    }
     let origin = Origin {
         original_addr: flow.daddr,
         client_addr: flow.saddr,
@@ -75,15 +76,18 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
         client_mac: [0; 6],
         gateway_mac: [0; 6],
     };
-    // SAFETY: mapping points into portmap and is read at once; see `lookup_mapping`.
-    let mapping = unsafe { &*mapping };
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
-    if !filter::allows(ctx, flow, mapping.host_ifindex, DIRECTION_INGRESS) {
-        return Ok(TC_ACT_SHOT);
+    let verdict = hand_over(
+        ctx,
+        Some(flow),
+        mapping.host_ifindex,
+        &mapping.container_mac,
+        &mapping.gateway_mac,
+    )?;
+    if verdict != DROP {
+        remember_flow(flow, mapping.owner, &origin);
     }
-    remember_flow(flow, mapping.owner, &origin);
-    set_macs(ctx, &mapping.container_mac, &mapping.gateway_mac)?;
-    Ok(redirect_to_peer(mapping.host_ifindex))
+    Ok(verdict)
 }
 
 /// Replies that the host stack routed out of an uplink untranslated (when `from_container`
@@ -91,7 +95,7 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
 /// stack forwarded is masqueraded here.
 pub fn try_uplink_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
     let Some(mut flow) = Flow::parse(ctx)? else {
-        return Ok(TC_ACT_OK);
+        return Ok(NEXT);
     };
     let entry = if flow.fragment == Fragment::Whole {
         lookup_flow(&flow)
@@ -104,7 +108,7 @@ pub fn try_uplink_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
     // SAFETY: entry points into nat_flows; the fields are copied out before any rewrite.
     let (orig_addr, orig_port) = unsafe { ((*entry).orig_addr, (*entry).orig_port) };
     flow.rewrite_source(ctx, &orig_addr, orig_port.to_be())?;
-    Ok(TC_ACT_OK)
+    Ok(NEXT)
 }
 
 /// Packets a container sends, at its host-side veth's ingress: replies of translated flows, and
@@ -118,15 +122,23 @@ pub fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
         )));
     };
     if !filter::allows(ctx, &flow, ifindex(ctx), DIRECTION_EGRESS) {
-        return Ok(TC_ACT_SHOT);
+        return Ok(DROP);
     }
+    // A container whose traffic is shaped on its veth: what it sends must pass the qdiscs
+    // that follow this hook (the `bandwidth` plugin's redirect to its ifb), so nothing is sent
+    // on from here; `uplink_egress` translates it on its way out.
+    let via_stack = endpoint_flags(ifindex(ctx)) & FLAG_VIA_STACK != 0;
     if flow.fragment == Fragment::Whole {
-        if let Some(verdict) = reply(ctx, &flow)? {
+        if let Some(verdict) = reply(ctx, &flow, via_stack)? {
             return Ok(verdict);
         }
-        if let Some(verdict) = hairpin(ctx, &flow)? {
+        let verdict = hairpin(ctx, &flow, via_stack);
+        if verdict != NOT_HAIRPIN {
             return Ok(verdict);
         }
+    }
+    if via_stack {
+        return Ok(NEXT);
     }
     masquerade::from_container(ctx, &mut flow)
 }
@@ -144,11 +156,14 @@ pub fn to_container(ctx: &TcContext) -> i32 {
         }
         Err(error) => return error.verdict(),
     };
+    let translated = take_translated_mark(ctx);
     if !filter::allows(ctx, &flow, ifindex(ctx), DIRECTION_INGRESS) {
-        return TC_ACT_SHOT;
+        return DROP;
     }
-    forget_stale_translation(ctx, &flow);
-    TC_ACT_OK
+    if !translated {
+        forget_stale_translation(ctx, &flow);
+    }
+    NEXT
 }
 
 fn forget_stale_translation(ctx: &TcContext, flow: &Flow) {
@@ -169,7 +184,7 @@ fn forget_stale_translation(ctx: &TcContext, flow: &Flow) {
 /// the reply of a translated flow. Not inlined: the verifier caps the stack of a call chain at
 /// 512 bytes, and the reply and hairpin paths each need much of it.
 #[inline(never)]
-fn reply(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
+fn reply(ctx: &TcContext, flow: &Flow, via_stack: bool) -> Result<Option<i32>, DatapathError> {
     let Some(entry) = maps::nat_flows.get_ptr_mut(&flow_key(flow, Direction::Packet)) else {
         return Ok(None);
     };
@@ -190,11 +205,14 @@ fn reply(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
             (entry.peer_mac, entry.gateway_mac, entry.peer_ifindex);
         flow.rewrite_source(ctx, &orig_addr, orig_port)?;
         flow.rewrite_destination(ctx, &peer_addr, peer_port)?;
-        if !filter::allows(ctx, &flow, peer_ifindex, DIRECTION_INGRESS) {
-            return Ok(Some(TC_ACT_SHOT));
-        }
-        set_macs(ctx, &peer_mac, &gateway_mac)?;
-        return Ok(Some(redirect_to_peer(peer_ifindex)));
+        // Also from a container marked via-stack: with a local source address the reply
+        // could not cross the host stack (it would be dropped as martian).
+        return hand_over(ctx, Some(&flow), peer_ifindex, &peer_mac, &gateway_mac).map(Some);
+    }
+    if via_stack {
+        // Untranslated through the stack (and the container's qdiscs); `uplink_egress` gives
+        // it the hostPort address on its way out.
+        return Ok(Some(NEXT));
     }
     let (reply_addr, reply_port) = (flow.saddr, flow.sport);
     flow.rewrite_source(ctx, &orig_addr, orig_port)?;
@@ -208,7 +226,7 @@ fn reply(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
     // The datapath cannot route it: undo, and leave it to the host stack untranslated (a local
     // source address would be dropped as martian); uplink_egress translates it on the way out.
     flow.rewrite_source(ctx, &reply_addr, reply_port)?;
-    Ok(Some(TC_ACT_OK))
+    Ok(Some(NEXT))
 }
 
 /// How a translated flow was addressed originally, and where its replies go.
@@ -230,16 +248,34 @@ struct Origin {
 /// Hairpin traffic: a container to a hostPort of this host, handed straight to the target;
 /// `None` when the packet is not for a hostPort.
 #[inline(never)]
-fn hairpin(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
+fn hairpin(ctx: &TcContext, flow: &Flow, via_stack: bool) -> i32 {
+    try_hairpin(ctx, flow, via_stack).unwrap_or_else(DatapathError::verdict)
+}
+
+/// [`hairpin`]'s answer for a packet that is not for a hostPort. A plain integer rather than
+/// an `Option`: LLVM returns an `Option` from a BPF call with bits the verifier sees unset.
+const NOT_HAIRPIN: i32 = i32::MIN;
+
+#[inline(always)]
+fn try_hairpin(ctx: &TcContext, flow: &Flow, via_stack: bool) -> Result<i32, DatapathError> {
     let Some(mapping) = lookup_mapping(flow) else {
-        return Ok(None);
+        return Ok(NOT_HAIRPIN);
     };
     let ifindex = ifindex(ctx);
     let Some(client) = maps::endpoints.get_ptr(&ifindex) else {
-        return Ok(Some(TC_ACT_OK));
+        return Ok(NEXT);
     };
     // SAFETY: both point into maps and are read right away; see `lookup_mapping`.
     let (mapping, client) = unsafe { (&*mapping, &*client) };
+    if !conditions::admit(
+        mapping,
+        &flow.saddr,
+        &flow.daddr,
+        client.gateway_ifindex,
+        flow.family,
+    ) {
+        return Ok(NEXT);
+    }
     let origin = Origin {
         original_addr: flow.daddr,
         client_addr: flow.saddr,
@@ -251,10 +287,11 @@ fn hairpin(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
     };
     // A container reaching its own hostPort would receive a packet from its own address, which
     // its stack drops as martian: the source becomes its gateway instead.
-    let source = if mapping.container_addr == flow.saddr {
+    let to_itself = mapping.container_addr == flow.saddr;
+    let source = if to_itself && client.flags & FLAG_NO_HAIRPIN_SNAT == 0 {
         match gateway(client, flow.family) {
             Some(gateway) => gateway,
-            None => return Ok(Some(TC_ACT_OK)),
+            None => return Ok(NEXT),
         }
     } else {
         flow.saddr
@@ -262,12 +299,23 @@ fn hairpin(ctx: &TcContext, flow: &Flow) -> Result<Option<i32>, DatapathError> {
     let mut flow = *flow;
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
     flow.rewrite_source(ctx, &source, flow.sport)?;
-    if !filter::allows(ctx, &flow, mapping.host_ifindex, DIRECTION_INGRESS) {
-        return Ok(Some(TC_ACT_SHOT));
+    if via_stack && !to_itself {
+        // Through this container's qdiscs, then routed to the target by the host stack.
+        remember_flow(&flow, mapping.owner, &origin);
+        mark_translated(ctx);
+        return Ok(NEXT);
     }
-    remember_flow(&flow, mapping.owner, &origin);
-    set_macs(ctx, &mapping.container_mac, &mapping.gateway_mac)?;
-    Ok(Some(redirect_to_peer(mapping.host_ifindex)))
+    let verdict = hand_over(
+        ctx,
+        Some(&flow),
+        mapping.host_ifindex,
+        &mapping.container_mac,
+        &mapping.gateway_mac,
+    )?;
+    if verdict != DROP {
+        remember_flow(&flow, mapping.owner, &origin);
+    }
+    Ok(verdict)
 }
 
 fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<[u8; 16]> {

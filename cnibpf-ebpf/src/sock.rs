@@ -20,7 +20,7 @@ use cnibpf_common::{
     sock_rev::{SockRevKey, SockRevValue},
 };
 
-use crate::{maps, packet::widen, portmap::is_host_address};
+use crate::{conditions, maps, packet::widen, portmap::is_host_address};
 
 /// The verdict that lets the syscall proceed.
 pub const ALLOW: i32 = 1;
@@ -54,8 +54,15 @@ pub fn to_container(ctx: &SockAddrContext, family: u8) {
         }
     };
     // SAFETY: read at once; userspace replaces portmap values whole.
-    let (container_addr, container_port) =
-        unsafe { ((*mapping).container_addr, (*mapping).container_port) };
+    let mapping = unsafe { &*mapping };
+    // A host process comes in on no interface; its source is the address its socket is bound
+    // to or, for an unbound one, the local destination itself (which the kernel then picks).
+    let bound = bound_address(sock, family);
+    let source = if bound == [0; 16] { &addr } else { &bound };
+    if !conditions::admit(mapping, source, &addr, 0, family) {
+        return;
+    }
+    let (container_addr, container_port) = (mapping.container_addr, mapping.container_port);
     set_user_address(sock, family, &container_addr, container_port);
     let reverse_key = SockRevKey {
         // SAFETY: bpf_get_socket_cookie accepts the sock_addr context.
@@ -145,6 +152,24 @@ fn user_address(sock: *mut bpf_sock_addr, family: u8) -> ([u8; 16], u16) {
                 words[3][3],
             ];
             (addr, port)
+        }
+    }
+}
+
+/// The local address the socket is bound to (all zero when unbound).
+fn bound_address(sock: *mut bpf_sock_addr, family: u8) -> [u8; 16] {
+    // SAFETY: `sk` of a sock_addr context is always a valid socket the program may read.
+    unsafe {
+        let socket = (*sock).__bindgen_anon_1.sk;
+        if family == FAMILY_IPV4 {
+            widen(read_volatile(&raw const (*socket).src_ip4).to_ne_bytes())
+        } else {
+            let mut addr = [0u8; 16];
+            for (word, chunk) in addr.as_chunks_mut::<4>().0.iter_mut().enumerate() {
+                let value = read_volatile(&raw const (*socket).src_ip6[word]);
+                chunk.copy_from_slice(&value.to_ne_bytes());
+            }
+            addr
         }
     }
 }

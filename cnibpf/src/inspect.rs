@@ -63,6 +63,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                     "network": record.attachment.network,
                     "containerID": record.attachment.container_id,
                     "ifname": record.attachment.ifname,
+                    "pod": record.pod.as_ref().map(ToString::to_string),
                     "owner": format!("{:016x}", record.owner),
                     "backend": backend,
                     "hostInterface": record.host_ifname,
@@ -139,6 +140,9 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
             backend,
             record.owner
         );
+        if let Some(pod) = &record.pod {
+            let _ = writeln!(out, "    pod {pod}");
+        }
         for mapping in mappings {
             let _ = writeln!(out, "    portmap {}", describe_mapping(mapping));
         }

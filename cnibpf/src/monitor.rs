@@ -19,8 +19,7 @@ use serde_json::json;
 use tokio::io::{Interest, unix::AsyncFd};
 
 use crate::{
-    attachment::Attachment,
-    backend::{Backend as _, BackendError, ebpf::EbpfBackend},
+    backend::{AttachmentRecord, Backend as _, BackendError, ebpf::EbpfBackend},
     paths::PinLayout,
 };
 
@@ -55,7 +54,7 @@ async fn follow(
     let mut events = unsafe { AsyncFd::register_with_interest(events, Interest::READABLE) }
         .map_err(|error| MonitorError::Io(error.into_parts().1))?;
     // Owners read from `owners` (None: not there, e.g. removed since the drop).
-    let mut names: HashMap<u64, Option<Attachment>> = HashMap::new();
+    let mut names: HashMap<u64, Option<AttachmentRecord>> = HashMap::new();
     let interrupted = tokio::signal::ctrl_c();
     tokio::pin!(interrupted);
     loop {
@@ -76,7 +75,7 @@ async fn follow(
                         names = backend
                             .attachments()?
                             .into_iter()
-                            .map(|record| (record.owner, Some(record.attachment)))
+                            .map(|record| (record.owner, Some(record)))
                             .collect();
                         names.entry(event.owner).or_insert(None);
                     }
@@ -96,7 +95,7 @@ async fn follow(
     }
 }
 
-fn render(event: &FilterEvent, attachment: Option<&Attachment>, as_json: bool) -> String {
+fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: bool) -> String {
     let time = humantime::format_rfc3339_micros(wall_clock(event.time_ns)).to_string();
     let ipv4 = event.family == FAMILY_IPV4;
     let (source, destination) = (address(event.src_addr, ipv4), address(event.dst_addr, ipv4));
@@ -113,19 +112,21 @@ fn render(event: &FilterEvent, attachment: Option<&Attachment>, as_json: bool) -
         _ => format!("rule {}", event.rule_index),
     };
     let protocol = crate::model::protocol_name(event.protocol);
-    let (network, container_id, ifname) = attachment.map_or(("?", "?", "?"), |attachment| {
+    let (network, container_id, ifname) = attachment.map_or(("?", "?", "?"), |record| {
         (
-            attachment.network.as_str(),
-            attachment.container_id.as_str(),
-            attachment.ifname.as_str(),
+            record.attachment.network.as_str(),
+            record.attachment.container_id.as_str(),
+            record.attachment.ifname.as_str(),
         )
     });
+    let pod = attachment.and_then(|record| record.pod.as_ref());
     if as_json {
         return json!({
             "time": time,
             "network": network,
             "containerID": container_id,
             "ifname": ifname,
+            "pod": pod.map(ToString::to_string),
             "direction": direction,
             "verdict": "DROP",
             "reason": match event.reason {
@@ -148,8 +149,9 @@ fn render(event: &FilterEvent, attachment: Option<&Attachment>, as_json: bool) -
         (PROTO_ICMP | PROTO_ICMPV6, addr) if port != 0 => format!("{addr} (echo id {port})"),
         (_, addr) => addr.to_string(),
     };
+    let pod = pod.map(|pod| format!(" pod {pod}")).unwrap_or_default();
     format!(
-        "{time} {network} {container_id} {ifname} {direction} DROP by {reason}: {protocol} {} -> {}",
+        "{time} {network} {container_id} {ifname}{pod} {direction} DROP by {reason}: {protocol} {} -> {}",
         endpoint(source, event.src_port),
         endpoint(destination, event.dst_port)
     )

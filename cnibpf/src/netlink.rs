@@ -196,35 +196,46 @@ fn link_from_message(message: LinkMessage) -> Link {
     link
 }
 
-/// Which clsact hook of an interface a TC filter sits on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TcHook {
-    Ingress,
-    Egress,
-}
-
-impl TcHook {
-    fn parent(self) -> TcHandle {
-        TcHandle {
-            major: TcHandle::CLSACT.major,
-            minor: match self {
-                Self::Ingress => TcHandle::MIN_INGRESS,
-                Self::Egress => TcHandle::MIN_EGRESS,
-            },
-        }
-    }
-}
-
-/// Position of one TC filter: its priority and handle on a hook.
+/// Position of one TC filter on the clsact ingress hook: its priority and handle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TcFilterSlot {
-    pub hook: TcHook,
     pub priority: u16,
     pub handle: u32,
 }
 
 /// `ETH_P_ALL` in network byte order, as filters carry their protocol.
 const ETH_P_ALL_BE: u16 = 0x0003u16.to_be();
+
+/// The qdiscs someone put on an interface: its root qdisc unless it is the default
+/// (`noqueue`, or none), and its ingress or clsact qdisc. Each by kind (`tbf`, `ingress`, …).
+pub fn added_qdiscs(ifindex: u32) -> Result<Vec<String>, NetlinkError> {
+    let mut kinds = Vec::new();
+    for parent in [TcHandle::ROOT, TcHandle::INGRESS] {
+        let mut message = TcMessage::with_index(ifindex_i32(ifindex));
+        message.header.parent = parent;
+        let request = RouteNetlinkMessage::GetQueueDiscipline(message);
+        let found = exchange("qdisc", request, NLM_F_ACK, |message| match message {
+            RouteNetlinkMessage::NewQueueDiscipline(qdisc) => {
+                qdisc
+                    .attributes
+                    .iter()
+                    .find_map(|attribute| match attribute {
+                        TcAttribute::Kind(kind) => Some(kind.clone()),
+                        _ => None,
+                    })
+            }
+            _ => None,
+        });
+        match found {
+            Ok(found) => kinds.extend(found.into_iter().filter(|kind| kind != "noqueue")),
+            // No such qdisc.
+            Err(NetlinkError::Request { source, .. })
+                if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::EINVAL)) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(kinds)
+}
 
 /// Adds the clsact qdisc to an interface (already present is fine).
 pub fn add_clsact(ifindex: u32) -> Result<(), NetlinkError> {
@@ -282,63 +293,12 @@ pub fn replace_bpf_filter(
     .map(|_| ())
 }
 
-/// The id of the BPF program in `slot`, if a BPF filter is there.
-pub fn bpf_filter_program(ifindex: u32, slot: TcFilterSlot) -> Result<Option<u32>, NetlinkError> {
-    let mut message = TcMessage::with_index(ifindex_i32(ifindex));
-    message.header.parent = slot.hook.parent();
-    let request = RouteNetlinkMessage::GetTrafficFilter(message);
-    let programs = exchange("bpf filter", request, NLM_F_DUMP, |message| match message {
-        RouteNetlinkMessage::NewTrafficFilter(filter)
-            if u32::from(filter.header.handle) == slot.handle
-                && (filter.header.info >> 16) as u16 == slot.priority =>
-        {
-            filter
-                .attributes
-                .iter()
-                .find_map(|attribute| match attribute {
-                    TcAttribute::Options(options) => {
-                        options.iter().find_map(|option| match option {
-                            TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => Some(*id),
-                            _ => None,
-                        })
-                    }
-                    _ => None,
-                })
-        }
-        _ => None,
-    });
-    match programs {
-        Ok(ids) => Ok(ids.into_iter().next()),
-        // The interface (and so its filters) is gone.
-        Err(NetlinkError::Request { source, .. })
-            if source.raw_os_error() == Some(libc::ENODEV) =>
-        {
-            Ok(None)
-        }
-        Err(error) => Err(error),
-    }
-}
-
-/// Removes the filter in `slot`; a filter, qdisc or interface that is gone already is success.
-pub fn delete_filter(ifindex: u32, slot: TcFilterSlot) -> Result<(), NetlinkError> {
-    let request = RouteNetlinkMessage::DelTrafficFilter(filter_message(ifindex, slot));
-    match exchange("bpf filter", request, NLM_F_ACK, |_| None::<()>) {
-        Ok(_) => Ok(()),
-        Err(NetlinkError::Request { source, .. })
-            if matches!(
-                source.raw_os_error(),
-                Some(libc::ENOENT | libc::ENODEV | libc::EINVAL)
-            ) =>
-        {
-            Ok(())
-        }
-        Err(error) => Err(error),
-    }
-}
-
 fn filter_message(ifindex: u32, slot: TcFilterSlot) -> TcMessage {
     let mut message = TcMessage::with_index(ifindex_i32(ifindex));
-    message.header.parent = slot.hook.parent();
+    message.header.parent = TcHandle {
+        major: TcHandle::CLSACT.major,
+        minor: TcHandle::MIN_INGRESS,
+    };
     message.header.handle = TcHandle::from(slot.handle);
     message.header.info = (u32::from(slot.priority) << 16) | u32::from(ETH_P_ALL_BE);
     message

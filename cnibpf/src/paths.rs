@@ -48,6 +48,13 @@ impl PinLayout {
         self.links_dir().join(format!("uplink-{ifname}-{hook}"))
     }
 
+    /// Link of a program attached to an attachment's host-side interface: `from` (the tcx
+    /// ingress, what the container sends) or `to` (the tcx egress).
+    pub fn endpoint_link(&self, owner: u64, hook: &str) -> PathBuf {
+        self.links_dir()
+            .join(format!("endpoint-{owner:016x}-{hook}"))
+    }
+
     /// Link of a socket hook attached to the instance's cgroup (shared).
     pub fn cgroup_link(&self, program: &str) -> PathBuf {
         self.links_dir().join(format!("cgroup-{program}"))

@@ -786,28 +786,6 @@ impl SimHost {
         crate::netns::run_checked(&mut command);
     }
 
-    /// (name, id) of the BPF programs in TC filters (legacy clsact) on `ifname` in the host
-    /// namespace, both directions.
-    pub fn tc_filter_programs(&self, ifname: &str) -> Vec<(String, u32)> {
-        let mut programs = Vec::new();
-        for hook in ["ingress", "egress"] {
-            let output = self
-                .host
-                .command(&["tc", "-j", "filter", "show", "dev", ifname, hook])
-                .output()
-                .expect("run tc");
-            let filters: Value = serde_json::from_slice(&output.stdout).unwrap_or(Value::Null);
-            for filter in filters.as_array().into_iter().flatten() {
-                let program = &filter["options"]["prog"];
-                if let (Some(name), Some(id)) = (program["name"].as_str(), program["id"].as_u64()) {
-                    programs.push((name.to_owned(), u32::try_from(id).expect("program id")));
-                }
-            }
-        }
-        programs.sort();
-        programs
-    }
-
     /// The host-side interface of a container, from its ADD result.
     pub fn host_interface(&self, container: &Container) -> String {
         container.result["interfaces"]

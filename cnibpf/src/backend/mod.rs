@@ -15,7 +15,7 @@ use ipnet::IpNet;
 use crate::{
     attachment::{Attachment, ResolvedMapping},
     cni::args::Pod,
-    config::{BackendChoice, FilterRule, Target},
+    config::{BackendChoice, FilterRule, HostPortAccess, Target},
     error::code,
     netlink::Link,
 };
@@ -83,8 +83,6 @@ pub enum BackendError {
     CheckFailed(String),
     #[error("could not list the host's addresses")]
     HostAddresses(#[source] Box<crate::netlink::NetlinkError>),
-    #[error("could not set up the TC filters of a container interface")]
-    Filter(#[source] Box<crate::netlink::NetlinkError>),
     #[error(transparent)]
     Nftables(#[from] nftables::NftablesError),
 }
@@ -104,7 +102,7 @@ impl BackendError {
             | Self::Pin { .. }
             | Self::OwnerCollision { .. } => code::DATAPATH,
             Self::HostAddresses(_) => code::INTERFACE,
-            Self::Filter(_) | Self::Nftables(_) => code::DATAPATH,
+            Self::Nftables(_) => code::DATAPATH,
         }
     }
 }
@@ -129,6 +127,16 @@ pub struct Endpoint {
     pub container_networks: Vec<IpNet>,
     /// The pod, when the runtime named it (CNI_ARGS).
     pub pod: Option<Pod>,
+    /// Something shapes the container's traffic on its host-side interface (the `bandwidth`
+    /// plugin): what the datapath translates must pass that interface's qdiscs.
+    pub shaped: bool,
+    /// Where the container's routed traffic enters the host: the bridge its host-side
+    /// interface is enslaved to, else that interface.
+    pub gateway_ifindex: u32,
+    /// Who reaches the attachment's hostPorts (the reference portmap's keys).
+    pub host_ports: HostPortAccess,
+    /// The interfaces `host_ports` conditions name, with their indexes.
+    pub condition_interfaces: Vec<(String, u32)>,
 }
 
 /// How one attachment is masqueraded.

@@ -26,7 +26,11 @@ use super::{
 use crate::{
     attachment::{Attachment, ResolvedMapping},
     cni::args::Pod,
-    config::{ConnState, Direction, FilterRule, PortRange, Protocol, RuleProtocol, Target},
+    config::{
+        ConnState, Direction, FilterRule, HostPortAccess, PortRange, Protocol, RuleProtocol,
+        Target,
+        conditions::{Condition, Subject},
+    },
     netlink::{self, Link},
 };
 
@@ -139,6 +143,7 @@ struct ListedRule {
     chain: String,
     comment: String,
     expr: Vec<Value>,
+    handle: u64,
 }
 
 #[derive(Debug, Default)]
@@ -225,6 +230,7 @@ impl NftablesBackend {
                     chain: rule["chain"].as_str().unwrap_or_default().to_owned(),
                     comment: rule["comment"].as_str().unwrap_or_default().to_owned(),
                     expr: rule["expr"].as_array().cloned().unwrap_or_default(),
+                    handle: rule["handle"].as_u64().unwrap_or_default(),
                 });
             }
         }
@@ -347,6 +353,22 @@ impl NftablesBackend {
             .iter()
             .find(|element| parse_owner(&element.comment).is_some_and(|a| a.owner_id() == owner))
             .map(|element| element.comment.clone())
+    }
+
+    /// Deletes the attachment's hostPort condition rules (in chain `hostports`).
+    fn delete_condition_rules(&mut self, owner: &str) {
+        let doomed: Vec<u64> = self
+            .rules
+            .iter()
+            .filter(|rule| rule.chain == "hostports" && rule.comment == owner)
+            .map(|rule| rule.handle)
+            .collect();
+        for handle in doomed {
+            self.script
+                .push(format!("delete rule {TABLE} hostports handle {handle}"));
+        }
+        self.rules
+            .retain(|rule| !(rule.chain == "hostports" && rule.comment == owner));
     }
 
     /// Makes `pod` the one recorded for the attachment on `host_ifname` (in set `pods`, keyed
@@ -590,6 +612,77 @@ fn family_suffix(addr: IpAddr) -> char {
     if addr.is_ipv4() { '4' } else { '6' }
 }
 
+/// The rules that keep clients out of an attachment's hostPorts, at the head of chain
+/// `hostports`: for each condition, a packet to one of the attachment's hostPorts of that
+/// family that fails it returns before any DNAT (all conditions must hold, as the reference
+/// portmap's one rule with all of them). Host processes come in on no interface, so an
+/// interface condition never holds for them, as with the reference.
+fn condition_rules(mappings: &[ResolvedMapping], access: &HostPortAccess) -> Vec<String> {
+    let mut rules = Vec::new();
+    for ipv4 in [true, false] {
+        let conditions = access.conditions(ipv4);
+        let family: Vec<&ResolvedMapping> = mappings
+            .iter()
+            .filter(|mapping| mapping.is_ipv4() == ipv4)
+            .collect();
+        if conditions.is_empty() || family.is_empty() {
+            continue;
+        }
+        let ip = if ipv4 { "ip" } else { "ip6" };
+        let wildcard: Vec<String> = family
+            .iter()
+            .filter(|mapping| mapping.host_addr.is_none())
+            .map(|mapping| format!("{} . {}", mapping.protocol, mapping.host_port))
+            .collect();
+        let specific: Vec<String> = family
+            .iter()
+            .filter_map(|mapping| {
+                let addr = mapping.host_addr?;
+                Some(format!(
+                    "{addr} . {} . {}",
+                    mapping.protocol, mapping.host_port
+                ))
+            })
+            .collect();
+        let mut selectors = Vec::new();
+        if !wildcard.is_empty() {
+            selectors.push(format!(
+                "fib daddr type local meta l4proto . th dport {{ {} }}",
+                wildcard.join(", ")
+            ));
+        }
+        if !specific.is_empty() {
+            selectors.push(format!(
+                "{ip} daddr . meta l4proto . th dport {{ {} }}",
+                specific.join(", ")
+            ));
+        }
+        for condition in conditions {
+            let failing = failing_condition(ip, condition);
+            for selector in &selectors {
+                rules.push(format!("{selector} {failing} return"));
+            }
+        }
+    }
+    rules
+}
+
+/// The nft match of packets that fail `condition`.
+fn failing_condition(ip: &str, condition: &Condition) -> String {
+    let operator = if condition.negated { "" } else { "!= " };
+    let nets = |nets: &[IpNet]| {
+        nets.iter()
+            .map(|net| net.trunc().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match &condition.subject {
+        Subject::Source(list) => format!("{ip} saddr {operator}{{ {} }}", nets(list)),
+        Subject::Destination(list) => format!("{ip} daddr {operator}{{ {} }}", nets(list)),
+        Subject::InInterface(name) => format!("iifname {operator}\"{name}\""),
+    }
+}
+
 /// A filter rule in nft syntax (without its verdict's counter and comment).
 fn rule_match(rule: &FilterRule) -> String {
     let mut parts = Vec::new();
@@ -746,11 +839,17 @@ impl Backend for NftablesBackend {
         self.ensure_table();
         let previous = self.owned_mappings(&owner);
         self.delete_elements(&owner, &PORT_MAPPING_SETS);
+        self.delete_condition_rules(&owner);
         for mapping in mappings {
             let (map, key, value) = mapping_element(mapping);
             self.add_element(map, key, Some(value), &owner);
         }
-        if !mappings.is_empty() {
+        for rule in condition_rules(mappings, &endpoint.host_ports) {
+            self.script.push(format!(
+                "insert rule {TABLE} hostports {rule} comment \"{owner}\""
+            ));
+        }
+        if !mappings.is_empty() && !endpoint.host_ports.no_hairpin_snat {
             for subnet in &endpoint.container_networks {
                 let set = format!("hairpin{}", family_suffix(subnet.addr()));
                 self.add_element(
@@ -785,6 +884,7 @@ impl Backend for NftablesBackend {
         let owned = self.owned_mappings(&text);
         self.forget.extend(owned);
         self.delete_elements(&text, &PORT_MAPPING_SETS);
+        self.delete_condition_rules(&text);
         Ok(())
     }
 
@@ -803,7 +903,20 @@ impl Backend for NftablesBackend {
                 )));
             }
         }
-        super::check_mapping_count(installed.len(), mappings.len())
+        super::check_mapping_count(installed.len(), mappings.len())?;
+        let wanted = condition_rules(mappings, &endpoint.host_ports).len();
+        let present = self
+            .rules
+            .iter()
+            .filter(|rule| rule.chain == "hostports" && rule.comment == owner)
+            .count();
+        if wanted != present {
+            return Err(BackendError::CheckFailed(format!(
+                "{present} hostPort condition rules of {} installed, {wanted} configured",
+                endpoint.attachment
+            )));
+        }
+        Ok(())
     }
 
     fn setup_masquerade(

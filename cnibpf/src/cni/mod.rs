@@ -17,7 +17,8 @@ use crate::{
     attachment::{self, Attachment, HostInterfaceError},
     backend::{self, Backend, BackendError, Endpoint, ExcludeReason, Filter, Masquerade},
     config::{
-        CleanupConf, CniVersion, ConfigError, NetConf, SUPPORTED_VERSIONS, Target, ifname_problem,
+        CleanupConf, CniVersion, ConfigError, HostPortAccess, NetConf, SUPPORTED_VERSIONS, Target,
+        conditions::Subject, ifname_problem,
     },
     error::Error,
     lock::{InstanceLock, lock_timeout},
@@ -222,6 +223,14 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
         }
         .into());
     }
+    let condition_interfaces = condition_interfaces(&conf.plugin.host_ports)?;
+    let gateway_ifindex = link.host.master.unwrap_or(link.host.index);
+    // Shaping on the host-side veth (the `bandwidth` plugin chained before cnibpf), or asked
+    // for in runtimeConfig (chained after it, when cnibpf declares the capability too).
+    let shaped = conf.shaped
+        || !netlink::added_qdiscs(link.host.index)
+            .map_err(|error| Error::from(EnvError::HostInterface(error.into())))?
+            .is_empty();
     if (!mappings.is_empty() || conf.plugin.ip_masq) && uplinks.is_empty() {
         return Err(ConfigError::Invalid {
             key: "uplinks".to_owned(),
@@ -248,6 +257,10 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
             cgroup,
             container_networks: prev.container_addresses.clone(),
             pod: env.args.pod.clone(),
+            shaped,
+            gateway_ifindex,
+            host_ports: conf.plugin.host_ports.clone(),
+            condition_interfaces,
         },
         attachment,
         mappings,
@@ -258,6 +271,20 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
                 default: conf.plugin.filter_default,
             }),
     })
+}
+
+/// The indexes of the interfaces hostPort conditions name; one that does not exist is an error
+/// (103): its index could not be matched, and a negated condition would open the port to it.
+fn condition_interfaces(access: &HostPortAccess) -> Result<Vec<(String, u32)>, Error> {
+    let mut interfaces: Vec<(String, u32)> = Vec::new();
+    for condition in access.conditions_v4.iter().chain(&access.conditions_v6) {
+        if let Subject::InInterface(name) = &condition.subject
+            && !interfaces.iter().any(|(known, _)| known == name)
+        {
+            interfaces.push((name.clone(), netlink::link_by_name(name)?.index));
+        }
+    }
+    Ok(interfaces)
 }
 
 /// The masquerade `ipMasq` asks for: the container's addresses, never towards their own

@@ -41,6 +41,15 @@ pub struct NetConfInput {
     pub uplinks: Option<Vec<String>>,
     pub pin_path: Option<String>,
     pub cgroup_path: Option<String>,
+
+    // The reference portmap's own keys, and the bridge's, that a conflist may carry over.
+    pub snat: Option<bool>,
+    pub conditions_v4: Option<Vec<String>>,
+    pub conditions_v6: Option<Vec<String>>,
+    pub mark_masq_bit: Option<i64>,
+    pub external_set_mark_chain: Option<String>,
+    pub masq_all: Option<bool>,
+    pub ip_masq_backend: Option<String>,
 }
 
 /// What DEL and GC read: the rest of a configuration may be anything, even invalid.
@@ -58,6 +67,9 @@ pub struct CleanupInput {
 #[serde(rename_all = "camelCase")]
 pub struct RuntimeConfigInput {
     pub port_mappings: Option<Vec<PortMappingInput>>,
+    /// The reference `bandwidth` plugin's capability, read only to learn that the pod is
+    /// shaped (any shape is accepted: it is that plugin's to judge).
+    pub bandwidth: Option<Value>,
 }
 
 /// One `runtimeConfig.portMappings` entry, as the reference portmap's `PortMapEntry`.

@@ -2,6 +2,7 @@
 //! `fold`), then validated completely before anything touches the kernel. Every message names
 //! the key (as a path into the JSON) and the bad value.
 
+pub mod conditions;
 mod fold;
 pub mod input;
 
@@ -11,6 +12,7 @@ use ipnet::IpNet;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+pub use self::conditions::Conditions;
 pub use self::fold::{describe, names_field};
 use self::{
     fold::Folding,
@@ -221,6 +223,29 @@ pub struct PluginConfig {
     pub uplinks: Option<Vec<String>>,
     pub pin_path: PathBuf,
     pub cgroup_path: Option<PathBuf>,
+    pub host_ports: HostPortAccess,
+}
+
+/// Who reaches the attachment's hostPorts, as the reference portmap's keys say.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostPortAccess {
+    /// `conditionsV4`: all must hold for IPv4 traffic to be translated.
+    pub conditions_v4: Conditions,
+    /// `conditionsV6`.
+    pub conditions_v6: Conditions,
+    /// `snat: false`: a container reaching its own hostPort keeps its address as the source
+    /// (and so is not answered), as with the reference.
+    pub no_hairpin_snat: bool,
+}
+
+impl HostPortAccess {
+    pub fn conditions(&self, ipv4: bool) -> &Conditions {
+        if ipv4 {
+            &self.conditions_v4
+        } else {
+            &self.conditions_v6
+        }
+    }
 }
 
 /// One entry of `cni.dev/valid-attachments` (GC).
@@ -240,6 +265,9 @@ pub struct NetConf {
     pub plugin: PluginConfig,
     pub port_mappings: Vec<PortMapping>,
     pub valid_attachments: Option<Vec<AttachmentRef>>,
+    /// The runtime asks the `bandwidth` plugin to shape the pod (`runtimeConfig.bandwidth`,
+    /// when cnibpf declares that capability too).
+    pub shaped: bool,
 }
 
 /// The top level decoded into `T`, with the keys every verb needs checked.
@@ -288,13 +316,9 @@ impl NetConf {
         } = Header::<NetConfInput>::parse(bytes, |input| {
             (input.cni_version.take(), input.name.take())
         })?;
-        let port_mappings = parse_port_mappings(
-            input
-                .runtime_config
-                .take()
-                .and_then(|runtime| runtime.port_mappings)
-                .unwrap_or_default(),
-        )?;
+        let runtime = input.runtime_config.take().unwrap_or_default();
+        let port_mappings = parse_port_mappings(runtime.port_mappings.unwrap_or_default())?;
+        let shaped = runtime.bandwidth.as_ref().is_some_and(requests_shaping);
         let valid_attachments = input
             .valid_attachments
             .take()
@@ -309,6 +333,7 @@ impl NetConf {
             plugin: PluginConfig::parse(input)?,
             port_mappings,
             valid_attachments,
+            shaped,
         })
     }
 
@@ -375,15 +400,18 @@ impl CleanupConf {
 
 impl PluginConfig {
     fn parse(input: NetConfInput) -> Result<Self, ConfigError> {
-        let backend = match input.backend {
+        let backend = match input.backend.as_deref() {
             None => BackendChoice::Auto,
-            Some(text) => text.parse().map_err(|error: crate::model::UnknownWord| {
-                ConfigError::invalid(
+            // The reference portmap's own backend key, carried over with the conflist.
+            Some("iptables") => {
+                return Err(ConfigError::not_supported(
                     "backend",
-                    format!("expected {}, got {text:?}", error.expected),
-                )
-            })?,
+                    "cnibpf has no iptables backend: use \"auto\" (eBPF, else nftables), \"ebpf\" or \"nftables\"",
+                ));
+            }
+            Some(text) => parse_word("backend", text)?,
         };
+        let host_ports = host_port_access(&input)?;
         let uplinks = match input.uplinks {
             None => None,
             Some(names) if names.is_empty() => {
@@ -424,8 +452,66 @@ impl PluginConfig {
                 .cgroup_path
                 .map(|path| absolute_path("cgroupPath", &path))
                 .transpose()?,
+            host_ports,
         })
     }
+}
+
+/// The reference portmap's keys: honoured where cnibpf can honour them, refused (101) where
+/// it cannot, never ignored where they narrow who reaches a hostPort.
+fn host_port_access(input: &NetConfInput) -> Result<HostPortAccess, ConfigError> {
+    if let Some(bit) = input.mark_masq_bit
+        && !(0..=31).contains(&bit)
+    {
+        return Err(ConfigError::invalid(
+            "markMasqBit",
+            format!("must be between 0 and 31, got {bit}"),
+        ));
+    }
+    if input.mark_masq_bit.is_some() && input.external_set_mark_chain.is_some() {
+        return Err(ConfigError::invalid(
+            "externalSetMarkChain",
+            "cannot be used with markMasqBit (as in the reference portmap)",
+        ));
+    }
+    if input.masq_all == Some(true) {
+        return Err(ConfigError::not_supported(
+            "masqAll",
+            "cnibpf keeps the client's address on translated connections; masqAll is for macvlan/ipvlan containers, which cnibpf does not serve",
+        ));
+    }
+    if let Some(backend) = &input.ip_masq_backend {
+        return Err(ConfigError::not_supported(
+            "ipMasqBackend",
+            format!(
+                "cnibpf masquerades itself (ipMasq) with the datapath its own \"backend\" key picks; {backend:?} is not read"
+            ),
+        ));
+    }
+    Ok(HostPortAccess {
+        conditions_v4: conditions::parse(
+            "conditionsV4",
+            input.conditions_v4.as_deref().unwrap_or_default(),
+            true,
+        )?,
+        conditions_v6: conditions::parse(
+            "conditionsV6",
+            input.conditions_v6.as_deref().unwrap_or_default(),
+            false,
+        )?,
+        no_hairpin_snat: input.snat == Some(false),
+    })
+}
+
+/// Whether a `runtimeConfig.bandwidth` value asks for any shaping.
+fn requests_shaping(bandwidth: &Value) -> bool {
+    let Some(object) = bandwidth.as_object() else {
+        return false;
+    };
+    object.iter().any(|(key, value)| {
+        (names_field(key, "ingressRate") || names_field(key, "egressRate"))
+            && value.as_u64().is_some_and(|rate| rate > 0)
+    })
 }
 
 fn pin_path(configured: Option<String>) -> Result<PathBuf, ConfigError> {

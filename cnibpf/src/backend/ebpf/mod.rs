@@ -1,17 +1,18 @@
-//! The eBPF backend: TC programs on the uplinks (tcx) and on each container's host-side
-//! interface (clsact filters), socket hooks on a cgroup, everything pinned under `pinPath`.
+//! The eBPF backend: TC programs attached with tcx links to the uplinks and to each
+//! container's host-side interface, socket hooks on a cgroup, everything pinned under
+//! `pinPath`. tcx links coexist with whatever else is on an interface — other programs, an
+//! operator's qdiscs and filters, the `bandwidth` plugin's — and every packet cnibpf does not
+//! take goes on to them.
 //!
 //! Layout of `pinPath`: the maps, pinned by name (see `cnibpf-common`); `programs/<name>`, one
-//! pinned instance of each program shared by every attachment; `links/uplink-<if>-<hook>` and
-//! `links/cgroup-<program>`, the links that keep the shared hooks attached after the plugin
-//! exits (removing a link pin detaches it). Container interfaces carry filters, which live as
-//! long as the interface.
+//! pinned instance of each program shared by every attachment; `links/uplink-<if>-<hook>`,
+//! `links/endpoint-<owner>-<from|to>` and `links/cgroup-<program>`, the links that keep the
+//! hooks attached after the plugin exits (removing a link pin detaches it).
 
 use std::{
     collections::HashSet,
     fs, io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    os::fd::{AsFd as _, AsRawFd as _},
     path::Path,
 };
 
@@ -45,6 +46,7 @@ use cnibpf_common::{
     owner::{self, OwnerInfo},
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
+    port_condition::{PortConditions, PortConditionsKey},
     portmap::{self, PortMapKey, PortMapValue},
     settings::{self, Settings},
     uplink::{self, UplinkInfo},
@@ -55,6 +57,7 @@ use nix::{
 };
 
 mod batch;
+mod conditions;
 mod filter;
 mod masquerade;
 mod probe;
@@ -66,7 +69,7 @@ use super::{
 use crate::{
     attachment::{Attachment, ResolvedMapping, read_name},
     config::Protocol,
-    netlink::{self, Link, TcFilterSlot, TcHook},
+    netlink::{self, Link},
     netns,
     paths::{BPFFS_MOUNT_POINT, PinLayout},
 };
@@ -85,29 +88,6 @@ pub const UPLINK_EGRESS: &str = "uplink_egress";
 pub const FROM_CONTAINER: &str = "from_container";
 pub const TO_CONTAINER: &str = "to_container";
 const TC_PROGRAMS: [&str; 4] = [UPLINK_INGRESS, UPLINK_EGRESS, FROM_CONTAINER, TO_CONTAINER];
-/// The filters on each container's host-side interface: from the container (ingress) and to
-/// it (egress). Priority and handle are fixed, so every run finds and replaces its own.
-const ENDPOINT_FILTERS: [(TcFilterSlot, &str); 2] = [
-    (
-        TcFilterSlot {
-            hook: TcHook::Ingress,
-            priority: ENDPOINT_FILTER_PRIORITY,
-            handle: 1,
-        },
-        FROM_CONTAINER,
-    ),
-    (
-        TcFilterSlot {
-            hook: TcHook::Egress,
-            priority: ENDPOINT_FILTER_PRIORITY,
-            handle: 1,
-        },
-        TO_CONTAINER,
-    ),
-];
-/// 0xcb1f: "cb" for cnibpf, and clear of the priorities tc assigns by default (49152 down).
-const ENDPOINT_FILTER_PRIORITY: u16 = 0xcb1f;
-
 /// The socket hooks of host processes, attached to the instance's cgroup.
 const SOCK_PROGRAMS: [(&str, CgroupSockAddrAttachType); 8] = [
     ("sock_connect4", CgroupSockAddrAttachType::Connect4),
@@ -142,6 +122,7 @@ pub struct EbpfBackend {
     host_addrs: HashMap<MapData, HostAddrKey, u32>,
     owner_ports: HashMap<MapData, OwnerPortKey, PortMapKey>,
     port_claims: HashMap<MapData, PortClaimKey, PortClaim>,
+    port_conditions: HashMap<MapData, PortConditionsKey, PortConditions>,
     masq_sources: HashMap<MapData, MasqSourceKey, MasqSource>,
     masq_excludes: LpmTrie<MapData, MasqExcludeKey, u32>,
     uplinks: HashMap<MapData, u32, UplinkInfo>,
@@ -201,9 +182,7 @@ impl EbpfBackend {
             }
             return Err(error);
         }
-        let backend = Self::open_maps(pins)?;
-        backend.reattach_endpoints()?;
-        Ok(backend)
+        Self::open_maps(pins)
     }
 
     /// [`Self::load`] for changes (ADD), which also brings `host_addrs` up to date: the
@@ -238,6 +217,7 @@ impl EbpfBackend {
             host_addrs: open_pinned(pins, host_addr::MAP_NAME)?,
             owner_ports: open_pinned(pins, owner_port::MAP_NAME)?,
             port_claims: open_pinned(pins, port_claim::MAP_NAME)?,
+            port_conditions: open_pinned(pins, cnibpf_common::port_condition::MAP_NAME)?,
             masq_sources: open_pinned(pins, masq_source::MAP_NAME)?,
             masq_excludes: open_pinned(pins, masq_exclude::MAP_NAME)?,
             uplinks: open_pinned(pins, uplink::MAP_NAME)?,
@@ -534,57 +514,43 @@ impl EbpfBackend {
     /// Removes the `endpoints` entry of `ifindex` if `owner` still holds it (an interface index
     /// can be reused by another container once the first one's veth is gone).
     fn forget_endpoint(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
+        // Unpinning detaches (a link whose interface is gone is only a pin).
+        for link_pin in self.endpoint_link_pins(owner) {
+            remove_pin(&link_pin)?;
+        }
         match self.endpoints.get(&ifindex, 0) {
             Ok(info) if info.owner == owner => {
                 self.remove_filter(owner, ifindex)?;
-                for (slot, _) in ENDPOINT_FILTERS {
-                    netlink::delete_filter(ifindex, slot)
-                        .map_err(|source| BackendError::Filter(Box::new(source)))?;
-                }
                 remove_entry(&mut self.endpoints, &ifindex, endpoint::MAP_NAME)
             }
             _ => Ok(()),
         }
     }
 
-    /// Hooks the datapath onto a container's host-side interface: a clsact qdisc with one
-    /// direct-action filter per direction, created or swapped for the pinned program in one
-    /// atomic replace. Legacy TC rather than tcx on purpose: a new tcx attachment waits out an
-    /// RCU grace period under the RTNL lock (tens of milliseconds, twice per ADD), a filter
-    /// replace does not; the filter lives as long as the interface, no pin needed.
-    fn attach_endpoint(&self, ifindex: u32) -> Result<(), BackendError> {
-        let filter_error = |source| BackendError::Filter(Box::new(source));
-        netlink::add_clsact(ifindex).map_err(filter_error)?;
-        for (slot, program_name) in ENDPOINT_FILTERS {
-            let program = self.pinned_program(program_name)?;
-            let fd = program.fd().map_err(|source| BackendError::Program {
-                action: format!("pinned program {program_name} has no descriptor"),
-                source: Box::new(source),
-            })?;
-            netlink::replace_bpf_filter(ifindex, slot, fd.as_fd().as_raw_fd(), program_name)
-                .map_err(filter_error)?;
-        }
-        Ok(())
+    fn endpoint_link_pins(&self, owner: u64) -> [std::path::PathBuf; 2] {
+        [
+            self.pins.endpoint_link(owner, "from"),
+            self.pins.endpoint_link(owner, "to"),
+        ]
     }
 
-    /// Points the filters of every recorded endpoint at the programs now pinned (after a load
-    /// replaced them); endpoints whose interface is gone are left to DEL and GC.
-    fn reattach_endpoints(&self) -> Result<(), BackendError> {
-        let mut ifindexes = Vec::new();
-        for key in self.endpoints.keys() {
-            ifindexes.push(key.map_err(map_error("could not read map endpoints"))?);
-        }
-        for ifindex in ifindexes {
-            match self.attach_endpoint(ifindex) {
-                Err(BackendError::Filter(error)) if is_missing_device(&error) => {}
-                other => other?,
-            }
-        }
-        Ok(())
-    }
-
-    fn pinned_program_id(&self, name: &str) -> Result<u32, BackendError> {
-        program_id(&self.pinned_program(name)?)
+    /// The hooks of a container's host-side interface: what it sends (tcx ingress) and what
+    /// it receives (tcx egress). A tcx attachment waits out an RCU grace period under the
+    /// RTNL lock (10-25 ms each here); the price of sharing the interface with other programs
+    /// and qdiscs, paid once per ADD, and not at all by a repeated ADD that finds them in place.
+    fn endpoint_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
+        [
+            Hook {
+                program: FROM_CONTAINER,
+                attach_type: TcAttachType::Ingress,
+                link_pin: &link_pins[0],
+            },
+            Hook {
+                program: TO_CONTAINER,
+                attach_type: TcAttachType::Egress,
+                link_pin: &link_pins[1],
+            },
+        ]
     }
 
     /// Removes the attachment's flows that `stale` selects.
@@ -647,20 +613,13 @@ impl Backend for EbpfBackend {
         self.owners
             .insert(&owner, &info, 0)
             .map_err(map_error("could not record the attachment in map owners"))?;
-        let octets = |gateway: Option<[u8; 16]>| gateway.unwrap_or([0; 16]);
-        let endpoint_info = EndpointInfo {
-            gateway_v6: octets(endpoint.gateway_v6.map(|gateway| gateway.octets())),
-            owner,
-            gateway_v4: endpoint
-                .gateway_v4
-                .map_or([0; 4], |gateway| gateway.octets()),
-            container_mac: endpoint.container_mac,
-            gateway_mac: endpoint.gateway_mac,
-        };
         self.endpoints
-            .insert(&endpoint.host.index, &endpoint_info, 0)
+            .insert(&endpoint.host.index, &endpoint_info(endpoint), 0)
             .map_err(map_error("could not write map endpoints"))?;
-        self.attach_endpoint(endpoint.host.index)?;
+        let link_pins = self.endpoint_link_pins(owner);
+        for hook in Self::endpoint_hooks(&link_pins) {
+            self.attach(endpoint.host.index, &hook)?;
+        }
         for uplink in &endpoint.uplinks {
             let uplink_pins = self.uplink_link_pins(&uplink.name);
             for hook in Self::uplink_hooks(&uplink_pins) {
@@ -696,16 +655,18 @@ impl Backend for EbpfBackend {
                 endpoint.host.index
             )));
         }
-        for (slot, program) in ENDPOINT_FILTERS {
-            let expected = self.pinned_program_id(program)?;
-            let attached = netlink::bpf_filter_program(endpoint.host.index, slot)
-                .map_err(|source| BackendError::Filter(Box::new(source)))?;
-            if attached != Some(expected) {
+        match self.endpoints.get(&endpoint.host.index, 0) {
+            Ok(found) if found == endpoint_info(endpoint) => {}
+            _ => {
                 return Err(BackendError::CheckFailed(format!(
-                    "{program} is not attached to {} (index {})",
+                    "the endpoints entry of {} (index {}) is missing or differs",
                     endpoint.host.name, endpoint.host.index
                 )));
             }
+        }
+        let link_pins = self.endpoint_link_pins(owner);
+        for hook in Self::endpoint_hooks(&link_pins) {
+            self.check_attached(endpoint.host.index, &endpoint.host.name, &hook)?;
         }
         for uplink in &endpoint.uplinks {
             let uplink_pins = self.uplink_link_pins(&uplink.name);
@@ -757,6 +718,13 @@ impl Backend for EbpfBackend {
         }
         let keys: Vec<PortMapKey> = wanted.iter().map(|(key, _)| *key).collect();
         self.record_owned_keys(owner, &keys)?;
+        // Written after the mappings that need them: a mapping marked conditioned whose
+        // conditions are not there yet is closed, never open.
+        if mappings.is_empty() {
+            self.remove_port_conditions(owner)?;
+        } else {
+            self.write_port_conditions(endpoint)?;
+        }
         if !flows_stale {
             return Ok(());
         }
@@ -771,6 +739,7 @@ impl Backend for EbpfBackend {
 
     fn teardown_port_mappings(&mut self, owner: u64) -> Result<(), BackendError> {
         let keys = self.owned_portmap_keys(owner)?;
+        self.remove_port_conditions(owner)?;
         // Without mappings the attachment translated no flows: skip the scan of `nat_flows`,
         // which walks all its buckets even when empty.
         if keys.is_empty() {
@@ -851,7 +820,12 @@ impl Backend for EbpfBackend {
                 }
             }
         }
-        super::check_mapping_count(installed.len(), mappings.len())
+        super::check_mapping_count(installed.len(), mappings.len())?;
+        if mappings.is_empty() {
+            Ok(())
+        } else {
+            self.check_port_conditions(endpoint)
+        }
     }
 
     fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
@@ -955,6 +929,30 @@ impl Backend for EbpfBackend {
     }
 }
 
+/// What the datapath keeps about a container's host-side interface.
+fn endpoint_info(endpoint: &Endpoint) -> EndpointInfo {
+    let mut flags = 0;
+    if endpoint.shaped {
+        flags |= endpoint::FLAG_VIA_STACK;
+    }
+    if endpoint.host_ports.no_hairpin_snat {
+        flags |= endpoint::FLAG_NO_HAIRPIN_SNAT;
+    }
+    EndpointInfo {
+        gateway_v6: endpoint
+            .gateway_v6
+            .map_or([0; 16], |gateway| gateway.octets()),
+        owner: endpoint.attachment.owner_id(),
+        gateway_v4: endpoint
+            .gateway_v4
+            .map_or([0; 4], |gateway| gateway.octets()),
+        container_mac: endpoint.container_mac,
+        gateway_mac: endpoint.gateway_mac,
+        flags,
+        gateway_ifindex: endpoint.gateway_ifindex,
+    }
+}
+
 fn owner_port_key(owner: u64, slot: u32) -> OwnerPortKey {
     OwnerPortKey {
         owner,
@@ -985,7 +983,12 @@ fn entry_for(endpoint: &Endpoint, mapping: &ResolvedMapping) -> (PortMapKey, Por
         container_port: mapping.container_port,
         container_mac: endpoint.container_mac,
         gateway_mac: endpoint.gateway_mac,
-        _pad: [0; 6],
+        flags: if endpoint.host_ports.conditions(mapping.is_ipv4()).is_empty() {
+            0
+        } else {
+            portmap::FLAG_CONDITIONED
+        },
+        _pad: [0; 5],
     };
     (key, value)
 }
@@ -1077,20 +1080,6 @@ fn remove_pin(path: &Path) -> Result<(), BackendError> {
             source: Box::new(source),
         }),
     }
-}
-
-fn is_missing_device(error: &netlink::NetlinkError) -> bool {
-    matches!(error, netlink::NetlinkError::Request { source, .. } if source.raw_os_error() == Some(libc::ENODEV))
-}
-
-fn program_id(program: &SchedClassifier) -> Result<u32, BackendError> {
-    program
-        .info()
-        .map(|info| info.id())
-        .map_err(|source| BackendError::Program {
-            action: "could not read program info".to_owned(),
-            source: Box::new(source),
-        })
 }
 
 fn is_attached(
@@ -1205,15 +1194,22 @@ fn relink_cgroup(pins: &PinLayout, path: &Path, program_name: &str) -> Result<()
     settle_relink(moved, path, link_error)
 }
 
-/// The uplink program a pinned tcx link (by its file name, see `PinLayout`) belongs to.
-fn program_of_uplink_link(file_name: &str) -> Option<&'static str> {
-    if !file_name.starts_with("uplink-") {
-        return None;
-    }
-    if file_name.ends_with("-ingress") {
-        Some(UPLINK_INGRESS)
+/// The TC program a pinned tcx link (by its file name, see `PinLayout`) belongs to.
+fn program_of_tc_link(file_name: &str) -> Option<&'static str> {
+    if file_name.starts_with("uplink-") {
+        Some(if file_name.ends_with("-ingress") {
+            UPLINK_INGRESS
+        } else {
+            UPLINK_EGRESS
+        })
+    } else if file_name.starts_with("endpoint-") {
+        Some(if file_name.ends_with("-from") {
+            FROM_CONTAINER
+        } else {
+            TO_CONTAINER
+        })
     } else {
-        Some(UPLINK_EGRESS)
+        None
     }
 }
 
@@ -1250,7 +1246,7 @@ fn relink(pins: &PinLayout) -> Result<(), BackendError> {
             relink_cgroup(pins, &path, program_name)?;
             continue;
         }
-        let Some(program_name) = program_of_uplink_link(&file_name) else {
+        let Some(program_name) = program_of_tc_link(&file_name) else {
             continue;
         };
         let program_path = pins.program(program_name);

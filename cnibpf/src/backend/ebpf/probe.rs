@@ -1,8 +1,9 @@
 //! Whether the eBPF backend can work on this host, asked of the kernel itself: a two-instruction
-//! TC program is loaded and attached, as a clsact filter like the container hooks, to the
-//! loopback of a scratch network namespace (which disappears with the probe). Nothing is
-//! cached: a kernel or sandbox that changes between calls is seen as it is. (A tcx link would
-//! wait out an RCU grace period — tens of milliseconds on every ADD.) bpffs must be writable.
+//! TC program is loaded and attached as a clsact filter to the loopback of a scratch network
+//! namespace (which disappears with the probe), and the kernel must answer a query for tcx
+//! programs there (tcx, kernel 6.6, is how the hooks attach). Nothing is cached: a kernel or
+//! sandbox that changes between calls is seen as it is. (Attaching a tcx link itself would
+//! wait out an RCU grace period — 10-25 ms on every ADD.) bpffs must be writable.
 
 use std::{
     fs, io,
@@ -13,13 +14,16 @@ use std::{
 use nix::sched::{CloneFlags, unshare};
 
 use crate::{
-    netlink::{self, TcFilterSlot, TcHook},
+    netlink::{self, TcFilterSlot},
     paths::BPFFS_MOUNT_POINT,
 };
 
 /// `BPF_PROG_LOAD`, `BPF_PROG_TYPE_SCHED_CLS` (uapi).
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+/// `BPF_PROG_QUERY`, `BPF_TCX_INGRESS` (uapi).
+const BPF_PROG_QUERY: libc::c_long = 16;
+const BPF_TCX_INGRESS: u32 = 46;
 
 /// `r0 = 0 (TC_ACT_OK); exit`.
 const PROGRAM: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
@@ -47,16 +51,31 @@ pub fn load_and_attach() -> Result<(), String> {
             .map_err(|error| format!("could not create a scratch network namespace: {error}"))?;
         // The loopback of a new namespace always has index 1.
         let slot = TcFilterSlot {
-            hook: TcHook::Ingress,
             priority: 1,
             handle: 1,
         };
         netlink::add_clsact(1)
             .and_then(|()| netlink::replace_bpf_filter(1, slot, program.as_raw_fd(), "probe"))
-            .map_err(|error| format!("attaching a TC filter failed: {error}"))
+            .map_err(|error| format!("attaching a TC filter failed: {error}"))?;
+        query_tcx(1).map_err(|error| format!("the kernel has no tcx (needs Linux 6.6): {error}"))
     })
     .join()
     .unwrap_or_else(|_| Err("the probe thread panicked".to_owned()))
+}
+
+/// `BPF_PROG_QUERY` of the tcx ingress programs of interface `ifindex`.
+fn query_tcx(ifindex: u32) -> io::Result<()> {
+    // union bpf_attr, BPF_PROG_QUERY: target_ifindex, attach_type, query_flags, attach_flags,
+    // prog_ids, count (no ids asked for).
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&ifindex.to_ne_bytes());
+    attr[4..8].copy_from_slice(&BPF_TCX_INGRESS.to_ne_bytes());
+    // SAFETY: as in `bpf`, with no pointers in the attribute.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_QUERY, attr.as_ptr(), attr.len()) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 fn load() -> io::Result<OwnedFd> {

@@ -1,0 +1,152 @@
+//! `port_conditions`: an attachment's hostPort conditions as the datapath evaluates them.
+
+use cnibpf_common::{
+    FAMILY_IPV4, FAMILY_IPV6,
+    port_condition::{
+        self, ConditionTerm, KIND_DESTINATION, KIND_IN_INTERFACE, KIND_SOURCE, MAX_TERMS,
+        PortConditions, PortConditionsKey,
+    },
+};
+use ipnet::IpNet;
+
+use super::{EbpfBackend, key_addr, map_error, remove_entry};
+use crate::{
+    backend::{BackendError, Endpoint},
+    config::conditions::{Condition, Subject},
+};
+
+impl EbpfBackend {
+    /// Makes the attachment's `port_conditions` entries those of `endpoint` (none for a family
+    /// without conditions).
+    pub(super) fn write_port_conditions(
+        &mut self,
+        endpoint: &Endpoint,
+    ) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
+        for ipv4 in [true, false] {
+            let key = conditions_key(owner, ipv4);
+            let conditions = endpoint.host_ports.conditions(ipv4);
+            if conditions.is_empty() {
+                remove_entry(&mut self.port_conditions, &key, port_condition::MAP_NAME)?;
+                continue;
+            }
+            let value = encode(conditions, &endpoint.condition_interfaces);
+            if self.port_conditions.get(&key, 0).ok() != Some(value) {
+                self.port_conditions
+                    .insert(&key, &value, 0)
+                    .map_err(map_error("could not write map port_conditions"))?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn remove_port_conditions(&mut self, owner: u64) -> Result<(), BackendError> {
+        for ipv4 in [true, false] {
+            remove_entry(
+                &mut self.port_conditions,
+                &conditions_key(owner, ipv4),
+                port_condition::MAP_NAME,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// CHECK: the entries are what `endpoint` needs.
+    pub(super) fn check_port_conditions(&self, endpoint: &Endpoint) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
+        for ipv4 in [true, false] {
+            let conditions = endpoint.host_ports.conditions(ipv4);
+            let wanted = (!conditions.is_empty())
+                .then(|| encode(conditions, &endpoint.condition_interfaces));
+            let found = self
+                .port_conditions
+                .get(&conditions_key(owner, ipv4), 0)
+                .ok();
+            if found != wanted {
+                return Err(BackendError::CheckFailed(format!(
+                    "the IPv{} hostPort conditions of {} are missing or differ",
+                    if ipv4 { 4 } else { 6 },
+                    endpoint.attachment
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn conditions_key(owner: u64, ipv4: bool) -> PortConditionsKey {
+    PortConditionsKey {
+        owner,
+        family: if ipv4 { FAMILY_IPV4 } else { FAMILY_IPV6 },
+        _pad: [0; 7],
+    }
+}
+
+/// Terms grouped by clause, one clause per condition (configuration checked their number).
+fn encode(conditions: &[Condition], interfaces: &[(String, u32)]) -> PortConditions {
+    let mut value = PortConditions::default();
+    let mut terms = Vec::new();
+    for (clause, condition) in (0u8..).zip(conditions) {
+        if condition.negated {
+            value.negated |= 1 << clause;
+        }
+        let net_term = |kind: u8, net: &IpNet| ConditionTerm {
+            addr: key_addr(net.trunc().addr()),
+            mask: key_addr(net.netmask()),
+            ifindex: 0,
+            kind,
+            clause,
+            _pad: [0; 2],
+        };
+        match &condition.subject {
+            Subject::Source(nets) => {
+                terms.extend(nets.iter().map(|net| net_term(KIND_SOURCE, net)))
+            }
+            Subject::Destination(nets) => {
+                terms.extend(nets.iter().map(|net| net_term(KIND_DESTINATION, net)));
+            }
+            Subject::InInterface(name) => terms.push(ConditionTerm {
+                ifindex: interfaces
+                    .iter()
+                    .find(|(known, _)| known == name)
+                    .map_or(0, |(_, index)| *index),
+                kind: KIND_IN_INTERFACE,
+                clause,
+                ..ConditionTerm::default()
+            }),
+        }
+        value.clause_count = clause + 1;
+    }
+    for (slot, term) in value.terms.iter_mut().zip(terms.iter().take(MAX_TERMS)) {
+        *slot = *term;
+    }
+    value.term_count = u8::try_from(terms.len().min(MAX_TERMS)).unwrap_or(u8::MAX);
+    value
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::conditions::parse;
+
+    #[test]
+    fn clauses_and_negation() {
+        let words: Vec<String> = ["-s", "192.0.2.0/24,198.51.100.1", "!", "-i", "eth0"]
+            .iter()
+            .map(|word| (*word).to_owned())
+            .collect();
+        let conditions = parse("conditionsV4", &words, true).expect("valid");
+        let value = encode(&conditions, &[("eth0".to_owned(), 7)]);
+        assert_eq!(value.term_count, 3);
+        assert_eq!(value.clause_count, 2);
+        assert_eq!(value.negated, 0b10);
+        assert_eq!(value.terms[0].kind, KIND_SOURCE);
+        assert_eq!(&value.terms[0].addr[..4], &[192, 0, 2, 0]);
+        assert_eq!(&value.terms[0].mask[..4], &[255, 255, 255, 0]);
+        assert_eq!(value.terms[1].clause, 0);
+        assert_eq!(&value.terms[1].mask[..4], &[255, 255, 255, 255]);
+        assert_eq!(value.terms[2].kind, KIND_IN_INTERFACE);
+        assert_eq!(value.terms[2].ifindex, 7);
+        assert_eq!(value.terms[2].clause, 1);
+    }
+}
