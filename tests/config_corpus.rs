@@ -69,6 +69,7 @@ fn every_bad_configuration_fails_cleanly() {
         ifname: "eth0".to_owned(),
         netns: container.path(),
         capability_args: Value::Null,
+        cni_args: String::new(),
     };
     let too_many: Vec<Value> = (0..257)
         .map(|index| json!({ "index": index, "target": "DROP" }))
@@ -443,6 +444,84 @@ fn every_bad_configuration_fails_cleanly() {
             ),
             7,
             "ipMasq: needs the container's addresses",
+        ),
+        (
+            "portmap's iptables backend",
+            with(&sim, json!({ "backend": "iptables" })),
+            101,
+            "backend: cnibpf has no iptables backend",
+        ),
+        (
+            "masqAll",
+            with(&sim, json!({ "masqAll": true })),
+            101,
+            "masqAll: cnibpf keeps the client's address",
+        ),
+        (
+            "bridge's ipMasqBackend",
+            with(&sim, json!({ "ipMasqBackend": "nftables" })),
+            101,
+            "ipMasqBackend: cnibpf masquerades itself",
+        ),
+        (
+            "a condition cnibpf cannot enforce",
+            with(
+                &sim,
+                json!({ "conditionsV4": ["-m", "set", "--match-set", "allowed", "src"] }),
+            ),
+            101,
+            "conditionsV4: \"-m\" is not a condition cnibpf can enforce",
+        ),
+        (
+            "condition for the other family",
+            with(&sim, json!({ "conditionsV6": ["-s", "192.0.2.0/24"] })),
+            7,
+            "conditionsV6: 192.0.2.0/24 is not an IPv6 address",
+        ),
+        (
+            "condition flag and value in one element",
+            with(&sim, json!({ "conditionsV4": ["-s 192.0.2.0/24"] })),
+            7,
+            "each iptables flag and value is an element of its own",
+        ),
+        (
+            "condition on a missing interface",
+            with(&sim, json!({ "conditionsV4": ["!", "-i", "nosuchif0"] })),
+            103,
+            "no interface named \"nosuchif0\"",
+        ),
+        (
+            "markMasqBit out of range",
+            with(&sim, json!({ "markMasqBit": 32 })),
+            7,
+            "markMasqBit: must be between 0 and 31, got 32",
+        ),
+        (
+            "markMasqBit with externalSetMarkChain",
+            with(
+                &sim,
+                json!({ "markMasqBit": 13, "externalSetMarkChain": "KUBE-MARK-MASQ" }),
+            ),
+            7,
+            "externalSetMarkChain: cannot be used with markMasqBit",
+        ),
+        (
+            "a rule key that is not ours in any case",
+            with(
+                &sim,
+                json!({ "filter": [{ "Index": 1, "Target": "DROP", "DPorts": 80 }] }),
+            ),
+            7,
+            "filter[0].DPorts: unknown rule key",
+        ),
+        (
+            "two spellings of one rule key",
+            with(
+                &sim,
+                json!({ "filter": [{ "index": 1, "target": "ALLOW", "src": "10.0.0.0/8", "SRC": "0.0.0.0/0" }] }),
+            ),
+            7,
+            "both name \"src\"",
         ),
     ];
     assert!(

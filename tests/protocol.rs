@@ -144,7 +144,18 @@ fn missing_or_invalid_environment_is_error_4_naming_the_variable() {
         });
         assert_cni_error(&output, 4, &format!("{variable} is not set"));
     }
-    let cases: [(&str, &str, &str); 4] = [
+    let cases: [(&str, &str, &str); 7] = [
+        ("CNI_ARGS", "FOO=bar", "CNI_ARGS: unknown args [\"FOO\"]"),
+        (
+            "CNI_ARGS",
+            "K8S_POD_NAME",
+            "CNI_ARGS: invalid pair \"K8S_POD_NAME\"",
+        ),
+        (
+            "CNI_ARGS",
+            "IgnoreUnknown=maybe;FOO=bar",
+            "IgnoreUnknown=\"maybe\"",
+        ),
         (
             "CNI_CONTAINERID",
             "-starts-with-dash",
@@ -170,6 +181,13 @@ fn missing_or_invalid_environment_is_error_4_naming_the_variable() {
         sim.inspect(),
         state_before,
         "no bad invocation may change state"
+    );
+    let output = run("DEL", &|process| {
+        process.env("CNI_ARGS", "FOO=bar");
+    });
+    assert_eq!(
+        output.exit_code, 0,
+        "DEL does not judge the arguments an ADD would have refused: {output:?}"
     );
 }
 

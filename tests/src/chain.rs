@@ -67,6 +67,8 @@ pub struct Attachment {
     pub netns: PathBuf,
     /// Capability arguments, e.g. `{"portMappings": [...]}`.
     pub capability_args: Value,
+    /// `CNI_ARGS`, as a runtime sets it (e.g. containerd's pod names).
+    pub cni_args: String,
 }
 
 #[derive(Debug)]
@@ -393,6 +395,9 @@ pub fn plugin_command(
             .env("CNI_CONTAINERID", &attachment.container_id)
             .env("CNI_IFNAME", &attachment.ifname)
             .env("CNI_NETNS", &attachment.netns);
+        if !attachment.cni_args.is_empty() {
+            process.env("CNI_ARGS", &attachment.cni_args);
+        }
     }
     enter_netns_on_exec(&mut process, host_netns);
     process

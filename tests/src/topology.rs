@@ -72,13 +72,21 @@ pub fn cni_path() -> String {
     format!("/usr/lib/cni:{}", dir.display())
 }
 
-/// The plugin chained after the bridge.
-enum Chained {
+/// A plugin chained after the bridge.
+#[derive(Clone, Debug)]
+pub enum Chained {
     /// cnibpf, with these keys besides `type`, `pinPath`, `cgroupPath` and `capabilities`.
     Cnibpf(Value),
-    ReferencePortmap,
-    /// Nothing chained: the reference bridge masquerades itself (`ipMasq: true`, iptables).
-    ReferenceMasquerade,
+    /// Debian's reference `portmap` (iptables), with these keys besides `type`, `snat` and
+    /// `capabilities`.
+    ReferencePortmap(Value),
+    /// Any other plugin's entry, as it stands (e.g. the reference `bandwidth`).
+    Plugin(Value),
+}
+
+/// The reference `bandwidth` plugin's entry, taking its rates from runtimeConfig.
+pub fn bandwidth_plugin() -> Chained {
+    Chained::Plugin(json!({ "type": "bandwidth", "capabilities": { "bandwidth": true } }))
 }
 
 #[derive(Debug)]
@@ -139,22 +147,32 @@ impl SimHost {
     }
 
     pub fn with_version(id: &str, cni_version: &str, cnibpf_keys: Value) -> Self {
-        Self::build(id, cni_version, Chained::Cnibpf(cnibpf_keys))
+        Self::build(id, cni_version, vec![Chained::Cnibpf(cnibpf_keys)], false)
     }
 
     /// A simulated host whose conflist chains Debian's reference `portmap` (iptables) after
     /// the bridge instead of cnibpf, for comparisons.
     pub fn with_reference_portmap(id: &str) -> Self {
-        Self::build(id, "1.0.0", Chained::ReferencePortmap)
+        Self::build(
+            id,
+            "1.0.0",
+            vec![Chained::ReferencePortmap(json!({}))],
+            false,
+        )
     }
 
     /// A simulated host whose bridge masquerades with iptables (the reference `ipMasq`) and
     /// that chains nothing after it, for comparisons.
     pub fn with_reference_masquerade(id: &str) -> Self {
-        Self::build(id, "1.0.0", Chained::ReferenceMasquerade)
+        Self::build(id, "1.0.0", Vec::new(), true)
     }
 
-    fn build(id: &str, cni_version: &str, chained: Chained) -> Self {
+    /// A simulated host whose conflist chains `chained` after the bridge, in that order.
+    pub fn with_chain(id: &str, chained: Vec<Chained>) -> Self {
+        Self::build(id, "1.0.0", chained, false)
+    }
+
+    fn build(id: &str, cni_version: &str, chained: Vec<Chained>, bridge_masquerades: bool) -> Self {
         let host = Netns::create(&format!("cbt-{id}-host"));
         let outside = Netns::create(&format!("cbt-{id}-out"));
         let pin_path = PathBuf::from(format!("/sys/fs/bpf/cnibpf-test-{id}"));
@@ -245,26 +263,24 @@ impl SimHost {
             host.sysctl("net.bridge.bridge-nf-call-ip6tables", "0");
         }
 
-        let bridge_masquerades = matches!(chained, Chained::ReferenceMasquerade);
-        let chained = match chained {
-            Chained::Cnibpf(cnibpf_keys) => {
-                let mut cnibpf = json!({
-                    "type": "cnibpf", "pinPath": pin_path, "cgroupPath": cgroup, "capabilities": { "portMappings": true }
-                });
-                if let (Some(entry), Some(extra)) =
-                    (cnibpf.as_object_mut(), cnibpf_keys.as_object())
-                {
-                    for (key, value) in extra {
-                        entry.insert(key.clone(), value.clone());
-                    }
+        let chained: Vec<Value> = chained
+            .into_iter()
+            .map(|plugin| match plugin {
+                Chained::Cnibpf(cnibpf_keys) => {
+                    let mut cnibpf = json!({
+                        "type": "cnibpf", "pinPath": pin_path, "cgroupPath": cgroup, "capabilities": { "portMappings": true }
+                    });
+                    merge(&mut cnibpf, &cnibpf_keys);
+                    cnibpf
                 }
-                Some(cnibpf)
-            }
-            Chained::ReferencePortmap => Some(
-                json!({ "type": "portmap", "capabilities": { "portMappings": true }, "snat": true }),
-            ),
-            Chained::ReferenceMasquerade => None,
-        };
+                Chained::ReferencePortmap(keys) => {
+                    let mut portmap = json!({ "type": "portmap", "capabilities": { "portMappings": true }, "snat": true });
+                    merge(&mut portmap, &keys);
+                    portmap
+                }
+                Chained::Plugin(entry) => entry,
+            })
+            .collect();
         let bridge = json!({
             "type": "bridge", "bridge": BRIDGE, "isGateway": true,
             "ipMasq": bridge_masquerades,
@@ -303,12 +319,23 @@ impl SimHost {
         name: &str,
         capability_args: Value,
     ) -> Result<Container, ChainError> {
+        self.add_container_with_args(name, capability_args, "")
+    }
+
+    /// [`Self::add_container`] with `CNI_ARGS` as a runtime sets them.
+    pub fn add_container_with_args(
+        &self,
+        name: &str,
+        capability_args: Value,
+        cni_args: &str,
+    ) -> Result<Container, ChainError> {
         let netns = Netns::create(&format!("cbt-{}-{name}", self.id));
         let attachment = Attachment {
             container_id: format!("{}-{name}", self.id),
             ifname: "eth0".to_owned(),
             netns: netns.path(),
             capability_args,
+            cni_args: cni_args.to_owned(),
         };
         let result = self.chain.add(&attachment)?;
         self.attached
@@ -620,6 +647,15 @@ fn container_address(result: &Value, ipv4: bool) -> Option<IpAddr> {
         let addr: IpAddr = address.split('/').next()?.parse().ok()?;
         (addr.is_ipv4() == ipv4).then_some(addr)
     })
+}
+
+/// `extra`'s keys set on the object `entry`.
+fn merge(entry: &mut Value, extra: &Value) {
+    if let (Some(entry), Some(extra)) = (entry.as_object_mut(), extra.as_object()) {
+        for (key, value) in extra {
+            entry.insert(key.clone(), value.clone());
+        }
+    }
 }
 
 /// A port mapping capability argument.

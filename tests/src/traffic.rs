@@ -81,6 +81,51 @@ pub fn tcp_request(netns: &Netns, target: SocketAddr) -> Result<String, String> 
     netns.run(move || tcp_exchange(target, CLIENT_TIMEOUT).map(|(answer, _)| answer))
 }
 
+/// [`tcp_request`] from the local address `source` (one of `netns`'s addresses).
+pub fn tcp_request_from(
+    netns: &Netns,
+    source: IpAddr,
+    target: SocketAddr,
+) -> Result<String, String> {
+    netns.run(move || {
+        let socket = match source {
+            IpAddr::V4(_) => nix::sys::socket::socket(
+                nix::sys::socket::AddressFamily::Inet,
+                nix::sys::socket::SockType::Stream,
+                nix::sys::socket::SockFlag::empty(),
+                None,
+            ),
+            IpAddr::V6(_) => nix::sys::socket::socket(
+                nix::sys::socket::AddressFamily::Inet6,
+                nix::sys::socket::SockType::Stream,
+                nix::sys::socket::SockFlag::empty(),
+                None,
+            ),
+        }
+        .map_err(|error| error.to_string())?;
+        let local = nix::sys::socket::SockaddrStorage::from(SocketAddr::new(source, 0));
+        nix::sys::socket::bind(std::os::fd::AsRawFd::as_raw_fd(&socket), &local)
+            .map_err(|error| format!("bind {source}: {error}"))?;
+        let stream = TcpStream::from(socket);
+        stream
+            .set_write_timeout(Some(CLIENT_TIMEOUT))
+            .map_err(|error| error.to_string())?;
+        let remote = nix::sys::socket::SockaddrStorage::from(target);
+        // A blocking connect bounded by the send timeout (SO_SNDTIMEO applies to connect).
+        nix::sys::socket::connect(std::os::fd::AsRawFd::as_raw_fd(&stream), &remote)
+            .map_err(|error| error.to_string())?;
+        let mut stream = stream;
+        stream
+            .set_read_timeout(Some(CLIENT_TIMEOUT))
+            .map_err(|error| error.to_string())?;
+        let mut answer = String::new();
+        stream
+            .read_to_string(&mut answer)
+            .map_err(|error| error.to_string())?;
+        Ok(answer)
+    })
+}
+
 /// Connects to `target` from the current namespace and reads what the server sends until it
 /// closes; returns that and the peer address the socket reports.
 pub fn tcp_exchange(target: SocketAddr, timeout: Duration) -> Result<(String, SocketAddr), String> {

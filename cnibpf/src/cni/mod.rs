@@ -202,6 +202,7 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
     let mappings = attachment::resolve_mappings(&conf.port_mappings, &prev)?;
     let masquerade = masquerade_plan(conf, &prev)?;
+    let condition_interfaces = condition_interfaces(&conf.plugin.host_ports)?;
     let netns = env.netns.clone().ok_or(EnvError::Missing("CNI_NETNS"))?;
     if !netns.exists() {
         return Err(EnvError::Netns(netns.display().to_string()).into());
@@ -223,7 +224,6 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
         }
         .into());
     }
-    let condition_interfaces = condition_interfaces(&conf.plugin.host_ports)?;
     let gateway_ifindex = link.host.master.unwrap_or(link.host.index);
     // Shaping on the host-side veth (the `bandwidth` plugin chained before cnibpf), or asked
     // for in runtimeConfig (chained after it, when cnibpf declares the capability too).

@@ -385,6 +385,7 @@ fn plugin_time(
             ifname: format!("ec{n}"),
             netns: containers.path(),
             capability_args: Value::Null,
+            cni_args: String::new(),
         };
         let plugin = sim.chain.conflist()["plugins"][1].clone();
         let prev = json!({
