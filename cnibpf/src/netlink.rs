@@ -206,35 +206,30 @@ pub struct TcFilterSlot {
 /// `ETH_P_ALL` in network byte order, as filters carry their protocol.
 const ETH_P_ALL_BE: u16 = 0x0003u16.to_be();
 
-/// The qdiscs someone put on an interface: its root qdisc unless it is the default
-/// (`noqueue`, or none), and its ingress or clsact qdisc. Each by kind (`tbf`, `ingress`, …).
+/// The qdiscs someone put on an interface (its default root qdisc, `noqueue`, aside), by kind
+/// (`tbf`, `ingress`, …). One dump, which the kernel limits to the interface asked for.
 pub fn added_qdiscs(ifindex: u32) -> Result<Vec<String>, NetlinkError> {
-    let mut kinds = Vec::new();
-    for parent in [TcHandle::ROOT, TcHandle::INGRESS] {
-        let mut message = TcMessage::with_index(ifindex_i32(ifindex));
-        message.header.parent = parent;
-        let request = RouteNetlinkMessage::GetQueueDiscipline(message);
-        let found = exchange("qdisc", request, NLM_F_ACK, |message| match message {
-            RouteNetlinkMessage::NewQueueDiscipline(qdisc) => {
-                qdisc
-                    .attributes
-                    .iter()
-                    .find_map(|attribute| match attribute {
-                        TcAttribute::Kind(kind) => Some(kind.clone()),
-                        _ => None,
-                    })
-            }
-            _ => None,
-        });
-        match found {
-            Ok(found) => kinds.extend(found.into_iter().filter(|kind| kind != "noqueue")),
-            // No such qdisc.
-            Err(NetlinkError::Request { source, .. })
-                if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::EINVAL)) => {}
-            Err(error) => return Err(error),
+    let index = ifindex_i32(ifindex);
+    let request = RouteNetlinkMessage::GetQueueDiscipline(TcMessage::with_index(index));
+    let kinds = dump("qdisc", request, |message| match message {
+        RouteNetlinkMessage::NewQueueDiscipline(qdisc) if qdisc.header.index == index => qdisc
+            .attributes
+            .iter()
+            .find_map(|attribute| match attribute {
+                TcAttribute::Kind(kind) if kind != "noqueue" => Some(kind.clone()),
+                _ => None,
+            }),
+        _ => None,
+    });
+    match kinds {
+        // The interface is gone: nothing is on it.
+        Err(NetlinkError::Request { source, .. })
+            if source.raw_os_error() == Some(libc::ENODEV) =>
+        {
+            Ok(Vec::new())
         }
+        other => other,
     }
-    Ok(kinds)
 }
 
 /// Adds the clsact qdisc to an interface (already present is fine).

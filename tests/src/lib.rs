@@ -8,6 +8,7 @@
 
 pub mod assertions;
 pub mod chain;
+pub mod foreign;
 pub mod netns;
 pub mod topology;
 pub mod traffic;

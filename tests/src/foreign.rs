@@ -1,0 +1,145 @@
+//! Someone else's programs on cnibpf's interfaces: a tcx program that drops IPv4 ICMP, loaded
+//! and attached with plain `bpf(2)` calls (no object file), as an operator's or another
+//! plugin's would be. Detached when dropped.
+
+use std::{
+    io,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+};
+
+use crate::Netns;
+
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_OBJ_PIN: libc::c_long = 6;
+const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+const BPF_TCX_INGRESS: u32 = 46;
+const BPF_TCX_EGRESS: u32 = 47;
+
+/// One eBPF instruction.
+const fn instruction(opcode: u8, dst: u8, src: u8, offset: i16, immediate: i32) -> u64 {
+    let offset = offset.to_le_bytes();
+    let immediate = immediate.to_le_bytes();
+    u64::from_le_bytes([
+        opcode,
+        (src << 4) | dst,
+        offset[0],
+        offset[1],
+        immediate[0],
+        immediate[1],
+        immediate[2],
+        immediate[3],
+    ])
+}
+
+/// Drops IPv4 ICMP (`TC_ACT_SHOT`), hands everything else on (`TCX_NEXT`).
+const DROP_ICMP: [u64; 13] = [
+    instruction(0x61, 2, 1, 76, 0),   // r2 = skb->data
+    instruction(0x61, 3, 1, 80, 0),   // r3 = skb->data_end
+    instruction(0xbf, 4, 2, 0, 0),    // r4 = r2
+    instruction(0x07, 4, 0, 0, 24),   // r4 += 24 (Ethernet + the IPv4 protocol byte)
+    instruction(0x2d, 4, 3, 6, 0),    // if r4 > r3 goto pass
+    instruction(0x69, 5, 2, 12, 0),   // r5 = ethertype
+    instruction(0x55, 5, 0, 4, 0x08), // if r5 != htons(0x0800) goto pass
+    instruction(0x71, 5, 2, 23, 0),   // r5 = IPv4 protocol
+    instruction(0x55, 5, 0, 2, 1),    // if r5 != ICMP goto pass
+    instruction(0xb7, 0, 0, 0, 2),    // r0 = TC_ACT_SHOT
+    instruction(0x95, 0, 0, 0, 0),    // exit
+    instruction(0xb7, 0, 0, 0, -1),   // pass: r0 = TCX_NEXT
+    instruction(0x95, 0, 0, 0, 0),    // exit
+];
+
+/// Which tcx hook of an interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    Ingress,
+    Egress,
+}
+
+/// A foreign tcx program dropping IPv4 ICMP, attached after whatever is there.
+#[derive(Debug)]
+pub struct IcmpDropper {
+    _link: OwnedFd,
+}
+
+impl IcmpDropper {
+    pub fn attach(netns: &Netns, ifname: &str, hook: Hook) -> Self {
+        let ifname = ifname.to_owned();
+        let link = netns.run(move || {
+            let ifindex = nix::net::if_::if_nametoindex(ifname.as_str())
+                .unwrap_or_else(|error| panic!("no interface {ifname}: {error}"));
+            let program = load().unwrap_or_else(|error| panic!("load the dropper: {error}"));
+            let attach_type = match hook {
+                Hook::Ingress => BPF_TCX_INGRESS,
+                Hook::Egress => BPF_TCX_EGRESS,
+            };
+            // union bpf_attr, BPF_LINK_CREATE: prog_fd, target_ifindex, attach_type, flags.
+            let mut attr = [0u8; 128];
+            attr[0..4].copy_from_slice(&(program.as_raw_fd() as u32).to_ne_bytes());
+            attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+            attr[8..12].copy_from_slice(&attach_type.to_ne_bytes());
+            bpf(BPF_LINK_CREATE, &attr)
+                .unwrap_or_else(|error| panic!("attach the dropper to {ifname}: {error}"))
+        });
+        Self { _link: link }
+    }
+}
+
+/// The same program pinned in bpffs, for `tc filter add … bpf da pinned <path>`: an operator's
+/// classic cls_bpf filter. Unpinned when dropped.
+#[derive(Debug)]
+pub struct PinnedIcmpDropper {
+    pub path: std::path::PathBuf,
+}
+
+impl PinnedIcmpDropper {
+    pub fn pin(path: &std::path::Path) -> Self {
+        let program = load().unwrap_or_else(|error| panic!("load the dropper: {error}"));
+        let path_text = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+            .expect("pin path without NUL");
+        // union bpf_attr, BPF_OBJ_PIN: pathname, bpf_fd.
+        let mut attr = [0u8; 128];
+        attr[0..8].copy_from_slice(&(path_text.as_ptr() as u64).to_ne_bytes());
+        attr[8..12].copy_from_slice(&(program.as_raw_fd() as u32).to_ne_bytes());
+        // SAFETY: as in `bpf`; BPF_OBJ_PIN returns 0 rather than a descriptor.
+        let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, attr.as_ptr(), attr.len()) };
+        assert!(
+            rc == 0,
+            "pin the dropper at {}: {}",
+            path.display(),
+            io::Error::last_os_error()
+        );
+        Self {
+            path: path.to_owned(),
+        }
+    }
+}
+
+impl Drop for PinnedIcmpDropper {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn load() -> io::Result<OwnedFd> {
+    let license = c"GPL";
+    // union bpf_attr, BPF_PROG_LOAD: prog_type, insn_cnt, insns, license, ...,
+    // expected_attach_type at offset 68.
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
+    attr[4..8].copy_from_slice(&(DROP_ICMP.len() as u32).to_ne_bytes());
+    attr[8..16].copy_from_slice(&(DROP_ICMP.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+    bpf(BPF_PROG_LOAD, &attr)
+}
+
+fn bpf(command: libc::c_long, attr: &[u8; 128]) -> io::Result<OwnedFd> {
+    // SAFETY: bpf(2) reads `attr`, a zero-initialised union bpf_attr whose pointers outlive the
+    // call, and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, command, attr.as_ptr(), attr.len()) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor the kernel just returned, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
