@@ -8,8 +8,11 @@
 
 pub mod assertions;
 pub mod chain;
+pub mod cri;
 pub mod foreign;
+pub mod image;
 pub mod netns;
+pub mod podman;
 pub mod topology;
 pub mod traffic;
 

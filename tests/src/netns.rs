@@ -14,6 +14,9 @@ use nix::sched::{CloneFlags, setns};
 #[derive(Debug)]
 pub struct Netns {
     name: String,
+    path: PathBuf,
+    /// Created here (and deleted on drop), or only entered (a runtime's pod namespace).
+    owned: bool,
 }
 
 impl Netns {
@@ -23,6 +26,8 @@ impl Netns {
         run_checked(Command::new("ip").args(["netns", "add", name]));
         let netns = Self {
             name: name.to_owned(),
+            path: PathBuf::from(format!("/run/netns/{name}")),
+            owned: true,
         };
         netns.exec(&["ip", "link", "set", "lo", "up"]);
         // Duplicate address detection would hold every new IPv6 address back for a second or
@@ -32,12 +37,22 @@ impl Netns {
         netns
     }
 
+    /// A namespace someone else made (a runtime's pod), entered by its path and left in
+    /// place on drop.
+    pub fn at(path: &std::path::Path) -> Self {
+        Self {
+            name: path.display().to_string(),
+            path: path.to_owned(),
+            owned: false,
+        }
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }
 
     pub fn path(&self) -> PathBuf {
-        PathBuf::from(format!("/run/netns/{}", self.name))
+        self.path.clone()
     }
 
     /// Runs a command inside the namespace (and only its network namespace), panicking with
@@ -87,6 +102,9 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         let _ = Command::new("ip")
             .args(["netns", "del", &self.name])
             .output();

@@ -142,6 +142,37 @@ pub fn tcp_exchange(target: SocketAddr, timeout: Duration) -> Result<(String, So
     Ok((answer, peer))
 }
 
+/// An HTTP/1.0 GET of `/` from `netns`: the body of the answer (status line and headers
+/// dropped), or why it failed.
+pub fn http_get(netns: &Netns, target: SocketAddr) -> Result<String, String> {
+    netns.run(move || http_exchange(target, CLIENT_TIMEOUT).map(|(body, _)| body))
+}
+
+/// [`http_get`] from the current namespace; also the peer address the socket reports.
+pub fn http_exchange(
+    target: SocketAddr,
+    timeout: Duration,
+) -> Result<(String, SocketAddr), String> {
+    let mut stream =
+        TcpStream::connect_timeout(&target, timeout).map_err(|error| error.to_string())?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|error| error.to_string())?;
+    let peer = stream.peer_addr().map_err(|error| error.to_string())?;
+    stream
+        .write_all(b"GET / HTTP/1.0\r\nHost: cnibpf-test\r\n\r\n")
+        .map_err(|error| error.to_string())?;
+    let mut answer = String::new();
+    stream
+        .read_to_string(&mut answer)
+        .map_err(|error| error.to_string())?;
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map_or(answer.as_str(), |(_, body)| body)
+        .to_owned();
+    Ok((body, peer))
+}
+
 /// A UDP server answering each datagram with its greeting, recording the peers.
 #[derive(Debug)]
 pub struct UdpServer {

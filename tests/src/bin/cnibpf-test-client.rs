@@ -1,12 +1,13 @@
 //! A client process for tests of the socket hooks: joins a cgroup (v2 moves whole processes, so
 //! a thread of the test cannot), then makes one request and prints what it saw.
 //!
-//! `cnibpf-test-client <cgroup-dir> tcp|udp <address:port>` prints `answer=<text>` and
-//! `peer=<address>` (getpeername for TCP, the datagram's source for UDP).
+//! `cnibpf-test-client <cgroup-dir> tcp|udp|http <address:port>` prints `answer=<text>` (for
+//! http, the first line of the body of a GET of `/`) and `peer=<address>` (getpeername for TCP,
+//! the datagram's source for UDP).
 
 use std::{net::SocketAddr, process::ExitCode, time::Duration};
 
-use cnibpf_tests::traffic::{tcp_exchange, udp_exchange};
+use cnibpf_tests::traffic::{http_exchange, tcp_exchange, udp_exchange};
 
 fn main() -> ExitCode {
     match run() {
@@ -21,7 +22,9 @@ fn main() -> ExitCode {
 fn run() -> Result<(), String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [cgroup, protocol, target] = args.as_slice() else {
-        return Err("usage: cnibpf-test-client <cgroup-dir> tcp|udp <address:port>".to_owned());
+        return Err(
+            "usage: cnibpf-test-client <cgroup-dir> tcp|udp|http <address:port>".to_owned(),
+        );
     };
     std::fs::write(format!("{cgroup}/cgroup.procs"), "0")
         .map_err(|error| format!("join {cgroup}: {error}"))?;
@@ -32,6 +35,7 @@ fn run() -> Result<(), String> {
     let (answer, peer) = match protocol.as_str() {
         "tcp" => tcp_exchange(target, timeout)?,
         "udp" => udp_exchange(target, timeout)?,
+        "http" => http_exchange(target, timeout)?,
         other => return Err(format!("unknown protocol {other}")),
     };
     println!("answer={answer}");

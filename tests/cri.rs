@@ -1,0 +1,204 @@
+//! containerd's CRI, driven the way kubelet drives it (the path of every Kubernetes node that
+//! runs containerd): RunPodSandbox with hostPorts, containers serving them, traffic from
+//! outside, from host processes and from a neighbour pod, masquerade, a filter rule, the
+//! teardown kubelet does (StopPodSandbox twice, RemovePodSandbox) and a pod restart. The
+//! conflist is the simulated host's bridge + cnibpf; containerd sends the capability keys as
+//! Go field names and names the pod in CNI_ARGS.
+
+use std::{
+    net::{IpAddr, Ipv6Addr, SocketAddr},
+    time::Duration,
+};
+
+use cnibpf_tests::{
+    SimHost,
+    cri::{Containerd, host_port},
+    eventually, for_both_backends,
+    image::PAGE,
+    topology::{Backend, HOST_UPLINK_ADDR, OUTSIDE_ADDR},
+    traffic::{TcpServer, UdpServer, http_get, udp_request},
+};
+use k8s_cri::v1::Protocol;
+use serde_json::json;
+
+const OUTSIDE_WEB: u16 = 9000;
+/// An outside port the pod's filter keeps it from reaching.
+const OUTSIDE_FORBIDDEN: u16 = 9001;
+
+fn cnibpf_keys() -> serde_json::Value {
+    json!({
+        "ipMasq": true,
+        "filter": [{
+            "index": 10, "dst": format!("{OUTSIDE_ADDR}/32"), "proto": "tcp",
+            "dport": OUTSIDE_FORBIDDEN, "direction": "egress", "target": "DROP",
+        }],
+    })
+}
+
+fn pods_of(sim: &SimHost) -> Vec<String> {
+    sim.inspect()["attachments"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|attachment| attachment["pod"].as_str().map(str::to_owned))
+        .collect()
+}
+
+fn a_pod_with_host_ports_through_containerd(backend: Backend) {
+    let sim = SimHost::on(backend, "cri", cnibpf_keys());
+    let containerd = Containerd::start(&sim);
+    let mut cri = containerd.client();
+    let uplink = HOST_UPLINK_ADDR.to_string();
+    let config = cri.pod_config(
+        "shop",
+        "web",
+        0,
+        vec![
+            host_port(Protocol::Tcp, 80, 18080, ""),
+            host_port(Protocol::Tcp, 80, 18081, &uplink),
+            host_port(Protocol::Udp, 5353, 15353, ""),
+        ],
+    );
+    let web = cri
+        .run_pod(config.clone())
+        .unwrap_or_else(|status| panic!("RunPodSandbox: {status}\n{}", containerd.log()));
+    let httpd = cri.start_container(
+        &web,
+        "httpd",
+        &["/bin/httpd", "-f", "-p", "80", "-h", "/www"],
+    );
+    let _dns = UdpServer::start(&web.netns, "0.0.0.0:5353".parse().expect("literal"), "dns");
+    assert_eq!(pods_of(&sim), ["shop/web"], "inspect names the pod");
+
+    // From outside: TCP on any address, TCP on the hostIP, UDP.
+    assert!(
+        eventually(Duration::from_secs(5), || http_get(
+            &sim.outside,
+            sim.uplink_target(18080)
+        )
+        .is_ok_and(|body| body == PAGE)),
+        "the outside reaches httpd through hostPort 18080"
+    );
+    assert_eq!(
+        http_get(&sim.outside, sim.uplink_target(18081)).as_deref(),
+        Ok(PAGE),
+        "hostPort 18081 on hostIP {uplink}"
+    );
+    let (answer, _) = udp_request(&sim.outside, sim.uplink_target(15353))
+        .unwrap_or_else(|error| panic!("UDP hostPort 15353: {error}"));
+    assert_eq!(answer, "dns");
+
+    // From host processes.
+    let local = [
+        SocketAddr::new(IpAddr::V4(HOST_UPLINK_ADDR), 18080),
+        SocketAddr::new(IpAddr::V4([127, 0, 0, 1].into()), 18080),
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), 18080),
+    ];
+    for target in local {
+        let outcome = sim.host_client("http", target);
+        // nftables translates neither loopback address (see README: backend differences).
+        if backend == Backend::Nftables && target.ip().is_loopback() {
+            assert!(outcome.is_err(), "nftables: {target}: {outcome:?}");
+            continue;
+        }
+        let (answer, _) =
+            outcome.unwrap_or_else(|error| panic!("host process -> {target}: {error}"));
+        assert_eq!(answer, PAGE.trim_end(), "host process -> {target}");
+    }
+
+    // A neighbour pod through the hostPort (hairpin), and the pod's own traffic out.
+    let neighbour = cri
+        .run_pod(cri.pod_config("shop", "client", 0, Vec::new()))
+        .unwrap_or_else(|status| panic!("RunPodSandbox client: {status}"));
+    let shell = cri.start_container(&neighbour, "shell", &["/bin/sleep", "3600"]);
+    let (code, body) = cri.exec(
+        &shell,
+        &["/bin/wget", "-q", "-O-", &format!("http://{uplink}:18080/")],
+    );
+    assert_eq!(
+        (code, body.as_str()),
+        (0, PAGE),
+        "hairpin from a neighbour pod"
+    );
+    let outside_web = TcpServer::start(
+        &sim.outside,
+        SocketAddr::new(OUTSIDE_ADDR.into(), OUTSIDE_WEB),
+        "HTTP/1.0 200 OK\r\n\r\nfrom outside\n",
+    );
+    let _forbidden = TcpServer::start(
+        &sim.outside,
+        SocketAddr::new(OUTSIDE_ADDR.into(), OUTSIDE_FORBIDDEN),
+        "HTTP/1.0 200 OK\r\n\r\nforbidden\n",
+    );
+    let fetch = |cri: &mut cnibpf_tests::cri::Cri, port: u16| {
+        cri.exec(
+            &httpd,
+            // (busybox 1.35's own `wget -T` crashes.)
+            &[
+                "/bin/timeout",
+                "3",
+                "/bin/wget",
+                "-q",
+                "-O-",
+                &format!("http://{OUTSIDE_ADDR}:{port}/"),
+            ],
+        )
+    };
+    // (The greeting server closes without reading the request: wget may still say 1.)
+    let (_, body) = fetch(&mut cri, OUTSIDE_WEB);
+    assert_eq!(body, "from outside\n", "masquerade");
+    assert_eq!(
+        outside_web.peers()[0].ip(),
+        IpAddr::V4(HOST_UPLINK_ADDR),
+        "the outside server saw the uplink's address"
+    );
+    let (_, body) = fetch(&mut cri, OUTSIDE_FORBIDDEN);
+    assert_eq!(
+        body, "",
+        "filter rule 10 keeps the pod from {OUTSIDE_ADDR}:{OUTSIDE_FORBIDDEN}"
+    );
+
+    // kubelet's teardown: StopPodSandbox, again (its retry), RemovePodSandbox.
+    cri.stop_pod(&web.id)
+        .unwrap_or_else(|status| panic!("StopPodSandbox: {status}"));
+    cri.stop_pod(&web.id)
+        .unwrap_or_else(|status| panic!("second StopPodSandbox: {status}"));
+    cri.remove_pod(&web.id)
+        .unwrap_or_else(|status| panic!("RemovePodSandbox: {status}"));
+    assert!(
+        http_get(&sim.outside, sim.uplink_target(18080)).is_err(),
+        "hostPort 18080 refused after the pod is gone"
+    );
+    assert_eq!(pods_of(&sim), ["shop/client"], "nothing of the pod is left");
+
+    // The pod again, as kubelet restarts it: same name, a new sandbox; its hostPort at once.
+    let again = cri
+        .run_pod(cri.pod_config("shop", "web", 1, config.port_mappings.clone()))
+        .unwrap_or_else(|status| panic!("RunPodSandbox of the restarted pod: {status}"));
+    cri.start_container(
+        &again,
+        "httpd",
+        &["/bin/httpd", "-f", "-p", "80", "-h", "/www"],
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || http_get(
+            &sim.outside,
+            sim.uplink_target(18080)
+        )
+        .is_ok_and(|body| body == PAGE)),
+        "the restarted pod has its hostPort"
+    );
+
+    for pod in [&again.id, &neighbour.id] {
+        cri.stop_pod(pod)
+            .unwrap_or_else(|status| panic!("StopPodSandbox: {status}"));
+        cri.remove_pod(pod)
+            .unwrap_or_else(|status| panic!("RemovePodSandbox: {status}"));
+    }
+    assert!(
+        sim.holds_no_state(),
+        "the last pod's teardown leaves no cnibpf state"
+    );
+}
+
+for_both_backends!(a_pod_with_host_ports_through_containerd);
