@@ -16,11 +16,12 @@ use hyper_util::rt::TokioIo;
 use k8s_cri::v1::{
     ContainerConfig, ContainerMetadata, CreateContainerRequest, ExecSyncRequest, ImageSpec,
     LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
-    LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption, PodSandboxConfig,
-    PodSandboxMetadata, PodSandboxStatusRequest, PortMapping, Protocol, RemovePodSandboxRequest,
-    RunPodSandboxRequest, StartContainerRequest, StopPodSandboxRequest, VersionRequest,
+    LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption, PodSandboxMetadata,
+    PodSandboxStatusRequest, PortMapping, RemovePodSandboxRequest, RunPodSandboxRequest,
+    StartContainerRequest, StopPodSandboxRequest, VersionRequest,
     runtime_service_client::RuntimeServiceClient,
 };
+pub use k8s_cri::v1::{PodSandboxConfig, Protocol};
 use sha2::{Digest as _, Sha256};
 use tonic::transport::{Channel, Endpoint, Uri};
 

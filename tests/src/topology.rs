@@ -161,6 +161,17 @@ impl SimHost {
         )
     }
 
+    /// The reference chain cnibpf replaces: the bridge masquerading with iptables (`ipMasq`)
+    /// and the reference `portmap` chained after it, for comparisons.
+    pub fn with_reference_chain(id: &str) -> Self {
+        Self::build(
+            id,
+            "1.0.0",
+            vec![Chained::ReferencePortmap(json!({}))],
+            true,
+        )
+    }
+
     /// A simulated host whose bridge masquerades with iptables (the reference `ipMasq`) and
     /// that chains nothing after it, for comparisons.
     pub fn with_reference_masquerade(id: &str) -> Self {

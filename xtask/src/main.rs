@@ -40,7 +40,7 @@ enum Task {
     Demo,
     /// Benchmarks against same-run baselines; results in target/bench (table, JSON, PNG).
     Bench {
-        /// Which suite (default: all): portmap, masquerade, filter.
+        /// Which suite (default: all): portmap, masquerade, filter, pods.
         suite: Option<String>,
     },
 }

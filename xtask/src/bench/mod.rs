@@ -5,6 +5,7 @@
 mod chart;
 mod filter;
 mod masquerade;
+mod pods;
 mod portmap;
 
 use std::{
@@ -28,12 +29,16 @@ pub fn run(suite: Option<&str>) -> Result<()> {
         None => {
             portmap::run(&out_dir)?;
             masquerade::run(&out_dir)?;
-            filter::run(&out_dir)
+            filter::run(&out_dir)?;
+            pods::run(&out_dir)
         }
         Some("portmap") => portmap::run(&out_dir),
         Some("masquerade") => masquerade::run(&out_dir),
         Some("filter") => filter::run(&out_dir),
-        Some(other) => bail!("unknown bench suite {other:?}; suites: portmap, masquerade, filter"),
+        Some("pods") => pods::run(&out_dir),
+        Some(other) => {
+            bail!("unknown bench suite {other:?}; suites: portmap, masquerade, filter, pods")
+        }
     }
 }
 
