@@ -798,7 +798,14 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
         ]}),
     );
     host.route_outside_to_containers();
-    let container = host.container("c1", Value::Null);
+    // Named by the runtime, as containerd names a pod: the events name it too.
+    let container = host
+        .add_container_with_args(
+            "c1",
+            Value::Null,
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-0",
+        )
+        .unwrap_or_else(|error| panic!("ADD failed: {error}"));
     let mut json_monitor = start_monitor(&host, true);
     let mut text_monitor = start_monitor(&host, false);
     let json_lines = monitor_lines(&mut json_monitor);
@@ -828,6 +835,7 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
             "{event}"
         );
         assert_eq!(event["ifname"], "eth0", "{event}");
+        assert_eq!(event["pod"], "shop/web-0", "{event}");
         assert_eq!(event["direction"], "ingress", "{event}");
         assert_eq!(event["rule"], 10, "{event}");
         assert_eq!(event["protocol"], "tcp", "{event}");
@@ -843,7 +851,8 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
         let line = first_line_matching(&text_lines, |line| line.contains(&source))
             .unwrap_or_else(|| panic!("no {family:?} drop event from the text monitor"));
         assert!(
-            line.contains("ingress DROP by rule 10: tcp") && line.contains(":8080"),
+            line.contains("eth0 pod shop/web-0 ingress DROP by rule 10: tcp")
+                && line.contains(":8080"),
             "{line}"
         );
     }
