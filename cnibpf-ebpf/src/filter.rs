@@ -35,7 +35,7 @@ use cnibpf_common::{
 
 use crate::{
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
-    maps,
+    maps::{self, scratch::Subject},
     packet::{
         DROP, DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, NEXT,
         load_anywhere, widen, words,
@@ -51,31 +51,6 @@ pub fn verdict(allowed: bool) -> i32 {
 const PROTO_IGMP: u8 = 2;
 /// IPv6 Hop-by-Hop options header (MLD messages carry one, with the router alert).
 const IPV6_HOP_BY_HOP: u8 = 0;
-
-/// The filter's view of the packet at hand, and the state of its rule search. Kept in the
-/// per-CPU `filter_scratch` map: on the stack it would push call chains past the verifier's
-/// 512 bytes. One packet is judged at a time per CPU.
-#[repr(C)]
-pub struct Subject {
-    /// The packet's connection, the container's side first.
-    key: FilterFlowKey,
-    /// Source and destination as the rules name them, as 32-bit words.
-    source: [u32; 4],
-    destination: [u32; 4],
-    now: u64,
-    bytes: u32,
-    /// Host byte order.
-    source_port: u16,
-    destination_port: u16,
-    /// `DIRECTION_*` of the packet.
-    direction: u8,
-    /// TCP flags, zero for other protocols.
-    flags: u8,
-    /// Answers of the rule search: the first rule matching a connection's first packet and
-    /// its later ones (positions, `RULE_DEFAULT` when none).
-    new: u16,
-    established: u16,
-}
 
 impl Subject {
     /// The packet's source and destination addresses, from its connection's key.

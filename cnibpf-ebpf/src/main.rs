@@ -1,7 +1,11 @@
 //! cnibpf datapath: TC programs attached with tcx to the uplinks and to each container's
-//! host-side interface. Every program is a thin entry point that turns the `Result` of its
-//! `try_*` function into a TC verdict; `DatapathError::verdict` says which verdict each error
-//! path gets.
+//! host-side interface, and socket hooks on a cgroup. This file holds only the entry points;
+//! `hooks` says what runs at each, the features (`portmap`, `masquerade`, `filter`) do the work
+//! with `conntrack`, `packet` and `maps` below them. Modules only use modules below them:
+//!
+//! ```text
+//! main → hooks → portmap, masquerade, filter → conntrack → packet, maps
+//! ```
 #![no_std]
 #![no_main]
 #![expect(
@@ -9,15 +13,13 @@
     reason = "aya-ebpf's #[classifier] generates the extern entry point that takes the kernel's raw context pointer"
 )]
 
-mod conditions;
 mod conntrack;
-mod delivery;
 mod filter;
+mod hooks;
 mod maps;
 mod masquerade;
 mod packet;
 mod portmap;
-mod sock;
 
 use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier},
@@ -25,20 +27,20 @@ use aya_ebpf::{
 };
 use cnibpf_common::{FAMILY_IPV4, FAMILY_IPV6};
 
-use crate::packet::DatapathError;
+use crate::hooks::{container, socket, uplink};
 
 /// Uplink ingress: traffic from outside to a hostPort is translated to its container; replies
 /// of masqueraded flows (and ICMP errors about them) are translated back to theirs.
 #[classifier]
 pub fn uplink_ingress(ctx: TcContext) -> i32 {
-    portmap::try_uplink_ingress(&ctx).unwrap_or_else(DatapathError::verdict)
+    uplink::ingress(&ctx)
 }
 
 /// Uplink egress: replies of translated flows get the hostPort address back as their source;
 /// container traffic the host stack forwarded is masqueraded.
 #[classifier]
 pub fn uplink_egress(ctx: TcContext) -> i32 {
-    portmap::try_uplink_egress(&ctx).unwrap_or_else(DatapathError::verdict)
+    uplink::egress(&ctx)
 }
 
 /// Container host-side interface, TC ingress: packets the container sends. Replies of
@@ -46,7 +48,7 @@ pub fn uplink_egress(ctx: TcContext) -> i32 {
 /// uplink; everything else continues unchanged.
 #[classifier]
 pub fn from_container(ctx: TcContext) -> i32 {
-    portmap::try_from_container(&ctx).unwrap_or_else(DatapathError::verdict)
+    container::from_container(&ctx)
 }
 
 /// Container host-side interface, TC egress: packets towards the container that did not come
@@ -54,59 +56,59 @@ pub fn from_container(ctx: TcContext) -> i32 {
 /// way reuses its 5-tuple, so a translation remembered for it is stale and goes.
 #[classifier]
 pub fn to_container(ctx: TcContext) -> i32 {
-    portmap::to_container(&ctx)
+    container::to_container(&ctx)
 }
 
 /// Host sockets, connect(2) over IPv4: a hostPort of this host becomes its container.
 #[cgroup_sock_addr(connect4)]
 pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
-    sock::to_container(&ctx, FAMILY_IPV4);
-    sock::ALLOW
+    socket::to_container(&ctx, FAMILY_IPV4);
+    socket::ALLOW
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
-    sock::to_container(&ctx, FAMILY_IPV6);
-    sock::ALLOW
+    socket::to_container(&ctx, FAMILY_IPV6);
+    socket::ALLOW
 }
 
 /// Host sockets, sendmsg(2) with a destination (unconnected UDP).
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock::to_container(&ctx, FAMILY_IPV4);
-    sock::ALLOW
+    socket::to_container(&ctx, FAMILY_IPV4);
+    socket::ALLOW
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
-    sock::to_container(&ctx, FAMILY_IPV6);
-    sock::ALLOW
+    socket::to_container(&ctx, FAMILY_IPV6);
+    socket::ALLOW
 }
 
 /// Host sockets, recvmsg(2): datagrams from a container show the hostPort they answer for.
 #[cgroup_sock_addr(recvmsg4)]
 pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
-    sock::to_host_port(&ctx, FAMILY_IPV4);
-    sock::ALLOW
+    socket::to_host_port(&ctx, FAMILY_IPV4);
+    socket::ALLOW
 }
 
 #[cgroup_sock_addr(recvmsg6)]
 pub fn sock_recvmsg6(ctx: SockAddrContext) -> i32 {
-    sock::to_host_port(&ctx, FAMILY_IPV6);
-    sock::ALLOW
+    socket::to_host_port(&ctx, FAMILY_IPV6);
+    socket::ALLOW
 }
 
 /// Host sockets, getpeername(2): a translated connection's peer is the hostPort.
 #[cgroup_sock_addr(getpeername4)]
 pub fn sock_peername4(ctx: SockAddrContext) -> i32 {
-    sock::to_host_port(&ctx, FAMILY_IPV4);
-    sock::ALLOW
+    socket::to_host_port(&ctx, FAMILY_IPV4);
+    socket::ALLOW
 }
 
 #[cgroup_sock_addr(getpeername6)]
 pub fn sock_peername6(ctx: SockAddrContext) -> i32 {
-    sock::to_host_port(&ctx, FAMILY_IPV6);
-    sock::ALLOW
+    socket::to_host_port(&ctx, FAMILY_IPV6);
+    socket::ALLOW
 }
 
 #[cfg(not(test))]

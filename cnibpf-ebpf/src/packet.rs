@@ -51,6 +51,46 @@ pub const NEXT: i32 = TC_ACT_UNSPEC;
 /// The verdict for a packet cnibpf drops (the filter, or a rewrite that failed half way).
 pub const DROP: i32 = TC_ACT_SHOT;
 
+/// A feature's answer that the packet is translated and must be handed to the container its
+/// [`Handover`] names — the hook does that, filter first.
+pub const TO_CONTAINER: i32 = i32::MIN + 1;
+/// A feature's answer that the packet is none of its business: the hook asks the next one.
+pub const NOT_MINE: i32 = i32::MIN;
+
+/// The container a translated packet goes to: its host-side veth and the MAC addresses it
+/// expects on its frames (its own, its gateway's).
+#[derive(Clone, Copy, Default)]
+pub struct Handover {
+    pub host_ifindex: u32,
+    pub container_mac: [u8; 6],
+    pub gateway_mac: [u8; 6],
+}
+
+/// `__sk_buff::tc_index` of a packet a cnibpf hook translated and handed to a container's
+/// veth (or to the stack) for its `to_container` to see: that hook must not take the fresh
+/// translation for a stale one. No qdisc the kernel still has reads `tc_index`.
+const TRANSLATED: u32 = 0xcb1f;
+
+/// Marks the packet as translated by cnibpf (see [`TRANSLATED`]).
+pub fn mark_translated(ctx: &TcContext) {
+    // SAFETY: the context is this program's __sk_buff, whose tc_index TC programs may write.
+    unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).tc_index = TRANSLATED };
+}
+
+/// Whether the packet was marked translated; the mark is cleared.
+pub fn take_translated_mark(ctx: &TcContext) -> bool {
+    let skb = ctx.as_ptr().cast::<__sk_buff>();
+    // SAFETY: the context is this program's __sk_buff, whose tc_index TC programs may read
+    // and write.
+    unsafe {
+        if (*skb).tc_index != TRANSLATED {
+            return false;
+        }
+        (*skb).tc_index = 0;
+    }
+    true
+}
+
 /// Why a program stopped early, and what that means for the packet.
 #[derive(Clone, Copy)]
 pub enum DatapathError {

@@ -3,10 +3,10 @@
 //!
 //! A container's packet is masqueraded when its source is in `masq_sources`, its destination is
 //! not excluded (`masq_excludes`) and the FIB sends it out of an uplink (`uplinks`); anything
-//! for the host itself or for another local interface is never an uplink's. `from_container`
-//! does it and hands the packet straight to the uplink; `uplink_egress` does it for packets the
-//! host stack forwarded instead. Replies, and ICMP errors about masqueraded packets, are
-//! translated back at `uplink_ingress` and handed straight to the container.
+//! for the host itself or for another local interface is never an uplink's. At the container's
+//! veth it is done and the packet sent straight out of the uplink; at the uplink's egress for
+//! packets the host stack forwarded instead. Replies, and ICMP errors about masqueraded
+//! packets, are translated back at the uplink's ingress for the hook to hand over.
 //!
 //! State is reclaimed without a daemon: an entry expires after its state's timeout
 //! (`masq_flow::timeout_ns`); the packet that meets an expired entry replaces it, the CNI
@@ -18,8 +18,8 @@ use aya_ebpf::{
     bindings::{BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_F_CURRENT_NETNS, BPF_NOEXIST, bpf_sock_tuple},
     cty::c_void,
     helpers::{
-        bpf_csum_diff, bpf_csum_level, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop,
-        bpf_sk_lookup_udp, bpf_sk_release, bpf_skc_lookup_tcp,
+        bpf_csum_level, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop, bpf_sk_lookup_udp,
+        bpf_sk_release, bpf_skc_lookup_tcp,
     },
     programs::TcContext,
 };
@@ -35,15 +35,15 @@ use cnibpf_common::{
     uplink::UplinkInfo,
 };
 
+mod icmp;
+
 use crate::{
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
-    delivery::hand_over,
     maps,
     packet::{
-        DROP, DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, NEXT,
-        Route, csum_diff, forward, ifindex, load_anywhere, route, widen, words,
+        DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, Route, TO_CONTAINER,
+        forward, ifindex, route, widen, words,
     },
-    portmap,
 };
 
 /// Candidate ports tried before a new flow is given up (the first is its own source port).
@@ -117,15 +117,26 @@ pub fn lookup_reply(flow: &Flow) -> Option<*const MasqReply> {
     maps::masq_replies.get_ptr(&flow_key(flow))
 }
 
-/// A reply to a masqueraded flow at the uplink's ingress, translated back and handed to its
-/// container; `entry` is its `masq_replies` entry (`lookup_reply`). An LRU map may recycle an
-/// entry under a reader; the worst that does is misdirect the packet at hand.
+/// A reply to a masqueraded flow at the uplink's ingress, translated back towards its container
+/// (`TO_CONTAINER`, `container` filled in), or `NEXT` when the flow's state has expired;
+/// `entry` is its `masq_replies` entry (`lookup_reply`). An LRU map may recycle an entry under
+/// a reader; the worst that does is misdirect the packet at hand.
 #[inline(never)]
-pub fn reply(ctx: &TcContext, flow: &Flow, entry: &MasqReply) -> i32 {
-    try_reply(ctx, flow, entry).unwrap_or_else(DatapathError::verdict)
+pub fn translate_reply(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    entry: &MasqReply,
+    container: &mut Handover,
+) -> i32 {
+    try_translate_reply(ctx, flow, entry, container).unwrap_or_else(DatapathError::verdict)
 }
 
-fn try_reply(ctx: &TcContext, flow: &Flow, entry: &MasqReply) -> Result<i32, DatapathError> {
+fn try_translate_reply(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    entry: &MasqReply,
+    container: &mut Handover,
+) -> Result<i32, DatapathError> {
     if !track_reply(ctx, flow, entry)? {
         let _ = maps::masq_replies.remove(&flow_key(flow));
         return Ok(NEXT);
@@ -133,38 +144,38 @@ fn try_reply(ctx: &TcContext, flow: &Flow, entry: &MasqReply) -> Result<i32, Dat
     if flow.fragment == Fragment::First {
         let _ = maps::masq_fragments.insert(&fragment_key(flow), entry, u64::from(BPF_ANY));
     }
-    let mut flow = *flow;
     flow.rewrite_destination(ctx, &entry.container_addr, entry.container_port.to_be())?;
-    hand_over(
-        ctx,
-        Some(&flow),
-        entry.host_ifindex,
-        &entry.container_mac,
-        &entry.gateway_mac,
-    )
+    hand_over_to(entry, container);
+    Ok(TO_CONTAINER)
 }
 
-/// A later fragment of a reply: it goes where its first fragment went; anything else passes.
+/// A later fragment of a reply, translated towards where its first fragment went
+/// (`TO_CONTAINER`), or `NOT_MINE`.
 #[inline(never)]
-pub fn later_fragment_reply(ctx: &TcContext, flow: &Flow) -> i32 {
-    try_later_fragment_reply(ctx, flow).unwrap_or_else(DatapathError::verdict)
+pub fn translate_later_fragment(ctx: &TcContext, flow: &mut Flow, container: &mut Handover) -> i32 {
+    try_translate_later_fragment(ctx, flow, container).unwrap_or_else(DatapathError::verdict)
 }
 
-fn try_later_fragment_reply(ctx: &TcContext, flow: &Flow) -> Result<i32, DatapathError> {
+fn try_translate_later_fragment(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    container: &mut Handover,
+) -> Result<i32, DatapathError> {
     let Some(reply) = maps::masq_fragments.get_ptr(&fragment_key(flow)) else {
-        return Ok(NEXT);
+        return Ok(NOT_MINE);
     };
-    // SAFETY: points into `masq_fragments`; see `try_reply` on reading LRU entries.
+    // SAFETY: points into `masq_fragments`; see `try_translate_reply` on reading LRU entries.
     let reply = unsafe { &*reply };
-    let mut flow = *flow;
     flow.rewrite_destination(ctx, &reply.container_addr, flow.dport)?;
-    hand_over(
-        ctx,
-        Some(&flow),
-        reply.host_ifindex,
-        &reply.container_mac,
-        &reply.gateway_mac,
-    )
+    hand_over_to(reply, container);
+    Ok(TO_CONTAINER)
+}
+
+/// Where a reply goes: the container of its `masq_replies` entry.
+fn hand_over_to(reply: &MasqReply, container: &mut Handover) {
+    container.host_ifindex = reply.host_ifindex;
+    container.container_mac = reply.container_mac;
+    container.gateway_mac = reply.gateway_mac;
 }
 
 fn fragment_key(flow: &Flow) -> FragmentKey {
@@ -219,18 +230,6 @@ fn track_reply(ctx: &TcContext, flow: &Flow, reply: &MasqReply) -> Result<bool, 
     }
     conntrack::advance(state, flow.protocol, flags, SIDE_REPLY, now);
     Ok(true)
-}
-
-/// The state of a search for a free masquerade port (`port_search`).
-pub struct PortSearch {
-    /// The reply tuple of the flow; its destination port is the candidate.
-    reverse: NatFlowKey,
-    /// The `masq_replies` entry the flow gets.
-    reply: MasqReply,
-    span: u32,
-    low: u16,
-    /// Non-zero once `reverse` is claimed.
-    claimed: u8,
 }
 
 /// What `masquerade` translates a packet with.
@@ -453,7 +452,7 @@ extern "C" fn try_port(attempt: u64, _context: *mut c_void) -> i64 {
 /// whose state is gone or expired. A hostPort of the masquerade address is never taken.
 fn claim(reverse: &NatFlowKey, reply: &MasqReply) -> bool {
     if reverse.dst_port == 0
-        || portmap::is_host_port(
+        || maps::is_host_port(
             &reverse.dst_addr,
             reverse.dst_port,
             reverse.protocol,
@@ -574,21 +573,25 @@ fn count(field: impl FnOnce(&mut MasqStats) -> &mut u64) {
 
 /// ICMP errors (destination unreachable, packet too big, time exceeded, parameter problem)
 /// about a masqueraded packet, at the uplink's ingress: the quoted packet's source and the
-/// error's destination become the container's again, and the error is handed to it, so that
-/// "port unreachable" and path MTU discovery work through the NAT. Anything else passes.
+/// error's destination become the container's again (`TO_CONTAINER`, `container` filled in),
+/// so that "port unreachable" and path MTU discovery work through the NAT; `NOT_MINE` for
+/// anything else.
 #[inline(never)]
-pub fn icmp_error(ctx: &TcContext) -> i32 {
-    try_icmp_error(ctx).unwrap_or_else(DatapathError::verdict)
+pub fn translate_icmp_error(ctx: &TcContext, container: &mut Handover) -> i32 {
+    try_translate_icmp_error(ctx, container).unwrap_or_else(DatapathError::verdict)
 }
 
-fn try_icmp_error(ctx: &TcContext) -> Result<i32, DatapathError> {
+fn try_translate_icmp_error(
+    ctx: &TcContext,
+    container: &mut Handover,
+) -> Result<i32, DatapathError> {
     let Some(error) = maps::icmp_error_scratch.get_ptr_mut(0) else {
-        return Ok(NEXT);
+        return Ok(NOT_MINE);
     };
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
     let error = unsafe { &mut *error };
     if !error.parse(ctx)? {
-        return Ok(NEXT);
+        return Ok(NOT_MINE);
     }
     let key = NatFlowKey {
         src_addr: error.inner_daddr,
@@ -600,244 +603,15 @@ fn try_icmp_error(ctx: &TcContext) -> Result<i32, DatapathError> {
         _pad: [0; 2],
     };
     let Some(reply) = maps::masq_replies.get_ptr(&key) else {
-        return Ok(NEXT);
+        return Ok(NOT_MINE);
     };
-    // SAFETY: points into `masq_replies`; the fields are read before the next map operation
-    // but the filter's, which comes last.
+    // SAFETY: points into `masq_replies`, read before the next map operation.
     let reply = unsafe { &*reply };
     error.translate(ctx, &reply.container_addr, reply.container_port.to_be())?;
     // The checksums are right; the hardware's verdict on the original packet no longer is.
     // SAFETY: the context pointer is this program's __sk_buff.
     unsafe { bpf_csum_level(ctx.as_ptr().cast(), u64::from(BPF_CSUM_LEVEL_RESET)) };
     count(|stats| &mut stats.icmp_errors);
-    hand_over(
-        ctx,
-        None,
-        reply.host_ifindex,
-        &reply.container_mac,
-        &reply.gateway_mac,
-    )
-}
-
-const ICMP_HLEN: usize = 8;
-
-/// An ICMP error quoting a TCP, UDP or ICMP echo packet, read with `bpf_skb_load_bytes`
-/// (the quoted packet need not be in the linear area). Kept in the per-CPU
-/// `icmp_error_scratch` map: on the stack it would push the call chain past 512 bytes.
-pub struct IcmpError {
-    pub family: u8,
-    /// Offset of the ICMP header.
-    icmp_off: usize,
-    /// Offset of the quoted IP header.
-    inner_off: usize,
-    /// Offset of the quoted L4 header.
-    inner_l4_off: usize,
-    pub inner_protocol: u8,
-    /// The error's own destination.
-    daddr: [u8; 16],
-    pub inner_saddr: [u8; 16],
-    pub inner_daddr: [u8; 16],
-    /// Network byte order; an echo's identifier as its source port.
-    pub inner_sport: u16,
-    pub inner_dport: u16,
-}
-
-impl IcmpError {
-    /// Reads the packet into `self`; `false` when it is not such an error.
-    #[inline(never)]
-    pub fn parse(&mut self, ctx: &TcContext) -> Result<bool, DatapathError> {
-        let ethertype: u16 = load_anywhere(ctx, 12)?;
-        let (family, icmp_off, protocol, daddr) = if ethertype == ETH_P_IP.to_be() {
-            let version_ihl: u8 = load_anywhere(ctx, ETH_HLEN)?;
-            let fragment: u16 = load_anywhere(ctx, ETH_HLEN + 6)?;
-            if version_ihl >> 4 != 4 || u16::from_be(fragment) & 0x3fff != 0 {
-                return Ok(false);
-            }
-            let daddr: [u8; 4] = load_anywhere(ctx, ETH_HLEN + 16)?;
-            (
-                FAMILY_IPV4,
-                ETH_HLEN + usize::from(version_ihl & 0x0f) * 4,
-                load_anywhere::<u8>(ctx, ETH_HLEN + 9)?,
-                widen(daddr),
-            )
-        } else if ethertype == ETH_P_IPV6.to_be() {
-            (
-                cnibpf_common::FAMILY_IPV6,
-                ETH_HLEN + IPV6_HLEN,
-                load_anywhere::<u8>(ctx, ETH_HLEN + 6)?,
-                load_anywhere::<[u8; 16]>(ctx, ETH_HLEN + 24)?,
-            )
-        } else {
-            return Ok(false);
-        };
-        let icmp_type: u8 = load_anywhere(ctx, icmp_off)?;
-        let is_error = match protocol {
-            // Destination unreachable (incl. fragmentation needed), time exceeded, parameter
-            // problem.
-            PROTO_ICMP => matches!(icmp_type, 3 | 11 | 12),
-            // Destination unreachable, packet too big, time exceeded, parameter problem.
-            PROTO_ICMPV6 => matches!(icmp_type, 1..=4),
-            _ => false,
-        };
-        if !is_error {
-            return Ok(false);
-        }
-        let inner_off = icmp_off + ICMP_HLEN;
-        let (inner_protocol, inner_l4_off, inner_saddr, inner_daddr) = if family == FAMILY_IPV4 {
-            let version_ihl: u8 = load_anywhere(ctx, inner_off)?;
-            let saddr: [u8; 4] = load_anywhere(ctx, inner_off + 12)?;
-            let daddr: [u8; 4] = load_anywhere(ctx, inner_off + 16)?;
-            (
-                load_anywhere::<u8>(ctx, inner_off + 9)?,
-                inner_off + usize::from(version_ihl & 0x0f) * 4,
-                widen(saddr),
-                widen(daddr),
-            )
-        } else {
-            (
-                load_anywhere::<u8>(ctx, inner_off + 6)?,
-                inner_off + IPV6_HLEN,
-                load_anywhere::<[u8; 16]>(ctx, inner_off + 8)?,
-                load_anywhere::<[u8; 16]>(ctx, inner_off + 24)?,
-            )
-        };
-        let (inner_sport, inner_dport) = match inner_protocol {
-            PROTO_TCP | PROTO_UDP => (
-                load_anywhere::<u16>(ctx, inner_l4_off)?,
-                load_anywhere::<u16>(ctx, inner_l4_off + 2)?,
-            ),
-            // Only a quoted echo request: its identifier is what was translated.
-            PROTO_ICMP | PROTO_ICMPV6 => {
-                let quoted_type: u8 = load_anywhere(ctx, inner_l4_off)?;
-                if quoted_type != 8 && quoted_type != 128 {
-                    return Ok(false);
-                }
-                (load_anywhere::<u16>(ctx, inner_l4_off + 4)?, 0)
-            }
-            _ => return Ok(false),
-        };
-        *self = Self {
-            family,
-            icmp_off,
-            inner_off,
-            inner_l4_off,
-            inner_protocol,
-            daddr,
-            inner_saddr,
-            inner_daddr,
-            inner_sport,
-            inner_dport,
-        };
-        Ok(true)
-    }
-
-    /// Offset of the quoted L4 checksum, and whether it covers the quoted addresses.
-    fn inner_csum(&self) -> (usize, bool) {
-        match self.inner_protocol {
-            PROTO_TCP => (self.inner_l4_off + 16, true),
-            PROTO_UDP => (self.inner_l4_off + 6, true),
-            PROTO_ICMPV6 => (self.inner_l4_off + 2, true),
-            _ => (self.inner_l4_off + 2, false),
-        }
-    }
-
-    /// Rewrites the quoted source to `addr`:`port` and the error's destination to `addr`, and
-    /// every checksum these touch: the quoted IP and L4 headers', and the error's own (which
-    /// covers the whole quote, and for ICMPv6 the destination too).
-    #[inline(never)]
-    fn translate(&self, ctx: &TcContext, addr: &[u8; 16], port: u16) -> Result<(), DatapathError> {
-        let failed = |_| DatapathError::RewriteFailed;
-        let outer_csum = self.icmp_off + 2;
-        let (inner_csum, inner_covers_addresses) = self.inner_csum();
-        // A quoted L4 checksum cut off by the quote, or a UDP datagram without one, stays.
-        let inner_csum_present = u32::try_from(inner_csum + 2).is_ok_and(|end| end <= ctx.len())
-            && (self.inner_protocol != PROTO_UDP
-                || self.family != FAMILY_IPV4
-                || load_anywhere::<u16>(ctx, inner_csum)? != 0);
-        let address_diff = csum_diff(&self.inner_saddr, addr)?;
-        let port_diff = csum_diff_u16(self.inner_sport, port)?;
-        if inner_csum_present {
-            let old: u16 = load_anywhere(ctx, inner_csum)?;
-            let diff = if inner_covers_addresses {
-                csum_add(address_diff, port_diff)
-            } else {
-                port_diff
-            };
-            ctx.l4_csum_replace(inner_csum, 0, u64::from(fold(diff)), 0)
-                .map_err(failed)?;
-            let new: u16 = load_anywhere(ctx, inner_csum)?;
-            ctx.l4_csum_replace(outer_csum, u64::from(old), u64::from(new), 2)
-                .map_err(failed)?;
-        }
-        let port_off = if matches!(self.inner_protocol, PROTO_ICMP | PROTO_ICMPV6) {
-            self.inner_l4_off + 4
-        } else {
-            self.inner_l4_off
-        };
-        ctx.store(port_off, &port, 0).map_err(failed)?;
-        ctx.l4_csum_replace(outer_csum, u64::from(self.inner_sport), u64::from(port), 2)
-            .map_err(failed)?;
-        if self.family == FAMILY_IPV4 {
-            let old_addr = u32::from_ne_bytes([
-                self.inner_saddr[0],
-                self.inner_saddr[1],
-                self.inner_saddr[2],
-                self.inner_saddr[3],
-            ]);
-            let new_addr = u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]);
-            let inner_ip_csum = self.inner_off + 10;
-            let old: u16 = load_anywhere(ctx, inner_ip_csum)?;
-            ctx.l3_csum_replace(inner_ip_csum, u64::from(old_addr), u64::from(new_addr), 4)
-                .map_err(failed)?;
-            let new: u16 = load_anywhere(ctx, inner_ip_csum)?;
-            ctx.store(self.inner_off + 12, &new_addr, 0)
-                .map_err(failed)?;
-            // The quoted header still sums to the same, but its bytes changed.
-            ctx.l4_csum_replace(outer_csum, u64::from(old_addr), u64::from(new_addr), 4)
-                .map_err(failed)?;
-            ctx.l4_csum_replace(outer_csum, u64::from(old), u64::from(new), 2)
-                .map_err(failed)?;
-            // The error's own destination; ICMPv4's checksum does not cover it.
-            let old_daddr =
-                u32::from_ne_bytes([self.daddr[0], self.daddr[1], self.daddr[2], self.daddr[3]]);
-            ctx.l3_csum_replace(ETH_HLEN + 10, u64::from(old_daddr), u64::from(new_addr), 4)
-                .map_err(failed)?;
-            ctx.store(ETH_HLEN + 16, &new_addr, 0).map_err(failed)?;
-        } else {
-            ctx.store(self.inner_off + 8, addr, 0).map_err(failed)?;
-            ctx.l4_csum_replace(outer_csum, 0, u64::from(fold(address_diff)), 0)
-                .map_err(failed)?;
-            let daddr_diff = csum_diff(&self.daddr, addr)?;
-            ctx.l4_csum_replace(
-                outer_csum,
-                0,
-                u64::from(fold(daddr_diff)),
-                u64::from(aya_ebpf::bindings::BPF_F_PSEUDO_HDR),
-            )
-            .map_err(failed)?;
-            ctx.store(ETH_HLEN + 24, addr, 0).map_err(failed)?;
-        }
-        Ok(())
-    }
-}
-
-fn csum_diff_u16(old: u16, new: u16) -> Result<u32, DatapathError> {
-    // bpf_csum_diff works on 4-byte multiples: pad both with the same zero half.
-    let mut from = u32::from(old).to_ne_bytes();
-    let mut to = u32::from(new).to_ne_bytes();
-    // SAFETY: both buffers are 4 bytes on this program's stack.
-    let diff = unsafe { bpf_csum_diff(from.as_mut_ptr().cast(), 4, to.as_mut_ptr().cast(), 4, 0) };
-    u32::try_from(diff).map_err(|_| DatapathError::RewriteFailed)
-}
-
-/// Ones'-complement addition of two 32-bit partial sums.
-fn csum_add(a: u32, b: u32) -> u32 {
-    let (sum, carry) = a.overflowing_add(b);
-    sum.wrapping_add(u32::from(carry))
-}
-
-/// Folds a 32-bit ones'-complement sum to 16 bits, in the form `bpf_l4_csum_replace` adds.
-fn fold(sum: u32) -> u32 {
-    let sum = (sum & 0xffff) + (sum >> 16);
-    (sum & 0xffff) + (sum >> 16)
+    hand_over_to(reply, container);
+    Ok(TO_CONTAINER)
 }

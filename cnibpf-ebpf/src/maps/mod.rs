@@ -2,10 +2,8 @@
 //! `cnibpf-common`; all are pinned by name under the instance's `pinPath`, so every program
 //! instance and every plugin run shares them.
 
-use crate::{
-    filter::Subject,
-    masquerade::{IcmpError, PortSearch},
-};
+pub mod scratch;
+
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
@@ -37,6 +35,7 @@ use cnibpf_common::{
     sock_rev::{self, SockRevKey, SockRevValue},
     uplink::{self, UplinkInfo},
 };
+use scratch::{IcmpError, PortSearch, Subject, Translation};
 
 /// Map names are the pin names users pass to bpftool, so they are lowercase like the files.
 #[expect(
@@ -253,6 +252,15 @@ pub static port_search: PerCpuArray<PortSearch, 1> = PerCpuArray::new();
 #[btf_map]
 pub static filter_scratch: PerCpuArray<Subject, 1> = PerCpuArray::new();
 
+/// Scratch space of hostPort translation (see `portmap::Translation`); private to each loaded
+/// object, not pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static translation_scratch: PerCpuArray<Translation, 1> = PerCpuArray::new();
+
 /// Scratch space of ICMP error translation (see `masquerade::IcmpError`); private to each
 /// loaded object, not pinned.
 #[expect(
@@ -278,3 +286,38 @@ pub static owner_ports: HashMap<OwnerPortKey, PortMapKey, { owner_port::MAX_ENTR
 #[btf_map(pin_by_name)]
 pub static port_claims: HashMap<PortClaimKey, PortClaim, { port_claim::MAX_ENTRIES as usize }> =
     HashMap::new();
+
+/// Whether `port` (host byte order) of host address `addr` is a hostPort.
+pub fn is_host_port(addr: &[u8; 16], port: u16, protocol: u8, family: u8) -> bool {
+    let mut key = PortMapKey {
+        host_addr: *addr,
+        host_port: port,
+        protocol,
+        family,
+    };
+    if portmap.get_ptr(&key).is_some() {
+        return true;
+    }
+    key.host_addr = [0; 16];
+    portmap.get_ptr(&key).is_some()
+}
+
+/// Whether `addr` is one of the host's own addresses (`host_addrs`).
+pub fn is_host_address(addr: &[u8; 16], family: u8) -> bool {
+    let key = HostAddrKey {
+        addr: *addr,
+        family,
+        _pad: [0; 3],
+    };
+    host_addrs.get_ptr(&key).is_some()
+}
+
+/// The `endpoints` flags of a container's host-side veth (zero for an unknown one). Not
+/// inlined: its lookup key would otherwise sit in its callers' frames, under the filter's.
+#[inline(never)]
+pub fn endpoint_flags(host_ifindex: u32) -> u32 {
+    // SAFETY: points into `endpoints`, read at once.
+    endpoints
+        .get_ptr(&host_ifindex)
+        .map_or(0, |endpoint| unsafe { (*endpoint).flags })
+}

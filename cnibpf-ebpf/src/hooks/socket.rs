@@ -20,7 +20,7 @@ use cnibpf_common::{
     sock_rev::{SockRevKey, SockRevValue},
 };
 
-use crate::{conditions, maps, packet::widen, portmap::is_host_address};
+use crate::{maps, packet::widen, portmap};
 
 /// The verdict that lets the syscall proceed.
 pub const ALLOW: i32 = 1;
@@ -43,7 +43,7 @@ pub fn to_container(ctx: &SockAddrContext, family: u8) {
     let mapping = match maps::portmap.get_ptr(&key) {
         Some(mapping) => mapping,
         None => {
-            if !is_loopback(&addr, family) && !is_host_address(&addr, family) {
+            if !is_loopback(&addr, family) && !maps::is_host_address(&addr, family) {
                 return;
             }
             key.host_addr = [0; 16];
@@ -59,7 +59,7 @@ pub fn to_container(ctx: &SockAddrContext, family: u8) {
     // to or, for an unbound one, the local destination itself (which the kernel then picks).
     let bound = bound_address(sock, family);
     let source = if bound == [0; 16] { &addr } else { &bound };
-    if !conditions::admit(mapping, source, &addr, 0, family) {
+    if !portmap::admit(mapping, source, &addr, 0, family) {
         return;
     }
     let (container_addr, container_port) = (mapping.container_addr, mapping.container_port);

@@ -1,0 +1,99 @@
+//! A container's host-side veth. Ingress (what the container sends): the filter first, as it
+//! sees the container's own addresses; then replies of translated flows, hairpin traffic to a
+//! hostPort, and masquerade. Egress (what reaches the container through the bridge or the host
+//! stack): the filter, and a translation a direct connection has made stale is forgotten.
+
+use aya_ebpf::programs::TcContext;
+use cnibpf_common::{
+    endpoint::FLAG_VIA_STACK,
+    filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
+};
+
+use super::hand_over;
+use crate::{
+    filter, maps, masquerade,
+    packet::{
+        DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, TO_CONTAINER, ifindex,
+        take_translated_mark,
+    },
+    portmap,
+};
+
+pub fn from_container(ctx: &TcContext) -> i32 {
+    try_from_container(ctx).unwrap_or_else(DatapathError::verdict)
+}
+
+fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
+    let Some(mut flow) = Flow::parse(ctx)? else {
+        return Ok(filter::verdict(filter::allows_other(
+            ctx,
+            ifindex(ctx),
+            DIRECTION_EGRESS,
+        )));
+    };
+    if !filter::allows(ctx, &flow, ifindex(ctx), DIRECTION_EGRESS) {
+        return Ok(DROP);
+    }
+    // A container whose traffic is shaped on its veth: what it sends must pass the qdiscs
+    // that follow this hook (the `bandwidth` plugin's redirect to its ifb), so nothing is sent
+    // on from here; `uplink_egress` translates it on its way out.
+    let via_stack = maps::endpoint_flags(ifindex(ctx)) & FLAG_VIA_STACK != 0;
+    if flow.fragment == Fragment::Whole {
+        let verdict = translated(ctx, &mut flow, via_stack);
+        if verdict != NOT_MINE {
+            return Ok(verdict);
+        }
+    }
+    if via_stack {
+        return Ok(NEXT);
+    }
+    masquerade::from_container(ctx, &mut flow)
+}
+
+/// A reply of a translated flow, or hairpin traffic to a hostPort: translated, and handed to
+/// the container it is for, sent on, or left to the stack; `NOT_MINE` when it is neither. Not
+/// inlined: its frame must not sit under masquerade's.
+#[inline(never)]
+fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> i32 {
+    let mut target = Handover::default();
+    match portmap::translate_reply(ctx, flow, via_stack, &mut target) {
+        TO_CONTAINER => {
+            return hand_over(ctx, Some(flow), &target).unwrap_or_else(DatapathError::verdict);
+        }
+        NOT_MINE => {}
+        verdict => return verdict,
+    }
+    match portmap::translate_hairpin(ctx, flow, via_stack, &mut target) {
+        TO_CONTAINER => {
+            let verdict =
+                hand_over(ctx, Some(flow), &target).unwrap_or_else(DatapathError::verdict);
+            if verdict != DROP {
+                portmap::remember_translation(flow);
+            }
+            verdict
+        }
+        verdict => verdict,
+    }
+}
+
+/// What reaches the container through the bridge or the host stack. Returns the verdict
+/// itself: with the filter's early drop inside a `Result`, LLVM reads a register the verifier
+/// sees unset.
+pub fn to_container(ctx: &TcContext) -> i32 {
+    let flow = match Flow::parse(ctx) {
+        Ok(Some(flow)) => flow,
+        Ok(None) => {
+            return filter::verdict(filter::allows_other(ctx, ifindex(ctx), DIRECTION_INGRESS));
+        }
+        Err(error) => return error.verdict(),
+    };
+    // Translated by one of cnibpf's hooks on its way here: not a direct connection.
+    let translated = take_translated_mark(ctx);
+    if !filter::allows(ctx, &flow, ifindex(ctx), DIRECTION_INGRESS) {
+        return DROP;
+    }
+    if !translated {
+        portmap::forget_stale_translation(ctx, &flow);
+    }
+    NEXT
+}

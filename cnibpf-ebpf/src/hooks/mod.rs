@@ -1,0 +1,49 @@
+//! The hooks: what runs, and in what order, at each place cnibpf attaches — an uplink
+//! ([`uplink`]), a container's host-side veth ([`container`]), host processes' sockets
+//! ([`socket`]). The features (`portmap`, `masquerade`, `filter`) each do their part on a
+//! packet; a hook decides which of them sees it, and hands what they translated to its
+//! container, filter first.
+
+pub mod container;
+pub mod socket;
+pub mod uplink;
+
+use aya_ebpf::{helpers::bpf_redirect, programs::TcContext};
+use cnibpf_common::{endpoint::FLAG_VIA_STACK, filter::DIRECTION_INGRESS};
+
+use crate::{
+    filter, maps,
+    packet::{DROP, DatapathError, Flow, Handover, mark_translated, redirect_to_peer, set_macs},
+};
+
+/// Hands a translated packet to its container; `flow` is the packet as translated (`None`: a
+/// packet the filter judges without ports, such as an ICMP error).
+///
+/// Normally straight into the container's namespace (`bpf_redirect_peer`), past the bridge,
+/// the host stack and the veth's own hooks — so the filter judges the packet here. A container
+/// marked `FLAG_VIA_STACK` (something shapes its traffic, e.g. the `bandwidth` plugin's TBF on
+/// its veth) gets it through that veth's egress instead (`bpf_redirect`): its `to_container`
+/// filters it and its qdiscs shape it. Inlined: as a call of its own it would push the deepest
+/// call chains (into the filter) past the verifier's 512 bytes.
+#[inline(always)]
+fn hand_over(
+    ctx: &TcContext,
+    flow: Option<&Flow>,
+    container: &Handover,
+) -> Result<i32, DatapathError> {
+    let ifindex = container.host_ifindex;
+    set_macs(ctx, &container.container_mac, &container.gateway_mac)?;
+    if maps::endpoint_flags(ifindex) & FLAG_VIA_STACK != 0 {
+        mark_translated(ctx);
+        // SAFETY: bpf_redirect has no memory arguments.
+        return Ok(unsafe { bpf_redirect(ifindex, 0) } as i32);
+    }
+    let allowed = match flow {
+        Some(flow) => filter::allows(ctx, flow, ifindex, DIRECTION_INGRESS),
+        None => filter::allows_other(ctx, ifindex, DIRECTION_INGRESS),
+    };
+    if !allowed {
+        return Ok(DROP);
+    }
+    Ok(redirect_to_peer(ifindex))
+}

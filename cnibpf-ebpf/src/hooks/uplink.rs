@@ -1,0 +1,91 @@
+//! An uplink. Ingress: ICMP errors about masqueraded packets, a later fragment of a
+//! masqueraded reply, a reply to a masqueraded flow (matched by its exact tuple before any
+//! hostPort, as conntrack matches a connection before a DNAT rule), then traffic to a hostPort —
+//! each translated and handed to its container. Egress: replies of translated flows the host
+//! stack routed, then container traffic it forwarded to be masqueraded.
+
+use aya_ebpf::programs::TcContext;
+
+use super::hand_over;
+use crate::{
+    masquerade,
+    packet::{DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, TO_CONTAINER},
+    portmap,
+};
+
+pub fn ingress(ctx: &TcContext) -> i32 {
+    try_ingress(ctx).unwrap_or_else(DatapathError::verdict)
+}
+
+fn try_ingress(ctx: &TcContext) -> Result<i32, DatapathError> {
+    let Some(mut flow) = Flow::parse(ctx)? else {
+        return Ok(icmp_error(ctx));
+    };
+    Ok(from_outside(ctx, &mut flow))
+}
+
+/// A packet without ports: an ICMP error about a masqueraded packet, or someone else's. Not
+/// inlined, so that its stack is not under `from_outside`'s.
+#[inline(never)]
+fn icmp_error(ctx: &TcContext) -> i32 {
+    let mut container = Handover::default();
+    match masquerade::translate_icmp_error(ctx, &mut container) {
+        TO_CONTAINER => hand_over(ctx, None, &container).unwrap_or_else(DatapathError::verdict),
+        NOT_MINE => NEXT,
+        verdict => verdict,
+    }
+}
+
+/// A TCP, UDP, SCTP or ICMP echo packet from outside.
+#[inline(never)]
+fn from_outside(ctx: &TcContext, flow: &mut Flow) -> i32 {
+    try_from_outside(ctx, flow).unwrap_or_else(DatapathError::verdict)
+}
+
+fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
+    let mut container = Handover::default();
+    if flow.fragment == Fragment::Later {
+        return match masquerade::translate_later_fragment(ctx, flow, &mut container) {
+            TO_CONTAINER => hand_over(ctx, Some(flow), &container),
+            NOT_MINE => Ok(NEXT),
+            verdict => Ok(verdict),
+        };
+    }
+    if let Some(entry) = masquerade::lookup_reply(flow) {
+        // SAFETY: points into `masq_replies`; see `masquerade::translate_reply`.
+        return match masquerade::translate_reply(ctx, flow, unsafe { &*entry }, &mut container) {
+            TO_CONTAINER => hand_over(ctx, Some(flow), &container),
+            verdict => Ok(verdict),
+        };
+    }
+    // Port mapping does not translate fragments (later ones carry no ports to find a mapping
+    // by).
+    if flow.fragment != Fragment::Whole {
+        return Ok(NEXT);
+    }
+    match portmap::translate_from_outside(ctx, flow, &mut container)? {
+        TO_CONTAINER => {
+            let verdict = hand_over(ctx, Some(flow), &container)?;
+            if verdict != DROP {
+                portmap::remember_translation(flow);
+            }
+            Ok(verdict)
+        }
+        NOT_MINE => Ok(NEXT),
+        verdict => Ok(verdict),
+    }
+}
+
+pub fn egress(ctx: &TcContext) -> i32 {
+    try_egress(ctx).unwrap_or_else(DatapathError::verdict)
+}
+
+fn try_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
+    let Some(mut flow) = Flow::parse(ctx)? else {
+        return Ok(NEXT);
+    };
+    match portmap::translate_routed_reply(ctx, &mut flow)? {
+        NOT_MINE => Ok(masquerade::uplink_egress(ctx, &mut flow)),
+        verdict => Ok(verdict),
+    }
+}

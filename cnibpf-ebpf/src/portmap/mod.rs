@@ -1,0 +1,342 @@
+//! Port mapping (DNAT of hostIP:hostPort to containerIP:containerPort): translating a packet to
+//! a hostPort towards its container, remembering the flow, and translating its replies back.
+//! The hooks decide when each step runs and hand translated packets over.
+//!
+//! Every packet towards a hostPort is looked up in `portmap`, never in a cached flow, so a
+//! hostPort that changed owner takes effect on the very next packet — also for a UDP client
+//! that keeps its source port. The flow entry (`nat_flows`) only serves to reverse the
+//! translation of replies.
+
+mod conditions;
+
+use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns, programs::TcContext};
+use cnibpf_common::{
+    FAMILY_IPV4, PROTO_TCP,
+    endpoint::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
+    nat_flow::{NatFlowKey, NatFlowValue},
+    portmap::{PortMapKey, PortMapValue},
+};
+
+use crate::{
+    maps,
+    packet::{
+        DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, Route, TO_CONTAINER, forward,
+        ifindex, mark_translated, route,
+    },
+};
+
+/// How often a flow's `last_seen_ns` is refreshed: writing it on every packet would turn each
+/// packet's lookup into a write that bounces the cache line between CPUs.
+const FLOW_REFRESH_NS: u64 = 1_000_000_000;
+
+/// A packet from outside, at an uplink: translated towards the container behind its hostPort
+/// (`TO_CONTAINER`, `container` filled in), or `NOT_MINE`. Its flow is recorded by
+/// [`remember_translation`] once the packet was handed over.
+#[inline(never)]
+pub fn translate_from_outside(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    container: &mut Handover,
+) -> Result<i32, DatapathError> {
+    let Some(mapping) = lookup_mapping(flow) else {
+        return Ok(NOT_MINE);
+    };
+    // SAFETY: mapping points into portmap and is read at once; see `lookup_mapping`.
+    let mapping = unsafe { &*mapping };
+    if !admit(mapping, &flow.saddr, &flow.daddr, ifindex(ctx), flow.family) {
+        return Ok(NOT_MINE);
+    }
+    let Some(translation) = maps::translation_scratch.get_ptr_mut(0) else {
+        return Ok(NOT_MINE);
+    };
+    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
+    let translation = unsafe { &mut *translation };
+    translation.owner = mapping.owner;
+    translation.original_addr = flow.daddr;
+    translation.client_addr = flow.saddr;
+    translation.original_port = flow.dport;
+    translation.client_port = flow.sport;
+    translation.reply_ifindex = 0;
+    flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
+    container.host_ifindex = mapping.host_ifindex;
+    container.container_mac = mapping.container_mac;
+    container.gateway_mac = mapping.gateway_mac;
+    Ok(TO_CONTAINER)
+}
+
+/// Hairpin traffic: a container's packet to a hostPort of this host, translated towards the
+/// target container (`TO_CONTAINER`, `target` filled in; recorded by [`remember_translation`]
+/// once handed over), or `NOT_MINE`. A container whose traffic is shaped (`via_stack`) sends it
+/// on through the host stack instead (`NEXT`), already translated and recorded — unless it
+/// reaches itself: its source is then the gateway, an address the stack would not forward.
+#[inline(never)]
+pub fn translate_hairpin(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    via_stack: bool,
+    target: &mut Handover,
+) -> i32 {
+    try_translate_hairpin(ctx, flow, via_stack, target).unwrap_or_else(DatapathError::verdict)
+}
+
+#[inline(always)]
+fn try_translate_hairpin(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    via_stack: bool,
+    target: &mut Handover,
+) -> Result<i32, DatapathError> {
+    let Some(mapping) = lookup_mapping(flow) else {
+        return Ok(NOT_MINE);
+    };
+    let ifindex = ifindex(ctx);
+    let Some(client) = maps::endpoints.get_ptr(&ifindex) else {
+        return Ok(NEXT);
+    };
+    // SAFETY: both point into maps and are read right away; see `lookup_mapping`.
+    let (mapping, client) = unsafe { (&*mapping, &*client) };
+    if !admit(
+        mapping,
+        &flow.saddr,
+        &flow.daddr,
+        client.gateway_ifindex,
+        flow.family,
+    ) {
+        return Ok(NEXT);
+    }
+    let Some(translation) = maps::translation_scratch.get_ptr_mut(0) else {
+        return Ok(NEXT);
+    };
+    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
+    let translation = unsafe { &mut *translation };
+    translation.owner = mapping.owner;
+    translation.original_addr = flow.daddr;
+    translation.client_addr = flow.saddr;
+    translation.original_port = flow.dport;
+    translation.client_port = flow.sport;
+    translation.reply_ifindex = ifindex;
+    translation.client_mac = client.container_mac;
+    translation.gateway_mac = client.gateway_mac;
+    // A container reaching its own hostPort would receive a packet from its own address, which
+    // its stack drops as martian: the source becomes its gateway instead (unless `snat: false`).
+    let to_itself = mapping.container_addr == flow.saddr;
+    let source = if to_itself && client.flags & FLAG_NO_HAIRPIN_SNAT == 0 {
+        match gateway(client, flow.family) {
+            Some(gateway) => gateway,
+            None => return Ok(NEXT),
+        }
+    } else {
+        flow.saddr
+    };
+    flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
+    flow.rewrite_source(ctx, &source, flow.sport)?;
+    if via_stack && !to_itself {
+        remember_translation(flow);
+        mark_translated(ctx);
+        return Ok(NEXT);
+    }
+    target.host_ifindex = mapping.host_ifindex;
+    target.container_mac = mapping.container_mac;
+    target.gateway_mac = mapping.gateway_mac;
+    Ok(TO_CONTAINER)
+}
+
+/// A container's reply to a translated flow, translated back: towards the client container of a
+/// hairpin flow (`TO_CONTAINER`, `client` filled in), sent on to its next hop from the FIB, or
+/// left to the host stack untranslated (`NEXT`: `uplink_egress` translates it on its way out;
+/// always so from a container whose traffic is shaped, `via_stack`); `NOT_MINE` when the packet
+/// is no such reply. Not inlined: the verifier caps the stack of a call chain at 512 bytes.
+#[inline(never)]
+pub fn translate_reply(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    via_stack: bool,
+    client: &mut Handover,
+) -> i32 {
+    try_translate_reply(ctx, flow, via_stack, client).unwrap_or_else(DatapathError::verdict)
+}
+
+#[inline(always)]
+fn try_translate_reply(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    via_stack: bool,
+    client: &mut Handover,
+) -> Result<i32, DatapathError> {
+    let Some(entry) = maps::nat_flows.get_ptr_mut(&flow_key(flow, Direction::Packet)) else {
+        return Ok(NOT_MINE);
+    };
+    // SAFETY: entry points into nat_flows; it is copied out field by field before any rewrite,
+    // and only its refresh time is written (racing writers write the same).
+    let entry = unsafe { &mut *entry };
+    // Replies keep the flow alive too (GC sweeps idle ones), at most one write a second.
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if now.wrapping_sub(entry.last_seen_ns) >= FLOW_REFRESH_NS {
+        entry.last_seen_ns = now;
+    }
+    let (orig_addr, orig_port) = (entry.orig_addr, entry.orig_port.to_be());
+    if entry.peer_ifindex != 0 {
+        let (peer_addr, peer_port) = (entry.peer_addr, entry.peer_port.to_be());
+        client.host_ifindex = entry.peer_ifindex;
+        client.container_mac = entry.peer_mac;
+        client.gateway_mac = entry.gateway_mac;
+        // Also from a shaped container: with a local source address the reply could not cross
+        // the host stack (it would be dropped as martian).
+        flow.rewrite_source(ctx, &orig_addr, orig_port)?;
+        flow.rewrite_destination(ctx, &peer_addr, peer_port)?;
+        return Ok(TO_CONTAINER);
+    }
+    if via_stack {
+        return Ok(NEXT);
+    }
+    let (reply_addr, reply_port) = (flow.saddr, flow.sport);
+    flow.rewrite_source(ctx, &orig_addr, orig_port)?;
+    let next_hop = route(ctx, flow);
+    if !matches!(next_hop, Route::Other)
+        && flow.decrement_hop_limit(ctx)?
+        && let Some(verdict) = forward(ctx, &next_hop)?
+    {
+        return Ok(verdict);
+    }
+    // The datapath cannot route it: undo, and leave it to the host stack untranslated (a local
+    // source address would be dropped as martian); uplink_egress translates it on the way out.
+    flow.rewrite_source(ctx, &reply_addr, reply_port)?;
+    Ok(NEXT)
+}
+
+/// A reply the host stack routed out of an uplink untranslated (when the container's hook did
+/// not route it itself): it gets the hostPort address back as its source (`NEXT`), or
+/// `NOT_MINE`.
+pub fn translate_routed_reply(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
+    if flow.fragment != Fragment::Whole {
+        return Ok(NOT_MINE);
+    }
+    let Some(entry) = maps::nat_flows.get_ptr(&flow_key(flow, Direction::Packet)) else {
+        return Ok(NOT_MINE);
+    };
+    // SAFETY: entry points into nat_flows; the fields are copied out before any rewrite.
+    let (orig_addr, orig_port) = unsafe { ((*entry).orig_addr, (*entry).orig_port) };
+    flow.rewrite_source(ctx, &orig_addr, orig_port.to_be())?;
+    Ok(NEXT)
+}
+
+/// A packet towards a container that did not come through a hostPort: a TCP connection
+/// opening, or any UDP datagram, on a 5-tuple that has a translation remembered means that
+/// translation is stale (the client now talks to the container directly with the same
+/// ports), and its replies must not be rewritten.
+pub fn forget_stale_translation(ctx: &TcContext, flow: &Flow) {
+    let opens = match flow.protocol {
+        PROTO_TCP => flow.is_tcp_syn(ctx).unwrap_or(false),
+        _ => true,
+    };
+    if flow.fragment != Fragment::Whole || !opens {
+        return;
+    }
+    let reply = flow_key(flow, Direction::Reply);
+    if maps::nat_flows.get_ptr(&reply).is_some() {
+        let _ = maps::nat_flows.remove(&reply);
+    }
+}
+
+/// Records how to reverse the translation of `flow` (already translated, as the translation
+/// scratch describes it) for its replies; refreshed at most once a second per flow unless what
+/// it records changed.
+#[inline(never)]
+pub fn remember_translation(flow: &Flow) {
+    let Some(translation) = maps::translation_scratch.get_ptr(0) else {
+        return;
+    };
+    // SAFETY: this CPU's slot, filled by the translation of this very packet.
+    let translation = unsafe { &*translation };
+    let key = flow_key(flow, Direction::Reply);
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let orig_port = u16::from_be(translation.original_port);
+    if let Some(entry) = maps::nat_flows.get_ptr(&key) {
+        // SAFETY: read right after the lookup; a stale read only causes one extra update.
+        let current = unsafe { &*entry };
+        if current.owner == translation.owner
+            && current.orig_port == orig_port
+            && current.orig_addr == translation.original_addr
+            && current.peer_ifindex == translation.reply_ifindex
+            && now.wrapping_sub(current.last_seen_ns) < FLOW_REFRESH_NS
+        {
+            return;
+        }
+    }
+    let value = NatFlowValue {
+        orig_addr: translation.original_addr,
+        peer_addr: translation.client_addr,
+        owner: translation.owner,
+        last_seen_ns: now,
+        peer_ifindex: translation.reply_ifindex,
+        orig_port,
+        peer_port: u16::from_be(translation.client_port),
+        peer_mac: translation.client_mac,
+        gateway_mac: translation.gateway_mac,
+        _pad: [0; 4],
+    };
+    // A full LRU map evicts; an insert failure leaves the previous entry, which still reverses
+    // this flow correctly unless the mapping changed, so there is nothing better to do here.
+    let _ = maps::nat_flows.insert(&key, &value, u64::from(BPF_ANY));
+}
+
+fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<[u8; 16]> {
+    let address = if family == FAMILY_IPV4 {
+        crate::packet::widen(endpoint.gateway_v4)
+    } else {
+        endpoint.gateway_v6
+    };
+    (address != [0; 16]).then_some(address)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// The packet's own tuple.
+    Packet,
+    /// The tuple of the packet's replies.
+    Reply,
+}
+
+/// The `nat_flows` key of a packet's tuple, or of its replies' tuple.
+fn flow_key(flow: &Flow, direction: Direction) -> NatFlowKey {
+    let (src, dst) = match direction {
+        Direction::Packet => ((flow.saddr, flow.sport), (flow.daddr, flow.dport)),
+        Direction::Reply => ((flow.daddr, flow.dport), (flow.saddr, flow.sport)),
+    };
+    NatFlowKey {
+        src_addr: src.0,
+        dst_addr: dst.0,
+        src_port: u16::from_be(src.1),
+        dst_port: u16::from_be(dst.1),
+        protocol: flow.protocol,
+        family: flow.family,
+        _pad: [0; 2],
+    }
+}
+
+/// The mapping for the packet's destination: an exact host address first, then the wildcard,
+/// which applies only when the destination is an address of this host (`host_addrs`), as `-m
+/// addrtype --dst-type LOCAL` does for the reference portmap: routed traffic is never captured.
+/// (The FIB cannot tell: `bpf_fib_lookup` answers "not forwarded" for local addresses and for
+/// destinations without a route alike.)
+///
+/// The pointer is into `portmap`; callers read what they need at once. Userspace replaces
+/// values whole, and a value freed under a reader can at worst misdirect the packet at hand.
+pub fn lookup_mapping(flow: &Flow) -> Option<*const PortMapValue> {
+    let mut key = PortMapKey {
+        host_addr: flow.daddr,
+        host_port: u16::from_be(flow.dport),
+        protocol: flow.protocol,
+        family: flow.family,
+    };
+    if let Some(value) = maps::portmap.get_ptr(&key) {
+        return Some(value);
+    }
+    key.host_addr = [0; 16];
+    let wildcard = maps::portmap.get_ptr(&key)?;
+    maps::is_host_address(&flow.daddr, flow.family).then_some(wildcard)
+}
+
+pub use conditions::admit;
