@@ -7,6 +7,8 @@
 //! `bpftool map dump` shows them as people write them; the programs convert when they compare.
 #![no_std]
 
+#[cfg(feature = "user")]
+pub mod addr;
 pub mod endpoint;
 pub mod filter;
 pub mod filter_event;

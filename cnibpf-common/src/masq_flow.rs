@@ -81,3 +81,30 @@ impl MasqFlow {
 }
 
 impl_pod!(MasqFlow);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_follow_the_connections_state() {
+        assert_eq!(timeout_ns(PROTO_TCP, STATE_OPENING), TCP_OPENING_TIMEOUT_NS);
+        assert_eq!(
+            timeout_ns(PROTO_TCP, STATE_ESTABLISHED),
+            TCP_ESTABLISHED_TIMEOUT_NS
+        );
+        assert_eq!(timeout_ns(PROTO_UDP, STATE_OPENING), UDP_OPENING_TIMEOUT_NS);
+        assert_eq!(
+            timeout_ns(PROTO_UDP, STATE_ESTABLISHED),
+            UDP_ESTABLISHED_TIMEOUT_NS
+        );
+        assert_eq!(timeout_ns(1, STATE_ESTABLISHED), OTHER_TIMEOUT_NS);
+        let flow = MasqFlow {
+            last_seen_ns: 5,
+            state: STATE_OPENING,
+            ..MasqFlow::default()
+        };
+        assert!(flow.is_expired(PROTO_UDP, 5 + UDP_OPENING_TIMEOUT_NS + 1));
+        assert!(!flow.is_expired(PROTO_UDP, 5 + UDP_OPENING_TIMEOUT_NS));
+    }
+}

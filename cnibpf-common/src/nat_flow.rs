@@ -8,7 +8,7 @@
 //! GC. An LRU map: when full, the least recently used flow is evicted rather than new flows
 //! failing. Entries idle longer than [`idle_timeout_ns`] are swept by the CNI plugin's GC.
 
-use crate::{PROTO_SCTP, PROTO_TCP, PROTO_UDP, impl_pod};
+use crate::{PROTO_SCTP, PROTO_TCP, PROTO_UDP, impl_pod, masq_flow};
 
 pub const MAP_NAME: &str = "nat_flows";
 pub const MAX_ENTRIES: u32 = 262_144;
@@ -57,11 +57,10 @@ const _: () = assert!(size_of::<NatFlowValue>() == 72);
 /// How long a translated flow may stay silent before GC sweeps it: the established timeouts of
 /// `masq_flows` (the port-mapping path keeps no TCP state).
 pub const fn idle_timeout_ns(protocol: u8) -> u64 {
-    const SECOND: u64 = 1_000_000_000;
     match protocol {
-        PROTO_TCP | PROTO_SCTP => 6 * 3600 * SECOND,
-        PROTO_UDP => 120 * SECOND,
-        _ => 30 * SECOND,
+        PROTO_TCP | PROTO_SCTP => masq_flow::TCP_ESTABLISHED_TIMEOUT_NS,
+        PROTO_UDP => masq_flow::UDP_ESTABLISHED_TIMEOUT_NS,
+        _ => masq_flow::OTHER_TIMEOUT_NS,
     }
 }
 
@@ -72,3 +71,26 @@ impl NatFlowValue {
 }
 
 impl_pod!(NatFlowKey, NatFlowValue);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn translations_expire_after_their_protocols_idle_timeout() {
+        let flow = NatFlowValue {
+            last_seen_ns: 1_000,
+            ..NatFlowValue::default()
+        };
+        let udp = idle_timeout_ns(PROTO_UDP);
+        assert!(!flow.is_expired(PROTO_UDP, 1_000 + udp));
+        assert!(flow.is_expired(PROTO_UDP, 1_000 + udp + 1));
+        assert!(
+            !flow.is_expired(PROTO_TCP, 1_000 + udp + 1),
+            "TCP lives longer"
+        );
+        assert_eq!(idle_timeout_ns(PROTO_SCTP), idle_timeout_ns(PROTO_TCP));
+        // A clock read before the entry was refreshed (another CPU) is no expiry.
+        assert!(!flow.is_expired(PROTO_UDP, 0));
+    }
+}
