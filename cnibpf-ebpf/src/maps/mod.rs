@@ -1,6 +1,10 @@
 //! The pinned maps. Key, value and writer of each are documented with its type in
 //! `cnibpf-common`; all are pinned by name under the instance's `pinPath`, so every program
 //! instance and every plugin run shares them.
+#![expect(
+    non_upper_case_globals,
+    reason = "each map static's name is the map's pin name"
+)]
 
 pub mod scratch;
 
@@ -38,110 +42,54 @@ use cnibpf_common::{
 use scratch::{IcmpError, PortSearch, Subject, Translation};
 
 /// Map names are the pin names users pass to bpftool, so they are lowercase like the files.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static portmap: HashMap<PortMapKey, PortMapValue, { portmap::MAX_ENTRIES as usize }> =
     HashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static nat_flows: LruHashMap<NatFlowKey, NatFlowValue, { nat_flow::MAX_ENTRIES as usize }> =
     LruHashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static owners: HashMap<u64, OwnerInfo, { owner::MAX_ENTRIES as usize }> = HashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static layout: Array<LayoutInfo, { layout::MAX_ENTRIES as usize }> = Array::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static endpoints: HashMap<u32, EndpointInfo, { endpoint::MAX_ENTRIES as usize }> =
     HashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static host_addrs: HashMap<HostAddrKey, u32, { host_addr::MAX_ENTRIES as usize }> =
     HashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static settings: Array<Settings, { settings::MAX_ENTRIES as usize }> = Array::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static sock_rev: LruHashMap<SockRevKey, SockRevValue, { sock_rev::MAX_ENTRIES as usize }> =
     LruHashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static masq_sources: HashMap<MasqSourceKey, MasqSource, { masq_source::MAX_ENTRIES as usize }> =
     HashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static masq_excludes: LpmTrie<MasqExcludeKey, u32, { masq_exclude::MAX_ENTRIES as usize }> =
     LpmTrie::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static uplinks: HashMap<u32, UplinkInfo, { uplink::MAX_ENTRIES as usize }> = HashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static masq_flows: LruHashMap<NatFlowKey, MasqFlow, { masq_flow::MAX_ENTRIES as usize }> =
     LruHashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static masq_replies: LruHashMap<NatFlowKey, MasqReply, { masq_reply::MAX_ENTRIES as usize }> =
     LruHashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static masq_fragments: LruHashMap<
     FragmentKey,
@@ -149,19 +97,11 @@ pub static masq_fragments: LruHashMap<
     { masq_fragment::MAX_ENTRIES as usize },
 > = LruHashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static masq_stats: PerCpuArray<MasqStats, { masq_stats::MAX_ENTRIES as usize }> =
     PerCpuArray::new();
 
 /// Replaced whole by userspace, like `filters`.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static port_conditions: HashMap<
     PortConditionsKey,
@@ -172,10 +112,6 @@ pub static port_conditions: HashMap<
 
 /// Replaced whole by userspace: without preallocation, the old element is freed only after
 /// every program that may still read it is done (RCU), so a reader never sees a mix.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static filters: HashMap<
     u32,
@@ -184,10 +120,6 @@ pub static filters: HashMap<
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static filter_hits: PerCpuHashMap<
     u32,
@@ -196,10 +128,6 @@ pub static filter_hits: PerCpuHashMap<
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static filter_flows: LruHashMap<
     FilterFlowKey,
@@ -207,10 +135,6 @@ pub static filter_flows: LruHashMap<
     { filter_flow::MAX_ENTRIES as usize },
 > = LruHashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static filter_fragments: LruHashMap<
     FilterFragmentKey,
@@ -218,18 +142,10 @@ pub static filter_fragments: LruHashMap<
     { filter_fragment::MAX_ENTRIES as usize },
 > = LruHashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static filter_events: RingBuf<FilterEvent, { filter_event::RING_BYTES as usize }> =
     RingBuf::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static filter_stats: PerCpuArray<FilterStats, { filter_stats::MAX_ENTRIES as usize }> =
     PerCpuArray::new();
@@ -271,18 +187,10 @@ pub static translation_scratch: PerCpuArray<Translation, 1> = PerCpuArray::new()
 pub static icmp_error_scratch: PerCpuArray<IcmpError, 1> = PerCpuArray::new();
 
 /// Userspace-only bookkeeping, declared here so that it is created and pinned with the rest.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static owner_ports: HashMap<OwnerPortKey, PortMapKey, { owner_port::MAX_ENTRIES as usize }> =
     HashMap::new();
 
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's pin name"
-)]
 #[btf_map(pin_by_name)]
 pub static port_claims: HashMap<PortClaimKey, PortClaim, { port_claim::MAX_ENTRIES as usize }> =
     HashMap::new();

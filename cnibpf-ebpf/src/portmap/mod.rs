@@ -18,7 +18,7 @@ use cnibpf_common::{
 };
 
 use crate::{
-    maps,
+    maps::{self, scratch::Translation},
     packet::{
         DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, Route, TO_CONTAINER, forward,
         ifindex, mark_translated, route,
@@ -46,21 +46,11 @@ pub fn translate_from_outside(
     if !admit(mapping, &flow.saddr, &flow.daddr, ifindex(ctx), flow.family) {
         return Ok(NOT_MINE);
     }
-    let Some(translation) = maps::translation_scratch.get_ptr_mut(0) else {
+    if begin_translation(flow, mapping.owner, 0).is_none() {
         return Ok(NOT_MINE);
-    };
-    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
-    let translation = unsafe { &mut *translation };
-    translation.owner = mapping.owner;
-    translation.original_addr = flow.daddr;
-    translation.client_addr = flow.saddr;
-    translation.original_port = flow.dport;
-    translation.client_port = flow.sport;
-    translation.reply_ifindex = 0;
+    }
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
-    container.host_ifindex = mapping.host_ifindex;
-    container.container_mac = mapping.container_mac;
-    container.gateway_mac = mapping.gateway_mac;
+    hand_to(container, mapping);
     Ok(TO_CONTAINER)
 }
 
@@ -104,17 +94,9 @@ fn try_translate_hairpin(
     ) {
         return Ok(NEXT);
     }
-    let Some(translation) = maps::translation_scratch.get_ptr_mut(0) else {
+    let Some(translation) = begin_translation(flow, mapping.owner, ifindex) else {
         return Ok(NEXT);
     };
-    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
-    let translation = unsafe { &mut *translation };
-    translation.owner = mapping.owner;
-    translation.original_addr = flow.daddr;
-    translation.client_addr = flow.saddr;
-    translation.original_port = flow.dport;
-    translation.client_port = flow.sport;
-    translation.reply_ifindex = ifindex;
     translation.client_mac = client.container_mac;
     translation.gateway_mac = client.gateway_mac;
     // A container reaching its own hostPort would receive a packet from its own address, which
@@ -135,9 +117,7 @@ fn try_translate_hairpin(
         mark_translated(ctx);
         return Ok(NEXT);
     }
-    target.host_ifindex = mapping.host_ifindex;
-    target.container_mac = mapping.container_mac;
-    target.gateway_mac = mapping.gateway_mac;
+    hand_to(target, mapping);
     Ok(TO_CONTAINER)
 }
 
@@ -340,3 +320,32 @@ pub fn lookup_mapping(flow: &Flow) -> Option<*const PortMapValue> {
 }
 
 pub use conditions::admit;
+
+/// Fills in where a packet translated by `mapping` goes: the mapping's container.
+#[inline(always)]
+fn hand_to(container: &mut Handover, mapping: &PortMapValue) {
+    container.host_ifindex = mapping.host_ifindex;
+    container.container_mac = mapping.container_mac;
+    container.gateway_mac = mapping.gateway_mac;
+}
+
+/// This CPU's translation scratch, holding what the replies of `flow` (about to be translated
+/// by `owner`'s mapping) will need to be translated back; `reply_ifindex` is the client
+/// container's veth for hairpin traffic, else zero.
+#[inline(always)]
+fn begin_translation(
+    flow: &Flow,
+    owner: u64,
+    reply_ifindex: u32,
+) -> Option<&'static mut Translation> {
+    let translation = maps::translation_scratch.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
+    let translation = unsafe { &mut *translation };
+    translation.owner = owner;
+    translation.original_addr = flow.daddr;
+    translation.client_addr = flow.saddr;
+    translation.original_port = flow.dport;
+    translation.client_port = flow.sport;
+    translation.reply_ifindex = reply_ifindex;
+    Some(translation)
+}
