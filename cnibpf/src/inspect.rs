@@ -5,8 +5,8 @@ use std::{io::Write as _, net::IpAddr, path::Path};
 use serde_json::json;
 
 use crate::{
-    backend::{self, BackendError, ExcludeReason, FilterRecord, describe_mapping},
-    config::{ConnState, Direction, FilterRule, RuleProtocol},
+    backend::{self, BackendError, FilterRecord},
+    model::masquerade::ReasonText,
     paths::PinLayout,
 };
 
@@ -79,7 +79,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                         "sources": record.masquerade.sources.iter().map(ToString::to_string).collect::<Vec<_>>(),
                         "excludes": record.masquerade.excludes.iter().map(|(net, reason)| json!({
                             "destination": net.to_string(),
-                            "reason": reason_name(*reason),
+                            "reason": ReasonText(*reason).to_string(),
                         })).collect::<Vec<_>>(),
                         "flows": record.flows,
                     })),
@@ -144,7 +144,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
             let _ = writeln!(out, "    pod {pod}");
         }
         for mapping in mappings {
-            let _ = writeln!(out, "    portmap {}", describe_mapping(mapping));
+            let _ = writeln!(out, "    portmap {}", mapping);
         }
         if let Some(record) = masquerade {
             let sources: Vec<String> = record
@@ -157,7 +157,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 .masquerade
                 .excludes
                 .iter()
-                .map(|(net, reason)| format!("{net} ({})", reason_name(*reason)))
+                .map(|(net, reason)| format!("{net} ({})", ReasonText(*reason)))
                 .collect();
             let _ = writeln!(
                 out,
@@ -187,7 +187,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                     "      {:>10} {:<5} {:<60} {packets:>10} packets {bytes:>12} bytes",
                     rule.index,
                     rule.target.as_str(),
-                    describe_rule(rule)
+                    rule.to_string()
                 );
             }
         }
@@ -241,48 +241,9 @@ fn filter_json(record: &FilterRecord) -> serde_json::Value {
     })
 }
 
-/// A rule's match in the words of its configuration ("any" when it matches everything).
-fn describe_rule(rule: &FilterRule) -> String {
-    let mut parts = Vec::new();
-    if let Some(src) = rule.src {
-        parts.push(format!("src {src}"));
-    }
-    if let Some(dst) = rule.dst {
-        parts.push(format!("dst {dst}"));
-    }
-    if rule.protocol != RuleProtocol::Any {
-        parts.push(rule.protocol.to_string());
-    }
-    if let Some(range) = rule.sport {
-        parts.push(format!("sport {}", range));
-    }
-    if let Some(range) = rule.dport {
-        parts.push(format!("dport {}", range));
-    }
-    if rule.connstate != ConnState::Any {
-        parts.push(rule.connstate.to_string());
-    }
-    if rule.direction != Direction::Both {
-        parts.push(rule.direction.to_string());
-    }
-    if parts.is_empty() {
-        "any".to_owned()
-    } else {
-        parts.join(" ")
-    }
-}
-
 /// The interface's current name, when it still exists.
 fn interface_name(ifindex: u32) -> Option<String> {
     crate::netlink::link_by_index(ifindex)
         .ok()
         .map(|link| link.name)
-}
-
-fn reason_name(reason: ExcludeReason) -> &'static str {
-    match reason {
-        ExcludeReason::OwnSubnet => "own subnet",
-        ExcludeReason::Multicast => "multicast",
-        ExcludeReason::Configured => "ipMasqExclude",
-    }
 }

@@ -1,10 +1,9 @@
 //! `cnibpf`: a chained CNI plugin when run with `CNI_COMMAND` set, an admin tool otherwise.
 
-mod attachment;
 mod backend;
 mod cni;
+mod code;
 mod config;
-mod error;
 mod inspect;
 mod lock;
 mod model;

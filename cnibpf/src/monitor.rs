@@ -4,13 +4,13 @@
 use std::{
     collections::HashMap,
     io::Write as _,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    net::IpAddr,
     path::Path,
     time::{Duration, SystemTime},
 };
 
 use cnibpf_common::{
-    FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, addr,
     filter::DIRECTION_INGRESS,
     filter_event::{FilterEvent, REASON_DEFAULT, REASON_FRAGMENT},
 };
@@ -19,7 +19,8 @@ use serde_json::json;
 use tokio::io::{Interest, unix::AsyncFd};
 
 use crate::{
-    backend::{AttachmentRecord, Backend as _, BackendError, ebpf::EbpfBackend},
+    backend::{AttachmentRecord, BackendError, Inspect as _, ebpf::EbpfBackend},
+    model::{Direction, Target},
     paths::PinLayout,
 };
 
@@ -62,6 +63,10 @@ async fn follow(
             result = &mut interrupted => return result.map_err(MonitorError::Io),
             guard = events.readable_mut() => {
                 let mut guard = guard?;
+                // Readiness is cleared before the ring is drained, not after: the kernel wakes
+                // a reader only when it had caught up, so an event written between the last
+                // read and a later clear would wait unseen for the next one.
+                guard.clear_ready();
                 let ring = guard.get_inner_mut();
                 let mut lines = Vec::new();
                 while let Some(item) = ring.next() {
@@ -82,7 +87,6 @@ async fn follow(
                     let attachment = names.get(&event.owner).and_then(Option::as_ref);
                     lines.push(render(&event, attachment, as_json));
                 }
-                guard.clear_ready();
                 let mut out = std::io::stdout().lock();
                 for line in lines {
                     // A closed stdout (the reader went away) ends the monitor like Ctrl-C.
@@ -97,12 +101,12 @@ async fn follow(
 
 fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: bool) -> String {
     let time = humantime::format_rfc3339_micros(wall_clock(event.time_ns)).to_string();
-    let ipv4 = event.family == FAMILY_IPV4;
-    let (source, destination) = (address(event.src_addr, ipv4), address(event.dst_addr, ipv4));
+    let source = addr::from_bytes(event.src_addr, event.family);
+    let destination = addr::from_bytes(event.dst_addr, event.family);
     let direction = if event.direction == DIRECTION_INGRESS {
-        "ingress"
+        Direction::Ingress
     } else {
-        "egress"
+        Direction::Egress
     };
     let rule = (event.reason != REASON_DEFAULT && event.reason != REASON_FRAGMENT)
         .then_some(event.rule_index);
@@ -127,8 +131,8 @@ fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: b
             "containerID": container_id,
             "ifname": ifname,
             "pod": pod.map(ToString::to_string),
-            "direction": direction,
-            "verdict": "DROP",
+            "direction": direction.as_str(),
+            "verdict": Target::Drop.as_str(),
             "reason": match event.reason {
                 REASON_DEFAULT => "default",
                 REASON_FRAGMENT => "fragment",
@@ -151,7 +155,8 @@ fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: b
     };
     let pod = pod.map(|pod| format!(" pod {pod}")).unwrap_or_default();
     format!(
-        "{time} {network} {container_id} {ifname}{pod} {direction} DROP by {reason}: {protocol} {} -> {}",
+        "{time} {network} {container_id} {ifname}{pod} {direction} {} by {reason}: {protocol} {} -> {}",
+        Target::Drop,
         endpoint(source, event.src_port),
         endpoint(destination, event.dst_port)
     )
@@ -166,12 +171,4 @@ fn wall_clock(monotonic_ns: u64) -> SystemTime {
     let monotonic_now = Duration::from(monotonic).as_nanos();
     let age = monotonic_now.saturating_sub(u128::from(monotonic_ns));
     now - Duration::from_nanos(u64::try_from(age).unwrap_or(u64::MAX))
-}
-
-fn address(bytes: [u8; 16], ipv4: bool) -> IpAddr {
-    if ipv4 {
-        IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]))
-    } else {
-        IpAddr::V6(Ipv6Addr::from(bytes))
-    }
 }

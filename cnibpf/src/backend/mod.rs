@@ -1,7 +1,9 @@
-//! Datapath backends. Each capability is a symmetric setup/teardown pair; handles to kernel
-//! objects stay inside the backend that made them.
+//! Datapath backends. Each capability is a trait of symmetric setup/teardown pairs (with
+//! CHECK's verification and inspect's view beside them); a backend is every capability plus
+//! what spans them. Handles to kernel objects stay inside the backend that made them.
 
 pub mod ebpf;
+mod error;
 pub mod nftables;
 
 use std::{
@@ -9,103 +11,13 @@ use std::{
     path::PathBuf,
 };
 
-pub use cnibpf_common::masq_exclude::Reason as ExcludeReason;
 use ipnet::IpNet;
 
+pub use self::error::BackendError;
 use crate::{
-    attachment::{Attachment, ResolvedMapping},
-    cni::args::Pod,
-    config::{BackendChoice, FilterRule, HostPortAccess, Target},
-    error::code,
+    model::{Attachment, BackendChoice, Filter, HostPortAccess, Masquerade, Pod, ResolvedMapping},
     netlink::Link,
 };
-
-#[derive(Debug, thiserror::Error)]
-pub enum BackendError {
-    #[error("backend {backend} cannot work on this host: {reason}")]
-    Unavailable {
-        backend: &'static str,
-        reason: String,
-    },
-    #[error("could not prepare bpffs directory {path}")]
-    Bpffs {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("could not load the eBPF object")]
-    Load(#[source] Box<aya::EbpfError>),
-    #[error("{action}")]
-    Program {
-        action: String,
-        #[source]
-        source: Box<aya::programs::ProgramError>,
-    },
-    #[error("{action}")]
-    Map {
-        action: String,
-        #[source]
-        source: Box<aya::maps::MapError>,
-    },
-    #[error("could not read map {name}")]
-    MapRead {
-        name: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{action}")]
-    Pin {
-        action: String,
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-    #[error(
-        "pinned state in {path} has layout {found}, this cnibpf needs layout {expected}: delete every attachment (or the directory) before upgrading across layouts"
-    )]
-    IncompatibleState {
-        path: PathBuf,
-        found: String,
-        expected: String,
-    },
-    #[error("owner id {owner:016x} of {attachment} is already used by {holder}")]
-    OwnerCollision {
-        owner: u64,
-        attachment: Box<Attachment>,
-        holder: Box<Attachment>,
-    },
-    #[error("{mapping} is already held by {holder}{}", pod.as_ref().map(|pod| format!(" (pod {pod})")).unwrap_or_default())]
-    HostPortInUse {
-        mapping: String,
-        holder: Box<Attachment>,
-        pod: Option<Pod>,
-    },
-    #[error("check failed: {0}")]
-    CheckFailed(String),
-    #[error("could not list the host's addresses")]
-    HostAddresses(#[source] Box<crate::netlink::NetlinkError>),
-    #[error(transparent)]
-    Nftables(#[from] nftables::NftablesError),
-}
-
-impl BackendError {
-    pub fn code(&self) -> u32 {
-        match self {
-            Self::Unavailable { .. } => code::BACKEND_UNAVAILABLE,
-            Self::IncompatibleState { .. } => code::INCOMPATIBLE_STATE,
-            Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
-            Self::CheckFailed(_) => code::CHECK_FAILED,
-            Self::Bpffs { .. }
-            | Self::Load(_)
-            | Self::Program { .. }
-            | Self::Map { .. }
-            | Self::MapRead { .. }
-            | Self::Pin { .. }
-            | Self::OwnerCollision { .. } => code::DATAPATH,
-            Self::HostAddresses(_) => code::INTERFACE,
-            Self::Nftables(_) => code::DATAPATH,
-        }
-    }
-}
 
 /// Where an attachment's traffic passes: its host-side interface and the uplinks.
 #[derive(Clone, Debug)]
@@ -139,29 +51,12 @@ pub struct Endpoint {
     pub condition_interfaces: Vec<(String, u32)>,
 }
 
-/// How one attachment is masqueraded.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Masquerade {
-    /// The container's addresses whose traffic is masqueraded.
-    pub sources: Vec<IpAddr>,
-    /// Destinations never masqueraded, and why.
-    pub excludes: Vec<(IpNet, ExcludeReason)>,
-}
-
 /// An attachment's masquerade as a backend holds it, for `cnibpf inspect`.
 #[derive(Clone, Debug, Default)]
 pub struct MasqueradeRecord {
     pub masquerade: Masquerade,
     /// Tracked flows of the attachment (expired ones included until they are swept).
     pub flows: usize,
-}
-
-/// An attachment's filter: its rules in evaluation order (ascending `index`) and the verdict
-/// when none matches.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Filter {
-    pub rules: Vec<FilterRule>,
-    pub default: Target,
 }
 
 /// An attachment's filter as a backend holds it, for `cnibpf inspect`.
@@ -186,15 +81,17 @@ pub struct AttachmentRecord {
     pub host_ifindex: u32,
 }
 
-pub trait Backend {
-    fn name(&self) -> &'static str;
-
+/// An attachment's record and the hooks that bring its traffic to the datapath.
+pub trait Endpoints {
     /// Records the attachment and hooks the datapath onto its interface and the uplinks.
     fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError>;
     /// Unhooks and forgets the attachment; state shared by all attachments goes with the last.
     fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError>;
     fn check_endpoint(&self, endpoint: &Endpoint) -> Result<(), BackendError>;
+}
 
+/// hostPorts: what arrives at a host port goes to the container's port.
+pub trait PortMappings {
     /// Makes the attachment's port mappings exactly `mappings`.
     fn setup_port_mappings(
         &mut self,
@@ -208,7 +105,13 @@ pub trait Backend {
         endpoint: &Endpoint,
         mappings: &[ResolvedMapping],
     ) -> Result<(), BackendError>;
+    /// The attachment, other than `owner`, holding a mapping that overlaps `mapping`.
+    fn holder_of(&self, owner: u64, mapping: &ResolvedMapping)
+    -> Result<Option<u64>, BackendError>;
+}
 
+/// ipMasq: what containers send off-host leaves from the uplink's address.
+pub trait Masquerading {
     /// Makes the attachment's masquerade exactly `masquerade`; `None` turns it off.
     fn setup_masquerade(
         &mut self,
@@ -223,6 +126,12 @@ pub trait Backend {
         endpoint: &Endpoint,
         masquerade: Option<&Masquerade>,
     ) -> Result<(), BackendError>;
+    /// Takes the uplinks' current addresses as the addresses they masquerade to.
+    fn refresh_uplinks(&mut self, uplinks: &[Link]) -> Result<(), BackendError>;
+}
+
+/// The attachment's index-ordered filter rules.
+pub trait Filtering {
     /// Makes the attachment's filter exactly `filter` in one atomic step; `None` leaves it
     /// unfiltered.
     fn setup_filter(
@@ -237,57 +146,39 @@ pub trait Backend {
         endpoint: &Endpoint,
         filter: Option<&Filter>,
     ) -> Result<(), BackendError>;
-    /// Every attachment's filter with its counters, by owner.
-    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError>;
+}
 
-    /// Removes expired connection-tracking state of every attachment. GC, which runtimes call
-    /// periodically, runs it: no daemon runs between CNI calls.
-    fn sweep_expired(&mut self) -> Result<(), BackendError>;
-    /// Takes the uplinks' current addresses as the addresses they masquerade to.
-    fn refresh_uplinks(&mut self, uplinks: &[Link]) -> Result<(), BackendError>;
-
+/// What a backend holds, read back: for `cnibpf inspect`, and for the verbs that must find
+/// attachments (CHECK, GC, a re-ADD moving between backends).
+pub trait Inspect {
     /// Every attachment this backend holds state for, on any network.
     fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError>;
-    /// The attachment, other than `owner`, holding a mapping that overlaps `mapping`.
-    fn holder_of(&self, owner: u64, mapping: &ResolvedMapping)
-    -> Result<Option<u64>, BackendError>;
     /// Every installed port mapping with its owner.
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError>;
     /// Every attachment's masquerade, by owner.
     fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError>;
-    /// Datapath counters and table sizes, by name.
-    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError>;
     /// The addresses each uplink masquerades to, as last taken by ADD or CHECK.
     fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError>;
+    /// Every attachment's filter with its counters, by owner.
+    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError>;
+    /// Datapath counters and table sizes, by name.
+    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError>;
+}
 
+/// A datapath: every capability, what reads them back, and what spans them.
+pub trait Backend: Endpoints + PortMappings + Masquerading + Filtering + Inspect {
+    fn name(&self) -> &'static str;
+    /// Removes expired connection-tracking state of every attachment. GC, which runtimes call
+    /// periodically, runs it: no daemon runs between CNI calls.
+    fn sweep_expired(&mut self) -> Result<(), BackendError>;
     /// Applies the changes of this operation. The eBPF backend applies each as it is made (so
     /// it has nothing left to do); the nftables backend collects them into one transaction.
     fn commit(&mut self) -> Result<(), BackendError>;
 }
 
-/// A mapping as people write it: `tcp 0.0.0.0:8080 -> 10.22.0.2:80`.
-pub fn describe_mapping(mapping: &ResolvedMapping) -> String {
-    let host = match mapping.host_addr {
-        Some(IpAddr::V6(addr)) => format!("[{addr}]"),
-        Some(addr) => addr.to_string(),
-        None if mapping.is_ipv4() => "0.0.0.0".to_owned(),
-        None => "[::]".to_owned(),
-    };
-    let container = match mapping.container_addr {
-        IpAddr::V6(addr) => format!("[{addr}]"),
-        addr => addr.to_string(),
-    };
-    format!(
-        "{} {host}:{} -> {container}:{}",
-        mapping.protocol.as_str(),
-        mapping.host_port,
-        mapping.container_port
-    )
-}
-
 /// CHECK's last word on port mappings, once each configured one was found: no more are
 /// installed than configured.
-fn check_mapping_count(installed: usize, configured: usize) -> Result<(), BackendError> {
+pub(crate) fn check_mapping_count(installed: usize, configured: usize) -> Result<(), BackendError> {
     if installed == configured {
         return Ok(());
     }

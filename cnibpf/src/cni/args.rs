@@ -3,20 +3,7 @@
 //! `IgnoreUnknown=1;K8S_POD_NAMESPACE=…;K8S_POD_NAME=…;K8S_POD_INFRA_CONTAINER_ID=…;K8S_POD_UID=…`;
 //! a key cnibpf does not know is an error unless `IgnoreUnknown` is true.
 
-use std::fmt;
-
-/// The pod an attachment belongs to, when the runtime names it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Pod {
-    pub namespace: String,
-    pub name: String,
-}
-
-impl fmt::Display for Pod {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
+use crate::model::attachment::Pod;
 
 /// Longest pod namespace kept (a Kubernetes namespace is a DNS label, at most 63 bytes).
 pub const POD_NAMESPACE_MAX: usize = cnibpf_common::owner::POD_NAMESPACE_LEN - 1;

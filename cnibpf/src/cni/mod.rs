@@ -1,6 +1,8 @@
 //! The CNI protocol: environment, verbs, results and errors on stdout.
 
 pub mod args;
+pub mod error;
+mod link;
 pub mod result;
 
 use std::{
@@ -14,18 +16,19 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde_json::{Value, json};
 
 use crate::{
-    attachment::{self, Attachment, HostInterfaceError},
-    backend::{self, Backend, BackendError, Endpoint, ExcludeReason, Filter, Masquerade},
-    config::{
-        CleanupConf, CniVersion, ConfigError, HostPortAccess, NetConf, SUPPORTED_VERSIONS, Target,
-        conditions::Subject, ifname_problem,
-    },
-    error::Error,
+    backend::{self, Backend, BackendError, Endpoint},
+    config::{CleanupConf, CniVersion, ConfigError, NetConf, SUPPORTED_VERSIONS, ifname_problem},
     lock::{InstanceLock, lock_timeout},
+    model::{
+        Attachment, ExcludeReason, Filter, HostPortAccess, Masquerade, ResolvedMapping, Target,
+        conditions::Subject, resolve_mappings,
+    },
     netlink::{self, Link},
     paths::PinLayout,
 };
 use args::{ArgsError, CniArgs};
+use error::Error;
+use link::HostInterfaceError;
 use result::PrevResult;
 
 #[derive(Debug, thiserror::Error)]
@@ -191,7 +194,7 @@ fn version_output(stdin: &[u8]) -> String {
 struct Plan {
     attachment: Attachment,
     endpoint: Endpoint,
-    mappings: Vec<attachment::ResolvedMapping>,
+    mappings: Vec<ResolvedMapping>,
     masquerade: Option<Masquerade>,
     /// `None`: the attachment is not filtered (no rules, default ALLOW).
     filter: Option<Filter>,
@@ -200,15 +203,14 @@ struct Plan {
 fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     let prev = PrevResult::parse(prev_result, &env.ifname)?;
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
-    let mappings = attachment::resolve_mappings(&conf.port_mappings, &prev)?;
+    let mappings = resolve_mappings(&conf.port_mappings, &prev.container_addresses)?;
     let masquerade = masquerade_plan(conf, &prev)?;
     let condition_interfaces = condition_interfaces(&conf.plugin.host_ports)?;
     let netns = env.netns.clone().ok_or(EnvError::Missing("CNI_NETNS"))?;
     if !netns.exists() {
         return Err(EnvError::Netns(netns.display().to_string()).into());
     }
-    let link =
-        attachment::find_container_link(&prev, &netns, &env.ifname).map_err(EnvError::from)?;
+    let link = link::find_container_link(&prev, &netns, &env.ifname).map_err(EnvError::from)?;
     let uplinks = resolve_uplinks(conf)?;
     let cgroup = match &conf.plugin.cgroup_path {
         Some(path) => path.clone(),
@@ -375,10 +377,24 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     if let Err(error) = applied {
         // Undo: an attachment is either complete or absent. (The filter is found by its
         // interface: the attachment may not be recorded yet.)
-        let _ = remove_attachment(backend.as_mut(), owner);
-        let _ = backend.setup_filter(&plan.endpoint, None);
-        let _ = backend.commit();
-        return Err(error.into());
+        let undone = BackendError::collect(
+            [
+                ("remove", remove_attachment(backend.as_mut(), owner)),
+                ("unfilter", backend.setup_filter(&plan.endpoint, None)),
+                ("commit", backend.commit()),
+            ]
+            .into_iter()
+            .filter_map(|(step, outcome)| outcome.err().map(|error| (step, error)))
+            .collect(),
+        );
+        return Err(match undone {
+            Ok(()) => error,
+            Err(undo) => BackendError::UndoFailed {
+                failed: Box::new(error),
+                undo: Box::new(undo),
+            },
+        }
+        .into());
     }
     // A re-ADD served by the other backend (the host gained or lost BPF, or `backend` changed)
     // moves the attachment: what the previous backend holds of it goes, once the new one
@@ -401,7 +417,7 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
 fn ensure_host_ports_free(
     backend: &dyn Backend,
     owner: u64,
-    wanted: &[attachment::ResolvedMapping],
+    wanted: &[ResolvedMapping],
 ) -> Result<(), BackendError> {
     for mapping in wanted {
         let Some(holder) = backend.holder_of(owner, mapping)? else {
@@ -442,17 +458,34 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
     let pins = PinLayout::new(&conf.pin_path);
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
+    // Each backend is cleaned up even when another fails, and every failure is reported.
+    let mut failures = Vec::new();
     for mut backend in backend::existing(&pins)? {
-        remove_attachment(backend.as_mut(), attachment.owner_id())?;
-        backend.commit()?;
+        let removed = remove_attachment(backend.as_mut(), attachment.owner_id());
+        let committed = backend.commit();
+        failures.extend(
+            [removed, committed]
+                .into_iter()
+                .filter_map(Result::err)
+                .map(|error| (backend.name(), error)),
+        );
     }
-    Ok(())
+    Ok(BackendError::collect(failures)?)
 }
 
+/// Removes everything of the attachment from `backend`. Every capability is torn down even
+/// when another fails (what can go, goes); the record goes last, and only once nothing else
+/// of the attachment is left, so that a retried DEL or a GC still finds what is.
 fn remove_attachment(backend: &mut dyn Backend, owner: u64) -> Result<(), BackendError> {
-    backend.teardown_masquerade(owner)?;
-    backend.teardown_port_mappings(owner)?;
-    backend.teardown_filter(owner)?;
+    let failures: Vec<(&'static str, BackendError)> = [
+        ("masquerade", backend.teardown_masquerade(owner)),
+        ("port mappings", backend.teardown_port_mappings(owner)),
+        ("filter", backend.teardown_filter(owner)),
+    ]
+    .into_iter()
+    .filter_map(|(step, outcome)| outcome.err().map(|error| (step, error)))
+    .collect();
+    BackendError::collect(failures)?;
     backend.teardown_endpoint(owner)
 }
 
@@ -511,6 +544,8 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
         .collect();
     let pins = PinLayout::new(&conf.plugin.pin_path);
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
+    // One attachment or backend that cannot be cleaned up does not keep GC from the others.
+    let mut failures = Vec::new();
     for mut backend in backend::existing(&pins)? {
         let stale: Vec<u64> = backend
             .attachments()?
@@ -524,13 +559,20 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
             })
             .map(|record| record.owner)
             .collect();
-        for owner in stale {
-            remove_attachment(backend.as_mut(), owner)?;
-        }
-        backend.sweep_expired()?;
-        backend.commit()?;
+        let mut outcomes: Vec<Result<(), BackendError>> = stale
+            .into_iter()
+            .map(|owner| remove_attachment(backend.as_mut(), owner))
+            .collect();
+        outcomes.push(backend.sweep_expired());
+        outcomes.push(backend.commit());
+        failures.extend(
+            outcomes
+                .into_iter()
+                .filter_map(Result::err)
+                .map(|error| (backend.name(), error)),
+        );
     }
-    Ok(())
+    Ok(BackendError::collect(failures)?)
 }
 
 fn status(stdin: &[u8]) -> Result<(), Error> {

@@ -123,13 +123,6 @@ impl PrevResult {
             container_mac,
         })
     }
-
-    pub fn container_address(&self, ipv4: bool) -> Option<IpAddr> {
-        self.container_addresses
-            .iter()
-            .map(IpNet::addr)
-            .find(|addr| addr.is_ipv4() == ipv4)
-    }
 }
 
 /// `aa:bb:cc:dd:ee:ff`.
@@ -176,13 +169,13 @@ mod tests {
     fn container_side_of_prev_result() {
         let prev = PrevResult::parse(&sample(false), "eth0").expect("parsable");
         assert_eq!(prev.host_interfaces, ["cni0", "veth1"]);
+        let addresses: Vec<IpAddr> = prev.container_addresses.iter().map(IpNet::addr).collect();
         assert_eq!(
-            prev.container_address(true),
-            Some("10.22.0.5".parse().expect("literal"))
-        );
-        assert_eq!(
-            prev.container_address(false),
-            Some("2001:db8::5".parse().expect("literal"))
+            addresses,
+            [
+                "10.22.0.5".parse::<IpAddr>().expect("literal"),
+                "2001:db8::5".parse().expect("literal")
+            ]
         );
         let other = PrevResult::parse(&sample(false), "net1").expect("parsable");
         assert!(

@@ -10,51 +10,14 @@
 //! Anything else is refused (code 101) rather than ignored: a condition left out would expose
 //! the port to clients the reference keeps out.
 
-use std::{fmt, net::IpAddr};
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 
 use cnibpf_common::port_condition::MAX_TERMS;
 
 use super::{ConfigError, ifname_problem};
-
-/// What one condition looks at.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Subject {
-    /// The client's address: in any of these networks.
-    Source(Vec<IpNet>),
-    /// The address the client sent to.
-    Destination(Vec<IpNet>),
-    /// The interface the traffic came in on (host processes have none).
-    InInterface(String),
-}
-
-/// One condition; an attachment's conditions must all hold.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Condition {
-    pub negated: bool,
-    pub subject: Subject,
-}
-
-impl fmt::Display for Condition {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let nets = |nets: &[IpNet]| {
-            nets.iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-        let not = if self.negated { "not " } else { "" };
-        match &self.subject {
-            Subject::Source(list) => write!(f, "source {not}in {}", nets(list)),
-            Subject::Destination(list) => write!(f, "destination {not}in {}", nets(list)),
-            Subject::InInterface(name) => write!(f, "in-interface {not}{name}"),
-        }
-    }
-}
-
-/// The gating conditions of one address family.
-pub type Conditions = Vec<Condition>;
+pub use crate::model::conditions::{Condition, Conditions, Subject};
 
 /// Parses `conditionsV4` (`ipv4`) or `conditionsV6` at `key`.
 pub fn parse(key: &str, elements: &[String], ipv4: bool) -> Result<Conditions, ConfigError> {
@@ -390,11 +353,7 @@ mod tests {
             words(&["-i", "eth+"]),
         ] {
             let error = parse("conditionsV4", &elements, true).expect_err("unsupported");
-            assert_eq!(
-                error.code(),
-                crate::error::code::NOT_SUPPORTED,
-                "{elements:?}"
-            );
+            assert_eq!(error.code(), crate::code::NOT_SUPPORTED, "{elements:?}");
         }
     }
 
@@ -412,7 +371,7 @@ mod tests {
             let error = parse("conditionsV4", &elements, ipv4).expect_err("invalid");
             assert_eq!(
                 error.code(),
-                crate::error::code::INVALID_CONFIG,
+                crate::code::INVALID_CONFIG,
                 "{elements:?}: {error}"
             );
         }

@@ -3,30 +3,32 @@
 //! the key (as a path into the JSON) and the bad value.
 
 pub mod conditions;
+mod filter;
 mod fold;
 pub mod input;
+mod version;
 
-use std::{collections::BTreeMap, fmt, net::IpAddr, path::PathBuf};
+use std::{net::IpAddr, path::PathBuf};
 
 use ipnet::IpNet;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-pub use self::conditions::Conditions;
 pub use self::fold::{describe, names_field};
+pub use self::version::{CniVersion, SUPPORTED_VERSIONS};
 use self::{
+    filter::{RULE_KEYS, parse_filter},
     fold::Folding,
-    input::{AttachmentInput, CleanupInput, NetConfInput, PortMappingInput, RuleInput},
+    input::{AttachmentInput, CleanupInput, NetConfInput, PortMappingInput},
+    version::require_version,
 };
-pub use crate::model::{
-    BackendChoice, ConnState, Direction, PortRange, Protocol, RuleProtocol, Target,
+use crate::{
+    code,
+    model::{
+        BackendChoice, FilterRule, HostPortAccess, PortMapping, Protocol, Target, UnknownWord,
+    },
+    paths,
 };
-use crate::{error::code, paths};
-
-/// Spec versions this plugin speaks, oldest first.
-pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
-/// Most rules one attachment may carry (the datapath evaluates them in a bounded loop).
-pub const MAX_FILTER_RULES: usize = cnibpf_common::filter::MAX_RULES;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -105,112 +107,6 @@ pub fn decode<T: DeserializeOwned>(value: Value, prefix: &str) -> Result<T, Conf
     })
 }
 
-const RULE_KEYS: &[&str] = &[
-    "index",
-    "target",
-    "src",
-    "dst",
-    "proto",
-    "sport",
-    "dport",
-    "connstate",
-    "direction",
-];
-
-/// A spec version, ordered.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct CniVersion(u8, u8, u8);
-
-impl CniVersion {
-    pub const V0_4_0: Self = Self(0, 4, 0);
-    pub const V1_0_0: Self = Self(1, 0, 0);
-    pub const V1_1_0: Self = Self(1, 1, 0);
-
-    pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        if !SUPPORTED_VERSIONS.contains(&text) {
-            return Err(ConfigError::UnsupportedVersion {
-                version: text.to_owned(),
-            });
-        }
-        let mut parts = text.split('.').map(|part| part.parse::<u8>().unwrap_or(0));
-        Ok(Self(
-            parts.next().unwrap_or(0),
-            parts.next().unwrap_or(0),
-            parts.next().unwrap_or(0),
-        ))
-    }
-
-    /// The version an error or VERSION answer is printed in: the configuration's own when it
-    /// names a supported one, else the newest.
-    pub fn answer_version(stdin: &[u8]) -> String {
-        serde_json::from_slice::<Value>(stdin)
-            .ok()
-            .and_then(|conf| {
-                let object = conf.as_object()?;
-                object
-                    .iter()
-                    .find(|(key, _)| names_field(key, "cniVersion"))
-                    .and_then(|(_, version)| version.as_str().map(str::to_owned))
-            })
-            .filter(|version| SUPPORTED_VERSIONS.contains(&version.as_str()))
-            .unwrap_or_else(|| SUPPORTED_VERSIONS[SUPPORTED_VERSIONS.len() - 1].to_owned())
-    }
-}
-
-impl fmt::Display for CniVersion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}.{}", self.0, self.1, self.2)
-    }
-}
-
-/// One entry of `runtimeConfig.portMappings`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PortMapping {
-    pub host_port: u16,
-    pub container_port: u16,
-    pub protocol: Protocol,
-    /// `None` for any address of the host (absent, empty, `0.0.0.0` or `::`).
-    pub host_ip: Option<IpAddr>,
-}
-
-/// Whether two (protocol, hostIP, hostPort) claims could both take one packet: same protocol
-/// and port, and host addresses that are equal or where either is a wildcard. The one rule
-/// for overlapping hostPorts, in a configuration and between attachments.
-pub fn host_ports_overlap(
-    a: (Protocol, Option<IpAddr>, u16),
-    b: (Protocol, Option<IpAddr>, u16),
-) -> bool {
-    a.0 == b.0
-        && a.2 == b.2
-        && match (a.1, b.1) {
-            (Some(a), Some(b)) => a == b,
-            _ => true,
-        }
-}
-
-impl PortMapping {
-    pub fn overlaps(&self, other: &Self) -> bool {
-        host_ports_overlap(
-            (self.protocol, self.host_ip, self.host_port),
-            (other.protocol, other.host_ip, other.host_port),
-        )
-    }
-}
-
-/// One validated `filter` rule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FilterRule {
-    pub index: u32,
-    pub target: Target,
-    pub src: Option<IpNet>,
-    pub dst: Option<IpNet>,
-    pub protocol: RuleProtocol,
-    pub sport: Option<PortRange>,
-    pub dport: Option<PortRange>,
-    pub connstate: ConnState,
-    pub direction: Direction,
-}
-
 /// The cnibpf keys of the plugin entry.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PluginConfig {
@@ -224,28 +120,6 @@ pub struct PluginConfig {
     pub pin_path: PathBuf,
     pub cgroup_path: Option<PathBuf>,
     pub host_ports: HostPortAccess,
-}
-
-/// Who reaches the attachment's hostPorts, as the reference portmap's keys say.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct HostPortAccess {
-    /// `conditionsV4`: all must hold for IPv4 traffic to be translated.
-    pub conditions_v4: Conditions,
-    /// `conditionsV6`.
-    pub conditions_v6: Conditions,
-    /// `snat: false`: a container reaching its own hostPort keeps its address as the source
-    /// (and so is not answered), as with the reference.
-    pub no_hairpin_snat: bool,
-}
-
-impl HostPortAccess {
-    pub fn conditions(&self, ipv4: bool) -> &Conditions {
-        if ipv4 {
-            &self.conditions_v4
-        } else {
-            &self.conditions_v6
-        }
-    }
 }
 
 /// One entry of `cni.dev/valid-attachments` (GC).
@@ -360,22 +234,6 @@ impl NetConf {
     pub fn require_version(&self, verb: &'static str) -> Result<(), ConfigError> {
         require_version(self.cni_version, &self.cni_version_text, verb)
     }
-}
-
-fn require_version(version: CniVersion, text: &str, verb: &'static str) -> Result<(), ConfigError> {
-    let minimum = match verb {
-        "CHECK" => CniVersion::V0_4_0,
-        "GC" | "STATUS" => CniVersion::V1_1_0,
-        _ => return Ok(()),
-    };
-    if version < minimum {
-        return Err(ConfigError::VerbNeedsVersion {
-            verb,
-            minimum,
-            version: text.to_owned(),
-        });
-    }
-    Ok(())
 }
 
 /// What DEL and GC read of a configuration: they remove what an attachment owns, found through
@@ -522,11 +380,11 @@ fn pin_path(configured: Option<String>) -> Result<PathBuf, ConfigError> {
 }
 
 /// A vocabulary word at `key`, with the message naming what was expected.
-fn parse_word<T: std::str::FromStr<Err = crate::model::UnknownWord>>(
+fn parse_word<T: std::str::FromStr<Err = UnknownWord>>(
     key: &str,
     text: &str,
 ) -> Result<T, ConfigError> {
-    text.parse().map_err(|error: crate::model::UnknownWord| {
+    text.parse().map_err(|error: UnknownWord| {
         ConfigError::invalid(key, format!("expected {}, got {text:?}", error.expected))
     })
 }
@@ -601,103 +459,6 @@ fn parse_valid_attachments(
         .collect()
 }
 
-fn parse_filter(entries: Vec<RuleInput>) -> Result<Vec<FilterRule>, ConfigError> {
-    if entries.len() > MAX_FILTER_RULES {
-        return Err(ConfigError::invalid(
-            "filter",
-            format!(
-                "{} rules, at most {MAX_FILTER_RULES} are allowed per attachment",
-                entries.len()
-            ),
-        ));
-    }
-    let mut by_index: BTreeMap<u32, (usize, FilterRule)> = BTreeMap::new();
-    for (position, entry) in entries.into_iter().enumerate() {
-        let rule = parse_rule(position, entry)?;
-        if let Some((earlier, _)) = by_index.get(&rule.index) {
-            return Err(ConfigError::invalid(
-                format!("filter[{position}].index"),
-                format!("index {} is already used by filter[{earlier}]", rule.index),
-            ));
-        }
-        by_index.insert(rule.index, (position, rule));
-    }
-    Ok(by_index.into_values().map(|(_, rule)| rule).collect())
-}
-
-fn parse_rule(position: usize, rule: RuleInput) -> Result<FilterRule, ConfigError> {
-    let prefix = format!("filter[{position}]");
-    let key = |name: &str| format!("{prefix}.{name}");
-    let index = rule
-        .index
-        .ok_or_else(|| ConfigError::invalid(key("index"), "is required"))?
-        .0;
-    let target = match rule.target {
-        None => return Err(ConfigError::invalid(key("target"), "is required")),
-        Some(text) => parse_word(&key("target"), &text)?,
-    };
-    let src = rule.src.map(|cidr| cidr.0);
-    let dst = rule.dst.map(|cidr| cidr.0);
-    if let (Some(src), Some(dst)) = (src, dst)
-        && matches!(src, IpNet::V4(_)) != matches!(dst, IpNet::V4(_))
-    {
-        return Err(ConfigError::invalid(
-            key("dst"),
-            format!(
-                "{dst} and src {src} are of different address families: the rule could never match"
-            ),
-        ));
-    }
-    let protocol = match rule.proto {
-        None => RuleProtocol::Any,
-        Some(text) => parse_word(&key("proto"), &text)?,
-    };
-    let family_conflict = match protocol {
-        RuleProtocol::Icmp => [src, dst]
-            .into_iter()
-            .flatten()
-            .find(|net| matches!(net, IpNet::V6(_))),
-        RuleProtocol::Icmpv6 => [src, dst]
-            .into_iter()
-            .flatten()
-            .find(|net| matches!(net, IpNet::V4(_))),
-        _ => None,
-    };
-    if let Some(net) = family_conflict {
-        return Err(ConfigError::invalid(
-            key("proto"),
-            format!("{protocol} cannot match address {net}"),
-        ));
-    }
-    let sport = rule.sport.map(|range| range.0);
-    let dport = rule.dport.map(|range| range.0);
-    for (name, range) in [("sport", sport), ("dport", dport)] {
-        if range.is_some() && !protocol.has_ports() {
-            return Err(ConfigError::invalid(
-                key(name),
-                "ports need proto tcp, udp or sctp",
-            ));
-        }
-    }
-    Ok(FilterRule {
-        index,
-        target,
-        src,
-        dst,
-        protocol,
-        sport,
-        dport,
-        connstate: match rule.connstate {
-            None => ConnState::Any,
-            Some(text) => parse_word(&key("connstate"), &text)?,
-        },
-        direction: match rule.direction {
-            None => Direction::Both,
-            Some(text) => parse_word(&key("direction"), &text)?,
-        },
-    })
-}
-
 fn validate_network_name(name: &str) -> Result<(), ConfigError> {
     let valid = name.len() < cnibpf_common::owner::NAME_LEN
         && name.starts_with(|c: char| c.is_ascii_alphanumeric())
@@ -755,6 +516,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::model::{Direction, PortRange, RuleProtocol};
 
     fn parse_value(extra: Value) -> Result<NetConf, ConfigError> {
         let mut config = json!({ "cniVersion": "1.0.0", "name": "n", "type": "cnibpf" });
@@ -949,32 +711,5 @@ mod tests {
                 ifname: "eth0".to_owned()
             }])
         );
-    }
-
-    #[test]
-    fn overlap_rule() {
-        let any = None;
-        let one = Some("10.0.0.1".parse().expect("literal"));
-        let two = Some("10.0.0.2".parse().expect("literal"));
-        assert!(host_ports_overlap(
-            (Protocol::Tcp, any, 80),
-            (Protocol::Tcp, one, 80)
-        ));
-        assert!(host_ports_overlap(
-            (Protocol::Tcp, one, 80),
-            (Protocol::Tcp, one, 80)
-        ));
-        assert!(!host_ports_overlap(
-            (Protocol::Tcp, one, 80),
-            (Protocol::Tcp, two, 80)
-        ));
-        assert!(!host_ports_overlap(
-            (Protocol::Tcp, any, 80),
-            (Protocol::Udp, any, 80)
-        ));
-        assert!(!host_ports_overlap(
-            (Protocol::Tcp, any, 80),
-            (Protocol::Tcp, any, 81)
-        ));
     }
 }

@@ -1,7 +1,7 @@
 //! `port_conditions`: an attachment's hostPort conditions as the datapath evaluates them.
 
 use cnibpf_common::{
-    FAMILY_IPV4, FAMILY_IPV6,
+    FAMILY_IPV4, FAMILY_IPV6, addr,
     port_condition::{
         self, ConditionTerm, KIND_DESTINATION, KIND_IN_INTERFACE, KIND_SOURCE, MAX_TERMS,
         PortConditions, PortConditionsKey,
@@ -9,10 +9,10 @@ use cnibpf_common::{
 };
 use ipnet::IpNet;
 
-use super::{EbpfBackend, key_addr, map_error, remove_entry};
+use super::{EbpfBackend, map_error, remove_entry};
 use crate::{
     backend::{BackendError, Endpoint},
-    config::conditions::{Condition, Subject},
+    model::conditions::{Condition, Subject},
 };
 
 impl EbpfBackend {
@@ -91,8 +91,8 @@ fn encode(conditions: &[Condition], interfaces: &[(String, u32)]) -> PortConditi
             value.negated |= 1 << clause;
         }
         let net_term = |kind: u8, net: &IpNet| ConditionTerm {
-            addr: key_addr(net.trunc().addr()),
-            mask: key_addr(net.netmask()),
+            addr: addr::to_bytes(net.trunc().addr()),
+            mask: addr::to_bytes(net.netmask()),
             ifindex: 0,
             kind,
             clause,

@@ -7,28 +7,24 @@ use std::net::IpAddr;
 
 use aya::maps::PerCpuValues;
 use cnibpf_common::{
-    FAMILY_IPV4, FAMILY_IPV6,
+    FAMILY_IPV4, FAMILY_IPV6, addr,
     filter::{
         self, CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS, DIRECTION_INGRESS,
         FilterRule as StoredRule, FilterSet, MAX_RULES, NO_PREFIX, TARGET_ALLOW, TARGET_DROP,
     },
     filter_flow, filter_fragment,
-    filter_hits::{self, DEFAULT_SLOT, FilterHits, RuleHits},
-    filter_stats::FilterStats,
+    filter_hits::{self, FilterHits},
 };
 use ipnet::IpNet;
 
-use super::{
-    EbpfBackend, addr_from_key, batch, key_addr, map_error, masquerade::monotonic_now_ns,
-    read_error, remove_entry,
-};
+use super::{EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry, removed};
 use crate::{
-    backend::{BackendError, Endpoint, Filter, FilterRecord},
-    config::{ConnState, Direction, FilterRule, PortRange, RuleProtocol, Target},
+    backend::{BackendError, Endpoint, Filtering},
+    model::{ConnState, Direction, Filter, FilterRule, PortRange, RuleProtocol, Target},
 };
 
-impl EbpfBackend {
-    pub(super) fn apply_filter(
+impl Filtering for EbpfBackend {
+    fn setup_filter(
         &mut self,
         endpoint: &Endpoint,
         filter: Option<&Filter>,
@@ -64,56 +60,14 @@ impl EbpfBackend {
             .map_err(map_error("could not write map filters"))
     }
 
-    /// Removes the attachment's filter (if the element on `ifindex` is still its own) and its
-    /// connections' state; expired state of others goes in the same pass.
-    pub(super) fn remove_filter(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
-        let Ok(current) = self.filters.get(&ifindex, 0) else {
-            // Never filtered (or already cleaned up): it tracked no connections either, so
-            // the scans of the flow tables are skipped.
-            return Ok(());
-        };
-        if current.owner != owner {
-            return Ok(());
+    fn teardown_filter(&mut self, owner: u64) -> Result<(), BackendError> {
+        match self.owners.get(&owner, 0) {
+            Ok(info) => self.remove_filter(owner, info.host_ifindex),
+            Err(_) => Ok(()),
         }
-        remove_entry(&mut self.filters, &ifindex, filter::MAP_NAME)?;
-        match self.filter_hits.remove(&ifindex) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-            Err(error) => return Err(map_error("could not remove from map filter_hits")(error)),
-        }
-        self.remove_filter_flows(|flow_owner| flow_owner == owner)
     }
 
-    /// Removes the tracked connections and fragments whose owner `stale` selects, and every
-    /// expired connection on the way.
-    fn remove_filter_flows(&mut self, stale: impl Fn(u64) -> bool) -> Result<(), BackendError> {
-        let now = monotonic_now_ns();
-        let flows =
-            batch::entries(&self.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
-        for (key, flow) in flows {
-            if stale(flow.owner) || flow.is_expired(key.protocol, now) {
-                remove_entry(&mut self.filter_flows, &key, filter_flow::MAP_NAME)?;
-            }
-        }
-        self.filter_flows_swept = true;
-        let fragments = batch::entries(&self.filter_fragments)
-            .map_err(read_error(filter_fragment::MAP_NAME))?;
-        for (key, owner) in fragments {
-            if stale(owner) {
-                remove_entry(&mut self.filter_fragments, &key, filter_fragment::MAP_NAME)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The GC sweep of expired connections (unless a removal in this run did it already).
-    pub(super) fn remove_expired_filter_flows(&mut self) -> Result<(), BackendError> {
-        if self.filter_flows_swept {
-            return Ok(());
-        }
-        self.remove_filter_flows(|_| false)
-    }
-
-    pub(super) fn verify_filter(
+    fn check_filter(
         &self,
         endpoint: &Endpoint,
         filter: Option<&Filter>,
@@ -147,67 +101,53 @@ impl EbpfBackend {
             }
         }
     }
+}
 
-    pub(super) fn read_filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
-        let mut records = Vec::new();
-        for entry in self.filters.iter() {
-            let (ifindex, set) = entry.map_err(map_error("could not read map filters"))?;
-            let rule_count = (set.rule_count as usize).min(MAX_RULES);
-            let hits = self.filter_hits.get(&ifindex, 0).ok();
-            let summed = |slot: usize| {
-                hits.as_ref().map_or((0, 0), |per_cpu| {
-                    per_cpu.iter().fold((0, 0), |(packets, bytes), hits| {
-                        let RuleHits {
-                            packets: more_packets,
-                            bytes: more_bytes,
-                        } = hits.rules[slot];
-                        (packets + more_packets, bytes + more_bytes)
-                    })
-                })
-            };
-            records.push((
-                set.owner,
-                FilterRecord {
-                    filter: Filter {
-                        rules: set.rules[..rule_count].iter().map(config_rule).collect(),
-                        default: if set.default_target == TARGET_DROP {
-                            Target::Drop
-                        } else {
-                            Target::Allow
-                        },
-                    },
-                    hits: (0..rule_count).map(summed).collect(),
-                    default_hits: summed(DEFAULT_SLOT),
-                    flows: 0,
-                },
-            ));
+impl EbpfBackend {
+    /// Removes the attachment's filter (if the element on `ifindex` is still its own) and its
+    /// connections' state; expired state of others goes in the same pass.
+    pub(super) fn remove_filter(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
+        let Ok(current) = self.filters.get(&ifindex, 0) else {
+            // Never filtered (or already cleaned up): it tracked no connections either, so
+            // the scans of the flow tables are skipped.
+            return Ok(());
+        };
+        if current.owner != owner {
+            return Ok(());
         }
-        if records.is_empty() {
-            return Ok(records);
-        }
-        let flows =
-            batch::entries(&self.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
-        for (_, flow) in flows {
-            if let Some((_, record)) = records.iter_mut().find(|(owner, _)| *owner == flow.owner) {
-                record.flows += 1;
-            }
-        }
-        Ok(records)
+        remove_entry(&mut self.filters, &ifindex, filter::MAP_NAME)?;
+        removed(self.filter_hits.remove(&ifindex), filter_hits::MAP_NAME)?;
+        self.remove_filter_flows(|flow_owner| flow_owner == owner)
     }
 
-    pub(super) fn read_filter_counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
-        let per_cpu = self
-            .filter_stats
-            .get(&0, 0)
-            .map_err(map_error("could not read map filter_stats"))?;
-        let sum = |field: fn(&FilterStats) -> u64| per_cpu.iter().map(field).sum::<u64>();
-        Ok(vec![
-            (
-                "filter connections created",
-                sum(|stats| stats.flows_created),
-            ),
-            ("filter drop events lost", sum(|stats| stats.events_lost)),
-        ])
+    /// Removes the tracked connections and fragments whose owner `stale` selects, and every
+    /// expired connection on the way.
+    fn remove_filter_flows(&mut self, stale: impl Fn(u64) -> bool) -> Result<(), BackendError> {
+        let now = monotonic_now_ns();
+        let flows =
+            batch::entries(&self.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
+        for (key, flow) in flows {
+            if stale(flow.owner) || flow.is_expired(key.protocol, now) {
+                remove_entry(&mut self.filter_flows, &key, filter_flow::MAP_NAME)?;
+            }
+        }
+        self.filter_flows_swept = true;
+        let fragments = batch::entries(&self.filter_fragments)
+            .map_err(read_error(filter_fragment::MAP_NAME))?;
+        for (key, owner) in fragments {
+            if stale(owner) {
+                remove_entry(&mut self.filter_fragments, &key, filter_fragment::MAP_NAME)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The GC sweep of expired connections (unless a removal in this run did it already).
+    pub(super) fn sweep_expired_filter_flows(&mut self) -> Result<(), BackendError> {
+        if self.filter_flows_swept {
+            return Ok(());
+        }
+        self.remove_filter_flows(|_| false)
     }
 }
 
@@ -287,18 +227,18 @@ fn stored_net(net: Option<IpNet>) -> ([u8; 16], [u8; 16], u8) {
         return ([0; 16], [0; 16], NO_PREFIX);
     };
     (
-        key_addr(net.trunc().addr()),
-        key_addr(net.netmask()),
+        addr::to_bytes(net.trunc().addr()),
+        addr::to_bytes(net.netmask()),
         net.prefix_len(),
     )
 }
 
 /// The configuration rule a stored one was made from.
-fn config_rule(stored: &StoredRule) -> FilterRule {
+pub(super) fn config_rule(stored: &StoredRule) -> FilterRule {
     let net = |addr: [u8; 16], prefix: u8| {
         (prefix != NO_PREFIX)
             .then(|| {
-                let addr: IpAddr = addr_from_key(addr, stored.family == FAMILY_IPV4);
+                let addr: IpAddr = addr::from_bytes(addr, stored.family);
                 IpNet::new(addr, prefix).ok()
             })
             .flatten()

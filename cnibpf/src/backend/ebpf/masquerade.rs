@@ -3,39 +3,36 @@
 //! which DEL and GC remove per attachment; GC also sweeps expired state, of the port-mapping
 //! translations in `nat_flows` too.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::IpAddr;
 
 use aya::maps::lpm_trie::Key;
 use cnibpf_common::{
-    FAMILY_IPV4, FAMILY_IPV6,
+    addr,
     masq_exclude::{self, MasqExcludeKey, OWNER_FAMILY_BITS},
     masq_flow::{self, MasqFlow},
     masq_fragment, masq_reply,
     masq_source::{self, MasqSource, MasqSourceKey},
-    nat_flow::{self, NatFlowKey},
+    nat_flow::NatFlowKey,
     uplink::UplinkInfo,
 };
 use ipnet::IpNet;
-use nix::time::{ClockId, clock_gettime};
 
-use super::{EbpfBackend, addr_from_key, batch, key_addr, map_error, read_error, remove_entry};
+use super::{EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry, removed};
 use crate::{
-    backend::{
-        BackendError, Endpoint, ExcludeReason, Masquerade, MasqueradeRecord, UplinkAddresses,
-        is_link_local,
-    },
+    backend::{BackendError, Endpoint, Masquerading, is_link_local},
+    model::Masquerade,
     netlink::{self, Link},
 };
 
-impl EbpfBackend {
-    pub(super) fn apply_masquerade(
+impl Masquerading for EbpfBackend {
+    fn setup_masquerade(
         &mut self,
         endpoint: &Endpoint,
         masquerade: Option<&Masquerade>,
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
         let Some(masquerade) = masquerade else {
-            return self.remove_masquerade(owner);
+            return self.teardown_masquerade(owner);
         };
         let wanted_sources: Vec<MasqSourceKey> = masquerade
             .sources
@@ -95,7 +92,7 @@ impl EbpfBackend {
         })
     }
 
-    pub(super) fn remove_masquerade(&mut self, owner: u64) -> Result<(), BackendError> {
+    fn teardown_masquerade(&mut self, owner: u64) -> Result<(), BackendError> {
         let (sources, excludes) = self.owned_masquerade(owner)?;
         // Without masquerade entries the attachment has no flows either: skip the scans of the
         // flow tables, which cost a walk over all their buckets even when empty.
@@ -132,24 +129,7 @@ impl EbpfBackend {
         Ok(())
     }
 
-    pub(super) fn remove_expired_flows(&mut self) -> Result<(), BackendError> {
-        let now = monotonic_now_ns();
-        if !self.masq_flows_swept {
-            self.remove_masquerade_flows(|key, flow| flow.is_expired(key.protocol, now))?;
-            self.masq_flows_swept = true;
-        }
-        // The port-mapping translations age the same way.
-        let translations =
-            batch::entries(&self.nat_flows).map_err(read_error(nat_flow::MAP_NAME))?;
-        for (key, value) in translations {
-            if value.is_expired(key.protocol, now) {
-                remove_entry(&mut self.nat_flows, &key, nat_flow::MAP_NAME)?;
-            }
-        }
-        Ok(())
-    }
-
-    pub(super) fn verify_masquerade(
+    fn check_masquerade(
         &self,
         endpoint: &Endpoint,
         masquerade: Option<&Masquerade>,
@@ -161,7 +141,7 @@ impl EbpfBackend {
                 return Err(BackendError::CheckFailed(format!(
                     "{} masquerades {} although ipMasq is off",
                     endpoint.attachment,
-                    addr_from_key(source.addr, source.family == FAMILY_IPV4)
+                    addr::from_bytes(source.addr, source.family)
                 )));
             }
             return Ok(());
@@ -206,7 +186,7 @@ impl EbpfBackend {
 
     /// Records each uplink's first IPv4 and first global IPv6 address (the kernel lists an
     /// interface's primary address first) as the address it masquerades to.
-    pub(super) fn write_uplink_addresses(&mut self, uplinks: &[Link]) -> Result<(), BackendError> {
+    fn refresh_uplinks(&mut self, uplinks: &[Link]) -> Result<(), BackendError> {
         if self.host_addresses.is_empty() {
             self.host_addresses = netlink::addresses()
                 .map_err(|source| BackendError::HostAddresses(Box::new(source)))?;
@@ -232,81 +212,17 @@ impl EbpfBackend {
         }
         Ok(())
     }
+}
 
-    pub(super) fn read_masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError> {
-        let mut records: Vec<(u64, MasqueradeRecord)> = Vec::new();
-        let record_of = |records: &mut Vec<(u64, MasqueradeRecord)>, owner: u64| {
-            if let Some(position) = records.iter().position(|(held, _)| *held == owner) {
-                position
-            } else {
-                records.push((owner, MasqueradeRecord::default()));
-                records.len() - 1
-            }
-        };
-        for entry in self.masq_sources.iter() {
-            let (key, source) = entry.map_err(map_error("could not read map masq_sources"))?;
-            let position = record_of(&mut records, source.owner);
-            records[position]
-                .1
-                .masquerade
-                .sources
-                .push(addr_from_key(key.addr, key.family == FAMILY_IPV4));
+impl EbpfBackend {
+    /// Removes the expired masquerade flows (unless removing an attachment's did already).
+    pub(super) fn sweep_expired_masquerade_flows(&mut self) -> Result<(), BackendError> {
+        if !self.masq_flows_swept {
+            let now = monotonic_now_ns();
+            self.remove_masquerade_flows(|key, flow| flow.is_expired(key.protocol, now))?;
+            self.masq_flows_swept = true;
         }
-        for entry in self.masq_excludes.iter() {
-            let (key, reason) = entry.map_err(map_error("could not read map masq_excludes"))?;
-            let data = key.data();
-            let (Some(net), Some(reason)) = (exclude_net(&key), ExcludeReason::from_u32(reason))
-            else {
-                continue;
-            };
-            let position = record_of(&mut records, u64::from_be_bytes(data.owner));
-            records[position].1.masquerade.excludes.push((net, reason));
-        }
-        for (_, flow) in
-            batch::entries(&self.masq_flows).map_err(read_error(masq_flow::MAP_NAME))?
-        {
-            let position = record_of(&mut records, flow.owner);
-            records[position].1.flows += 1;
-        }
-        Ok(records)
-    }
-
-    pub(super) fn read_uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
-        let mut uplinks = Vec::new();
-        for entry in self.uplinks.iter() {
-            let (ifindex, info) = entry.map_err(map_error("could not read map uplinks"))?;
-            uplinks.push(UplinkAddresses {
-                ifindex,
-                v4: (info.addr_v4 != [0; 4]).then(|| Ipv4Addr::from(info.addr_v4)),
-                v6: (info.addr_v6 != [0; 16]).then(|| Ipv6Addr::from(info.addr_v6)),
-            });
-        }
-        uplinks.sort_by_key(|uplink| uplink.ifindex);
-        Ok(uplinks)
-    }
-
-    pub(super) fn read_counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
-        let per_cpu = self
-            .masq_stats
-            .get(&0, 0)
-            .map_err(map_error("could not read map masq_stats"))?;
-        let sum = |field: fn(&cnibpf_common::masq_stats::MasqStats) -> u64| {
-            per_cpu.iter().map(field).sum::<u64>()
-        };
-        let flows = batch::entries(&self.masq_flows)
-            .map_err(read_error(masq_flow::MAP_NAME))?
-            .len() as u64;
-        Ok(vec![
-            ("masq_flows entries", flows),
-            ("masq_flows capacity", u64::from(masq_flow::MAX_ENTRIES)),
-            ("flows created", sum(|stats| stats.flows_created)),
-            ("port collisions", sum(|stats| stats.port_collisions)),
-            ("ports exhausted", sum(|stats| stats.ports_exhausted)),
-            ("state lost (table pressure)", sum(|stats| stats.state_lost)),
-            ("expired state met", sum(|stats| stats.expired)),
-            ("icmp errors translated", sum(|stats| stats.icmp_errors)),
-            ("no uplink address", sum(|stats| stats.no_uplink_address)),
-        ])
+        Ok(())
     }
 
     /// The attachment's `masq_sources` keys and `masq_excludes` entries.
@@ -336,18 +252,7 @@ impl EbpfBackend {
     }
 
     fn remove_exclude(&mut self, key: &Key<MasqExcludeKey>) -> Result<(), BackendError> {
-        match self.masq_excludes.remove(key) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            Err(aya::maps::MapError::SyscallError(error))
-                if error.io_error.kind() == std::io::ErrorKind::NotFound =>
-            {
-                Ok(())
-            }
-            Err(source) => Err(BackendError::Map {
-                action: format!("could not delete from map {}", masq_exclude::MAP_NAME),
-                source: Box::new(source),
-            }),
-        }
+        removed(self.masq_excludes.remove(key), masq_exclude::MAP_NAME)
     }
 
     /// Removes the flows `stale` selects, both ways.
@@ -381,17 +286,9 @@ impl EbpfBackend {
 
 fn source_key(addr: IpAddr) -> MasqSourceKey {
     MasqSourceKey {
-        addr: key_addr(addr),
-        family: family_of(addr),
+        addr: addr::to_bytes(addr),
+        family: addr::family_of(addr),
         _pad: [0; 3],
-    }
-}
-
-fn family_of(addr: IpAddr) -> u8 {
-    if addr.is_ipv4() {
-        FAMILY_IPV4
-    } else {
-        FAMILY_IPV6
     }
 }
 
@@ -401,25 +298,17 @@ fn exclude_key(owner: u64, net: &IpNet) -> Key<MasqExcludeKey> {
         OWNER_FAMILY_BITS + u32::from(net.prefix_len()),
         MasqExcludeKey {
             owner: owner.to_be_bytes(),
-            family: family_of(net.addr()),
-            addr: key_addr(net.addr()),
+            family: addr::family_of(net.addr()),
+            addr: addr::to_bytes(net.addr()),
             _pad: [0; 3],
         },
     )
 }
 
-fn exclude_net(key: &Key<MasqExcludeKey>) -> Option<IpNet> {
+pub(super) fn exclude_net(key: &Key<MasqExcludeKey>) -> Option<IpNet> {
     let data = key.data();
     let prefix = u8::try_from(key.prefix_len().checked_sub(OWNER_FAMILY_BITS)?).ok()?;
-    IpNet::new(addr_from_key(data.addr, data.family == FAMILY_IPV4), prefix).ok()
-}
-
-/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
-pub(super) fn monotonic_now_ns() -> u64 {
-    clock_gettime(ClockId::CLOCK_MONOTONIC).map_or(0, |now| {
-        u64::try_from(now.tv_sec()).unwrap_or(0) * 1_000_000_000
-            + u64::try_from(now.tv_nsec()).unwrap_or(0)
-    })
+    IpNet::new(addr::from_bytes(data.addr, data.family), prefix).ok()
 }
 
 #[cfg(test)]

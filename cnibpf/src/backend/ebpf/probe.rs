@@ -32,7 +32,7 @@ const PROGRAM: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
 /// removed. (Where none is mounted yet, loading mounts one and says so if it cannot.)
 pub fn bpffs_writable() -> Result<(), String> {
     let root = Path::new(BPFFS_MOUNT_POINT);
-    if !super::is_bpffs(root) {
+    if !super::pins::is_bpffs(root) {
         return Ok(());
     }
     // bpffs refuses names with a dot.

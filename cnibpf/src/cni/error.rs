@@ -2,27 +2,11 @@
 
 use serde::Serialize;
 
+use super::EnvError;
 use crate::{
-    attachment::MappingError, backend::BackendError, cni::EnvError, config::ConfigError,
-    lock::LockError, netlink::NetlinkError,
+    backend::BackendError, code, config::ConfigError, lock::LockError, model::MappingError,
+    netlink::NetlinkError,
 };
-
-/// CNI error codes (spec codes and the plugin-specific ones documented in README.md).
-pub mod code {
-    pub const INCOMPATIBLE_VERSION: u32 = 1;
-    pub const INVALID_ENV: u32 = 4;
-    pub const DECODE: u32 = 6;
-    pub const INVALID_CONFIG: u32 = 7;
-    pub const TRY_AGAIN: u32 = 11;
-    pub const PLUGIN_UNAVAILABLE: u32 = 50;
-    pub const HOST_PORT_IN_USE: u32 = 100;
-    pub const NOT_SUPPORTED: u32 = 101;
-    pub const DATAPATH: u32 = 102;
-    pub const INTERFACE: u32 = 103;
-    pub const BACKEND_UNAVAILABLE: u32 = 104;
-    pub const CHECK_FAILED: u32 = 105;
-    pub const INCOMPATIBLE_STATE: u32 = 106;
-}
 
 /// An error as the CNI spec prints it on stdout.
 #[derive(Debug, Serialize)]

@@ -1,0 +1,429 @@
+//! Endpoints: an attachment's record (`owners`, `endpoints`), the tcx links of its host-side
+//! interface and of the uplinks, the socket hooks on the instance's cgroup, and the host's
+//! addresses the datapath tells apart from foreign ones.
+
+use std::{fs, io, path::Path};
+
+use aya::programs::{
+    CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, links::FdLink,
+    tc::TcAttach,
+};
+use cnibpf_common::{
+    addr,
+    endpoint::{self, EndpointInfo},
+    host_addr::{self, HostAddrKey},
+    owner,
+};
+
+use super::{
+    EbpfBackend, map_error,
+    owner::{attachment_of, owner_info, read_name},
+    pins::{
+        FROM_CONTAINER, SOCK_PROGRAMS, TO_CONTAINER, UPLINK_EGRESS, UPLINK_INGRESS, remove_pin,
+    },
+    remove_entry,
+};
+use crate::{
+    backend::{BackendError, Endpoint, Endpoints, is_link_local},
+    netlink,
+};
+
+/// One tcx hook: the program and where its link is pinned.
+struct Hook<'a> {
+    program: &'static str,
+    attach_type: TcAttachType,
+    link_pin: &'a Path,
+}
+
+/// The tcx hooks of one interface: `[ingress, egress]` programs, with their link pins.
+fn hook_pair<'a>(
+    programs: [&'static str; 2],
+    link_pins: &'a [std::path::PathBuf; 2],
+) -> [Hook<'a>; 2] {
+    [
+        Hook {
+            program: programs[0],
+            attach_type: TcAttachType::Ingress,
+            link_pin: &link_pins[0],
+        },
+        Hook {
+            program: programs[1],
+            attach_type: TcAttachType::Egress,
+            link_pin: &link_pins[1],
+        },
+    ]
+}
+
+impl EbpfBackend {
+    fn attach(&self, ifindex: u32, hook: &Hook<'_>) -> Result<(), BackendError> {
+        let mut program = self.pinned_program(hook.program)?;
+        if hook.link_pin.exists() {
+            if is_attached(&program, ifindex, hook.attach_type)? {
+                return Ok(());
+            }
+            // The link outlived its interface, or points at an older program instance.
+            remove_pin(hook.link_pin)?;
+        }
+        let program_error = |action: String| {
+            move |source| BackendError::Program {
+                action,
+                source: Box::new(source),
+            }
+        };
+        let link_id = program
+            .attach(
+                ifindex,
+                TcAttach::Tcx {
+                    attach_type: hook.attach_type,
+                    order: LinkOrder::default(),
+                },
+            )
+            .map_err(program_error(format!(
+                "could not attach {} to interface {ifindex}",
+                hook.program
+            )))?;
+        let link = program.take_link(link_id).map_err(program_error(format!(
+            "could not take the link of {}",
+            hook.program
+        )))?;
+        let link: FdLink = link.try_into().map_err(|source| BackendError::Pin {
+            action: format!("link of {} is not a tcx link", hook.program),
+            source: Box::new(source),
+        })?;
+        link.pin(hook.link_pin)
+            .map_err(|source| BackendError::Pin {
+                action: format!("could not pin link {}", hook.link_pin.display()),
+                source: Box::new(source),
+            })?;
+        Ok(())
+    }
+
+    fn check_attached(
+        &self,
+        ifindex: u32,
+        ifname: &str,
+        hook: &Hook<'_>,
+    ) -> Result<(), BackendError> {
+        let program = self.pinned_program(hook.program)?;
+        if !hook.link_pin.exists() {
+            return Err(BackendError::CheckFailed(format!(
+                "link {} of {} on {ifname} is missing",
+                hook.link_pin.display(),
+                hook.program
+            )));
+        }
+        if !is_attached(&program, ifindex, hook.attach_type)? {
+            return Err(BackendError::CheckFailed(format!(
+                "{} is not attached to {ifname} (index {ifindex})",
+                hook.program
+            )));
+        }
+        Ok(())
+    }
+
+    /// Attaches the socket hooks to `cgroup` once per instance; their links are pinned, so
+    /// later ADDs find them in place.
+    fn attach_socket_hooks(&self, cgroup: &Path) -> Result<(), BackendError> {
+        let mut cgroup_dir = None;
+        for (name, attach_type) in SOCK_PROGRAMS {
+            let link_pin = self.pins.cgroup_link(name);
+            if link_pin.exists() {
+                continue;
+            }
+            let cgroup_dir = match &mut cgroup_dir {
+                Some(dir) => dir,
+                None => cgroup_dir.insert(fs::File::open(cgroup).map_err(|source| {
+                    BackendError::Pin {
+                        action: format!("could not open cgroup {}", cgroup.display()),
+                        source: Box::new(source),
+                    }
+                })?),
+            };
+            let program_path = self.pins.program(name);
+            let program_error = |action: String| {
+                move |source| BackendError::Program {
+                    action,
+                    source: Box::new(source),
+                }
+            };
+            let mut program =
+                CgroupSockAddr::from_pin(&program_path, attach_type).map_err(program_error(
+                    format!("could not open pinned program {}", program_path.display()),
+                ))?;
+            let link_id = program
+                // Links coexist with other programs on the cgroup whatever the mode; the kernel
+                // takes no mode flags for link creation.
+                .attach(&*cgroup_dir, CgroupAttachMode::Single)
+                .map_err(program_error(format!(
+                    "could not attach {name} to cgroup {}",
+                    cgroup.display()
+                )))?;
+            let link = program
+                .take_link(link_id)
+                .map_err(program_error(format!("could not take the link of {name}")))?;
+            let link: FdLink = link.try_into().map_err(|source| BackendError::Pin {
+                action: format!("link of {name} is not a bpf link"),
+                source: Box::new(source),
+            })?;
+            link.pin(&link_pin).map_err(|source| BackendError::Pin {
+                action: format!("could not pin link {}", link_pin.display()),
+                source: Box::new(source),
+            })?;
+        }
+        Ok(())
+    }
+
+    fn pinned_program(&self, name: &str) -> Result<SchedClassifier, BackendError> {
+        let path = self.pins.program(name);
+        SchedClassifier::from_pin(&path).map_err(|source| BackendError::Program {
+            action: format!("could not open pinned program {}", path.display()),
+            source: Box::new(source),
+        })
+    }
+
+    fn uplink_link_pins(&self, ifname: &str) -> [std::path::PathBuf; 2] {
+        [
+            self.pins.uplink_link(ifname, "ingress"),
+            self.pins.uplink_link(ifname, "egress"),
+        ]
+    }
+
+    fn uplink_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
+        hook_pair([UPLINK_INGRESS, UPLINK_EGRESS], link_pins)
+    }
+
+    pub(super) fn sync_host_addresses(&mut self) -> Result<(), BackendError> {
+        self.host_addresses =
+            netlink::addresses().map_err(|source| BackendError::HostAddresses(Box::new(source)))?;
+        let current: Vec<(HostAddrKey, u32)> = self
+            .host_addresses
+            .iter()
+            .copied()
+            .filter(|(_, addr)| !is_link_local(*addr))
+            .map(|(ifindex, addr)| {
+                let key = HostAddrKey {
+                    addr: addr::to_bytes(addr),
+                    family: addr::family_of(addr),
+                    _pad: [0; 3],
+                };
+                (key, ifindex)
+            })
+            .collect();
+        let mut stale = Vec::new();
+        for key in self.host_addrs.keys() {
+            let key = key.map_err(map_error("could not read map host_addrs"))?;
+            if !current.iter().any(|(wanted, _)| *wanted == key) {
+                stale.push(key);
+            }
+        }
+        for key in stale {
+            remove_entry(&mut self.host_addrs, &key, host_addr::MAP_NAME)?;
+        }
+        for (key, ifindex) in current {
+            if self.host_addrs.get(&key, 0).ok() != Some(ifindex) {
+                self.host_addrs
+                    .insert(&key, &ifindex, 0)
+                    .map_err(map_error("could not write map host_addrs"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the `endpoints` entry of `ifindex` if `owner` still holds it (an interface index
+    /// can be reused by another container once the first one's veth is gone).
+    fn forget_endpoint(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
+        // Unpinning detaches (a link whose interface is gone is only a pin).
+        for link_pin in self.endpoint_link_pins(owner) {
+            remove_pin(&link_pin)?;
+        }
+        match self.endpoints.get(&ifindex, 0) {
+            Ok(info) if info.owner == owner => {
+                self.remove_filter(owner, ifindex)?;
+                remove_entry(&mut self.endpoints, &ifindex, endpoint::MAP_NAME)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn endpoint_link_pins(&self, owner: u64) -> [std::path::PathBuf; 2] {
+        [
+            self.pins.endpoint_link(owner, "from"),
+            self.pins.endpoint_link(owner, "to"),
+        ]
+    }
+
+    /// The hooks of a container's host-side interface: what it sends (tcx ingress) and what
+    /// it receives (tcx egress). A tcx attachment waits out an RCU grace period under the
+    /// RTNL lock (10-25 ms each here); the price of sharing the interface with other programs
+    /// and qdiscs, paid once per ADD, and not at all by a repeated ADD that finds them in place.
+    fn endpoint_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
+        hook_pair([FROM_CONTAINER, TO_CONTAINER], link_pins)
+    }
+
+    /// Removes everything shared once no attachment is left, so that a host without
+    /// containers carries no cnibpf programs on its uplinks.
+    fn teardown_shared_if_unused(&mut self) -> Result<(), BackendError> {
+        if self.owners.keys().next().is_some() {
+            return Ok(());
+        }
+        match fs::remove_dir_all(self.pins.root()) {
+            Ok(()) => Ok(()),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(BackendError::Pin {
+                action: format!("could not remove {}", self.pins.root().display()),
+                source: Box::new(source),
+            }),
+        }
+    }
+}
+
+impl Endpoints for EbpfBackend {
+    fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
+        let existing = self.owners.get(&owner, 0).ok();
+        if let Some(existing) = existing {
+            let holder = attachment_of(&existing);
+            if holder != endpoint.attachment {
+                return Err(BackendError::OwnerCollision {
+                    owner,
+                    attachment: Box::new(endpoint.attachment.clone()),
+                    holder: Box::new(holder),
+                });
+            }
+            if existing.host_ifindex != endpoint.host.index {
+                self.forget_endpoint(owner, existing.host_ifindex)?;
+            }
+        }
+        let mut info = owner_info(&endpoint.attachment, &endpoint.host, endpoint.pod.as_ref());
+        info.port_count = existing.map_or(0, |existing| existing.port_count);
+        self.owners
+            .insert(&owner, &info, 0)
+            .map_err(map_error("could not record the attachment in map owners"))?;
+        self.endpoints
+            .insert(&endpoint.host.index, &endpoint_info(endpoint), 0)
+            .map_err(map_error("could not write map endpoints"))?;
+        let link_pins = self.endpoint_link_pins(owner);
+        for hook in Self::endpoint_hooks(&link_pins) {
+            self.attach(endpoint.host.index, &hook)?;
+        }
+        for uplink in &endpoint.uplinks {
+            let uplink_pins = self.uplink_link_pins(&uplink.name);
+            for hook in Self::uplink_hooks(&uplink_pins) {
+                self.attach(uplink.index, &hook)?;
+            }
+        }
+        self.attach_socket_hooks(&endpoint.cgroup)
+    }
+
+    fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
+        if let Ok(info) = self.owners.get(&owner, 0) {
+            self.forget_endpoint(owner, info.host_ifindex)?;
+        }
+        remove_entry(&mut self.owners, &owner, owner::MAP_NAME)?;
+        self.teardown_shared_if_unused()
+    }
+
+    fn check_endpoint(&self, endpoint: &Endpoint) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
+        let info = self.owners.get(&owner, 0).map_err(|_| {
+            BackendError::CheckFailed(format!(
+                "{} is not recorded in map owners",
+                endpoint.attachment
+            ))
+        })?;
+        if info.host_ifindex != endpoint.host.index {
+            return Err(BackendError::CheckFailed(format!(
+                "{} was attached to interface {} (index {}), its host interface is now {} (index {})",
+                endpoint.attachment,
+                read_name(&info.host_ifname),
+                info.host_ifindex,
+                endpoint.host.name,
+                endpoint.host.index
+            )));
+        }
+        match self.endpoints.get(&endpoint.host.index, 0) {
+            Ok(found) if found == endpoint_info(endpoint) => {}
+            _ => {
+                return Err(BackendError::CheckFailed(format!(
+                    "the endpoints entry of {} (index {}) is missing or differs",
+                    endpoint.host.name, endpoint.host.index
+                )));
+            }
+        }
+        let link_pins = self.endpoint_link_pins(owner);
+        for hook in Self::endpoint_hooks(&link_pins) {
+            self.check_attached(endpoint.host.index, &endpoint.host.name, &hook)?;
+        }
+        for uplink in &endpoint.uplinks {
+            let uplink_pins = self.uplink_link_pins(&uplink.name);
+            for hook in Self::uplink_hooks(&uplink_pins) {
+                self.check_attached(uplink.index, &uplink.name, &hook)?;
+            }
+        }
+        for (name, _) in SOCK_PROGRAMS {
+            let pin = self.pins.cgroup_link(name);
+            if !pin.exists() {
+                return Err(BackendError::CheckFailed(format!(
+                    "socket hook {name} is not attached to cgroup {} (link {} missing)",
+                    endpoint.cgroup.display(),
+                    pin.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the datapath keeps about a container's host-side interface.
+fn endpoint_info(endpoint: &Endpoint) -> EndpointInfo {
+    let mut flags = 0;
+    if endpoint.shaped {
+        flags |= endpoint::FLAG_VIA_STACK;
+    }
+    if endpoint.host_ports.no_hairpin_snat {
+        flags |= endpoint::FLAG_NO_HAIRPIN_SNAT;
+    }
+    EndpointInfo {
+        gateway_v6: endpoint
+            .gateway_v6
+            .map_or([0; 16], |gateway| gateway.octets()),
+        owner: endpoint.attachment.owner_id(),
+        gateway_v4: endpoint
+            .gateway_v4
+            .map_or([0; 4], |gateway| gateway.octets()),
+        container_mac: endpoint.container_mac,
+        gateway_mac: endpoint.gateway_mac,
+        flags,
+        gateway_ifindex: endpoint.gateway_ifindex,
+    }
+}
+
+fn is_attached(
+    program: &SchedClassifier,
+    ifindex: u32,
+    attach_type: TcAttachType,
+) -> Result<bool, BackendError> {
+    let program_error = |action: &str| {
+        let action = action.to_owned();
+        move |source| BackendError::Program {
+            action,
+            source: Box::new(source),
+        }
+    };
+    let id = program
+        .info()
+        .map_err(program_error("could not read program info"))?
+        .id();
+    match SchedClassifier::query_tcx(ifindex, attach_type) {
+        Ok((_, attached)) => Ok(attached.iter().any(|info| info.id() == id)),
+        // The interface is gone: nothing is attached to it.
+        Err(aya::programs::ProgramError::SyscallError(error))
+            if error.io_error.raw_os_error() == Some(libc::ENODEV) =>
+        {
+            Ok(false)
+        }
+        Err(source) => Err(program_error(&format!(
+            "could not query tcx programs of interface {ifindex}"
+        ))(source)),
+    }
+}

@@ -1,0 +1,203 @@
+//! What the eBPF backend holds, read back for `cnibpf inspect`, CHECK and GC: every map read
+//! whole, nothing written.
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+use cnibpf_common::{
+    addr,
+    filter::{MAX_RULES, TARGET_DROP},
+    filter_flow,
+    filter_hits::{DEFAULT_SLOT, RuleHits},
+    filter_stats::FilterStats,
+    masq_flow,
+};
+
+use super::{
+    EbpfBackend, batch,
+    filter::config_rule,
+    map_error,
+    masquerade::exclude_net,
+    owner::{attachment_of, pod_of, read_name},
+    portmap::mapping_from_entry,
+    read_error,
+};
+use crate::{
+    backend::{
+        AttachmentRecord, BackendError, FilterRecord, Inspect, MasqueradeRecord, UplinkAddresses,
+    },
+    model::{ExcludeReason, Filter, ResolvedMapping, Target},
+};
+
+impl Inspect for EbpfBackend {
+    fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
+        let mut records = Vec::new();
+        for entry in self.owners.iter() {
+            let (owner, info) = entry.map_err(map_error("could not read map owners"))?;
+            records.push(AttachmentRecord {
+                owner,
+                attachment: attachment_of(&info),
+                pod: pod_of(&info),
+                host_ifname: read_name(&info.host_ifname),
+                host_ifindex: info.host_ifindex,
+            });
+        }
+        Ok(records)
+    }
+
+    fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
+        let mut mappings = Vec::new();
+        for entry in self.portmap.iter() {
+            let (key, value) = entry.map_err(map_error("could not read map portmap"))?;
+            if let Some(mapping) = mapping_from_entry(&key, &value) {
+                mappings.push((value.owner, mapping));
+            }
+        }
+        Ok(mappings)
+    }
+
+    fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError> {
+        let mut records: Vec<(u64, MasqueradeRecord)> = Vec::new();
+        let record_of = |records: &mut Vec<(u64, MasqueradeRecord)>, owner: u64| {
+            if let Some(position) = records.iter().position(|(held, _)| *held == owner) {
+                position
+            } else {
+                records.push((owner, MasqueradeRecord::default()));
+                records.len() - 1
+            }
+        };
+        for entry in self.masq_sources.iter() {
+            let (key, source) = entry.map_err(map_error("could not read map masq_sources"))?;
+            let position = record_of(&mut records, source.owner);
+            records[position]
+                .1
+                .masquerade
+                .sources
+                .push(addr::from_bytes(key.addr, key.family));
+        }
+        for entry in self.masq_excludes.iter() {
+            let (key, reason) = entry.map_err(map_error("could not read map masq_excludes"))?;
+            let data = key.data();
+            let (Some(net), Some(reason)) = (exclude_net(&key), ExcludeReason::from_u32(reason))
+            else {
+                continue;
+            };
+            let position = record_of(&mut records, u64::from_be_bytes(data.owner));
+            records[position].1.masquerade.excludes.push((net, reason));
+        }
+        for (_, flow) in
+            batch::entries(&self.masq_flows).map_err(read_error(masq_flow::MAP_NAME))?
+        {
+            let position = record_of(&mut records, flow.owner);
+            records[position].1.flows += 1;
+        }
+        Ok(records)
+    }
+
+    fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
+        let mut uplinks = Vec::new();
+        for entry in self.uplinks.iter() {
+            let (ifindex, info) = entry.map_err(map_error("could not read map uplinks"))?;
+            uplinks.push(UplinkAddresses {
+                ifindex,
+                v4: (info.addr_v4 != [0; 4]).then(|| Ipv4Addr::from(info.addr_v4)),
+                v6: (info.addr_v6 != [0; 16]).then(|| Ipv6Addr::from(info.addr_v6)),
+            });
+        }
+        uplinks.sort_by_key(|uplink| uplink.ifindex);
+        Ok(uplinks)
+    }
+
+    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
+        let mut records = Vec::new();
+        for entry in self.filters.iter() {
+            let (ifindex, set) = entry.map_err(map_error("could not read map filters"))?;
+            let rule_count = (set.rule_count as usize).min(MAX_RULES);
+            let hits = self.filter_hits.get(&ifindex, 0).ok();
+            let summed = |slot: usize| {
+                hits.as_ref().map_or((0, 0), |per_cpu| {
+                    per_cpu.iter().fold((0, 0), |(packets, bytes), hits| {
+                        let RuleHits {
+                            packets: more_packets,
+                            bytes: more_bytes,
+                        } = hits.rules[slot];
+                        (packets + more_packets, bytes + more_bytes)
+                    })
+                })
+            };
+            records.push((
+                set.owner,
+                FilterRecord {
+                    filter: Filter {
+                        rules: set.rules[..rule_count].iter().map(config_rule).collect(),
+                        default: if set.default_target == TARGET_DROP {
+                            Target::Drop
+                        } else {
+                            Target::Allow
+                        },
+                    },
+                    hits: (0..rule_count).map(summed).collect(),
+                    default_hits: summed(DEFAULT_SLOT),
+                    flows: 0,
+                },
+            ));
+        }
+        if records.is_empty() {
+            return Ok(records);
+        }
+        let flows =
+            batch::entries(&self.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
+        for (_, flow) in flows {
+            if let Some((_, record)) = records.iter_mut().find(|(owner, _)| *owner == flow.owner) {
+                record.flows += 1;
+            }
+        }
+        Ok(records)
+    }
+
+    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
+        let mut counters = self.masquerade_counters()?;
+        counters.extend(self.filter_counters()?);
+        Ok(counters)
+    }
+}
+
+impl EbpfBackend {
+    fn masquerade_counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
+        let per_cpu = self
+            .masq_stats
+            .get(&0, 0)
+            .map_err(map_error("could not read map masq_stats"))?;
+        let sum = |field: fn(&cnibpf_common::masq_stats::MasqStats) -> u64| {
+            per_cpu.iter().map(field).sum::<u64>()
+        };
+        let flows = batch::entries(&self.masq_flows)
+            .map_err(read_error(masq_flow::MAP_NAME))?
+            .len() as u64;
+        Ok(vec![
+            ("masq_flows entries", flows),
+            ("masq_flows capacity", u64::from(masq_flow::MAX_ENTRIES)),
+            ("flows created", sum(|stats| stats.flows_created)),
+            ("port collisions", sum(|stats| stats.port_collisions)),
+            ("ports exhausted", sum(|stats| stats.ports_exhausted)),
+            ("state lost (table pressure)", sum(|stats| stats.state_lost)),
+            ("expired state met", sum(|stats| stats.expired)),
+            ("icmp errors translated", sum(|stats| stats.icmp_errors)),
+            ("no uplink address", sum(|stats| stats.no_uplink_address)),
+        ])
+    }
+
+    fn filter_counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
+        let per_cpu = self
+            .filter_stats
+            .get(&0, 0)
+            .map_err(map_error("could not read map filter_stats"))?;
+        let sum = |field: fn(&FilterStats) -> u64| per_cpu.iter().map(field).sum::<u64>();
+        Ok(vec![
+            (
+                "filter connections created",
+                sum(|stats| stats.flows_created),
+            ),
+            ("filter drop events lost", sum(|stats| stats.events_lost)),
+        ])
+    }
+}

@@ -1,0 +1,327 @@
+//! What lives under `pinPath` besides the maps' contents: the object's programs, the layout
+//! stamp, and the links. Loading pins a program instance per hook; an upgrade loads the new
+//! object beside the old maps and moves every pinned link to the new programs atomically.
+
+use std::{fs, io, path::Path};
+
+use aya::{
+    EbpfLoader,
+    maps::{Array, Map, MapData, MapError},
+    programs::{
+        CgroupSockAddr, Program, SchedClassifier,
+        cgroup_sock_addr::{CgroupSockAddrAttachType, CgroupSockAddrLink},
+        links::{FdLink, PinnedLink},
+        tc::SchedClassifierLink,
+    },
+};
+use cnibpf_common::{
+    layout::{self, LayoutInfo},
+    settings::{self, Settings},
+};
+use nix::{
+    mount::{MsFlags, mount},
+    sys::statfs::statfs,
+};
+
+use crate::{
+    backend::BackendError,
+    netns,
+    paths::{BPFFS_MOUNT_POINT, PinLayout},
+};
+
+/// The programs, with the hook each attaches to.
+pub(super) const UPLINK_INGRESS: &str = "uplink_ingress";
+pub(super) const UPLINK_EGRESS: &str = "uplink_egress";
+pub(super) const FROM_CONTAINER: &str = "from_container";
+pub(super) const TO_CONTAINER: &str = "to_container";
+const TC_PROGRAMS: [&str; 4] = [UPLINK_INGRESS, UPLINK_EGRESS, FROM_CONTAINER, TO_CONTAINER];
+
+/// The socket hooks of host processes, attached to the instance's cgroup.
+pub(super) const SOCK_PROGRAMS: [(&str, CgroupSockAddrAttachType); 8] = [
+    ("sock_connect4", CgroupSockAddrAttachType::Connect4),
+    ("sock_connect6", CgroupSockAddrAttachType::Connect6),
+    ("sock_sendmsg4", CgroupSockAddrAttachType::UDPSendMsg4),
+    ("sock_sendmsg6", CgroupSockAddrAttachType::UDPSendMsg6),
+    ("sock_recvmsg4", CgroupSockAddrAttachType::UDPRecvMsg4),
+    ("sock_recvmsg6", CgroupSockAddrAttachType::UDPRecvMsg6),
+    ("sock_peername4", CgroupSockAddrAttachType::GetPeerName4),
+    ("sock_peername6", CgroupSockAddrAttachType::GetPeerName6),
+];
+
+/// The datapath object built by `cargo xtask build-ebpf`, embedded at compile time.
+static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("CNIBPF_EBPF_OBJECT"));
+/// Hash of [`OBJECT`] (computed by build.rs), recorded in the `layout` map with the programs.
+const OBJECT_ID: &str = env!("CNIBPF_EBPF_OBJECT_ID");
+
+/// `statfs` magic of bpffs.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+pub(super) fn all_programs() -> impl Iterator<Item = &'static str> {
+    TC_PROGRAMS
+        .into_iter()
+        .chain(SOCK_PROGRAMS.iter().map(|(name, _)| *name))
+}
+
+pub(super) fn remove_pin(path: &Path) -> Result<(), BackendError> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(BackendError::Pin {
+            action: format!("could not remove pin {}", path.display()),
+            source: Box::new(source),
+        }),
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum PinnedState {
+    /// Nothing usable pinned (or a load that died before stamping the layout).
+    Absent,
+    /// Maps of this layout with programs of another build of the datapath.
+    OtherPrograms,
+    Current,
+}
+
+fn object_id() -> u64 {
+    OBJECT_ID.parse().expect("build.rs emits a u64")
+}
+
+/// What is pinned under `pins`; an error when it has another layout.
+pub(super) fn check_layout(pins: &PinLayout) -> Result<PinnedState, BackendError> {
+    let path = pins.map(layout::MAP_NAME);
+    if !path.exists() {
+        return Ok(PinnedState::Absent);
+    }
+    let incompatible = |found: String| BackendError::IncompatibleState {
+        path: pins.root().to_owned(),
+        found,
+        expected: format!("v{}", layout::VERSION),
+    };
+    let unreadable = |error: MapError| incompatible(format!("unreadable ({error})"));
+    let data = MapData::from_pin(&path).map_err(unreadable)?;
+    let map = Map::from_map_data(data).map_err(unreadable)?;
+    let array: Array<MapData, LayoutInfo> = Array::try_from(map)
+        .map_err(|error| incompatible(format!("of another shape ({error})")))?;
+    let info = array.get(&0, 0).map_err(unreadable)?;
+    if info == LayoutInfo::default() {
+        return Ok(PinnedState::Absent);
+    }
+    if info.magic != layout::MAGIC {
+        return Err(incompatible("not written by cnibpf".to_owned()));
+    }
+    if info.version != layout::VERSION {
+        return Err(incompatible(format!("v{}", info.version)));
+    }
+    if info.object_id == object_id() {
+        Ok(PinnedState::Current)
+    } else {
+        Ok(PinnedState::OtherPrograms)
+    }
+}
+
+/// Points a pinned cgroup link at the socket hook now pinned under the same name.
+fn relink_cgroup(pins: &PinLayout, path: &Path, program_name: &str) -> Result<(), BackendError> {
+    let Some((name, attach_type)) = SOCK_PROGRAMS.iter().find(|(name, _)| *name == program_name)
+    else {
+        // A hook this build no longer has: unpinning detaches it.
+        return remove_pin(path);
+    };
+    let link_error = |source: Box<dyn std::error::Error + Send + Sync>| BackendError::Pin {
+        action: format!("could not move link {} to the new {name}", path.display()),
+        source,
+    };
+    let mut program = CgroupSockAddr::from_pin(pins.program(name), *attach_type)
+        .map_err(|error| link_error(Box::new(error)))?;
+    let pinned = PinnedLink::from_pin(path).map_err(|error| link_error(Box::new(error)))?;
+    let link = CgroupSockAddrLink::try_from(FdLink::from(pinned))
+        .map_err(|error| link_error(Box::new(error)))?;
+    let moved = program
+        .attach_to_link(link)
+        .map(|link_id| drop(program.take_link(link_id)));
+    settle_relink(moved, path, link_error)
+}
+
+/// The TC program a pinned tcx link (by its file name, see `PinLayout`) belongs to.
+fn program_of_tc_link(file_name: &str) -> Option<&'static str> {
+    if file_name.starts_with("uplink-") {
+        Some(if file_name.ends_with("-ingress") {
+            UPLINK_INGRESS
+        } else {
+            UPLINK_EGRESS
+        })
+    } else if file_name.starts_with("endpoint-") {
+        Some(if file_name.ends_with("-from") {
+            FROM_CONTAINER
+        } else {
+            TO_CONTAINER
+        })
+    } else {
+        None
+    }
+}
+
+/// What is left to do once `attach_to_link` moved (or failed to move) the link pinned at
+/// `path`: nothing, unpin a link whose interface or cgroup is gone, or report the failure.
+fn settle_relink(
+    moved: Result<(), aya::programs::ProgramError>,
+    path: &Path,
+    link_error: impl Fn(Box<dyn std::error::Error + Send + Sync>) -> BackendError,
+) -> Result<(), BackendError> {
+    match moved {
+        Ok(()) => Ok(()),
+        Err(aya::programs::ProgramError::SyscallError(error))
+            if error.io_error.raw_os_error() == Some(libc::ENOLINK) =>
+        {
+            remove_pin(path)
+        }
+        Err(error) => Err(link_error(Box::new(error))),
+    }
+}
+
+/// Points every pinned link at the program now pinned for its hook (`bpf_link_update`, atomic
+/// per link). Links whose interface is gone are unpinned instead.
+pub(super) fn relink(pins: &PinLayout) -> Result<(), BackendError> {
+    let links_dir = pins.links_dir();
+    let entries = fs::read_dir(&links_dir).map_err(|source| BackendError::Pin {
+        action: format!("could not list {}", links_dir.display()),
+        source: Box::new(source),
+    })?;
+    for entry in entries.filter_map(Result::ok) {
+        let path = entry.path();
+        let file_name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(program_name) = file_name.strip_prefix("cgroup-") {
+            relink_cgroup(pins, &path, program_name)?;
+            continue;
+        }
+        let Some(program_name) = program_of_tc_link(&file_name) else {
+            continue;
+        };
+        let program_path = pins.program(program_name);
+        let mut program =
+            SchedClassifier::from_pin(&program_path).map_err(|source| BackendError::Program {
+                action: format!("could not open pinned program {}", program_path.display()),
+                source: Box::new(source),
+            })?;
+        let link_error = |source: Box<dyn std::error::Error + Send + Sync>| BackendError::Pin {
+            action: format!(
+                "could not move link {} to the new {program_name}",
+                path.display()
+            ),
+            source,
+        };
+        let pinned = PinnedLink::from_pin(&path).map_err(|error| link_error(Box::new(error)))?;
+        let link = SchedClassifierLink::try_from(FdLink::from(pinned))
+            .map_err(|error| link_error(Box::new(error)))?;
+        // Dropping the program would detach nothing (tcx links live on through their pin), but
+        // taking the link out states that this process keeps no hold on it.
+        let moved = program
+            .attach_to_link(link)
+            .map(|link_id| drop(program.take_link(link_id)));
+        settle_relink(moved, &path, link_error)?;
+    }
+    Ok(())
+}
+
+/// Loads the embedded object, reusing maps already pinned under `pins` and pinning new ones,
+/// then pins each program and finally stamps the layout map.
+pub(super) fn load_object(pins: &PinLayout) -> Result<(), BackendError> {
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(pins.root())
+        .load(OBJECT)
+        .map_err(|error| BackendError::Load(Box::new(error)))?;
+    for (name, program) in ebpf.programs_mut() {
+        let loaded = match program {
+            Program::SchedClassifier(program) => program.load(),
+            Program::CgroupSockAddr(program) => program.load(),
+            _ => Err(aya::programs::ProgramError::UnexpectedProgramType),
+        };
+        loaded.map_err(|source| BackendError::Program {
+            action: format!("the kernel rejected program {name}"),
+            source: Box::new(source),
+        })?;
+        let path = pins.program(name);
+        remove_pin(&path)?;
+        program.pin(&path).map_err(|source| BackendError::Pin {
+            action: format!("could not pin program {}", path.display()),
+            source: Box::new(source),
+        })?;
+    }
+    let host_netns_cookie = netns::current_cookie().map_err(|source| BackendError::Pin {
+        action: "could not read the host's network namespace cookie".to_owned(),
+        source: Box::new(source),
+    })?;
+    set_only_entry(
+        &mut ebpf,
+        pins,
+        settings::MAP_NAME,
+        &Settings { host_netns_cookie },
+    )?;
+    // Last: a layout stamp means everything before it is in place.
+    set_only_entry(
+        &mut ebpf,
+        pins,
+        layout::MAP_NAME,
+        &LayoutInfo::current(object_id()),
+    )?;
+    Ok(())
+}
+
+/// Writes the single entry of the one-entry array map `name` of the loaded object.
+fn set_only_entry<T: aya::Pod>(
+    ebpf: &mut aya::Ebpf,
+    pins: &PinLayout,
+    name: &str,
+    value: &T,
+) -> Result<(), BackendError> {
+    let map = ebpf
+        .map_mut(name)
+        .ok_or_else(|| BackendError::IncompatibleState {
+            path: pins.root().to_owned(),
+            found: format!("an object without a {name} map"),
+            expected: format!("v{}", layout::VERSION),
+        })?;
+    let mut array: Array<&mut MapData, T> =
+        Array::try_from(map).map_err(|source| BackendError::Map {
+            action: format!("could not open map {name}"),
+            source: Box::new(source),
+        })?;
+    array.set(0, value, 0).map_err(|source| BackendError::Map {
+        action: format!("could not write map {name}"),
+        source: Box::new(source),
+    })
+}
+
+/// Mounts bpffs if the host has none at the usual place and creates the pin directories.
+pub(super) fn prepare_pin_dir(pins: &PinLayout) -> Result<(), BackendError> {
+    let root = pins.root();
+    let error = |path: &Path| {
+        let path = path.to_owned();
+        move |source| BackendError::Bpffs { path, source }
+    };
+    if root.starts_with(BPFFS_MOUNT_POINT) && !is_bpffs(Path::new(BPFFS_MOUNT_POINT)) {
+        fs::create_dir_all(BPFFS_MOUNT_POINT).map_err(error(Path::new(BPFFS_MOUNT_POINT)))?;
+        mount(
+            Some("bpf"),
+            BPFFS_MOUNT_POINT,
+            Some("bpf"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            Some("mode=0700"),
+        )
+        .map_err(|errno| error(Path::new(BPFFS_MOUNT_POINT))(io::Error::from(errno)))?;
+    }
+    // Checked on the nearest existing ancestor, so that a wrong pinPath creates nothing.
+    let existing = root.ancestors().find(|dir| dir.exists()).unwrap_or(root);
+    if !is_bpffs(existing) {
+        return Err(error(root)(io::Error::other(
+            "not on a bpf filesystem (mount -t bpf bpf <dir>)",
+        )));
+    }
+    for dir in [pins.programs_dir(), pins.links_dir()] {
+        fs::create_dir_all(&dir).map_err(error(&dir))?;
+    }
+    Ok(())
+}
+
+pub(super) fn is_bpffs(path: &Path) -> bool {
+    statfs(path).is_ok_and(|stats| stats.filesystem_type().0 == BPF_FS_MAGIC)
+}

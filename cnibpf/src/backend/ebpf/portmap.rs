@@ -1,0 +1,407 @@
+//! Port mappings: `portmap` entries keyed by what a packet arrives at, each attachment's keys
+//! in its `owner_ports` slots, `port_claims` counting address-specific keys (so a wildcard
+//! finds an overlap without a scan), and the `nat_flows` they translated.
+
+use std::collections::HashSet;
+
+use aya::maps::MapError;
+use cnibpf_common::{
+    addr,
+    nat_flow::{self, NatFlowKey, NatFlowValue},
+    owner_port::{self, OwnerPortKey},
+    port_claim::{self, PortClaim, PortClaimKey},
+    portmap::{self, PortMapKey, PortMapValue},
+};
+
+use super::{EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry};
+use crate::{
+    backend::{BackendError, Endpoint, PortMappings, check_mapping_count},
+    model::{Protocol, ResolvedMapping},
+};
+
+impl EbpfBackend {
+    /// The `portmap` keys the attachment owns, from its `owner_ports` slots.
+    fn owned_portmap_keys(&self, owner: u64) -> Result<Vec<PortMapKey>, BackendError> {
+        let Ok(info) = self.owners.get(&owner, 0) else {
+            return Ok(Vec::new());
+        };
+        let mut keys = Vec::with_capacity(info.port_count as usize);
+        for slot in 0..info.port_count {
+            match self.owner_ports.get(&owner_port_key(owner, slot), 0) {
+                Ok(key) => keys.push(key),
+                Err(MapError::KeyNotFound) => {}
+                Err(error) => return Err(map_error("could not read map owner_ports")(error)),
+            }
+        }
+        Ok(keys)
+    }
+
+    /// Makes `keys` the attachment's `owner_ports` slots and its `port_count`.
+    fn record_owned_keys(&mut self, owner: u64, keys: &[PortMapKey]) -> Result<(), BackendError> {
+        let Ok(mut info) = self.owners.get(&owner, 0) else {
+            return Ok(());
+        };
+        for (slot, key) in (0..).zip(keys) {
+            self.owner_ports
+                .insert(&owner_port_key(owner, slot), key, 0)
+                .map_err(map_error("could not write map owner_ports"))?;
+        }
+        let count = u32::try_from(keys.len()).unwrap_or(u32::MAX);
+        for slot in count..info.port_count {
+            remove_entry(
+                &mut self.owner_ports,
+                &owner_port_key(owner, slot),
+                owner_port::MAP_NAME,
+            )?;
+        }
+        info.port_count = count;
+        self.owners
+            .insert(&owner, &info, 0)
+            .map_err(map_error("could not write map owners"))
+    }
+
+    /// Counts a specific-address key in or out of `port_claims`; wildcard keys are not counted.
+    fn claim(&mut self, key: &PortMapKey, taken: bool) -> Result<(), BackendError> {
+        if key.host_addr == [0; 16] {
+            return Ok(());
+        }
+        let claim_key = PortClaimKey {
+            host_port: key.host_port,
+            protocol: key.protocol,
+            family: key.family,
+        };
+        let current = self
+            .port_claims
+            .get(&claim_key, 0)
+            .map_or(0, |claim| claim.specific);
+        let next = if taken {
+            current.saturating_add(1)
+        } else {
+            current.saturating_sub(1)
+        };
+        if next == 0 {
+            remove_entry(&mut self.port_claims, &claim_key, port_claim::MAP_NAME)
+        } else {
+            self.port_claims
+                .insert(
+                    &claim_key,
+                    &PortClaim {
+                        specific: next,
+                        _pad: 0,
+                    },
+                    0,
+                )
+                .map_err(map_error("could not write map port_claims"))
+        }
+    }
+
+    /// Removes one of the attachment's mappings, unless another attachment holds the key now.
+    fn remove_owned_mapping(&mut self, owner: u64, key: &PortMapKey) -> Result<(), BackendError> {
+        match self.portmap.get(key, 0) {
+            Ok(value) if value.owner == owner => {
+                remove_entry(&mut self.portmap, key, portmap::MAP_NAME)?;
+                self.claim(key, false)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Removes the translated flows that `stale` selects.
+    fn remove_flows(
+        &mut self,
+        stale: impl Fn(&NatFlowKey, &NatFlowValue) -> bool,
+    ) -> Result<(), BackendError> {
+        let flows = batch::entries(&self.nat_flows).map_err(read_error(nat_flow::MAP_NAME))?;
+        for (key, value) in flows {
+            if stale(&key, &value) {
+                remove_entry(&mut self.nat_flows, &key, nat_flow::MAP_NAME)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the expired translations of every attachment.
+    pub(super) fn sweep_expired_port_mapping_flows(&mut self) -> Result<(), BackendError> {
+        let now = monotonic_now_ns();
+        self.remove_flows(|key, flow| flow.is_expired(key.protocol, now))
+    }
+}
+
+impl PortMappings for EbpfBackend {
+    fn setup_port_mappings(
+        &mut self,
+        endpoint: &Endpoint,
+        mappings: &[ResolvedMapping],
+    ) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
+        let previous = self.owned_portmap_keys(owner)?;
+        let mut wanted = Vec::with_capacity(mappings.len());
+        // Whether a flow translated before could now be reversed wrongly.
+        let mut flows_stale = false;
+        for mapping in mappings {
+            let (key, value) = entry_for(endpoint, mapping);
+            let before = self.portmap.get(&key, 0).ok();
+            self.portmap
+                .insert(&key, &value, 0)
+                .map_err(map_error("could not write map portmap"))?;
+            if previous.contains(&key) {
+                flows_stale |= before != Some(value);
+            } else {
+                self.claim(&key, true)?;
+            }
+            wanted.push((key, value));
+        }
+        for key in &previous {
+            if !wanted.iter().any(|(wanted_key, _)| wanted_key == key) {
+                self.remove_owned_mapping(owner, key)?;
+                flows_stale = true;
+            }
+        }
+        let keys: Vec<PortMapKey> = wanted.iter().map(|(key, _)| *key).collect();
+        self.record_owned_keys(owner, &keys)?;
+        // Written after the mappings that need them: a mapping marked conditioned whose
+        // conditions are not there yet is closed, never open.
+        if mappings.is_empty() {
+            self.remove_port_conditions(owner)?;
+        } else {
+            self.write_port_conditions(endpoint)?;
+        }
+        if !flows_stale {
+            return Ok(());
+        }
+        // Flows translated by a mapping that is gone or leads elsewhere now must not keep
+        // rewriting replies.
+        self.remove_flows(|flow_key, flow| {
+            flow.owner == owner
+                && !wanted
+                    .iter()
+                    .any(|(key, value)| flow_of_mapping(flow_key, flow, key, value))
+        })
+    }
+
+    fn teardown_port_mappings(&mut self, owner: u64) -> Result<(), BackendError> {
+        let keys = self.owned_portmap_keys(owner)?;
+        self.remove_port_conditions(owner)?;
+        // Without mappings the attachment translated no flows: skip the scan of `nat_flows`,
+        // which walks all its buckets even when empty.
+        if keys.is_empty() {
+            return Ok(());
+        }
+        for key in &keys {
+            self.remove_owned_mapping(owner, key)?;
+        }
+        self.record_owned_keys(owner, &[])?;
+        self.remove_flows(|_, flow| flow.owner == owner)
+    }
+
+    fn holder_of(
+        &self,
+        owner: u64,
+        mapping: &ResolvedMapping,
+    ) -> Result<Option<u64>, BackendError> {
+        let key = key_for(mapping);
+        let other = |found: Result<PortMapValue, MapError>| {
+            found
+                .ok()
+                .map(|value| value.owner)
+                .filter(|holder| *holder != owner)
+        };
+        if let Some(holder) = other(self.portmap.get(&key, 0)) {
+            return Ok(Some(holder));
+        }
+        if key.host_addr != [0; 16] {
+            let wildcard = PortMapKey {
+                host_addr: [0; 16],
+                ..key
+            };
+            return Ok(other(self.portmap.get(&wildcard, 0)));
+        }
+        let claim_key = PortClaimKey {
+            host_port: key.host_port,
+            protocol: key.protocol,
+            family: key.family,
+        };
+        if self.port_claims.get(&claim_key, 0).is_err() {
+            return Ok(None);
+        }
+        // Some address-specific mapping holds this port: find whose (rare, so a scan is fine).
+        for entry in self.portmap.iter() {
+            let (found, value) = entry.map_err(map_error("could not read map portmap"))?;
+            let same_port = found.host_port == key.host_port
+                && found.protocol == key.protocol
+                && found.family == key.family;
+            if same_port && value.owner != owner {
+                return Ok(Some(value.owner));
+            }
+        }
+        Ok(None)
+    }
+
+    fn check_port_mappings(
+        &self,
+        endpoint: &Endpoint,
+        mappings: &[ResolvedMapping],
+    ) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
+        let installed: HashSet<PortMapKey> = self.owned_portmap_keys(owner)?.into_iter().collect();
+        for mapping in mappings {
+            let (key, value) = entry_for(endpoint, mapping);
+            match self.portmap.get(&key, 0) {
+                Ok(found) if found == value => {}
+                Ok(_) => {
+                    return Err(BackendError::CheckFailed(format!(
+                        "port mapping {} leads elsewhere than configured",
+                        mapping
+                    )));
+                }
+                Err(_) => {
+                    return Err(BackendError::CheckFailed(format!(
+                        "port mapping {} is missing",
+                        mapping
+                    )));
+                }
+            }
+        }
+        check_mapping_count(installed.len(), mappings.len())?;
+        if mappings.is_empty() {
+            Ok(())
+        } else {
+            self.check_port_conditions(endpoint)
+        }
+    }
+}
+
+fn owner_port_key(owner: u64, slot: u32) -> OwnerPortKey {
+    OwnerPortKey {
+        owner,
+        slot,
+        _pad: 0,
+    }
+}
+
+fn key_for(mapping: &ResolvedMapping) -> PortMapKey {
+    PortMapKey {
+        host_addr: mapping.host_addr.map_or([0; 16], addr::to_bytes),
+        host_port: mapping.host_port,
+        protocol: mapping.protocol.number(),
+        family: addr::family_of(mapping.container_addr),
+    }
+}
+
+fn entry_for(endpoint: &Endpoint, mapping: &ResolvedMapping) -> (PortMapKey, PortMapValue) {
+    let key = key_for(mapping);
+    let value = PortMapValue {
+        container_addr: addr::to_bytes(mapping.container_addr),
+        owner: endpoint.attachment.owner_id(),
+        host_ifindex: endpoint.host.index,
+        container_port: mapping.container_port,
+        container_mac: endpoint.container_mac,
+        gateway_mac: endpoint.gateway_mac,
+        flags: if endpoint.host_ports.conditions(mapping.is_ipv4()).is_empty() {
+            0
+        } else {
+            portmap::FLAG_CONDITIONED
+        },
+        _pad: [0; 5],
+    };
+    (key, value)
+}
+
+/// Whether a flow was translated by the mapping (key, value): same protocol and family, sent to
+/// its hostPort on its host address (any, for the wildcard), towards its container address and port.
+fn flow_of_mapping(
+    flow_key: &NatFlowKey,
+    flow: &NatFlowValue,
+    key: &PortMapKey,
+    value: &PortMapValue,
+) -> bool {
+    flow_key.protocol == key.protocol
+        && flow_key.family == key.family
+        && flow.orig_port == key.host_port
+        && (key.host_addr == [0; 16] || key.host_addr == flow.orig_addr)
+        && flow_key.src_addr == value.container_addr
+        && flow_key.src_port == value.container_port
+}
+
+pub(super) fn mapping_from_entry(
+    key: &PortMapKey,
+    value: &PortMapValue,
+) -> Option<ResolvedMapping> {
+    let host_addr = (key.host_addr != [0; 16]).then(|| addr::from_bytes(key.host_addr, key.family));
+    Some(ResolvedMapping {
+        protocol: Protocol::from_number(key.protocol)?,
+        host_addr,
+        host_port: key.host_port,
+        container_addr: addr::from_bytes(value.container_addr, key.family),
+        container_port: value.container_port,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use super::*;
+
+    fn mapping(host_addr: Option<&str>, container_port: u16) -> ResolvedMapping {
+        ResolvedMapping {
+            protocol: Protocol::Tcp,
+            host_addr: host_addr.map(|addr| addr.parse().expect("literal")),
+            host_port: 8080,
+            container_addr: "10.22.0.2".parse().expect("literal"),
+            container_port,
+        }
+    }
+
+    fn entry(mapping: &ResolvedMapping) -> (PortMapKey, PortMapValue) {
+        let key = key_for(mapping);
+        let value = PortMapValue {
+            container_addr: addr::to_bytes(mapping.container_addr),
+            container_port: mapping.container_port,
+            ..PortMapValue::default()
+        };
+        (key, value)
+    }
+
+    #[test]
+    fn installed_entries_read_back_as_their_mappings() {
+        for mapping in [mapping(None, 80), mapping(Some("203.0.113.1"), 80)] {
+            let (key, value) = entry(&mapping);
+            assert_eq!(mapping_from_entry(&key, &value), Some(mapping));
+        }
+    }
+
+    #[test]
+    fn a_flow_belongs_to_the_mapping_that_translated_it() {
+        let host: IpAddr = "203.0.113.1".parse().expect("literal");
+        // The reply direction: from the container's port, towards the client.
+        let flow_key = NatFlowKey {
+            src_addr: addr::to_bytes("10.22.0.2".parse().expect("literal")),
+            dst_addr: addr::to_bytes("198.51.100.7".parse().expect("literal")),
+            src_port: 80,
+            dst_port: 40_000,
+            protocol: Protocol::Tcp.number(),
+            family: addr::family_of(host),
+            _pad: [0; 2],
+        };
+        let flow = NatFlowValue {
+            orig_addr: addr::to_bytes(host),
+            orig_port: 8080,
+            ..NatFlowValue::default()
+        };
+        let translated_by = |mapping: &ResolvedMapping| {
+            let (key, value) = entry(mapping);
+            flow_of_mapping(&flow_key, &flow, &key, &value)
+        };
+        assert!(
+            translated_by(&mapping(None, 80)),
+            "the wildcard takes any address"
+        );
+        assert!(translated_by(&mapping(Some("203.0.113.1"), 80)));
+        assert!(
+            !translated_by(&mapping(Some("203.0.113.2"), 80)),
+            "another hostIP"
+        );
+        assert!(!translated_by(&mapping(None, 81)), "another container port");
+    }
+}

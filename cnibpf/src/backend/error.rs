@@ -1,0 +1,200 @@
+//! What can go wrong in a backend, and the CNI code each failure reports.
+
+use std::path::PathBuf;
+
+use super::nftables;
+use crate::{
+    code,
+    model::{Attachment, Pod},
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("backend {backend} cannot work on this host: {reason}")]
+    Unavailable {
+        backend: &'static str,
+        reason: String,
+    },
+    #[error("could not prepare bpffs directory {path}")]
+    Bpffs {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("could not load the eBPF object")]
+    Load(#[source] Box<aya::EbpfError>),
+    #[error("{action}")]
+    Program {
+        action: String,
+        #[source]
+        source: Box<aya::programs::ProgramError>,
+    },
+    #[error("{action}")]
+    Map {
+        action: String,
+        #[source]
+        source: Box<aya::maps::MapError>,
+    },
+    #[error("could not read map {name}")]
+    MapRead {
+        name: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{action}")]
+    Pin {
+        action: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error(
+        "pinned state in {path} has layout {found}, this cnibpf needs layout {expected}: delete every attachment (or the directory) before upgrading across layouts"
+    )]
+    IncompatibleState {
+        path: PathBuf,
+        found: String,
+        expected: String,
+    },
+    #[error("owner id {owner:016x} of {attachment} is already used by {holder}")]
+    OwnerCollision {
+        owner: u64,
+        attachment: Box<Attachment>,
+        holder: Box<Attachment>,
+    },
+    #[error("{mapping} is already held by {holder}{}", pod.as_ref().map(|pod| format!(" (pod {pod})")).unwrap_or_default())]
+    HostPortInUse {
+        mapping: String,
+        holder: Box<Attachment>,
+        pod: Option<Pod>,
+    },
+    #[error("check failed: {0}")]
+    CheckFailed(String),
+    #[error("could not list the host's addresses")]
+    HostAddresses(#[source] Box<crate::netlink::NetlinkError>),
+    #[error(transparent)]
+    Nftables(#[from] nftables::NftablesError),
+    /// Several steps of one operation failed; each ran regardless.
+    #[error("{}", describe_failures(.0))]
+    Several(Vec<(&'static str, BackendError)>),
+    /// An ADD failed, and undoing what it had done failed too.
+    #[error("{}; undoing the ADD failed too: {}", with_causes(.failed), with_causes(.undo))]
+    UndoFailed {
+        failed: Box<BackendError>,
+        undo: Box<BackendError>,
+    },
+}
+
+impl BackendError {
+    pub fn code(&self) -> u32 {
+        match self {
+            Self::Unavailable { .. } => code::BACKEND_UNAVAILABLE,
+            Self::IncompatibleState { .. } => code::INCOMPATIBLE_STATE,
+            Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
+            Self::CheckFailed(_) => code::CHECK_FAILED,
+            Self::Bpffs { .. }
+            | Self::Load(_)
+            | Self::Program { .. }
+            | Self::Map { .. }
+            | Self::MapRead { .. }
+            | Self::Pin { .. }
+            | Self::OwnerCollision { .. } => code::DATAPATH,
+            Self::HostAddresses(_) => code::INTERFACE,
+            Self::Nftables(_) => code::DATAPATH,
+            Self::Several(failures) => failures
+                .first()
+                .map_or(code::DATAPATH, |(_, error)| error.code()),
+            Self::UndoFailed { failed, .. } => failed.code(),
+        }
+    }
+
+    /// The outcome of steps that all ran: success, the one failure, or every failure named
+    /// by its step.
+    pub fn collect(mut failures: Vec<(&'static str, BackendError)>) -> Result<(), BackendError> {
+        match failures.len() {
+            0 => Ok(()),
+            1 => Err(failures.remove(0).1),
+            _ => Err(Self::Several(failures)),
+        }
+    }
+}
+
+/// An error with its causes, as one line (for errors that carry several).
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(inner) = cause {
+        text = format!("{text}: {inner}");
+        cause = inner.source();
+    }
+    text
+}
+
+fn describe_failures(failures: &[(&'static str, BackendError)]) -> String {
+    failures
+        .iter()
+        .map(|(step, error)| format!("{step}: {}", with_causes(error)))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_failure_of_a_teardown_is_reported_with_its_step_and_causes() {
+        assert!(BackendError::collect(Vec::new()).is_ok());
+        let one = BackendError::collect(vec![("filter", BackendError::CheckFailed("x".into()))]);
+        assert_eq!(one.expect_err("failed").to_string(), "check failed: x");
+        let several = BackendError::collect(vec![
+            (
+                "masquerade",
+                BackendError::MapRead {
+                    name: "masq_flows",
+                    source: std::io::Error::from_raw_os_error(libc::EPERM),
+                },
+            ),
+            (
+                "filter",
+                BackendError::HostPortInUse {
+                    mapping: "hostPort 80/tcp".into(),
+                    holder: Box::new(Attachment::new("n", "c", "eth0")),
+                    pod: None,
+                },
+            ),
+        ])
+        .expect_err("failed");
+        assert_eq!(several.code(), code::DATAPATH, "the first failure's code");
+        let text = several.to_string();
+        assert!(
+            text.starts_with("masquerade: could not read map masq_flows: Operation not permitted"),
+            "{text}"
+        );
+        assert!(
+            text.contains("; filter: hostPort 80/tcp is already held by"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_failed_undo_keeps_the_original_error_first_and_its_code() {
+        let error = BackendError::UndoFailed {
+            failed: Box::new(BackendError::HostPortInUse {
+                mapping: "hostPort 80/tcp".into(),
+                holder: Box::new(Attachment::new("n", "c", "eth0")),
+                pod: None,
+            }),
+            undo: Box::new(BackendError::CheckFailed("y".into())),
+        };
+        assert_eq!(error.code(), code::HOST_PORT_IN_USE);
+        let text = error.to_string();
+        assert!(
+            text.starts_with("hostPort 80/tcp is already held by"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("; undoing the ADD failed too: check failed: y"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,121 @@
+//! The `filter` key: rules validated one by one, then put in index order.
+
+use std::collections::BTreeMap;
+
+use ipnet::IpNet;
+
+use super::{ConfigError, input::RuleInput, parse_word};
+use crate::model::{ConnState, Direction, FilterRule, RuleProtocol};
+
+/// Most rules one attachment may carry (the datapath evaluates them in a bounded loop).
+pub const MAX_FILTER_RULES: usize = cnibpf_common::filter::MAX_RULES;
+
+/// The keys a rule may have (rules deny unknown keys: a typo would silently widen a rule).
+pub(super) const RULE_KEYS: &[&str] = &[
+    "index",
+    "target",
+    "src",
+    "dst",
+    "proto",
+    "sport",
+    "dport",
+    "connstate",
+    "direction",
+];
+
+pub(super) fn parse_filter(entries: Vec<RuleInput>) -> Result<Vec<FilterRule>, ConfigError> {
+    if entries.len() > MAX_FILTER_RULES {
+        return Err(ConfigError::invalid(
+            "filter",
+            format!(
+                "{} rules, at most {MAX_FILTER_RULES} are allowed per attachment",
+                entries.len()
+            ),
+        ));
+    }
+    let mut by_index: BTreeMap<u32, (usize, FilterRule)> = BTreeMap::new();
+    for (position, entry) in entries.into_iter().enumerate() {
+        let rule = parse_rule(position, entry)?;
+        if let Some((earlier, _)) = by_index.get(&rule.index) {
+            return Err(ConfigError::invalid(
+                format!("filter[{position}].index"),
+                format!("index {} is already used by filter[{earlier}]", rule.index),
+            ));
+        }
+        by_index.insert(rule.index, (position, rule));
+    }
+    Ok(by_index.into_values().map(|(_, rule)| rule).collect())
+}
+
+fn parse_rule(position: usize, rule: RuleInput) -> Result<FilterRule, ConfigError> {
+    let prefix = format!("filter[{position}]");
+    let key = |name: &str| format!("{prefix}.{name}");
+    let index = rule
+        .index
+        .ok_or_else(|| ConfigError::invalid(key("index"), "is required"))?
+        .0;
+    let target = match rule.target {
+        None => return Err(ConfigError::invalid(key("target"), "is required")),
+        Some(text) => parse_word(&key("target"), &text)?,
+    };
+    let src = rule.src.map(|cidr| cidr.0);
+    let dst = rule.dst.map(|cidr| cidr.0);
+    if let (Some(src), Some(dst)) = (src, dst)
+        && matches!(src, IpNet::V4(_)) != matches!(dst, IpNet::V4(_))
+    {
+        return Err(ConfigError::invalid(
+            key("dst"),
+            format!(
+                "{dst} and src {src} are of different address families: the rule could never match"
+            ),
+        ));
+    }
+    let protocol = match rule.proto {
+        None => RuleProtocol::Any,
+        Some(text) => parse_word(&key("proto"), &text)?,
+    };
+    let family_conflict = match protocol {
+        RuleProtocol::Icmp => [src, dst]
+            .into_iter()
+            .flatten()
+            .find(|net| matches!(net, IpNet::V6(_))),
+        RuleProtocol::Icmpv6 => [src, dst]
+            .into_iter()
+            .flatten()
+            .find(|net| matches!(net, IpNet::V4(_))),
+        _ => None,
+    };
+    if let Some(net) = family_conflict {
+        return Err(ConfigError::invalid(
+            key("proto"),
+            format!("{protocol} cannot match address {net}"),
+        ));
+    }
+    let sport = rule.sport.map(|range| range.0);
+    let dport = rule.dport.map(|range| range.0);
+    for (name, range) in [("sport", sport), ("dport", dport)] {
+        if range.is_some() && !protocol.has_ports() {
+            return Err(ConfigError::invalid(
+                key(name),
+                "ports need proto tcp, udp or sctp",
+            ));
+        }
+    }
+    Ok(FilterRule {
+        index,
+        target,
+        src,
+        dst,
+        protocol,
+        sport,
+        dport,
+        connstate: match rule.connstate {
+            None => ConnState::Any,
+            Some(text) => parse_word(&key("connstate"), &text)?,
+        },
+        direction: match rule.direction {
+            None => Direction::Both,
+            Some(text) => parse_word(&key("direction"), &text)?,
+        },
+    })
+}
