@@ -8,7 +8,8 @@ use std::time::Duration;
 use cnibpf_common::nat_flow::{NatFlowKey, NatFlowValue, idle_timeout_ns};
 use cnibpf_tests::{
     SimHost, eventually, for_both_backends,
-    topology::{Backend, HOST_UPLINK_ADDR, OUTSIDE_ADDR, UPLINK, dual_stack, port_mappings},
+    state::dual_stack,
+    topology::{Backend, HOST_UPLINK_ADDR, OUTSIDE_ADDR, UPLINK, port_mappings},
     traffic::{TcpServer, UdpServer, tcp_request, udp_request},
 };
 use serde_json::json;

@@ -13,6 +13,7 @@ pub mod foreign;
 pub mod image;
 pub mod netns;
 pub mod podman;
+pub mod state;
 pub mod topology;
 pub mod traffic;
 

@@ -19,60 +19,30 @@ pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(2);
 /// peer address of each connection. Stops on drop.
 #[derive(Debug)]
 pub struct TcpServer {
-    stop: Arc<AtomicBool>,
     peers: Arc<Mutex<Vec<SocketAddr>>>,
-    thread: Option<thread::JoinHandle<()>>,
+    _accepting: Background,
 }
 
 impl TcpServer {
     pub fn start(netns: &Netns, bind: SocketAddr, greeting: &str) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
         let peers = Arc::new(Mutex::new(Vec::new()));
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let recorded = Arc::clone(&peers);
         let greeting = greeting.to_owned();
-        let thread = {
-            let stop = Arc::clone(&stop);
-            let peers = Arc::clone(&peers);
-            netns.spawn(move || {
-                let listener = bind_server(bind, TcpListener::bind);
-                listener
-                    .set_nonblocking(true)
-                    .expect("nonblocking listener");
-                ready_tx.send(()).expect("test waits for the server");
-                while !stop.load(Ordering::Relaxed) {
-                    match listener.accept() {
-                        Ok((mut stream, peer)) => {
-                            peers.lock().expect("peers lock").push(peer);
-                            let _ = stream.set_nonblocking(false);
-                            let _ = stream.write_all(greeting.as_bytes());
-                        }
-                        Err(_) => thread::sleep(Duration::from_millis(5)),
-                    }
-                }
-            })
-        };
-        ready_rx
-            .recv_timeout(Duration::from_secs(5))
-            .unwrap_or_else(|_| panic!("TCP server on {bind} did not start"));
+        let accepting = accept_each(netns, bind, move |mut stream, _| {
+            if let Ok(peer) = stream.peer_addr() {
+                recorded.lock().expect("peers lock").push(peer);
+            }
+            let _ = stream.write_all(greeting.as_bytes());
+        });
         Self {
-            stop,
             peers,
-            thread: Some(thread),
+            _accepting: accepting,
         }
     }
 
     /// Peer addresses of the connections accepted so far.
     pub fn peers(&self) -> Vec<SocketAddr> {
         self.peers.lock().expect("peers lock").clone()
-    }
-}
-
-impl Drop for TcpServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
     }
 }
 
@@ -129,17 +99,7 @@ pub fn tcp_request_from(
 /// Connects to `target` from the current namespace and reads what the server sends until it
 /// closes; returns that and the peer address the socket reports.
 pub fn tcp_exchange(target: SocketAddr, timeout: Duration) -> Result<(String, SocketAddr), String> {
-    let mut stream =
-        TcpStream::connect_timeout(&target, timeout).map_err(|error| error.to_string())?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(|error| error.to_string())?;
-    let peer = stream.peer_addr().map_err(|error| error.to_string())?;
-    let mut answer = String::new();
-    stream
-        .read_to_string(&mut answer)
-        .map_err(|error| error.to_string())?;
-    Ok((answer, peer))
+    stream_exchange(target, timeout, b"")
 }
 
 /// An HTTP/1.0 GET of `/` from `netns`: the body of the answer (status line and headers
@@ -153,19 +113,11 @@ pub fn http_exchange(
     target: SocketAddr,
     timeout: Duration,
 ) -> Result<(String, SocketAddr), String> {
-    let mut stream =
-        TcpStream::connect_timeout(&target, timeout).map_err(|error| error.to_string())?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(|error| error.to_string())?;
-    let peer = stream.peer_addr().map_err(|error| error.to_string())?;
-    stream
-        .write_all(b"GET / HTTP/1.0\r\nHost: cnibpf-test\r\n\r\n")
-        .map_err(|error| error.to_string())?;
-    let mut answer = String::new();
-    stream
-        .read_to_string(&mut answer)
-        .map_err(|error| error.to_string())?;
+    let (answer, peer) = stream_exchange(
+        target,
+        timeout,
+        b"GET / HTTP/1.0\r\nHost: cnibpf-test\r\n\r\n",
+    )?;
     let body = answer
         .split_once("\r\n\r\n")
         .map_or(answer.as_str(), |(_, body)| body)
@@ -173,59 +125,67 @@ pub fn http_exchange(
     Ok((body, peer))
 }
 
-/// A UDP server answering each datagram with its greeting, recording the peers.
+/// Connects to `target`, sends `request` (if any) and reads until the server closes; returns
+/// that and the peer address the socket reports.
+fn stream_exchange(
+    target: SocketAddr,
+    timeout: Duration,
+    request: &[u8],
+) -> Result<(String, SocketAddr), String> {
+    let mut stream =
+        TcpStream::connect_timeout(&target, timeout).map_err(|error| error.to_string())?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|error| error.to_string())?;
+    let peer = stream.peer_addr().map_err(|error| error.to_string())?;
+    if !request.is_empty() {
+        stream
+            .write_all(request)
+            .map_err(|error| error.to_string())?;
+    }
+    let mut answer = String::new();
+    stream
+        .read_to_string(&mut answer)
+        .map_err(|error| error.to_string())?;
+    Ok((answer, peer))
+}
+
+/// A UDP server answering each datagram with its greeting, recording the peers. Stops on
+/// drop.
 #[derive(Debug)]
 pub struct UdpServer {
-    stop: Arc<AtomicBool>,
     peers: Arc<Mutex<Vec<SocketAddr>>>,
-    thread: Option<thread::JoinHandle<()>>,
+    _serving: Background,
 }
 
 impl UdpServer {
     pub fn start(netns: &Netns, bind: SocketAddr, greeting: &str) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
+        // Bound in the namespace; a socket stays in the namespace it was made in.
+        let socket = netns.run(move || bind_server(bind, UdpSocket::bind));
+        socket
+            .set_read_timeout(Some(Duration::from_millis(20)))
+            .expect("read timeout");
         let peers = Arc::new(Mutex::new(Vec::new()));
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let recorded = Arc::clone(&peers);
         let greeting = greeting.to_owned();
-        let thread = {
-            let stop = Arc::clone(&stop);
-            let peers = Arc::clone(&peers);
-            netns.spawn(move || {
-                let socket = bind_server(bind, UdpSocket::bind);
-                socket
-                    .set_read_timeout(Some(Duration::from_millis(20)))
-                    .expect("read timeout");
-                ready_tx.send(()).expect("test waits for the server");
-                let mut buffer = vec![0u8; 65_536];
-                while !stop.load(Ordering::Relaxed) {
-                    if let Ok((_, peer)) = socket.recv_from(&mut buffer) {
-                        peers.lock().expect("peers lock").push(peer);
-                        let _ = socket.send_to(greeting.as_bytes(), peer);
-                    }
+        let serving = Background::spawn(move |stop| {
+            let mut buffer = vec![0u8; 65_536];
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok((_, peer)) = socket.recv_from(&mut buffer) {
+                    recorded.lock().expect("peers lock").push(peer);
+                    let _ = socket.send_to(greeting.as_bytes(), peer);
                 }
-            })
-        };
-        ready_rx
-            .recv_timeout(Duration::from_secs(5))
-            .unwrap_or_else(|_| panic!("UDP server on {bind} did not start"));
+            }
+        });
         Self {
-            stop,
             peers,
-            thread: Some(thread),
+            _serving: serving,
         }
     }
 
+    /// Peers of the datagrams answered so far.
     pub fn peers(&self) -> Vec<SocketAddr> {
         self.peers.lock().expect("peers lock").clone()
-    }
-}
-
-impl Drop for UdpServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
     }
 }
 

@@ -1,0 +1,245 @@
+//! What the datapath holds, read as the tests assert it: tcx programs on an interface, pinned
+//! programs and maps (through aya and bpftool), the nftables ruleset, `cnibpf inspect`.
+
+use std::path::PathBuf;
+
+use cnibpf_common::{masq_flow::MasqFlow, masq_stats::MasqStats, nat_flow::NatFlowKey};
+use serde_json::Value;
+
+use crate::{
+    Container, SimHost,
+    topology::{BRIDGE, Backend},
+};
+
+impl SimHost {
+    /// Names of the programs attached with tcx to `ifname` in the host namespace (ingress and
+    /// egress), asked of the kernel directly.
+    pub fn tcx_programs(&self, ifname: &str) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .tcx_program_ids(ifname)
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// (name, id) of the programs attached with tcx to `ifname` in the host namespace.
+    pub fn tcx_program_ids(&self, ifname: &str) -> Vec<(String, u32)> {
+        let ifname = std::ffi::CString::new(ifname).expect("interface name");
+        self.host.run(move || {
+            use aya::programs::{SchedClassifier, TcAttachType};
+            let mut programs = Vec::new();
+            for attach_type in [TcAttachType::Ingress, TcAttachType::Egress] {
+                let (_, attached) = SchedClassifier::query_tcx(ifname.as_c_str(), attach_type)
+                    .unwrap_or_else(|error| panic!("query tcx of {ifname:?}: {error}"));
+                programs.extend(
+                    attached
+                        .iter()
+                        .map(|info| (info.name_as_str().unwrap_or("?").to_owned(), info.id())),
+                );
+            }
+            programs.sort();
+            programs
+        })
+    }
+
+    /// The id of the program pinned as `programs/<name>`.
+    pub fn pinned_program_id(&self, name: &str) -> u32 {
+        let output = crate::netns::run_checked(
+            std::process::Command::new("bpftool")
+                .args(["-j", "prog", "show", "pinned"])
+                .arg(self.pin_path.join("programs").join(name)),
+        );
+        let info: Value = serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("bpftool prog show {name}: {error}"));
+        info["id"]
+            .as_u64()
+            .and_then(|id| u32::try_from(id).ok())
+            .unwrap_or_else(|| panic!("no id for {name}: {info}"))
+    }
+
+    /// `bpftool -j map dump pinned` of this instance's map `name`: what a user sees, BTF
+    /// field names included.
+    /// `bpftool -j map dump pinned` of the instance's map `name`.
+    pub fn bpftool_dump(&self, name: &str) -> Value {
+        let output = crate::netns::run_checked(
+            std::process::Command::new("bpftool")
+                .args(["-j", "map", "dump", "pinned"])
+                .arg(self.pin_path.join(name)),
+        );
+        serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("bpftool map dump {name}: {error}"))
+    }
+
+    /// (owner, original destination port) of every entry in `nat_flows`, via bpftool's BTF dump.
+    pub fn nat_flows(&self) -> Vec<(u64, u64)> {
+        let entries = self.bpftool_dump("nat_flows");
+        let mut flows: Vec<(u64, u64)> = entries
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|entry| {
+                let value = entry.get("formatted").unwrap_or(entry).get("value")?;
+                Some((value["owner"].as_u64()?, value["orig_port"].as_u64()?))
+            })
+            .collect();
+        flows.sort_unstable();
+        flows
+    }
+
+    /// The pinned map `name` of this host's instance, opened with aya.
+    pub fn pinned_map(&self, name: &str) -> aya::maps::Map {
+        let path = self.pin_path.join(name);
+        let data = aya::maps::MapData::from_pin(&path)
+            .unwrap_or_else(|error| panic!("open pinned map {}: {error}", path.display()));
+        aya::maps::Map::from_map_data(data)
+            .unwrap_or_else(|error| panic!("map {}: {error}", path.display()))
+    }
+
+    /// The pinned hash (or LRU hash) map `name` with its key and value types.
+    pub fn pinned_hash_map<K: aya::Pod, V: aya::Pod>(
+        &self,
+        name: &str,
+    ) -> aya::maps::HashMap<aya::maps::MapData, K, V> {
+        aya::maps::HashMap::try_from(self.pinned_map(name))
+            .unwrap_or_else(|error| panic!("map {name} as a hash map: {error}"))
+    }
+
+    /// Every entry of `masq_flows`: the container's tuple and the flow's state.
+    pub fn masq_flows(&self) -> Vec<(NatFlowKey, MasqFlow)> {
+        let map = self.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
+        map.iter()
+            .map(|entry| entry.expect("read masq_flows"))
+            .collect()
+    }
+
+    /// `masq_stats` summed over the CPUs.
+    /// [`Self::masq_stats`] on the eBPF backend; all zero on nftables (the kernel's conntrack
+    /// keeps no such counters).
+    pub fn masq_stats_if(&self, backend: Backend) -> MasqStats {
+        match backend {
+            Backend::Ebpf => self.masq_stats(),
+            Backend::Nftables => MasqStats::default(),
+        }
+    }
+
+    pub fn masq_stats(&self) -> MasqStats {
+        let map: aya::maps::PerCpuArray<_, MasqStats> =
+            aya::maps::PerCpuArray::try_from(self.pinned_map("masq_stats")).expect("masq_stats");
+        let per_cpu = map.get(&0, 0).expect("read masq_stats");
+        per_cpu
+            .iter()
+            .fold(MasqStats::default(), |sum, cpu| MasqStats {
+                flows_created: sum.flows_created + cpu.flows_created,
+                port_collisions: sum.port_collisions + cpu.port_collisions,
+                ports_exhausted: sum.ports_exhausted + cpu.ports_exhausted,
+                state_lost: sum.state_lost + cpu.state_lost,
+                expired: sum.expired + cpu.expired,
+                icmp_errors: sum.icmp_errors + cpu.icmp_errors,
+                no_uplink_address: sum.no_uplink_address + cpu.no_uplink_address,
+            })
+    }
+
+    /// The layout version the pinned state was written with.
+    pub fn layout_version(&self) -> u32 {
+        let entries = self.bpftool_dump("layout");
+        let entry = &entries[0];
+        entry.get("formatted").unwrap_or(entry)["value"]["version"]
+            .as_u64()
+            .and_then(|version| u32::try_from(version).ok())
+            .unwrap_or_else(|| panic!("no version in {entries}"))
+    }
+
+    /// Writes the `layout` map's single value, as another build of cnibpf could have left it.
+    pub fn write_layout(&self, value: &[u8]) {
+        let layout = self.pin_path.join("layout");
+        let bytes: Vec<String> = value.iter().map(u8::to_string).collect();
+        let mut command = std::process::Command::new("bpftool");
+        command
+            .args(["map", "update", "pinned"])
+            .arg(&layout)
+            .args(["key", "0", "0", "0", "0", "value"])
+            .args(&bytes);
+        crate::netns::run_checked(&mut command);
+    }
+
+    /// The host-side interface of a container, from its ADD result.
+    pub fn host_interface(&self, container: &Container) -> String {
+        container.result["interfaces"]
+            .as_array()
+            .and_then(|interfaces| {
+                interfaces.iter().find_map(|interface| {
+                    let name = interface["name"].as_str()?;
+                    (interface.get("sandbox").is_none() && name != BRIDGE).then(|| name.to_owned())
+                })
+            })
+            .unwrap_or_else(|| panic!("no host interface in {}", container.result))
+    }
+
+    /// The lock file cnibpf uses for this host's pinPath, as `cnibpf inspect` reports it.
+    pub fn lock_file(&self) -> PathBuf {
+        self.try_lock_file().unwrap_or_else(|| {
+            panic!(
+                "cnibpf inspect reports no lockFile for {}",
+                self.pin_path.display()
+            )
+        })
+    }
+
+    /// [`Self::lock_file`] that cannot panic, for `Drop`.
+    pub(crate) fn try_lock_file(&self) -> Option<PathBuf> {
+        let pin_path = self.pin_path.display().to_string();
+        let output = self.cnibpf(&["inspect", "--json", "--pin-path", &pin_path]);
+        let inspect: Value = serde_json::from_slice(&output.stdout).ok()?;
+        inspect["lockFile"].as_str().map(PathBuf::from)
+    }
+
+    /// `cnibpf inspect --json` of this host's pinPath.
+    pub fn inspect(&self) -> Value {
+        let pin_path = self.pin_path.display().to_string();
+        let output = self.cnibpf(&["inspect", "--json", "--pin-path", &pin_path]);
+        assert!(output.status.success(), "inspect failed: {output:?}");
+        serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("inspect printed no JSON ({error}): {output:?}"))
+    }
+
+    /// (containerID, hostPort) of every port mapping `cnibpf inspect` lists.
+    /// (containerID, hostPort, IP version of the container address) of every installed mapping.
+    pub fn installed_host_ports(&self) -> Vec<(String, u64, u8)> {
+        let inspect = self.inspect();
+        let mut ports = Vec::new();
+        for attachment in inspect["attachments"].as_array().into_iter().flatten() {
+            let id = attachment["containerID"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            for mapping in attachment["portMappings"].as_array().into_iter().flatten() {
+                let version = if mapping["containerIP"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .contains(':')
+                {
+                    6
+                } else {
+                    4
+                };
+                ports.push((
+                    id.clone(),
+                    mapping["hostPort"].as_u64().unwrap_or_default(),
+                    version,
+                ));
+            }
+        }
+        ports.sort();
+        ports
+    }
+}
+
+/// What [`SimHost::installed_host_ports`] lists for a wildcard mapping of a dual-stack container.
+pub fn dual_stack(container_id: &str, host_port: u64) -> Vec<(String, u64, u8)> {
+    vec![
+        (container_id.to_owned(), host_port, 4),
+        (container_id.to_owned(), host_port, 6),
+    ]
+}
