@@ -2,7 +2,7 @@
 //! has 1, 16 and 256 rules, against a container without a filter, in one simulated host per
 //! backend (eBPF, then nftables) in the same run.
 
-use std::{net::SocketAddr, path::Path, time::Duration};
+use std::{net::SocketAddr, path::Path};
 
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
@@ -13,15 +13,12 @@ use cnibpf_tests::{
 use serde_json::{Value, json};
 
 use super::{
-    Iperf3Server, Progress, Row,
+    IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
     iperf3, median, write_report,
 };
 
 const ROUNDS: usize = 5;
-const IPERF_SECONDS: u32 = 4;
-const RATE_WINDOW: Duration = Duration::from_secs(3);
-const RATE_CLIENTS: usize = 2;
 /// Rule counts of the filtered containers (the unfiltered one is the baseline).
 const RULE_COUNTS: [usize; 3] = [1, 16, 256];
 

@@ -1,7 +1,7 @@
 //! `cargo xtask bench masquerade`: container → outside traffic masqueraded by cnibpf against
 //! the same traffic routed without NAT (the outside has a route back), in the same run.
 
-use std::{net::SocketAddr, path::Path, thread, time::Duration};
+use std::{net::SocketAddr, path::Path, thread};
 
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
@@ -12,15 +12,12 @@ use cnibpf_tests::{
 use serde_json::{Value, json};
 
 use super::{
-    Iperf3Server, Progress, Row,
+    IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
     iperf3_streams, median, write_report,
 };
 
 const ROUNDS: usize = 7;
-const IPERF_SECONDS: u32 = 4;
-const RATE_WINDOW: Duration = Duration::from_secs(3);
-const RATE_CLIENTS: usize = 2;
 const CONTAINERS: usize = 8;
 const STREAMS: u32 = 8;
 

@@ -18,6 +18,13 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::Netns;
 
+/// Seconds of each iperf3 throughput run.
+pub const IPERF_SECONDS: u32 = 4;
+/// How long each connection-rate measurement counts.
+pub const RATE_WINDOW: Duration = Duration::from_secs(3);
+/// Concurrent clients of a connection-rate measurement.
+pub const RATE_CLIENTS: usize = 2;
+
 pub fn run(suite: Option<&str>) -> Result<()> {
     let release = crate::workspace_root().join("target/release/cnibpf");
     // SAFETY: set before any thread of this process starts; the simulated host reads it to run

@@ -18,15 +18,12 @@ use cnibpf_tests::{
 use serde_json::{Value, json};
 
 use super::{
-    Iperf3Server, Progress, Row,
+    IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
     iperf3, median, write_report,
 };
 
 const ROUNDS: usize = 5;
-const IPERF_SECONDS: u32 = 4;
-const RATE_WINDOW: Duration = Duration::from_secs(3);
-const RATE_CLIENTS: usize = 2;
 const SCALE_LEVELS: [usize; 3] = [1, 100, 1_000];
 /// The reference portmap adds iptables chains per container: 1,000 would take many minutes.
 const REFERENCE_SCALE_LEVELS: [usize; 2] = [1, 100];
