@@ -3,6 +3,7 @@
 
 mod bench;
 mod demo;
+mod modules;
 
 use std::{
     path::{Path, PathBuf},
@@ -28,8 +29,10 @@ enum Task {
     Build,
     /// Disassemble the eBPF object with source lines (the nightly's llvm-objdump).
     Objdump,
-    /// cargo fmt --check and clippy -D warnings, userspace and eBPF.
+    /// cargo fmt --check, clippy -D warnings (userspace and eBPF), and no module import cycle.
     Lint,
+    /// The module graph of the eBPF and userspace crates, and whether it has a cycle.
+    Modules,
     /// Everything CI checks: build, lint, unit and integration tests.
     Test {
         /// Arguments passed on to `cargo test` after `--` (e.g. a test name filter).
@@ -51,6 +54,7 @@ fn main() -> Result<()> {
         Task::Build => build(),
         Task::Objdump => objdump(),
         Task::Lint => lint(),
+        Task::Modules => modules::run(true),
         Task::Test { filter } => test(&filter),
         Task::Demo => {
             build()?;
@@ -204,27 +208,46 @@ fn lint() -> Result<()> {
     run(
         ebpf_cargo(&["clippy", "--release", "--", "-D", "warnings"])?,
         "clippy (eBPF)",
-    )
+    )?;
+    modules::run(false)
 }
 
 fn test(filter: &[String]) -> Result<()> {
     let started = Instant::now();
     build()?;
     lint()?;
-    let mut command = cargo(&[
+    // Unit tests first: seconds, no root, and a failure there says more than any suite.
+    let mut unit = cargo(&[
         "test",
         "--workspace",
         "--exclude",
         "cnibpf-ebpf",
         "--lib",
         "--bins",
-        "--tests",
-        // Every test binary runs even when one fails, so the summary counts all of them.
+        "--",
+    ]);
+    unit.args(filter);
+    let (unit_passed, unit_failed) = run_counting_tests(unit, "unit tests")?;
+    if unit_failed > 0 {
+        println!("tests: {unit_passed} passed, {unit_failed} failed");
+        bail!("{unit_failed} unit tests failed");
+    }
+    let mut integration = cargo(&[
+        "test",
+        // The same package set as the unit tests, so that nothing is rebuilt with other
+        // features; only the tests crate has integration tests.
+        "--workspace",
+        "--exclude",
+        "cnibpf-ebpf",
+        "--test",
+        "*",
+        // Every suite runs even when one fails, so the summary counts all of them.
         "--no-fail-fast",
         "--",
     ]);
-    command.args(filter);
-    let (passed, failed) = run_counting_tests(command)?;
+    integration.args(filter);
+    let (passed, failed) = run_counting_tests(integration, "integration tests")?;
+    let passed = passed + unit_passed;
     eprintln!(
         "\x1b[1mbuild, lint and tests took {:.1}s\x1b[0m",
         started.elapsed().as_secs_f64()
@@ -238,10 +261,10 @@ fn test(filter: &[String]) -> Result<()> {
 }
 
 /// Runs `cargo test`, echoing its output, and sums the "test result" lines of every binary.
-fn run_counting_tests(mut command: Command) -> Result<(u64, u64)> {
+fn run_counting_tests(mut command: Command, what: &str) -> Result<(u64, u64)> {
     use std::io::{BufRead as _, BufReader};
     let started = Instant::now();
-    eprintln!("\x1b[1m==> unit and integration tests\x1b[0m");
+    eprintln!("\x1b[1m==> {what}\x1b[0m");
     let mut child = command
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -270,7 +293,7 @@ fn run_counting_tests(mut command: Command) -> Result<(u64, u64)> {
     }
     let status = child.wait()?;
     eprintln!(
-        "\x1b[1m<== unit and integration tests: {:.1}s\x1b[0m",
+        "\x1b[1m<== {what}: {:.1}s\x1b[0m",
         started.elapsed().as_secs_f64()
     );
     if !status.success() && failed == 0 {
