@@ -7,8 +7,8 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 started=$SECONDS
 step() { printf '\033[1m[bootstrap %3ss]\033[0m %s\n' "$((SECONDS - started))" "$*"; }
 
-toolchain_channel() { sed -n 's/^channel *= *"\(.*\)"/\1/p' "$1"; }
-userspace_toolchain=$(toolchain_channel "$repo/rust-toolchain.toml")
+toolchain_channel() { sed -n 's/^channel *= *"\(.*\)"/\1/p' "$1" | head -n1; }
+userspace_toolchain=$(toolchain_channel "$repo/toolchains.toml")
 ebpf_toolchain=$(toolchain_channel "$repo/cnibpf-ebpf/rust-toolchain.toml")
 tools_dir="${CNIBPF_TOOLS_DIR:-$HOME/.local/share/cnibpf-tools}/$ebpf_toolchain"
 
@@ -36,7 +36,8 @@ else
     step "Debian packages present"
 fi
 
-# Rust toolchains: rustup 1.29 does not install what rust-toolchain.toml names by itself.
+# Rust toolchains: rustup 1.29 (auto-install off) does not install what rust-toolchain.toml
+# names by itself.
 if ! command -v rustup >/dev/null 2>&1; then
     # shellcheck disable=SC1091
     [ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
