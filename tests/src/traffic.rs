@@ -1,4 +1,7 @@
 //! Real traffic: servers that record who they saw, clients that report what they got.
+//!
+//! (Longer than most files: every server and client the suites and benches use, on the one
+//! `Background` thread type, kept together so that a new test finds the one it needs.)
 
 use std::{
     io::{Read as _, Write as _},
