@@ -84,6 +84,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                         "flows": record.flows,
                     })),
                     "filter": filter.as_ref().map(filter_json),
+                    "notes": notes(backend, mappings),
                 })
             })
             .collect();
@@ -145,6 +146,9 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
         }
         for mapping in mappings {
             let _ = writeln!(out, "    portmap {}", mapping);
+        }
+        for note in notes(backend, mappings) {
+            let _ = writeln!(out, "    note: {note}");
         }
         if let Some(record) = masquerade {
             let sources: Vec<String> = record
@@ -239,6 +243,24 @@ fn filter_json(record: &FilterRecord) -> serde_json::Value {
             "bytes": bytes,
         })).collect::<Vec<_>>(),
     })
+}
+
+/// What an attachment's user should know that its state does not show.
+fn notes(backend: &str, mappings: &[crate::model::ResolvedMapping]) -> Vec<String> {
+    let loopback_v6: Vec<String> = mappings
+        .iter()
+        .filter(|mapping| {
+            !mapping.is_ipv4() && mapping.host_addr.is_none_or(|addr| addr.is_loopback())
+        })
+        .map(|mapping| format!("{}/{}", mapping.host_port, mapping.protocol))
+        .collect();
+    if backend != "nftables" || loopback_v6.is_empty() {
+        return Vec::new();
+    }
+    vec![format!(
+        "host processes cannot reach [::1]:{} through the nftables backend (IPv6 has no route_localnet); they can by 127.0.0.1 and the host's addresses",
+        loopback_v6.join(", [::1]:")
+    )]
 }
 
 /// The interface's current name, when it still exists.

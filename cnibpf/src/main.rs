@@ -10,6 +10,7 @@ mod model;
 mod monitor;
 mod netlink;
 mod netns;
+mod nfnetlink;
 mod paths;
 
 use std::{path::PathBuf, process::ExitCode};

@@ -10,7 +10,7 @@ use std::net::IpAddr;
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
     address::{AddressAttribute, AddressMessage},
-    link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage},
+    link::{InfoBridge, InfoData, InfoKind, LinkAttribute, LinkInfo, LinkMessage},
     route::{RouteAttribute, RouteHeader, RouteMessage, RouteType},
     tc::{TcAttribute, TcBpfFlags, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
 };
@@ -91,6 +91,53 @@ fn get_link(message: LinkMessage) -> Result<Link, NetlinkError> {
             request: "link",
             reason: "no link in the reply".to_owned(),
         })
+}
+
+/// Whether the bridge `index` hands its bridged IPv4 and IPv6 traffic to the IP hooks
+/// (`nf_call_iptables`, `nf_call_ip6tables`; br_netfilter must be loaded for either to matter).
+pub fn bridge_netfilter(index: u32) -> Result<(bool, bool), NetlinkError> {
+    let mut message = LinkMessage::default();
+    message.header.index = index;
+    let request = RouteNetlinkMessage::GetLink(message);
+    let found = exchange("link", request, NLM_F_ACK, |message| match message {
+        RouteNetlinkMessage::NewLink(link) => Some(link.attributes),
+        _ => None,
+    })?;
+    let mut settings = (false, false);
+    for attribute in found.into_iter().flatten() {
+        let LinkAttribute::LinkInfo(infos) = attribute else {
+            continue;
+        };
+        for info in infos {
+            if let LinkInfo::Data(InfoData::Bridge(options)) = info {
+                for option in options {
+                    match option {
+                        InfoBridge::NfCallIpTables(on) => settings.0 = on,
+                        InfoBridge::NfCallIp6Tables(on) => settings.1 = on,
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    Ok(settings)
+}
+
+/// Switches both of [`bridge_netfilter`]'s settings of bridge `index`.
+pub fn set_bridge_netfilter(index: u32, on: bool) -> Result<(), NetlinkError> {
+    let mut message = LinkMessage::default();
+    message.header.index = index;
+    message.attributes.push(LinkAttribute::LinkInfo(vec![
+        LinkInfo::Kind(InfoKind::Bridge),
+        LinkInfo::Data(InfoData::Bridge(vec![
+            InfoBridge::NfCallIpTables(on),
+            InfoBridge::NfCallIp6Tables(on),
+        ])),
+    ]));
+    // RTM_NEWLINK on an existing interface, without NLM_F_CREATE, changes its kind's settings
+    // (as `ip link set … type bridge …` does); RTM_SETLINK ignores them.
+    let request = RouteNetlinkMessage::NewLink(message);
+    exchange("link settings", request, NLM_F_ACK, |_| None::<()>).map(|_| ())
 }
 
 /// Every address of every interface, with the interface's index.

@@ -92,7 +92,9 @@ pub trait Endpoints {
 
 /// hostPorts: what arrives at a host port goes to the container's port.
 pub trait PortMappings {
-    /// Makes the attachment's port mappings exactly `mappings`.
+    /// Makes the attachment's port mappings exactly `mappings`; refuses (100) a hostPort
+    /// another attachment of this backend holds, before it changes anything (eBPF) or with the
+    /// transaction that would claim it (nftables).
     fn setup_port_mappings(
         &mut self,
         endpoint: &Endpoint,
@@ -174,6 +176,39 @@ pub trait Backend: Endpoints + PortMappings + Masquerading + Filtering + Inspect
     /// Applies the changes of this operation. The eBPF backend applies each as it is made (so
     /// it has nothing left to do); the nftables backend collects them into one transaction.
     fn commit(&mut self) -> Result<(), BackendError>;
+}
+
+/// Fails with "hostPort in use" (100) naming the holder when another attachment of `backend`
+/// holds a hostPort overlapping one of `wanted`.
+pub fn refuse_held_host_ports(
+    backend: &dyn Backend,
+    owner: u64,
+    wanted: &[ResolvedMapping],
+) -> Result<(), BackendError> {
+    for mapping in wanted {
+        let Some(holder) = backend.holder_of(owner, mapping)? else {
+            continue;
+        };
+        let (holder, pod) = backend
+            .attachments()?
+            .into_iter()
+            .find(|record| record.owner == holder)
+            .map_or_else(
+                || {
+                    (
+                        Attachment::new("(unknown)", &format!("owner {holder:016x}"), "?"),
+                        None,
+                    )
+                },
+                |record| (record.attachment, record.pod),
+            );
+        return Err(BackendError::HostPortInUse {
+            mapping: mapping.host_side(),
+            holder: Box::new(holder),
+            pod,
+        });
+    }
+    Ok(())
 }
 
 /// CHECK's last word on port mappings, once each configured one was found: no more are

@@ -360,10 +360,10 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     let mut backend = backend::select(conf.plugin.backend, &pins)?;
     let owner = plan.attachment.owner_id();
     let mut others = backend::existing_except(&pins, Some(backend.name()))?;
-    // A hostPort may be held by an attachment of either backend.
-    ensure_host_ports_free(backend.as_ref(), owner, &plan.mappings)?;
+    // A hostPort may be held by an attachment of either backend: the other's are checked
+    // here, the serving backend's own refuses in setup_port_mappings, atomically with claiming.
     for other in &others {
-        ensure_host_ports_free(other.as_ref(), owner, &plan.mappings)?;
+        backend::refuse_held_host_ports(other.as_ref(), owner, &plan.mappings)?;
     }
     // The filter goes first: once the datapath is hooked onto the interface, no packet may
     // pass unfiltered.
@@ -410,47 +410,6 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
         }
     }
     Ok(output.to_string())
-}
-
-/// Fails with "hostPort in use" (100) naming the holder when another attachment holds an
-/// overlapping (protocol, hostIP, hostPort).
-fn ensure_host_ports_free(
-    backend: &dyn Backend,
-    owner: u64,
-    wanted: &[ResolvedMapping],
-) -> Result<(), BackendError> {
-    for mapping in wanted {
-        let Some(holder) = backend.holder_of(owner, mapping)? else {
-            continue;
-        };
-        let (holder, pod) = backend
-            .attachments()?
-            .into_iter()
-            .find(|record| record.owner == holder)
-            .map_or_else(
-                || {
-                    (
-                        Attachment::new("(unknown)", &format!("owner {holder:016x}"), "?"),
-                        None,
-                    )
-                },
-                |record| (record.attachment, record.pod),
-            );
-        return Err(BackendError::HostPortInUse {
-            mapping: format!(
-                "hostPort {}/{}{}",
-                mapping.host_port,
-                mapping.protocol,
-                mapping
-                    .host_addr
-                    .map(|addr| format!(" on {addr}"))
-                    .unwrap_or_default()
-            ),
-            holder: Box::new(holder),
-            pod,
-        });
-    }
-    Ok(())
 }
 
 fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {

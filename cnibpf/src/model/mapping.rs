@@ -79,6 +79,18 @@ impl ResolvedMapping {
         self.container_addr.is_ipv4()
     }
 
+    /// The host side, as error 100 names it: `hostPort 8080/tcp on 203.0.113.1`.
+    pub fn host_side(&self) -> String {
+        format!(
+            "hostPort {}/{}{}",
+            self.host_port,
+            self.protocol,
+            self.host_addr
+                .map(|addr| format!(" on {addr}"))
+                .unwrap_or_default()
+        )
+    }
+
     /// Whether the two could both take one packet: same family and [`host_ports_overlap`].
     pub fn overlaps(&self, other: &Self) -> bool {
         self.is_ipv4() == other.is_ipv4()

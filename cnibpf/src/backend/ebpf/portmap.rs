@@ -15,7 +15,7 @@ use cnibpf_common::{
 
 use super::{EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry};
 use crate::{
-    backend::{BackendError, Endpoint, PortMappings, check_mapping_count},
+    backend::{BackendError, Endpoint, PortMappings, check_mapping_count, refuse_held_host_ports},
     model::{Protocol, ResolvedMapping},
 };
 
@@ -134,6 +134,7 @@ impl PortMappings for EbpfBackend {
         mappings: &[ResolvedMapping],
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
+        refuse_held_host_ports(&*self, owner, mappings)?;
         let previous = self.owned_portmap_keys(owner)?;
         let mut wanted = Vec::with_capacity(mappings.len());
         // Whether a flow translated before could now be reversed wrongly.

@@ -1,28 +1,31 @@
-//! The filter: one chain pair per attachment (`f<owner>_out`, `f<owner>_in`) holding its rules
-//! in index order, and the dispatch maps that jump to them by container address.
+//! The filter: one chain pair per attachment (`f_<owner>_out`, `f_<owner>_in`) holding its rules
+//! in index order, reached through the dispatch maps by container address. Each rule is typed
+//! nft matches with a counter, its comment only `rule <index>`; inspect and CHECK read the rule
+//! back from its matches, so what they show is what the kernel runs, whole.
+//!
+//! Containers on one bridge reach each other without the IP stack: the bridge is switched to
+//! hand its frames to the IP hooks (`nf_call_iptables`, `nf_call_ip6tables`, br_netfilter) so
+//! that their filters judge that traffic too, statefully, as every other.
 
-use ipnet::IpNet;
+use std::borrow::Cow;
+
+use nftables::{
+    expr::{Expression, MetaKey, NamedExpression, Payload, SetItem},
+    schema::{NfListObject, Rule},
+    stmt::{AnonymousCounter, Counter, Operator, Statement},
+};
 
 use super::{
-    COMMENT_MAX, FILTER_MAPS, NftablesBackend, TABLE, family_suffix, owner_comment, parse_owner,
+    NftablesBackend, NftablesError, filter_chains, host,
+    listing::Listing,
+    nft::{self, address_field, matches, meta, network, network_of, port_of, text},
+    owner_comment,
 };
 use crate::{
-    backend::{BackendError, Endpoint, Filtering},
-    model::{ConnState, Direction, Filter, FilterRule, RuleProtocol, Target},
+    backend::{BackendError, Endpoint, FilterRecord, Filtering},
+    model::{ConnState, Direction, Filter, FilterRule, PortRange, RuleProtocol, Target},
+    netlink,
 };
-
-impl NftablesBackend {
-    fn remove_filter_chains(&mut self, owner: &str) {
-        self.delete_elements(owner, &FILTER_MAPS);
-        for chain in filter_chains(owner) {
-            if self.chains.contains(&chain) {
-                self.script.push(format!("delete chain {TABLE} {chain}"));
-                self.chains.retain(|known| *known != chain);
-                self.rules.retain(|rule| rule.chain != chain);
-            }
-        }
-    }
-}
 
 impl Filtering for NftablesBackend {
     fn setup_filter(
@@ -30,73 +33,28 @@ impl Filtering for NftablesBackend {
         endpoint: &Endpoint,
         filter: Option<&Filter>,
     ) -> Result<(), BackendError> {
-        let owner = owner_comment(&endpoint.attachment)?;
-        self.ensure_table();
+        if filter.is_some() && endpoint.gateway_ifindex != endpoint.host.index {
+            let gateway = netlink::link_by_index(endpoint.gateway_ifindex)
+                .map_err(|source| BackendError::HostAddresses(Box::new(source)))?;
+            if gateway.kind.as_deref() == Some("bridge") && host::bridge_netfilter_on(&gateway)? {
+                self.filtered_bridges.push(gateway.name);
+            }
+        }
         let Some(filter) = filter else {
-            self.remove_filter_chains(&owner);
-            return Ok(());
+            // Unfiltered: nothing to add, and no record to start (an ADD's undo ends here).
+            return self.teardown_filter(endpoint.attachment.owner_id());
         };
-        let [out_chain, in_chain] = filter_chains(&owner);
-        for (chain, direction) in [
-            (&out_chain, Direction::Egress),
-            (&in_chain, Direction::Ingress),
-        ] {
-            // Flushing and refilling in one transaction: packets see the old rules or the new.
-            if self.chains.contains(chain) {
-                self.script.push(format!("flush chain {TABLE} {chain}"));
-            } else {
-                self.script.push(format!("add chain {TABLE} {chain}"));
-                self.chains.push(chain.clone());
-            }
-            self.rules.retain(|rule| rule.chain != *chain);
-            let mut lines = vec![
-                // Replies of tracked connections and errors about them pass.
-                "ct direction reply return".to_owned(),
-                "ct state related return".to_owned(),
-                // Link-local control, as the eBPF backend lets it pass.
-                "icmpv6 type { nd-router-solicit, nd-router-advert, nd-neighbor-solicit, nd-neighbor-advert, nd-redirect, mld-listener-query, mld-listener-report, mld-listener-done, mld2-listener-report } return".to_owned(),
-            ];
-            for rule in &filter.rules {
-                if rule.direction == direction || rule.direction == Direction::Both {
-                    lines.push(format!(
-                        "{} counter {} comment \"{}\"",
-                        rule_match(rule),
-                        verdict(rule.target),
-                        rule_comment(rule)
-                    ));
-                }
-            }
-            lines.push(format!(
-                "counter {} comment \"default\"",
-                verdict(filter.default)
-            ));
-            for line in lines {
-                self.script.push(format!("add rule {TABLE} {chain} {line}"));
-            }
+        let change = self.attach(endpoint)?;
+        if let Some(after) = change.after.as_mut() {
+            after.filtered = true;
         }
-        self.delete_elements(&owner, &FILTER_MAPS);
-        for network in &endpoint.container_networks {
-            let addr = network.addr();
-            let suffix = family_suffix(addr);
-            self.add_element(
-                &format!("filter_out{suffix}"),
-                addr.to_string(),
-                Some(format!("jump {out_chain}")),
-                &owner,
-            );
-            self.add_element(
-                &format!("filter_in{suffix}"),
-                addr.to_string(),
-                Some(format!("jump {in_chain}")),
-                &owner,
-            );
-        }
+        change.filter = Some(filter.clone());
         Ok(())
     }
 
     fn teardown_filter(&mut self, owner: u64) -> Result<(), BackendError> {
-        if let Some(text) = self.owner_text(owner) {
-            self.remove_filter_chains(&text);
+        if let Some(after) = self.change(owner)?.after.as_mut() {
+            after.filtered = false;
         }
         Ok(())
     }
@@ -106,36 +64,21 @@ impl Filtering for NftablesBackend {
         endpoint: &Endpoint,
         filter: Option<&Filter>,
     ) -> Result<(), BackendError> {
-        let owner = owner_comment(&endpoint.attachment)?;
-        let [out_chain, in_chain] = filter_chains(&owner);
-        let installed: Vec<&str> = self
-            .rules
+        let listing = self.listing()?;
+        let owner = endpoint.attachment.owner_id();
+        let installed = filter_of(listing, owner)
+            .map_err(|error| {
+                BackendError::CheckFailed(format!("{}: {error}", endpoint.attachment))
+            })?
+            .map(|record| record.filter);
+        let owner_text = owner_comment(&endpoint.attachment)?;
+        let dispatched = ["filter_out4", "filter_in4", "filter_out6", "filter_in6"]
             .iter()
-            .filter(|rule| rule.chain == out_chain || rule.chain == in_chain)
-            .filter(|rule| !rule.comment.is_empty())
-            .map(|rule| rule.comment.as_str())
-            .collect();
-        let expected: Vec<String> = filter
-            .map(|filter| {
-                let mut comments = Vec::new();
-                for direction in [Direction::Egress, Direction::Ingress] {
-                    comments.extend(
-                        filter
-                            .rules
-                            .iter()
-                            .filter(|rule| {
-                                rule.direction == direction || rule.direction == Direction::Both
-                            })
-                            .map(rule_comment),
-                    );
-                    comments.push("default".to_owned());
-                }
-                comments
-            })
-            .unwrap_or_default();
-        let dispatched = self.elements_of(&owner, &FILTER_MAPS).count();
+            .flat_map(|map| listing.elements(map))
+            .filter(|element| element.comment.as_deref() == Some(owner_text.as_str()))
+            .count();
         let wanted_dispatch = filter.map_or(0, |_| endpoint.container_networks.len() * 2);
-        if installed != expected || dispatched != wanted_dispatch {
+        if installed.as_ref() != filter || dispatched != wanted_dispatch {
             return Err(BackendError::CheckFailed(format!(
                 "the filter of {} differs from its configuration",
                 endpoint.attachment
@@ -145,42 +88,93 @@ impl Filtering for NftablesBackend {
     }
 }
 
-/// The filter chains of an attachment: what it sends (`_out`) and receives (`_in`).
-pub(super) fn filter_chains(owner: &str) -> [String; 2] {
-    let id = parse_owner(owner).map_or(0, |attachment| attachment.owner_id());
-    [format!("f{id:016x}_out"), format!("f{id:016x}_in")]
+/// The rules of an attachment's two chains (`[out, in]`): what always passes, then its rules
+/// in index order, then the default.
+pub fn chain_rules(chains: &[String; 2], filter: &Filter) -> Vec<NfListObject<'static>> {
+    let mut rules = Vec::new();
+    for (chain, direction) in chains.iter().zip([Direction::Egress, Direction::Ingress]) {
+        for preamble in preamble() {
+            rules.push(nft::rule(chain, preamble, None));
+        }
+        for rule in &filter.rules {
+            if rule.direction == direction || rule.direction == Direction::Both {
+                let mut statements = rule_matches(rule);
+                statements.push(counter());
+                statements.push(verdict(rule.target));
+                rules.push(nft::rule(
+                    chain,
+                    statements,
+                    Some(format!("rule {}", rule.index)),
+                ));
+            }
+        }
+        rules.push(nft::rule(
+            chain,
+            vec![counter(), verdict(filter.default)],
+            Some("default".to_owned()),
+        ));
+    }
+    rules
 }
 
-/// A filter rule in nft syntax (without its verdict's counter and comment).
-fn rule_match(rule: &FilterRule) -> String {
-    let mut parts = Vec::new();
-    let family = |net: &IpNet| {
-        if matches!(net, IpNet::V4(_)) {
-            "ip"
-        } else {
-            "ip6"
-        }
+/// What passes every filter before its rules: replies of tracked connections and errors
+/// about them, and IPv6 neighbour and multicast-listener control (as the eBPF backend).
+fn preamble() -> Vec<Vec<Statement<'static>>> {
+    let ct = |key: &'static str| {
+        Expression::Named(NamedExpression::CT(nftables::expr::CT {
+            key: Cow::Borrowed(key),
+            family: None,
+            dir: None,
+        }))
     };
-    if let Some(src) = rule.src {
-        parts.push(format!("{} saddr {}", family(&src), src.trunc()));
+    let control = [
+        "nd-router-solicit",
+        "nd-router-advert",
+        "nd-neighbor-solicit",
+        "nd-neighbor-advert",
+        "nd-redirect",
+        "mld-listener-query",
+        "mld-listener-report",
+        "mld-listener-done",
+        "mld2-listener-report",
+    ];
+    vec![
+        vec![
+            matches(ct("direction"), Operator::EQ, text("reply")),
+            Statement::Return(None),
+        ],
+        vec![
+            matches(ct("state"), Operator::IN, text("related")),
+            Statement::Return(None),
+        ],
+        vec![
+            matches(
+                nft::payload("icmpv6", "type"),
+                Operator::EQ,
+                Expression::Named(NamedExpression::Set(
+                    control
+                        .iter()
+                        .map(|name| SetItem::Element(text(name)))
+                        .collect(),
+                )),
+            ),
+            Statement::Return(None),
+        ],
+    ]
+}
+
+fn counter() -> Statement<'static> {
+    Statement::Counter(Counter::Anonymous(Some(AnonymousCounter::default())))
+}
+
+/// A rule's verdict. ALLOW returns rather than accepts: an accept would end the hook, and the
+/// other side's chain (the receiving container's ingress after the sender's egress) must still
+/// judge the packet.
+fn verdict(target: Target) -> Statement<'static> {
+    match target {
+        Target::Allow => Statement::Return(None),
+        Target::Drop => Statement::Drop(None),
     }
-    if let Some(dst) = rule.dst {
-        parts.push(format!("{} daddr {}", family(&dst), dst.trunc()));
-    }
-    if let Some(protocol) = nft_protocol(rule.protocol) {
-        parts.push(format!("meta l4proto {protocol}"));
-        if let Some(sport) = rule.sport {
-            parts.push(format!("th sport {sport}"));
-        }
-        if let Some(dport) = rule.dport {
-            parts.push(format!("th dport {dport}"));
-        }
-    }
-    // nft's conntrack states are spelt as the configuration's.
-    if rule.connstate != ConnState::Any {
-        parts.push(format!("ct state {}", rule.connstate));
-    }
-    parts.join(" ")
 }
 
 /// nft's name of a rule's protocol (`meta l4proto`); `None` matches any.
@@ -192,44 +186,77 @@ fn nft_protocol(protocol: RuleProtocol) -> Option<&'static str> {
     }
 }
 
-/// A rule's verdict in an attachment's chain. ALLOW returns rather than accepts: an accept
-/// would end the hook, and the other side's chain (the receiving container's ingress after
-/// the sender's egress) must still judge the packet.
-fn verdict(target: Target) -> &'static str {
-    match target {
-        Target::Allow => "return",
-        Target::Drop => "drop",
+/// The matches of `rule`, in the order nft lists them.
+fn rule_matches(rule: &FilterRule) -> Vec<Statement<'static>> {
+    let mut statements = Vec::new();
+    for (net, field) in [(rule.src, "saddr"), (rule.dst, "daddr")] {
+        if let Some(net) = net {
+            statements.push(matches(
+                address_field(net.addr().is_ipv4(), field),
+                Operator::EQ,
+                network(net),
+            ));
+        }
+    }
+    if let Some(protocol) = nft_protocol(rule.protocol) {
+        statements.push(matches(
+            meta(MetaKey::L4proto),
+            Operator::EQ,
+            text(protocol),
+        ));
+        for (range, field) in [(rule.sport, "sport"), (rule.dport, "dport")] {
+            if let Some(range) = range {
+                statements.push(matches(
+                    nft::payload("th", field),
+                    Operator::EQ,
+                    ports(range),
+                ));
+            }
+        }
+    }
+    if rule.connstate != ConnState::Any {
+        statements.push(matches(
+            Expression::Named(NamedExpression::CT(nftables::expr::CT {
+                key: Cow::Borrowed("state"),
+                family: None,
+                dir: None,
+            })),
+            Operator::IN,
+            text(rule.connstate),
+        ));
+    }
+    statements
+}
+
+fn ports(range: PortRange) -> Expression<'static> {
+    if range.low == range.high {
+        return nft::number(range.low);
+    }
+    Expression::Range(Box::new(nftables::expr::Range {
+        range: [nft::number(range.low), nft::number(range.high)],
+    }))
+}
+
+fn ports_of(expression: &Expression<'_>) -> Option<PortRange> {
+    match expression {
+        Expression::Range(range) => Some(PortRange {
+            low: port_of(&range.range[0])?,
+            high: port_of(&range.range[1])?,
+        }),
+        other => port_of(other).map(PortRange::single),
     }
 }
 
-/// The comment that identifies a filter rule: its index and its match, so that CHECK and
-/// inspect read the rule back as configured.
-fn rule_comment(rule: &FilterRule) -> String {
-    let mut text = format!(
-        "{} {} {}",
-        rule.index,
-        verdict(rule.target),
-        rule_match(rule)
-    );
-    text.truncate(COMMENT_MAX);
-    text
-}
-
-/// A filter rule read back from its comment (`rule_comment`): index, verdict, nft match.
-pub(super) fn rule_from_comment(
+/// A listed rule read back as the filter rule `index` it was written from; anything this
+/// build does not write is an error.
+fn rule_of(
+    rule: &Rule<'_>,
     index: u32,
-    comment: &str,
     direction: Direction,
-) -> Option<FilterRule> {
-    let mut words = comment.split(' ').skip(1);
-    let word = words.next()?;
-    let target = Target::ALL
-        .iter()
-        .copied()
-        .find(|target| verdict(*target) == word)?;
-    let mut rule = FilterRule {
+) -> Result<(FilterRule, (u64, u64)), String> {
+    let mut out = FilterRule {
         index,
-        target,
+        target: Target::Allow,
         src: None,
         dst: None,
         protocol: RuleProtocol::Any,
@@ -238,58 +265,254 @@ pub(super) fn rule_from_comment(
         connstate: ConnState::Any,
         direction,
     };
-    let words: Vec<&str> = words.collect();
-    for pair in words.windows(3) {
-        match (pair[0], pair[1], pair[2]) {
-            ("ip" | "ip6", "saddr", net) => rule.src = net.parse().ok(),
-            ("ip" | "ip6", "daddr", net) => rule.dst = net.parse().ok(),
-            ("meta", "l4proto", name) => {
-                rule.protocol = RuleProtocol::ALL
-                    .iter()
-                    .copied()
-                    .find(|protocol| nft_protocol(*protocol) == Some(name))?;
+    let mut hits = None;
+    let mut target = None;
+    for statement in rule.expr.iter() {
+        match statement {
+            Statement::Match(matched) => read_match(&mut out, &matched.left, &matched.right)?,
+            Statement::Counter(Counter::Anonymous(counter)) => {
+                let counter = counter.clone().unwrap_or_default();
+                hits = Some((
+                    counter.packets.unwrap_or(0) as u64,
+                    counter.bytes.unwrap_or(0) as u64,
+                ));
             }
-            ("th", "sport", ports) => rule.sport = ports.parse().ok(),
-            ("th", "dport", ports) => rule.dport = ports.parse().ok(),
-            ("ct", "state", state) => rule.connstate = state.parse().ok()?,
-            _ => {}
+            Statement::Return(_) => target = Some(Target::Allow),
+            Statement::Drop(_) => target = Some(Target::Drop),
+            other => return Err(format!("unexpected statement {other:?}")),
         }
     }
-    Some(rule)
+    out.target = target.ok_or("no verdict")?;
+    Ok((out, hits.ok_or("no counter")?))
+}
+
+/// One match of a rule into `rule`'s fields.
+fn read_match(
+    rule: &mut FilterRule,
+    left: &Expression<'_>,
+    right: &Expression<'_>,
+) -> Result<(), String> {
+    let unreadable = || format!("unexpected match {left:?} == {right:?}");
+    match left {
+        Expression::Named(NamedExpression::Payload(Payload::PayloadField(field))) => {
+            match (field.protocol.as_ref(), field.field.as_ref()) {
+                ("ip" | "ip6", "saddr") => {
+                    rule.src = Some(network_of(right).ok_or_else(unreadable)?)
+                }
+                ("ip" | "ip6", "daddr") => {
+                    rule.dst = Some(network_of(right).ok_or_else(unreadable)?)
+                }
+                // `meta l4proto tcp th dport 80` is listed as `tcp dport 80`.
+                (protocol @ ("tcp" | "udp" | "sctp" | "th"), port_field @ ("sport" | "dport")) => {
+                    if protocol != "th" {
+                        rule.protocol = protocol.parse().map_err(|_| unreadable())?;
+                    }
+                    let range = ports_of(right).ok_or_else(unreadable)?;
+                    if port_field == "sport" {
+                        rule.sport = Some(range);
+                    } else {
+                        rule.dport = Some(range);
+                    }
+                }
+                _ => return Err(unreadable()),
+            }
+        }
+        Expression::Named(NamedExpression::Meta(meta)) if meta.key == MetaKey::L4proto => {
+            let Expression::String(name) = right else {
+                return Err(unreadable());
+            };
+            rule.protocol = RuleProtocol::ALL
+                .iter()
+                .copied()
+                .find(|protocol| nft_protocol(*protocol) == Some(name.as_ref()))
+                .ok_or_else(unreadable)?;
+        }
+        Expression::Named(NamedExpression::CT(ct)) if ct.key == "state" => {
+            let Expression::String(state) = right else {
+                return Err(unreadable());
+            };
+            rule.connstate = state.parse().map_err(|_| unreadable())?;
+        }
+        _ => return Err(unreadable()),
+    }
+    Ok(())
+}
+
+/// An attachment's filter as its chains hold it, with the counters; `None` when it has none.
+/// A chain that lost a rule cnibpf writes (what passes first, the default) is an error.
+pub fn filter_of(listing: &Listing, owner: u64) -> Result<Option<FilterRecord>, BackendError> {
+    let [out_chain, in_chain] = filter_chains(owner);
+    if !listing.has_chain(&out_chain) {
+        return Ok(None);
+    }
+    let mut rules: Vec<(FilterRule, (u64, u64))> = Vec::new();
+    let mut defaults = Vec::new();
+    let mut default_hits = (0, 0);
+    for (chain, direction) in [
+        (&out_chain, Direction::Egress),
+        (&in_chain, Direction::Ingress),
+    ] {
+        let unreadable = |reason: String| NftablesError::Rule {
+            chain: chain.clone(),
+            reason,
+        };
+        let listed = listing.rules(chain);
+        if listed.iter().filter(|rule| rule.comment.is_none()).count() != preamble().len() {
+            return Err(
+                unreadable("what passes before the rules is not all there".to_owned()).into(),
+            );
+        }
+        for rule in listed {
+            let Some(comment) = rule.comment.as_deref() else {
+                continue;
+            };
+            if comment == "default" {
+                let (read, hits) = rule_of(rule, 0, direction).map_err(unreadable)?;
+                defaults.push(read.target);
+                default_hits = (default_hits.0 + hits.0, default_hits.1 + hits.1);
+                continue;
+            }
+            let index = comment
+                .strip_prefix("rule ")
+                .and_then(|index| index.parse().ok())
+                .ok_or_else(|| unreadable(format!("comment {comment:?}")))?;
+            let (read, hits) = rule_of(rule, index, direction).map_err(unreadable)?;
+            match rules.iter_mut().find(|(held, _)| held.index == index) {
+                // In both chains: a rule of both directions, counted once per chain it judged.
+                Some((held, held_hits)) => {
+                    held.direction = Direction::Both;
+                    *held_hits = (held_hits.0 + hits.0, held_hits.1 + hits.1);
+                }
+                None => rules.push((read, hits)),
+            }
+        }
+    }
+    let [out_default, in_default] = defaults[..] else {
+        return Err(NftablesError::Rule {
+            chain: out_chain,
+            reason: "a chain lacks its default rule".to_owned(),
+        }
+        .into());
+    };
+    if out_default != in_default {
+        return Err(NftablesError::Rule {
+            chain: out_chain,
+            reason: "the chains' defaults differ".to_owned(),
+        }
+        .into());
+    }
+    rules.sort_by_key(|(rule, _)| rule.index);
+    let (rules, hits): (Vec<FilterRule>, Vec<(u64, u64)>) = rules.into_iter().unzip();
+    Ok(Some(FilterRecord {
+        filter: Filter {
+            rules,
+            default: out_default,
+        },
+        hits,
+        default_hits,
+        flows: 0,
+    }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::PortRange;
 
-    #[test]
-    fn a_rule_reads_back_from_its_comment_as_configured() {
-        let rule = FilterRule {
-            index: 20,
-            target: Target::Drop,
-            src: Some("10.22.0.0/16".parse().expect("literal")),
-            dst: None,
-            protocol: RuleProtocol::Tcp,
-            sport: None,
-            dport: Some(PortRange { low: 80, high: 90 }),
-            connstate: ConnState::New,
-            direction: Direction::Egress,
+    /// The rule as nft lists it: what `chain_rules` writes, through JSON, folded as nft folds
+    /// `meta l4proto tcp th dport` into `tcp dport`.
+    fn listed(rule: &FilterRule) -> Rule<'static> {
+        let filter = Filter {
+            rules: vec![*rule],
+            default: Target::Allow,
         };
-        let comment = rule_comment(&rule);
-        assert_eq!(
-            comment,
-            "20 drop ip saddr 10.22.0.0/16 meta l4proto tcp th dport 80-90 ct state new"
-        );
-        assert_eq!(
-            rule_from_comment(20, &comment, Direction::Egress),
-            Some(rule)
-        );
+        let chains = ["f_out".to_owned(), "f_in".to_owned()];
+        let written = chain_rules(&chains, &filter)
+            .into_iter()
+            .find_map(|object| match object {
+                NfListObject::Rule(rule) if rule.comment.as_deref() == Some("rule 7") => Some(rule),
+                _ => None,
+            })
+            .expect("the rule is written");
+        let json = serde_json::to_string(&written).expect("encodes");
+        serde_json::from_str(&json).expect("decodes")
     }
 
     #[test]
-    fn allow_returns_so_the_other_side_still_judges() {
-        assert_eq!(verdict(Target::Allow), "return");
-        assert_eq!(verdict(Target::Drop), "drop");
+    fn the_longest_rule_reads_back_whole() {
+        let rule = FilterRule {
+            index: 7,
+            target: Target::Drop,
+            src: Some(
+                "2001:db8:ffff:ffff:ffff:ffff:ffff:fff1/128"
+                    .parse()
+                    .expect("literal"),
+            ),
+            dst: Some(
+                "2001:db8:ffff:ffff:ffff:ffff:ffff:fff2/128"
+                    .parse()
+                    .expect("literal"),
+            ),
+            protocol: RuleProtocol::Sctp,
+            sport: Some(PortRange {
+                low: 10_000,
+                high: 10_999,
+            }),
+            dport: Some(PortRange {
+                low: 60_000,
+                high: 65_535,
+            }),
+            connstate: ConnState::Established,
+            direction: Direction::Egress,
+        };
+        let (read, hits) = rule_of(&listed(&rule), 7, Direction::Egress).expect("readable");
+        assert_eq!(read, rule);
+        assert_eq!(hits, (0, 0));
+    }
+
+    #[test]
+    fn nfts_folded_port_matches_read_as_the_protocol_and_ports() {
+        let json = r#"{"nftables":[{"rule":{"family":"inet","table":"cnibpf","chain":"f_out","handle":3,"comment":"rule 20","expr":[
+            {"match":{"op":"==","left":{"payload":{"protocol":"ip6","field":"saddr"}},"right":"2001:db8::1"}},
+            {"match":{"op":"==","left":{"payload":{"protocol":"tcp","field":"dport"}},"right":{"range":[1000,2000]}}},
+            {"match":{"op":"in","left":{"ct":{"key":"state"}},"right":"new"}},
+            {"counter":{"packets":3,"bytes":180}},{"drop":null}]}}]}"#;
+        let document: serde_json::Value = serde_json::from_str(json).expect("a listing");
+        let rule: Rule<'static> =
+            serde_json::from_value(document["nftables"][0]["rule"].clone()).expect("a rule");
+        let (read, hits) = rule_of(&rule, 20, Direction::Ingress).expect("readable");
+        assert_eq!(read.protocol, RuleProtocol::Tcp);
+        assert_eq!(
+            read.dport,
+            Some(PortRange {
+                low: 1000,
+                high: 2000
+            })
+        );
+        assert_eq!(read.src, Some("2001:db8::1/128".parse().expect("literal")));
+        assert_eq!(read.connstate, ConnState::New);
+        assert_eq!(read.target, Target::Drop);
+        assert_eq!(hits, (3, 180));
+    }
+
+    #[test]
+    fn an_unknown_match_is_an_error() {
+        let mut rule = listed(&FilterRule {
+            index: 7,
+            target: Target::Allow,
+            src: None,
+            dst: None,
+            protocol: RuleProtocol::Any,
+            sport: None,
+            dport: None,
+            connstate: ConnState::Any,
+            direction: Direction::Egress,
+        });
+        let mut statements = rule.expr.to_vec();
+        statements.insert(
+            0,
+            matches(meta(MetaKey::Mark), Operator::EQ, nft::number(1)),
+        );
+        rule.expr = statements.into();
+        assert!(rule_of(&rule, 7, Direction::Egress).is_err());
     }
 }

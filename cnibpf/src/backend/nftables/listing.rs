@@ -1,127 +1,270 @@
-//! The kernel's listing of the table (`nft -j list table`), read into elements and rules.
+//! The table read back from the kernel (`nft -j list`), typed: one attachment's record for
+//! ADD and DEL; the whole table for inspect, CHECK, GC and the slow paths (a hostPort held by
+//! another, found after the transaction refused it).
 
-use serde_json::Value;
+use std::collections::BTreeMap;
 
-use super::{Element, NftablesBackend};
+use nftables::{
+    expr::{Expression, NamedExpression},
+    schema::Rule,
+};
 
-impl NftablesBackend {
-    pub(super) fn read_elements(&mut self, set: &Value) {
-        let name = set["name"].as_str().unwrap_or_default().to_owned();
-        for entry in set["elem"].as_array().into_iter().flatten() {
-            // A map element is [key, value]; a set element the key alone.
-            let (key, value) = match entry.as_array() {
-                Some(pair) if pair.len() == 2 => (&pair[0], Some(&pair[1])),
-                _ => (entry, None),
+use super::{
+    NftablesError, family_suffix,
+    nft::{self, TABLE, address_of, port_of},
+    parse_owner,
+    record::Record,
+    record_chain,
+};
+use crate::{
+    backend::BackendError,
+    model::{Attachment, Pod, ResolvedMapping},
+};
+
+/// One element of a set or map.
+#[derive(Clone, Debug)]
+pub struct Listed {
+    pub key: Expression<'static>,
+    pub value: Option<Expression<'static>>,
+    pub comment: Option<String>,
+}
+
+/// What `nft -j list` showed: elements by set, rules by chain.
+#[derive(Debug, Default)]
+pub struct Listing {
+    sets: BTreeMap<String, Vec<Listed>>,
+    chains: BTreeMap<String, Vec<Rule<'static>>>,
+}
+
+/// The record of `owner`, read from its chain; `None` when it has none.
+pub fn record_of(owner: u64) -> Result<Option<Record>, BackendError> {
+    let chain = record_chain(owner);
+    let Some(listing) = nft::list(&["chain", "inet", TABLE, &chain])? else {
+        return Ok(None);
+    };
+    let listing = Listing::from(&listing);
+    Ok(Some(listing.record(&chain)?))
+}
+
+impl Listing {
+    /// The whole table; `None` when there is none.
+    pub fn read() -> Result<Option<Self>, BackendError> {
+        Ok(nft::list(&["table", "inet", TABLE])?.map(|listing| Self::from(&listing)))
+    }
+
+    /// The address-specific hostPort maps only (few elements on any host).
+    pub fn read_specific() -> Result<Option<Self>, BackendError> {
+        let mut listing = Self::default();
+        for map in ["hostports4", "hostports6"] {
+            let Some(found) = nft::list(&["map", "inet", TABLE, map])? else {
+                return Ok(None);
             };
-            let (key, comment) = match key.get("elem") {
-                Some(elem) => (&elem["val"], elem["comment"].as_str().unwrap_or_default()),
-                None => (key, ""),
-            };
-            let key_parts = parts(key);
-            let value_parts = value.map(parts).unwrap_or_default();
-            self.elements.push(Element {
-                set: name.clone(),
-                key: key_parts
-                    .iter()
-                    .map(|part| quote_if_name(&name, part))
-                    .collect::<Vec<_>>()
-                    .join(" . "),
-                key_parts,
-                value_parts,
-                comment: comment.to_owned(),
-            });
+            listing.sets.extend(Self::from(&found).sets);
         }
+        Ok(Some(listing))
     }
-}
 
-/// The parts of a listed key or value: addresses, ports, protocols, prefixes as text.
-fn parts(value: &Value) -> Vec<String> {
-    match value {
-        Value::Object(object) if object.contains_key("concat") => object["concat"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .flat_map(parts)
-            .collect(),
-        Value::Object(object) if object.contains_key("prefix") => vec![format!(
-            "{}/{}",
-            object["prefix"]["addr"].as_str().unwrap_or_default(),
-            object["prefix"]["len"]
-        )],
-        Value::Object(object) if object.contains_key("jump") => {
-            vec![
-                object["jump"]["target"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-            ]
+    fn from(listing: &[nft::Listed]) -> Self {
+        let mut out = Self::default();
+        for object in listing {
+            match object {
+                nft::Listed::Set(set) => {
+                    out.sets
+                        .insert(set.name.clone(), set.elem.iter().map(listed).collect());
+                }
+                nft::Listed::Chain(name) => {
+                    out.chains.entry(name.clone()).or_default();
+                }
+                nft::Listed::Rule(rule) => {
+                    out.chains
+                        .entry(rule.chain.to_string())
+                        .or_default()
+                        .push(rule.clone());
+                }
+            }
         }
-        Value::String(text) => vec![text.clone()],
-        Value::Number(number) => vec![number.to_string()],
-        _ => Vec::new(),
+        out
     }
-}
 
-fn quote_if_name(set: &str, part: &str) -> String {
-    if set == "attachments" || set == "uplinks" || set == "pods" {
-        format!("\"{part}\"")
-    } else {
-        part.to_owned()
+    pub fn elements(&self, set: &str) -> &[Listed] {
+        self.sets.get(set).map_or(&[], Vec::as_slice)
     }
-}
 
-/// (packets, bytes) of a rule's counter.
-pub(super) fn counter(expr: &[Value]) -> (u64, u64) {
-    expr.iter()
-        .find_map(|statement| statement.get("counter"))
-        .map_or((0, 0), |counter| {
-            (
-                counter["packets"].as_u64().unwrap_or(0),
-                counter["bytes"].as_u64().unwrap_or(0),
-            )
+    /// Every element whose comment is `owner`, with its set.
+    pub fn owned_by<'a>(
+        &'a self,
+        owner: &'a str,
+    ) -> impl Iterator<Item = (&'a str, &'a Listed)> + 'a {
+        self.sets.iter().flat_map(move |(set, elements)| {
+            elements
+                .iter()
+                .filter(move |element| element.comment.as_deref() == Some(owner))
+                .map(move |element| (set.as_str(), element))
         })
-}
-
-pub(super) fn has_verdict(expr: &[Value], verdict: &str) -> bool {
-    expr.iter()
-        .any(|statement| statement.get(verdict).is_some())
-}
-
-#[cfg(test)]
-mod tests {
-    use serde_json::json;
-
-    use super::*;
-
-    #[test]
-    fn listed_keys_and_values_split_into_their_parts() {
-        assert_eq!(
-            parts(&json!({ "concat": ["10.0.0.1", "tcp", 8080] })),
-            ["10.0.0.1", "tcp", "8080"]
-        );
-        assert_eq!(
-            parts(&json!({ "prefix": { "addr": "10.22.0.0", "len": 16 } })),
-            ["10.22.0.0/16"]
-        );
-        assert_eq!(
-            parts(&json!({ "jump": { "target": "f0123_out" } })),
-            ["f0123_out"]
-        );
-        assert!(parts(&json!(null)).is_empty());
-        assert_eq!(quote_if_name("attachments", "veth1"), "\"veth1\"");
-        assert_eq!(quote_if_name("hostports4", "tcp"), "tcp");
     }
 
-    #[test]
-    fn counters_and_verdicts_are_read_from_a_rule_listing() {
-        let expr = [
-            json!({ "match": { "op": "==", "left": {}, "right": 1 } }),
-            json!({ "counter": { "packets": 3, "bytes": 180 } }),
-            json!({ "drop": null }),
-        ];
-        assert_eq!(counter(&expr), (3, 180));
-        assert!(has_verdict(&expr, "drop"));
-        assert!(!has_verdict(&expr, "return"));
-        assert_eq!(counter(&expr[..1]), (0, 0));
+    pub fn has_chain(&self, chain: &str) -> bool {
+        self.chains.contains_key(chain)
     }
+
+    /// The rules of `chain`, in order.
+    pub fn rules(&self, chain: &str) -> &[Rule<'static>] {
+        self.chains.get(chain).map_or(&[], Vec::as_slice)
+    }
+
+    /// The record kept in `chain`.
+    pub fn record(&self, chain: &str) -> Result<Record, BackendError> {
+        let lines = self
+            .rules(chain)
+            .iter()
+            .filter_map(|rule| rule.comment.as_deref());
+        Record::parse(lines).map_err(|source| {
+            NftablesError::Record {
+                owner: chain.to_owned(),
+                chain: chain.to_owned(),
+                source,
+            }
+            .into()
+        })
+    }
+
+    /// Every attachment's record, by owner id.
+    pub fn records(&self) -> Result<Vec<(u64, Record)>, BackendError> {
+        let mut records = Vec::new();
+        for chain in self.chains.keys() {
+            let Some(owner) = chain
+                .strip_prefix("a_")
+                .and_then(|hex| u64::from_str_radix(hex, 16).ok())
+            else {
+                continue;
+            };
+            records.push((owner, self.record(chain)?));
+        }
+        Ok(records)
+    }
+
+    /// Every installed hostPort with the owner text in its comment.
+    pub fn mappings(&self) -> Vec<(String, ResolvedMapping)> {
+        let mut out = Vec::new();
+        for ipv4 in [true, false] {
+            for any in [false, true] {
+                let set = format!(
+                    "hostports{}{}",
+                    family_suffix(ipv4),
+                    if any { "_any" } else { "" }
+                );
+                for element in self.elements(&set) {
+                    if let (Some(owner), Some(mapping)) =
+                        (&element.comment, mapping_of(element, any))
+                    {
+                        out.push((owner.clone(), mapping));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The attachment other than `owner` holding a hostPort that overlaps `mapping`, and its
+    /// pod when the listing has its record.
+    pub fn holder_of(
+        &self,
+        owner: u64,
+        mapping: &ResolvedMapping,
+    ) -> Result<Option<(u64, Attachment, Option<Pod>)>, BackendError> {
+        for (text, installed) in self.mappings() {
+            let Some(holder) = parse_owner(&text) else {
+                continue;
+            };
+            let holder_id = holder.owner_id();
+            if holder_id == owner || !installed.overlaps(mapping) {
+                continue;
+            }
+            let chain = record_chain(holder_id);
+            let pod = if self.has_chain(&chain) {
+                self.record(&chain)?.pod
+            } else {
+                None
+            };
+            return Ok(Some((holder_id, holder, pod)));
+        }
+        Ok(None)
+    }
+
+    /// Error 100 when another attachment holds a hostPort overlapping `mapping`.
+    pub fn overlap_error(
+        &self,
+        owner: u64,
+        mapping: &ResolvedMapping,
+    ) -> Result<Option<BackendError>, BackendError> {
+        Ok(self
+            .holder_of(owner, mapping)?
+            .map(|(_, holder, pod)| BackendError::HostPortInUse {
+                mapping: mapping.host_side(),
+                holder: Box::new(holder),
+                pod,
+            }))
+    }
+
+    /// Whether an attachment other than `owner` holds an address-specific hostPort on the
+    /// protocol and port of `mapping` (in its family).
+    pub fn specific_held_by_others(&self, owner: u64, mapping: &ResolvedMapping) -> bool {
+        self.mappings().iter().any(|(text, installed)| {
+            installed.host_addr.is_some()
+                && installed.is_ipv4() == mapping.is_ipv4()
+                && installed.protocol == mapping.protocol
+                && installed.host_port == mapping.host_port
+                && parse_owner(text).is_some_and(|holder| holder.owner_id() != owner)
+        })
+    }
+}
+
+/// An element as listed: a key (maybe with a comment), or `[key, value]` for a map.
+fn listed(expression: &Expression<'static>) -> Listed {
+    let (key, value) = match expression {
+        Expression::List(pair) if pair.len() == 2 => (&pair[0], Some(&pair[1])),
+        other => (other, None),
+    };
+    let (key, comment) = match key {
+        Expression::Named(NamedExpression::Elem(elem)) => (
+            elem.val.as_ref(),
+            elem.comment.as_ref().map(ToString::to_string),
+        ),
+        other => (other, None),
+    };
+    Listed {
+        key: key.clone(),
+        value: value.cloned(),
+        comment,
+    }
+}
+
+/// The parts of a concatenation (a single expression is one part).
+pub fn parts<'e>(expression: &'e Expression<'static>) -> Vec<&'e Expression<'static>> {
+    match expression {
+        Expression::Named(NamedExpression::Concat(parts)) => parts.iter().collect(),
+        other => vec![other],
+    }
+}
+
+/// A hostPort element back as a mapping.
+fn mapping_of(element: &Listed, any: bool) -> Option<ResolvedMapping> {
+    let key = parts(&element.key);
+    let value = parts(element.value.as_ref()?);
+    let (host_addr, rest) = if any {
+        (None, &key[..])
+    } else {
+        (Some(address_of(key.first()?)?), &key[1..])
+    };
+    let protocol = match rest.first()? {
+        Expression::String(name) => name.parse().ok()?,
+        _ => return None,
+    };
+    Some(ResolvedMapping {
+        protocol,
+        host_addr,
+        host_port: port_of(rest.get(1)?)?,
+        container_addr: address_of(value.first()?)?,
+        container_port: port_of(value.get(1)?)?,
+    })
 }

@@ -1,70 +1,112 @@
 //! The nftables backend: the same configuration served by one table, `inet cnibpf`, where BPF
 //! is unavailable.
 //!
-//! The table's chains and rules are fixed (created with the table); everything that belongs to
-//! an attachment is an element of one of its sets and maps — hostPorts, hairpin and
-//! masquerade sources and exclusions, the filter's dispatch — or, for the filter's rules, one
-//! chain pair per attachment. Each element carries the attachment's identity in its comment as
-//! plain text, `<network>/<ifname>/<container id>`, so DEL and GC find exactly what it added
-//! from the kernel's own listing. The changes of one CNI operation are collected and applied
-//! by one `nft -f` run: one atomic transaction.
+//! The table's fixed part (chains, hooks, the shared sets and maps) is declared once in
+//! [`SKELETON`]. What belongs to an attachment is elements of the shared sets and maps —
+//! hostPorts, their conditions' dispatch, hairpin and masquerade sources and exclusions, the
+//! filter's dispatch — each carrying `<network>/<ifname>/<container id>` in its comment, and
+//! chains of its own: its record `a_<owner>` (what it holds, see `record`), its filter
+//! `f_<owner>_out`/`_in` and its hostPort conditions `c_<owner>`. An operation reads the
+//! records of the attachments it changes, never the whole table, and applies all its changes
+//! as one typed batch (`nft -j -f -`): one atomic transaction.
 //!
-//! `listing` reads the kernel's listing into the model; `endpoint`, `portmap`, `masquerade`
-//! and `filter` each serve one capability, adding to the operation's script.
+//! `endpoint`, `portmap`, `masquerade` and `filter` each serve one capability by changing the
+//! attachment's next record; `commit` turns the difference between the records into the batch
+//! (`elements`). `listing` reads the whole table for inspect, CHECK, GC and the rare slow paths;
+//! `host` switches the interface settings nftables needs; `conntrack` forgets the connections
+//! of hostPorts that changed hands.
 
+mod conntrack;
+mod elements;
 mod endpoint;
 mod filter;
+mod host;
 mod inspect;
 mod listing;
 mod masquerade;
+mod nft;
 mod portmap;
+mod record;
 
-use std::{
-    io::Write as _,
-    net::IpAddr,
-    process::{Command, Stdio},
+use std::{collections::BTreeMap, net::IpAddr};
+
+use nftables::{batch::Batch, schema::NfListObject};
+
+use self::{listing::Listing, record::Record};
+use super::{Backend, BackendError};
+use crate::{
+    model::{Attachment, Filter, HostPortAccess, ResolvedMapping},
+    netlink,
 };
 
-use serde_json::Value;
-
-use self::portmap::forget_connections;
-use super::{Backend, BackendError};
-use crate::model::{Attachment, ResolvedMapping};
-
-const NFT: &str = "nft";
-const TABLE: &str = "inet cnibpf";
 /// nftables keeps comments of at most 128 bytes, NUL included.
 const COMMENT_MAX: usize = 127;
+/// The table's comment, naming the layout this build writes.
+const LAYOUT: &str = "cnibpf layout 2";
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftablesError {
-    #[error("could not run {NFT}")]
+    #[error("could not run nft")]
     Run(#[source] std::io::Error),
-    #[error("{NFT} refused the change: {0}")]
+    #[error("nft refused the change: {0}")]
     Refused(String),
-    #[error("could not read the table from {NFT}: {0}")]
+    #[error("could not read the table from nft: {0}")]
     Listing(String),
+    #[error("could not encode the nft batch: {0}")]
+    Encode(String),
     #[error(
         "{0} is too long for the nftables backend, which keeps owners in comments of at most {COMMENT_MAX} bytes"
     )]
     OwnerTooLong(String),
+    #[error("the record of {owner} in chain {chain} is unreadable")]
+    Record {
+        owner: String,
+        chain: String,
+        #[source]
+        source: record::RecordError,
+    },
+    #[error("a rule of chain {chain} is unreadable: {reason}")]
+    Rule { chain: String, reason: String },
+    #[error(
+        "table inet cnibpf has another layout ({found}); this cnibpf writes \"{LAYOUT}\": delete every attachment (or the table) before upgrading across layouts"
+    )]
+    Layout { found: String },
+    #[error("could not ask the kernel about table inet cnibpf")]
+    Netlink(#[source] std::io::Error),
+    #[error("could not {action}")]
+    HostSetting {
+        action: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
-/// The fixed part of the table. Chains: `hostports` (DNAT to containers by exact host address,
-/// then by port for any local address — never loopback, which would need route_localnet), run
-/// from prerouting and from output (host processes); `postrouting` masquerades hairpin traffic
-/// (a container reaching a container of its own subnet through a hostPort) and container
-/// traffic leaving through an uplink; `forward`, `input` and `local_out` hand a container's
-/// traffic to its filter chains.
-const SKELETON: &str = r"
-add table inet cnibpf
+/// The fixed part of the table. Chains: `hostports`, run from prerouting and from output (host
+/// processes), hands conditioned hostPorts to their attachment's `c_` chain and everything else
+/// to `hostports_dnat` (DNAT by exact hostIP, then by port for any local address, 127.0.0.1
+/// included for host processes; `localnet_guard` drops what arrives from elsewhere for
+/// 127.0.0.0/8, as kube-proxy does against CVE-2020-8558); `postrouting` masquerades host
+/// processes reaching a hostPort through 127.0.0.1, hairpin traffic (a container reaching a
+/// container of its own subnet through a hostPort), and container traffic leaving through an
+/// uplink; `forward`, `input` and `local_out` hand a container's traffic to its filter chains.
+/// Sets `filtered_bridges` and `localnet_interfaces` name the interfaces whose settings cnibpf
+/// switched on, to switch them off with the table.
+const SKELETON: &str = r#"
+add table inet cnibpf { comment "cnibpf layout 2"; }
 add set inet cnibpf attachments { type ifname; }
-add set inet cnibpf pods { type ifname; }
 add set inet cnibpf uplinks { type ifname; }
+add set inet cnibpf filtered_bridges { type ifname; }
+add set inet cnibpf localnet_interfaces { type ifname; }
 add map inet cnibpf hostports4 { type ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service; }
 add map inet cnibpf hostports4_any { type inet_proto . inet_service : ipv4_addr . inet_service; }
 add map inet cnibpf hostports6 { type ipv6_addr . inet_proto . inet_service : ipv6_addr . inet_service; }
 add map inet cnibpf hostports6_any { type inet_proto . inet_service : ipv6_addr . inet_service; }
+add set inet cnibpf specific_ports4 { type inet_proto . inet_service; }
+add set inet cnibpf specific_ports6 { type inet_proto . inet_service; }
+add map inet cnibpf conditions4 { type ipv4_addr . inet_proto . inet_service : verdict; }
+add map inet cnibpf conditions4_any { type inet_proto . inet_service : verdict; }
+add map inet cnibpf conditions6 { type ipv6_addr . inet_proto . inet_service : verdict; }
+add map inet cnibpf conditions6_any { type inet_proto . inet_service : verdict; }
 add set inet cnibpf hairpin4 { type ipv4_addr . ipv4_addr; flags interval; }
 add set inet cnibpf hairpin6 { type ipv6_addr . ipv6_addr; flags interval; }
 add set inet cnibpf masq_sources4 { type ipv4_addr; }
@@ -76,18 +118,27 @@ add map inet cnibpf filter_in4 { type ipv4_addr : verdict; }
 add map inet cnibpf filter_out6 { type ipv6_addr : verdict; }
 add map inet cnibpf filter_in6 { type ipv6_addr : verdict; }
 add chain inet cnibpf hostports
+add chain inet cnibpf hostports_dnat
+add chain inet cnibpf localnet_guard { type filter hook prerouting priority raw; policy accept; }
 add chain inet cnibpf prerouting { type nat hook prerouting priority dstnat; policy accept; }
 add chain inet cnibpf output { type nat hook output priority -100; policy accept; }
 add chain inet cnibpf postrouting { type nat hook postrouting priority srcnat; policy accept; }
 add chain inet cnibpf forward { type filter hook forward priority filter; policy accept; }
 add chain inet cnibpf input { type filter hook input priority filter; policy accept; }
 add chain inet cnibpf local_out { type filter hook output priority filter; policy accept; }
-add rule inet cnibpf hostports ip daddr != 127.0.0.0/8 meta l4proto { tcp, udp, sctp } dnat ip to ip daddr . meta l4proto . th dport map @hostports4
-add rule inet cnibpf hostports ip daddr != 127.0.0.0/8 fib daddr type local meta l4proto { tcp, udp, sctp } dnat ip to meta l4proto . th dport map @hostports4_any
-add rule inet cnibpf hostports ip6 daddr != ::1 meta l4proto { tcp, udp, sctp } dnat ip6 to ip6 daddr . meta l4proto . th dport map @hostports6
-add rule inet cnibpf hostports ip6 daddr != ::1 fib daddr type local meta l4proto { tcp, udp, sctp } dnat ip6 to meta l4proto . th dport map @hostports6_any
+add rule inet cnibpf hostports ip daddr . meta l4proto . th dport vmap @conditions4
+add rule inet cnibpf hostports fib daddr type local meta l4proto . th dport vmap @conditions4_any
+add rule inet cnibpf hostports ip6 daddr . meta l4proto . th dport vmap @conditions6
+add rule inet cnibpf hostports ip6 daddr != ::1 fib daddr type local meta l4proto . th dport vmap @conditions6_any
+add rule inet cnibpf hostports goto hostports_dnat
+add rule inet cnibpf hostports_dnat meta l4proto { tcp, udp, sctp } dnat ip to ip daddr . meta l4proto . th dport map @hostports4
+add rule inet cnibpf hostports_dnat fib daddr type local meta l4proto { tcp, udp, sctp } dnat ip to meta l4proto . th dport map @hostports4_any
+add rule inet cnibpf hostports_dnat meta l4proto { tcp, udp, sctp } dnat ip6 to ip6 daddr . meta l4proto . th dport map @hostports6
+add rule inet cnibpf hostports_dnat ip6 daddr != ::1 fib daddr type local meta l4proto { tcp, udp, sctp } dnat ip6 to meta l4proto . th dport map @hostports6_any
+add rule inet cnibpf localnet_guard iifname != "lo" ip daddr 127.0.0.0/8 drop
 add rule inet cnibpf prerouting jump hostports
 add rule inet cnibpf output jump hostports
+add rule inet cnibpf postrouting ip saddr 127.0.0.0/8 ct status dnat masquerade
 add rule inet cnibpf postrouting ct status dnat ip saddr . ip daddr @hairpin4 masquerade
 add rule inet cnibpf postrouting ct status dnat ip6 saddr . ip6 daddr @hairpin6 masquerade
 add rule inet cnibpf postrouting oifname @uplinks ip saddr @masq_sources4 ip saddr . ip daddr != @masq_excludes4 masquerade
@@ -100,285 +151,316 @@ add rule inet cnibpf input ip saddr vmap @filter_out4
 add rule inet cnibpf input ip6 saddr vmap @filter_out6
 add rule inet cnibpf local_out ip daddr vmap @filter_in4
 add rule inet cnibpf local_out ip6 daddr vmap @filter_in6
-";
+"#;
 
-/// The sets and maps that hold an attachment's port mappings, its masquerade, and its
-/// filter's dispatch.
-const PORT_MAPPING_SETS: [&str; 6] = [
-    "hostports4",
-    "hostports4_any",
-    "hostports6",
-    "hostports6_any",
-    "hairpin4",
-    "hairpin6",
-];
-const MASQUERADE_SETS: [&str; 4] = [
-    "masq_sources4",
-    "masq_sources6",
-    "masq_excludes4",
-    "masq_excludes6",
-];
-const FILTER_MAPS: [&str; 4] = ["filter_out4", "filter_in4", "filter_out6", "filter_in6"];
-
-/// One element of a set or map, as the kernel lists it.
-#[derive(Clone, Debug)]
-struct Element {
-    /// The set or map.
-    set: String,
-    /// The key in nft syntax, for deleting it.
-    key: String,
-    /// The key's parts (a concatenation's in order).
-    key_parts: Vec<String>,
-    /// A map's value parts (a concatenation's in order; a verdict's target chain).
-    value_parts: Vec<String>,
-    comment: String,
-}
-
-/// A rule of an attachment's filter chain, as the kernel lists it.
-#[derive(Clone, Debug)]
-struct ListedRule {
-    chain: String,
-    comment: String,
-    expr: Vec<Value>,
-    handle: u64,
+/// What one operation changes of one attachment.
+#[derive(Clone, Debug, Default)]
+struct Change {
+    /// What it held before, from its record.
+    before: Option<Record>,
+    /// What it holds after; `None`: it goes.
+    after: Option<Record>,
+    /// The rules its filter chains get (when `after` is filtered).
+    filter: Option<Filter>,
+    /// Who reaches its hostPorts.
+    access: Option<HostPortAccess>,
 }
 
 #[derive(Debug, Default)]
 pub struct NftablesBackend {
+    /// The table exists (or this operation creates it).
     exists: bool,
-    elements: Vec<Element>,
-    chains: Vec<String>,
-    rules: Vec<ListedRule>,
-    /// Commands of this operation, applied together by [`Backend::commit`].
-    script: Vec<String>,
-    /// hostPorts added or removed by this operation, whose connection tracking entries go
-    /// once the transaction is in (before, a packet could recreate them).
-    forget: Vec<ResolvedMapping>,
+    /// The attachments this operation changes, by owner id.
+    changes: BTreeMap<u64, Change>,
+    /// Uplinks to record.
+    uplinks: Vec<String>,
+    /// Interfaces whose settings this operation switched on, to record.
+    filtered_bridges: Vec<String>,
+    localnet_interfaces: Vec<String>,
+    /// The whole table, read once when CHECK, inspect or GC first need it.
+    listing: std::cell::OnceCell<Listing>,
+    /// The last attachment goes: so does the table, and the interface settings cnibpf
+    /// switched on (bridges, `route_localnet` interfaces) are switched off after it.
+    delete_table: Option<(Vec<String>, Vec<String>)>,
 }
 
 impl NftablesBackend {
-    /// Whether nftables can work here (STATUS): `nft` runs and the kernel answers it.
+    /// Whether nftables can work here (STATUS, `auto`): the kernel answers for nf_tables and
+    /// `nft` is installed.
     pub fn probe() -> Result<(), BackendError> {
         let unavailable = |reason: String| BackendError::Unavailable {
             backend: "nftables",
             reason,
         };
-        let output = Command::new(NFT)
-            .args(["list", "tables"])
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|error| unavailable(format!("{NFT} cannot run: {error}")))?;
-        if output.status.success() {
-            Ok(())
-        } else {
-            Err(unavailable(format!(
-                "{NFT} list tables failed: {}",
-                String::from_utf8_lossy(&output.stderr).trim()
-            )))
+        host::table_comment()
+            .map_err(|error| unavailable(format!("the kernel has no nf_tables: {error}")))?;
+        if !host::nft_installed() {
+            return Err(unavailable(format!("{} is not installed", nft::NFT)));
+        }
+        Ok(())
+    }
+
+    /// The backend for an ADD: unavailable (104) where nftables cannot work; an error for a
+    /// table of another layout.
+    pub fn open_for_changes() -> Result<Self, BackendError> {
+        Self::probe()?;
+        Self::open()
+    }
+
+    /// The table as this backend sees it: whether it exists, and of which layout.
+    fn open() -> Result<Self, BackendError> {
+        match host::table_comment().map_err(NftablesError::Netlink)? {
+            None => Ok(Self::default()),
+            Some(comment) if comment == LAYOUT => Ok(Self {
+                exists: true,
+                ..Self::default()
+            }),
+            Some(found) => Err(NftablesError::Layout { found }.into()),
         }
     }
 
-    /// [`Self::open`] for ADD: a table that cannot be listed means nftables cannot work here
-    /// (no `nft`, no nf_tables), which a forced or fallen-back backend reports as such.
-    pub fn open_for_changes() -> Result<Self, BackendError> {
-        Self::open().map_err(|error| {
-            let mut reason = error.to_string();
-            let mut cause = std::error::Error::source(&error);
-            while let Some(inner) = cause {
-                reason = format!("{reason}: {inner}");
-                cause = inner.source();
+    /// The table if it exists, for DEL, GC, inspect and ADD's hostPort conflicts. One netlink
+    /// question; no `nft` runs on a host without the table (every eBPF host).
+    pub fn open_existing() -> Result<Option<Self>, BackendError> {
+        match host::table_comment() {
+            Ok(Some(_)) => Self::open().map(Some),
+            Ok(None) => Ok(None),
+            // No nf_tables at all: nothing of ours can be there.
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// The whole table as the kernel has it (empty when there is none), read once.
+    fn listing(&self) -> Result<&Listing, BackendError> {
+        if let Some(listing) = self.listing.get() {
+            return Ok(listing);
+        }
+        let listing = if self.exists {
+            Listing::read()?.unwrap_or_default()
+        } else {
+            Listing::default()
+        };
+        Ok(self.listing.get_or_init(|| listing))
+    }
+
+    /// The change of `owner` in this operation, its record read on first use.
+    fn change(&mut self, owner: u64) -> Result<&mut Change, BackendError> {
+        if !self.changes.contains_key(&owner) {
+            let before = if self.exists {
+                listing::record_of(owner)?
+            } else {
+                None
+            };
+            self.changes.insert(
+                owner,
+                Change {
+                    after: before.clone(),
+                    before,
+                    ..Change::default()
+                },
+            );
+        }
+        Ok(self.changes.get_mut(&owner).expect("inserted above"))
+    }
+
+    /// The change of the attachment `endpoint` is for, whose next record exists and names its
+    /// interface, pod and addresses as they are now.
+    fn attach(&mut self, endpoint: &crate::backend::Endpoint) -> Result<&mut Change, BackendError> {
+        let owner_text = owner_comment(&endpoint.attachment)?;
+        let change = self.change(endpoint.attachment.owner_id())?;
+        let after = change.after.get_or_insert_with(Record::default);
+        after.owner = owner_text;
+        after.host.clone_from(&endpoint.host.name);
+        after.pod.clone_from(&endpoint.pod);
+        after.networks.clone_from(&endpoint.container_networks);
+        Ok(change)
+    }
+
+    /// Creates the table's fixed part if it is not there (a fixed declaration, applied once).
+    fn ensure_table(&mut self) -> Result<(), BackendError> {
+        if !self.exists {
+            nft::run_script(&["-f", "-"], SKELETON.as_bytes())?;
+            self.exists = true;
+        }
+        Ok(())
+    }
+
+    /// The batch of this operation, after `batch`'s commands: what each change removes, then
+    /// what it adds.
+    fn batch(
+        &self,
+        mut batch: Batch<'static>,
+        specific: Option<&Listing>,
+    ) -> Result<Batch<'static>, BackendError> {
+        for (owner, change) in &self.changes {
+            elements::remove(&mut batch, *owner, change, specific);
+        }
+        for (owner, change) in &self.changes {
+            elements::add(&mut batch, *owner, change, specific)?;
+        }
+        let shared = [
+            ("uplinks", &self.uplinks),
+            ("filtered_bridges", &self.filtered_bridges),
+            ("localnet_interfaces", &self.localnet_interfaces),
+        ];
+        for (set, names) in shared {
+            if !names.is_empty() {
+                batch.add(nft::elements(set, names.iter().map(nft::text).collect()));
             }
-            BackendError::Unavailable {
-                backend: "nftables",
-                reason,
-            }
+        }
+        if self.delete_table.is_some() {
+            batch.delete(NfListObject::Table(nftables::schema::Table {
+                family: nft::FAMILY,
+                name: nft::TABLE.into(),
+                handle: None,
+            }));
+        }
+        Ok(batch)
+    }
+
+    /// Whether this operation's changes need the others' address-specific hostPorts: to keep a
+    /// marker another still needs, or to refuse a wildcard one of them overlaps.
+    fn needs_specific(&self) -> bool {
+        self.changes.values().any(|change| {
+            [&change.before, &change.after]
+                .into_iter()
+                .flatten()
+                .any(|record| {
+                    record
+                        .mappings
+                        .iter()
+                        .any(|mapping| mapping.host_addr.is_some())
+                })
         })
     }
 
-    /// The table as the kernel has it (empty when there is none), ready for changes.
-    pub fn open() -> Result<Self, BackendError> {
-        let output = Command::new(NFT)
-            .args(["-j", "list", "table", "inet", "cnibpf"])
-            .stdin(Stdio::null())
-            .output()
-            .map_err(NftablesError::Run)?;
-        if !output.status.success() {
-            let stderr = String::from_utf8_lossy(&output.stderr);
-            if stderr.contains("No such file or directory") {
-                return Ok(Self::default());
-            }
-            return Err(NftablesError::Listing(stderr.trim().to_owned()).into());
+    /// The mappings whose tracked connections go once the transaction is in: those added,
+    /// removed or leading elsewhere now.
+    fn changed_mappings(&self) -> Vec<ResolvedMapping> {
+        let mut changed = Vec::new();
+        for change in self.changes.values() {
+            let before = change
+                .before
+                .as_ref()
+                .map_or(&[][..], |record| &record.mappings);
+            let after = change
+                .after
+                .as_ref()
+                .map_or(&[][..], |record| &record.mappings);
+            changed.extend(before.iter().filter(|mapping| !after.contains(mapping)));
+            changed.extend(after.iter().filter(|mapping| !before.contains(mapping)));
         }
-        let listing: Value = serde_json::from_slice(&output.stdout)
-            .map_err(|error| NftablesError::Listing(error.to_string()))?;
-        let mut backend = Self {
-            exists: true,
-            ..Self::default()
-        };
-        for object in listing["nftables"].as_array().into_iter().flatten() {
-            if let Some(set) = object.get("set").or_else(|| object.get("map")) {
-                backend.read_elements(set);
-            } else if let Some(chain) = object.get("chain") {
-                if let Some(name) = chain["name"].as_str() {
-                    backend.chains.push(name.to_owned());
-                }
-            } else if let Some(rule) = object.get("rule") {
-                backend.rules.push(ListedRule {
-                    chain: rule["chain"].as_str().unwrap_or_default().to_owned(),
-                    comment: rule["comment"].as_str().unwrap_or_default().to_owned(),
-                    expr: rule["expr"].as_array().cloned().unwrap_or_default(),
-                    handle: rule["handle"].as_u64().unwrap_or_default(),
-                });
-            }
-        }
-        Ok(backend)
+        changed
     }
 
-    /// The table if it exists, for DEL, GC, inspect and ADD's hostPort conflicts (`None`
-    /// without `nft` too: nothing of ours can be there then). Asks the kernel over netlink
-    /// first: on a host without the table (every eBPF host) no `nft` process runs.
-    pub fn open_existing() -> Result<Option<Self>, BackendError> {
-        if !table_exists().unwrap_or(true) {
+    /// The transaction again when a record said more than the table holds (someone removed
+    /// part of it): what goes is what the kernel lists as the attachment's, not its record.
+    fn apply_from_listing(&mut self) -> Result<(), BackendError> {
+        let listing = Listing::read()?.unwrap_or_default();
+        let mut removals = Batch::new();
+        for (owner, change) in &mut self.changes {
+            let text = change
+                .before
+                .as_ref()
+                .or(change.after.as_ref())
+                .map(|record| record.owner.clone());
+            if let Some(text) = text {
+                elements::remove_listed(&mut removals, *owner, &text, &listing);
+            }
+            change.before = None;
+        }
+        Ok(nft::apply(self.batch(removals, Some(&listing))?)?)
+    }
+
+    /// After a refused transaction: error 100 for a hostPort this operation claims that
+    /// another attachment holds.
+    fn holder_error(&self) -> Result<Option<BackendError>, BackendError> {
+        let Some(listing) = Listing::read()? else {
             return Ok(None);
-        }
-        match Self::open() {
-            Ok(backend) => Ok(backend.exists.then_some(backend)),
-            Err(BackendError::Nftables(NftablesError::Run(error)))
-                if error.kind() == std::io::ErrorKind::NotFound =>
-            {
-                Ok(None)
+        };
+        for (owner, change) in &self.changes {
+            for mapping in change.after.iter().flat_map(|record| &record.mappings) {
+                if let Some(error) = listing.overlap_error(*owner, mapping)? {
+                    return Ok(Some(error));
+                }
             }
-            Err(error) => Err(error),
         }
-    }
-
-    fn ensure_table(&mut self) {
-        if !self.exists {
-            self.script.extend(
-                SKELETON
-                    .lines()
-                    .filter(|line| !line.is_empty())
-                    .map(str::to_owned),
-            );
-            self.exists = true;
-        }
-    }
-
-    fn elements_of<'a>(
-        &'a self,
-        owner: &'a str,
-        sets: &'a [&str],
-    ) -> impl Iterator<Item = &'a Element> + 'a {
-        self.elements
-            .iter()
-            .filter(move |element| element.comment == owner && sets.contains(&element.set.as_str()))
-    }
-
-    /// Deletes the owner's elements of `sets` (from the kernel at commit, and from the model).
-    fn delete_elements(&mut self, owner: &str, sets: &[&str]) {
-        let doomed: Vec<Element> = self.elements_of(owner, sets).cloned().collect();
-        for element in &doomed {
-            self.script.push(format!(
-                "delete element {TABLE} {} {{ {} }}",
-                element.set, element.key
-            ));
-        }
-        self.elements
-            .retain(|element| !(element.comment == owner && sets.contains(&element.set.as_str())));
-    }
-
-    fn add_element(&mut self, set: &str, key: String, value: Option<String>, owner: &str) {
-        let value_text = value
-            .as_ref()
-            .map(|value| format!(" : {value}"))
-            .unwrap_or_default();
-        self.script.push(format!(
-            "add element {TABLE} {set} {{ {key} comment \"{owner}\"{value_text} }}"
-        ));
-        self.elements.push(Element {
-            set: set.to_owned(),
-            key: key.clone(),
-            key_parts: key
-                .split(" . ")
-                .map(|part| part.trim_matches('"').to_owned())
-                .collect(),
-            value_parts: value
-                .map(|value| {
-                    value
-                        .trim_start_matches("jump ")
-                        .split(" . ")
-                        .map(str::to_owned)
-                        .collect()
-                })
-                .unwrap_or_default(),
-            comment: owner.to_owned(),
-        });
-    }
-
-    /// The owner text of the attachment with id `owner`, from any element it owns (not only
-    /// its `attachments` entry: DEL must find what a half-removed attachment left).
-    fn owner_text(&self, owner: u64) -> Option<String> {
-        self.elements
-            .iter()
-            .find(|element| parse_owner(&element.comment).is_some_and(|a| a.owner_id() == owner))
-            .map(|element| element.comment.clone())
+        Ok(None)
     }
 }
 
-/// Whether the kernel has the table `inet cnibpf`: one `NFT_MSG_GETTABLE` over
-/// `NETLINK_NETFILTER` (an `nft` process costs about 3.5 ms).
-fn table_exists() -> std::io::Result<bool> {
-    const NFNL_SUBSYS_NFTABLES: u16 = 10;
-    const NFT_MSG_NEWTABLE: u16 = 0;
-    const NFT_MSG_GETTABLE: u16 = 1;
-    const NFTA_TABLE_NAME: u16 = 1;
-    const NFPROTO_INET: u8 = 1;
-    const NLMSG_ERROR: u16 = 2;
-    const NLM_F_REQUEST_ACK: u16 = 1 | 4;
-    let name = b"cnibpf\0";
-    // nlmsghdr, nfgenmsg, one attribute (padded to 4 bytes).
-    let attribute_len = 4 + name.len();
-    let length = 16 + 4 + attribute_len.next_multiple_of(4);
-    let mut request = Vec::with_capacity(length);
-    request.extend((length as u32).to_ne_bytes());
-    request.extend(((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE).to_ne_bytes());
-    request.extend(NLM_F_REQUEST_ACK.to_ne_bytes());
-    request.extend(1u32.to_ne_bytes());
-    request.extend(0u32.to_ne_bytes());
-    request.extend([NFPROTO_INET, 0, 0, 0]);
-    request.extend((attribute_len as u16).to_ne_bytes());
-    request.extend(NFTA_TABLE_NAME.to_ne_bytes());
-    request.extend(name);
-    request.resize(length, 0);
-    let mut socket = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)?;
-    socket.bind_auto()?;
-    socket.connect(&netlink_sys::SocketAddr::new(0, 0))?;
-    socket.send(&request, 0)?;
-    let mut found = false;
-    loop {
-        let (reply, _) = socket.recv_from_full()?;
-        let mut offset = 0;
-        while offset + 16 <= reply.len() {
-            let field = |at: usize, width: usize| &reply[offset + at..offset + at + width];
-            let message_len =
-                u32::from_ne_bytes(field(0, 4).try_into().unwrap_or_default()) as usize;
-            let kind = u16::from_ne_bytes(field(4, 2).try_into().unwrap_or_default());
-            if kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE {
-                found = true;
-            } else if kind == NLMSG_ERROR && offset + 20 <= reply.len() {
-                let error = i32::from_ne_bytes(field(16, 4).try_into().unwrap_or_default());
-                return match error {
-                    0 => Ok(found),
-                    error if error == -libc::ENOENT => Ok(false),
-                    error => Err(std::io::Error::from_raw_os_error(-error)),
-                };
-            }
-            if message_len < 16 {
-                break;
-            }
-            offset += message_len.next_multiple_of(4);
-        }
+impl Backend for NftablesBackend {
+    fn name(&self) -> &'static str {
+        "nftables"
     }
+
+    fn sweep_expired(&mut self) -> Result<(), BackendError> {
+        // The kernel's connection tracking expires its own entries.
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<(), BackendError> {
+        let has_work = self
+            .changes
+            .values()
+            .any(|change| change.before != change.after || change.after.is_some())
+            || !self.uplinks.is_empty()
+            || self.delete_table.is_some();
+        if !has_work {
+            return Ok(());
+        }
+        if self.changes.values().any(|change| change.after.is_some()) || !self.uplinks.is_empty() {
+            self.ensure_table()?;
+        }
+        if !self.exists {
+            return Ok(());
+        }
+        let specific = if self.needs_specific() {
+            Listing::read_specific()?
+        } else {
+            None
+        };
+        let refused = |applied: &Result<(), BackendError>, why: &str| matches!(applied, Err(BackendError::Nftables(NftablesError::Refused(text))) if text.contains(why));
+        let mut applied =
+            nft::apply(self.batch(Batch::new(), specific.as_ref())?).map_err(BackendError::from);
+        if refused(&applied, "No such file or directory") {
+            applied = self.apply_from_listing();
+        }
+        if refused(&applied, "File exists")
+            && let Some(holder) = self.holder_error()?
+        {
+            return Err(holder);
+        }
+        applied?;
+        if let Some((bridges, localnet)) = self.delete_table.take() {
+            host::restore(&bridges, &localnet);
+        }
+        let changed = self.changed_mappings();
+        if !changed.is_empty() {
+            let addresses = host_addresses();
+            if let Err(error) = conntrack::forget(&changed, &addresses) {
+                // The change is in; connections that would have gone age out instead.
+                eprintln!(
+                    "cnibpf: could not remove the tracked connections of changed hostPorts: {error}"
+                );
+            }
+        }
+        self.changes.clear();
+        self.uplinks.clear();
+        Ok(())
+    }
+}
+
+/// The host's addresses, loopback included: where a wildcard hostPort's connections went.
+fn host_addresses() -> Vec<IpAddr> {
+    let mut addresses: Vec<IpAddr> = netlink::addresses()
+        .map(|found| found.into_iter().map(|(_, addr)| addr).collect())
+        .unwrap_or_default();
+    addresses.extend([
+        IpAddr::from([127, 0, 0, 1]),
+        IpAddr::from(std::net::Ipv6Addr::LOCALHOST),
+    ]);
+    addresses
 }
 
 /// The text form of an attachment kept in comments; refused when it does not fit one.
@@ -400,50 +482,21 @@ fn parse_owner(comment: &str) -> Option<Attachment> {
 }
 
 /// The suffix of an address's family in set names: `4` or `6`.
-fn family_suffix(addr: IpAddr) -> char {
-    if addr.is_ipv4() { '4' } else { '6' }
+fn family_suffix(ipv4: bool) -> char {
+    if ipv4 { '4' } else { '6' }
 }
 
-impl Backend for NftablesBackend {
-    fn name(&self) -> &'static str {
-        "nftables"
-    }
+/// The chains of an attachment: its record, its conditions, its filter (out, in).
+fn record_chain(owner: u64) -> String {
+    format!("a_{owner:016x}")
+}
 
-    fn sweep_expired(&mut self) -> Result<(), BackendError> {
-        // The kernel's connection tracking expires its own entries.
-        Ok(())
-    }
+fn conditions_chain(owner: u64) -> String {
+    format!("c_{owner:016x}")
+}
 
-    fn commit(&mut self) -> Result<(), BackendError> {
-        if self.script.is_empty() {
-            return Ok(());
-        }
-        let script = std::mem::take(&mut self.script).join("\n") + "\n";
-        let mut child = Command::new(NFT)
-            .args(["-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(NftablesError::Run)?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin
-                .write_all(script.as_bytes())
-                .map_err(NftablesError::Run)?;
-        }
-        let output = child.wait_with_output().map_err(NftablesError::Run)?;
-        if output.status.success() {
-            for mapping in std::mem::take(&mut self.forget) {
-                forget_connections(&mapping);
-            }
-            Ok(())
-        } else {
-            Err(
-                NftablesError::Refused(String::from_utf8_lossy(&output.stderr).trim().to_owned())
-                    .into(),
-            )
-        }
-    }
+fn filter_chains(owner: u64) -> [String; 2] {
+    [format!("f_{owner:016x}_out"), format!("f_{owner:016x}_in")]
 }
 
 #[cfg(test)]

@@ -1,0 +1,300 @@
+//! What an attachment's record stands for in the table — its elements of the shared sets and
+//! maps and its own chains — as the commands that remove what it held and add what it holds.
+
+use nftables::{batch::Batch, expr::Expression, schema::NfCmd, stmt::Statement};
+
+use super::{
+    Change, conditions_chain, family_suffix, filter, filter_chains,
+    listing::Listing,
+    nft::{self, concat, jump, mapping, network, number, owned, text},
+    portmap,
+    record::Record,
+    record_chain,
+};
+use crate::{backend::BackendError, model::ResolvedMapping};
+
+/// One element an attachment owns.
+struct Owned {
+    set: String,
+    key: Expression<'static>,
+    value: Option<Expression<'static>>,
+    /// Added with `create`: refused if another holds the key (hostPorts).
+    exclusive: bool,
+}
+
+/// The key of a hostPort in its map: (`hostports4`/`6`, with `_any` for a wildcard).
+pub fn host_port_key(mapping: &ResolvedMapping) -> (String, Expression<'static>) {
+    let suffix = family_suffix(mapping.is_ipv4());
+    let protocol = text(mapping.protocol);
+    let port = number(mapping.host_port);
+    match mapping.host_addr {
+        Some(addr) => (
+            format!("hostports{suffix}"),
+            concat(vec![text(addr), protocol, port]),
+        ),
+        None => (
+            format!("hostports{suffix}_any"),
+            concat(vec![protocol, port]),
+        ),
+    }
+}
+
+/// `proto . port` of a hostPort: the key of the wildcard map and of the address-specific
+/// markers.
+fn port_key(mapping: &ResolvedMapping) -> Expression<'static> {
+    concat(vec![text(mapping.protocol), number(mapping.host_port)])
+}
+
+fn owned_elements(owner: u64, record: &Record) -> Vec<Owned> {
+    let mut out = vec![Owned {
+        set: "attachments".to_owned(),
+        key: text(&record.host),
+        value: None,
+        exclusive: false,
+    }];
+    let element = |set: String, key, value| Owned {
+        set,
+        key,
+        value,
+        exclusive: false,
+    };
+    for net in &record.networks {
+        let suffix = family_suffix(net.addr().is_ipv4());
+        if record.hairpin {
+            out.push(element(
+                format!("hairpin{suffix}"),
+                concat(vec![network(*net), text(net.addr())]),
+                None,
+            ));
+        }
+        if record.filtered {
+            let [out_chain, in_chain] = filter_chains(owner);
+            out.push(element(
+                format!("filter_out{suffix}"),
+                text(net.addr()),
+                Some(jump(&out_chain, false)),
+            ));
+            out.push(element(
+                format!("filter_in{suffix}"),
+                text(net.addr()),
+                Some(jump(&in_chain, false)),
+            ));
+        }
+    }
+    if let Some(masquerade) = &record.masquerade {
+        for source in &masquerade.sources {
+            let suffix = family_suffix(source.is_ipv4());
+            out.push(element(format!("masq_sources{suffix}"), text(source), None));
+            for (net, _) in &masquerade.excludes {
+                if net.addr().is_ipv4() == source.is_ipv4() {
+                    out.push(element(
+                        format!("masq_excludes{suffix}"),
+                        concat(vec![text(source), network(*net)]),
+                        None,
+                    ));
+                }
+            }
+        }
+    }
+    for host_port in &record.mappings {
+        let (set, key) = host_port_key(host_port);
+        let conditioned = if host_port.is_ipv4() {
+            record.conditioned_v4
+        } else {
+            record.conditioned_v6
+        };
+        if conditioned {
+            out.push(element(
+                set.replace("hostports", "conditions"),
+                key.clone(),
+                Some(jump(&conditions_chain(owner), true)),
+            ));
+        }
+        out.push(Owned {
+            set,
+            key,
+            value: Some(concat(vec![
+                text(host_port.container_addr),
+                number(host_port.container_port),
+            ])),
+            exclusive: true,
+        });
+    }
+    out
+}
+
+/// Removes what `change.before` holds and is not carried over, then the chains that go.
+pub fn remove(batch: &mut Batch<'static>, owner: u64, change: &Change, specific: Option<&Listing>) {
+    let Some(before) = &change.before else {
+        return;
+    };
+    for element in owned_elements(owner, before) {
+        batch.delete(nft::elements(&element.set, vec![element.key]));
+    }
+    let kept_specific = |mapping: &ResolvedMapping| {
+        change.after.as_ref().is_some_and(|after| {
+            after.mappings.iter().any(|next| {
+                next.host_addr.is_some()
+                    && next.is_ipv4() == mapping.is_ipv4()
+                    && next.protocol == mapping.protocol
+                    && next.host_port == mapping.host_port
+            })
+        })
+    };
+    let mut markers: Vec<(String, Expression<'static>)> = Vec::new();
+    for old in before.mappings.iter().filter(|old| old.host_addr.is_some()) {
+        let held_by_others =
+            specific.is_some_and(|listing| listing.specific_held_by_others(owner, old));
+        let set = format!("specific_ports{}", family_suffix(old.is_ipv4()));
+        let key = port_key(old);
+        if !kept_specific(old) && !held_by_others && !markers.contains(&(set.clone(), key.clone()))
+        {
+            markers.push((set, key));
+        }
+    }
+    for (set, key) in markers {
+        batch.delete(nft::elements(&set, vec![key]));
+    }
+    let after = change.after.as_ref();
+    if before.filtered && !after.is_some_and(|after| after.filtered) {
+        for chain in filter_chains(owner) {
+            batch.delete(nft::chain(&chain));
+        }
+    }
+    let conditioned = |record: &Record| record.conditioned_v4 || record.conditioned_v6;
+    if conditioned(before) && !after.is_some_and(conditioned) {
+        batch.delete(nft::chain(&conditions_chain(owner)));
+    }
+    if after.is_none() {
+        batch.delete(nft::chain(&record_chain(owner)));
+    }
+}
+
+/// Removes what the table holds of `owner` as listed — its elements by their comment, its
+/// chains by name — for when its record no longer says so (someone changed the table).
+pub fn remove_listed(batch: &mut Batch<'static>, owner: u64, owner_text: &str, listing: &Listing) {
+    for (set, element) in listing.owned_by(owner_text) {
+        batch.delete(nft::elements(set, vec![element.key.clone()]));
+    }
+    let [out_chain, in_chain] = filter_chains(owner);
+    for chain in [
+        record_chain(owner),
+        conditions_chain(owner),
+        out_chain,
+        in_chain,
+    ] {
+        if listing.has_chain(&chain) {
+            batch.delete(nft::chain(&chain));
+        }
+    }
+}
+
+/// Adds what `change.after` holds: its chains, rewritten whole, and its elements. A hostPort
+/// another attachment holds makes the transaction fail (`create`); a wildcard one that an
+/// address-specific one of another overlaps, or the reverse, as well.
+pub fn add(
+    batch: &mut Batch<'static>,
+    owner: u64,
+    change: &Change,
+    specific: Option<&Listing>,
+) -> Result<(), BackendError> {
+    let Some(after) = &change.after else {
+        return Ok(());
+    };
+    let record = record_chain(owner);
+    rewrite_chain(batch, &record);
+    for line in after.lines() {
+        batch.add(nft::rule(
+            &record,
+            vec![Statement::Continue(None)],
+            Some(line),
+        ));
+    }
+    if after.filtered {
+        let chains = filter_chains(owner);
+        for chain in &chains {
+            rewrite_chain(batch, chain);
+        }
+        if let Some(rules) = &change.filter {
+            for rule in filter::chain_rules(&chains, rules) {
+                batch.add(rule);
+            }
+        }
+    }
+    if after.conditioned_v4 || after.conditioned_v6 {
+        let chain = conditions_chain(owner);
+        rewrite_chain(batch, &chain);
+        if let Some(access) = &change.access {
+            for rule in portmap::condition_rules(&chain, after, access) {
+                batch.add(rule);
+            }
+        }
+    }
+    for element in owned_elements(owner, after) {
+        let item = match element.value {
+            Some(value) => mapping(owned(element.key, &after.owner), value),
+            None => owned(element.key, &after.owner),
+        };
+        let object = nft::elements(&element.set, vec![item]);
+        batch.add_cmd(if element.exclusive {
+            NfCmd::Create(object)
+        } else {
+            NfCmd::Add(object)
+        });
+    }
+    for host_port in &after.mappings {
+        exclude_overlaps(batch, owner, host_port, specific)?;
+    }
+    Ok(())
+}
+
+/// The commands that make the transaction fail if another attachment holds a hostPort that
+/// overlaps `host_port` across the wildcard / address-specific divide (the same kind is
+/// caught by `create` on its own map).
+fn exclude_overlaps(
+    batch: &mut Batch<'static>,
+    owner: u64,
+    host_port: &ResolvedMapping,
+    specific: Option<&Listing>,
+) -> Result<(), BackendError> {
+    let suffix = family_suffix(host_port.is_ipv4());
+    let key = port_key(host_port);
+    if host_port.host_addr.is_some() {
+        // No wildcard of another on this port: creating one fails if there is.
+        let any = format!("hostports{suffix}_any");
+        let placeholder = concat(vec![
+            text(if host_port.is_ipv4() { "0.0.0.0" } else { "::" }),
+            number(0),
+        ]);
+        batch.add_cmd(NfCmd::Create(nft::elements(
+            &any,
+            vec![mapping(key.clone(), placeholder)],
+        )));
+        batch.delete(nft::elements(&any, vec![key.clone()]));
+        batch.add(nft::elements(&format!("specific_ports{suffix}"), vec![key]));
+        return Ok(());
+    }
+    match specific {
+        // Known: refuse at once, naming the holder.
+        Some(listing) => {
+            if let Some(error) = listing.overlap_error(owner, host_port)? {
+                return Err(error);
+            }
+        }
+        // No address-specific one of another on this port: a marker says so.
+        None => {
+            let markers = format!("specific_ports{suffix}");
+            batch.add_cmd(NfCmd::Create(nft::elements(&markers, vec![key.clone()])));
+            batch.delete(nft::elements(&markers, vec![key]));
+        }
+    }
+    Ok(())
+}
+
+/// `add chain` (a no-op when it is there) and `flush chain`: the chain exists, empty.
+fn rewrite_chain(batch: &mut Batch<'static>, name: &str) {
+    batch.add(nft::chain(name));
+    batch.add_cmd(NfCmd::Flush(nftables::schema::FlushObject::Chain(
+        nft::chain_of(name),
+    )));
+}

@@ -1,0 +1,213 @@
+//! What the nftables backend asks of and changes on the host besides its table: the table's
+//! existence and layout and whether an attachment is the last (over netfilter's netlink, no
+//! `nft` run), and the interface settings its datapath needs — `nf_call_iptables` on a bridge
+//! whose containers are filtered (bridged frames reach the `inet` hooks only through
+//! br_netfilter), `route_localnet` on the interface host processes reach containers by when
+//! they use 127.0.0.1.
+
+use std::{io, ops::ControlFlow, path::Path};
+
+use super::{NftablesError, nft::TABLE};
+use crate::{
+    netlink,
+    nfnetlink::{Connection, Request, attribute, attributes},
+};
+
+const NFNL_SUBSYS_NFTABLES: u8 = 10;
+const NFT_MSG_GETTABLE: u8 = 1;
+const NFT_MSG_GETSETELEM: u8 = 13;
+const NFPROTO_INET: u8 = 1;
+const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_TABLE_USERDATA: u16 = 6;
+const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
+const NFTA_SET_ELEM_LIST_SET: u16 = 2;
+const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
+const NFTA_LIST_ELEM: u16 = 1;
+const NFTA_SET_ELEM_KEY: u16 = 1;
+const NFTA_DATA_VALUE: u16 = 1;
+/// `NFTNL_UDATA_TABLE_COMMENT`, in a table's user data.
+const UDATA_TABLE_COMMENT: u8 = 0;
+
+/// The comment of table `inet cnibpf` (its layout), `None` when there is no table. An error
+/// when the kernel does not speak nf_tables.
+pub fn table_comment() -> io::Result<Option<String>> {
+    let mut connection = Connection::open()?;
+    let mut comment = None;
+    let asked = connection.exchange(
+        Request::new(NFNL_SUBSYS_NFTABLES, NFT_MSG_GETTABLE, NFPROTO_INET, false)
+            .string(NFTA_TABLE_NAME, TABLE),
+        |_, table| {
+            comment = Some(
+                attribute(table, NFTA_TABLE_USERDATA)
+                    .and_then(user_data_comment)
+                    .unwrap_or_default(),
+            );
+            ControlFlow::Continue(())
+        },
+    );
+    match asked {
+        Ok(()) => Ok(comment),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(error) => Err(error),
+    }
+}
+
+/// The comment in nftnl user data (type, length, value records).
+fn user_data_comment(data: &[u8]) -> Option<String> {
+    let mut rest = data;
+    while rest.len() >= 2 {
+        let (kind, length) = (rest[0], usize::from(rest[1]));
+        let value = rest.get(2..2 + length)?;
+        if kind == UDATA_TABLE_COMMENT {
+            let end = value
+                .iter()
+                .position(|byte| *byte == 0)
+                .unwrap_or(value.len());
+            return Some(String::from_utf8_lossy(&value[..end]).into_owned());
+        }
+        rest = &rest[2 + length..];
+    }
+    None
+}
+
+/// Whether `nft` is on `PATH` (looked up, not run).
+pub fn nft_installed() -> bool {
+    std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path).any(|dir| dir.join(super::nft::NFT).is_file())
+    })
+}
+
+/// Whether set `attachments` holds an interface other than those `leaving`: the first batch
+/// of the kernel's dump answers, however many there are.
+pub fn others_attached(leaving: &[String]) -> Result<bool, NftablesError> {
+    let mut other = false;
+    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
+    connection
+        .exchange(set_dump("attachments"), |_, message| {
+            other = interface_keys(message).any(|name| !leaving.contains(&name));
+            if other {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })
+        .map_err(NftablesError::Netlink)?;
+    Ok(other)
+}
+
+/// The interface names set `set` holds.
+pub fn interfaces_in(set: &str) -> Result<Vec<String>, NftablesError> {
+    let mut names = Vec::new();
+    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
+    connection
+        .exchange(set_dump(set), |_, message| {
+            names.extend(interface_keys(message));
+            ControlFlow::Continue(())
+        })
+        .map_err(NftablesError::Netlink)?;
+    Ok(names)
+}
+
+fn set_dump(set: &str) -> Request {
+    Request::new(NFNL_SUBSYS_NFTABLES, NFT_MSG_GETSETELEM, NFPROTO_INET, true)
+        .string(NFTA_SET_ELEM_LIST_TABLE, TABLE)
+        .string(NFTA_SET_ELEM_LIST_SET, set)
+}
+
+/// The `ifname` keys of one message of a set dump.
+fn interface_keys(message: &[u8]) -> impl Iterator<Item = String> + '_ {
+    attribute(message, NFTA_SET_ELEM_LIST_ELEMENTS)
+        .into_iter()
+        .flat_map(attributes)
+        .filter(|(kind, _)| *kind == NFTA_LIST_ELEM)
+        .filter_map(|(_, element)| {
+            let key = attribute(element, NFTA_SET_ELEM_KEY)?;
+            let value = attribute(key, NFTA_DATA_VALUE)?;
+            let end = value
+                .iter()
+                .position(|byte| *byte == 0)
+                .unwrap_or(value.len());
+            Some(String::from_utf8_lossy(&value[..end]).into_owned())
+        })
+}
+
+/// Makes bridge `bridge` hand its bridged IPv4 and IPv6 frames to the IP hooks, loading
+/// br_netfilter if it is not; whether cnibpf switched it on (it was off).
+pub fn bridge_netfilter_on(bridge: &netlink::Link) -> Result<bool, NftablesError> {
+    if !Path::new("/proc/sys/net/bridge").exists() {
+        let _ = std::process::Command::new("modprobe")
+            .arg("br_netfilter")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+    if !Path::new("/proc/sys/net/bridge").exists() {
+        return Err(NftablesError::HostSetting {
+            action: format!(
+                "filter traffic between containers on bridge {}: br_netfilter is not available (modprobe br_netfilter)",
+                bridge.name
+            ),
+            source: io::Error::from(io::ErrorKind::NotFound),
+        });
+    }
+    let setting_error = |source: netlink::NetlinkError| NftablesError::HostSetting {
+        action: format!("switch nf_call_iptables on bridge {}", bridge.name),
+        source: io::Error::other(source.to_string()),
+    };
+    if netlink::bridge_netfilter(bridge.index).map_err(setting_error)? == (true, true) {
+        return Ok(false);
+    }
+    netlink::set_bridge_netfilter(bridge.index, true).map_err(setting_error)?;
+    Ok(true)
+}
+
+/// Lets interface `name` carry packets from 127.0.0.1 (`route_localnet`); whether cnibpf
+/// switched it on.
+pub fn route_localnet_on(name: &str) -> Result<bool, NftablesError> {
+    let path = route_localnet_path(name);
+    let error = |source| NftablesError::HostSetting {
+        action: format!("switch route_localnet on interface {name}"),
+        source,
+    };
+    if std::fs::read_to_string(&path).map_err(error)?.trim() == "1" {
+        return Ok(false);
+    }
+    std::fs::write(&path, "1").map_err(error)?;
+    Ok(true)
+}
+
+fn route_localnet_path(name: &str) -> String {
+    format!("/proc/sys/net/ipv4/conf/{name}/route_localnet")
+}
+
+/// Switches off what cnibpf switched on, once its table is gone. An interface that is gone
+/// meanwhile has nothing left to switch.
+pub fn restore(bridges: &[String], localnet: &[String]) {
+    for name in bridges {
+        if let Ok(link) = netlink::link_by_name(name) {
+            let _ = netlink::set_bridge_netfilter(link.index, false);
+        }
+    }
+    for name in localnet {
+        let _ = std::fs::write(route_localnet_path(name), "0");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_comment_is_read_from_its_user_data() {
+        let mut data = vec![UDATA_TABLE_COMMENT, 16];
+        data.extend(b"cnibpf layout 2\0");
+        assert_eq!(user_data_comment(&data).as_deref(), Some("cnibpf layout 2"));
+        let mut other_first = vec![7, 2, 0, 0];
+        other_first.extend(&data);
+        assert_eq!(
+            user_data_comment(&other_first).as_deref(),
+            Some("cnibpf layout 2")
+        );
+        assert_eq!(user_data_comment(&[0, 9, b'x']), None, "cut short");
+    }
+}
