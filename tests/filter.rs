@@ -465,33 +465,54 @@ fn masqueraded_connections_replies_and_errors_pass_a_default_drop(backend: Backe
     }
 }
 
-fn containers_on_one_bridge_are_filtered_only_by_the_ebpf_backend(backend: Backend) {
+/// Containers on one bridge reach each other without the IP stack: the eBPF backend judges at
+/// the veth, the nftables backend has the bridge hand its frames to the IP hooks. A DROP a
+/// neighbour walks past is the hole this catches.
+fn neighbours_on_one_bridge_are_filtered(backend: Backend) {
     let host = SimHost::on(
         backend,
         "fl-bridge",
         json!({ "filter": [
             { "index": 1, "direction": "ingress", "proto": "tcp", "dport": 8080, "target": "DROP" },
+            { "index": 2, "direction": "ingress", "proto": "udp", "dport": 5353, "target": "DROP" },
         ]}),
     );
     let guarded = host.container("c1", Value::Null);
     let neighbour = host.container("c2", Value::Null);
-    let _server = TcpServer::start(&guarded.netns, Family::V4.any(8080), "bridged");
-    let _open = TcpServer::start(&guarded.netns, Family::V4.any(8081), "open");
-    assert_eq!(
-        tcp_request(&neighbour.netns, guarded.at(Family::V4, 8081)).as_deref(),
-        Ok("open")
-    );
-    match backend {
-        Backend::Ebpf => assert!(
-            tcp_dropped(&neighbour.netns, guarded.at(Family::V4, 8080)),
-            "the veth hook sees bridged traffic"
-        ),
-        // Bridged traffic never reaches the inet hooks without br_netfilter (README).
-        Backend::Nftables => assert_eq!(
-            tcp_request(&neighbour.netns, guarded.at(Family::V4, 8080)).as_deref(),
-            Ok("bridged")
-        ),
+    for family in Family::BOTH {
+        let _server = TcpServer::start(&guarded.netns, family.any(8080), "bridged");
+        let _open = TcpServer::start(&guarded.netns, family.any(8081), "open");
+        let _dns = UdpServer::start(&guarded.netns, family.any(5353), "dns");
+        let _dns_open = UdpServer::start(&guarded.netns, family.any(5354), "dns open");
+        assert_eq!(
+            tcp_request(&neighbour.netns, guarded.at(family, 8081)).as_deref(),
+            Ok("open"),
+            "{family:?}: the neighbour reaches what no rule drops"
+        );
+        assert!(
+            tcp_dropped(&neighbour.netns, guarded.at(family, 8080)),
+            "{family:?}: a DROP holds between neighbours on one bridge"
+        );
+        assert!(
+            udp_dropped(&neighbour.netns, guarded.at(family, 5353)),
+            "{family:?}: UDP too"
+        );
+        assert_eq!(
+            udp_from(&neighbour.netns, 0, guarded.at(family, 5354)).as_deref(),
+            Ok("dns open"),
+            "{family:?}: replies of allowed UDP come back"
+        );
     }
+    // The rule's counter saw the neighbour's packets.
+    let inspect = host.inspect();
+    let packets = inspect["attachments"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|attachment| attachment["containerID"] == guarded.attachment.container_id)
+        .and_then(|attachment| attachment["filter"]["rules"][0]["packets"].as_u64())
+        .unwrap_or_default();
+    assert!(packets >= 2, "rule 1 counted the dropped SYNs: {inspect}");
 }
 
 fn connstate_new_is_the_first_packet_on_ebpf_and_conntracks_new_on_nftables(backend: Backend) {
@@ -929,7 +950,7 @@ fn del_gc_and_check_cover_the_filter_and_its_connections(backend: Backend) {
     };
     let chain_of = |container: &Container| {
         let owner = inspected_owner(&host, container);
-        format!("f{owner}_in")
+        format!("f_{owner}_in")
     };
     let (first_ifindex, first_chain) = (ifindex(&first), chain_of(&first));
     let (second_ifindex, second_chain) = (ifindex(&second), chain_of(&second));
@@ -993,10 +1014,63 @@ fn inspected_owner(host: &SimHost, container: &Container) -> String {
         .unwrap_or_else(|| panic!("{} not in inspect", container.attachment.container_id))
 }
 
+/// The longest rule the configuration allows (two full IPv6 host addresses, both port ranges,
+/// a protocol, a connection state, a direction) and the shortest, as inspect shows them: each
+/// field as configured, whichever backend holds it.
+fn inspect_shows_each_rule_as_configured(backend: Backend) {
+    let longest = json!({ "index": 4_294_967_295u32, "target": "DROP",
+        "src": "2001:db8:ffff:ffff:ffff:ffff:ffff:fff1/128",
+        "dst": "2001:db8:ffff:ffff:ffff:ffff:ffff:fff2/128", "proto": "sctp",
+        "sport": "10000-10999", "dport": "60000-65535", "connstate": "established",
+        "direction": "egress" });
+    let host = SimHost::on(
+        backend,
+        "fl-inspect",
+        json!({ "filter": [
+            longest,
+            { "index": 3, "target": "ALLOW", "dst": "10.22.0.0/16", "proto": "icmp", "direction": "ingress" },
+            { "index": 2, "target": "ALLOW" },
+        ]}),
+    );
+    let container = host.container("c1", Value::Null);
+    let filter = inspected_filter(&host, &container);
+    let rules: Vec<Value> = filter["rules"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|mut rule| {
+            let rule = rule.as_object_mut().expect("a rule is an object");
+            rule.remove("packets");
+            rule.remove("bytes");
+            Value::Object(rule.clone())
+        })
+        .collect();
+    assert_eq!(
+        rules,
+        [
+            json!({ "index": 2, "target": "ALLOW", "src": null, "dst": null, "proto": "any",
+                "sport": null, "dport": null, "connstate": "any", "direction": "both" }),
+            json!({ "index": 3, "target": "ALLOW", "src": null, "dst": "10.22.0.0/16",
+                "proto": "icmp", "sport": null, "dport": null, "connstate": "any",
+                "direction": "ingress" }),
+            json!({ "index": 4_294_967_295u32, "target": "DROP",
+                "src": "2001:db8:ffff:ffff:ffff:ffff:ffff:fff1/128",
+                "dst": "2001:db8:ffff:ffff:ffff:ffff:ffff:fff2/128", "proto": "sctp",
+                "sport": "10000-10999", "dport": "60000-65535", "connstate": "established",
+                "direction": "egress" }),
+        ],
+        "{backend:?}: {filter:#}"
+    );
+    host.check(&container)
+        .unwrap_or_else(|error| panic!("CHECK reads the rules back: {error}"));
+}
+
 for_both_backends!(
+    inspect_shows_each_rule_as_configured,
     connstate_new_is_the_first_packet_on_ebpf_and_conntracks_new_on_nftables,
     replies_after_a_rule_change_drops_the_connection,
-    containers_on_one_bridge_are_filtered_only_by_the_ebpf_backend,
+    neighbours_on_one_bridge_are_filtered,
     rules_apply_in_index_order_not_in_array_order,
     the_proposal_example_drops_a_source_network_before_allowing_new_web_connections,
     replies_and_related_errors_pass_a_default_drop_unsolicited_packets_do_not,

@@ -5,8 +5,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use cnibpf_tests::{
     SimHost, for_both_backends,
-    topology::{Backend, Family, GATEWAY, GATEWAY6, port_mappings},
-    traffic::{TcpServer, UdpServer},
+    topology::{BRIDGE, Backend, Family, GATEWAY, GATEWAY6, port_mappings},
+    traffic::{TcpServer, UdpServer, tcp_request, udp_request},
 };
 use serde_json::json;
 
@@ -30,8 +30,9 @@ fn host_processes_reach_host_ports_by_every_local_address(backend: Backend) {
         };
         for address in addresses {
             let target = SocketAddr::new(address, 8080);
-            // Loopback needs the socket hooks: nftables does not translate it (README).
-            if backend == Backend::Nftables && address.is_loopback() {
+            // [::1] needs the socket hooks: nftables cannot translate it (README); 127.0.0.1 it
+            // does, as the reference portmap.
+            if backend == Backend::Nftables && address.is_ipv6() && address.is_loopback() {
                 let outcome = sim.host_client("tcp", target);
                 assert!(
                     outcome.is_err(),
@@ -56,6 +57,14 @@ fn host_processes_reach_host_ports_by_every_local_address(backend: Backend) {
                 (answer.as_str(), from),
                 ("c1 dns", target),
                 "UDP answers come from the address asked"
+            );
+        }
+        if backend == Backend::Nftables && family == Family::V6 {
+            let inspect = sim.inspect();
+            let notes = inspect["attachments"][0]["notes"].to_string();
+            assert!(
+                notes.contains("[::1]:8080/tcp"),
+                "inspect says [::1] is out of reach: {inspect}"
             );
         }
         assert!(
@@ -94,4 +103,74 @@ fn a_process_in_another_namespace_keeps_its_own_loopback() {
     assert_eq!(answer, "container");
 }
 
-for_both_backends!(host_processes_reach_host_ports_by_every_local_address);
+/// CVE-2020-8558: with `route_localnet` on the bridge (nftables turns it on for 127.0.0.1
+/// hostPorts, as the reference portmap), a neighbour that routes 127.0.0.0/8 to the host
+/// would reach services bound to the host's loopback. Packets to 127.0.0.0/8 that arrive from
+/// outside the host are dropped, as kube-proxy drops them.
+fn containers_never_reach_the_hosts_loopback(backend: Backend) {
+    let sim = SimHost::on(backend, "ha-cve", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let _web = TcpServer::start(&c1.netns, c1.at(Family::V4, 80), "c1 web");
+    let private: SocketAddr = "127.0.0.1:9999".parse().expect("literal");
+    let _private = TcpServer::start(&sim.host, private, "the host's loopback");
+    let _private_udp = UdpServer::start(&sim.host, private, "the host's loopback");
+    // The host reaches the hostPort by 127.0.0.1: the bridge now carries loopback sources.
+    let (answer, _) = sim
+        .host_client("tcp", "127.0.0.1:8080".parse().expect("literal"))
+        .unwrap_or_else(|error| panic!("host -> 127.0.0.1:8080: {error}"));
+    assert_eq!(answer, "c1 web");
+    // The attacker: a neighbour that sends 127.0.0.1 to the host instead of its own loopback.
+    let attacker = sim.container("c2", json!({}));
+    attacker
+        .netns
+        .exec(&["sysctl", "-qw", "net.ipv4.conf.all.route_localnet=1"]);
+    attacker
+        .netns
+        .exec(&["sysctl", "-qw", "net.ipv4.conf.eth0.route_localnet=1"]);
+    // Its own loopback goes, so 127.0.0.1 is routed to the host.
+    attacker
+        .netns
+        .exec(&["ip", "address", "del", "127.0.0.1/8", "dev", "lo"]);
+    attacker.netns.exec(&[
+        "ip",
+        "route",
+        "add",
+        "127.0.0.1/32",
+        "via",
+        &GATEWAY.to_string(),
+        "dev",
+        "eth0",
+    ]);
+    let outcome = tcp_request(&attacker.netns, private);
+    assert!(
+        outcome.is_err(),
+        "{backend:?}: a container reached a service on the host's loopback: {outcome:?}"
+    );
+    let outcome = udp_request(&attacker.netns, private);
+    assert!(outcome.is_err(), "{backend:?}: nor by UDP: {outcome:?}");
+    if backend == Backend::Nftables {
+        // The exposure is real: route_localnet is on, and without the guard the attack works.
+        assert_eq!(
+            sim.host
+                .exec(&[
+                    "sysctl",
+                    "-n",
+                    &format!("net.ipv4.conf.{BRIDGE}.route_localnet")
+                ])
+                .trim(),
+            "1"
+        );
+        sim.host
+            .exec(&["nft", "flush", "chain", "inet", "cnibpf", "localnet_guard"]);
+        assert_eq!(
+            tcp_request(&attacker.netns, private).as_deref(),
+            Ok("the host's loopback"),
+            "without the guard the attack would work (the test's attack is real)"
+        );
+    }
+}
+
+for_both_backends!(
+    host_processes_reach_host_ports_by_every_local_address,
+    containers_never_reach_the_hosts_loopback
+);
