@@ -28,6 +28,11 @@ const SCALE_LEVELS: [usize; 3] = [1, 100, 1_000];
 /// The reference portmap adds iptables chains per container: 1,000 would take many minutes.
 const REFERENCE_SCALE_LEVELS: [usize; 2] = [1, 100];
 const TIMED_CYCLES: usize = 15;
+/// hostPorts on one pod: one, a hundred, a media server's range.
+const MAPPING_COUNTS: [usize; 3] = [1, 100, 1_500];
+/// The reference portmap takes minutes for 1,500 (an iptables rule each).
+const REFERENCE_MAPPING_COUNTS: [usize; 2] = [1, 100];
+const MAPPING_CYCLES: usize = 5;
 
 pub fn run(out_dir: &Path) -> Result<()> {
     let progress = Progress::new();
@@ -41,6 +46,15 @@ pub fn run(out_dir: &Path) -> Result<()> {
         &SCALE_LEVELS,
     )?);
     drop(sim);
+    let sim = SimHost::new("bench-mapcount", json!({ "backend": "ebpf" }));
+    rows.extend(mapping_count_time(
+        &progress,
+        &sim,
+        "cnibpf",
+        "cnibpf",
+        &MAPPING_COUNTS,
+    )?);
+    drop(sim);
     let nftables = SimHost::new("bench-nftscale", json!({ "backend": "nftables" }));
     rows.extend(plugin_time(
         &progress,
@@ -50,6 +64,15 @@ pub fn run(out_dir: &Path) -> Result<()> {
         &SCALE_LEVELS,
     )?);
     drop(nftables);
+    let nftables = SimHost::new("bench-nftcount", json!({ "backend": "nftables" }));
+    rows.extend(mapping_count_time(
+        &progress,
+        &nftables,
+        "cnibpf",
+        "cnibpf nftables",
+        &MAPPING_COUNTS,
+    )?);
+    drop(nftables);
     let reference = SimHost::with_reference_portmap("bench-refscale");
     rows.extend(plugin_time(
         &progress,
@@ -57,6 +80,15 @@ pub fn run(out_dir: &Path) -> Result<()> {
         "portmap",
         "portmap",
         &REFERENCE_SCALE_LEVELS,
+    )?);
+    drop(reference);
+    let reference = SimHost::with_reference_portmap("bench-refcount");
+    rows.extend(mapping_count_time(
+        &progress,
+        &reference,
+        "portmap",
+        "portmap",
+        &REFERENCE_MAPPING_COUNTS,
     )?);
     let notes = vec![format!(
         "Medians of {ROUNDS} alternating rounds; iperf3 {IPERF_SECONDS} s single stream; connection rate: {RATE_CLIENTS} clients, \
@@ -79,22 +111,31 @@ pub fn run(out_dir: &Path) -> Result<()> {
             .and_then(Row::ratio)
             .unwrap_or(f64::NAN)
     };
-    // "ADD 1", "DEL 1000", "ref ADD 100": plugin, verb and number of existing attachments.
-    let times: Vec<(String, f64)> = rows
-        .iter()
-        .filter(|row| row.metric.starts_with("plugin ") && row.metric != "plugin VERSION")
-        .map(|row| {
-            let (plugin, rest) = row.scenario.split_once(", ").unwrap_or_default();
-            let existing = rest.split(' ').next().unwrap_or_default();
-            let prefix = match plugin {
-                "cnibpf" => "",
-                "cnibpf nftables" => "nft ",
-                _ => "ref ",
-            };
-            let verb = row.metric.trim_start_matches("plugin ");
-            (format!("{prefix}{verb} {existing}"), row.value)
-        })
-        .collect();
+    // "ADD 1", "DEL 1000", "ref ADD 100": plugin, verb and number of existing attachments (or
+    // of hostPorts on the one pod).
+    let plugin_times = |per: &str| -> Vec<(String, f64)> {
+        rows.iter()
+            .filter(|row| row.metric.starts_with("plugin ") && row.metric != "plugin VERSION")
+            .filter(|row| row.scenario.ends_with(per))
+            .map(|row| {
+                let (plugin, rest) = row.scenario.split_once(", ").unwrap_or_default();
+                let count = rest
+                    .trim_start_matches("one pod with ")
+                    .split(' ')
+                    .next()
+                    .unwrap_or_default();
+                let prefix = match plugin {
+                    "cnibpf" => "",
+                    "cnibpf nftables" => "nft ",
+                    _ => "ref ",
+                };
+                let verb = row.metric.trim_start_matches("plugin ");
+                (format!("{prefix}{verb} {count}"), row.value)
+            })
+            .collect()
+    };
+    let times = plugin_times("existing attachments");
+    let sizes = plugin_times("hostPorts");
     chart::bars(
         &out_dir.join("portmap.png"),
         "cnibpf port mapping (eBPF and nftables backends)",
@@ -139,10 +180,16 @@ pub fn run(out_dir: &Path) -> Result<()> {
                 reference: Some(1.0),
             },
             BarPanel {
-                title: "plugin time in ms, median; nft = nftables backend, ref = reference portmap",
+                title: "plugin time in ms by existing attachments; nft = nftables, ref = reference portmap",
                 y_label: "ms",
                 bars: times,
                 reference: Some(3.0),
+            },
+            BarPanel {
+                title: "plugin time in ms by hostPorts on one pod; nft = nftables, ref = reference portmap",
+                y_label: "ms",
+                bars: sizes,
+                reference: None,
             },
         ],
     )?;
@@ -377,43 +424,8 @@ fn plugin_time(
     }
 
     let invoke = |command: &str, n: usize| -> Result<Duration> {
-        let attachment = Attachment {
-            container_id: format!("scale-{n}"),
-            ifname: format!("ec{n}"),
-            netns: containers.path(),
-            capability_args: Value::Null,
-            cni_args: String::new(),
-        };
-        let plugin = sim.chain.conflist()["plugins"][1].clone();
-        let prev = json!({
-            "cniVersion": "1.0.0",
-            "interfaces": [
-                { "name": format!("vb{n}"), "mac": mac(0xaa, n) },
-                { "name": format!("ec{n}"), "mac": mac(0xbb, n), "sandbox": containers.path() }
-            ],
-            "ips": [{ "address": format!("{}/16", address(n)), "interface": 1 }]
-        });
         let args = json!({ "portMappings": [{ "hostPort": 30_000 + n, "containerPort": 80, "protocol": "tcp" }] });
-        let config = sim
-            .chain
-            .plugin_config(&plugin, "1.0.0", Some(&prev), &args);
-        let started = Instant::now();
-        let output = invoke_plugin(
-            &cni_path(),
-            &sim.host.path(),
-            plugin_type,
-            command,
-            Some(&attachment),
-            &config.to_string(),
-        );
-        let elapsed = started.elapsed();
-        if output.exit_code != 0 {
-            bail!(
-                "{plugin_type} {command} of attachment {n} failed: {}",
-                output.stdout
-            );
-        }
-        Ok(elapsed)
+        invoke_attachment(sim, &containers, plugin_type, command, n, &args)
     };
 
     let mut rows = Vec::new();
@@ -464,6 +476,118 @@ fn plugin_time(
                 unit: "ms",
                 value: median(samples),
                 baseline: Some(("VERSION".to_owned(), exec_floor)),
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// The plugin alone (`plugin_type`, configured as `sim`'s chain configures it) run for
+/// attachment `n` (veth `vb<n>`/`ec<n>` made beforehand), with `args` as its capability
+/// arguments; its wall time.
+fn invoke_attachment(
+    sim: &SimHost,
+    containers: &Netns,
+    plugin_type: &str,
+    command: &str,
+    n: usize,
+    args: &Value,
+) -> Result<Duration> {
+    let attachment = Attachment {
+        container_id: format!("scale-{n}"),
+        ifname: format!("ec{n}"),
+        netns: containers.path(),
+        capability_args: Value::Null,
+        cni_args: String::new(),
+    };
+    let plugin = sim.chain.conflist()["plugins"][1].clone();
+    let prev = json!({
+        "cniVersion": "1.0.0",
+        "interfaces": [
+            { "name": format!("vb{n}"), "mac": mac(0xaa, n) },
+            { "name": format!("ec{n}"), "mac": mac(0xbb, n), "sandbox": containers.path() }
+        ],
+        "ips": [{ "address": format!("{}/16", address(n)), "interface": 1 }]
+    });
+    let config = sim.chain.plugin_config(&plugin, "1.0.0", Some(&prev), args);
+    let started = Instant::now();
+    let output = invoke_plugin(
+        &cni_path(),
+        &sim.host.path(),
+        plugin_type,
+        command,
+        Some(&attachment),
+        &config.to_string(),
+    );
+    let elapsed = started.elapsed();
+    if output.exit_code != 0 {
+        bail!(
+            "{plugin_type} {command} of attachment {n} failed: {}",
+            output.stdout
+        );
+    }
+    Ok(elapsed)
+}
+
+/// ADD and DEL of one pod with `count` UDP hostPorts (a media server's port range), for each
+/// of `counts`: what one attachment's size costs.
+fn mapping_count_time(
+    progress: &Progress,
+    sim: &SimHost,
+    plugin_type: &str,
+    label: &str,
+    counts: &[usize],
+) -> Result<Vec<Row>> {
+    let containers = Netns::create(&format!("cbt-{}-m", sim.id));
+    let mut ip = sim.host.command(&[
+        "ip",
+        "link",
+        "add",
+        "vb0",
+        "address",
+        &mac(0xaa, 0),
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "ec0",
+        "address",
+        &mac(0xbb, 0),
+        "netns",
+        containers.name(),
+    ]);
+    if !ip.status()?.success() {
+        bail!("creating the veth pair failed");
+    }
+    sim.host.exec(&["ip", "link", "set", "vb0", "up"]);
+    let mut rows = Vec::new();
+    for &count in counts {
+        progress.step(&format!(
+            "{label}: {MAPPING_CYCLES} ADD/DEL cycles of one pod with {count} hostPorts"
+        ));
+        let mappings: Vec<Value> = (0..count)
+            .map(|n| json!({ "hostPort": 20_000 + n, "containerPort": 20_000 + n, "protocol": "udp" }))
+            .collect();
+        let args = json!({ "portMappings": mappings });
+        let (mut adds, mut dels) = (Vec::new(), Vec::new());
+        for _ in 0..MAPPING_CYCLES {
+            adds.push(
+                invoke_attachment(sim, &containers, plugin_type, "ADD", 0, &args)?.as_secs_f64()
+                    * 1e3,
+            );
+            dels.push(
+                invoke_attachment(sim, &containers, plugin_type, "DEL", 0, &args)?.as_secs_f64()
+                    * 1e3,
+            );
+        }
+        let scenario = format!("{label}, one pod with {count} hostPorts");
+        for (metric, samples) in [("plugin ADD", adds), ("plugin DEL", dels)] {
+            rows.push(Row {
+                scenario: scenario.clone(),
+                metric,
+                unit: "ms",
+                value: median(samples),
+                baseline: None,
             });
         }
     }
