@@ -539,27 +539,35 @@ fn mapping_count_time(
     counts: &[usize],
 ) -> Result<Vec<Row>> {
     let containers = Netns::create(&format!("cbt-{}-m", sim.id));
-    let mut ip = sim.host.command(&[
-        "ip",
-        "link",
-        "add",
-        "vb0",
-        "address",
-        &mac(0xaa, 0),
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "ec0",
-        "address",
-        &mac(0xbb, 0),
-        "netns",
-        containers.name(),
-    ]);
-    if !ip.status()?.success() {
-        bail!("creating the veth pair failed");
+    // Pod 0 is measured; pod 1 stays, as on any node, so that pod 0's DEL is never the last
+    // (which unloads the datapath, and its next ADD loads it again).
+    for n in 0..2 {
+        let mut ip = sim.host.command(&[
+            "ip",
+            "link",
+            "add",
+            &format!("vb{n}"),
+            "address",
+            &mac(0xaa, n),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &format!("ec{n}"),
+            "address",
+            &mac(0xbb, n),
+            "netns",
+            containers.name(),
+        ]);
+        if !ip.status()?.success() {
+            bail!("creating veth pair {n} failed");
+        }
+        sim.host
+            .exec(&["ip", "link", "set", &format!("vb{n}"), "up"]);
     }
-    sim.host.exec(&["ip", "link", "set", "vb0", "up"]);
+    let keeper =
+        json!({ "portMappings": [{ "hostPort": 19_999, "containerPort": 80, "protocol": "tcp" }] });
+    invoke_attachment(sim, &containers, plugin_type, "ADD", 1, &keeper)?;
     let mut rows = Vec::new();
     for &count in counts {
         progress.step(&format!(

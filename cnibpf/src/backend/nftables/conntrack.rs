@@ -2,7 +2,8 @@
 //! operation adds, moves or removes a hostPort, the connections the kernel tracked to it go,
 //! so that the next packet meets the mappings as they are now (a UDP client is never kept on
 //! the old container, nor on none — the reference portmap's UDP bug). One dump of the table per
-//! operation, over ctnetlink, however many hostPorts changed.
+//! operation, over ctnetlink, however many hostPorts changed, and none when the namespace
+//! tracks nothing.
 
 use std::{io, net::IpAddr, ops::ControlFlow};
 
@@ -23,6 +24,13 @@ const CTA_IP_V6_DST: u16 = 4;
 const CTA_PROTO_NUM: u16 = 1;
 const CTA_PROTO_DST_PORT: u16 = 3;
 const NLA_F_NESTED: u16 = 0x8000;
+
+/// Whether the kernel tracks any connection in this network namespace: a dump walks the
+/// whole (global) table, milliseconds even when it finds nothing.
+pub fn tracking_any() -> bool {
+    std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_count")
+        .is_ok_and(|count| count.trim() != "0")
+}
 
 /// Where a tracked connection was first sent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -15,18 +15,51 @@ use crate::{
 
 const NFNL_SUBSYS_NFTABLES: u8 = 10;
 const NFT_MSG_GETTABLE: u8 = 1;
+const NFT_MSG_GETRULE: u8 = 7;
 const NFT_MSG_GETSETELEM: u8 = 13;
 const NFPROTO_INET: u8 = 1;
 const NFTA_TABLE_NAME: u16 = 1;
 const NFTA_TABLE_USERDATA: u16 = 6;
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_USERDATA: u16 = 7;
 const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
 const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_SET_ELEM_KEY: u16 = 1;
 const NFTA_DATA_VALUE: u16 = 1;
-/// `NFTNL_UDATA_TABLE_COMMENT`, in a table's user data.
-const UDATA_TABLE_COMMENT: u8 = 0;
+/// `NFTNL_UDATA_TABLE_COMMENT` and `NFTNL_UDATA_RULE_COMMENT`, in a table's or rule's user
+/// data.
+const UDATA_COMMENT: u8 = 0;
+
+/// The comments of the rules of `chain`, in order; `None` when it has none. One
+/// netlink dump the kernel limits to the chain: `nft list chain` would fetch every element of
+/// every set first.
+pub fn rule_comments(chain: &str) -> Result<Option<Vec<String>>, NftablesError> {
+    let mut comments = Vec::new();
+    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
+    let asked = connection.exchange(
+        Request::new(NFNL_SUBSYS_NFTABLES, NFT_MSG_GETRULE, NFPROTO_INET, true)
+            .string(NFTA_RULE_TABLE, TABLE)
+            .string(NFTA_RULE_CHAIN, chain),
+        |_, rule| {
+            comments.push(
+                attribute(rule, NFTA_RULE_USERDATA)
+                    .and_then(user_data_comment)
+                    .unwrap_or_default(),
+            );
+            ControlFlow::Continue(())
+        },
+    );
+    match asked {
+        // A dump for a chain that is not there is empty rather than refused.
+        Ok(()) if comments.is_empty() => Ok(None),
+        Ok(()) => Ok(Some(comments)),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(error) => Err(NftablesError::Netlink(error)),
+    }
+}
 
 /// The comment of table `inet cnibpf` (its layout), `None` when there is no table. An error
 /// when the kernel does not speak nf_tables.
@@ -58,7 +91,7 @@ fn user_data_comment(data: &[u8]) -> Option<String> {
     while rest.len() >= 2 {
         let (kind, length) = (rest[0], usize::from(rest[1]));
         let value = rest.get(2..2 + length)?;
-        if kind == UDATA_TABLE_COMMENT {
+        if kind == UDATA_COMMENT {
             let end = value
                 .iter()
                 .position(|byte| *byte == 0)
@@ -199,7 +232,7 @@ mod tests {
 
     #[test]
     fn the_table_comment_is_read_from_its_user_data() {
-        let mut data = vec![UDATA_TABLE_COMMENT, 16];
+        let mut data = vec![UDATA_COMMENT, 16];
         data.extend(b"cnibpf layout 2\0");
         assert_eq!(user_data_comment(&data).as_deref(), Some("cnibpf layout 2"));
         let mut other_first = vec![7, 2, 0, 0];
