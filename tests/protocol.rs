@@ -455,32 +455,92 @@ fn an_uplink_that_does_not_exist_is_error_103() {
     assert!(sim.tcx_programs(UPLINK).is_empty());
 }
 
-#[test]
-fn pinned_state_of_another_layout_is_error_106() {
-    let sim = SimHost::new("proto-layout", json!({}));
+/// Creates a `layout` map under the host's pinPath holding `magic` and `version`, as another
+/// build (or another program) could have left it.
+fn pin_layout(sim: &SimHost, magic: [u8; 8], version: u32) {
     std::fs::create_dir_all(&sim.pin_path).expect("pin dir");
     let layout = sim.pin_path.join("layout");
     let layout = layout.to_str().expect("utf-8 path");
-    let bpftool = |args: &[&str]| {
-        cnibpf_tests::netns::run_checked(std::process::Command::new("bpftool").args(args));
-    };
-    bpftool(&[
+    cnibpf_tests::netns::run_checked(std::process::Command::new("bpftool").args([
         "map", "create", layout, "type", "array", "key", "4", "value", "24", "entries", "1",
         "name", "layout",
-    ]);
-    // magic "cnibpf\0\0", layout version 99, padding, object id.
-    let mut value = u64::from_le_bytes(*b"cnibpf\0\0").to_le_bytes().to_vec();
-    value.extend(99u32.to_le_bytes());
+    ]));
+    // magic, layout version, padding, object id.
+    let mut value = magic.to_vec();
+    value.extend(version.to_le_bytes());
     value.extend([0; 12]);
     sim.write_layout(&value);
+}
 
+#[test]
+fn pinned_state_of_a_newer_layout_is_error_106_for_add_only() {
+    let sim = SimHost::new("proto-layout", json!({}));
+    pin_layout(&sim, *b"cnibpf\0\0", 99);
     let error = sim
         .add_container("c1", port_mappings(&[(8080, 80, "tcp")]))
-        .expect_err("another layout must be refused");
-    assert_cni_error(&error.0, 106, "has layout v99, this cnibpf needs layout v");
+        .expect_err("a newer layout must be refused");
+    assert_cni_error(
+        &error.0,
+        106,
+        "has layout v99, written by a newer cnibpf (this one writes v",
+    );
+    assert!(
+        !error.0.error_msg().contains("delete"),
+        "no advice to delete state pods use: {error}"
+    );
     assert!(
         sim.tcx_programs(UPLINK).is_empty(),
-        "nothing may be attached over foreign state"
+        "nothing may be attached over state of another layout"
+    );
+    // DEL of something it never held answers success, as a runtime retrying it needs.
+    let never = Attachment {
+        container_id: "never-added".to_owned(),
+        ifname: "eth0".to_owned(),
+        netns: sim.host.path(),
+        capability_args: Value::Null,
+        cni_args: String::new(),
+    };
+    let config = cnibpf_config(&sim, "1.0.0", None);
+    assert_silent_success(&invoke(&sim, "DEL", Some(&never), &config));
+}
+
+#[test]
+fn a_pin_path_holding_something_else_is_error_106_naming_it() {
+    let sim = SimHost::new("proto-foreign", json!({}));
+    pin_layout(&sim, *b"someone!", 1);
+    let error = sim
+        .add_container("c1", port_mappings(&[(8080, 80, "tcp")]))
+        .expect_err("foreign state must be refused");
+    assert_cni_error(&error.0, 106, "holds no cnibpf state");
+    assert!(
+        error.0.error_msg().contains("choose another pinPath"),
+        "{error}"
+    );
+    assert!(
+        sim.pin_path.join("layout").exists(),
+        "foreign state is left alone"
+    );
+}
+
+#[test]
+fn inspect_without_root_names_the_missing_privilege() {
+    let sim = SimHost::new("proto-noroot", json!({}));
+    let _c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let output = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(cnibpf_tests::topology::cnibpf_binary())
+        .args(["inspect", "--pin-path", &sim.pin_path.display().to_string()])
+        .output()
+        .expect("run cnibpf inspect as nobody");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        stderr.contains("permission denied: run as root"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("delete"),
+        "no advice to delete state pods use: {stderr}"
     );
 }
 

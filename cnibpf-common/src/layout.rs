@@ -4,6 +4,10 @@
 //! maps or pins new programs; read by userspace on every later load, to refuse pinned state of
 //! another layout instead of silently misreading it, and to notice programs pinned by another
 //! build of the datapath (which it then replaces in place). The eBPF programs never read it.
+//!
+//! What every layout keeps, so that any build can tell what it meets and a downgraded one can
+//! still release attachments: this map's name and type, the key of `owners` and the prefix of
+//! its value up to [`crate::owner::STABLE_PREFIX`], and the link pin names of `PinLayout`.
 
 use crate::impl_pod;
 
@@ -13,7 +17,8 @@ pub const MAX_ENTRIES: u32 = 1;
 /// `"cnibpf\0\0"` read as a little-endian integer: marks a `layout` map written by cnibpf.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"cnibpf\0\0");
 
-/// Bumped whenever a key or value type of any pinned map changes.
+/// Bumped whenever a key or value type of any pinned map changes. Each build migrates the
+/// state of the layout before its own in place (userspace `backend::ebpf::migrate`).
 pub const VERSION: u32 = 7;
 
 #[repr(C)]

@@ -43,6 +43,18 @@ pub struct OwnerInfo {
 }
 const _: () = assert!(size_of::<OwnerInfo>() == 872);
 
+/// Bytes of [`OwnerInfo`] every layout keeps as they are (layouts only append fields): what
+/// a cnibpf meeting a newer layout reads and writes to release an attachment it cannot
+/// otherwise read (see `layout`).
+pub const STABLE_PREFIX: usize = HOST_IFINDEX_OFFSET + size_of::<u32>();
+/// Where `host_ifname` starts in every layout's value.
+pub const HOST_IFNAME_OFFSET: usize = 2 * NAME_LEN + IFNAME_LEN;
+/// Where `host_ifindex` starts in every layout's value.
+pub const HOST_IFINDEX_OFFSET: usize = HOST_IFNAME_OFFSET + IFNAME_LEN;
+const _: () = assert!(core::mem::offset_of!(OwnerInfo, host_ifname) == HOST_IFNAME_OFFSET);
+const _: () = assert!(core::mem::offset_of!(OwnerInfo, host_ifindex) == HOST_IFINDEX_OFFSET);
+const _: () = assert!(STABLE_PREFIX == 548);
+
 impl Default for OwnerInfo {
     fn default() -> Self {
         Self {

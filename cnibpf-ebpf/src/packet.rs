@@ -201,6 +201,12 @@ impl Flow {
         if version_ihl >> 4 != 4 || header_len < 20 {
             return Ok(None);
         }
+        // A datagram that claims more than arrived is the stack's to drop, not ours to
+        // translate (0: a segmentation offload's, whose length the stack fixes).
+        let total = usize::from(u16::from_be(load::<u16>(ctx, ETH_HLEN + 2)?));
+        if total != 0 && (total < header_len || (ctx.len() as usize) < ETH_HLEN + total) {
+            return Ok(None);
+        }
         // Identification and flags/offset, read together.
         let id_and_fragment: [u8; 4] = load(ctx, ETH_HLEN + 4)?;
         let fragment_bits = u16::from_be_bytes([id_and_fragment[2], id_and_fragment[3]]);
@@ -240,6 +246,10 @@ impl Flow {
     fn parse_ipv6(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
         let version: u8 = load(ctx, ETH_HLEN)?;
         if version >> 4 != 6 {
+            return Ok(None);
+        }
+        let payload = usize::from(u16::from_be(load::<u16>(ctx, ETH_HLEN + 4)?));
+        if payload != 0 && (ctx.len() as usize) < ETH_HLEN + IPV6_HLEN + payload {
             return Ok(None);
         }
         ensure_linear(ctx, ETH_HLEN + IPV6_HLEN + IPV6_FRAGMENT_HLEN + L4_PULL);
@@ -492,8 +502,19 @@ fn ports(
         return Ok(is_translated_protocol(protocol).then_some((0, 0)));
     }
     match protocol {
-        PROTO_TCP | PROTO_UDP | PROTO_SCTP => {
-            Ok(Some((load(ctx, l4_off)?, load(ctx, l4_off + 2)?)))
+        // The whole transport header must be there, not only its ports: a cut one is the
+        // stack's to drop.
+        PROTO_TCP => {
+            let header: [u8; 20] = load(ctx, l4_off)?;
+            Ok(Some(header_ports(&header)))
+        }
+        PROTO_UDP => {
+            let header: [u8; 8] = load(ctx, l4_off)?;
+            Ok(Some(header_ports(&header)))
+        }
+        PROTO_SCTP => {
+            let header: [u8; 12] = load(ctx, l4_off)?;
+            Ok(Some(header_ports(&header)))
         }
         PROTO_ICMP | PROTO_ICMPV6 => {
             // One read of the whole echo header: LLVM merges separate bounds checks into one
@@ -513,6 +534,15 @@ fn ports(
         }
         _ => Ok(None),
     }
+}
+
+/// The ports at the start of a transport header, in network byte order.
+#[inline(always)]
+fn header_ports(header: &[u8]) -> (u16, u16) {
+    (
+        u16::from_ne_bytes([header[0], header[1]]),
+        u16::from_ne_bytes([header[2], header[3]]),
+    )
 }
 
 /// An IPv4 address in the 16-byte map form.

@@ -15,7 +15,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
     let mut attachments = Vec::new();
     let mut counters = Vec::new();
     let mut uplinks = Vec::new();
-    for backend in backend::existing(&pins)? {
+    for backend in backend::existing(&pins, backend::Access::ReadOnly)? {
         let mappings = backend.port_mappings()?;
         let masquerades = backend.masquerades()?;
         let filters = backend.filters()?;

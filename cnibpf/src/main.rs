@@ -4,6 +4,8 @@ mod backend;
 mod cni;
 mod code;
 mod config;
+#[cfg(test)]
+mod fuzz;
 mod inspect;
 mod lock;
 mod model;
@@ -12,6 +14,7 @@ mod netlink;
 mod netns;
 mod nfnetlink;
 mod paths;
+mod reclaim;
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -38,6 +41,16 @@ enum AdminCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Remove expired connection state, and with --stale every attachment whose host
+    /// interface is gone (its DEL never came); for runtimes that never call CNI GC.
+    Gc {
+        /// The instance's pinPath.
+        #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
+        pin_path: PathBuf,
+        /// Also remove attachments whose host interface no longer exists.
+        #[arg(long)]
+        stale: bool,
+    },
     /// Follow the packets the filter drops, one line each, until Ctrl-C.
     Monitor {
         /// The instance's pinPath.
@@ -58,6 +71,13 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
                 eprintln!("cnibpf inspect: {error}");
+                ExitCode::FAILURE
+            }
+        },
+        AdminCommand::Gc { pin_path, stale } => match reclaim::run(&pin_path, stale) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("cnibpf gc: {error}");
                 ExitCode::FAILURE
             }
         },

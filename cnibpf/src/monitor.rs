@@ -36,7 +36,7 @@ pub enum MonitorError {
 
 pub fn run(pin_path: &Path, as_json: bool) -> Result<(), MonitorError> {
     let pins = PinLayout::new(pin_path);
-    let backend = EbpfBackend::open_existing(&pins)?
+    let backend = EbpfBackend::open_existing(&pins, crate::backend::Access::ReadOnly)?
         .ok_or_else(|| MonitorError::NoState(pin_path.display().to_string()))?;
     let events = backend.drop_events()?;
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -307,6 +307,49 @@ pub fn add_clsact(ifindex: u32) -> Result<(), NetlinkError> {
     }
 }
 
+/// Whether any filter is on the clsact hooks of an interface (either direction).
+pub fn clsact_has_filters(ifindex: u32) -> Result<bool, NetlinkError> {
+    for minor in [TcHandle::MIN_INGRESS, TcHandle::MIN_EGRESS] {
+        let mut message = TcMessage::with_index(ifindex_i32(ifindex));
+        message.header.parent = TcHandle {
+            major: TcHandle::CLSACT.major,
+            minor,
+        };
+        let request = RouteNetlinkMessage::GetTrafficFilter(message);
+        let found = dump("filter", request, |message| {
+            matches!(message, RouteNetlinkMessage::NewTrafficFilter(_)).then_some(())
+        })?;
+        if !found.is_empty() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Removes the clsact qdisc of an interface, with whatever filters are on it; one that is not
+/// there (or whose interface is gone) is fine.
+pub fn delete_clsact(ifindex: u32) -> Result<(), NetlinkError> {
+    let mut message = TcMessage::with_index(ifindex_i32(ifindex));
+    message.header.parent = TcHandle::CLSACT;
+    message.header.handle = TcHandle {
+        major: TcHandle::CLSACT.major,
+        minor: 0,
+    };
+    let request = RouteNetlinkMessage::DelQueueDiscipline(message);
+    match exchange("clsact qdisc", request, NLM_F_ACK, |_| None::<()>) {
+        Ok(_) => Ok(()),
+        Err(NetlinkError::Request { source, .. })
+            if matches!(
+                source.raw_os_error(),
+                Some(libc::ENOENT | libc::ENODEV | libc::EINVAL)
+            ) =>
+        {
+            Ok(())
+        }
+        Err(error) => Err(error),
+    }
+}
+
 /// Creates or atomically replaces a direct-action BPF filter in `slot`.
 pub fn replace_bpf_filter(
     ifindex: u32,
@@ -333,6 +376,28 @@ pub fn replace_bpf_filter(
         |_| None::<()>,
     )
     .map(|_| ())
+}
+
+/// Deletes the filter in `slot` of the clsact ingress (or `egress`) hook; one that is not
+/// there (or whose interface is gone) is fine.
+pub fn delete_filter(ifindex: u32, slot: TcFilterSlot, egress: bool) -> Result<(), NetlinkError> {
+    let mut message = filter_message(ifindex, slot);
+    if egress {
+        message.header.parent.minor = TcHandle::MIN_EGRESS;
+    }
+    let request = RouteNetlinkMessage::DelTrafficFilter(message);
+    match exchange("filter", request, NLM_F_ACK, |_| None::<()>) {
+        Ok(_) => Ok(()),
+        Err(NetlinkError::Request { source, .. })
+            if matches!(
+                source.raw_os_error(),
+                Some(libc::ENOENT | libc::ENODEV | libc::EINVAL)
+            ) =>
+        {
+            Ok(())
+        }
+        Err(error) => Err(error),
+    }
 }
 
 fn filter_message(ifindex: u32, slot: TcFilterSlot) -> TcMessage {

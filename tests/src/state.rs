@@ -3,7 +3,9 @@
 
 use std::path::PathBuf;
 
-use cnibpf_common::{masq_flow::MasqFlow, masq_stats::MasqStats, nat_flow::NatFlowKey};
+use cnibpf_common::{
+    filter_hits::FilterHits, masq_flow::MasqFlow, masq_stats::MasqStats, nat_flow::NatFlowKey,
+};
 use serde_json::Value;
 
 use crate::{
@@ -97,6 +99,56 @@ impl SimHost {
             .unwrap_or_else(|error| panic!("map {}: {error}", path.display()))
     }
 
+    /// Runs the pinned program `program` once on `frame` as if it arrived on interface
+    /// `ifindex` of the host namespace (`BPF_PROG_TEST_RUN`): its verdict and the frame as it
+    /// left the program. `None` when the kernel refuses the run (a frame shorter than an
+    /// Ethernet header).
+    pub fn test_run(&self, program: &str, ifindex: u32, frame: &[u8]) -> Option<(i32, Vec<u8>)> {
+        use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
+        let path = self.pin_path.join("programs").join(program);
+        let frame = frame.to_vec();
+        self.host.run(move || {
+            let program = SchedClassifier::from_pin(&path)
+                .unwrap_or_else(|error| panic!("pinned program {}: {error}", path.display()));
+            // struct __sk_buff: ingress_ifindex at 36, ifindex at 40; the kernel takes
+            // nothing else we would set.
+            let mut context = [0u8; 192];
+            context[36..40].copy_from_slice(&ifindex.to_ne_bytes());
+            context[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+            let mut out = vec![0u8; frame.len() + 256];
+            let result = program
+                .test_run(TestRunOptions {
+                    data_in: Some(&frame),
+                    data_out: Some(&mut out),
+                    ctx_in: Some(&context),
+                    ..TestRunOptions::default()
+                })
+                .ok()?;
+            out.truncate(result.data_size_out as usize);
+            Some((result.return_value as i32, out))
+        })
+    }
+
+    /// How many entries the flow tables hold: port-mapping translations, masqueraded flows,
+    /// the filter's connections.
+    pub fn flow_counts(&self) -> [usize; 3] {
+        use cnibpf_common::{
+            filter_flow::{FilterFlow, FilterFlowKey},
+            nat_flow::NatFlowValue,
+        };
+        [
+            self.pinned_hash_map::<NatFlowKey, NatFlowValue>("nat_flows")
+                .keys()
+                .count(),
+            self.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows")
+                .keys()
+                .count(),
+            self.pinned_hash_map::<FilterFlowKey, FilterFlow>("filter_flows")
+                .keys()
+                .count(),
+        ]
+    }
+
     /// The pinned hash (or LRU hash) map `name` with its key and value types.
     pub fn pinned_hash_map<K: aya::Pod, V: aya::Pod>(
         &self,
@@ -112,6 +164,19 @@ impl SimHost {
         map.iter()
             .map(|entry| entry.expect("read masq_flows"))
             .collect()
+    }
+
+    /// Packets the filter rule at `position` decided, summed over attachments and CPUs
+    /// (`filter_hits` read with this build's types).
+    pub fn filter_rule_packets(&self, position: usize) -> u64 {
+        let map: aya::maps::PerCpuHashMap<_, u32, FilterHits> =
+            aya::maps::PerCpuHashMap::try_from(self.pinned_map("filter_hits"))
+                .expect("filter_hits as a per-CPU hash map");
+        map.iter()
+            .map(|entry| entry.expect("read filter_hits"))
+            .flat_map(|(_, per_cpu)| per_cpu.iter().copied().collect::<Vec<_>>())
+            .map(|hits| hits.rules[position].packets)
+            .sum()
     }
 
     /// `masq_stats` summed over the CPUs.
@@ -204,7 +269,6 @@ impl SimHost {
             .unwrap_or_else(|error| panic!("inspect printed no JSON ({error}): {output:?}"))
     }
 
-    /// (containerID, hostPort) of every port mapping `cnibpf inspect` lists.
     /// (containerID, hostPort, IP version of the container address) of every installed mapping.
     pub fn installed_host_ports(&self) -> Vec<(String, u64, u8)> {
         let inspect = self.inspect();

@@ -48,12 +48,23 @@ pub enum BackendError {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
     #[error(
-        "pinned state in {path} has layout {found}, this cnibpf needs layout {expected}: delete every attachment (or the directory) before upgrading across layouts"
+        "the pinned state in {path} has layout v{found}, older than this cnibpf's v{}: ADD, DEL and GC migrate it in place{}",
+        cnibpf_common::layout::VERSION,
+        if *.found < crate::backend::ebpf::MIGRATES_FROM { format!(" from v{} only: upgrade through the releases between", crate::backend::ebpf::MIGRATES_FROM) } else { String::new() }
     )]
-    IncompatibleState {
+    OlderState { path: PathBuf, found: u32 },
+    #[error(
+        "the pinned state in {path} has layout v{found}, written by a newer cnibpf (this one writes v{}): it adds no attachment to it, but DEL and GC release them, and once none is left it starts afresh",
+        cnibpf_common::layout::VERSION
+    )]
+    NewerState { path: PathBuf, found: u32 },
+    #[error("{path} holds no cnibpf state ({reason}); choose another pinPath")]
+    ForeignState { path: PathBuf, reason: String },
+    #[error("could not read the pinned state in {path}{}", permission_hint(source))]
+    UnreadableState {
         path: PathBuf,
-        found: String,
-        expected: String,
+        #[source]
+        source: std::io::Error,
     },
     #[error("owner id {owner:016x} of {attachment} is already used by {holder}")]
     OwnerCollision {
@@ -88,7 +99,10 @@ impl BackendError {
     pub fn code(&self) -> u32 {
         match self {
             Self::Unavailable { .. } => code::BACKEND_UNAVAILABLE,
-            Self::IncompatibleState { .. } => code::INCOMPATIBLE_STATE,
+            Self::OlderState { .. } | Self::NewerState { .. } | Self::ForeignState { .. } => {
+                code::INCOMPATIBLE_STATE
+            }
+            Self::UnreadableState { .. } => code::DATAPATH,
             Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
             Self::CheckFailed(_) => code::CHECK_FAILED,
             Self::Bpffs { .. }
@@ -99,6 +113,7 @@ impl BackendError {
             | Self::Pin { .. }
             | Self::OwnerCollision { .. } => code::DATAPATH,
             Self::HostAddresses(_) => code::INTERFACE,
+            Self::Nftables(nftables::NftablesError::Layout { .. }) => code::INCOMPATIBLE_STATE,
             Self::Nftables(_) => code::DATAPATH,
             Self::Several(failures) => failures
                 .first()
@@ -115,6 +130,14 @@ impl BackendError {
             1 => Err(failures.remove(0).1),
             _ => Err(Self::Several(failures)),
         }
+    }
+}
+
+/// What to do about an error that is only a lack of privilege.
+fn permission_hint(error: &std::io::Error) -> &'static str {
+    match error.raw_os_error() {
+        Some(libc::EACCES | libc::EPERM) => " (permission denied: run as root)",
+        _ => "",
     }
 }
 

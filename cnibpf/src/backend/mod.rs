@@ -16,7 +16,7 @@ use ipnet::IpNet;
 pub use self::error::BackendError;
 use crate::{
     model::{Attachment, BackendChoice, Filter, HostPortAccess, Masquerade, Pod, ResolvedMapping},
-    netlink::Link,
+    netlink::{self, Link},
 };
 
 /// Where an attachment's traffic passes: its host-side interface and the uplinks.
@@ -178,22 +178,28 @@ pub trait Backend: Endpoints + PortMappings + Masquerading + Filtering + Inspect
     fn commit(&mut self) -> Result<(), BackendError>;
 }
 
-/// Fails with "hostPort in use" (100) naming the holder when another attachment of `backend`
-/// holds a hostPort overlapping one of `wanted`.
+/// Fails with "hostPort in use" (100) naming the holder when another live attachment of
+/// `backend` holds a hostPort overlapping one of `wanted`. A holder whose host interface is
+/// gone (its pod's network namespace went without a DEL) is reclaimed instead: no DEL will
+/// ever free what it holds.
 pub fn refuse_held_host_ports(
-    backend: &dyn Backend,
+    backend: &mut dyn Backend,
     owner: u64,
     wanted: &[ResolvedMapping],
 ) -> Result<(), BackendError> {
     for mapping in wanted {
-        let Some(holder) = backend.holder_of(owner, mapping)? else {
-            continue;
-        };
-        let (holder, pod) = backend
-            .attachments()?
-            .into_iter()
-            .find(|record| record.owner == holder)
-            .map_or_else(
+        while let Some(holder) = backend.holder_of(owner, mapping)? {
+            let record = backend
+                .attachments()?
+                .into_iter()
+                .find(|record| record.owner == holder);
+            if let Some(record) = &record
+                && is_stale(record)
+            {
+                remove_attachment(backend, holder)?;
+                continue;
+            }
+            let (holder, pod) = record.map_or_else(
                 || {
                     (
                         Attachment::new("(unknown)", &format!("owner {holder:016x}"), "?"),
@@ -202,13 +208,37 @@ pub fn refuse_held_host_ports(
                 },
                 |record| (record.attachment, record.pod),
             );
-        return Err(BackendError::HostPortInUse {
-            mapping: mapping.host_side(),
-            holder: Box::new(holder),
-            pod,
-        });
+            return Err(BackendError::HostPortInUse {
+                mapping: mapping.host_side(),
+                holder: Box::new(holder),
+                pod,
+            });
+        }
     }
     Ok(())
+}
+
+/// Whether an attachment's host-side interface is gone: its pod's network namespace went
+/// (deleting one deletes its veth pair) and only a DEL that never came would free it. An
+/// index now held by another interface is gone too.
+pub fn is_stale(record: &AttachmentRecord) -> bool {
+    netlink::link_by_index(record.host_ifindex).map_or(true, |link| link.name != record.host_ifname)
+}
+
+/// Removes everything of the attachment from `backend`. Every capability is torn down even
+/// when another fails (what can go, goes); the record goes last, and only once nothing else
+/// of the attachment is left, so that a retried DEL or a GC still finds what is.
+pub fn remove_attachment(backend: &mut dyn Backend, owner: u64) -> Result<(), BackendError> {
+    let failures: Vec<(&'static str, BackendError)> = [
+        ("masquerade", backend.teardown_masquerade(owner)),
+        ("port mappings", backend.teardown_port_mappings(owner)),
+        ("filter", backend.teardown_filter(owner)),
+    ]
+    .into_iter()
+    .filter_map(|(step, outcome)| outcome.err().map(|error| (step, error)))
+    .collect();
+    BackendError::collect(failures)?;
+    backend.teardown_endpoint(owner)
 }
 
 /// CHECK's last word on port mappings, once each configured one was found: no more are
@@ -272,27 +302,48 @@ pub fn any_available() -> Result<(), BackendError> {
     })
 }
 
+/// What a caller of [`existing`] will do with the state it finds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Look only (inspect, monitor): no lock held, nothing migrated.
+    ReadOnly,
+    /// Change it, under the instance lock: eBPF state of an older layout is migrated first;
+    /// eBPF state of a newer layout (a downgrade), and an nftables table of another layout,
+    /// only lose attachments.
+    Changes,
+}
+
 /// Every backend that holds state under `pins`, for DEL, GC and inspect, which must find an
 /// attachment whichever backend made it (a host may gain or lose BPF across a reboot).
-pub fn existing(pins: &crate::paths::PinLayout) -> Result<Vec<Box<dyn Backend>>, BackendError> {
-    existing_except(pins, None)
+pub fn existing(
+    pins: &crate::paths::PinLayout,
+    access: Access,
+) -> Result<Vec<Box<dyn Backend>>, BackendError> {
+    existing_except(pins, None, access)
 }
 
 /// [`existing`] without the backend named `except` (the one an ADD already opened).
 pub fn existing_except(
     pins: &crate::paths::PinLayout,
     except: Option<&str>,
+    access: Access,
 ) -> Result<Vec<Box<dyn Backend>>, BackendError> {
     let mut backends: Vec<Box<dyn Backend>> = Vec::new();
-    if except != Some("ebpf")
-        && let Some(ebpf) = ebpf::EbpfBackend::open_existing(pins)?
-    {
-        backends.push(Box::new(ebpf));
+    if except != Some("ebpf") {
+        let ebpf = match access {
+            Access::ReadOnly => ebpf::EbpfBackend::open_existing(pins, access)?
+                .map(|backend| Box::new(backend) as Box<dyn Backend>),
+            Access::Changes => ebpf::EbpfBackend::open_for_removal(pins)?,
+        };
+        backends.extend(ebpf);
     }
-    if except != Some("nftables")
-        && let Some(nftables) = nftables::NftablesBackend::open_existing()?
-    {
-        backends.push(Box::new(nftables));
+    if except != Some("nftables") {
+        let nftables = match access {
+            Access::ReadOnly => nftables::NftablesBackend::open_existing()?
+                .map(|backend| Box::new(backend) as Box<dyn Backend>),
+            Access::Changes => nftables::NftablesBackend::open_for_removal()?,
+        };
+        backends.extend(nftables);
     }
     Ok(backends)
 }

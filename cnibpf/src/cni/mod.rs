@@ -16,7 +16,7 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde_json::{Value, json};
 
 use crate::{
-    backend::{self, Backend, BackendError, Endpoint},
+    backend::{self, Access, BackendError, Endpoint},
     config::{CleanupConf, CniVersion, ConfigError, NetConf, SUPPORTED_VERSIONS, ifname_problem},
     lock::{InstanceLock, lock_timeout},
     model::{
@@ -359,11 +359,13 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     let mut backend = backend::select(conf.plugin.backend, &pins)?;
     let owner = plan.attachment.owner_id();
-    let mut others = backend::existing_except(&pins, Some(backend.name()))?;
+    let mut others = backend::existing_except(&pins, Some(backend.name()), Access::Changes)?;
     // A hostPort may be held by an attachment of either backend: the other's are checked
     // here, the serving backend's own refuses in setup_port_mappings, atomically with claiming.
-    for other in &others {
-        backend::refuse_held_host_ports(other.as_ref(), owner, &plan.mappings)?;
+    for other in &mut others {
+        backend::refuse_held_host_ports(other.as_mut(), owner, &plan.mappings)?;
+        // What it reclaimed from attachments whose interface is gone.
+        other.commit()?;
     }
     // The filter goes first: once the datapath is hooked onto the interface, no packet may
     // pass unfiltered.
@@ -379,7 +381,10 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
         // interface: the attachment may not be recorded yet.)
         let undone = BackendError::collect(
             [
-                ("remove", remove_attachment(backend.as_mut(), owner)),
+                (
+                    "remove",
+                    backend::remove_attachment(backend.as_mut(), owner),
+                ),
                 ("unfilter", backend.setup_filter(&plan.endpoint, None)),
                 ("commit", backend.commit()),
             ]
@@ -405,7 +410,7 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
             .iter()
             .any(|record| record.owner == owner)
         {
-            remove_attachment(other.as_mut(), owner)?;
+            backend::remove_attachment(other.as_mut(), owner)?;
             other.commit()?;
         }
     }
@@ -419,8 +424,8 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     // Each backend is cleaned up even when another fails, and every failure is reported.
     let mut failures = Vec::new();
-    for mut backend in backend::existing(&pins)? {
-        let removed = remove_attachment(backend.as_mut(), attachment.owner_id());
+    for mut backend in backend::existing(&pins, Access::Changes)? {
+        let removed = backend::remove_attachment(backend.as_mut(), attachment.owner_id());
         let committed = backend.commit();
         failures.extend(
             [removed, committed]
@@ -430,22 +435,6 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
         );
     }
     Ok(BackendError::collect(failures)?)
-}
-
-/// Removes everything of the attachment from `backend`. Every capability is torn down even
-/// when another fails (what can go, goes); the record goes last, and only once nothing else
-/// of the attachment is left, so that a retried DEL or a GC still finds what is.
-fn remove_attachment(backend: &mut dyn Backend, owner: u64) -> Result<(), BackendError> {
-    let failures: Vec<(&'static str, BackendError)> = [
-        ("masquerade", backend.teardown_masquerade(owner)),
-        ("port mappings", backend.teardown_port_mappings(owner)),
-        ("filter", backend.teardown_filter(owner)),
-    ]
-    .into_iter()
-    .filter_map(|(step, outcome)| outcome.err().map(|error| (step, error)))
-    .collect();
-    BackendError::collect(failures)?;
-    backend.teardown_endpoint(owner)
 }
 
 fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
@@ -461,7 +450,7 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     // The backend that serves the attachment, whichever the configuration asks for now.
     let owner = plan.attachment.owner_id();
-    let mut backends = backend::existing(&pins)?;
+    let mut backends = backend::existing(&pins, Access::Changes)?;
     let serving = backends.iter().position(|backend| {
         backend
             .attachments()
@@ -505,7 +494,7 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     // One attachment or backend that cannot be cleaned up does not keep GC from the others.
     let mut failures = Vec::new();
-    for mut backend in backend::existing(&pins)? {
+    for mut backend in backend::existing(&pins, Access::Changes)? {
         let stale: Vec<u64> = backend
             .attachments()?
             .into_iter()
@@ -520,7 +509,7 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
             .collect();
         let mut outcomes: Vec<Result<(), BackendError>> = stale
             .into_iter()
-            .map(|owner| remove_attachment(backend.as_mut(), owner))
+            .map(|owner| backend::remove_attachment(backend.as_mut(), owner))
             .collect();
         outcomes.push(backend.sweep_expired());
         outcomes.push(backend.commit());

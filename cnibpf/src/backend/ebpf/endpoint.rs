@@ -229,6 +229,15 @@ impl EbpfBackend {
         Ok(())
     }
 
+    /// Attaches (or finds attached) the hooks of `owner`'s host-side interface `ifindex`.
+    pub(super) fn hook_endpoint(&self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
+        let link_pins = self.endpoint_link_pins(owner);
+        for hook in Self::endpoint_hooks(&link_pins) {
+            self.attach(ifindex, &hook)?;
+        }
+        Ok(())
+    }
+
     /// Removes the `endpoints` entry of `ifindex` if `owner` still holds it (an interface index
     /// can be reused by another container once the first one's veth is gone).
     fn forget_endpoint(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
@@ -302,10 +311,7 @@ impl Endpoints for EbpfBackend {
         self.endpoints
             .insert(&endpoint.host.index, &endpoint_info(endpoint), 0)
             .map_err(map_error("could not write map endpoints"))?;
-        let link_pins = self.endpoint_link_pins(owner);
-        for hook in Self::endpoint_hooks(&link_pins) {
-            self.attach(endpoint.host.index, &hook)?;
-        }
+        self.hook_endpoint(owner, endpoint.host.index)?;
         for uplink in &endpoint.uplinks {
             let uplink_pins = self.uplink_link_pins(&uplink.name);
             for hook in Self::uplink_hooks(&uplink_pins) {

@@ -15,6 +15,8 @@ mod endpoint;
 mod filter;
 mod inspect;
 mod masquerade;
+mod migrate;
+mod newer;
 mod owner;
 mod pins;
 mod portmap;
@@ -46,8 +48,9 @@ use cnibpf_common::{
     uplink::{self, UplinkInfo},
 };
 
+pub use self::migrate::FROM as MIGRATES_FROM;
 use self::pins::{PinnedState, all_programs, check_layout, load_object, prepare_pin_dir, relink};
-use super::{Backend, BackendError};
+use super::{Access, Backend, BackendError};
 use crate::paths::PinLayout;
 
 pub struct EbpfBackend {
@@ -108,11 +111,25 @@ impl EbpfBackend {
     pub fn load(pins: &PinLayout) -> Result<Self, BackendError> {
         prepare_pin_dir(pins)?;
         let state = check_layout(pins)?;
+        match state {
+            PinnedState::Older(found) => {
+                Self::migrate(pins, found)?;
+                return Self::open_maps(pins);
+            }
+            PinnedState::Newer(found) => {
+                return Err(BackendError::NewerState {
+                    path: pins.root().to_owned(),
+                    found,
+                });
+            }
+            PinnedState::Current => migrate::finish(pins),
+            PinnedState::Absent | PinnedState::OtherPrograms => {}
+        }
         let programs_present = all_programs().all(|name| pins.program(name).exists());
         if state == PinnedState::Current && programs_present {
             return Self::open_maps(pins);
         }
-        if let Err(error) = load_object(pins).and_then(|()| relink(pins)) {
+        if let Err(error) = load_object(pins, true).and_then(|()| relink(pins)) {
             // Nothing of an attachment lives there yet: leave no half-loaded maps behind.
             if state == PinnedState::Absent {
                 let _ = fs::remove_dir_all(pins.root());
@@ -131,12 +148,48 @@ impl EbpfBackend {
         Ok(backend)
     }
 
-    /// The pinned state if there is any, without loading anything.
-    pub fn open_existing(pins: &PinLayout) -> Result<Option<Self>, BackendError> {
-        if check_layout(pins)? == PinnedState::Absent {
-            return Ok(None);
+    /// The pinned state if there is any, without loading anything. State of an older layout
+    /// is migrated first when `access` allows changes (the caller holds the instance lock).
+    pub fn open_existing(pins: &PinLayout, access: Access) -> Result<Option<Self>, BackendError> {
+        match check_layout(pins)? {
+            PinnedState::Absent => return Ok(None),
+            PinnedState::Older(found) if access == Access::Changes => Self::migrate(pins, found)?,
+            PinnedState::Older(found) => {
+                return Err(BackendError::OlderState {
+                    path: pins.root().to_owned(),
+                    found,
+                });
+            }
+            PinnedState::Newer(found) => {
+                return Err(BackendError::NewerState {
+                    path: pins.root().to_owned(),
+                    found,
+                });
+            }
+            PinnedState::Current | PinnedState::OtherPrograms => {}
         }
         Self::open_maps(pins).map(Some)
+    }
+
+    /// [`Self::open_existing`] for DEL and GC: state of a newer layout (a downgrade) is
+    /// opened for releasing attachments, never refused (see `newer`).
+    pub fn open_for_removal(pins: &PinLayout) -> Result<Option<Box<dyn Backend>>, BackendError> {
+        if let PinnedState::Newer(found) = check_layout(pins)? {
+            return Ok(Some(Box::new(newer::NewerLayout::open(pins, found)?)));
+        }
+        Ok(Self::open_existing(pins, Access::Changes)?
+            .map(|backend| Box::new(backend) as Box<dyn Backend>))
+    }
+
+    /// Migrates state of layout `found` to this one, or says it cannot.
+    fn migrate(pins: &PinLayout, found: u32) -> Result<(), BackendError> {
+        if found != migrate::FROM {
+            return Err(BackendError::OlderState {
+                path: pins.root().to_owned(),
+                found,
+            });
+        }
+        migrate::from_6(pins)
     }
 
     /// The ring buffer of the filter's drop events, for `cnibpf monitor`.
@@ -144,7 +197,7 @@ impl EbpfBackend {
         open_pinned(&self.pins, cnibpf_common::filter_event::MAP_NAME)
     }
 
-    fn open_maps(pins: &PinLayout) -> Result<Self, BackendError> {
+    pub(super) fn open_maps(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
             pins: pins.clone(),
             portmap: open_pinned(pins, portmap_map::MAP_NAME)?,

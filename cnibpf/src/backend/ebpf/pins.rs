@@ -80,43 +80,70 @@ pub(super) enum PinnedState {
     /// Maps of this layout with programs of another build of the datapath.
     OtherPrograms,
     Current,
+    /// The layout of an older cnibpf.
+    Older(u32),
+    /// The layout of a newer cnibpf (a downgrade).
+    Newer(u32),
 }
 
-fn object_id() -> u64 {
+pub(super) fn object_id() -> u64 {
     OBJECT_ID.parse().expect("build.rs emits a u64")
 }
 
-/// What is pinned under `pins`; an error when it has another layout.
+/// What is pinned under `pins`. An error names its real cause: a lack of privilege, or a
+/// directory that holds something else than cnibpf's state.
 pub(super) fn check_layout(pins: &PinLayout) -> Result<PinnedState, BackendError> {
     let path = pins.map(layout::MAP_NAME);
     if !path.exists() {
         return Ok(PinnedState::Absent);
     }
-    let incompatible = |found: String| BackendError::IncompatibleState {
-        path: pins.root().to_owned(),
-        found,
-        expected: format!("v{}", layout::VERSION),
+    let unreadable = |error: MapError| match os_error(&error) {
+        Some(source) => BackendError::UnreadableState {
+            path: pins.root().to_owned(),
+            source,
+        },
+        None => BackendError::ForeignState {
+            path: pins.root().to_owned(),
+            reason: format!("its layout map is unreadable: {error}"),
+        },
     };
-    let unreadable = |error: MapError| incompatible(format!("unreadable ({error})"));
     let data = MapData::from_pin(&path).map_err(unreadable)?;
     let map = Map::from_map_data(data).map_err(unreadable)?;
-    let array: Array<MapData, LayoutInfo> = Array::try_from(map)
-        .map_err(|error| incompatible(format!("of another shape ({error})")))?;
+    let array: Array<MapData, LayoutInfo> =
+        Array::try_from(map).map_err(|error| BackendError::ForeignState {
+            path: pins.root().to_owned(),
+            reason: format!("its layout map has another shape: {error}"),
+        })?;
     let info = array.get(&0, 0).map_err(unreadable)?;
     if info == LayoutInfo::default() {
         return Ok(PinnedState::Absent);
     }
     if info.magic != layout::MAGIC {
-        return Err(incompatible("not written by cnibpf".to_owned()));
+        return Err(BackendError::ForeignState {
+            path: pins.root().to_owned(),
+            reason: "its layout map was not written by cnibpf".to_owned(),
+        });
     }
-    if info.version != layout::VERSION {
-        return Err(incompatible(format!("v{}", info.version)));
+    Ok(match info.version.cmp(&layout::VERSION) {
+        std::cmp::Ordering::Less => PinnedState::Older(info.version),
+        std::cmp::Ordering::Greater => PinnedState::Newer(info.version),
+        std::cmp::Ordering::Equal if info.object_id == object_id() => PinnedState::Current,
+        std::cmp::Ordering::Equal => PinnedState::OtherPrograms,
+    })
+}
+
+/// The operating-system error under a map error, if that is what it is.
+fn os_error(error: &MapError) -> Option<io::Error> {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(current) = cause {
+        if let Some(io) = current.downcast_ref::<io::Error>()
+            && let Some(code) = io.raw_os_error()
+        {
+            return Some(io::Error::from_raw_os_error(code));
+        }
+        cause = current.source();
     }
-    if info.object_id == object_id() {
-        Ok(PinnedState::Current)
-    } else {
-        Ok(PinnedState::OtherPrograms)
-    }
+    None
 }
 
 /// Points a pinned cgroup link at the socket hook now pinned under the same name.
@@ -224,7 +251,7 @@ pub(super) fn relink(pins: &PinLayout) -> Result<(), BackendError> {
 
 /// Loads the embedded object, reusing maps already pinned under `pins` and pinning new ones,
 /// then pins each program and finally stamps the layout map.
-pub(super) fn load_object(pins: &PinLayout) -> Result<(), BackendError> {
+pub(super) fn load_object(pins: &PinLayout, stamp: bool) -> Result<(), BackendError> {
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(pins.root())
         .load(OBJECT)
@@ -252,34 +279,32 @@ pub(super) fn load_object(pins: &PinLayout) -> Result<(), BackendError> {
     })?;
     set_only_entry(
         &mut ebpf,
-        pins,
         settings::MAP_NAME,
         &Settings { host_netns_cookie },
     )?;
-    // Last: a layout stamp means everything before it is in place.
-    set_only_entry(
-        &mut ebpf,
-        pins,
-        layout::MAP_NAME,
-        &LayoutInfo::current(object_id()),
-    )?;
+    // Last: a layout stamp means everything before it is in place (a migration stamps when
+    // it has converted what the old maps held).
+    if stamp {
+        set_only_entry(
+            &mut ebpf,
+            layout::MAP_NAME,
+            &LayoutInfo::current(object_id()),
+        )?;
+    }
     Ok(())
 }
 
 /// Writes the single entry of the one-entry array map `name` of the loaded object.
 fn set_only_entry<T: aya::Pod>(
     ebpf: &mut aya::Ebpf,
-    pins: &PinLayout,
     name: &str,
     value: &T,
 ) -> Result<(), BackendError> {
-    let map = ebpf
-        .map_mut(name)
-        .ok_or_else(|| BackendError::IncompatibleState {
-            path: pins.root().to_owned(),
-            found: format!("an object without a {name} map"),
-            expected: format!("v{}", layout::VERSION),
-        })?;
+    let map = ebpf.map_mut(name).ok_or_else(|| {
+        BackendError::Load(Box::new(aya::EbpfError::MapError(MapError::InvalidName {
+            name: name.to_owned(),
+        })))
+    })?;
     let mut array: Array<&mut MapData, T> =
         Array::try_from(map).map_err(|source| BackendError::Map {
             action: format!("could not open map {name}"),

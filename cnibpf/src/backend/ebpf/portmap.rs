@@ -134,7 +134,7 @@ impl PortMappings for EbpfBackend {
         mappings: &[ResolvedMapping],
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        refuse_held_host_ports(&*self, owner, mappings)?;
+        refuse_held_host_ports(self, owner, mappings)?;
         let previous = self.owned_portmap_keys(owner)?;
         let mut wanted = Vec::with_capacity(mappings.len());
         // Whether a flow translated before could now be reversed wrongly.

@@ -11,7 +11,7 @@ use super::{
     record::Record,
     record_chain,
 };
-use crate::{backend::BackendError, model::ResolvedMapping};
+use crate::model::ResolvedMapping;
 
 /// One element an attachment owns.
 struct Owned {
@@ -192,14 +192,9 @@ pub fn remove_listed(batch: &mut Batch<'static>, owner: u64, owner_text: &str, l
 /// Adds what `change.after` holds: its chains, rewritten whole, and its elements. A hostPort
 /// another attachment holds makes the transaction fail (`create`); a wildcard one that an
 /// address-specific one of another overlaps, or the reverse, as well.
-pub fn add(
-    batch: &mut Batch<'static>,
-    owner: u64,
-    change: &Change,
-    specific: Option<&Listing>,
-) -> Result<(), BackendError> {
+pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change) {
     let Some(after) = &change.after else {
-        return Ok(());
+        return;
     };
     let record = record_chain(owner);
     rewrite_chain(batch, &record);
@@ -243,24 +238,19 @@ pub fn add(
         });
     }
     for host_port in &after.mappings {
-        exclude_overlaps(batch, owner, host_port, specific)?;
+        exclude_overlaps(batch, host_port);
     }
-    Ok(())
 }
 
 /// The commands that make the transaction fail if another attachment holds a hostPort that
 /// overlaps `host_port` across the wildcard / address-specific divide (the same kind is
-/// caught by `create` on its own map).
-fn exclude_overlaps(
-    batch: &mut Batch<'static>,
-    owner: u64,
-    host_port: &ResolvedMapping,
-    specific: Option<&Listing>,
-) -> Result<(), BackendError> {
+/// caught by `create` on its own map): creating an element that such a holder's presence
+/// makes exist, and deleting it again.
+fn exclude_overlaps(batch: &mut Batch<'static>, host_port: &ResolvedMapping) {
     let suffix = family_suffix(host_port.is_ipv4());
     let key = port_key(host_port);
     if host_port.host_addr.is_some() {
-        // No wildcard of another on this port: creating one fails if there is.
+        // No wildcard of another on this port.
         let any = format!("hostports{suffix}_any");
         let placeholder = concat(vec![
             text(if host_port.is_ipv4() { "0.0.0.0" } else { "::" }),
@@ -272,23 +262,12 @@ fn exclude_overlaps(
         )));
         batch.delete(nft::elements(&any, vec![key.clone()]));
         batch.add(nft::elements(&format!("specific_ports{suffix}"), vec![key]));
-        return Ok(());
+    } else {
+        // No address-specific one of another on this port: its marker would be there.
+        let markers = format!("specific_ports{suffix}");
+        batch.add_cmd(NfCmd::Create(nft::elements(&markers, vec![key.clone()])));
+        batch.delete(nft::elements(&markers, vec![key]));
     }
-    match specific {
-        // Known: refuse at once, naming the holder.
-        Some(listing) => {
-            if let Some(error) = listing.overlap_error(owner, host_port)? {
-                return Err(error);
-            }
-        }
-        // No address-specific one of another on this port: a marker says so.
-        None => {
-            let markers = format!("specific_ports{suffix}");
-            batch.add_cmd(NfCmd::Create(nft::elements(&markers, vec![key.clone()])));
-            batch.delete(nft::elements(&markers, vec![key]));
-        }
-    }
-    Ok(())
 }
 
 /// `add chain` (a no-op when it is there) and `flush chain`: the chain exists, empty.

@@ -10,7 +10,7 @@ use nftables::{
 };
 
 use super::{
-    NftablesError, family_suffix,
+    NftablesError, family_suffix, host,
     nft::{self, TABLE, address_of, port_of},
     parse_owner,
     record::Record,
@@ -36,14 +36,22 @@ pub struct Listing {
     chains: BTreeMap<String, Vec<Rule<'static>>>,
 }
 
-/// The record of `owner`, read from its chain; `None` when it has none.
+/// The record of `owner`, read from its chain's rule comments; `None` when it has none.
 pub fn record_of(owner: u64) -> Result<Option<Record>, BackendError> {
     let chain = record_chain(owner);
-    let Some(listing) = nft::list(&["chain", "inet", TABLE, &chain])? else {
+    let Some(comments) = host::rule_comments(&chain)? else {
         return Ok(None);
     };
-    let listing = Listing::from(&listing);
-    Ok(Some(listing.record(&chain)?))
+    Record::parse(comments.iter().map(String::as_str))
+        .map(Some)
+        .map_err(|source| {
+            NftablesError::Record {
+                owner: chain.clone(),
+                chain,
+                source,
+            }
+            .into()
+        })
 }
 
 impl Listing {
@@ -101,6 +109,18 @@ impl Listing {
                 .filter(move |element| element.comment.as_deref() == Some(owner))
                 .map(move |element| (set.as_str(), element))
         })
+    }
+
+    /// Every comment of an element: the owners of a table of any layout.
+    pub fn element_comments(&self) -> impl Iterator<Item = &str> {
+        self.sets
+            .values()
+            .flatten()
+            .filter_map(|element| element.comment.as_deref())
+    }
+
+    pub fn chain_names(&self) -> impl Iterator<Item = &str> {
+        self.chains.keys().map(String::as_str)
     }
 
     pub fn has_chain(&self, chain: &str) -> bool {
@@ -165,13 +185,14 @@ impl Listing {
         out
     }
 
-    /// The attachment other than `owner` holding a hostPort that overlaps `mapping`, and its
-    /// pod when the listing has its record.
-    pub fn holder_of(
+    /// The attachments other than `owner` holding a hostPort that overlaps `mapping`, with
+    /// their pods when the listing has their records.
+    pub fn holders_of(
         &self,
         owner: u64,
         mapping: &ResolvedMapping,
-    ) -> Result<Option<(u64, Attachment, Option<Pod>)>, BackendError> {
+    ) -> Result<Vec<(u64, Attachment, Option<Pod>)>, BackendError> {
+        let mut holders = Vec::new();
         for (text, installed) in self.mappings() {
             let Some(holder) = parse_owner(&text) else {
                 continue;
@@ -186,19 +207,32 @@ impl Listing {
             } else {
                 None
             };
-            return Ok(Some((holder_id, holder, pod)));
+            holders.push((holder_id, holder, pod));
         }
-        Ok(None)
+        Ok(holders)
     }
 
-    /// Error 100 when another attachment holds a hostPort overlapping `mapping`.
+    /// The first of [`Self::holders_of`].
+    pub fn holder_of(
+        &self,
+        owner: u64,
+        mapping: &ResolvedMapping,
+    ) -> Result<Option<(u64, Attachment, Option<Pod>)>, BackendError> {
+        Ok(self.holders_of(owner, mapping)?.into_iter().next())
+    }
+
+    /// Error 100 when another attachment (not one of `leaving`) holds a hostPort overlapping
+    /// `mapping`.
     pub fn overlap_error(
         &self,
         owner: u64,
         mapping: &ResolvedMapping,
+        leaving: &[u64],
     ) -> Result<Option<BackendError>, BackendError> {
         Ok(self
-            .holder_of(owner, mapping)?
+            .holders_of(owner, mapping)?
+            .into_iter()
+            .find(|(holder, _, _)| !leaving.contains(holder))
             .map(|(_, holder, pod)| BackendError::HostPortInUse {
                 mapping: mapping.host_side(),
                 holder: Box::new(holder),

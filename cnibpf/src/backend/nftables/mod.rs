@@ -25,6 +25,7 @@ mod inspect;
 mod listing;
 mod masquerade;
 mod nft;
+mod other_layout;
 mod portmap;
 mod record;
 
@@ -35,7 +36,7 @@ use nftables::{batch::Batch, schema::NfListObject};
 use self::{listing::Listing, record::Record};
 use super::{Backend, BackendError};
 use crate::{
-    model::{Attachment, Filter, HostPortAccess, ResolvedMapping},
+    model::{Attachment, Filter, HostPortAccess, Protocol, ResolvedMapping},
     netlink,
 };
 
@@ -68,7 +69,8 @@ pub enum NftablesError {
     #[error("a rule of chain {chain} is unreadable: {reason}")]
     Rule { chain: String, reason: String },
     #[error(
-        "table inet cnibpf has another layout ({found}); this cnibpf writes \"{LAYOUT}\": delete every attachment (or the table) before upgrading across layouts"
+        "table inet cnibpf has another layout ({}) than this cnibpf writes (\"{LAYOUT}\"): it adds no attachment to it, but DEL and GC remove its attachments, and once none is left it starts afresh",
+        if .found.is_empty() { "\"cnibpf layout 1\", uncommented" } else { .found.as_str() }
     )]
     Layout { found: String },
     #[error("could not ask the kernel about table inet cnibpf")]
@@ -230,6 +232,17 @@ impl NftablesBackend {
         }
     }
 
+    /// [`Self::open_existing`] for DEL and GC: a table of another layout is opened for removing
+    /// attachments, never refused (see `other_layout`).
+    pub fn open_for_removal() -> Result<Option<Box<dyn Backend>>, BackendError> {
+        match host::table_comment() {
+            Ok(Some(comment)) if comment != LAYOUT => {
+                Ok(Some(Box::new(other_layout::OtherLayout::open(comment)?)))
+            }
+            _ => Ok(Self::open_existing()?.map(|backend| Box::new(backend) as Box<dyn Backend>)),
+        }
+    }
+
     /// The whole table as the kernel has it (empty when there is none), read once.
     fn listing(&self) -> Result<&Listing, BackendError> {
         if let Some(listing) = self.listing.get() {
@@ -296,7 +309,7 @@ impl NftablesBackend {
             elements::remove(&mut batch, *owner, change, specific);
         }
         for (owner, change) in &self.changes {
-            elements::add(&mut batch, *owner, change, specific)?;
+            elements::add(&mut batch, *owner, change);
         }
         let shared = [
             ("uplinks", &self.uplinks),
@@ -308,7 +321,7 @@ impl NftablesBackend {
                 batch.add(nft::elements(set, names.iter().map(nft::text).collect()));
             }
         }
-        if self.delete_table.is_some() {
+        if self.deletes_table() {
             batch.delete(NfListObject::Table(nftables::schema::Table {
                 family: nft::FAMILY,
                 name: nft::TABLE.into(),
@@ -372,6 +385,43 @@ impl NftablesBackend {
         Ok(nft::apply(self.batch(removals, Some(&listing))?)?)
     }
 
+    /// The attachments this operation removes.
+    fn leaving(&self) -> Vec<u64> {
+        self.changes
+            .iter()
+            .filter(|(_, change)| change.after.is_none())
+            .map(|(owner, _)| *owner)
+            .collect()
+    }
+
+    /// The table goes with this operation: its last attachment leaves and none is added.
+    fn deletes_table(&self) -> bool {
+        self.delete_table.is_some() && self.changes.values().all(|change| change.after.is_none())
+    }
+
+    /// After a refused transaction: an attachment whose interface is gone holding a hostPort
+    /// this operation claims.
+    fn stale_holder(&self) -> Result<Option<u64>, BackendError> {
+        let Some(listing) = Listing::read()? else {
+            return Ok(None);
+        };
+        let leaving = self.leaving();
+        for (owner, change) in &self.changes {
+            for mapping in change.after.iter().flat_map(|record| &record.mappings) {
+                for (holder, _, _) in listing.holders_of(*owner, mapping)? {
+                    let chain = record_chain(holder);
+                    if leaving.contains(&holder) || !listing.has_chain(&chain) {
+                        continue;
+                    }
+                    if netlink::link_by_name(&listing.record(&chain)?.host).is_err() {
+                        return Ok(Some(holder));
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
     /// After a refused transaction: error 100 for a hostPort this operation claims that
     /// another attachment holds.
     fn holder_error(&self) -> Result<Option<BackendError>, BackendError> {
@@ -380,7 +430,7 @@ impl NftablesBackend {
         };
         for (owner, change) in &self.changes {
             for mapping in change.after.iter().flat_map(|record| &record.mappings) {
-                if let Some(error) = listing.overlap_error(*owner, mapping)? {
+                if let Some(error) = listing.overlap_error(*owner, mapping, &self.leaving())? {
                     return Ok(Some(error));
                 }
             }
@@ -426,17 +476,42 @@ impl Backend for NftablesBackend {
         if refused(&applied, "No such file or directory") {
             applied = self.apply_from_listing();
         }
+        // A hostPort held by an attachment whose interface is gone is reclaimed, as many as
+        // there are, before a holder is named.
+        while refused(&applied, "File exists") {
+            let Some(stale) = self.stale_holder()? else {
+                break;
+            };
+            super::remove_attachment(self, stale)?;
+            let specific = if self.needs_specific() {
+                Listing::read_specific()?
+            } else {
+                None
+            };
+            applied = nft::apply(self.batch(Batch::new(), specific.as_ref())?)
+                .map_err(BackendError::from);
+        }
         if refused(&applied, "File exists")
             && let Some(holder) = self.holder_error()?
         {
             return Err(holder);
         }
         applied?;
-        if let Some((bridges, localnet)) = self.delete_table.take() {
+        let deleted_table = self.deletes_table();
+        if let Some((bridges, localnet)) = self.delete_table.take()
+            && deleted_table
+        {
             host::restore(&bridges, &localnet);
         }
-        let changed = self.changed_mappings();
-        if !changed.is_empty() {
+        // As the reference portmap: datagram flows that met a hostPort before it was there
+        // (or while it led elsewhere) would otherwise keep their old fate; a TCP connection
+        // does not outlive its endpoints.
+        let changed: Vec<ResolvedMapping> = self
+            .changed_mappings()
+            .into_iter()
+            .filter(|mapping| mapping.protocol != Protocol::Tcp)
+            .collect();
+        if !changed.is_empty() && conntrack::tracking_any() {
             let addresses = host_addresses();
             if let Err(error) = conntrack::forget(&changed, &addresses) {
                 // The change is in; connections that would have gone age out instead.

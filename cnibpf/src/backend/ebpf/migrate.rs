@@ -1,0 +1,235 @@
+//! Pinned state of the previous layout, migrated in place, under the instance lock, while
+//! its pods keep running.
+//!
+//! Layout 6 → 7: `owners` gained the pod and `endpoints` the interface pods' hairpin enters by
+//! and flags; `port_conditions` is new; a container's interface was hooked by cls_bpf filters
+//! on its clsact qdisc, now by tcx links. Every other map keeps its type, so the new programs
+//! take them over as they are — flows, translations, counters and all. The steps, each one
+//! safe to run again after a crash at any point:
+//!
+//! 1. the two changed maps' pins move aside, into `layout-6-maps/` (bpffs renames in place; the
+//!    running programs hold the maps, not their pins; bpffs takes no dot in a name);
+//! 2. the new object loads beside the rest, creating the new maps and pinning its programs;
+//! 3. every entry of the old `owners` and `endpoints` is converted into the new ones;
+//! 4. every pinned link (uplinks, cgroup) moves to the new programs, atomically each, and every
+//!    container interface gets its tcx links before its old filters go;
+//! 5. the layout stamp says 7; `layout-6-maps/` goes.
+//!
+//! A run that finds `layout-6-maps/` resumes at 2; one that finds the stamp at 7 with
+//! `layout-6-maps/` still there only removes it.
+
+use std::{fs, path::Path};
+
+use aya::maps::{Array, HashMap, Map, MapData};
+use cnibpf_common::{
+    endpoint::{self, EndpointInfo},
+    layout::{self, LayoutInfo},
+    owner::{self, IFNAME_LEN, NAME_LEN, OwnerInfo},
+};
+
+use super::{
+    EbpfBackend, map_error,
+    pins::{load_object, object_id, relink},
+};
+use crate::{
+    backend::BackendError,
+    netlink::{self, TcFilterSlot},
+    paths::PinLayout,
+};
+
+/// The layout this build migrates from.
+pub const FROM: u32 = 6;
+
+/// Layout 6's `owners` value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct OwnerInfoV6 {
+    network: [u8; NAME_LEN],
+    container_id: [u8; NAME_LEN],
+    ifname: [u8; IFNAME_LEN],
+    host_ifname: [u8; IFNAME_LEN],
+    host_ifindex: u32,
+    port_count: u32,
+}
+const _: () = assert!(size_of::<OwnerInfoV6>() == 552);
+// SAFETY: repr(C), integers and byte arrays only, no padding (asserted size).
+unsafe impl aya::Pod for OwnerInfoV6 {}
+
+/// Layout 6's `endpoints` value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct EndpointInfoV6 {
+    gateway_v6: [u8; 16],
+    owner: u64,
+    gateway_v4: [u8; 4],
+    container_mac: [u8; 6],
+    gateway_mac: [u8; 6],
+}
+const _: () = assert!(size_of::<EndpointInfoV6>() == 40);
+// SAFETY: as above.
+unsafe impl aya::Pod for EndpointInfoV6 {}
+
+/// The maps whose types changed since layout 6.
+const CHANGED: [&str; 2] = [owner::MAP_NAME, endpoint::MAP_NAME];
+
+/// Layout 6's container hooks: a cls_bpf filter in this slot of clsact ingress and egress.
+const LEGACY_FILTER: TcFilterSlot = TcFilterSlot {
+    priority: 0xcb1f,
+    handle: 1,
+};
+
+/// Removes layout 6's filters from an interface, and the clsact qdisc they were on once
+/// nothing else is (left behind, it would read as someone shaping the interface).
+fn unhook_legacy(ifindex: u32) -> Result<(), netlink::NetlinkError> {
+    for egress in [false, true] {
+        netlink::delete_filter(ifindex, LEGACY_FILTER, egress)?;
+    }
+    if !netlink::clsact_has_filters(ifindex)? {
+        netlink::delete_clsact(ifindex)?;
+    }
+    Ok(())
+}
+
+/// Whether something besides layout 6's clsact shapes the interface.
+fn shaped(ifindex: u32) -> bool {
+    netlink::added_qdiscs(ifindex).is_ok_and(|kinds| kinds.iter().any(|kind| kind != "clsact"))
+}
+
+/// Where the changed maps' old pins wait while the migration runs.
+pub fn aside(pins: &PinLayout) -> std::path::PathBuf {
+    pins.root().join(format!("layout-{FROM}-maps"))
+}
+
+/// Migrates `pins` from layout 6 (see the module's steps).
+pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
+    let aside = aside(pins);
+    let pin_error = |action: String| {
+        move |source: std::io::Error| BackendError::Pin {
+            action,
+            source: Box::new(source),
+        }
+    };
+    fs::create_dir_all(&aside)
+        .map_err(pin_error(format!("could not create {}", aside.display())))?;
+    for name in CHANGED {
+        let old = aside.join(name);
+        if !old.exists() {
+            fs::rename(pins.map(name), &old)
+                .map_err(pin_error(format!("could not move map {name} aside")))?;
+        }
+    }
+    load_object(pins, false)?;
+    let mut backend = EbpfBackend::open_maps(pins)?;
+    backend.convert(&aside)?;
+    relink(pins)?;
+    backend.rehook_endpoints()?;
+    stamp(pins)?;
+    fs::remove_dir_all(&aside).map_err(pin_error(format!("could not remove {}", aside.display())))
+}
+
+/// Removes what a migration that stamped the new layout left behind.
+pub fn finish(pins: &PinLayout) {
+    let aside = aside(pins);
+    if aside.exists() {
+        let _ = fs::remove_dir_all(aside);
+    }
+}
+
+fn stamp(pins: &PinLayout) -> Result<(), BackendError> {
+    let path = pins.map(layout::MAP_NAME);
+    let error = |source| BackendError::Map {
+        action: format!("could not stamp {}", path.display()),
+        source: Box::new(source),
+    };
+    let data = MapData::from_pin(&path).map_err(error)?;
+    let mut array: Array<MapData, LayoutInfo> =
+        Array::try_from(Map::from_map_data(data).map_err(error)?).map_err(error)?;
+    array
+        .set(0, &LayoutInfo::current(object_id()), 0)
+        .map_err(error)
+}
+
+fn open_old<K: aya::Pod, V: aya::Pod>(path: &Path) -> Result<HashMap<MapData, K, V>, BackendError> {
+    let error = |source| BackendError::Map {
+        action: format!("could not open the old map {}", path.display()),
+        source: Box::new(source),
+    };
+    let data = MapData::from_pin(path).map_err(error)?;
+    HashMap::try_from(Map::from_map_data(data).map_err(error)?).map_err(error)
+}
+
+impl EbpfBackend {
+    /// Step 3: every old `owners` and `endpoints` entry into the new maps (written again
+    /// when a resumed run meets it twice).
+    fn convert(&mut self, aside: &Path) -> Result<(), BackendError> {
+        let old_owners = open_old::<u64, OwnerInfoV6>(&aside.join(owner::MAP_NAME))?;
+        for entry in old_owners.iter() {
+            let (id, old) = entry.map_err(map_error("could not read the old map owners"))?;
+            let info = OwnerInfo {
+                network: old.network,
+                container_id: old.container_id,
+                ifname: old.ifname,
+                host_ifname: old.host_ifname,
+                host_ifindex: old.host_ifindex,
+                port_count: old.port_count,
+                ..OwnerInfo::default()
+            };
+            self.owners
+                .insert(&id, &info, 0)
+                .map_err(map_error("could not write map owners"))?;
+        }
+        let old_endpoints = open_old::<u32, EndpointInfoV6>(&aside.join(endpoint::MAP_NAME))?;
+        for entry in old_endpoints.iter() {
+            let (ifindex, old) =
+                entry.map_err(map_error("could not read the old map endpoints"))?;
+            // Where its routed traffic enters the host: its bridge, else itself.
+            let gateway_ifindex = netlink::link_by_index(ifindex)
+                .ok()
+                .and_then(|link| link.master)
+                .unwrap_or(ifindex);
+            let info = EndpointInfo {
+                gateway_v6: old.gateway_v6,
+                owner: old.owner,
+                gateway_v4: old.gateway_v4,
+                container_mac: old.container_mac,
+                gateway_mac: old.gateway_mac,
+                // Layout 6 knew no `snat: false`. Its own clsact qdisc goes in step 4; any
+                // other qdisc is shaping (as an ADD would find it).
+                flags: if shaped(ifindex) {
+                    endpoint::FLAG_VIA_STACK
+                } else {
+                    0
+                },
+                gateway_ifindex,
+            };
+            self.endpoints
+                .insert(&ifindex, &info, 0)
+                .map_err(map_error("could not write map endpoints"))?;
+        }
+        Ok(())
+    }
+
+    /// Step 4 for containers: each live interface gets its tcx links, then loses its old
+    /// filters (for a moment both run: the new programs pass on what is not cnibpf's, the old
+    /// ones then find nothing of theirs either).
+    fn rehook_endpoints(&self) -> Result<(), BackendError> {
+        for entry in self.owners.iter() {
+            let (owner, info) = entry.map_err(map_error("could not read map owners"))?;
+            let live = netlink::link_by_index(info.host_ifindex)
+                .is_ok_and(|link| link.name == super::owner::read_name(&info.host_ifname));
+            if !live {
+                // Gone with its pod: DEL or a reclaim removes the rest.
+                continue;
+            }
+            self.hook_endpoint(owner, info.host_ifindex)?;
+            unhook_legacy(info.host_ifindex).map_err(|source| BackendError::Pin {
+                action: format!(
+                    "could not remove the old filters of interface {}",
+                    info.host_ifindex
+                ),
+                source: Box::new(source),
+            })?;
+        }
+        Ok(())
+    }
+}

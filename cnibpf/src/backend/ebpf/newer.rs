@@ -1,0 +1,412 @@
+//! Pinned state of a newer layout, met after a downgrade. This build cannot read that layout's
+//! maps, so it adds no attachment to it — but DEL must keep working (a runtime retries a
+//! failed DEL for ever, and its pod stays Terminating). What every layout keeps (see
+//! `cnibpf_common::layout`) is enough to release an attachment:
+//!
+//! - its interface's links are unpinned, so its hooks go at once;
+//! - its `owners` entry is marked released (interface index 0, never a live interface): the
+//!   newer cnibpf, when it comes back, reclaims the rest as it reclaims a vanished pod's;
+//! - once no attachment with a live interface is left, the whole state goes (links, programs,
+//!   maps), and this build starts afresh at its own layout with the next ADD.
+
+use std::{
+    fs, io,
+    os::fd::{AsFd as _, AsRawFd as _},
+    path::Path,
+};
+
+use aya::maps::MapData;
+use cnibpf_common::owner::{
+    self, HOST_IFINDEX_OFFSET, HOST_IFNAME_OFFSET, IFNAME_LEN, NAME_LEN, STABLE_PREFIX,
+};
+
+use super::{owner::read_name, pins::remove_pin};
+use crate::{
+    backend::{
+        AttachmentRecord, Backend, BackendError, Endpoint, Endpoints, Filter, FilterRecord,
+        Filtering, Inspect, Masquerade, MasqueradeRecord, Masquerading, PortMappings,
+        UplinkAddresses, is_stale,
+    },
+    model::{Attachment, ResolvedMapping},
+    netlink::Link,
+    paths::PinLayout,
+};
+
+/// The eBPF state of layout `found` (newer than this build's), for DEL and GC only.
+pub struct NewerLayout {
+    pins: PinLayout,
+    found: u32,
+    /// `None` when the state has no `owners` map (a load that died before creating it): no
+    /// attachment at all.
+    owners: Option<RawMap>,
+}
+
+impl NewerLayout {
+    pub fn open(pins: &PinLayout, found: u32) -> Result<Self, BackendError> {
+        let path = pins.map(owner::MAP_NAME);
+        let owners = if path.exists() {
+            Some(RawMap::open(&path).map_err(|source| BackendError::Pin {
+                action: format!("could not open map {} of layout v{found}", owner::MAP_NAME),
+                source: Box::new(source),
+            })?)
+        } else {
+            None
+        };
+        if let Some(owners) = &owners
+            && (owners.key_size != size_of::<u64>() || owners.value_size < STABLE_PREFIX)
+        {
+            return Err(BackendError::ForeignState {
+                path: pins.root().to_owned(),
+                reason: format!(
+                    "its map {} of layout v{found} has {}-byte keys and {}-byte values, not what every layout keeps",
+                    owner::MAP_NAME,
+                    owners.key_size,
+                    owners.value_size
+                ),
+            });
+        }
+        Ok(Self {
+            pins: pins.clone(),
+            found,
+            owners,
+        })
+    }
+
+    fn refused(&self) -> BackendError {
+        BackendError::NewerState {
+            path: self.pins.root().to_owned(),
+            found: self.found,
+        }
+    }
+
+    fn map_error(&self, action: &str) -> impl Fn(io::Error) -> BackendError {
+        let action = format!(
+            "could not {action} map {} of layout v{}",
+            owner::MAP_NAME,
+            self.found
+        );
+        move |source| BackendError::Pin {
+            action: action.clone(),
+            source: Box::new(source),
+        }
+    }
+
+    /// Every attachment not released yet, read from the prefix every layout keeps.
+    fn records(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
+        let mut records = Vec::new();
+        let Some(owners) = &self.owners else {
+            return Ok(records);
+        };
+        for key in owners.keys().map_err(self.map_error("list"))? {
+            let Some(value) = owners.get(&key).map_err(self.map_error("read"))? else {
+                continue;
+            };
+            let record = record_of(&key, &value);
+            if record.host_ifindex != RELEASED {
+                records.push(record);
+            }
+        }
+        Ok(records)
+    }
+
+    /// Removes everything once no attachment has a live interface: nothing uses the state.
+    fn remove_if_unused(&self) -> Result<(), BackendError> {
+        if self.records()?.iter().any(|record| !is_stale(record)) {
+            return Ok(());
+        }
+        // Unpinning the links first detaches every hook even if removing the rest fails.
+        let links = self.pins.links_dir();
+        if let Ok(entries) = fs::read_dir(&links) {
+            for entry in entries.filter_map(Result::ok) {
+                remove_pin(&entry.path())?;
+            }
+        }
+        match fs::remove_dir_all(self.pins.root()) {
+            Ok(()) => Ok(()),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(BackendError::Pin {
+                action: format!("could not remove {}", self.pins.root().display()),
+                source: Box::new(source),
+            }),
+        }
+    }
+}
+
+/// `host_ifindex` of a released attachment.
+const RELEASED: u32 = 0;
+
+fn record_of(key: &[u8], value: &[u8]) -> AttachmentRecord {
+    let field = |offset: usize, length: usize| read_name(&value[offset..offset + length]);
+    let mut owner = [0; 8];
+    owner.copy_from_slice(key);
+    let mut ifindex = [0; 4];
+    ifindex.copy_from_slice(&value[HOST_IFINDEX_OFFSET..HOST_IFINDEX_OFFSET + 4]);
+    AttachmentRecord {
+        owner: u64::from_ne_bytes(owner),
+        attachment: Attachment {
+            network: field(0, NAME_LEN),
+            container_id: field(NAME_LEN, NAME_LEN),
+            ifname: field(2 * NAME_LEN, IFNAME_LEN),
+        },
+        pod: None,
+        host_ifname: field(HOST_IFNAME_OFFSET, IFNAME_LEN),
+        host_ifindex: u32::from_ne_bytes(ifindex),
+    }
+}
+
+impl Endpoints for NewerLayout {
+    fn setup_endpoint(&mut self, _: &Endpoint) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    /// Unhooks the attachment and marks its entry released.
+    fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
+        let key = owner.to_ne_bytes();
+        let Some(owners) = &self.owners else {
+            return Ok(());
+        };
+        let Some(mut value) = owners.get(&key).map_err(self.map_error("read"))? else {
+            return Ok(());
+        };
+        for hook in ["from", "to"] {
+            remove_pin(&self.pins.endpoint_link(owner, hook))?;
+        }
+        value[HOST_IFINDEX_OFFSET..HOST_IFINDEX_OFFSET + 4]
+            .copy_from_slice(&RELEASED.to_ne_bytes());
+        owners.set(&key, &value).map_err(self.map_error("write"))
+    }
+
+    fn check_endpoint(&self, _: &Endpoint) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+}
+
+/// The rest of an attachment goes with its endpoint (see the module).
+impl PortMappings for NewerLayout {
+    fn setup_port_mappings(
+        &mut self,
+        _: &Endpoint,
+        _: &[ResolvedMapping],
+    ) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn teardown_port_mappings(&mut self, _: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn check_port_mappings(&self, _: &Endpoint, _: &[ResolvedMapping]) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    /// Which hostPorts a newer layout holds is unknown here: an ADD served by another
+    /// backend is refused rather than risk a conflict.
+    fn holder_of(&self, _: u64, _: &ResolvedMapping) -> Result<Option<u64>, BackendError> {
+        Err(self.refused())
+    }
+}
+
+impl Masquerading for NewerLayout {
+    fn setup_masquerade(
+        &mut self,
+        _: &Endpoint,
+        _: Option<&Masquerade>,
+    ) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn teardown_masquerade(&mut self, _: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn check_masquerade(&self, _: &Endpoint, _: Option<&Masquerade>) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn refresh_uplinks(&mut self, _: &[Link]) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+}
+
+impl Filtering for NewerLayout {
+    fn setup_filter(&mut self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn teardown_filter(&mut self, _: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn check_filter(&self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+}
+
+impl Inspect for NewerLayout {
+    fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
+        self.records()
+    }
+
+    fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
+        Err(self.refused())
+    }
+}
+
+impl Backend for NewerLayout {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    /// The newer cnibpf's flows are its own to expire.
+    fn sweep_expired(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<(), BackendError> {
+        self.remove_if_unused()
+    }
+}
+
+/// A pinned hash map read and written as bytes, for a layout this build has no types for.
+struct RawMap {
+    data: MapData,
+    key_size: usize,
+    value_size: usize,
+    max_entries: usize,
+}
+
+/// `bpf(2)` commands on map elements (`enum bpf_cmd`).
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+
+/// The map-element member of `union bpf_attr`.
+#[repr(C)]
+struct ElementAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    /// The value, or the next key for `BPF_MAP_GET_NEXT_KEY`.
+    value: u64,
+    flags: u64,
+}
+
+impl RawMap {
+    fn open(path: &Path) -> io::Result<Self> {
+        let data = MapData::from_pin(path).map_err(io::Error::other)?;
+        let info = data.info().map_err(io::Error::other)?;
+        Ok(Self {
+            key_size: info.key_size() as usize,
+            value_size: info.value_size() as usize,
+            max_entries: info.max_entries() as usize,
+            data,
+        })
+    }
+
+    fn call(&self, command: libc::c_long, key: *const u8, value: *mut u8) -> io::Result<()> {
+        let attr = ElementAttr {
+            map_fd: self.data.fd().as_fd().as_raw_fd() as u32,
+            _pad: 0,
+            key: key as u64,
+            value: value as u64,
+            flags: 0,
+        };
+        // SAFETY: `attr` is a valid bpf_attr prefix for the element commands; `key` and
+        // `value` point at buffers of the map's key and value sizes (checked by the callers).
+        let outcome = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                command,
+                &raw const attr,
+                size_of::<ElementAttr>(),
+            )
+        };
+        if outcome < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+
+    fn keys(&self) -> io::Result<Vec<Vec<u8>>> {
+        let mut keys: Vec<Vec<u8>> = Vec::new();
+        // Bounded: a key removed meanwhile would restart the walk from the first.
+        while keys.len() <= self.max_entries {
+            let mut next = vec![0; self.key_size];
+            let current = keys.last().map_or(std::ptr::null(), |key| key.as_ptr());
+            match self.call(BPF_MAP_GET_NEXT_KEY, current, next.as_mut_ptr()) {
+                Ok(()) => keys.push(next),
+                Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(keys),
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(keys)
+    }
+
+    fn get(&self, key: &[u8]) -> io::Result<Option<Vec<u8>>> {
+        assert_eq!(key.len(), self.key_size, "key of the map's size");
+        let mut value = vec![0; self.value_size];
+        match self.call(BPF_MAP_LOOKUP_ELEM, key.as_ptr(), value.as_mut_ptr()) {
+            Ok(()) => Ok(Some(value)),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(error) => Err(error),
+        }
+    }
+
+    fn set(&self, key: &[u8], value: &[u8]) -> io::Result<()> {
+        assert!(
+            key.len() == self.key_size && value.len() == self.value_size,
+            "key and value of the map's sizes"
+        );
+        self.call(BPF_MAP_UPDATE_ELEM, key.as_ptr(), value.as_ptr().cast_mut())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cnibpf_common::owner::OwnerInfo;
+
+    use super::*;
+    use crate::backend::ebpf::owner::owner_info;
+
+    #[test]
+    fn a_longer_value_of_a_newer_layout_reads_by_the_stable_prefix() {
+        let attachment = Attachment::new("mynet", "0123456789abcdef", "eth0");
+        let host = Link {
+            index: 42,
+            name: "veth0a1b2c3d".to_owned(),
+            kind: None,
+            peer_index: None,
+            master: None,
+            mac: None,
+        };
+        let info = owner_info(&attachment, &host, None);
+        // SAFETY: OwnerInfo is repr(C) plain bytes (it is aya::Pod).
+        let bytes = unsafe {
+            std::slice::from_raw_parts((&raw const info).cast::<u8>(), size_of::<OwnerInfo>())
+        };
+        let mut newer = bytes.to_vec();
+        newer.extend([0xee; 64]);
+        let record = record_of(&attachment.owner_id().to_ne_bytes(), &newer);
+        assert_eq!(record.owner, attachment.owner_id());
+        assert_eq!(record.attachment, attachment);
+        assert_eq!(record.host_ifname, "veth0a1b2c3d");
+        assert_eq!(record.host_ifindex, 42);
+    }
+}

@@ -1,0 +1,260 @@
+//! Table `inet cnibpf` of another layout: an older cnibpf's (tables are not migrated) or a
+//! newer one's (a downgrade). This build adds nothing to it, but DEL and GC must keep working
+//! (a runtime retries a failed DEL for ever). Every layout keeps an attachment's parts findable
+//! the same way: elements whose comment is its `<network>/<ifname>/<container id>`, chains
+//! whose name holds its owner id in hex, and its host interface as an element of
+//! `attachments`. That is enough to remove an attachment whole; with the last one the table
+//! goes, and this build starts afresh at its own layout with the next ADD.
+
+use std::collections::BTreeSet;
+
+use nftables::{batch::Batch, expr::Expression, schema::NfListObject};
+
+use super::{NftablesError, host, listing::Listing, nft, parse_owner};
+use crate::{
+    backend::{
+        AttachmentRecord, Backend, BackendError, Endpoint, Endpoints, Filter, FilterRecord,
+        Filtering, Inspect, Masquerade, MasqueradeRecord, Masquerading, PortMappings,
+        UplinkAddresses,
+    },
+    model::ResolvedMapping,
+    netlink::{self, Link},
+};
+
+pub struct OtherLayout {
+    /// The table's comment (empty for the first layout, which had none).
+    found: String,
+    listing: Listing,
+    /// Owners whose parts this operation removes.
+    leaving: BTreeSet<u64>,
+}
+
+impl OtherLayout {
+    pub fn open(found: String) -> Result<Self, BackendError> {
+        Ok(Self {
+            found,
+            listing: Listing::read()?.unwrap_or_default(),
+            leaving: BTreeSet::new(),
+        })
+    }
+
+    fn refused(&self) -> BackendError {
+        NftablesError::Layout {
+            found: self.found.clone(),
+        }
+        .into()
+    }
+
+    /// Every owner text in the table, with its attachment's owner id.
+    fn owners(&self) -> Vec<(u64, String)> {
+        let texts: BTreeSet<&str> = self.listing.element_comments().collect();
+        texts
+            .into_iter()
+            .filter_map(|text| Some((parse_owner(text)?.owner_id(), text.to_owned())))
+            .collect()
+    }
+
+    fn owner_text(&self, owner: u64) -> Option<String> {
+        self.owners()
+            .into_iter()
+            .find_map(|(id, text)| (id == owner).then_some(text))
+    }
+
+    fn host_interface(&self, owner_text: &str) -> Option<String> {
+        self.listing
+            .owned_by(owner_text)
+            .find_map(|(set, element)| match (&element.key, set) {
+                (Expression::String(name), "attachments") => Some(name.to_string()),
+                _ => None,
+            })
+    }
+
+    /// Deletes the parts of every leaving owner, or the whole table once no owner is left.
+    fn batch(&self) -> Batch<'static> {
+        let mut batch = Batch::new();
+        let staying = self
+            .owners()
+            .into_iter()
+            .any(|(owner, _)| !self.leaving.contains(&owner));
+        if !staying {
+            // The interface settings it switched on are switched off after it, in `commit`.
+            batch.delete(NfListObject::Table(nftables::schema::Table {
+                family: nft::FAMILY,
+                name: nft::TABLE.into(),
+                handle: None,
+            }));
+            return batch;
+        }
+        for owner in &self.leaving {
+            let Some(text) = self.owner_text(*owner) else {
+                continue;
+            };
+            for (set, element) in self.listing.owned_by(&text) {
+                batch.delete(nft::elements(set, vec![element.key.clone()]));
+            }
+            let id = format!("{owner:016x}");
+            for chain in self.listing.chain_names().filter(|name| name.contains(&id)) {
+                batch.delete(nft::chain(chain));
+            }
+        }
+        batch
+    }
+}
+
+impl Endpoints for OtherLayout {
+    fn setup_endpoint(&mut self, _: &Endpoint) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    /// The attachment leaves whole with the commit.
+    fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
+        if self.owner_text(owner).is_some() {
+            self.leaving.insert(owner);
+        }
+        Ok(())
+    }
+
+    fn check_endpoint(&self, _: &Endpoint) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+}
+
+/// The rest of an attachment leaves with its endpoint (see the module).
+impl PortMappings for OtherLayout {
+    fn setup_port_mappings(
+        &mut self,
+        _: &Endpoint,
+        _: &[ResolvedMapping],
+    ) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn teardown_port_mappings(&mut self, _: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn check_port_mappings(&self, _: &Endpoint, _: &[ResolvedMapping]) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    /// Which hostPorts another layout holds is not known here: an ADD served by the other
+    /// backend is refused rather than risk a conflict.
+    fn holder_of(&self, _: u64, _: &ResolvedMapping) -> Result<Option<u64>, BackendError> {
+        Err(self.refused())
+    }
+}
+
+impl Masquerading for OtherLayout {
+    fn setup_masquerade(
+        &mut self,
+        _: &Endpoint,
+        _: Option<&Masquerade>,
+    ) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn teardown_masquerade(&mut self, _: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn check_masquerade(&self, _: &Endpoint, _: Option<&Masquerade>) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn refresh_uplinks(&mut self, _: &[Link]) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+}
+
+impl Filtering for OtherLayout {
+    fn setup_filter(&mut self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn teardown_filter(&mut self, _: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn check_filter(&self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+}
+
+impl Inspect for OtherLayout {
+    fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
+        Ok(self
+            .owners()
+            .into_iter()
+            .filter(|(owner, _)| !self.leaving.contains(owner))
+            .filter_map(|(owner, text)| {
+                let host_ifname = self.host_interface(&text).unwrap_or_default();
+                let host_ifindex = netlink::link_by_name(&host_ifname).map_or(0, |link| link.index);
+                Some(AttachmentRecord {
+                    owner,
+                    attachment: parse_owner(&text)?,
+                    pod: None,
+                    host_ifname,
+                    host_ifindex,
+                })
+            })
+            .collect())
+    }
+
+    fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
+        Err(self.refused())
+    }
+}
+
+impl Backend for OtherLayout {
+    fn name(&self) -> &'static str {
+        "nftables"
+    }
+
+    /// The kernel's conntrack expires what the table's rules made.
+    fn sweep_expired(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn commit(&mut self) -> Result<(), BackendError> {
+        if self.leaving.is_empty() {
+            return Ok(());
+        }
+        let settings = ["filtered_bridges", "localnet_interfaces"].map(|set| {
+            self.listing
+                .elements(set)
+                .iter()
+                .filter_map(|element| match &element.key {
+                    Expression::String(name) => Some(name.to_string()),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        });
+        nft::apply(self.batch())?;
+        if host::table_comment()
+            .map_err(NftablesError::Netlink)?
+            .is_none()
+        {
+            let [bridges, localnet] = settings;
+            host::restore(&bridges, &localnet);
+        }
+        self.leaving.clear();
+        self.listing = Listing::read()?.unwrap_or_default();
+        Ok(())
+    }
+}

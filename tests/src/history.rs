@@ -1,0 +1,78 @@
+//! cnibpf as an earlier commit of this repository built it, for tests that meet the state an
+//! older release left behind (a live upgrade). Built from the repository's own history, once
+//! per commit, into `target/history/<commit>`.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Instant,
+};
+
+/// The debug cnibpf binary of `commit`, building it first if need be. Needs the full history
+/// (a shallow clone lacks the commit: `git fetch --unshallow`).
+pub fn cnibpf_of(commit: &str) -> PathBuf {
+    let repository = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate lives in the workspace");
+    let tree = repository.join("target/history").join(commit);
+    let binary = tree.join("target/debug/cnibpf");
+    let built = tree.join(".built");
+    if built.exists() && binary.exists() {
+        return binary;
+    }
+    let _ = std::fs::remove_dir_all(&tree);
+    std::fs::create_dir_all(&tree)
+        .unwrap_or_else(|error| panic!("create {}: {error}", tree.display()));
+    let started = Instant::now();
+    eprintln!("building cnibpf of commit {commit} in {}", tree.display());
+    let mut archive = Command::new("git")
+        .arg("-C")
+        .arg(repository)
+        .args(["archive", "--format=tar", commit])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run git archive");
+    let unpacked = Command::new("tar")
+        .arg("-x")
+        .arg("-C")
+        .arg(&tree)
+        .stdin(archive.stdout.take().expect("git archive's output"))
+        .status()
+        .expect("run tar");
+    let archived = archive.wait().expect("wait for git archive");
+    assert!(
+        archived.success() && unpacked.success(),
+        "could not unpack commit {commit} of {} (a shallow clone lacks it: git fetch --unshallow)",
+        repository.display()
+    );
+    // The commit's own xtask builds it with the toolchains it names; nothing of the cargo that
+    // runs this test (its toolchain, target directory, flags) may leak into that build.
+    let mut build = Command::new("cargo");
+    build
+        .args(["run", "--quiet", "--package", "xtask", "--", "build"])
+        .current_dir(&tree);
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let leaks = (name.starts_with("CARGO") && name != "CARGO_HOME")
+            || name.starts_with("RUSTC")
+            || name.starts_with("RUSTDOC")
+            || name == "RUSTFLAGS"
+            || name == "RUSTUP_TOOLCHAIN";
+        if leaks {
+            build.env_remove(&*name);
+        }
+    }
+    let output = build.output().expect("run cargo xtask build");
+    assert!(
+        output.status.success(),
+        "building commit {commit} failed:\n{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    std::fs::write(&built, commit).expect("mark the build done");
+    eprintln!(
+        "built cnibpf of commit {commit} in {:.0}s",
+        started.elapsed().as_secs_f64()
+    );
+    binary
+}

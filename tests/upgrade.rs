@@ -1,0 +1,441 @@
+//! Live upgrade across datapath layouts, with a real older cnibpf: commit 5da8470 (eBPF layout
+//! 6, container interfaces hooked by cls_bpf filters; nftables table layout 1), built from this
+//! repository's history. A
+//! node upgrades while its pods run, and its connections, translations, filters and counters
+//! live on; DEL works across layouts in both directions; a migration killed at any point is
+//! completed by the next run.
+//!
+//! One test, run in phases: the simulated hosts run the cnibpf binary installed at one path,
+//! replaced in place as an upgrade replaces it.
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use cnibpf_common::layout::{LayoutInfo, MAGIC};
+use cnibpf_tests::{
+    Container, SimHost, chain, eventually, history,
+    topology::{OUTSIDE_ADDR, cnibpf_binary, port_mappings},
+    traffic::{
+        Conversation, StreamEchoServer, TcpServer, UdpCounter, UdpSender, UdpServer, tcp_request,
+        udp_exchange_from,
+    },
+};
+use serde_json::{Value, json};
+
+/// The last commit of layout 6.
+const LAYOUT_6: &str = "5da8470";
+const WAIT: Duration = Duration::from_secs(3);
+
+/// The plugin binary the simulated hosts run, replaced in place as an upgrade replaces it.
+struct Installed {
+    path: PathBuf,
+}
+
+impl Installed {
+    fn at(path: PathBuf, binary: &Path) -> Self {
+        let directory = path.parent().expect("a file path");
+        std::fs::create_dir_all(directory)
+            .unwrap_or_else(|error| panic!("create {}: {error}", directory.display()));
+        let installed = Self { path };
+        installed.put(binary);
+        installed
+    }
+
+    /// Replaces the installed binary with `binary` (renamed over it: a running one keeps its
+    /// file).
+    fn put(&self, binary: &Path) {
+        let staged = self.path.with_extension("new");
+        std::fs::copy(binary, &staged).unwrap_or_else(|error| {
+            panic!("copy {} to {}: {error}", binary.display(), staged.display())
+        });
+        std::fs::rename(&staged, &self.path)
+            .unwrap_or_else(|error| panic!("install {}: {error}", self.path.display()));
+    }
+}
+
+/// What a pod of the older cnibpf has going when the node upgrades: a hostPort TCP connection
+/// from outside, a masqueraded TCP connection and UDP flow to outside, a stream of datagrams
+/// to a UDP hostPort, and a port its filter drops.
+struct LivePod {
+    container: Container,
+    inbound: Conversation,
+    outbound: Conversation,
+    stream: UdpSender,
+    received: UdpCounter,
+    outside_udp: UdpServer,
+    _servers: (StreamEchoServer, StreamEchoServer, UdpServer, TcpServer),
+}
+
+const POD_KEYS: fn() -> Value = || {
+    json!({ "backend": "ebpf", "ipMasq": true, "filter": [
+        { "index": 1, "direction": "ingress", "proto": "tcp", "dport": 81, "target": "DROP" },
+    ]})
+};
+const OUTSIDE_TCP: u16 = 7000;
+const OUTSIDE_UDP: u16 = 7001;
+/// The source port of the pod's masqueraded UDP flow and of the outside's UDP hostPort client.
+const UDP_SOURCE: u16 = 40_053;
+
+impl LivePod {
+    fn start(sim: &SimHost) -> Self {
+        sim.route_outside_to_containers();
+        let container = sim.container(
+            "c1",
+            port_mappings(&[(8080, 80, "tcp"), (5353, 53, "udp"), (5354, 54, "udp")]),
+        );
+        let outside = |port| SocketAddr::new(OUTSIDE_ADDR.into(), port);
+        let servers = (
+            StreamEchoServer::start(&container.netns, container.socket(80)),
+            StreamEchoServer::start(&sim.outside, outside(OUTSIDE_TCP)),
+            UdpServer::start(&container.netns, container.socket(53), "c1"),
+            TcpServer::start(&container.netns, container.socket(81), "c1"),
+        );
+        let outside_udp = UdpServer::start(&sim.outside, outside(OUTSIDE_UDP), "outside");
+        let received = UdpCounter::start(&container.netns, container.socket(54));
+        let mut inbound = Conversation::open(&sim.outside, sim.uplink_target(8080))
+            .unwrap_or_else(|error| panic!("connect to hostPort 8080: {error}"));
+        inbound
+            .exchange(b"before", WAIT)
+            .unwrap_or_else(|error| panic!("hostPort exchange: {error}"));
+        let mut outbound = Conversation::open(&container.netns, outside(OUTSIDE_TCP))
+            .unwrap_or_else(|error| panic!("masqueraded connect: {error}"));
+        outbound
+            .exchange(b"before", WAIT)
+            .unwrap_or_else(|error| panic!("masqueraded exchange: {error}"));
+        let stream = UdpSender::start(
+            &sim.outside,
+            vec![sim.uplink_target(5354)],
+            Duration::from_millis(2),
+        );
+        let pod = Self {
+            container,
+            inbound,
+            outbound,
+            stream,
+            received,
+            outside_udp,
+            _servers: servers,
+        };
+        pod.assert_translations(sim, "before");
+        pod
+    }
+
+    /// The UDP flows both ways keep their translation: replies from the hostPort, and the
+    /// pod's datagrams leaving from the address and port they left from before.
+    fn assert_translations(&self, sim: &SimHost, when: &str) {
+        let hostport = sim.uplink_target(5353);
+        let (answer, from) = sim
+            .outside
+            .run(move || udp_exchange_from(UDP_SOURCE, hostport, WAIT))
+            .unwrap_or_else(|error| panic!("{when}: UDP hostPort exchange: {error}"));
+        assert_eq!((answer.as_str(), from), ("c1", hostport), "{when}");
+        let target = SocketAddr::new(OUTSIDE_ADDR.into(), OUTSIDE_UDP);
+        let (answer, from) = self
+            .container
+            .netns
+            .run(move || udp_exchange_from(UDP_SOURCE, target, WAIT))
+            .unwrap_or_else(|error| panic!("{when}: masqueraded UDP exchange: {error}"));
+        assert_eq!((answer.as_str(), from), ("outside", target), "{when}");
+        let peers = self.outside_udp.peers();
+        assert!(
+            peers.iter().all(|peer| *peer == peers[0])
+                && peers[0].ip() == sim.uplink_target(0).ip(),
+            "{when}: the masqueraded flow keeps one translation: {peers:?}"
+        );
+        assert!(
+            tcp_request(&sim.outside, self.container.socket(81)).is_err(),
+            "{when}: the filter drops tcp/81"
+        );
+    }
+
+    /// Both TCP connections carry on, and not one datagram of the stream was lost; the pod,
+    /// for what follows.
+    fn assert_carried_on(mut self, when: &str) -> Container {
+        self.inbound
+            .exchange(b"after", WAIT)
+            .unwrap_or_else(|error| panic!("{when}: the hostPort connection broke: {error}"));
+        self.outbound
+            .exchange(b"after", WAIT)
+            .unwrap_or_else(|error| panic!("{when}: the masqueraded connection broke: {error}"));
+        let sent = self.stream.stop();
+        assert!(
+            eventually(WAIT, || self.received.received() == sent),
+            "{when}: {} of {sent} datagrams to the UDP hostPort arrived",
+            self.received.received()
+        );
+        self.container
+    }
+}
+
+/// Programs on the container's host interface: tcx links only, no cls_bpf filter left.
+fn assert_hooked_by_tcx(sim: &SimHost, container: &Container) {
+    let interface = sim.host_interface(container);
+    assert_eq!(
+        sim.tcx_programs(&interface),
+        ["from_container", "to_container"],
+        "{interface}"
+    );
+    for hook in ["ingress", "egress"] {
+        let filters = sim
+            .host
+            .exec(&["tc", "filter", "show", "dev", &interface, hook]);
+        assert!(filters.trim().is_empty(), "{interface} {hook}: {filters}");
+    }
+}
+
+fn assert_migrated(sim: &SimHost) {
+    assert_eq!(sim.layout_version(), cnibpf_common::layout::VERSION);
+    assert!(
+        !sim.pin_path.join("layout-6-maps").exists(),
+        "the old pins are gone"
+    );
+}
+
+fn layout_bytes(version: u32) -> Vec<u8> {
+    let info = LayoutInfo {
+        magic: MAGIC,
+        version,
+        _pad: 0,
+        object_id: 0,
+    };
+    [
+        info.magic.to_ne_bytes().as_slice(),
+        &info.version.to_ne_bytes(),
+        &info._pad.to_ne_bytes(),
+        &info.object_id.to_ne_bytes(),
+    ]
+    .concat()
+}
+
+fn endpoint_links(sim: &SimHost) -> usize {
+    std::fs::read_dir(sim.pin_path.join("links"))
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter(|entry| entry.file_name().to_string_lossy().starts_with("endpoint-"))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// The new cnibpf's next ADD migrates the state with the pod's traffic flowing; the old
+/// pod passes CHECK and DEL of the new one; then a downgrade: ADD refused, DEL still works,
+/// and the last DEL leaves the node to the older build.
+fn upgrade_then_downgrade(installed: &Installed, old: &Path, new: &Path) {
+    installed.put(old);
+    let sim = SimHost::new("upg", POD_KEYS());
+    let pod = LivePod::start(&sim);
+    assert_eq!(sim.layout_version(), 6, "the older cnibpf made layout 6");
+    let hits = sim.filter_rule_packets(0);
+    assert!(hits > 0, "the DROP rule counted its drops");
+    let flows: Vec<_> = sim
+        .masq_flows()
+        .into_iter()
+        .map(|(key, flow)| (key, flow.nat_addr, flow.nat_port, flow.owner))
+        .collect();
+
+    installed.put(new);
+    let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
+    assert_migrated(&sim);
+    assert_hooked_by_tcx(&sim, &pod.container);
+    assert_hooked_by_tcx(&sim, &c2);
+    assert_eq!(sim.filter_rule_packets(0), hits, "the counters were kept");
+    let flows_after: Vec<_> = sim
+        .masq_flows()
+        .into_iter()
+        .map(|(key, flow)| (key, flow.nat_addr, flow.nat_port, flow.owner))
+        .collect();
+    assert_eq!(
+        flows_after, flows,
+        "the masqueraded flows were kept as they were"
+    );
+    pod.assert_translations(&sim, "after the upgrade");
+    assert!(sim.filter_rule_packets(0) > hits, "the filter counts on");
+    sim.check(&pod.container)
+        .unwrap_or_else(|error| panic!("CHECK of the older ADD's pod: {error}"));
+    let _c2_server = TcpServer::start(&c2.netns, c2.socket(80), "c2");
+    assert_eq!(
+        tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
+        Ok("c2")
+    );
+    let c1 = pod.assert_carried_on("across the upgrade");
+
+    // A downgrade: this build meets the layout of a newer one.
+    sim.write_layout(&layout_bytes(cnibpf_common::layout::VERSION + 1));
+    let refused = sim
+        .add_container("c3", port_mappings(&[]))
+        .expect_err("ADD into a newer layout is refused");
+    assert_eq!(refused.0.error_code(), Some(106), "{refused}");
+    let message = refused.0.error_msg();
+    assert!(
+        message.contains("newer") && message.contains("DEL"),
+        "{message}"
+    );
+    assert!(
+        !message.contains("delete every"),
+        "no advice to delete state: {message}"
+    );
+    assert_eq!(endpoint_links(&sim), 4);
+    sim.del(&c1)
+        .unwrap_or_else(|error| panic!("DEL across a downgrade: {error}"));
+    assert_eq!(endpoint_links(&sim), 2, "c1's hooks went with its DEL");
+    assert_eq!(
+        tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
+        Ok("c2")
+    );
+    sim.del(&c2)
+        .unwrap_or_else(|error| panic!("DEL of the last pod across a downgrade: {error}"));
+    assert!(
+        !sim.pin_path.exists(),
+        "the last DEL removed the newer state"
+    );
+    let c4 = sim.container("c4", port_mappings(&[(8090, 80, "tcp")]));
+    assert_migrated(&sim);
+    let _c4_server = TcpServer::start(&c4.netns, c4.socket(80), "c4");
+    assert_eq!(
+        tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
+        Ok("c4")
+    );
+}
+
+/// The migration, run by `cnibpf gc --stale` (what a DaemonSet runs), killed with SIGKILL
+/// at ever later points until a run completes; the pod's traffic flows all along.
+fn killed_migrations_converge(installed: &Installed, old: &Path, new: &Path) {
+    installed.put(old);
+    let sim = SimHost::new("upk", POD_KEYS());
+    let pod = LivePod::start(&sim);
+    let pin_path = sim.pin_path.display().to_string();
+    let run = |delay: Option<Duration>| {
+        let mut process = Command::new(new);
+        process.args(["gc", "--stale", "--pin-path", &pin_path]);
+        chain::enter_netns_on_exec(&mut process, &sim.host.path());
+        let mut child = process.spawn().expect("run cnibpf gc");
+        if let Some(delay) = delay {
+            std::thread::sleep(delay);
+            let _ = child.kill();
+        }
+        child.wait().expect("wait for cnibpf gc")
+    };
+    // Delays growing by 12% a step (1 ms, 1.1 ms, … 1 s by step 61): kills land all through
+    // a migration of any length, most of them early, where the steps are short.
+    let started = Instant::now();
+    let mut killed = 0;
+    let mut completed_after = None;
+    // Kills that left a migration half done (its old maps set aside).
+    let mut interrupted = 0;
+    for step in 0..100 {
+        let delay = Duration::from_secs_f64(1.12_f64.powi(step) / 1000.0);
+        let run_started = Instant::now();
+        if run(Some(delay)).code() == Some(0) {
+            completed_after = Some(run_started.elapsed());
+            break;
+        }
+        killed += 1;
+        interrupted += usize::from(sim.pin_path.join("layout-6-maps").exists());
+    }
+    let completed_after =
+        completed_after.unwrap_or_else(|| panic!("no run completed in {killed} tries"));
+    assert!(killed >= 10, "only {killed} runs were killed");
+    assert!(
+        interrupted >= 3,
+        "only {interrupted} kills interrupted a migration"
+    );
+    eprintln!(
+        "{killed} migrations killed ({interrupted} half done), the next one completed in {} ms; {:.1}s in all",
+        completed_after.as_millis(),
+        started.elapsed().as_secs_f64()
+    );
+    assert_migrated(&sim);
+    assert_hooked_by_tcx(&sim, &pod.container);
+    pod.assert_translations(&sim, "after the killed migrations");
+    installed.put(new);
+    sim.check(&pod.container)
+        .unwrap_or_else(|error| panic!("CHECK after the killed migrations: {error}"));
+    pod.assert_carried_on("across the killed migrations");
+}
+
+/// nftables tables are not migrated: the new cnibpf adds nothing to the older table, but DEL
+/// removes its pods one by one while the others keep working, and the last DEL leaves the
+/// node to the new layout.
+fn nftables_table_of_an_older_layout_drains(installed: &Installed, old: &Path, new: &Path) {
+    installed.put(old);
+    let keys = json!({ "backend": "nftables", "ipMasq": true, "filter": [
+        { "index": 1, "direction": "ingress", "proto": "tcp", "dport": 81, "target": "DROP" },
+    ]});
+    let sim = SimHost::new("upn", keys);
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let c2 = sim.container("c2", port_mappings(&[(8081, 80, "tcp")]));
+    let _servers = [&c1, &c2].map(|container| {
+        TcpServer::start(
+            &container.netns,
+            container.socket(80),
+            &container.attachment.container_id,
+        )
+    });
+    let ruleset = sim.nft_ruleset();
+    assert!(
+        ruleset.contains("table inet cnibpf {") && !ruleset.contains("cnibpf layout"),
+        "the older cnibpf made an uncommented table:\n{ruleset}"
+    );
+
+    installed.put(new);
+    let refused = sim
+        .add_container("c3", port_mappings(&[(8082, 80, "tcp")]))
+        .expect_err("ADD into a table of another layout is refused");
+    assert_eq!(refused.0.error_code(), Some(106), "{refused}");
+    let message = refused.0.error_msg();
+    assert!(message.contains("DEL and GC remove"), "{message}");
+    assert!(
+        !message.contains("delete every"),
+        "no advice to delete state: {message}"
+    );
+    sim.del(&c1)
+        .unwrap_or_else(|error| panic!("DEL in a table of an older layout: {error}"));
+    let ruleset = sim.nft_ruleset();
+    assert!(
+        !ruleset.contains(&c1.attachment.container_id),
+        "c1 left nothing behind:\n{ruleset}"
+    );
+    assert!(
+        tcp_request(&sim.outside, sim.uplink_target(8080)).is_err(),
+        "c1's hostPort went with it"
+    );
+    assert_eq!(
+        tcp_request(&sim.outside, sim.uplink_target(8081)).as_deref(),
+        Ok(c2.attachment.container_id.as_str()),
+        "c2 is served on"
+    );
+    sim.del(&c2)
+        .unwrap_or_else(|error| panic!("DEL of the last pod of an older table: {error}"));
+    assert!(sim.holds_no_state(), "the last DEL removed the older table");
+    let c4 = sim.container("c4", port_mappings(&[(8080, 80, "tcp")]));
+    assert!(
+        sim.nft_ruleset().contains("cnibpf layout"),
+        "a table of the new layout"
+    );
+    let _c4_server = TcpServer::start(&c4.netns, c4.socket(80), "c4");
+    assert_eq!(
+        tcp_request(&sim.outside, sim.uplink_target(8080)).as_deref(),
+        Ok("c4")
+    );
+}
+
+#[test]
+fn pods_live_on_across_layouts_and_del_works_both_ways() {
+    let new = cnibpf_binary();
+    let old = history::cnibpf_of(LAYOUT_6);
+    let workspace_target = new
+        .parent()
+        .and_then(Path::parent)
+        .expect("the binary lives in target/debug");
+    let installed = Installed::at(workspace_target.join("upgrade/cnibpf"), &old);
+    // SAFETY: the only test of this binary, before it starts any thread.
+    unsafe { std::env::set_var("CNIBPF_BIN", &installed.path) };
+    upgrade_then_downgrade(&installed, &old, &new);
+    killed_migrations_converge(&installed, &old, &new);
+    nftables_table_of_an_older_layout_drains(&installed, &old, &new);
+}
