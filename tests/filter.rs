@@ -828,10 +828,17 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
         )
         .unwrap_or_else(|error| panic!("ADD failed: {error}"));
     let mut json_monitor = start_monitor(&host, true);
-    let mut text_monitor = start_monitor(&host, false);
     let json_lines = monitor_lines(&mut json_monitor);
-    let text_lines = monitor_lines(&mut text_monitor);
-    // The monitors open the ring buffer before the traffic starts.
+    // A ring buffer has one read position: a second reader would take events from the first.
+    let second = start_monitor(&host, false)
+        .wait_with_output()
+        .expect("second monitor");
+    let refusal = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        !second.status.success() && refusal.contains("another cnibpf monitor follows"),
+        "a second monitor is refused: {second:?}"
+    );
+    // The monitor opens the ring buffer before the traffic starts.
     std::thread::sleep(Duration::from_millis(300));
     for family in Family::BOTH {
         let _open = TcpServer::start(&container.netns, family.any(8081), "open");
@@ -869,6 +876,15 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
                 .is_some_and(|time| time.ends_with('Z')),
             "{event}"
         );
+    }
+    interrupt(json_monitor);
+    let mut text_monitor = start_monitor(&host, false);
+    let text_lines = monitor_lines(&mut text_monitor);
+    std::thread::sleep(Duration::from_millis(300));
+    for family in Family::BOTH {
+        let _guarded = TcpServer::start(&container.netns, family.any(8080), "guarded");
+        assert!(tcp_dropped(&host.outside, container.at(family, 8080)));
+        let source = family.outside().to_string();
         let line = first_line_matching(&text_lines, |line| line.contains(&source))
             .unwrap_or_else(|| panic!("no {family:?} drop event from the text monitor"));
         assert!(
@@ -877,12 +893,11 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
             "{line}"
         );
     }
-    interrupt(json_monitor);
     interrupt(text_monitor);
     let filter = inspected_filter(&host, &container);
     assert!(
-        hits(&filter, Some(10)) >= 2,
-        "both families' SYNs: {filter:#}"
+        hits(&filter, Some(10)) >= 4,
+        "both families' SYNs, twice: {filter:#}"
     );
     assert!(
         hits(&filter, None) >= 4,

@@ -20,6 +20,7 @@ use tokio::io::{Interest, unix::AsyncFd};
 
 use crate::{
     backend::{AttachmentRecord, BackendError, Inspect as _, ebpf::EbpfBackend},
+    lock::{InstanceLock, LockError},
     model::{Direction, Target},
     paths::PinLayout,
 };
@@ -30,12 +31,24 @@ pub enum MonitorError {
     NoState(String),
     #[error(transparent)]
     Backend(#[from] BackendError),
+    #[error(
+        "another cnibpf monitor follows the drop events of {0}: each event goes to one reader, stop that one first"
+    )]
+    Busy(String),
+    #[error(transparent)]
+    Lock(#[from] LockError),
     #[error("could not wait for events")]
     Io(#[from] std::io::Error),
 }
 
 pub fn run(pin_path: &Path, as_json: bool) -> Result<(), MonitorError> {
     let pins = PinLayout::new(pin_path);
+    let _reader = match InstanceLock::acquire(&pins.monitor_lock_file(), Duration::ZERO) {
+        Err(LockError::Timeout { .. }) => {
+            return Err(MonitorError::Busy(pin_path.display().to_string()));
+        }
+        other => other?,
+    };
     let backend = EbpfBackend::open_existing(&pins, crate::backend::Access::ReadOnly)?
         .ok_or_else(|| MonitorError::NoState(pin_path.display().to_string()))?;
     let events = backend.drop_events()?;

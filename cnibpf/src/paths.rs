@@ -63,13 +63,21 @@ impl PinLayout {
     /// The lock file serialising changes to this instance. Named after the pin path so that
     /// instances with different `pinPath`s (tests, several networks) never wait on each other.
     pub fn lock_file(&self) -> PathBuf {
-        let name: String = self
-            .root
+        Path::new(LOCK_DIR).join(format!("{}.lock", self.lock_name()))
+    }
+
+    /// The lock file `cnibpf monitor` holds while it follows the instance's drop events: a
+    /// ring buffer has one read position, so a second reader would take events from the first.
+    pub fn monitor_lock_file(&self) -> PathBuf {
+        Path::new(LOCK_DIR).join(format!("{}.monitor.lock", self.lock_name()))
+    }
+
+    fn lock_name(&self) -> String {
+        self.root
             .to_string_lossy()
             .chars()
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-            .collect();
-        Path::new(LOCK_DIR).join(format!("{name}.lock"))
+            .collect()
     }
 }
 

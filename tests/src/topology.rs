@@ -595,6 +595,7 @@ impl Drop for SimHost {
         let _ = std::fs::remove_dir_all(&self.pin_path);
         let _ = std::fs::remove_dir_all(&self.work_dir);
         if let Some(lock_file) = self.try_lock_file() {
+            let _ = std::fs::remove_file(lock_file.with_extension("monitor.lock"));
             let _ = std::fs::remove_file(lock_file);
         }
         let _ = std::fs::remove_dir(&self.cgroup);
