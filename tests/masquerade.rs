@@ -609,13 +609,7 @@ fn del_gc_and_check_manage_the_masquerade_state(backend: Backend) {
         Backend::Nftables => {
             let element = format!("{{ {} }}", kept.address);
             host.host.exec(&[
-                "nft",
-                "delete",
-                "element",
-                "inet",
-                "cnibpf",
-                "masq_sources4",
-                &element,
+                "nft", "delete", "element", "inet", "cnibpf", "nat4", &element,
             ]);
         }
     }

@@ -1,6 +1,6 @@
 //! Live upgrade across datapath layouts, with a real older cnibpf: commit 5da8470 (eBPF layout
-//! 6, container interfaces hooked by cls_bpf filters; nftables table layout 1), built from this
-//! repository's history. A
+//! 6, container interfaces hooked by cls_bpf filters; nftables table layout 1) and commit
+//! 8a7f4ca (nftables layout 2), built from this repository's history. A
 //! node upgrades while its pods run, and its connections, translations, filters and counters
 //! live on; DEL works across layouts in both directions; a migration killed at any point is
 //! completed by the next run.
@@ -18,7 +18,7 @@ use std::{
 use cnibpf_common::layout::{LayoutInfo, MAGIC};
 use cnibpf_tests::{
     Container, SimHost, chain, eventually, history,
-    topology::{OUTSIDE_ADDR, cnibpf_binary, port_mappings},
+    topology::{Backend, OUTSIDE_ADDR, cnibpf_binary, port_mappings},
     traffic::{
         Conversation, StreamEchoServer, TcpServer, UdpCounter, UdpSender, UdpServer, tcp_request,
         udp_exchange_from,
@@ -28,6 +28,8 @@ use serde_json::{Value, json};
 
 /// The last commit of layout 6.
 const LAYOUT_6: &str = "5da8470";
+/// The last commit of nftables layout 2.
+const NFTABLES_LAYOUT_2: &str = "8a7f4ca";
 const WAIT: Duration = Duration::from_secs(3);
 
 /// The plugin binary the simulated hosts run, replaced in place as an upgrade replaces it.
@@ -70,11 +72,13 @@ struct LivePod {
     _servers: (StreamEchoServer, StreamEchoServer, UdpServer, TcpServer),
 }
 
-const POD_KEYS: fn() -> Value = || {
-    json!({ "backend": "ebpf", "ipMasq": true, "filter": [
+const POD_KEYS: fn() -> Value = || pod_keys("ebpf");
+
+fn pod_keys(backend: &str) -> Value {
+    json!({ "backend": backend, "ipMasq": true, "filter": [
         { "index": 1, "direction": "ingress", "proto": "tcp", "dport": 81, "target": "DROP" },
     ]})
-};
+}
 const OUTSIDE_TCP: u16 = 7000;
 const OUTSIDE_UDP: u16 = 7001;
 /// The source port of the pod's masqueraded UDP flow and of the outside's UDP hostPort client.
@@ -302,11 +306,29 @@ fn upgrade_then_downgrade(installed: &Installed, old: &Path, new: &Path) {
     );
 }
 
+/// Whether a migration of `backend`'s state was left half done, and whether it is complete.
+fn migration_state(sim: &SimHost, backend: Backend) -> (bool, bool) {
+    match backend {
+        Backend::Ebpf => (
+            sim.pin_path.join("layout-6-maps").exists(),
+            sim.layout_version() == cnibpf_common::layout::VERSION,
+        ),
+        Backend::Nftables => {
+            let ruleset = sim.nft_ruleset();
+            let marked = ruleset.contains("chain layout_3");
+            (ruleset.contains("map nat4") && !marked, marked)
+        }
+    }
+}
+
 /// The migration, run by `cnibpf gc --stale` (what a DaemonSet runs), killed with SIGKILL
 /// at ever later points until a run completes; the pod's traffic flows all along.
-fn killed_migrations_converge(installed: &Installed, old: &Path, new: &Path) {
+fn killed_migrations_converge(installed: &Installed, old: &Path, new: &Path, backend: Backend) {
     installed.put(old);
-    let sim = SimHost::new("upk", POD_KEYS());
+    let sim = SimHost::new(
+        &format!("upk{}", &backend.name()[..1]),
+        pod_keys(backend.name()),
+    );
     let pod = LivePod::start(&sim);
     let pin_path = sim.pin_path.display().to_string();
     let run = |delay: Option<Duration>| {
@@ -325,7 +347,7 @@ fn killed_migrations_converge(installed: &Installed, old: &Path, new: &Path) {
     let started = Instant::now();
     let mut killed = 0;
     let mut completed_after = None;
-    // Kills that left a migration half done (its old maps set aside).
+    // Kills that left a migration half done.
     let mut interrupted = 0;
     for step in 0..100 {
         let delay = Duration::from_secs_f64(1.12_f64.powi(step) / 1000.0);
@@ -335,7 +357,7 @@ fn killed_migrations_converge(installed: &Installed, old: &Path, new: &Path) {
             break;
         }
         killed += 1;
-        interrupted += usize::from(sim.pin_path.join("layout-6-maps").exists());
+        interrupted += usize::from(migration_state(&sim, backend).0);
     }
     let completed_after =
         completed_after.unwrap_or_else(|| panic!("no run completed in {killed} tries"));
@@ -345,12 +367,15 @@ fn killed_migrations_converge(installed: &Installed, old: &Path, new: &Path) {
         "only {interrupted} kills interrupted a migration"
     );
     eprintln!(
-        "{killed} migrations killed ({interrupted} half done), the next one completed in {} ms; {:.1}s in all",
+        "{backend:?}: {killed} migrations killed ({interrupted} half done), the next one completed in {} ms; {:.1}s in all",
         completed_after.as_millis(),
         started.elapsed().as_secs_f64()
     );
-    assert_migrated(&sim);
-    assert_hooked_by_tcx(&sim, &pod.container);
+    assert_eq!(migration_state(&sim, backend), (false, true), "migrated");
+    if backend == Backend::Ebpf {
+        assert_migrated(&sim);
+        assert_hooked_by_tcx(&sim, &pod.container);
+    }
     pod.assert_translations(&sim, "after the killed migrations");
     installed.put(new);
     sim.check(&pod.container)
@@ -358,7 +383,8 @@ fn killed_migrations_converge(installed: &Installed, old: &Path, new: &Path) {
     pod.assert_carried_on("across the killed migrations");
 }
 
-/// nftables tables are not migrated: the new cnibpf adds nothing to the older table, but DEL
+/// An nftables table older than the previous layout is not migrated: the new cnibpf adds
+/// nothing to it, but DEL
 /// removes its pods one by one while the others keep working, and the last DEL leaves the
 /// node to the new layout.
 fn nftables_table_of_an_older_layout_drains(installed: &Installed, old: &Path, new: &Path) {
@@ -424,6 +450,80 @@ fn nftables_table_of_an_older_layout_drains(installed: &Installed, old: &Path, n
     );
 }
 
+/// The packets rule 1 of `container`'s filter counted, as inspect shows them.
+fn inspected_rule_packets(sim: &SimHost, container: &Container) -> u64 {
+    let inspect = sim.inspect();
+    inspect["attachments"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|attachment| attachment["containerID"] == container.attachment.container_id)
+        .and_then(|attachment| {
+            attachment["filter"]["rules"]
+                .as_array()?
+                .iter()
+                .find(|rule| rule["index"] == 1)?["packets"]
+                .as_u64()
+        })
+        .unwrap_or_else(|| panic!("no counter of rule 1 in {inspect:#}"))
+}
+
+/// A table of the previous nftables layout is migrated in place by the new cnibpf's first
+/// ADD, with the pod's traffic flowing: connections and datagram flows keep their
+/// translation, the filter and its counters stay, hairpin traffic to the older pod's hostPort
+/// is masqueraded by what the migration built from its record.
+fn nftables_table_of_the_previous_layout_migrates(installed: &Installed, old: &Path, new: &Path) {
+    installed.put(old);
+    let sim = SimHost::new("upm", pod_keys("nftables"));
+    let pod = LivePod::start(&sim);
+    let ruleset = sim.nft_ruleset();
+    assert!(
+        ruleset.contains("comment \"cnibpf layout 2\"") && ruleset.contains("set hairpin4"),
+        "the older cnibpf made a table of layout 2:\n{ruleset}"
+    );
+    let hits = inspected_rule_packets(&sim, &pod.container);
+    assert!(hits > 0, "the DROP rule counted its drops");
+
+    installed.put(new);
+    let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
+    let ruleset = sim.nft_ruleset();
+    assert!(
+        ruleset.contains("chain layout_3")
+            && ["hairpin4", "masq_sources4", "masq_excludes4"]
+                .iter()
+                .all(|set| !ruleset.contains(set)),
+        "migrated:\n{ruleset}"
+    );
+    assert_eq!(
+        inspected_rule_packets(&sim, &pod.container),
+        hits,
+        "the counters were kept"
+    );
+    pod.assert_translations(&sim, "after the nftables migration");
+    assert!(
+        inspected_rule_packets(&sim, &pod.container) > hits,
+        "the filter counts on"
+    );
+    sim.check(&pod.container)
+        .unwrap_or_else(|error| panic!("CHECK of the older ADD's pod: {error}"));
+    let mut hairpin = Conversation::open(&c2.netns, sim.uplink_target(8080))
+        .unwrap_or_else(|error| panic!("hairpin connect to the older pod's hostPort: {error}"));
+    hairpin
+        .exchange(b"hairpin", WAIT)
+        .unwrap_or_else(|error| panic!("hairpin exchange with the older pod: {error}"));
+    let _c2_server = TcpServer::start(&c2.netns, c2.socket(80), "c2");
+    assert_eq!(
+        tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
+        Ok("c2")
+    );
+    let c1 = pod.assert_carried_on("across the nftables migration");
+    for container in [&c1, &c2] {
+        sim.del(container)
+            .unwrap_or_else(|error| panic!("DEL after the nftables migration: {error}"));
+    }
+    assert!(sim.holds_no_state(), "the last DEL removed the table");
+}
+
 #[test]
 fn pods_live_on_across_layouts_and_del_works_both_ways() {
     let new = cnibpf_binary();
@@ -436,6 +536,9 @@ fn pods_live_on_across_layouts_and_del_works_both_ways() {
     // SAFETY: the only test of this binary, before it starts any thread.
     unsafe { std::env::set_var("CNIBPF_BIN", &installed.path) };
     upgrade_then_downgrade(&installed, &old, &new);
-    killed_migrations_converge(&installed, &old, &new);
+    killed_migrations_converge(&installed, &old, &new, Backend::Ebpf);
     nftables_table_of_an_older_layout_drains(&installed, &old, &new);
+    let previous_nftables = history::cnibpf_of(NFTABLES_LAYOUT_2);
+    nftables_table_of_the_previous_layout_migrates(&installed, &previous_nftables, &new);
+    killed_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
 }

@@ -48,9 +48,7 @@ pub fn cnibpf_of(commit: &str) -> PathBuf {
     // The commit's own xtask builds it with the toolchains it names; nothing of the cargo that
     // runs this test (its toolchain, target directory, flags) may leak into that build.
     let mut build = Command::new("cargo");
-    build
-        .args(["run", "--quiet", "--package", "xtask", "--", "build"])
-        .current_dir(&tree);
+    build.args(["xtask", "build"]).current_dir(&tree);
     for (name, _) in std::env::vars_os() {
         let name = name.to_string_lossy();
         let leaks = (name.starts_with("CARGO") && name != "CARGO_HOME")

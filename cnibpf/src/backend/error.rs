@@ -113,7 +113,9 @@ impl BackendError {
             | Self::Pin { .. }
             | Self::OwnerCollision { .. } => code::DATAPATH,
             Self::HostAddresses(_) => code::INTERFACE,
-            Self::Nftables(nftables::NftablesError::Layout { .. }) => code::INCOMPATIBLE_STATE,
+            Self::Nftables(
+                nftables::NftablesError::Layout { .. } | nftables::NftablesError::Older,
+            ) => code::INCOMPATIBLE_STATE,
             Self::Nftables(_) => code::DATAPATH,
             Self::Several(failures) => failures
                 .first()

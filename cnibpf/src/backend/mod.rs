@@ -339,7 +339,7 @@ pub fn existing_except(
     }
     if except != Some("nftables") {
         let nftables = match access {
-            Access::ReadOnly => nftables::NftablesBackend::open_existing()?
+            Access::ReadOnly => nftables::NftablesBackend::open_existing(access)?
                 .map(|backend| Box::new(backend) as Box<dyn Backend>),
             Access::Changes => nftables::NftablesBackend::open_for_removal()?,
         };

@@ -6,7 +6,8 @@ use nftables::{batch::Batch, expr::Expression, schema::NfCmd, stmt::Statement};
 use super::{
     Change, conditions_chain, family_suffix, filter, filter_chains,
     listing::Listing,
-    nft::{self, concat, jump, mapping, network, number, owned, text},
+    masquerade, nat_chain,
+    nft::{self, concat, jump, mapping, number, owned, text},
     portmap,
     record::Record,
     record_chain,
@@ -58,43 +59,26 @@ fn owned_elements(owner: u64, record: &Record) -> Vec<Owned> {
         value,
         exclusive: false,
     };
-    for net in &record.networks {
+    for net in record.networks.iter().filter(|_| record.filtered) {
         let suffix = family_suffix(net.addr().is_ipv4());
-        if record.hairpin {
-            out.push(element(
-                format!("hairpin{suffix}"),
-                concat(vec![network(*net), text(net.addr())]),
-                None,
-            ));
-        }
-        if record.filtered {
-            let [out_chain, in_chain] = filter_chains(owner);
-            out.push(element(
-                format!("filter_out{suffix}"),
-                text(net.addr()),
-                Some(jump(&out_chain, false)),
-            ));
-            out.push(element(
-                format!("filter_in{suffix}"),
-                text(net.addr()),
-                Some(jump(&in_chain, false)),
-            ));
-        }
+        let [out_chain, in_chain] = filter_chains(owner);
+        out.push(element(
+            format!("filter_out{suffix}"),
+            text(net.addr()),
+            Some(jump(&out_chain, false)),
+        ));
+        out.push(element(
+            format!("filter_in{suffix}"),
+            text(net.addr()),
+            Some(jump(&in_chain, false)),
+        ));
     }
-    if let Some(masquerade) = &record.masquerade {
-        for source in &masquerade.sources {
-            let suffix = family_suffix(source.is_ipv4());
-            out.push(element(format!("masq_sources{suffix}"), text(source), None));
-            for (net, _) in &masquerade.excludes {
-                if net.addr().is_ipv4() == source.is_ipv4() {
-                    out.push(element(
-                        format!("masq_excludes{suffix}"),
-                        concat(vec![text(source), network(*net)]),
-                        None,
-                    ));
-                }
-            }
-        }
+    for addr in masquerade::nat_keys(record) {
+        out.push(element(
+            format!("nat{}", family_suffix(addr.is_ipv4())),
+            text(addr),
+            Some(jump(&nat_chain(owner), false)),
+        ));
     }
     for host_port in &record.mappings {
         let (set, key) = host_port_key(host_port);
@@ -165,6 +149,10 @@ pub fn remove(batch: &mut Batch<'static>, owner: u64, change: &Change, specific:
     if conditioned(before) && !after.is_some_and(conditioned) {
         batch.delete(nft::chain(&conditions_chain(owner)));
     }
+    let translated = |record: &Record| !masquerade::nat_keys(record).is_empty();
+    if translated(before) && !after.is_some_and(translated) {
+        batch.delete(nft::chain(&nat_chain(owner)));
+    }
     if after.is_none() {
         batch.delete(nft::chain(&record_chain(owner)));
     }
@@ -180,6 +168,7 @@ pub fn remove_listed(batch: &mut Batch<'static>, owner: u64, owner_text: &str, l
     for chain in [
         record_chain(owner),
         conditions_chain(owner),
+        nat_chain(owner),
         out_chain,
         in_chain,
     ] {
@@ -225,21 +214,50 @@ pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change) {
             }
         }
     }
+    write_nat_chain(batch, owner, after);
     for element in owned_elements(owner, after) {
-        let item = match element.value {
-            Some(value) => mapping(owned(element.key, &after.owner), value),
-            None => owned(element.key, &after.owner),
-        };
-        let object = nft::elements(&element.set, vec![item]);
-        batch.add_cmd(if element.exclusive {
-            NfCmd::Create(object)
-        } else {
-            NfCmd::Add(object)
-        });
+        add_element(batch, element, &after.owner);
     }
     for host_port in &after.mappings {
         exclude_overlaps(batch, host_port);
     }
+}
+
+/// `record`'s NAT chain and its dispatch from `nat4`/`nat6`, when it has any: what the
+/// migration from layout 2 adds to each attachment.
+pub fn add_nat(batch: &mut Batch<'static>, owner: u64, record: &Record) {
+    write_nat_chain(batch, owner, record);
+    for element in owned_elements(owner, record)
+        .into_iter()
+        .filter(|element| element.set.starts_with("nat"))
+    {
+        add_element(batch, element, &record.owner);
+    }
+}
+
+/// Writes `record`'s NAT chain, whole, when it has one.
+fn write_nat_chain(batch: &mut Batch<'static>, owner: u64, record: &Record) {
+    if masquerade::nat_keys(record).is_empty() {
+        return;
+    }
+    let chain = nat_chain(owner);
+    rewrite_chain(batch, &chain);
+    for rule in masquerade::nat_rules(&chain, record) {
+        batch.add(rule);
+    }
+}
+
+fn add_element(batch: &mut Batch<'static>, element: Owned, owner_text: &str) {
+    let item = match element.value {
+        Some(value) => mapping(owned(element.key, owner_text), value),
+        None => owned(element.key, owner_text),
+    };
+    let object = nft::elements(&element.set, vec![item]);
+    batch.add_cmd(if element.exclusive {
+        NfCmd::Create(object)
+    } else {
+        NfCmd::Add(object)
+    });
 }
 
 /// The commands that make the transaction fail if another attachment holds a hostPort that

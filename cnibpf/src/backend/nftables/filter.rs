@@ -10,7 +10,7 @@
 use std::borrow::Cow;
 
 use nftables::{
-    expr::{Expression, MetaKey, NamedExpression, Payload, SetItem},
+    expr::{Expression, MetaKey, NamedExpression, Payload},
     schema::{NfListObject, Rule},
     stmt::{AnonymousCounter, Counter, Operator, Statement},
 };
@@ -88,14 +88,12 @@ impl Filtering for NftablesBackend {
     }
 }
 
-/// The rules of an attachment's two chains (`[out, in]`): what always passes, then its rules
-/// in index order, then the default.
+/// The rules of an attachment's two chains (`[out, in]`): its rules in index order, then the
+/// default. What passes every filter (replies, related errors, IPv6 neighbour and listener
+/// control) is let through by the hook chains before any filter chain.
 pub fn chain_rules(chains: &[String; 2], filter: &Filter) -> Vec<NfListObject<'static>> {
     let mut rules = Vec::new();
     for (chain, direction) in chains.iter().zip([Direction::Egress, Direction::Ingress]) {
-        for preamble in preamble() {
-            rules.push(nft::rule(chain, preamble, None));
-        }
         for rule in &filter.rules {
             if rule.direction == direction || rule.direction == Direction::Both {
                 let mut statements = rule_matches(rule);
@@ -115,52 +113,6 @@ pub fn chain_rules(chains: &[String; 2], filter: &Filter) -> Vec<NfListObject<'s
         ));
     }
     rules
-}
-
-/// What passes every filter before its rules: replies of tracked connections and errors
-/// about them, and IPv6 neighbour and multicast-listener control (as the eBPF backend).
-fn preamble() -> Vec<Vec<Statement<'static>>> {
-    let ct = |key: &'static str| {
-        Expression::Named(NamedExpression::CT(nftables::expr::CT {
-            key: Cow::Borrowed(key),
-            family: None,
-            dir: None,
-        }))
-    };
-    let control = [
-        "nd-router-solicit",
-        "nd-router-advert",
-        "nd-neighbor-solicit",
-        "nd-neighbor-advert",
-        "nd-redirect",
-        "mld-listener-query",
-        "mld-listener-report",
-        "mld-listener-done",
-        "mld2-listener-report",
-    ];
-    vec![
-        vec![
-            matches(ct("direction"), Operator::EQ, text("reply")),
-            Statement::Return(None),
-        ],
-        vec![
-            matches(ct("state"), Operator::IN, text("related")),
-            Statement::Return(None),
-        ],
-        vec![
-            matches(
-                nft::payload("icmpv6", "type"),
-                Operator::EQ,
-                Expression::Named(NamedExpression::Set(
-                    control
-                        .iter()
-                        .map(|name| SetItem::Element(text(name)))
-                        .collect(),
-                )),
-            ),
-            Statement::Return(None),
-        ],
-    ]
 }
 
 fn counter() -> Statement<'static> {
@@ -339,7 +291,7 @@ fn read_match(
 }
 
 /// An attachment's filter as its chains hold it, with the counters; `None` when it has none.
-/// A chain that lost a rule cnibpf writes (what passes first, the default) is an error.
+/// A chain that lost its default, or holds a rule cnibpf did not write, is an error.
 pub fn filter_of(listing: &Listing, owner: u64) -> Result<Option<FilterRecord>, BackendError> {
     let [out_chain, in_chain] = filter_chains(owner);
     if !listing.has_chain(&out_chain) {
@@ -356,16 +308,11 @@ pub fn filter_of(listing: &Listing, owner: u64) -> Result<Option<FilterRecord>, 
             chain: chain.clone(),
             reason,
         };
-        let listed = listing.rules(chain);
-        if listed.iter().filter(|rule| rule.comment.is_none()).count() != preamble().len() {
-            return Err(
-                unreadable("what passes before the rules is not all there".to_owned()).into(),
-            );
-        }
-        for rule in listed {
-            let Some(comment) = rule.comment.as_deref() else {
-                continue;
-            };
+        for rule in listing.rules(chain) {
+            let comment = rule
+                .comment
+                .as_deref()
+                .ok_or_else(|| unreadable("a rule has no comment".to_owned()))?;
             if comment == "default" {
                 let (read, hits) = rule_of(rule, 0, direction).map_err(unreadable)?;
                 defaults.push(read.target);

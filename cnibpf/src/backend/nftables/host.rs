@@ -15,11 +15,14 @@ use crate::{
 
 const NFNL_SUBSYS_NFTABLES: u8 = 10;
 const NFT_MSG_GETTABLE: u8 = 1;
+const NFT_MSG_GETCHAIN: u8 = 4;
 const NFT_MSG_GETRULE: u8 = 7;
 const NFT_MSG_GETSETELEM: u8 = 13;
 const NFPROTO_INET: u8 = 1;
 const NFTA_TABLE_NAME: u16 = 1;
 const NFTA_TABLE_USERDATA: u16 = 6;
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
 const NFTA_RULE_TABLE: u16 = 1;
 const NFTA_RULE_CHAIN: u16 = 2;
 const NFTA_RULE_USERDATA: u16 = 7;
@@ -82,6 +85,22 @@ pub fn table_comment() -> io::Result<Option<String>> {
         Ok(()) => Ok(comment),
         Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(None),
         Err(error) => Err(error),
+    }
+}
+
+/// Whether table `inet cnibpf` has chain `chain`.
+pub fn has_chain(chain: &str) -> Result<bool, NftablesError> {
+    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
+    let asked = connection.exchange(
+        Request::new(NFNL_SUBSYS_NFTABLES, NFT_MSG_GETCHAIN, NFPROTO_INET, false)
+            .string(NFTA_CHAIN_TABLE, TABLE)
+            .string(NFTA_CHAIN_NAME, chain),
+        |_, _| ControlFlow::Continue(()),
+    );
+    match asked {
+        Ok(()) => Ok(true),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(error) => Err(NftablesError::Netlink(error)),
     }
 }
 

@@ -3,10 +3,12 @@
 //!
 //! The table's fixed part (chains, hooks, the shared sets and maps) is declared once in
 //! [`SKELETON`]. What belongs to an attachment is elements of the shared sets and maps —
-//! hostPorts, their conditions' dispatch, hairpin and masquerade sources and exclusions, the
-//! filter's dispatch — each carrying `<network>/<ifname>/<container id>` in its comment, and
-//! chains of its own: its record `a_<owner>` (what it holds, see `record`), its filter
-//! `f_<owner>_out`/`_in` and its hostPort conditions `c_<owner>`. An operation reads the
+//! hostPorts, their conditions' dispatch, the dispatch to its NAT and filter chains — each
+//! carrying `<network>/<ifname>/<container id>` in its comment, and chains of its own: its
+//! record `a_<owner>` (what it holds, see `record`), its filter `f_<owner>_out`/`_in`, its
+//! hostPort conditions `c_<owner>` and its hairpin and masquerade `n_<owner>`. Every shared
+//! set is a hash keyed exactly: adding or removing an element costs the same however many
+//! attachments there are. An operation reads the
 //! records of the attachments it changes, never the whole table, and applies all its changes
 //! as one typed batch (`nft -j -f -`): one atomic transaction.
 //!
@@ -24,6 +26,7 @@ mod host;
 mod inspect;
 mod listing;
 mod masquerade;
+mod migrate;
 mod nft;
 mod other_layout;
 mod portmap;
@@ -34,7 +37,7 @@ use std::{collections::BTreeMap, net::IpAddr};
 use nftables::{batch::Batch, schema::NfListObject};
 
 use self::{listing::Listing, record::Record};
-use super::{Backend, BackendError};
+use super::{Access, Backend, BackendError};
 use crate::{
     model::{Attachment, Filter, HostPortAccess, Protocol, ResolvedMapping},
     netlink,
@@ -43,7 +46,7 @@ use crate::{
 /// nftables keeps comments of at most 128 bytes, NUL included.
 const COMMENT_MAX: usize = 127;
 /// The table's comment, naming the layout this build writes.
-const LAYOUT: &str = "cnibpf layout 2";
+const LAYOUT: &str = "cnibpf layout 3";
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftablesError {
@@ -73,6 +76,11 @@ pub enum NftablesError {
         if .found.is_empty() { "\"cnibpf layout 1\", uncommented" } else { .found.as_str() }
     )]
     Layout { found: String },
+    #[error(
+        "table inet cnibpf has layout \"{}\", older than this cnibpf's (\"{LAYOUT}\"): ADD, DEL and GC migrate it in place",
+        migrate::PREVIOUS
+    )]
+    Older,
     #[error("could not ask the kernel about table inet cnibpf")]
     Netlink(#[source] std::io::Error),
     #[error("could not {action}")]
@@ -88,13 +96,16 @@ pub enum NftablesError {
 /// to `hostports_dnat` (DNAT by exact hostIP, then by port for any local address, 127.0.0.1
 /// included for host processes; `localnet_guard` drops what arrives from elsewhere for
 /// 127.0.0.0/8, as kube-proxy does against CVE-2020-8558); `postrouting` masquerades host
-/// processes reaching a hostPort through 127.0.0.1, hairpin traffic (a container reaching a
-/// container of its own subnet through a hostPort), and container traffic leaving through an
-/// uplink; `forward`, `input` and `local_out` hand a container's traffic to its filter chains.
+/// processes reaching a hostPort through 127.0.0.1 and hands DNATed traffic (by destination)
+/// and traffic leaving by an uplink (by source) to the container's `n_` chain, which
+/// masquerades hairpin traffic (a container reaching a container of its own subnet through a
+/// hostPort) and its masqueraded traffic; `forward`, `input` and `local_out` let what passes
+/// every filter through (replies, related errors, IPv6 neighbour and listener control,
+/// `icmpv6_control`) and hand the rest of a container's traffic to its filter chains.
 /// Sets `filtered_bridges` and `localnet_interfaces` name the interfaces whose settings cnibpf
 /// switched on, to switch them off with the table.
 const SKELETON: &str = r#"
-add table inet cnibpf { comment "cnibpf layout 2"; }
+add table inet cnibpf { comment "cnibpf layout 3"; }
 add set inet cnibpf attachments { type ifname; }
 add set inet cnibpf uplinks { type ifname; }
 add set inet cnibpf filtered_bridges { type ifname; }
@@ -109,12 +120,6 @@ add map inet cnibpf conditions4 { type ipv4_addr . inet_proto . inet_service : v
 add map inet cnibpf conditions4_any { type inet_proto . inet_service : verdict; }
 add map inet cnibpf conditions6 { type ipv6_addr . inet_proto . inet_service : verdict; }
 add map inet cnibpf conditions6_any { type inet_proto . inet_service : verdict; }
-add set inet cnibpf hairpin4 { type ipv4_addr . ipv4_addr; flags interval; }
-add set inet cnibpf hairpin6 { type ipv6_addr . ipv6_addr; flags interval; }
-add set inet cnibpf masq_sources4 { type ipv4_addr; }
-add set inet cnibpf masq_sources6 { type ipv6_addr; }
-add set inet cnibpf masq_excludes4 { type ipv4_addr . ipv4_addr; flags interval; }
-add set inet cnibpf masq_excludes6 { type ipv6_addr . ipv6_addr; flags interval; }
 add map inet cnibpf filter_out4 { type ipv4_addr : verdict; }
 add map inet cnibpf filter_in4 { type ipv4_addr : verdict; }
 add map inet cnibpf filter_out6 { type ipv6_addr : verdict; }
@@ -140,11 +145,32 @@ add rule inet cnibpf hostports_dnat ip6 daddr != ::1 fib daddr type local meta l
 add rule inet cnibpf localnet_guard iifname != "lo" ip daddr 127.0.0.0/8 drop
 add rule inet cnibpf prerouting jump hostports
 add rule inet cnibpf output jump hostports
+"#;
+
+/// The shared objects layout 3 added to layout 2's (see `migrate`).
+const LAYOUT_3_OBJECTS: &str = r#"
+add map inet cnibpf nat4 { type ipv4_addr : verdict; }
+add map inet cnibpf nat6 { type ipv6_addr : verdict; }
+add set inet cnibpf icmpv6_control { type icmpv6_type; elements = { nd-router-solicit, nd-router-advert, nd-neighbor-solicit, nd-neighbor-advert, nd-redirect, mld-listener-query, mld-listener-report, mld-listener-done, mld2-listener-report }; }
+"#;
+
+/// The rules of the hook chains `postrouting`, `forward`, `input` and `local_out` (the chains
+/// layout 3 rewrote, see `migrate`).
+const HOOK_RULES: &str = r#"
 add rule inet cnibpf postrouting ip saddr 127.0.0.0/8 ct status dnat masquerade
-add rule inet cnibpf postrouting ct status dnat ip saddr . ip daddr @hairpin4 masquerade
-add rule inet cnibpf postrouting ct status dnat ip6 saddr . ip6 daddr @hairpin6 masquerade
-add rule inet cnibpf postrouting oifname @uplinks ip saddr @masq_sources4 ip saddr . ip daddr != @masq_excludes4 masquerade
-add rule inet cnibpf postrouting oifname @uplinks ip6 saddr @masq_sources6 ip6 saddr . ip6 daddr != @masq_excludes6 masquerade
+add rule inet cnibpf postrouting ct status dnat ip daddr vmap @nat4
+add rule inet cnibpf postrouting ct status dnat ip6 daddr vmap @nat6
+add rule inet cnibpf postrouting oifname @uplinks ip saddr vmap @nat4
+add rule inet cnibpf postrouting oifname @uplinks ip6 saddr vmap @nat6
+add rule inet cnibpf forward ct direction reply accept
+add rule inet cnibpf forward ct state related accept
+add rule inet cnibpf forward icmpv6 type @icmpv6_control accept
+add rule inet cnibpf input ct direction reply accept
+add rule inet cnibpf input ct state related accept
+add rule inet cnibpf input icmpv6 type @icmpv6_control accept
+add rule inet cnibpf local_out ct direction reply accept
+add rule inet cnibpf local_out ct state related accept
+add rule inet cnibpf local_out icmpv6 type @icmpv6_control accept
 add rule inet cnibpf forward ip saddr vmap @filter_out4
 add rule inet cnibpf forward ip daddr vmap @filter_in4
 add rule inet cnibpf forward ip6 saddr vmap @filter_out6
@@ -154,6 +180,34 @@ add rule inet cnibpf input ip6 saddr vmap @filter_out6
 add rule inet cnibpf local_out ip daddr vmap @filter_in4
 add rule inet cnibpf local_out ip6 daddr vmap @filter_in6
 "#;
+
+/// What table `inet cnibpf` is to this build.
+enum TableLayout {
+    Absent,
+    /// This build's layout: created so, or migrated (marked by chain `layout_3`).
+    Current,
+    /// The layout this build migrates from.
+    Previous,
+    /// Any other: its comment (empty for layout 1, which had none).
+    Other(String),
+}
+
+fn table_layout() -> Result<TableLayout, NftablesError> {
+    Ok(
+        match host::table_comment().map_err(NftablesError::Netlink)? {
+            None => TableLayout::Absent,
+            Some(comment) if comment == LAYOUT => TableLayout::Current,
+            Some(comment) if comment == migrate::PREVIOUS => {
+                if host::has_chain(migrate::MARKER)? {
+                    TableLayout::Current
+                } else {
+                    TableLayout::Previous
+                }
+            }
+            Some(comment) => TableLayout::Other(comment),
+        },
+    )
+}
 
 /// What one operation changes of one attachment.
 #[derive(Clone, Debug, Default)]
@@ -206,26 +260,33 @@ impl NftablesBackend {
     /// table of another layout.
     pub fn open_for_changes() -> Result<Self, BackendError> {
         Self::probe()?;
-        Self::open()
+        Self::open(Access::Changes)
     }
 
-    /// The table as this backend sees it: whether it exists, and of which layout.
-    fn open() -> Result<Self, BackendError> {
-        match host::table_comment().map_err(NftablesError::Netlink)? {
-            None => Ok(Self::default()),
-            Some(comment) if comment == LAYOUT => Ok(Self {
-                exists: true,
-                ..Self::default()
-            }),
-            Some(found) => Err(NftablesError::Layout { found }.into()),
+    /// The table as this backend sees it: whether it exists, migrated first when it is of the
+    /// previous layout and `access` changes it.
+    fn open(access: Access) -> Result<Self, BackendError> {
+        let existing = Self {
+            exists: true,
+            ..Self::default()
+        };
+        match table_layout()? {
+            TableLayout::Absent => Ok(Self::default()),
+            TableLayout::Current => Ok(existing),
+            TableLayout::Previous if access == Access::Changes => {
+                migrate::migrate()?;
+                Ok(existing)
+            }
+            TableLayout::Previous => Err(NftablesError::Older.into()),
+            TableLayout::Other(found) => Err(NftablesError::Layout { found }.into()),
         }
     }
 
     /// The table if it exists, for DEL, GC, inspect and ADD's hostPort conflicts. One netlink
     /// question; no `nft` runs on a host without the table (every eBPF host).
-    pub fn open_existing() -> Result<Option<Self>, BackendError> {
+    pub fn open_existing(access: Access) -> Result<Option<Self>, BackendError> {
         match host::table_comment() {
-            Ok(Some(_)) => Self::open().map(Some),
+            Ok(Some(_)) => Self::open(access).map(Some),
             Ok(None) => Ok(None),
             // No nf_tables at all: nothing of ours can be there.
             Err(_) => Ok(None),
@@ -236,10 +297,13 @@ impl NftablesBackend {
     /// attachments, never refused (see `other_layout`).
     pub fn open_for_removal() -> Result<Option<Box<dyn Backend>>, BackendError> {
         match host::table_comment() {
-            Ok(Some(comment)) if comment != LAYOUT => {
-                Ok(Some(Box::new(other_layout::OtherLayout::open(comment)?)))
+            Ok(Some(_)) => {
+                if let TableLayout::Other(comment) = table_layout()? {
+                    return Ok(Some(Box::new(other_layout::OtherLayout::open(comment)?)));
+                }
+                Ok(Some(Box::new(Self::open(Access::Changes)?)))
             }
-            _ => Ok(Self::open_existing()?.map(|backend| Box::new(backend) as Box<dyn Backend>)),
+            _ => Ok(None),
         }
     }
 
@@ -292,7 +356,8 @@ impl NftablesBackend {
     /// Creates the table's fixed part if it is not there (a fixed declaration, applied once).
     fn ensure_table(&mut self) -> Result<(), BackendError> {
         if !self.exists {
-            nft::run_script(&["-f", "-"], SKELETON.as_bytes())?;
+            let script = format!("{SKELETON}{LAYOUT_3_OBJECTS}{HOOK_RULES}");
+            nft::run_script(&["-f", "-"], script.as_bytes())?;
             self.exists = true;
         }
         Ok(())
@@ -568,6 +633,10 @@ fn record_chain(owner: u64) -> String {
 
 fn conditions_chain(owner: u64) -> String {
     format!("c_{owner:016x}")
+}
+
+fn nat_chain(owner: u64) -> String {
+    format!("n_{owner:016x}")
 }
 
 fn filter_chains(owner: u64) -> [String; 2] {

@@ -172,12 +172,15 @@ fn failing(ipv4: bool, condition: &Condition) -> Statement<'static> {
     } else {
         Operator::NEQ
     };
-    let set = |nets: &[ipnet::IpNet]| {
-        Expression::Named(NamedExpression::Set(
+    // One network is matched as itself: an anonymous set is a set of the table, and nft
+    // fetches every set's elements one request at a time.
+    let set = |nets: &[ipnet::IpNet]| match nets {
+        [net] => network(*net),
+        nets => Expression::Named(NamedExpression::Set(
             nets.iter()
                 .map(|net| SetItem::Element(network(*net)))
                 .collect(),
-        ))
+        )),
     };
     match &condition.subject {
         Subject::Source(nets) => matches(address_field(ipv4, "saddr"), operator, set(nets)),
