@@ -8,10 +8,14 @@ use serde_json::{Value, json};
 
 use crate::{
     cni::{args::CniArgs, result::PrevResult},
-    config::{CleanupConf, NetConf},
+    config::{CleanupConf, NetConf, RULE_KEYS},
 };
 
-/// Keys the decoder looks for, so that generated objects reach deep.
+fn all_keys() -> Vec<&'static str> {
+    KEYS.iter().chain(RULE_KEYS).copied().collect()
+}
+
+/// Keys the decoder looks for, besides a filter rule's, so that generated objects reach deep.
 const KEYS: &[&str] = &[
     "cniVersion",
     "name",
@@ -25,15 +29,6 @@ const KEYS: &[&str] = &[
     "hostIP",
     "filter",
     "filterDefault",
-    "index",
-    "target",
-    "src",
-    "dst",
-    "proto",
-    "sport",
-    "dport",
-    "connstate",
-    "direction",
     "ipMasq",
     "ipMasqExclude",
     "backend",
@@ -60,8 +55,8 @@ const KEYS: &[&str] = &[
 
 fn key() -> impl Strategy<Value = String> {
     prop_oneof![
-        4 => prop::sample::select(KEYS).prop_map(str::to_owned),
-        1 => prop::sample::select(KEYS).prop_map(|key| key.to_uppercase()),
+        4 => prop::sample::select(all_keys()).prop_map(str::to_owned),
+        1 => prop::sample::select(all_keys()).prop_map(|key| key.to_uppercase()),
         1 => ".{0,12}",
     ]
 }

@@ -253,30 +253,38 @@ pub struct TcFilterSlot {
 /// `ETH_P_ALL` in network byte order, as filters carry their protocol.
 const ETH_P_ALL_BE: u16 = 0x0003u16.to_be();
 
-/// The qdiscs someone put on an interface (its default root qdisc, `noqueue`, aside), by kind
-/// (`tbf`, `ingress`, …). One dump, which the kernel limits to the interface asked for.
+/// The qdiscs someone put on an interface (its default root qdisc, `noqueue`, and the
+/// placeholder `noop` aside), by kind (`tbf`, `ingress`, `clsact`, …): its root and its
+/// ingress qdisc, asked for by name. A dump
+/// would carry every qdisc of the host (the kernel does not limit it to one interface).
 pub fn added_qdiscs(ifindex: u32) -> Result<Vec<String>, NetlinkError> {
     let index = ifindex_i32(ifindex);
-    let request = RouteNetlinkMessage::GetQueueDiscipline(TcMessage::with_index(index));
-    let kinds = dump("qdisc", request, |message| match message {
-        RouteNetlinkMessage::NewQueueDiscipline(qdisc) if qdisc.header.index == index => qdisc
-            .attributes
-            .iter()
-            .find_map(|attribute| match attribute {
-                TcAttribute::Kind(kind) if kind != "noqueue" => Some(kind.clone()),
-                _ => None,
-            }),
-        _ => None,
-    });
-    match kinds {
-        // The interface is gone: nothing is on it.
-        Err(NetlinkError::Request { source, .. })
-            if source.raw_os_error() == Some(libc::ENODEV) =>
-        {
-            Ok(Vec::new())
+    let mut kinds = Vec::new();
+    for parent in [TcHandle::ROOT, TcHandle::INGRESS] {
+        let mut message = TcMessage::with_index(index);
+        message.header.parent = parent;
+        let request = RouteNetlinkMessage::GetQueueDiscipline(message);
+        let found = exchange("qdisc", request, NLM_F_ACK, |message| match message {
+            RouteNetlinkMessage::NewQueueDiscipline(qdisc) if qdisc.header.index == index => qdisc
+                .attributes
+                .iter()
+                .find_map(|attribute| match attribute {
+                    TcAttribute::Kind(kind) if kind != "noqueue" && kind != "noop" => {
+                        Some(kind.clone())
+                    }
+                    _ => None,
+                }),
+            _ => None,
+        });
+        match found {
+            Ok(found) => kinds.extend(found),
+            // No ingress qdisc, or the interface is gone: nothing is there.
+            Err(NetlinkError::Request { source, .. })
+                if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::ENODEV)) => {}
+            Err(error) => return Err(error),
         }
-        other => other,
     }
+    Ok(kinds)
 }
 
 /// Adds the clsact qdisc to an interface (already present is fine).
@@ -335,8 +343,15 @@ pub fn delete_clsact(ifindex: u32) -> Result<(), NetlinkError> {
         major: TcHandle::CLSACT.major,
         minor: 0,
     };
-    let request = RouteNetlinkMessage::DelQueueDiscipline(message);
-    match exchange("clsact qdisc", request, NLM_F_ACK, |_| None::<()>) {
+    delete_if_there(
+        "clsact qdisc",
+        RouteNetlinkMessage::DelQueueDiscipline(message),
+    )
+}
+
+/// Sends a deletion; what is not there (or whose interface is gone) is fine.
+fn delete_if_there(what: &'static str, request: RouteNetlinkMessage) -> Result<(), NetlinkError> {
+    match exchange(what, request, NLM_F_ACK, |_| None::<()>) {
         Ok(_) => Ok(()),
         Err(NetlinkError::Request { source, .. })
             if matches!(
@@ -385,19 +400,7 @@ pub fn delete_filter(ifindex: u32, slot: TcFilterSlot, egress: bool) -> Result<(
     if egress {
         message.header.parent.minor = TcHandle::MIN_EGRESS;
     }
-    let request = RouteNetlinkMessage::DelTrafficFilter(message);
-    match exchange("filter", request, NLM_F_ACK, |_| None::<()>) {
-        Ok(_) => Ok(()),
-        Err(NetlinkError::Request { source, .. })
-            if matches!(
-                source.raw_os_error(),
-                Some(libc::ENOENT | libc::ENODEV | libc::EINVAL)
-            ) =>
-        {
-            Ok(())
-        }
-        Err(error) => Err(error),
-    }
+    delete_if_there("filter", RouteNetlinkMessage::DelTrafficFilter(message))
 }
 
 fn filter_message(ifindex: u32, slot: TcFilterSlot) -> TcMessage {

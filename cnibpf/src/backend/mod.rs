@@ -2,6 +2,7 @@
 //! CHECK's verification and inspect's view beside them); a backend is every capability plus
 //! what spans them. Handles to kernel objects stay inside the backend that made them.
 
+mod draining;
 pub mod ebpf;
 mod error;
 pub mod nftables;
@@ -13,7 +14,7 @@ use std::{
 
 use ipnet::IpNet;
 
-pub use self::error::BackendError;
+pub use self::{draining::Draining, error::BackendError};
 use crate::{
     model::{Attachment, BackendChoice, Filter, HostPortAccess, Masquerade, Pod, ResolvedMapping},
     netlink::{self, Link},

@@ -11,7 +11,7 @@ use crate::model::{ConnState, Direction, FilterRule, RuleProtocol};
 pub const MAX_FILTER_RULES: usize = cnibpf_common::filter::MAX_RULES;
 
 /// The keys a rule may have (rules deny unknown keys: a typo would silently widen a rule).
-pub(super) const RULE_KEYS: &[&str] = &[
+pub(crate) const RULE_KEYS: &[&str] = &[
     "index",
     "target",
     "src",

@@ -17,10 +17,11 @@ use ipnet::IpNet;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+pub(crate) use self::filter::RULE_KEYS;
 pub use self::fold::{describe, names_field};
 pub use self::version::{CniVersion, SUPPORTED_VERSIONS};
 use self::{
-    filter::{RULE_KEYS, parse_filter},
+    filter::parse_filter,
     fold::Folding,
     input::{AttachmentInput, CleanupInput, NetConfInput, PortMappingInput},
     version::require_version,

@@ -2,7 +2,7 @@
 //! interface and of the uplinks, the socket hooks on the instance's cgroup, and the host's
 //! addresses the datapath tells apart from foreign ones.
 
-use std::{fs, io, path::Path};
+use std::{fs, path::Path};
 
 use aya::programs::{
     CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, links::FdLink,
@@ -19,7 +19,8 @@ use super::{
     EbpfBackend, map_error,
     owner::{attachment_of, owner_info, read_name},
     pins::{
-        FROM_CONTAINER, SOCK_PROGRAMS, TO_CONTAINER, UPLINK_EGRESS, UPLINK_INGRESS, remove_pin,
+        FROM_CONTAINER, SOCK_PROGRAMS, TO_CONTAINER, UPLINK_EGRESS, UPLINK_INGRESS,
+        remove_instance, remove_pin,
     },
     remove_entry,
 };
@@ -275,14 +276,7 @@ impl EbpfBackend {
         if self.owners.keys().next().is_some() {
             return Ok(());
         }
-        match fs::remove_dir_all(self.pins.root()) {
-            Ok(()) => Ok(()),
-            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(BackendError::Pin {
-                action: format!("could not remove {}", self.pins.root().display()),
-                source: Box::new(source),
-            }),
-        }
+        remove_instance(self.pins.root())
     }
 }
 

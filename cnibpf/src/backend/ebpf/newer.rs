@@ -20,15 +20,16 @@ use cnibpf_common::owner::{
     self, HOST_IFINDEX_OFFSET, HOST_IFNAME_OFFSET, IFNAME_LEN, NAME_LEN, STABLE_PREFIX,
 };
 
-use super::{owner::read_name, pins::remove_pin};
+use super::{
+    owner::read_name,
+    pins::{remove_instance, remove_pin},
+};
 use crate::{
     backend::{
-        AttachmentRecord, Backend, BackendError, Endpoint, Endpoints, Filter, FilterRecord,
-        Filtering, Inspect, Masquerade, MasqueradeRecord, Masquerading, PortMappings,
-        UplinkAddresses, is_stale,
+        AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, FilterRecord,
+        Inspect, MasqueradeRecord, UplinkAddresses, is_stale,
     },
     model::{Attachment, ResolvedMapping},
-    netlink::Link,
     paths::PinLayout,
 };
 
@@ -70,13 +71,6 @@ impl NewerLayout {
             found,
             owners,
         })
-    }
-
-    fn refused(&self) -> BackendError {
-        BackendError::NewerState {
-            path: self.pins.root().to_owned(),
-            found: self.found,
-        }
     }
 
     fn map_error(&self, action: &str) -> impl Fn(io::Error) -> BackendError {
@@ -121,14 +115,7 @@ impl NewerLayout {
                 remove_pin(&entry.path())?;
             }
         }
-        match fs::remove_dir_all(self.pins.root()) {
-            Ok(()) => Ok(()),
-            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(BackendError::Pin {
-                action: format!("could not remove {}", self.pins.root().display()),
-                source: Box::new(source),
-            }),
-        }
+        remove_instance(self.pins.root())
     }
 }
 
@@ -181,64 +168,12 @@ impl Endpoints for NewerLayout {
     }
 }
 
-/// The rest of an attachment goes with its endpoint (see the module).
-impl PortMappings for NewerLayout {
-    fn setup_port_mappings(
-        &mut self,
-        _: &Endpoint,
-        _: &[ResolvedMapping],
-    ) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    fn teardown_port_mappings(&mut self, _: u64) -> Result<(), BackendError> {
-        Ok(())
-    }
-
-    fn check_port_mappings(&self, _: &Endpoint, _: &[ResolvedMapping]) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    /// Which hostPorts a newer layout holds is unknown here: an ADD served by another
-    /// backend is refused rather than risk a conflict.
-    fn holder_of(&self, _: u64, _: &ResolvedMapping) -> Result<Option<u64>, BackendError> {
-        Err(self.refused())
-    }
-}
-
-impl Masquerading for NewerLayout {
-    fn setup_masquerade(
-        &mut self,
-        _: &Endpoint,
-        _: Option<&Masquerade>,
-    ) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    fn teardown_masquerade(&mut self, _: u64) -> Result<(), BackendError> {
-        Ok(())
-    }
-
-    fn check_masquerade(&self, _: &Endpoint, _: Option<&Masquerade>) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    fn refresh_uplinks(&mut self, _: &[Link]) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-}
-
-impl Filtering for NewerLayout {
-    fn setup_filter(&mut self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    fn teardown_filter(&mut self, _: u64) -> Result<(), BackendError> {
-        Ok(())
-    }
-
-    fn check_filter(&self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
-        Err(self.refused())
+impl Draining for NewerLayout {
+    fn refused(&self) -> BackendError {
+        BackendError::NewerState {
+            path: self.pins.root().to_owned(),
+            found: self.found,
+        }
     }
 }
 
@@ -383,7 +318,7 @@ mod tests {
     use cnibpf_common::owner::OwnerInfo;
 
     use super::*;
-    use crate::backend::ebpf::owner::owner_info;
+    use crate::{backend::ebpf::owner::owner_info, netlink::Link};
 
     #[test]
     fn a_longer_value_of_a_newer_layout_reads_by_the_stable_prefix() {

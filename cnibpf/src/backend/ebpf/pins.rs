@@ -73,6 +73,18 @@ pub(super) fn remove_pin(path: &Path) -> Result<(), BackendError> {
     }
 }
 
+/// Removes the instance's whole pin directory; one already gone is fine.
+pub(super) fn remove_instance(root: &Path) -> Result<(), BackendError> {
+    match fs::remove_dir_all(root) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(BackendError::Pin {
+            action: format!("could not remove {}", root.display()),
+            source: Box::new(source),
+        }),
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum PinnedState {
     /// Nothing usable pinned (or a load that died before stamping the layout).

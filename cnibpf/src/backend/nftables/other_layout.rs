@@ -1,5 +1,5 @@
-//! Table `inet cnibpf` of another layout: an older cnibpf's (tables are not migrated) or a
-//! newer one's (a downgrade). This build adds nothing to it, but DEL and GC must keep working
+//! Table `inet cnibpf` of a layout this build neither writes nor migrates: one older than
+//! layout 2 (see `migrate`) or a newer one (a downgrade). This build adds nothing to it, but DEL and GC must keep working
 //! (a runtime retries a failed DEL for ever). Every layout keeps an attachment's parts findable
 //! the same way: elements whose comment is its `<network>/<ifname>/<container id>`, chains
 //! whose name holds its owner id in hex, and its host interface as an element of
@@ -13,12 +13,11 @@ use nftables::{batch::Batch, expr::Expression, schema::NfListObject};
 use super::{NftablesError, host, listing::Listing, nft, parse_owner};
 use crate::{
     backend::{
-        AttachmentRecord, Backend, BackendError, Endpoint, Endpoints, Filter, FilterRecord,
-        Filtering, Inspect, Masquerade, MasqueradeRecord, Masquerading, PortMappings,
-        UplinkAddresses,
+        AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, FilterRecord,
+        Inspect, MasqueradeRecord, UplinkAddresses,
     },
     model::ResolvedMapping,
-    netlink::{self, Link},
+    netlink,
 };
 
 pub struct OtherLayout {
@@ -36,13 +35,6 @@ impl OtherLayout {
             listing: Listing::read()?.unwrap_or_default(),
             leaving: BTreeSet::new(),
         })
-    }
-
-    fn refused(&self) -> BackendError {
-        NftablesError::Layout {
-            found: self.found.clone(),
-        }
-        .into()
     }
 
     /// Every owner text in the table, with its attachment's owner id.
@@ -119,64 +111,12 @@ impl Endpoints for OtherLayout {
     }
 }
 
-/// The rest of an attachment leaves with its endpoint (see the module).
-impl PortMappings for OtherLayout {
-    fn setup_port_mappings(
-        &mut self,
-        _: &Endpoint,
-        _: &[ResolvedMapping],
-    ) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    fn teardown_port_mappings(&mut self, _: u64) -> Result<(), BackendError> {
-        Ok(())
-    }
-
-    fn check_port_mappings(&self, _: &Endpoint, _: &[ResolvedMapping]) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    /// Which hostPorts another layout holds is not known here: an ADD served by the other
-    /// backend is refused rather than risk a conflict.
-    fn holder_of(&self, _: u64, _: &ResolvedMapping) -> Result<Option<u64>, BackendError> {
-        Err(self.refused())
-    }
-}
-
-impl Masquerading for OtherLayout {
-    fn setup_masquerade(
-        &mut self,
-        _: &Endpoint,
-        _: Option<&Masquerade>,
-    ) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    fn teardown_masquerade(&mut self, _: u64) -> Result<(), BackendError> {
-        Ok(())
-    }
-
-    fn check_masquerade(&self, _: &Endpoint, _: Option<&Masquerade>) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    fn refresh_uplinks(&mut self, _: &[Link]) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-}
-
-impl Filtering for OtherLayout {
-    fn setup_filter(&mut self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    fn teardown_filter(&mut self, _: u64) -> Result<(), BackendError> {
-        Ok(())
-    }
-
-    fn check_filter(&self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
-        Err(self.refused())
+impl Draining for OtherLayout {
+    fn refused(&self) -> BackendError {
+        NftablesError::Layout {
+            found: self.found.clone(),
+        }
+        .into()
     }
 }
 

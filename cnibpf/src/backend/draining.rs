@@ -1,0 +1,76 @@
+//! Backends that only let attachments go: state of a layout this build does not write (a
+//! newer eBPF layout, an older nftables table). Nothing is set up or checked there; an
+//! attachment's hostPorts, masquerade and filter leave with its endpoint, whose teardown each
+//! such backend implements itself.
+
+use super::{BackendError, Endpoint, Filtering, Masquerading, PortMappings};
+use crate::{
+    model::{Filter, Masquerade, ResolvedMapping},
+    netlink::Link,
+};
+
+pub trait Draining {
+    /// The error every setup and check answers: what the state is, and that DEL and GC
+    /// still release its attachments.
+    fn refused(&self) -> BackendError;
+}
+
+impl<T: Draining> PortMappings for T {
+    fn setup_port_mappings(
+        &mut self,
+        _: &Endpoint,
+        _: &[ResolvedMapping],
+    ) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn teardown_port_mappings(&mut self, _: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn check_port_mappings(&self, _: &Endpoint, _: &[ResolvedMapping]) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    /// Which hostPorts such state holds is not known here: an ADD served by the other
+    /// backend is refused rather than risk a conflict.
+    fn holder_of(&self, _: u64, _: &ResolvedMapping) -> Result<Option<u64>, BackendError> {
+        Err(self.refused())
+    }
+}
+
+impl<T: Draining> Masquerading for T {
+    fn setup_masquerade(
+        &mut self,
+        _: &Endpoint,
+        _: Option<&Masquerade>,
+    ) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn teardown_masquerade(&mut self, _: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn check_masquerade(&self, _: &Endpoint, _: Option<&Masquerade>) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn refresh_uplinks(&mut self, _: &[Link]) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+}
+
+impl<T: Draining> Filtering for T {
+    fn setup_filter(&mut self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn teardown_filter(&mut self, _: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn check_filter(&self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+}
