@@ -203,3 +203,85 @@ fn a_pod_with_host_ports_through_containerd(backend: Backend) {
 }
 
 for_both_backends!(a_pod_with_host_ports_through_containerd);
+
+/// The conflist `cnibpf install` makes of a bridge + portmap network (containerd's own example
+/// configuration has that shape) is the one containerd runs: a pod's hostPort is cnibpf's.
+#[test]
+fn a_pod_with_a_host_port_through_the_conflist_cnibpf_install_wrote() {
+    let sim = SimHost::on(Backend::Ebpf, "crii", json!({ "ipMasq": true }));
+    let conflist = sim.chain.conflist().clone();
+    let mut entry = conflist["plugins"][1].clone();
+    if let Some(entry) = entry.as_object_mut() {
+        entry.remove("type");
+    }
+    let primary = json!({
+        "cniVersion": conflist["cniVersion"],
+        "name": conflist["name"],
+        "plugins": [
+            conflist["plugins"][0],
+            { "type": "portmap", "snat": true, "capabilities": { "portMappings": true } },
+        ],
+    });
+    let file = format!("10-{}.conflist", sim.network());
+    let containerd = Containerd::start_with(&sim, |conf_dir, bin_dir| {
+        std::fs::write(
+            conf_dir.join(&file),
+            serde_json::to_string_pretty(&primary).expect("JSON"),
+        )
+        .expect("write the primary network");
+        let entry_file = sim.work_dir.join("entry.json");
+        std::fs::write(&entry_file, entry.to_string()).expect("write the entry");
+        let installed = std::process::Command::new(cnibpf_tests::topology::cnibpf_binary())
+            .arg("install")
+            .arg("--conf-dir")
+            .arg(conf_dir)
+            .arg("--bin-dir")
+            .arg(bin_dir)
+            .arg("--entry")
+            .arg(&entry_file)
+            .arg("--replace-portmap")
+            .output()
+            .expect("run cnibpf install");
+        assert!(installed.status.success(), "cnibpf install: {installed:?}");
+        let chained: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(conf_dir.join(&file)).expect("read the installed conflist"),
+        )
+        .expect("the installed conflist parses");
+        let types: Vec<&str> = chained["plugins"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|plugin| plugin["type"].as_str())
+            .collect();
+        assert_eq!(types, ["bridge", "cnibpf"], "{chained:#}");
+        eprintln!("before install:\n{primary:#}\nafter install:\n{chained:#}");
+    });
+    let mut cri = containerd.client();
+    let web = cri
+        .run_pod(cri.pod_config(
+            "shop",
+            "web",
+            0,
+            vec![host_port(Protocol::Tcp, 80, 18080, "")],
+        ))
+        .unwrap_or_else(|status| panic!("RunPodSandbox: {status}\n{}", containerd.log()));
+    cri.start_container(
+        &web,
+        "httpd",
+        &["/bin/httpd", "-f", "-p", "80", "-h", "/www"],
+    );
+    assert_eq!(pods_of(&sim), ["shop/web"], "cnibpf serves the pod");
+    assert!(
+        eventually(Duration::from_secs(5), || http_get(
+            &sim.outside,
+            sim.uplink_target(18080)
+        )
+        .is_ok_and(|body| body == PAGE)),
+        "the outside reaches httpd through hostPort 18080"
+    );
+    cri.stop_pod(&web.id)
+        .unwrap_or_else(|status| panic!("StopPodSandbox: {status}"));
+    cri.remove_pod(&web.id)
+        .unwrap_or_else(|status| panic!("RemovePodSandbox: {status}"));
+    assert!(sim.holds_no_state(), "the pod's teardown leaves nothing");
+}

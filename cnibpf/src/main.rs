@@ -7,6 +7,7 @@ mod config;
 #[cfg(test)]
 mod fuzz;
 mod inspect;
+mod install;
 mod lock;
 mod model;
 mod monitor;
@@ -16,7 +17,7 @@ mod nfnetlink;
 mod paths;
 mod reclaim;
 
-use std::{path::PathBuf, process::ExitCode};
+use std::{path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
 
@@ -51,6 +52,44 @@ enum AdminCommand {
         #[arg(long)]
         stale: bool,
     },
+    /// Install the plugin on this node: its binary into the CNI bin dir, its entry into the
+    /// network the runtime uses (written atomically, once; everything else kept).
+    Install {
+        #[arg(long, default_value = paths::CNI_CONF_DIR)]
+        conf_dir: PathBuf,
+        #[arg(long, default_value = paths::CNI_BIN_DIR)]
+        bin_dir: PathBuf,
+        /// Chain into the network of this name instead of the one the runtime uses (the
+        /// first file of the conf dir, by name, that parses).
+        #[arg(long)]
+        network: Option<String>,
+        /// A JSON file holding cnibpf's keys for its entry (default: the portMappings
+        /// capability only).
+        #[arg(long)]
+        entry: Option<PathBuf>,
+        /// Put cnibpf in the place of the reference portmap plugin instead of refusing.
+        #[arg(long)]
+        replace_portmap: bool,
+        /// Keep running: chain the entry in again whenever the conf dir changes, until SIGTERM.
+        #[arg(long)]
+        watch: bool,
+        /// With --watch: every so often (e.g. "5m"), remove the attachments whose host
+        /// interface is gone, as `cnibpf gc --stale` does.
+        #[arg(long, value_parser = humantime::parse_duration, requires = "watch")]
+        reclaim_every: Option<Duration>,
+        /// The pinPath --reclaim-every works on.
+        #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
+        pin_path: PathBuf,
+    },
+    /// Take the plugin off this node: its entry out of every network (a portmap it replaced
+    /// put back), its binary out of the bin dir. Running pods keep their datapath until their
+    /// DEL.
+    Uninstall {
+        #[arg(long, default_value = paths::CNI_CONF_DIR)]
+        conf_dir: PathBuf,
+        #[arg(long, default_value = paths::CNI_BIN_DIR)]
+        bin_dir: PathBuf,
+    },
     /// Follow the packets the filter drops, one line each, until Ctrl-C.
     Monitor {
         /// The instance's pinPath.
@@ -81,6 +120,47 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        AdminCommand::Install {
+            conf_dir,
+            bin_dir,
+            network,
+            entry,
+            replace_portmap,
+            watch,
+            reclaim_every,
+            pin_path,
+        } => {
+            let installed = install::Install::entry_from(entry.as_deref()).and_then(|entry| {
+                let install = install::Install {
+                    conf_dir,
+                    bin_dir,
+                    network,
+                    entry,
+                    replace_portmap,
+                };
+                if watch {
+                    install.run_and_watch(reclaim_every.map(|period| (period, pin_path)))
+                } else {
+                    install.run()
+                }
+            });
+            match installed {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("cnibpf install: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        AdminCommand::Uninstall { conf_dir, bin_dir } => {
+            match install::uninstall(&conf_dir, &bin_dir) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("cnibpf uninstall: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         AdminCommand::Monitor { pin_path, json } => match monitor::run(&pin_path, json) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {

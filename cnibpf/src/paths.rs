@@ -8,6 +8,12 @@ pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/cnibpf";
 pub const BPFFS_MOUNT_POINT: &str = "/sys/fs/bpf";
 /// Mount table consulted for the cgroup v2 root.
 pub const MOUNTS: &str = "/proc/self/mounts";
+/// Where runtimes look for network configurations and plugin binaries (kubelet, containerd,
+/// CRI-O and podman defaults).
+pub const CNI_CONF_DIR: &str = "/etc/cni/net.d";
+pub const CNI_BIN_DIR: &str = "/opt/cni/bin";
+/// The plugin's file name in the bin dir: the `type` of its conflist entry.
+pub const PLUGIN_NAME: &str = "cnibpf";
 /// Directory of lock files (tmpfs on every systemd host, so stale locks vanish on reboot).
 pub const LOCK_DIR: &str = "/run/cnibpf";
 

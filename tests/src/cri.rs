@@ -63,6 +63,17 @@ impl Containerd {
     /// containerd serving `sim`'s conflist in `sim`'s host namespace, with the test image
     /// imported.
     pub fn start(sim: &SimHost) -> Self {
+        Self::start_with(sim, |conf_dir, _| {
+            std::fs::write(
+                conf_dir.join(format!("10-{}.conflist", sim.network())),
+                serde_json::to_string_pretty(sim.chain.conflist()).expect("conflist"),
+            )
+            .expect("write the conflist");
+        })
+    }
+
+    /// containerd with the conf dir `configure` fills (given the conf and bin dirs).
+    pub fn start_with(sim: &SimHost, configure: impl FnOnce(&Path, &Path)) -> Self {
         let base = sim.work_dir.join("containerd");
         let _ = std::fs::remove_dir_all(&base);
         for dir in ["root", "state", "conf", "logs"] {
@@ -72,12 +83,7 @@ impl Containerd {
             &base.join("bin"),
             &["bridge", "host-local", "loopback", "portmap", "cnibpf"],
         );
-        std::fs::write(
-            base.join("conf")
-                .join(format!("10-{}.conflist", sim.network())),
-            serde_json::to_string_pretty(sim.chain.conflist()).expect("conflist"),
-        )
-        .expect("write the conflist");
+        configure(&base.join("conf"), &base.join("bin"));
         let socket = base.join("containerd.sock");
         let b = base.display();
         std::fs::write(

@@ -1,0 +1,364 @@
+//! `cnibpf install` and `cnibpf uninstall`: the plugin onto a node the way CNI add-ons get
+//! there from a DaemonSet — its binary into the host's CNI bin dir, its entry into the network
+//! the runtime uses — and off again, leaving everything else as it was.
+//!
+//! Runtimes read these directories while we write them (containerd reloads on every inotify
+//! event), and run the binary while it is replaced. So nothing is written in place: each file
+//! is written whole under a name runtimes ignore (a dot file with a `.tmp` extension), synced,
+//! and renamed over the old one, which a running process keeps as it was.
+
+mod chain;
+mod watch;
+
+use std::{
+    fs,
+    io::{self, Write as _},
+    os::unix::fs::PermissionsExt as _,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use serde_json::{Map, Value};
+
+use self::chain::{Form, chain_in, chain_out};
+use crate::paths::PLUGIN_NAME;
+
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    #[error(
+        "network {network:?} ({file}) chains the reference portmap, and cnibpf would translate hostPorts a second time: pass --replace-portmap to put cnibpf in its place (the portMappings capability moves to cnibpf, uninstall puts portmap back)"
+    )]
+    PortmapPresent { network: String, file: String },
+    #[error(
+        "no network configuration in {0} (a .conf, .conflist or .json file that parses): the primary CNI has not written its own yet"
+    )]
+    NoNetwork(PathBuf),
+    #[error("no network named {name:?} in {dir}")]
+    NoSuchNetwork { name: String, dir: PathBuf },
+    #[error("{0} exists already: cnibpf would write the chain of the network it converts there")]
+    ConvertedExists(PathBuf),
+    #[error("the entry in {path}: {reason}")]
+    Entry { path: PathBuf, reason: String },
+    #[error("could not {action}")]
+    Io {
+        action: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn io_error(action: impl Into<String>) -> impl FnOnce(io::Error) -> InstallError {
+    let action = action.into();
+    move |source| InstallError::Io { action, source }
+}
+
+/// What `cnibpf install` is asked to do.
+#[derive(Debug)]
+pub struct Install {
+    pub conf_dir: PathBuf,
+    pub bin_dir: PathBuf,
+    /// The network to chain into; the one the runtime uses when `None`.
+    pub network: Option<String>,
+    /// cnibpf's keys in its entry (`type` aside).
+    pub entry: Map<String, Value>,
+    pub replace_portmap: bool,
+}
+
+impl Install {
+    /// The entry from a JSON file holding an object, or the default: the `portMappings`
+    /// capability, every other key at its default.
+    pub fn entry_from(path: Option<&Path>) -> Result<Map<String, Value>, InstallError> {
+        let Some(path) = path else {
+            let mut entry = Map::new();
+            entry.insert(
+                "capabilities".to_owned(),
+                serde_json::json!({ "portMappings": true }),
+            );
+            return Ok(entry);
+        };
+        let text = fs::read_to_string(path)
+            .map_err(io_error(format!("read the entry {}", path.display())))?;
+        match serde_json::from_str(&text) {
+            Ok(Value::Object(entry)) => Ok(entry),
+            Ok(_) => Err(InstallError::Entry {
+                path: path.to_owned(),
+                reason: "not a JSON object".to_owned(),
+            }),
+            Err(error) => Err(InstallError::Entry {
+                path: path.to_owned(),
+                reason: error.to_string(),
+            }),
+        }
+    }
+
+    /// The binary in place and the entry chained in, once.
+    pub fn run(&self) -> Result<(), InstallError> {
+        // What the network becomes is worked out first: a refused chain changes nothing.
+        let chaining = self.chaining()?;
+        self.install_binary()?;
+        chaining.apply()
+    }
+
+    fn install_binary(&self) -> Result<(), InstallError> {
+        let binary = std::env::current_exe().map_err(io_error("find this program's binary"))?;
+        if install_binary(&binary, &self.bin_dir)? {
+            println!("installed {}", self.bin_dir.join(PLUGIN_NAME).display());
+        }
+        Ok(())
+    }
+
+    /// Runs [`Self::run`], then keeps the entry chained in as the primary CNI rewrites its
+    /// file, and every `reclaim_every` removes the attachments of `pin_path` whose DEL never
+    /// came, until SIGTERM or SIGINT.
+    pub fn run_and_watch(&self, reclaim: Option<(Duration, PathBuf)>) -> Result<(), InstallError> {
+        let binary = std::env::current_exe().map_err(io_error("find this program's binary"))?;
+        install_binary(&binary, &self.bin_dir)?;
+        watch::run(&self.conf_dir, reclaim, || {
+            match self.chain_when_readable() {
+                Ok(()) => {}
+                // The primary may not have written its file yet, or may be half way through.
+                Err(error) => eprintln!("cnibpf install: {error}"),
+            }
+        })
+    }
+
+    /// [`Self::chain`], unless a file a runtime would consider first does not parse: the
+    /// primary may be half way through writing it in place, and the next network is not the
+    /// one to chain into.
+    fn chain_when_readable(&self) -> Result<(), InstallError> {
+        if let Some(unreadable) = candidates(&self.conf_dir)?
+            .into_iter()
+            .find(|path| read_network(path).is_none())
+            && networks(&self.conf_dir)?
+                .first()
+                .is_none_or(|first| unreadable < first.path)
+        {
+            eprintln!(
+                "cnibpf install: waiting for {} to parse",
+                unreadable.display()
+            );
+            return Ok(());
+        }
+        self.chaining()?.apply()
+    }
+
+    /// The entry chained into the network, not yet written.
+    fn chaining(&self) -> Result<Chaining, InstallError> {
+        let networks = networks(&self.conf_dir)?;
+        let primary = match &self.network {
+            Some(name) => networks
+                .into_iter()
+                .find(|network| network.value["name"].as_str() == Some(name))
+                .ok_or_else(|| InstallError::NoSuchNetwork {
+                    name: name.clone(),
+                    dir: self.conf_dir.clone(),
+                })?,
+            None => networks
+                .into_iter()
+                .next()
+                .ok_or_else(|| InstallError::NoNetwork(self.conf_dir.clone()))?,
+        };
+        let chained = chain_in(
+            &primary.value,
+            primary.form,
+            &primary.file_name(),
+            &self.entry,
+            self.replace_portmap,
+        )?;
+        if primary.form == Form::Single {
+            let conflist = primary.path.with_extension("conflist");
+            if conflist.exists() {
+                return Err(InstallError::ConvertedExists(conflist));
+            }
+        }
+        Ok(Chaining {
+            primary,
+            conflist: chained.conflist,
+            notes: chained.notes,
+        })
+    }
+}
+
+/// A network with the entry chained in, to be written.
+struct Chaining {
+    primary: NetworkFile,
+    conflist: Value,
+    notes: Vec<String>,
+}
+
+impl Chaining {
+    /// Writes the network, only when that changes it.
+    fn apply(self) -> Result<(), InstallError> {
+        for note in &self.notes {
+            eprintln!("cnibpf install: note: {note}");
+        }
+        let network_name = self.conflist["name"].as_str().unwrap_or_default();
+        let path = &self.primary.path;
+        match self.primary.form {
+            Form::List if self.conflist == self.primary.value => Ok(()),
+            Form::List => {
+                write_atomically(path, &self.conflist)?;
+                println!(
+                    "chained cnibpf into network {network_name:?} ({})",
+                    path.display()
+                );
+                Ok(())
+            }
+            Form::Single => {
+                let conflist = path.with_extension("conflist");
+                // The chain is in place before the single plugin goes: a runtime reading in
+                // between still finds the network, unchained, first.
+                write_atomically(&conflist, &self.conflist)?;
+                remove(path)?;
+                println!(
+                    "chained cnibpf into network {network_name:?}: {} is now {}",
+                    path.display(),
+                    conflist.display()
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+/// `cnibpf uninstall`: cnibpf's entry out of every network in `conf_dir` (what it replaced put
+/// back), and its binary out of `bin_dir`. Pinned state stays for the last DEL: running pods
+/// keep their datapath.
+pub fn uninstall(conf_dir: &Path, bin_dir: &Path) -> Result<(), InstallError> {
+    for network in networks(conf_dir)? {
+        let Some((restored, converted_from)) = chain_out(&network.value) else {
+            continue;
+        };
+        match converted_from {
+            Some(file_name) => {
+                let single = conf_dir.join(file_name);
+                write_atomically(&single, &restored)?;
+                remove(&network.path)?;
+                println!(
+                    "took cnibpf out of {}: restored {}",
+                    network.path.display(),
+                    single.display()
+                );
+            }
+            None => {
+                write_atomically(&network.path, &restored)?;
+                println!("took cnibpf out of {}", network.path.display());
+            }
+        }
+    }
+    let binary = bin_dir.join(PLUGIN_NAME);
+    if binary.exists() {
+        remove(&binary)?;
+        println!("removed {}", binary.display());
+    }
+    Ok(())
+}
+
+/// A network configuration file as a runtime would read it.
+struct NetworkFile {
+    path: PathBuf,
+    value: Value,
+    form: Form,
+}
+
+impl NetworkFile {
+    fn file_name(&self) -> String {
+        self.path
+            .file_name()
+            .map(|name| name.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// The network configurations of `dir` in the order runtimes consider them (libcni's: file
+/// names sorted, `.conf`, `.conflist` and `.json` only), those that do not parse left out as
+/// kubelet and CRI-O leave them out.
+fn networks(dir: &Path) -> Result<Vec<NetworkFile>, InstallError> {
+    Ok(candidates(dir)?
+        .into_iter()
+        .filter_map(|path| {
+            let (value, form) = read_network(&path)?;
+            Some(NetworkFile { path, value, form })
+        })
+        .collect())
+}
+
+/// The files of `dir` a runtime considers, sorted.
+fn candidates(dir: &Path) -> Result<Vec<PathBuf>, InstallError> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(error) => return Err(io_error(format!("read {}", dir.display()))(error)),
+    };
+    let mut paths: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| {
+            path.extension().is_some_and(|extension| {
+                ["conf", "conflist", "json"].contains(&&*extension.to_string_lossy())
+            })
+        })
+        .collect();
+    paths.sort();
+    Ok(paths)
+}
+
+fn read_network(path: &Path) -> Option<(Value, Form)> {
+    let value: Value = serde_json::from_slice(&fs::read(path).ok()?).ok()?;
+    let form = Form::of(&value)?;
+    Some((value, form))
+}
+
+/// Copies `binary` to `<bin_dir>/cnibpf` unless an identical file is there; whether it did.
+fn install_binary(binary: &Path, bin_dir: &Path) -> Result<bool, InstallError> {
+    let target = bin_dir.join(PLUGIN_NAME);
+    let content = fs::read(binary).map_err(io_error(format!("read {}", binary.display())))?;
+    if fs::read(&target).is_ok_and(|installed| installed == content) {
+        return Ok(false);
+    }
+    fs::create_dir_all(bin_dir).map_err(io_error(format!("create {}", bin_dir.display())))?;
+    replace_file(&target, &content, 0o755)?;
+    Ok(true)
+}
+
+/// Writes `value` to `path` as indented JSON, atomically.
+fn write_atomically(path: &Path, value: &Value) -> Result<(), InstallError> {
+    let mut text = serde_json::to_vec_pretty(value).map_err(|error| InstallError::Io {
+        action: format!("encode {}", path.display()),
+        source: error.into(),
+    })?;
+    text.push(b'\n');
+    replace_file(path, &text, 0o644)
+}
+
+/// Puts `content` at `path` by renaming a synced temporary file of the same directory over
+/// it: a reader sees the old file or the new one, whole; a process running the old one keeps
+/// it.
+fn replace_file(path: &Path, content: &[u8], mode: u32) -> Result<(), InstallError> {
+    let directory = path.parent().unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|name| name.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let temporary = directory.join(format!(".{name}.{}.tmp", std::process::id()));
+    let written = (|| {
+        let mut file = fs::File::create(&temporary)?;
+        file.write_all(content)?;
+        file.set_permissions(fs::Permissions::from_mode(mode))?;
+        file.sync_all()?;
+        fs::rename(&temporary, path)?;
+        fs::File::open(directory)?.sync_all()
+    })();
+    if written.is_err() {
+        let _ = fs::remove_file(&temporary);
+    }
+    written.map_err(io_error(format!("write {}", path.display())))
+}
+
+fn remove(path: &Path) -> Result<(), InstallError> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(error) => Err(io_error(format!("remove {}", path.display()))(error)),
+    }
+}
