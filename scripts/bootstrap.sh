@@ -20,8 +20,8 @@ fi
 # Debian packages: the tests' tools, the reference CNI plugins, what the nftables backend runs
 # (nft, and conntrack to drop the connections of a hostPort that changed owner), and the real
 # runtimes the tests drive — containerd's CRI (with runc; protoc builds the CRI client) and
-# podman — with busybox-static for the images they run.
-packages=(iproute2 nftables conntrack iptables bpftool containernetworking-plugins jq iperf3 iputils-ping util-linux procps gcc libc6-dev fonts-dejavu-core containerd runc podman busybox-static protobuf-compiler)
+# podman — with busybox-static for the images they run; python3-venv for the manifest validator.
+packages=(iproute2 nftables conntrack iptables bpftool containernetworking-plugins jq iperf3 iputils-ping util-linux procps gcc libc6-dev fonts-dejavu-core containerd runc podman busybox-static protobuf-compiler python3-venv)
 missing=()
 for package in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then
@@ -88,6 +88,18 @@ if [ ! -x "$tools_dir/bin/bpf-linker" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$
     echo "$llvm_so" >"$stamp"
 else
     step "bpf-linker present for $llvm_so"
+fi
+
+# The Kubernetes manifests are validated offline against the API's schemas, which this PyPI
+# package bundles (the version names the Kubernetes release it validates against).
+validator_dir="${CNIBPF_TOOLS_DIR:-$HOME/.local/share/cnibpf-tools}/kubernetes-validate"
+validator_version=1.37.0
+if [ "$("$validator_dir/bin/kubernetes-validate" --version 2>/dev/null)" != "$validator_version" ]; then
+    step "installing kubernetes-validate $validator_version (PyPI) in $validator_dir"
+    python3 -m venv "$validator_dir"
+    "$validator_dir/bin/pip" install --quiet --disable-pip-version-check "kubernetes-validate==$validator_version"
+else
+    step "kubernetes-validate $validator_version present"
 fi
 
 # bpffs: the plugin mounts it itself when missing; the tests and bpftool want it now.

@@ -14,7 +14,7 @@ use cnibpf_common::{
     filter_flow::{FilterFlow, FilterFlowKey},
 };
 use cnibpf_tests::{
-    Container, Netns, SimHost, for_both_backends,
+    Container, Netns, SimHost, eventually, for_both_backends,
     topology::{Backend, Family, GATEWAY, OUTSIDE_ADDR, OUTSIDE_ADDR6, port_mappings},
     traffic::{
         CLIENT_TIMEOUT, Conversation, StreamEchoServer, TcpServer, UdpCounter, UdpSender,
@@ -830,9 +830,18 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
     let mut json_monitor = start_monitor(&host, true);
     let json_lines = monitor_lines(&mut json_monitor);
     // A ring buffer has one read position: a second reader would take events from the first.
-    let second = start_monitor(&host, false)
-        .wait_with_output()
-        .expect("second monitor");
+    assert!(
+        eventually(Duration::from_secs(5), || host.monitor_following()),
+        "the monitor took its lock"
+    );
+    let mut second = start_monitor(&host, false);
+    if !eventually(Duration::from_secs(5), || {
+        second.try_wait().is_ok_and(|status| status.is_some())
+    }) {
+        let _ = second.kill();
+        panic!("a second monitor ran beside the first");
+    }
+    let second = second.wait_with_output().expect("second monitor");
     let refusal = String::from_utf8_lossy(&second.stderr);
     assert!(
         !second.status.success() && refusal.contains("another cnibpf monitor follows"),
@@ -880,6 +889,10 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
     interrupt(json_monitor);
     let mut text_monitor = start_monitor(&host, false);
     let text_lines = monitor_lines(&mut text_monitor);
+    assert!(
+        eventually(Duration::from_secs(5), || host.monitor_following()),
+        "the text monitor took its lock"
+    );
     std::thread::sleep(Duration::from_millis(300));
     for family in Family::BOTH {
         let _guarded = TcpServer::start(&container.netns, family.any(8080), "guarded");

@@ -2,8 +2,8 @@
 //! namespace. A one-shot CNI plugin needs a handful of dumps, not an async runtime.
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST, NetlinkHeader,
-    NetlinkMessage, NetlinkPayload,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_ECHO, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST,
+    NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
 use std::net::IpAddr;
 
@@ -264,18 +264,27 @@ pub fn added_qdiscs(ifindex: u32) -> Result<Vec<String>, NetlinkError> {
         let mut message = TcMessage::with_index(index);
         message.header.parent = parent;
         let request = RouteNetlinkMessage::GetQueueDiscipline(message);
-        let found = exchange("qdisc", request, NLM_F_ACK, |message| match message {
-            RouteNetlinkMessage::NewQueueDiscipline(qdisc) if qdisc.header.index == index => qdisc
-                .attributes
-                .iter()
-                .find_map(|attribute| match attribute {
-                    TcAttribute::Kind(kind) if kind != "noqueue" && kind != "noop" => {
-                        Some(kind.clone())
-                    }
-                    _ => None,
-                }),
-            _ => None,
-        });
+        // The kernel sends a qdisc it was asked for to its multicast group, and to the asker
+        // only when asked to echo.
+        let found = exchange(
+            "qdisc",
+            request,
+            NLM_F_ACK | NLM_F_ECHO,
+            |message| match message {
+                RouteNetlinkMessage::NewQueueDiscipline(qdisc) if qdisc.header.index == index => {
+                    qdisc
+                        .attributes
+                        .iter()
+                        .find_map(|attribute| match attribute {
+                            TcAttribute::Kind(kind) if kind != "noqueue" && kind != "noop" => {
+                                Some(kind.clone())
+                            }
+                            _ => None,
+                        })
+                }
+                _ => None,
+            },
+        );
         match found {
             Ok(found) => kinds.extend(found),
             // No ingress qdisc, or the interface is gone: nothing is there.

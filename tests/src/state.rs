@@ -260,6 +260,27 @@ impl SimHost {
         inspect["lockFile"].as_str().map(PathBuf::from)
     }
 
+    /// Whether a process holds the lock `cnibpf monitor` takes for this host's pinPath (read
+    /// from /proc/locks: trying the lock would take it from a monitor starting that moment).
+    pub fn monitor_following(&self) -> bool {
+        use std::os::unix::fs::MetadataExt as _;
+        let Some(lock) = self.try_lock_file() else {
+            return false;
+        };
+        let Ok(inode) = std::fs::metadata(lock.with_extension("monitor.lock")).map(|m| m.ino())
+        else {
+            return false;
+        };
+        std::fs::read_to_string("/proc/locks").is_ok_and(|locks| {
+            locks.lines().any(|line| {
+                line.contains("FLOCK")
+                    && line
+                        .split_whitespace()
+                        .any(|field| field.rsplit(':').next() == Some(&inode.to_string()))
+            })
+        })
+    }
+
     /// `cnibpf inspect --json` of this host's pinPath.
     pub fn inspect(&self) -> Value {
         let pin_path = self.pin_path.display().to_string();

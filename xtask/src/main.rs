@@ -41,6 +41,8 @@ enum Task {
     },
     /// Wire a container in a simulated host with cnibpf and show it working.
     Demo,
+    /// Build the node image (deploy/Containerfile): cnibpf linked statically, nothing else.
+    Image,
     /// Benchmarks against same-run baselines; results in target/bench (table, JSON, PNG).
     Bench {
         /// Which suite (default: all): portmap, masquerade, filter, pods.
@@ -64,6 +66,7 @@ fn main() -> Result<()> {
             )?;
             demo::run()
         }
+        Task::Image => image(),
         Task::Bench { suite } => {
             build()?;
             run(
@@ -199,6 +202,49 @@ fn build() -> Result<()> {
     run(cargo(&["build", "--package", "cnibpf"]), "build cnibpf")
 }
 
+/// cnibpf linked statically (glibc's static libc: it calls no name service), for an image of
+/// nothing else; its path.
+pub fn build_static() -> Result<PathBuf> {
+    build_ebpf()?;
+    let target = format!("{}-unknown-linux-gnu", std::env::consts::ARCH);
+    let mut command = cargo(&[
+        "build",
+        "--release",
+        "--package",
+        "cnibpf",
+        "--target",
+        &target,
+        "--target-dir",
+        "target/static",
+    ]);
+    // With --target, RUSTFLAGS reach the target's crates only, not the build scripts.
+    command.env("RUSTFLAGS", "-C target-feature=+crt-static");
+    run(command, "build cnibpf, statically linked")?;
+    Ok(workspace_root()
+        .join("target/static")
+        .join(target)
+        .join("release/cnibpf"))
+}
+
+/// The image `localhost/cnibpf:<version>` in podman's storage.
+fn image() -> Result<()> {
+    let binary = build_static()?;
+    let root = workspace_root();
+    let context = root.join("target/image");
+    std::fs::create_dir_all(&context)?;
+    std::fs::copy(&binary, context.join("cnibpf"))
+        .with_context(|| format!("copy {}", binary.display()))?;
+    let tag = format!("localhost/cnibpf:{}", env!("CARGO_PKG_VERSION"));
+    let mut command = Command::new("podman");
+    command
+        .args(["build", "--tag", &tag, "--file"])
+        .arg(root.join("deploy/Containerfile"))
+        .arg(&context);
+    run(command, &format!("podman build {tag}"))?;
+    eprintln!("    {tag}: push it where your nodes pull from, and set it in deploy/cnibpf.yaml");
+    Ok(())
+}
+
 fn lint() -> Result<()> {
     run(cargo(&["fmt", "--all", "--check"]), "rustfmt (all crates)")?;
     run(
@@ -232,6 +278,8 @@ fn test(filter: &[String]) -> Result<()> {
         println!("tests: {unit_passed} passed, {unit_failed} failed");
         bail!("{unit_failed} unit tests failed");
     }
+    // The deploy suite builds the node image from it.
+    build_static()?;
     let mut integration = cargo(&[
         "test",
         // The same package set as the unit tests, so that nothing is rebuilt with other
