@@ -260,13 +260,11 @@ fn every_primary_shape_is_chained_once_and_restored_by_uninstall() {
             (ours["ipMasq"].clone(), ours["backend"].clone()),
             (json!(false), json!("auto"))
         );
-        if has_portmap {
-            assert_eq!(
-                ours["capabilities"]["portMappings"], true,
-                "{}",
-                primary.shape
-            );
-        }
+        assert_eq!(
+            ours["capabilities"]["portMappings"], true,
+            "{}: runtimes send hostPorts to cnibpf",
+            primary.shape
+        );
         if primary.file != primary.chained_file {
             assert!(
                 !node.conf_dir().join(primary.file).exists(),

@@ -63,8 +63,8 @@ enum AdminCommand {
         /// first file of the conf dir, by name, that parses).
         #[arg(long)]
         network: Option<String>,
-        /// A JSON file holding cnibpf's keys for its entry (default: the portMappings
-        /// capability only).
+        /// A JSON file holding cnibpf's keys for its entry (the portMappings capability is
+        /// added when it names no capabilities).
         #[arg(long)]
         entry: Option<PathBuf>,
         /// Put cnibpf in the place of the reference portmap plugin instead of refusing.

@@ -117,6 +117,11 @@ pub fn chain_in(
             }
         }
     }
+    // Without the capability no runtime sends hostPorts; an entry that names its capabilities
+    // keeps what it names.
+    if !ours.contains_key("capabilities") {
+        ours.insert("capabilities".to_owned(), json!({ "portMappings": true }));
+    }
     // A re-install finds the replaced portmap in the bookkeeping: its keys are carried over
     // again, unless the entry now sets them.
     if let Some(portmap) = bookkeeping.get("replacedPortmap") {
@@ -200,11 +205,11 @@ fn single_to_list(single: &Value, file_name: &str) -> Value {
     let mut plugin = single.as_object().cloned().unwrap_or_default();
     let mut list = Map::new();
     for key in ["cniVersion", "name"] {
-        if let Some(value) = plugin.remove(key) {
+        if let Some(value) = plugin.shift_remove(key) {
             list.insert(key.to_owned(), value);
         }
     }
-    if let Some(Value::Array(versions)) = plugin.remove("cniVersions") {
+    if let Some(Value::Array(versions)) = plugin.shift_remove("cniVersions") {
         list.insert("cniVersions".to_owned(), Value::Array(versions));
     }
     if !list.contains_key("name") {

@@ -65,16 +65,11 @@ pub struct Install {
 }
 
 impl Install {
-    /// The entry from a JSON file holding an object, or the default: the `portMappings`
-    /// capability, every other key at its default.
+    /// The entry from a JSON file holding an object, or the default: every key at its
+    /// default (the `portMappings` capability is added to an entry that names no capabilities).
     pub fn entry_from(path: Option<&Path>) -> Result<Map<String, Value>, InstallError> {
         let Some(path) = path else {
-            let mut entry = Map::new();
-            entry.insert(
-                "capabilities".to_owned(),
-                serde_json::json!({ "portMappings": true }),
-            );
-            return Ok(entry);
+            return Ok(Map::new());
         };
         let text = fs::read_to_string(path)
             .map_err(io_error(format!("read the entry {}", path.display())))?;
