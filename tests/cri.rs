@@ -12,7 +12,7 @@ use std::{
 
 use cnibpf_tests::{
     SimHost,
-    cri::{Containerd, host_port},
+    cri::{Containerd, Cri, Pod, host_port},
     eventually, for_both_backends,
     image::PAGE,
     topology::{Backend, HOST_UPLINK_ADDR, OUTSIDE_ADDR},
@@ -32,6 +32,22 @@ fn cnibpf_keys() -> serde_json::Value {
             "index": 10, "dst": format!("{OUTSIDE_ADDR}/32"), "proto": "tcp",
             "dport": OUTSIDE_FORBIDDEN, "direction": "egress", "target": "DROP",
         }],
+    })
+}
+
+/// busybox httpd serving the test page on port 80 of `pod`; its container.
+fn start_httpd(cri: &mut Cri, pod: &Pod) -> String {
+    cri.start_container(
+        pod,
+        "httpd",
+        &["/bin/httpd", "-f", "-p", "80", "-h", "/www"],
+    )
+}
+
+/// Whether the outside gets the test page through hostPort `port` (within 5 s).
+fn outside_gets_the_page(sim: &SimHost, port: u16) -> bool {
+    eventually(Duration::from_secs(5), || {
+        http_get(&sim.outside, sim.uplink_target(port)).is_ok_and(|body| body == PAGE)
     })
 }
 
@@ -62,21 +78,13 @@ fn a_pod_with_host_ports_through_containerd(backend: Backend) {
     let web = cri
         .run_pod(config.clone())
         .unwrap_or_else(|status| panic!("RunPodSandbox: {status}\n{}", containerd.log()));
-    let httpd = cri.start_container(
-        &web,
-        "httpd",
-        &["/bin/httpd", "-f", "-p", "80", "-h", "/www"],
-    );
+    let httpd = start_httpd(&mut cri, &web);
     let _dns = UdpServer::start(&web.netns, "0.0.0.0:5353".parse().expect("literal"), "dns");
     assert_eq!(pods_of(&sim), ["shop/web"], "inspect names the pod");
 
     // From outside: TCP on any address, TCP on the hostIP, UDP.
     assert!(
-        eventually(Duration::from_secs(5), || http_get(
-            &sim.outside,
-            sim.uplink_target(18080)
-        )
-        .is_ok_and(|body| body == PAGE)),
+        outside_gets_the_page(&sim, 18080),
         "the outside reaches httpd through hostPort 18080"
     );
     assert_eq!(
@@ -131,7 +139,7 @@ fn a_pod_with_host_ports_through_containerd(backend: Backend) {
         SocketAddr::new(OUTSIDE_ADDR.into(), OUTSIDE_FORBIDDEN),
         "HTTP/1.0 200 OK\r\n\r\nforbidden\n",
     );
-    let fetch = |cri: &mut cnibpf_tests::cri::Cri, port: u16| {
+    let fetch = |cri: &mut Cri, port: u16| {
         cri.exec(
             &httpd,
             // (busybox 1.35's own `wget -T` crashes.)
@@ -176,17 +184,9 @@ fn a_pod_with_host_ports_through_containerd(backend: Backend) {
     let again = cri
         .run_pod(cri.pod_config("shop", "web", 1, config.port_mappings.clone()))
         .unwrap_or_else(|status| panic!("RunPodSandbox of the restarted pod: {status}"));
-    cri.start_container(
-        &again,
-        "httpd",
-        &["/bin/httpd", "-f", "-p", "80", "-h", "/www"],
-    );
+    start_httpd(&mut cri, &again);
     assert!(
-        eventually(Duration::from_secs(5), || http_get(
-            &sim.outside,
-            sim.uplink_target(18080)
-        )
-        .is_ok_and(|body| body == PAGE)),
+        outside_gets_the_page(&sim, 18080),
         "the restarted pod has its hostPort"
     );
 
@@ -265,18 +265,10 @@ fn a_pod_with_a_host_port_through_the_conflist_cnibpf_install_wrote() {
             vec![host_port(Protocol::Tcp, 80, 18080, "")],
         ))
         .unwrap_or_else(|status| panic!("RunPodSandbox: {status}\n{}", containerd.log()));
-    cri.start_container(
-        &web,
-        "httpd",
-        &["/bin/httpd", "-f", "-p", "80", "-h", "/www"],
-    );
+    start_httpd(&mut cri, &web);
     assert_eq!(pods_of(&sim), ["shop/web"], "cnibpf serves the pod");
     assert!(
-        eventually(Duration::from_secs(5), || http_get(
-            &sim.outside,
-            sim.uplink_target(18080)
-        )
-        .is_ok_and(|body| body == PAGE)),
+        outside_gets_the_page(&sim, 18080),
         "the outside reaches httpd through hostPort 18080"
     );
     cri.stop_pod(&web.id)
