@@ -6,7 +6,7 @@ use cnibpf_tests::{
     PluginOutput, SimHost,
     assertions::{assert_cni_error, assert_silent_success},
     chain::{self, Attachment, deny_bpf_syscall, run_with_stdin},
-    topology::{Family, UPLINK, cni_path, port_mappings},
+    topology::{Backend, Family, UPLINK, cni_path, port_mappings},
     traffic::{TcpServer, tcp_request},
 };
 use serde_json::{Value, json};
@@ -580,4 +580,52 @@ fn a_pin_path_outside_bpffs_is_error_102() {
     }
     assert!(sim.tcx_programs(UPLINK).is_empty());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The eBPF datapath hands translated traffic past the host's own firewall chains: inspect
+/// names those that hold rules. The nftables backend keeps that traffic in the stack, so there
+/// is nothing to say about it.
+#[test]
+fn inspect_names_the_host_firewall_chains_the_ebpf_datapath_passes_by() {
+    for backend in [Backend::Ebpf, Backend::Nftables] {
+        let host = SimHost::on(backend, "fwnote", json!({}));
+        let _container = host.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+        let bypassed = |host: &SimHost| host.inspect()["bypassedHostChains"].clone();
+        assert_eq!(
+            bypassed(&host),
+            json!([]),
+            "{backend:?}: no rules of the host yet"
+        );
+        host.host.exec(&[
+            "iptables",
+            "-I",
+            "FORWARD",
+            "-s",
+            "203.0.113.9",
+            "-j",
+            "DROP",
+        ]);
+        let pin_path = host.pin_path.display().to_string();
+        let text = host.cnibpf(&["inspect", "--pin-path", &pin_path]);
+        let text = String::from_utf8_lossy(&text.stdout);
+        match backend {
+            Backend::Ebpf => {
+                assert_eq!(
+                    bypassed(&host),
+                    json!([{ "family": "ip", "table": "filter", "chain": "FORWARD",
+                             "hook": "forward", "rules": 1 }])
+                );
+                assert!(
+                    text.contains(
+                        "the host's firewall chains ip filter FORWARD (1 rule) do not see"
+                    ),
+                    "{text}"
+                );
+            }
+            Backend::Nftables => {
+                assert_eq!(bypassed(&host), json!([]), "nftables keeps the stack");
+                assert!(!text.contains("firewall chains"), "{text}");
+            }
+        }
+    }
 }

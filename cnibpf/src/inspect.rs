@@ -5,7 +5,7 @@ use std::{io::Write as _, net::IpAddr, path::Path};
 use serde_json::json;
 
 use crate::{
-    backend::{self, BackendError, FilterRecord},
+    backend::{self, BackendError, FilterRecord, nftables},
     model::masquerade::ReasonText,
     paths::PinLayout,
 };
@@ -54,6 +54,13 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 &b.1.attachment.ifname,
             ))
     });
+    // The eBPF datapath hands what it translates past the host's own chains (README: the
+    // host's firewall); a user whose rules would judge that traffic should know.
+    let bypassed = if attachments.iter().any(|(backend, ..)| *backend == "ebpf") {
+        nftables::firewall_chains().unwrap_or_default()
+    } else {
+        Vec::new()
+    };
     let mut out = std::io::stdout().lock();
     if as_json {
         let list: Vec<_> = attachments
@@ -116,6 +123,13 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
             "attachments": list,
             "uplinks": uplinks,
             "counters": counters,
+            "bypassedHostChains": bypassed.iter().map(|chain| json!({
+                "family": chain.family,
+                "table": chain.table,
+                "chain": chain.name,
+                "hook": chain.hook,
+                "rules": chain.rules,
+            })).collect::<Vec<_>>(),
         });
         let _ = writeln!(out, "{document:#}");
         return Ok(());
@@ -219,6 +233,26 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
         for (name, value) in values {
             let _ = writeln!(out, "    {name:<30} {value}");
         }
+    }
+    if !bypassed.is_empty() {
+        let chains: Vec<String> = bypassed
+            .iter()
+            .map(|chain| {
+                format!(
+                    "{} {} {} ({} rule{})",
+                    chain.family,
+                    chain.table,
+                    chain.name,
+                    chain.rules,
+                    if chain.rules == 1 { "" } else { "s" }
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "note: the host's firewall chains {} do not see what the eBPF datapath forwards (hostPort traffic from outside, replies, masquerade, hairpin); cnibpf's filter rules do, and the nftables backend keeps that traffic in the stack",
+            chains.join(", ")
+        );
     }
     Ok(())
 }

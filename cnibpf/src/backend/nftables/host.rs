@@ -7,6 +7,8 @@
 
 use std::{io, ops::ControlFlow, path::Path};
 
+use serde::Deserialize as _;
+
 use super::{NftablesError, nft::TABLE};
 use crate::{
     netlink,
@@ -120,6 +122,69 @@ fn user_data_comment(data: &[u8]) -> Option<String> {
         rest = &rest[2 + length..];
     }
     None
+}
+
+/// A chain of the host's own firewall on a hook that traffic to and from containers passes
+/// in the stack (iptables-nft's chains included).
+#[derive(Debug, serde::Deserialize)]
+pub struct HostChain {
+    pub family: String,
+    pub table: String,
+    pub name: String,
+    pub hook: String,
+    #[serde(skip)]
+    pub rules: usize,
+}
+
+/// The host's chains on the forward and input hooks that hold rules, cnibpf's table aside;
+/// empty where `nft` is not installed.
+pub fn firewall_chains() -> Result<Vec<HostChain>, NftablesError> {
+    #[derive(serde::Deserialize)]
+    struct RuleOf {
+        family: String,
+        table: String,
+        chain: String,
+    }
+    if !nft_installed() {
+        return Ok(Vec::new());
+    }
+    let output = std::process::Command::new(super::nft::NFT)
+        .args(["-j", "list", "ruleset"])
+        .output()
+        .map_err(NftablesError::Run)?;
+    if !output.status.success() {
+        return Err(NftablesError::Listing(
+            String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+        ));
+    }
+    let unreadable = |error: serde_json::Error| NftablesError::Listing(error.to_string());
+    let document: serde_json::Value = serde_json::from_slice(&output.stdout).map_err(unreadable)?;
+    let objects = document["nftables"].as_array().cloned().unwrap_or_default();
+    let mut chains = Vec::new();
+    let mut rules = Vec::new();
+    for object in objects {
+        if let Some(chain) = object.get("chain") {
+            if chain.get("hook").is_some() {
+                chains.push(HostChain::deserialize(chain).map_err(unreadable)?);
+            }
+        } else if let Some(rule) = object.get("rule") {
+            rules.push(RuleOf::deserialize(rule).map_err(unreadable)?);
+        }
+    }
+    chains.retain(|chain| {
+        ["forward", "input"].contains(&chain.hook.as_str())
+            && !(chain.family == "inet" && chain.table == TABLE)
+    });
+    for chain in &mut chains {
+        chain.rules = rules
+            .iter()
+            .filter(|rule| {
+                rule.family == chain.family && rule.table == chain.table && rule.chain == chain.name
+            })
+            .count();
+    }
+    chains.retain(|chain| chain.rules > 0);
+    Ok(chains)
 }
 
 /// Whether `nft` is on `PATH` (looked up, not run).

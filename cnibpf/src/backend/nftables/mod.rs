@@ -36,6 +36,7 @@ use std::{collections::BTreeMap, net::IpAddr};
 
 use nftables::{batch::Batch, schema::NfListObject};
 
+pub use self::host::firewall_chains;
 use self::{listing::Listing, record::Record};
 use super::{Access, Backend, BackendError};
 use crate::{
