@@ -105,6 +105,16 @@ fn source_ports_are_kept_when_free_and_a_collision_picks_another(backend: Backen
     }
 }
 
+/// A datagram on `socket`; a signal to the test process interrupts no wait.
+fn receive(socket: &std::net::UdpSocket, buffer: &mut [u8]) -> std::io::Result<usize> {
+    loop {
+        match socket.recv(buffer) {
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            received => return received,
+        }
+    }
+}
+
 fn a_port_a_host_socket_holds_is_not_taken_for_a_container(backend: Backend) {
     let host = masquerading(backend, "mq-hsock");
     let container = host.container("c1", Value::Null);
@@ -125,7 +135,7 @@ fn a_port_a_host_socket_holds_is_not_taken_for_a_container(backend: Backend) {
         if backend == Backend::Nftables {
             host_socket.send(b"ping").expect("host send");
             let mut buffer = [0u8; 64];
-            let length = host_socket.recv(&mut buffer).expect("host reply");
+            let length = receive(&host_socket, &mut buffer).expect("host reply");
             assert_eq!(&buffer[..length], b"hello");
         }
         // ... when a container uses the same source port towards the same server.
@@ -136,7 +146,7 @@ fn a_port_a_host_socket_holds_is_not_taken_for_a_container(backend: Backend) {
         assert_eq!(answer, "hello");
         host_socket.send(b"ping").expect("host send");
         let mut buffer = [0u8; 64];
-        let length = host_socket.recv(&mut buffer).unwrap_or_else(|error| {
+        let length = receive(&host_socket, &mut buffer).unwrap_or_else(|error| {
             panic!("{family:?}: the host socket's reply was taken: {error}")
         });
         assert_eq!(&buffer[..length], b"hello");

@@ -9,13 +9,17 @@ use crate::impl_pod;
 pub const MAP_NAME: &str = "endpoints";
 pub const MAX_ENTRIES: u32 = 16_384;
 
-/// `EndpointInfo::flags`: translated packets of this container go through the host stack
-/// instead of straight to their next hop, so that what sits on its interface sees them — the
-/// `bandwidth` plugin's shaping (a TBF on the host-side veth, an ingress qdisc redirecting to
-/// an ifb) — and the host's firewall chains judge them.
+/// `EndpointInfo::flags`: what this container sends goes through its veth's qdiscs and the
+/// host stack, and what is translated for it through that veth's egress, so that what sits on
+/// its interface sees both — the `bandwidth` plugin's shaping (a TBF on the host-side veth, an
+/// ingress qdisc redirecting to an ifb).
 pub const FLAG_VIA_STACK: u32 = 1;
 /// `snat: false`: a container reaching its own hostPort keeps its own address as the source.
 pub const FLAG_NO_HAIRPIN_SNAT: u32 = 2;
+/// `hostFirewall`: what this container sends goes through the host stack, and what is
+/// translated for it is handed to the stack where it was translated, so that the host's
+/// forward and input chains judge both ways (translated in BPF, routed by the kernel).
+pub const FLAG_HOST_FIREWALL: u32 = 4;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

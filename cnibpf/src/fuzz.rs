@@ -31,6 +31,7 @@ const KEYS: &[&str] = &[
     "filterDefault",
     "ipMasq",
     "ipMasqExclude",
+    "hostFirewall",
     "backend",
     "pinPath",
     "cgroupPath",

@@ -250,7 +250,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
             .collect();
         let _ = writeln!(
             out,
-            "note: the host's firewall chains {} do not see what the eBPF datapath forwards (hostPort traffic from outside, replies, masquerade, hairpin); cnibpf's filter rules do, and the nftables backend keeps that traffic in the stack",
+            "note: the host's firewall chains {} do not see what the eBPF datapath forwards (hostPort traffic from outside, replies, masquerade, hairpin) for attachments without hostFirewall: true; cnibpf's filter rules do, and the nftables backend keeps that traffic in the stack",
             chains.join(", ")
         );
     }

@@ -5,7 +5,7 @@
 
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
-    endpoint::FLAG_VIA_STACK,
+    endpoint::{FLAG_HOST_FIREWALL, FLAG_VIA_STACK},
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
 };
 
@@ -37,7 +37,7 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     // A container whose traffic is shaped on its veth: what it sends must pass the qdiscs
     // that follow this hook (the `bandwidth` plugin's redirect to its ifb), so nothing is sent
     // on from here; `uplink_egress` translates it on its way out.
-    let via_stack = maps::endpoint_flags(ifindex(ctx)) & FLAG_VIA_STACK != 0;
+    let via_stack = maps::endpoint_flags(ifindex(ctx)) & (FLAG_VIA_STACK | FLAG_HOST_FIREWALL) != 0;
     if flow.fragment == Fragment::Whole {
         let verdict = translated(ctx, &mut flow, via_stack);
         if verdict != NOT_MINE {
@@ -58,7 +58,8 @@ fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> i32 {
     let mut target = Handover::default();
     match portmap::translate_reply(ctx, flow, via_stack, &mut target) {
         TO_CONTAINER => {
-            return hand_over(ctx, Some(flow), &target).unwrap_or_else(DatapathError::verdict);
+            return hand_over(ctx, Some(flow), &target, false)
+                .unwrap_or_else(DatapathError::verdict);
         }
         NOT_MINE => {}
         verdict => return verdict,
@@ -66,7 +67,7 @@ fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> i32 {
     match portmap::translate_hairpin(ctx, flow, via_stack, &mut target) {
         TO_CONTAINER => {
             let verdict =
-                hand_over(ctx, Some(flow), &target).unwrap_or_else(DatapathError::verdict);
+                hand_over(ctx, Some(flow), &target, false).unwrap_or_else(DatapathError::verdict);
             if verdict != DROP {
                 portmap::remember_translation(flow);
             }

@@ -9,11 +9,16 @@ pub mod socket;
 pub mod uplink;
 
 use aya_ebpf::{helpers::bpf_redirect, programs::TcContext};
-use cnibpf_common::{endpoint::FLAG_VIA_STACK, filter::DIRECTION_INGRESS};
+use cnibpf_common::{
+    endpoint::{FLAG_HOST_FIREWALL, FLAG_VIA_STACK},
+    filter::DIRECTION_INGRESS,
+};
 
 use crate::{
     filter, maps,
-    packet::{DROP, DatapathError, Flow, Handover, mark_translated, redirect_to_peer, set_macs},
+    packet::{
+        DROP, DatapathError, Flow, Handover, NEXT, mark_translated, redirect_to_peer, set_macs,
+    },
 };
 
 /// Hands a translated packet to its container; `flow` is the packet as translated (`None`: a
@@ -23,17 +28,30 @@ use crate::{
 /// the host stack and the veth's own hooks — so the filter judges the packet here. A container
 /// marked `FLAG_VIA_STACK` (something shapes its traffic, e.g. the `bandwidth` plugin's TBF on
 /// its veth) gets it through that veth's egress instead (`bpf_redirect`): its `to_container`
-/// filters it and its qdiscs shape it. Inlined: as a call of its own it would push the deepest
+/// filters it and its qdiscs shape it. A container marked `FLAG_HOST_FIREWALL` gets what came in
+/// by an uplink (`from_uplink`) through the host stack, from where it was translated: the kernel
+/// routes it through the host's own chains, and `to_container` filters it. (Hairpin traffic
+/// reaches the stack from the client's hook already translated; what is handed over from a
+/// container's hook carries a host address as its source, which the stack would not forward.)
+/// Inlined: as a call of its own it would push the deepest
 /// call chains (into the filter) past the verifier's 512 bytes.
 #[inline(always)]
 fn hand_over(
     ctx: &TcContext,
     flow: Option<&Flow>,
     container: &Handover,
+    from_uplink: bool,
 ) -> Result<i32, DatapathError> {
     let ifindex = container.host_ifindex;
+    let flags = maps::endpoint_flags(ifindex);
+    if from_uplink && flags & FLAG_HOST_FIREWALL != 0 {
+        // Addressed to the container now; the kernel routes it there through the host's
+        // chains, and its `to_container` filters it.
+        mark_translated(ctx);
+        return Ok(NEXT);
+    }
     set_macs(ctx, &container.container_mac, &container.gateway_mac)?;
-    if maps::endpoint_flags(ifindex) & FLAG_VIA_STACK != 0 {
+    if flags & FLAG_VIA_STACK != 0 {
         mark_translated(ctx);
         // SAFETY: bpf_redirect has no memory arguments.
         return Ok(unsafe { bpf_redirect(ifindex, 0) } as i32);

@@ -30,7 +30,9 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, DatapathError> {
 fn icmp_error(ctx: &TcContext) -> i32 {
     let mut container = Handover::default();
     match masquerade::translate_icmp_error(ctx, &mut container) {
-        TO_CONTAINER => hand_over(ctx, None, &container).unwrap_or_else(DatapathError::verdict),
+        TO_CONTAINER => {
+            hand_over(ctx, None, &container, true).unwrap_or_else(DatapathError::verdict)
+        }
         NOT_MINE => NEXT,
         verdict => verdict,
     }
@@ -46,7 +48,7 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
     let mut container = Handover::default();
     if flow.fragment == Fragment::Later {
         return match masquerade::translate_later_fragment(ctx, flow, &mut container) {
-            TO_CONTAINER => hand_over(ctx, Some(flow), &container),
+            TO_CONTAINER => hand_over(ctx, Some(flow), &container, true),
             NOT_MINE => Ok(NEXT),
             verdict => Ok(verdict),
         };
@@ -54,7 +56,7 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
     if let Some(entry) = masquerade::lookup_reply(flow) {
         // SAFETY: points into `masq_replies`; see `masquerade::translate_reply`.
         return match masquerade::translate_reply(ctx, flow, unsafe { &*entry }, &mut container) {
-            TO_CONTAINER => hand_over(ctx, Some(flow), &container),
+            TO_CONTAINER => hand_over(ctx, Some(flow), &container, true),
             verdict => Ok(verdict),
         };
     }
@@ -65,7 +67,7 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
     }
     match portmap::translate_from_outside(ctx, flow, &mut container)? {
         TO_CONTAINER => {
-            let verdict = hand_over(ctx, Some(flow), &container)?;
+            let verdict = hand_over(ctx, Some(flow), &container, true)?;
             if verdict != DROP {
                 portmap::remember_translation(flow);
             }

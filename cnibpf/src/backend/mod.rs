@@ -43,6 +43,9 @@ pub struct Endpoint {
     /// Something shapes the container's traffic on its host-side interface (the `bandwidth`
     /// plugin): what the datapath translates must pass that interface's qdiscs.
     pub shaped: bool,
+    /// `hostFirewall`: what the datapath translates for the container goes through the host's
+    /// stack, so that the host's own firewall chains judge it.
+    pub host_firewall: bool,
     /// Where the container's routed traffic enters the host: the bridge its host-side
     /// interface is enslaved to, else that interface.
     pub gateway_ifindex: u32,

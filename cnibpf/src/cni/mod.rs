@@ -260,6 +260,7 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
             container_networks: prev.container_addresses.clone(),
             pod: env.args.pod.clone(),
             shaped,
+            host_firewall: conf.plugin.host_firewall,
             gateway_ifindex,
             host_ports: conf.plugin.host_ports.clone(),
             condition_interfaces,

@@ -36,6 +36,7 @@ pub struct NetConfInput {
     pub backend: Option<String>,
     pub ip_masq: Option<bool>,
     pub ip_masq_exclude: Option<Vec<Cidr>>,
+    pub host_firewall: Option<bool>,
     pub filter: Option<Vec<RuleInput>>,
     pub filter_default: Option<String>,
     pub uplinks: Option<Vec<String>>,

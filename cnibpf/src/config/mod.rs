@@ -117,6 +117,9 @@ pub struct PluginConfig {
     pub backend: BackendChoice,
     pub ip_masq: bool,
     pub ip_masq_exclude: Vec<IpNet>,
+    /// `hostFirewall`: what the eBPF datapath translates goes through the host's stack, so
+    /// that the host's own firewall chains judge it.
+    pub host_firewall: bool,
     /// Sorted by ascending `index`, the evaluation order.
     pub filter: Vec<FilterRule>,
     pub filter_default: Target,
@@ -303,6 +306,7 @@ impl PluginConfig {
                 .into_iter()
                 .map(|cidr| cidr.0)
                 .collect(),
+            host_firewall: input.host_firewall.unwrap_or(false),
             filter: parse_filter(input.filter.unwrap_or_default())?,
             filter_default: match input.filter_default {
                 None => Target::Allow,

@@ -383,6 +383,9 @@ fn endpoint_info(endpoint: &Endpoint) -> EndpointInfo {
     if endpoint.host_ports.no_hairpin_snat {
         flags |= endpoint::FLAG_NO_HAIRPIN_SNAT;
     }
+    if endpoint.host_firewall {
+        flags |= endpoint::FLAG_HOST_FIREWALL;
+    }
     EndpointInfo {
         gateway_v6: endpoint
             .gateway_v6
