@@ -8,7 +8,8 @@ use aya_ebpf::{
     EbpfContext as _,
     bindings::{
         __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH,
-        BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_SHOT, TC_ACT_UNSPEC, bpf_check_mtu_flags, bpf_fib_lookup,
+        BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC, TC_ACT_SHOT, TC_ACT_UNSPEC,
+        bpf_check_mtu_flags, bpf_fib_lookup,
     },
     helpers::{
         bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_redirect,
@@ -598,8 +599,13 @@ pub enum Route {
 /// output device and find no route out of another one.) The MTU is checked separately:
 /// the FIB's own check compares the whole length of a GSO packet, while only its segments
 /// need to fit.
+///
+/// With `choose_source`, the FIB also chooses the address the host would send from on that
+/// route (`BPF_FIB_LOOKUP_SRC`, as the host's addresses are now), left in `route_source`
+/// (read with `maps::routed_source`); where the kernel cannot (older than 6.7, or no address),
+/// the route is `Other` and the host stack decides.
 #[inline(never)]
-pub fn route(ctx: &TcContext, flow: &Flow) -> Route {
+pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
     // SAFETY: bpf_fib_lookup is plain old data; all-zero is its documented initial state.
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     params.family = flow.family;
@@ -617,8 +623,30 @@ pub fn route(ctx: &TcContext, flow: &Flow) -> Route {
     }
     let skb = ctx.as_ptr();
     params.ifindex = ifindex(ctx);
+    let flags = if choose_source { BPF_FIB_LOOKUP_SRC } else { 0 };
     // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
-    let rc = unsafe { fib_lookup(skb, &raw mut params, size_of::<bpf_fib_lookup>() as i32, 0) };
+    let rc = unsafe {
+        fib_lookup(
+            skb,
+            &raw mut params,
+            size_of::<bpf_fib_lookup>() as i32,
+            flags,
+        )
+    };
+    if choose_source
+        && (rc as u32 == BPF_FIB_LKUP_RET_SUCCESS || rc as u32 == BPF_FIB_LKUP_RET_NO_NEIGH)
+        && let Some(slot) = crate::maps::route_source.get_ptr_mut(0)
+    {
+        // SAFETY: the slot is this CPU's, written and read within one program run; the
+        // kernel wrote the union's member of the lookup's family.
+        unsafe {
+            *slot = if flow.family == FAMILY_IPV4 {
+                widen(params.__bindgen_anon_3.ipv4_src.to_ne_bytes())
+            } else {
+                unwords(params.__bindgen_anon_3.ipv6_src)
+            };
+        }
+    }
     let route = match rc as u32 {
         BPF_FIB_LKUP_RET_SUCCESS => {
             // SAFETY: on success the kernel filled in the MAC addresses.
@@ -680,4 +708,17 @@ pub fn words(addr: &[u8; 16]) -> [u32; 4] {
         u32::from_ne_bytes([addr[8], addr[9], addr[10], addr[11]]),
         u32::from_ne_bytes([addr[12], addr[13], addr[14], addr[15]]),
     ]
+}
+
+/// The address `words` made: the words' bytes in order.
+fn unwords(words: [u32; 4]) -> [u8; 16] {
+    let mut addr = [0u8; 16];
+    for (index, word) in words.iter().enumerate() {
+        let bytes = word.to_ne_bytes();
+        addr[index * 4] = bytes[0];
+        addr[index * 4 + 1] = bytes[1];
+        addr[index * 4 + 2] = bytes[2];
+        addr[index * 4 + 3] = bytes[3];
+    }
+    addr
 }

@@ -186,6 +186,15 @@ pub static translation_scratch: PerCpuArray<Translation, 1> = PerCpuArray::new()
 #[btf_map]
 pub static icmp_error_scratch: PerCpuArray<IcmpError, 1> = PerCpuArray::new();
 
+/// The source address the FIB chose for the packet at hand (see `packet::route`); private to
+/// each loaded object, not pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static route_source: PerCpuArray<[u8; 16], 1> = PerCpuArray::new();
+
 /// Userspace-only bookkeeping, declared here so that it is created and pinned with the rest.
 #[btf_map(pin_by_name)]
 pub static owner_ports: HashMap<OwnerPortKey, PortMapKey, { owner_port::MAX_ENTRIES as usize }> =

@@ -62,14 +62,17 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
     if source.host_ifindex != ifindex(ctx) || is_excluded(source.owner, flow) {
         return Ok(NEXT);
     }
-    let next_hop = route(ctx, flow);
+    // With the address the host sends from on that route, as its addresses are now: an
+    // address added, removed or changed takes effect at the next packet, as with MASQUERADE.
+    let next_hop = route(ctx, flow, true);
     let uplink_ifindex = match next_hop {
         Route::Neighbour { ifindex, .. } | Route::Unresolved { ifindex } => ifindex,
-        // Local, unroutable, or too big for the route: the host stack decides, and
-        // `uplink_egress` masquerades what it forwards out of an uplink.
+        // Local, unroutable, too big for the route, or no source address the FIB could
+        // choose: the host stack decides, and `uplink_egress` masquerades what it forwards
+        // out of an uplink.
         Route::Other => return Ok(NEXT),
     };
-    let plan = match Plan::new(source, uplink_ifindex, flow.family) {
+    let plan = match Plan::new(source, uplink_ifindex, flow.family, true) {
         Ok(Some(plan)) => plan,
         Ok(None) => return Ok(NEXT),
         Err(verdict) => return Ok(verdict),
@@ -99,7 +102,7 @@ fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathEr
     if is_excluded(source.owner, flow) {
         return Ok(NEXT);
     }
-    let plan = match Plan::new(source, ifindex(ctx), flow.family) {
+    let plan = match Plan::new(source, ifindex(ctx), flow.family, false) {
         Ok(Some(plan)) => plan,
         Ok(None) => return Ok(NEXT),
         Err(verdict) => return Ok(verdict),
@@ -240,17 +243,32 @@ struct Plan {
 }
 
 impl Plan {
-    /// The plan for a packet of `family` from `source` leaving through `uplink_ifindex`;
+    /// The plan for a packet of `family` from `source` leaving through `uplink_ifindex`, from
+    /// the address the FIB chose for it (`routed`: see `packet::route`) or else the uplink's
+    /// address as the plugin recorded it;
     /// `None` when that interface is not an uplink (the packet is not masqueraded), the
     /// verdict `DROP` when the uplink has no address of the family (as the kernel's
     /// MASQUERADE drops it).
     #[inline(always)]
-    fn new(source: MasqSource, uplink_ifindex: u32, family: u8) -> Result<Option<Self>, i32> {
+    fn new(
+        source: MasqSource,
+        uplink_ifindex: u32,
+        family: u8,
+        routed: bool,
+    ) -> Result<Option<Self>, i32> {
         let Some(uplink) = maps::uplinks.get_ptr(&uplink_ifindex) else {
             return Ok(None);
         };
-        // SAFETY: points into `uplinks`, read at once.
-        let Some(nat_addr) = uplink_address(unsafe { &*uplink }, family) else {
+        let chosen = if routed {
+            maps::route_source.get_ptr(0)
+        } else {
+            None
+        };
+        // SAFETY: both point into maps, read at once.
+        let Some(nat_addr) = chosen
+            .map(|slot| unsafe { *slot })
+            .or_else(|| uplink_address(unsafe { &*uplink }, family))
+        else {
             count(|stats| &mut stats.no_uplink_address);
             return Err(DROP);
         };

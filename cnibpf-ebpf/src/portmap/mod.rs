@@ -172,7 +172,7 @@ fn try_translate_reply(
     }
     let (reply_addr, reply_port) = (flow.saddr, flow.sport);
     flow.rewrite_source(ctx, &orig_addr, orig_port)?;
-    let next_hop = route(ctx, flow);
+    let next_hop = route(ctx, flow, false);
     if !matches!(next_hop, Route::Other)
         && flow.decrement_hop_limit(ctx)?
         && let Some(verdict) = forward(ctx, &next_hop)?
