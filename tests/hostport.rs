@@ -12,7 +12,7 @@ use std::{
 
 use cnibpf_tests::{
     SimHost, for_both_backends,
-    topology::{BRIDGE, Backend, Family, GATEWAY, GATEWAY6, port_mappings},
+    topology::{BRIDGE, Backend, Family, GATEWAY, GATEWAY6, UPLINK, port_mappings},
     traffic::{TcpServer, UdpServer, kernel_has_sctp, tcp_request, udp_request},
 };
 use serde_json::json;
@@ -334,7 +334,40 @@ fn a_client_that_switches_from_the_host_port_to_the_container_address_is_not_rew
     );
 }
 
+/// An address added to the uplink after the ADD serves wildcard hostPorts at once, no plugin
+/// run in between (eBPF: the FIB says the host delivers it to itself; nftables: `fib daddr
+/// type local`), as the reference portmap's `--dst-type LOCAL` does.
+fn an_address_added_to_the_uplink_serves_wildcard_host_ports_at_once(backend: Backend) {
+    let sim = SimHost::on(backend, "hp-newaddr", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let added = [
+        (Family::V4, "203.0.113.77", "24"),
+        (Family::V6, "2001:db8:1::77", "64"),
+    ];
+    for (family, address, prefix) in added {
+        let _web = TcpServer::start(&c1.netns, c1.at(family, 80), "web");
+        let version = if family == Family::V4 { "-4" } else { "-6" };
+        sim.host.exec(&[
+            "ip",
+            version,
+            "addr",
+            "add",
+            &format!("{address}/{prefix}"),
+            "dev",
+            UPLINK,
+            "nodad",
+        ]);
+        let target = SocketAddr::new(address.parse().expect("literal"), 8080);
+        assert_eq!(
+            tcp_request(&sim.outside, target).as_deref(),
+            Ok("web"),
+            "{family:?}: the new address {address} serves hostPort 8080"
+        );
+    }
+}
+
 for_both_backends!(
+    an_address_added_to_the_uplink_serves_wildcard_host_ports_at_once,
     outside_clients_reach_tcp_and_udp_host_ports_over_both_families,
     an_ipv6_host_ip_restricts_the_mapping_to_ipv6,
     sctp_mappings_are_installed_and_carry_traffic_where_the_kernel_has_sctp,

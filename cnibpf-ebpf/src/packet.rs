@@ -8,8 +8,8 @@ use aya_ebpf::{
     EbpfContext as _,
     bindings::{
         __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH,
-        BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC, TC_ACT_SHOT, TC_ACT_UNSPEC,
-        bpf_check_mtu_flags, bpf_fib_lookup,
+        BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC, TC_ACT_SHOT,
+        TC_ACT_UNSPEC, bpf_check_mtu_flags, bpf_fib_lookup,
     },
     helpers::{
         bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_redirect,
@@ -676,6 +676,36 @@ pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
     } == 0;
     // Too big: the host stack answers with "fragmentation needed" or fragments it.
     if fits { route } else { Route::Other }
+}
+
+/// Whether the host delivers the flow's destination to itself rather than forwarding it: the
+/// FIB does not forward it. (It answers the same for a destination without any route, which
+/// nothing sends to a host that has a default route.)
+#[inline(never)]
+pub fn is_local(ctx: &TcContext, flow: &Flow) -> bool {
+    // SAFETY: bpf_fib_lookup is plain old data; all-zero is its documented initial state.
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    params.family = flow.family;
+    params.l4_protocol = flow.protocol;
+    params.sport = flow.sport;
+    params.dport = flow.dport;
+    if flow.family == FAMILY_IPV4 {
+        params.__bindgen_anon_4.ipv4_dst =
+            u32::from_ne_bytes([flow.daddr[0], flow.daddr[1], flow.daddr[2], flow.daddr[3]]);
+    } else {
+        params.__bindgen_anon_4.ipv6_dst = words(&flow.daddr);
+    }
+    params.ifindex = ifindex(ctx);
+    // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
+    let rc = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            &raw mut params,
+            size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    rc as u32 == BPF_FIB_LKUP_RET_NOT_FWDED
 }
 
 /// Sends the packet on along `route`; `None` when the route is not one to send it on.

@@ -21,7 +21,7 @@ use crate::{
     maps::{self, scratch::Translation},
     packet::{
         DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, Route, TO_CONTAINER, forward,
-        ifindex, mark_translated, route,
+        ifindex, is_local, mark_translated, route,
     },
 };
 
@@ -38,7 +38,7 @@ pub fn translate_from_outside(
     flow: &mut Flow,
     container: &mut Handover,
 ) -> Result<i32, DatapathError> {
-    let Some(mapping) = lookup_mapping(flow) else {
+    let Some(mapping) = lookup_mapping(ctx, flow) else {
         return Ok(NOT_MINE);
     };
     // SAFETY: mapping points into portmap and is read at once; see `lookup_mapping`.
@@ -76,7 +76,7 @@ fn try_translate_hairpin(
     via_stack: bool,
     target: &mut Handover,
 ) -> Result<i32, DatapathError> {
-    let Some(mapping) = lookup_mapping(flow) else {
+    let Some(mapping) = lookup_mapping(ctx, flow) else {
         return Ok(NOT_MINE);
     };
     let ifindex = ifindex(ctx);
@@ -297,14 +297,14 @@ fn flow_key(flow: &Flow, direction: Direction) -> NatFlowKey {
 }
 
 /// The mapping for the packet's destination: an exact host address first, then the wildcard,
-/// which applies only when the destination is an address of this host (`host_addrs`), as `-m
-/// addrtype --dst-type LOCAL` does for the reference portmap: routed traffic is never captured.
-/// (The FIB cannot tell: `bpf_fib_lookup` answers "not forwarded" for local addresses and for
-/// destinations without a route alike.)
+/// which applies only when the destination is an address of this host, as `-m addrtype
+/// --dst-type LOCAL` does for the reference portmap: routed traffic is never captured. An
+/// address is the host's when the plugin recorded it (`host_addrs`, at ADD and CHECK) or, for
+/// one added since, when the FIB does not forward it (`packet::is_local`).
 ///
 /// The pointer is into `portmap`; callers read what they need at once. Userspace replaces
 /// values whole, and a value freed under a reader can at worst misdirect the packet at hand.
-pub fn lookup_mapping(flow: &Flow) -> Option<*const PortMapValue> {
+pub fn lookup_mapping(ctx: &TcContext, flow: &Flow) -> Option<*const PortMapValue> {
     let mut key = PortMapKey {
         host_addr: flow.daddr,
         host_port: u16::from_be(flow.dport),
@@ -316,7 +316,7 @@ pub fn lookup_mapping(flow: &Flow) -> Option<*const PortMapValue> {
     }
     key.host_addr = [0; 16];
     let wildcard = maps::portmap.get_ptr(&key)?;
-    maps::is_host_address(&flow.daddr, flow.family).then_some(wildcard)
+    (maps::is_host_address(&flow.daddr, flow.family) || is_local(ctx, flow)).then_some(wildcard)
 }
 
 pub use conditions::admit;
