@@ -4,7 +4,7 @@
 
 use std::{net::SocketAddr, path::Path};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Result, bail};
 use cnibpf_tests::{
     Container, SimHost,
     topology::Family,
@@ -13,7 +13,7 @@ use cnibpf_tests::{
 use serde_json::{Value, json};
 
 use super::{
-    IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
+    BpfStats, IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
     iperf3, median, write_report,
 };
@@ -52,25 +52,25 @@ pub fn run(out_dir: &Path) -> Result<()> {
     for round in 1..=ROUNDS {
         for (index, (label, container)) in containers.iter().enumerate() {
             progress.step(&format!("round {round}/{ROUNDS}: {label}"));
-            let before = stats.container_programs(&sim.pin_path)?;
+            let before = stats.programs(&sim.pin_path, &["from_container", "to_container"])?;
             throughput[index].push(iperf3(
                 &container.netns,
                 server(5201 + index as u16),
                 IPERF_SECONDS,
             )?);
-            let after = stats.container_programs(&sim.pin_path)?;
+            let after = stats.programs(&sim.pin_path, &["from_container", "to_container"])?;
             if after.1 <= before.1 {
                 bail!("no run of the container programs counted during iperf3 ({label})");
             }
             cost[index].push((after.0 - before.0) as f64 / (after.1 - before.1) as f64);
-            let before = stats.container_programs(&sim.pin_path)?;
+            let before = stats.programs(&sim.pin_path, &["from_container", "to_container"])?;
             rate[index].push(connection_rate(
                 &container.netns,
                 server(7000),
                 RATE_CLIENTS,
                 RATE_WINDOW,
             ));
-            let after = stats.container_programs(&sim.pin_path)?;
+            let after = stats.programs(&sim.pin_path, &["from_container", "to_container"])?;
             if after.1 <= before.1 {
                 bail!("no run of the container programs counted during the connections ({label})");
             }
@@ -265,43 +265,4 @@ fn nftables_rows(progress: &Progress) -> Result<(Vec<Row>, Vec<f64>, Vec<f64>)> 
         });
     }
     Ok((rows, throughput, rate))
-}
-
-/// The kernel's per-program run time statistics, on while this lives (they cost a clock read
-/// per run, for every program alike).
-struct BpfStats {
-    previous: String,
-}
-
-const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
-
-impl BpfStats {
-    fn enable() -> Result<Self> {
-        let previous = std::fs::read_to_string(BPF_STATS)?.trim().to_owned();
-        std::fs::write(BPF_STATS, "1")?;
-        Ok(Self { previous })
-    }
-
-    /// (run time in ns, runs) of the container-side programs pinned under `pin_path`.
-    fn container_programs(&self, pin_path: &Path) -> Result<(u64, u64)> {
-        let mut total = (0, 0);
-        for program in ["from_container", "to_container"] {
-            let output = std::process::Command::new("bpftool")
-                .args(["-j", "prog", "show", "pinned"])
-                .arg(pin_path.join("programs").join(program))
-                .output()?;
-            let shown: Value = serde_json::from_slice(&output.stdout)
-                .with_context(|| format!("bpftool prog show {program}"))?;
-            // bpftool leaves both out while the program has not run.
-            total.0 += shown["run_time_ns"].as_u64().unwrap_or(0);
-            total.1 += shown["run_cnt"].as_u64().unwrap_or(0);
-        }
-        Ok(total)
-    }
-}
-
-impl Drop for BpfStats {
-    fn drop(&mut self) {
-        let _ = std::fs::write(BPF_STATS, &self.previous);
-    }
 }
