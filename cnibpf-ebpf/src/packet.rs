@@ -606,23 +606,8 @@ pub enum Route {
 /// the route is `Other` and the host stack decides.
 #[inline(never)]
 pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
-    // SAFETY: bpf_fib_lookup is plain old data; all-zero is its documented initial state.
-    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    params.family = flow.family;
-    params.l4_protocol = flow.protocol;
-    params.sport = flow.sport;
-    params.dport = flow.dport;
-    if flow.family == FAMILY_IPV4 {
-        params.__bindgen_anon_3.ipv4_src =
-            u32::from_ne_bytes([flow.saddr[0], flow.saddr[1], flow.saddr[2], flow.saddr[3]]);
-        params.__bindgen_anon_4.ipv4_dst =
-            u32::from_ne_bytes([flow.daddr[0], flow.daddr[1], flow.daddr[2], flow.daddr[3]]);
-    } else {
-        params.__bindgen_anon_3.ipv6_src = words(&flow.saddr);
-        params.__bindgen_anon_4.ipv6_dst = words(&flow.daddr);
-    }
+    let mut params = fib_params(ctx, flow);
     let skb = ctx.as_ptr();
-    params.ifindex = ifindex(ctx);
     let flags = if choose_source { BPF_FIB_LOOKUP_SRC } else { 0 };
     // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
     let rc = unsafe {
@@ -678,11 +663,10 @@ pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
     if fits { route } else { Route::Other }
 }
 
-/// Whether the host delivers the flow's destination to itself rather than forwarding it: the
-/// FIB does not forward it. (It answers the same for a destination without any route, which
-/// nothing sends to a host that has a default route.)
-#[inline(never)]
-pub fn is_local(ctx: &TcContext, flow: &Flow) -> bool {
+/// The FIB lookup of the flow's current addresses and ports, as for a packet received on the
+/// program's interface.
+#[inline(always)]
+fn fib_params(ctx: &TcContext, flow: &Flow) -> bpf_fib_lookup {
     // SAFETY: bpf_fib_lookup is plain old data; all-zero is its documented initial state.
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     params.family = flow.family;
@@ -690,12 +674,24 @@ pub fn is_local(ctx: &TcContext, flow: &Flow) -> bool {
     params.sport = flow.sport;
     params.dport = flow.dport;
     if flow.family == FAMILY_IPV4 {
+        params.__bindgen_anon_3.ipv4_src =
+            u32::from_ne_bytes([flow.saddr[0], flow.saddr[1], flow.saddr[2], flow.saddr[3]]);
         params.__bindgen_anon_4.ipv4_dst =
             u32::from_ne_bytes([flow.daddr[0], flow.daddr[1], flow.daddr[2], flow.daddr[3]]);
     } else {
+        params.__bindgen_anon_3.ipv6_src = words(&flow.saddr);
         params.__bindgen_anon_4.ipv6_dst = words(&flow.daddr);
     }
     params.ifindex = ifindex(ctx);
+    params
+}
+
+/// Whether the host delivers the flow's destination to itself rather than forwarding it: the
+/// FIB does not forward it. (It answers the same for a destination without any route, which
+/// nothing sends to a host that has a default route.)
+#[inline(never)]
+pub fn is_local(ctx: &TcContext, flow: &Flow) -> bool {
+    let mut params = fib_params(ctx, flow);
     // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
     let rc = unsafe {
         fib_lookup(
