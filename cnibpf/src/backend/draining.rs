@@ -1,18 +1,50 @@
 //! Backends that only let attachments go: state of a layout this build does not write (a
-//! newer eBPF layout, an older nftables table). Nothing is set up or checked there; an
-//! attachment's hostPorts, masquerade and filter leave with its endpoint, whose teardown each
-//! such backend implements itself.
+//! newer eBPF layout, an older nftables table). Nothing is set up, checked or read back there
+//! but which attachments it holds; an attachment's hostPorts, masquerade and filter leave with
+//! its endpoint, whose teardown each such backend implements itself.
 
-use super::{BackendError, Endpoint, Filtering, Masquerading, PortMappings};
+use super::{
+    AttachmentRecord, BackendError, Endpoint, FilterRecord, Filtering, Inspect, MasqueradeRecord,
+    Masquerading, PortMappings, UplinkAddresses,
+};
 use crate::{
     model::{Filter, Masquerade, ResolvedMapping},
     netlink::Link,
 };
 
 pub trait Draining {
-    /// The error every setup and check answers: what the state is, and that DEL and GC
-    /// still release its attachments.
+    /// The error every setup, check and read-back answers: what the state is, and that DEL
+    /// and GC still release its attachments.
     fn refused(&self) -> BackendError;
+
+    /// The attachments the state still holds, from what every layout keeps of them.
+    fn held(&self) -> Result<Vec<AttachmentRecord>, BackendError>;
+}
+
+impl<T: Draining> Inspect for T {
+    fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
+        self.held()
+    }
+
+    fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
+        Err(self.refused())
+    }
 }
 
 impl<T: Draining> PortMappings for T {

@@ -25,11 +25,8 @@ use super::{
     pins::{remove_instance, remove_pin},
 };
 use crate::{
-    backend::{
-        AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, FilterRecord,
-        Inspect, MasqueradeRecord, UplinkAddresses, is_stale,
-    },
-    model::{Attachment, ResolvedMapping},
+    backend::{AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, is_stale},
+    model::Attachment,
     paths::PinLayout,
 };
 
@@ -175,31 +172,9 @@ impl Draining for NewerLayout {
             found: self.found,
         }
     }
-}
 
-impl Inspect for NewerLayout {
-    fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
+    fn held(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
         self.records()
-    }
-
-    fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
-        Err(self.refused())
     }
 }
 

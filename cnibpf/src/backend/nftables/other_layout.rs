@@ -12,11 +12,7 @@ use nftables::{batch::Batch, expr::Expression, schema::NfListObject};
 
 use super::{NftablesError, host, listing::Listing, nft, parse_owner};
 use crate::{
-    backend::{
-        AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, FilterRecord,
-        Inspect, MasqueradeRecord, UplinkAddresses,
-    },
-    model::ResolvedMapping,
+    backend::{AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints},
     netlink,
 };
 
@@ -118,10 +114,8 @@ impl Draining for OtherLayout {
         }
         .into()
     }
-}
 
-impl Inspect for OtherLayout {
-    fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
+    fn held(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
         Ok(self
             .owners()
             .into_iter()
@@ -138,26 +132,6 @@ impl Inspect for OtherLayout {
                 })
             })
             .collect())
-    }
-
-    fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
-        Err(self.refused())
     }
 }
 
