@@ -193,21 +193,20 @@ enum TableLayout {
     Other(String),
 }
 
-fn table_layout() -> Result<TableLayout, NftablesError> {
-    Ok(
-        match host::table_comment().map_err(NftablesError::Netlink)? {
-            None => TableLayout::Absent,
-            Some(comment) if comment == LAYOUT => TableLayout::Current,
-            Some(comment) if comment == migrate::PREVIOUS => {
-                if host::has_chain(migrate::MARKER)? {
-                    TableLayout::Current
-                } else {
-                    TableLayout::Previous
-                }
+/// The layout of the table whose comment (`None`: no table) is `comment`.
+fn layout_of(comment: Option<String>) -> Result<TableLayout, NftablesError> {
+    Ok(match comment {
+        None => TableLayout::Absent,
+        Some(comment) if comment == LAYOUT => TableLayout::Current,
+        Some(comment) if comment == migrate::PREVIOUS => {
+            if host::has_chain(migrate::MARKER)? {
+                TableLayout::Current
+            } else {
+                TableLayout::Previous
             }
-            Some(comment) => TableLayout::Other(comment),
-        },
-    )
+        }
+        Some(comment) => TableLayout::Other(comment),
+    })
 }
 
 /// What one operation changes of one attachment.
@@ -267,11 +266,17 @@ impl NftablesBackend {
     /// The table as this backend sees it: whether it exists, migrated first when it is of the
     /// previous layout and `access` changes it.
     fn open(access: Access) -> Result<Self, BackendError> {
+        let comment = host::table_comment().map_err(NftablesError::Netlink)?;
+        Self::open_as(layout_of(comment)?, access)
+    }
+
+    /// [`Self::open`] of a table whose layout is known.
+    fn open_as(layout: TableLayout, access: Access) -> Result<Self, BackendError> {
         let existing = Self {
             exists: true,
             ..Self::default()
         };
-        match table_layout()? {
+        match layout {
             TableLayout::Absent => Ok(Self::default()),
             TableLayout::Current => Ok(existing),
             TableLayout::Previous if access == Access::Changes => {
@@ -287,7 +292,7 @@ impl NftablesBackend {
     /// question; no `nft` runs on a host without the table (every eBPF host).
     pub fn open_existing(access: Access) -> Result<Option<Self>, BackendError> {
         match host::table_comment() {
-            Ok(Some(_)) => Self::open(access).map(Some),
+            Ok(Some(comment)) => Self::open_as(layout_of(Some(comment))?, access).map(Some),
             Ok(None) => Ok(None),
             // No nf_tables at all: nothing of ours can be there.
             Err(_) => Ok(None),
@@ -298,12 +303,12 @@ impl NftablesBackend {
     /// attachments, never refused (see `other_layout`).
     pub fn open_for_removal() -> Result<Option<Box<dyn Backend>>, BackendError> {
         match host::table_comment() {
-            Ok(Some(_)) => {
-                if let TableLayout::Other(comment) = table_layout()? {
-                    return Ok(Some(Box::new(other_layout::OtherLayout::open(comment)?)));
+            Ok(Some(comment)) => match layout_of(Some(comment))? {
+                TableLayout::Other(comment) => {
+                    Ok(Some(Box::new(other_layout::OtherLayout::open(comment)?)))
                 }
-                Ok(Some(Box::new(Self::open(Access::Changes)?)))
-            }
+                layout => Ok(Some(Box::new(Self::open_as(layout, Access::Changes)?))),
+            },
             _ => Ok(None),
         }
     }
