@@ -89,7 +89,7 @@ impl Install {
     /// The binary in place and the entry chained in, once.
     pub fn run(&self) -> Result<(), InstallError> {
         // What the network becomes is worked out first: a refused chain changes nothing.
-        let chaining = self.chaining()?;
+        let chaining = self.chaining(networks(&self.conf_dir)?)?;
         self.install_binary()?;
         chaining.apply()
     }
@@ -121,25 +121,23 @@ impl Install {
     /// primary may be half way through writing it in place, and the next network is not the
     /// one to chain into.
     fn chain_when_readable(&self) -> Result<(), InstallError> {
-        if let Some(unreadable) = candidates(&self.conf_dir)?
-            .into_iter()
-            .find(|path| read_network(path).is_none())
-            && networks(&self.conf_dir)?
-                .first()
-                .is_none_or(|first| unreadable < first.path)
-        {
-            eprintln!(
-                "cnibpf install: waiting for {} to parse",
-                unreadable.display()
-            );
-            return Ok(());
+        let mut networks = Vec::new();
+        for path in candidates(&self.conf_dir)? {
+            match read_network(&path) {
+                Some((value, form)) => networks.push(NetworkFile { path, value, form }),
+                None if networks.is_empty() => {
+                    eprintln!("cnibpf install: waiting for {} to parse", path.display());
+                    return Ok(());
+                }
+                None => {}
+            }
         }
-        self.chaining()?.apply()
+        self.chaining(networks)?.apply()
     }
 
-    /// The entry chained into the network, not yet written.
-    fn chaining(&self) -> Result<Chaining, InstallError> {
-        let networks = networks(&self.conf_dir)?;
+    /// The entry chained into the network (of `networks`, in the runtime's order), not yet
+    /// written.
+    fn chaining(&self, networks: Vec<NetworkFile>) -> Result<Chaining, InstallError> {
         let primary = match &self.network {
             Some(name) => networks
                 .into_iter()
