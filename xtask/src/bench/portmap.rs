@@ -463,21 +463,12 @@ fn plugin_time(
         progress.step(&format!(
             "{TIMED_CYCLES} timed ADD/DEL cycles at {level} attachments"
         ));
-        let (mut adds, mut dels) = (Vec::new(), Vec::new());
-        for _ in 0..TIMED_CYCLES {
-            adds.push(invoke("ADD", probe)?.as_secs_f64() * 1e3);
-            dels.push(invoke("DEL", probe)?.as_secs_f64() * 1e3);
-        }
-        let scenario = format!("{label}, {level} existing attachments");
-        for (metric, samples) in [("plugin ADD", adds), ("plugin DEL", dels)] {
-            rows.push(Row {
-                scenario: scenario.clone(),
-                metric,
-                unit: "ms",
-                value: median(samples),
-                baseline: Some(("VERSION".to_owned(), exec_floor)),
-            });
-        }
+        rows.extend(add_del_rows(
+            &format!("{label}, {level} existing attachments"),
+            TIMED_CYCLES,
+            |command| invoke(command, probe),
+            Some(("VERSION".to_owned(), exec_floor)),
+        )?);
     }
     Ok(rows)
 }
@@ -577,29 +568,39 @@ fn mapping_count_time(
             .map(|n| json!({ "hostPort": 20_000 + n, "containerPort": 20_000 + n, "protocol": "udp" }))
             .collect();
         let args = json!({ "portMappings": mappings });
-        let (mut adds, mut dels) = (Vec::new(), Vec::new());
-        for _ in 0..MAPPING_CYCLES {
-            adds.push(
-                invoke_attachment(sim, &containers, plugin_type, "ADD", 0, &args)?.as_secs_f64()
-                    * 1e3,
-            );
-            dels.push(
-                invoke_attachment(sim, &containers, plugin_type, "DEL", 0, &args)?.as_secs_f64()
-                    * 1e3,
-            );
-        }
-        let scenario = format!("{label}, one pod with {count} hostPorts");
-        for (metric, samples) in [("plugin ADD", adds), ("plugin DEL", dels)] {
-            rows.push(Row {
-                scenario: scenario.clone(),
-                metric,
-                unit: "ms",
-                value: median(samples),
-                baseline: None,
-            });
-        }
+        rows.extend(add_del_rows(
+            &format!("{label}, one pod with {count} hostPorts"),
+            MAPPING_CYCLES,
+            |command| invoke_attachment(sim, &containers, plugin_type, command, 0, &args),
+            None,
+        )?);
     }
     Ok(rows)
+}
+
+/// The median wall times of `cycles` ADD-then-DEL runs of `invoke`, as the rows "plugin ADD"
+/// and "plugin DEL" of `scenario`.
+fn add_del_rows(
+    scenario: &str,
+    cycles: usize,
+    mut invoke: impl FnMut(&str) -> Result<Duration>,
+    baseline: Option<(String, f64)>,
+) -> Result<Vec<Row>> {
+    let (mut adds, mut dels) = (Vec::new(), Vec::new());
+    for _ in 0..cycles {
+        adds.push(invoke("ADD")?.as_secs_f64() * 1e3);
+        dels.push(invoke("DEL")?.as_secs_f64() * 1e3);
+    }
+    Ok([("plugin ADD", adds), ("plugin DEL", dels)]
+        .into_iter()
+        .map(|(metric, samples)| Row {
+            scenario: scenario.to_owned(),
+            metric,
+            unit: "ms",
+            value: median(samples),
+            baseline: baseline.clone(),
+        })
+        .collect())
 }
 
 /// Guards the timings against a plugin that answered ADD without doing anything: the mapping
