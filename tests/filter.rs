@@ -1,13 +1,7 @@
 //! Filter rules (`filter`, `filterDefault`): ordered, stateful, on the container's side of
 //! every translation, replaced atomically, observable (counters, `cnibpf monitor`).
 
-use std::{
-    io::{BufRead as _, BufReader},
-    net::SocketAddr,
-    process::{Child, Stdio},
-    sync::mpsc,
-    time::{Duration, Instant},
-};
+use std::{net::SocketAddr, time::Duration};
 
 use cnibpf_common::{
     filter::FilterSet,
@@ -15,6 +9,7 @@ use cnibpf_common::{
 };
 use cnibpf_tests::{
     Container, Netns, SimHost, eventually, for_both_backends,
+    monitor::{first_line_matching, interrupt, monitor_lines, start_monitor},
     topology::{Backend, Family, GATEWAY, OUTSIDE_ADDR, OUTSIDE_ADDR6, port_mappings},
     traffic::{
         CLIENT_TIMEOUT, Conversation, StreamEchoServer, TcpServer, UdpCounter, UdpSender,
@@ -743,70 +738,6 @@ fn fragmented_datagrams_follow_their_first_fragment(backend: Backend) {
             Ok("back".to_owned()),
             "{family:?}: fragmented egress"
         );
-    }
-}
-
-/// `cnibpf monitor` in the host namespace, stdout piped.
-fn start_monitor(host: &SimHost, json: bool) -> Child {
-    let pin_path = host.pin_path.display().to_string();
-    let mut args = vec!["monitor", "--pin-path", pin_path.as_str()];
-    if json {
-        args.push("--json");
-    }
-    host.cnibpf_command(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start cnibpf monitor")
-}
-
-/// The lines a monitor prints, as they come.
-fn monitor_lines(monitor: &mut Child) -> mpsc::Receiver<String> {
-    let stdout = monitor.stdout.take().expect("piped stdout");
-    let (sender, receiver) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if sender.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    receiver
-}
-
-fn first_line_matching(
-    lines: &mpsc::Receiver<String>,
-    matches: impl Fn(&str) -> bool,
-) -> Option<String> {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-        match lines.recv_timeout(left) {
-            Ok(line) if matches(&line) => return Some(line),
-            Ok(_) => {}
-            Err(_) => return None,
-        }
-    }
-    None
-}
-
-/// Ctrl-C (SIGINT) ends a monitor cleanly and promptly.
-fn interrupt(mut monitor: Child) {
-    let pid = nix::unistd::Pid::from_raw(monitor.id() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("SIGINT");
-    let deadline = Instant::now() + Duration::from_secs(3);
-    loop {
-        if let Some(status) = monitor.try_wait().expect("wait for monitor") {
-            assert!(
-                status.success(),
-                "monitor exits cleanly on Ctrl-C: {status}"
-            );
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "monitor still running 3 s after Ctrl-C"
-        );
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -1,4 +1,5 @@
-//! `filter_events`: a ring buffer of packets the filter dropped, for `cnibpf monitor`.
+//! `filter_events`: a ring buffer of packets the filter or source address verification
+//! dropped, for `cnibpf monitor`.
 //!
 //! Records: [`FilterEvent`]. Written by the programs for every dropped packet while there is
 //! room (when the reader falls behind, records are lost and counted in `filter_stats`); read by
@@ -16,6 +17,9 @@ pub const REASON_RULE: u8 = 1;
 pub const REASON_DEFAULT: u8 = 2;
 /// A later fragment whose first fragment was not let through.
 pub const REASON_FRAGMENT: u8 = 3;
+/// Source address verification dropped it: the container sent it from an address not its own
+/// (see `sources`); `protocol` is zero for an ARP packet or a frame that is neither IP nor ARP.
+pub const REASON_SPOOFED: u8 = 4;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -32,6 +32,8 @@ pub mod port_condition;
 pub mod portmap;
 pub mod settings;
 pub mod sock_rev;
+pub mod source;
+pub mod source_drop;
 pub mod uplink;
 
 /// `AF_INET`, as stored in the `family` field of keys.

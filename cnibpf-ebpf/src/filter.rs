@@ -579,7 +579,7 @@ fn report(subject: &Subject, set: &FilterSet, position: u16) {
 #[inline(never)]
 fn send_event(subject: &Subject, set: &FilterSet, reason: u8, rule_index: u32) {
     let Some(mut entry) = maps::filter_events.reserve(0) else {
-        count(|stats| &mut stats.events_lost);
+        maps::count_lost_event();
         return;
     };
     let event = entry.as_mut_ptr();

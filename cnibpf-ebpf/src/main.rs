@@ -4,7 +4,7 @@
 //! with `conntrack`, `packet` and `maps` below them. Modules only use modules below them:
 //!
 //! ```text
-//! main → hooks → portmap, masquerade, filter → conntrack → packet, maps
+//! main → hooks → portmap, masquerade, filter, sources → conntrack → packet, maps
 //! ```
 #![no_std]
 #![no_main]
@@ -20,6 +20,7 @@ mod maps;
 mod masquerade;
 mod packet;
 mod portmap;
+mod sources;
 
 use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier},

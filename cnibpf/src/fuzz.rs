@@ -32,6 +32,7 @@ const KEYS: &[&str] = &[
     "ipMasq",
     "ipMasqExclude",
     "hostFirewall",
+    "sourceCheck",
     "backend",
     "pinPath",
     "cgroupPath",

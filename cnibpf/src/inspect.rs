@@ -5,8 +5,11 @@ use std::{io::Write as _, net::IpAddr, path::Path};
 use serde_json::json;
 
 use crate::{
-    backend::{self, BackendError, FilterRecord, nftables},
-    model::masquerade::ReasonText,
+    backend::{
+        self, AttachmentRecord, BackendError, FilterRecord, MasqueradeRecord, SourceCheckRecord,
+        nftables,
+    },
+    model::{ResolvedMapping, masquerade::ReasonText},
     paths::PinLayout,
 };
 
@@ -19,6 +22,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
         let mappings = backend.port_mappings()?;
         let masquerades = backend.masquerades()?;
         let filters = backend.filters()?;
+        let source_checks = backend.source_checks()?;
         for record in backend.attachments()? {
             let mut own: Vec<_> = mappings
                 .iter()
@@ -35,7 +39,18 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 .iter()
                 .find(|(owner, _)| *owner == record.owner)
                 .map(|(_, filter)| filter.clone());
-            attachments.push((backend.name(), record, own, masquerade, filter));
+            let source_check = source_checks
+                .iter()
+                .find(|(owner, _)| *owner == record.owner)
+                .map(|(_, check)| check.clone());
+            attachments.push(Shown {
+                backend: backend.name(),
+                record,
+                mappings: own,
+                masquerade,
+                filter,
+                source_check,
+            });
         }
         counters.push((backend.name(), backend.counters()?));
         for uplink in backend.uplink_addresses()? {
@@ -43,20 +58,19 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
         }
     }
     attachments.sort_by(|a, b| {
-        (
-            &a.1.attachment.network,
-            &a.1.attachment.container_id,
-            &a.1.attachment.ifname,
-        )
-            .cmp(&(
-                &b.1.attachment.network,
-                &b.1.attachment.container_id,
-                &b.1.attachment.ifname,
-            ))
+        let key = |shown: &Shown| {
+            let attachment = &shown.record.attachment;
+            (
+                attachment.network.clone(),
+                attachment.container_id.clone(),
+                attachment.ifname.clone(),
+            )
+        };
+        key(a).cmp(&key(b))
     });
     // The eBPF datapath hands what it translates past the host's own chains (README: the
     // host's firewall); a user whose rules would judge that traffic should know.
-    let bypassed = if attachments.iter().any(|(backend, ..)| *backend == "ebpf") {
+    let bypassed = if attachments.iter().any(|shown| shown.backend == "ebpf") {
         nftables::firewall_chains().unwrap_or_default()
     } else {
         Vec::new()
@@ -65,7 +79,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
     if as_json {
         let list: Vec<_> = attachments
             .iter()
-            .map(|(backend, record, mappings, masquerade, filter)| {
+            .map(|Shown { backend, record, mappings, masquerade, filter, source_check }| {
                 json!({
                     "network": record.attachment.network,
                     "containerID": record.attachment.container_id,
@@ -91,6 +105,11 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                         "flows": record.flows,
                     })),
                     "filter": filter.as_ref().map(filter_json),
+                    "sourceCheck": source_check.as_ref().map(|record| json!({
+                        "addresses": record.check.addresses.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                        "droppedPackets": record.dropped.0,
+                        "droppedBytes": record.dropped.1,
+                    })),
                     "notes": notes(backend, mappings),
                 })
             })
@@ -143,7 +162,15 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
         "{:<16} {:<20} {:<8} {:<16} {:<7} {:<16}",
         "NETWORK", "CONTAINER", "IFNAME", "HOST-IF", "BACKEND", "OWNER"
     );
-    for (backend, record, mappings, masquerade, filter) in &attachments {
+    for Shown {
+        backend,
+        record,
+        mappings,
+        masquerade,
+        filter,
+        source_check,
+    } in &attachments
+    {
         let container: String = record.attachment.container_id.chars().take(20).collect();
         let _ = writeln!(
             out,
@@ -184,6 +211,19 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 excludes.join(", "),
                 record.flows
             );
+        }
+        match source_check {
+            Some(record) => {
+                let (packets, bytes) = record.dropped;
+                let _ = writeln!(
+                    out,
+                    "    sources {}; spoofed: {packets} packets, {bytes} bytes dropped",
+                    record.check
+                );
+            }
+            None => {
+                let _ = writeln!(out, "    sources not checked");
+            }
         }
         if let Some(filter) = filter {
             let (packets, bytes) = filter.default_hits;
@@ -257,6 +297,16 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
     Ok(())
 }
 
+/// One attachment as inspect shows it.
+struct Shown {
+    backend: &'static str,
+    record: AttachmentRecord,
+    mappings: Vec<ResolvedMapping>,
+    masquerade: Option<MasqueradeRecord>,
+    filter: Option<FilterRecord>,
+    source_check: Option<SourceCheckRecord>,
+}
+
 fn filter_json(record: &FilterRecord) -> serde_json::Value {
     let (packets, bytes) = record.default_hits;
     json!({
@@ -280,7 +330,7 @@ fn filter_json(record: &FilterRecord) -> serde_json::Value {
 }
 
 /// What an attachment's user should know that its state does not show.
-fn notes(backend: &str, mappings: &[crate::model::ResolvedMapping]) -> Vec<String> {
+fn notes(backend: &str, mappings: &[ResolvedMapping]) -> Vec<String> {
     let loopback_v6: Vec<String> = mappings
         .iter()
         .filter(|mapping| {

@@ -12,7 +12,7 @@ use std::{
 use cnibpf_common::{
     PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, addr,
     filter::DIRECTION_INGRESS,
-    filter_event::{FilterEvent, REASON_DEFAULT, REASON_FRAGMENT},
+    filter_event::{FilterEvent, REASON_DEFAULT, REASON_FRAGMENT, REASON_RULE, REASON_SPOOFED},
 };
 use nix::time::{ClockId, clock_gettime};
 use serde_json::json;
@@ -121,14 +121,20 @@ fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: b
     } else {
         Direction::Egress
     };
-    let rule = (event.reason != REASON_DEFAULT && event.reason != REASON_FRAGMENT)
-        .then_some(event.rule_index);
+    let rule = (event.reason == REASON_RULE).then_some(event.rule_index);
     let reason = match event.reason {
         REASON_DEFAULT => "default".to_owned(),
         REASON_FRAGMENT => "fragment without its first".to_owned(),
+        REASON_SPOOFED => "spoofed source".to_owned(),
         _ => format!("rule {}", event.rule_index),
     };
-    let protocol = crate::model::protocol_name(event.protocol);
+    // A spoofed-source event of an ARP packet (IPv4 addresses, no IP protocol) or of a frame
+    // that is neither IP nor ARP (no family).
+    let protocol = match (event.reason, event.family, event.protocol) {
+        (REASON_SPOOFED, 0, _) => "non-IP".to_owned(),
+        (REASON_SPOOFED, cnibpf_common::FAMILY_IPV4, 0) => "arp".to_owned(),
+        (_, _, number) => crate::model::protocol_name(number),
+    };
     let (network, container_id, ifname) = attachment.map_or(("?", "?", "?"), |record| {
         (
             record.attachment.network.as_str(),
@@ -149,6 +155,7 @@ fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: b
             "reason": match event.reason {
                 REASON_DEFAULT => "default",
                 REASON_FRAGMENT => "fragment",
+                REASON_SPOOFED => "spoofed",
                 _ => "rule",
             },
             "rule": rule,

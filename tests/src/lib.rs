@@ -12,6 +12,7 @@ pub mod cri;
 pub mod foreign;
 pub mod history;
 pub mod image;
+pub mod monitor;
 pub mod netns;
 pub mod packet;
 pub mod podman;

@@ -5,6 +5,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86dd;
+pub const ETH_P_ARP: u16 = 0x0806;
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
 pub const ICMP: u8 = 1;
@@ -341,6 +342,46 @@ pub fn verify(frame: &[u8]) -> Result<Parsed, String> {
             None
         },
     })
+}
+
+const ETH_BROADCAST: [u8; 6] = [0xff; 6];
+/// ff02::1 and its multicast MAC address.
+const ALL_NODES: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1);
+const ALL_NODES_MAC: [u8; 6] = [0x33, 0x33, 0, 0, 0, 1];
+const NEIGHBOR_ADVERTISEMENT: u8 = 136;
+/// The override flag of a neighbour advertisement.
+const NA_OVERRIDE: u8 = 0x20;
+const TARGET_LINK_LAYER_ADDRESS: u8 = 2;
+
+/// A gratuitous ARP request, broadcast: `address` is at `mac`. Receivers holding a neighbour
+/// entry for `address` take `mac` for it at once.
+pub fn arp_announcement(mac: [u8; 6], address: Ipv4Addr) -> Vec<u8> {
+    let mut arp = vec![0, 1, 0x08, 0x00, 6, 4, 0, 1];
+    arp.extend(mac);
+    arp.extend(address.octets());
+    arp.extend([0; 6]);
+    arp.extend(address.octets());
+    ethernet(ETH_BROADCAST, mac, ETH_P_ARP, &arp)
+}
+
+/// An unsolicited neighbour advertisement with the override flag, from `source` to all nodes:
+/// `target` is at `mac`.
+pub fn neighbour_advertisement(mac: [u8; 6], source: Ipv6Addr, target: Ipv6Addr) -> Vec<u8> {
+    let mut body = target.octets().to_vec();
+    body.extend([TARGET_LINK_LAYER_ADDRESS, 1]);
+    body.extend(mac);
+    let message = icmpv6(
+        source,
+        ALL_NODES,
+        NEIGHBOR_ADVERTISEMENT,
+        0,
+        [NA_OVERRIDE, 0, 0, 0],
+        &body,
+    );
+    let mut packet = ipv6(source, ALL_NODES, ICMPV6, &message);
+    // Neighbour discovery is accepted only with the hop limit it cannot have been routed with.
+    packet[7] = 255;
+    ethernet(ALL_NODES_MAC, mac, ETH_P_IPV6, &packet)
 }
 
 #[cfg(test)]

@@ -131,7 +131,10 @@ impl SimHost {
     /// Whether neither backend holds state of this host's instance: no pinned state under
     /// pinPath, no nftables table.
     pub fn holds_no_state(&self) -> bool {
-        !self.pin_path.exists() && !self.nft_ruleset().contains("table inet cnibpf")
+        let ruleset = self.nft_ruleset();
+        !self.pin_path.exists()
+            && !ruleset.contains("table inet cnibpf")
+            && !ruleset.contains("table netdev cnibpf")
     }
 
     /// The rules of cnibpf's nftables table in the host namespace, as `nft` prints them.

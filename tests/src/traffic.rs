@@ -784,3 +784,47 @@ pub fn kernel_has_sctp() -> bool {
     unsafe { libc::close(fd) };
     true
 }
+
+/// Sends `frame` (Ethernet header included) out of interface `ifname` of `netns`, as a raw
+/// packet socket does: no stack of the sender's judges it.
+pub fn send_frame(netns: &Netns, ifname: &str, frame: Vec<u8>) {
+    let ifname = ifname.to_owned();
+    netns.run(move || {
+        let name = std::ffi::CString::new(ifname.clone()).expect("interface name");
+        // SAFETY: a NUL-terminated name.
+        let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+        assert_ne!(index, 0, "no interface {ifname}");
+        // SAFETY: plain socket creation; the descriptor is owned below.
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
+        assert!(
+            fd >= 0,
+            "packet socket: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        let socket: std::os::fd::OwnedFd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) };
+        // SAFETY: all-zero is a valid sockaddr_ll; the fields that matter are set below.
+        let mut address: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        address.sll_family = libc::AF_PACKET as u16;
+        address.sll_ifindex = i32::try_from(index).expect("ifindex");
+        address.sll_halen = 6;
+        address.sll_addr[..6].copy_from_slice(&frame[..6]);
+        // SAFETY: `frame` and `address` outlive the call; the lengths are theirs.
+        let sent = unsafe {
+            libc::sendto(
+                std::os::fd::AsRawFd::as_raw_fd(&socket),
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                (&raw const address).cast(),
+                size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(
+            usize::try_from(sent).ok(),
+            Some(frame.len()),
+            "send a raw frame on {ifname}: {}",
+            std::io::Error::last_os_error()
+        );
+    });
+}

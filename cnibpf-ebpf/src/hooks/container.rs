@@ -1,6 +1,6 @@
-//! A container's host-side veth. Ingress (what the container sends): the filter first, as it
-//! sees the container's own addresses; then replies of translated flows, hairpin traffic to a
-//! hostPort, and masquerade. Egress (what reaches the container through the bridge or the host
+//! A container's host-side veth. Ingress (what the container sends): its source address
+//! checked first, then the filter, as it sees the container's own addresses; then replies of
+//! translated flows, hairpin traffic to a hostPort, and masquerade. Egress (what reaches the container through the bridge or the host
 //! stack): the filter, and a translation a direct connection has made stale is forgotten.
 
 use aya_ebpf::programs::TcContext;
@@ -16,7 +16,7 @@ use crate::{
         DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, TO_CONTAINER, ifindex,
         take_translated_mark,
     },
-    portmap,
+    portmap, sources,
 };
 
 pub fn from_container(ctx: &TcContext) -> i32 {
@@ -24,6 +24,9 @@ pub fn from_container(ctx: &TcContext) -> i32 {
 }
 
 fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
+    if !sources::admit(ctx, ifindex(ctx)) {
+        return Ok(DROP);
+    }
     let Some(mut flow) = Flow::parse(ctx)? else {
         return Ok(filter::verdict(filter::allows_other(
             ctx,

@@ -37,6 +37,8 @@ use cnibpf_common::{
     portmap::{self, PortMapKey, PortMapValue},
     settings::{self, Settings},
     sock_rev::{self, SockRevKey, SockRevValue},
+    source::{self, SourceSet},
+    source_drop::{self, SourceDrops},
     uplink::{self, UplinkInfo},
 };
 use scratch::{IcmpError, PortSearch, Subject, Translation};
@@ -146,6 +148,23 @@ pub static filter_fragments: LruHashMap<
 pub static filter_events: RingBuf<FilterEvent, { filter_event::RING_BYTES as usize }> =
     RingBuf::new();
 
+/// Replaced whole by userspace, like `filters`.
+#[btf_map(pin_by_name)]
+pub static sources: HashMap<
+    u32,
+    SourceSet,
+    { source::MAX_ENTRIES as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static source_drops: PerCpuHashMap<
+    u32,
+    SourceDrops,
+    { source_drop::MAX_ENTRIES as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = PerCpuHashMap::new();
+
 #[btf_map(pin_by_name)]
 pub static filter_stats: PerCpuArray<FilterStats, { filter_stats::MAX_ENTRIES as usize }> =
     PerCpuArray::new();
@@ -227,6 +246,14 @@ pub fn is_host_address(addr: &[u8; 16], family: u8) -> bool {
         _pad: [0; 3],
     };
     host_addrs.get_ptr(&key).is_some()
+}
+
+/// Counts a drop event that found `filter_events` full.
+pub fn count_lost_event() {
+    if let Some(stats) = filter_stats.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
+        unsafe { (*stats).events_lost += 1 };
+    }
 }
 
 /// The `endpoints` flags of a container's host-side veth (zero for an unknown one). Not

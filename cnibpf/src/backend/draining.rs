@@ -1,14 +1,14 @@
 //! Backends that only let attachments go: state of a layout this build does not write (a
 //! newer eBPF layout, an older nftables table). Nothing is set up, checked or read back there
-//! but which attachments it holds; an attachment's hostPorts, masquerade and filter leave with
-//! its endpoint, whose teardown each such backend implements itself.
+//! but which attachments it holds; an attachment's hostPorts, masquerade, filter and source
+//! check leave with its endpoint, whose teardown each such backend implements itself.
 
 use super::{
     AttachmentRecord, BackendError, Endpoint, FilterRecord, Filtering, Inspect, MasqueradeRecord,
-    Masquerading, PortMappings, UplinkAddresses,
+    Masquerading, PortMappings, SourceCheckRecord, SourceChecking, UplinkAddresses,
 };
 use crate::{
-    model::{Filter, Masquerade, ResolvedMapping},
+    model::{Filter, Masquerade, ResolvedMapping, SourceCheck},
     netlink::Link,
 };
 
@@ -39,6 +39,10 @@ impl<T: Draining> Inspect for T {
     }
 
     fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn source_checks(&self) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError> {
         Err(self.refused())
     }
 
@@ -103,6 +107,28 @@ impl<T: Draining> Filtering for T {
     }
 
     fn check_filter(&self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+}
+
+impl<T: Draining> SourceChecking for T {
+    fn setup_source_check(
+        &mut self,
+        _: &Endpoint,
+        _: Option<&SourceCheck>,
+    ) -> Result<(), BackendError> {
+        Err(self.refused())
+    }
+
+    fn teardown_source_check(&mut self, _: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn check_source_check(
+        &self,
+        _: &Endpoint,
+        _: Option<&SourceCheck>,
+    ) -> Result<(), BackendError> {
         Err(self.refused())
     }
 }

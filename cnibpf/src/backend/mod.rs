@@ -16,7 +16,10 @@ use ipnet::IpNet;
 
 pub use self::{draining::Draining, error::BackendError};
 use crate::{
-    model::{Attachment, BackendChoice, Filter, HostPortAccess, Masquerade, Pod, ResolvedMapping},
+    model::{
+        Attachment, BackendChoice, Filter, HostPortAccess, Masquerade, Pod, ResolvedMapping,
+        SourceCheck,
+    },
     netlink::{self, Link},
 };
 
@@ -73,6 +76,14 @@ pub struct FilterRecord {
     pub default_hits: (u64, u64),
     /// Tracked connections of the attachment (expired ones included until they are swept).
     pub flows: usize,
+}
+
+/// An attachment's source check as a backend holds it, for `cnibpf inspect`.
+#[derive(Clone, Debug)]
+pub struct SourceCheckRecord {
+    pub check: SourceCheck,
+    /// (packets, bytes) dropped for their source.
+    pub dropped: (u64, u64),
 }
 
 /// What a backend knows about one attachment it serves.
@@ -154,6 +165,23 @@ pub trait Filtering {
     ) -> Result<(), BackendError>;
 }
 
+/// Source address verification: what the container sends leaves only from its own addresses.
+pub trait SourceChecking {
+    /// Makes the addresses the attachment's container may send from exactly `check`'s, in one
+    /// atomic step; `None` turns the check off.
+    fn setup_source_check(
+        &mut self,
+        endpoint: &Endpoint,
+        check: Option<&SourceCheck>,
+    ) -> Result<(), BackendError>;
+    fn teardown_source_check(&mut self, owner: u64) -> Result<(), BackendError>;
+    fn check_source_check(
+        &self,
+        endpoint: &Endpoint,
+        check: Option<&SourceCheck>,
+    ) -> Result<(), BackendError>;
+}
+
 /// What a backend holds, read back: for `cnibpf inspect`, and for the verbs that must find
 /// attachments (CHECK, GC, a re-ADD moving between backends).
 pub trait Inspect {
@@ -167,12 +195,16 @@ pub trait Inspect {
     fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError>;
     /// Every attachment's filter with its counters, by owner.
     fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError>;
+    /// Every attachment's source check with its drop counters, by owner.
+    fn source_checks(&self) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError>;
     /// Datapath counters and table sizes, by name.
     fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError>;
 }
 
 /// A datapath: every capability, what reads them back, and what spans them.
-pub trait Backend: Endpoints + PortMappings + Masquerading + Filtering + Inspect {
+pub trait Backend:
+    Endpoints + PortMappings + Masquerading + Filtering + SourceChecking + Inspect
+{
     fn name(&self) -> &'static str;
     /// Removes expired connection-tracking state of every attachment. GC, which runtimes call
     /// periodically, runs it: no daemon runs between CNI calls.
@@ -237,6 +269,7 @@ pub fn remove_attachment(backend: &mut dyn Backend, owner: u64) -> Result<(), Ba
         ("masquerade", backend.teardown_masquerade(owner)),
         ("port mappings", backend.teardown_port_mappings(owner)),
         ("filter", backend.teardown_filter(owner)),
+        ("source check", backend.teardown_source_check(owner)),
     ]
     .into_iter()
     .filter_map(|(step, outcome)| outcome.err().map(|error| (step, error)))

@@ -1,7 +1,10 @@
-//! The container's veth as cnibpf needs it: its host side, and the MAC addresses of the
-//! container and of its gateway.
+//! The container's veth as cnibpf needs it: its host side, the MAC addresses of the
+//! container and of its gateway, and the container side's IPv6 link-local addresses.
 
-use std::path::Path;
+use std::{
+    net::{IpAddr, Ipv6Addr},
+    path::Path,
+};
 
 use super::result::PrevResult;
 use crate::{
@@ -104,4 +107,83 @@ pub fn find_container_link(
         container_mac,
         gateway_mac,
     })
+}
+
+/// `addr_gen_mode` values (`IN6_ADDR_GEN_MODE_*`): how the kernel makes an interface's IPv6
+/// link-local address.
+const ADDR_GEN_MODE_EUI64: &str = "0";
+
+/// The IPv6 link-local addresses CNI_IFNAME inside CNI_NETNS sends from: those it has now, and
+/// the one the kernel derives from its MAC address (`addr_gen_mode` 0, the default) — which a
+/// veth whose carrier is not up yet has not been given at ADD. None when IPv6 is off there.
+pub fn container_link_locals(
+    netns: &Path,
+    ifname: &str,
+    container_mac: [u8; 6],
+) -> Result<Vec<Ipv6Addr>, HostInterfaceError> {
+    let _guard = NetnsGuard::enter(netns)?;
+    let setting = |name: &str| {
+        std::fs::read_to_string(format!("/proc/sys/net/ipv6/conf/{ifname}/{name}"))
+            .map(|text| text.trim().to_owned())
+            .ok()
+    };
+    let Some(disabled) = setting("disable_ipv6") else {
+        // No IPv6 in the namespace (or on the interface).
+        return Ok(Vec::new());
+    };
+    if disabled != "0" {
+        return Ok(Vec::new());
+    }
+    let index = netlink::link_by_name(ifname)?.index;
+    let mut addresses: Vec<Ipv6Addr> = netlink::addresses()?
+        .into_iter()
+        .filter_map(|(owner, address)| match address {
+            IpAddr::V6(address) if owner == index && address.is_unicast_link_local() => {
+                Some(address)
+            }
+            _ => None,
+        })
+        .collect();
+    if setting("addr_gen_mode").as_deref() == Some(ADDR_GEN_MODE_EUI64) {
+        addresses.push(eui64_link_local(container_mac));
+    }
+    addresses.sort_unstable();
+    addresses.dedup();
+    Ok(addresses)
+}
+
+/// fe80::/64 with the modified EUI-64 interface identifier of `mac` (RFC 4291, appendix A).
+fn eui64_link_local(mac: [u8; 6]) -> Ipv6Addr {
+    let [a, b, c, d, e, f] = mac;
+    Ipv6Addr::from([
+        0xfe,
+        0x80,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        a ^ 0x02,
+        b,
+        c,
+        0xff,
+        0xfe,
+        d,
+        e,
+        f,
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eui64_flips_the_universal_bit_and_inserts_fffe() {
+        assert_eq!(
+            eui64_link_local([0x52, 0x54, 0x00, 0x12, 0x34, 0x56]),
+            "fe80::5054:ff:fe12:3456".parse::<Ipv6Addr>().unwrap()
+        );
+    }
 }

@@ -20,8 +20,8 @@ use crate::{
     config::{CleanupConf, CniVersion, ConfigError, NetConf, SUPPORTED_VERSIONS, ifname_problem},
     lock::{InstanceLock, lock_timeout},
     model::{
-        Attachment, ExcludeReason, Filter, HostPortAccess, Masquerade, ResolvedMapping, Target,
-        conditions::Subject, resolve_mappings,
+        Attachment, ExcludeReason, Filter, HostPortAccess, Masquerade, ResolvedMapping,
+        SourceCheck, Target, conditions::Subject, resolve_mappings,
     },
     netlink::{self, Link},
     paths::PinLayout,
@@ -198,6 +198,8 @@ struct Plan {
     masquerade: Option<Masquerade>,
     /// `None`: the attachment is not filtered (no rules, default ALLOW).
     filter: Option<Filter>,
+    /// `None`: `sourceCheck: false`.
+    source_check: Option<SourceCheck>,
 }
 
 fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
@@ -226,6 +228,13 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
         }
         .into());
     }
+    let source_check = if conf.plugin.source_check {
+        let link_locals = link::container_link_locals(&netns, &env.ifname, link.container_mac)
+            .map_err(EnvError::from)?;
+        Some(source_check_plan(&prev, link_locals)?)
+    } else {
+        None
+    };
     let gateway_ifindex = link.host.master.unwrap_or(link.host.index);
     // Shaping on the host-side veth (the `bandwidth` plugin chained before cnibpf), or asked
     // for in runtimeConfig (chained after it, when cnibpf declares the capability too).
@@ -273,7 +282,42 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
                 rules: conf.plugin.filter.clone(),
                 default: conf.plugin.filter_default,
             }),
+        source_check,
     })
+}
+
+/// The addresses the container may send from: prevResult's for CNI_IFNAME and its interface's
+/// IPv6 link-local ones, at most as many of a family as the datapath checks.
+fn source_check_plan(
+    prev: &PrevResult,
+    link_locals: Vec<Ipv6Addr>,
+) -> Result<SourceCheck, ConfigError> {
+    let check = SourceCheck::new(
+        prev.container_addresses
+            .iter()
+            .map(IpNet::addr)
+            .chain(link_locals.into_iter().map(IpAddr::V6)),
+    );
+    for (family, is_family) in [
+        ("IPv4", IpAddr::is_ipv4 as fn(&IpAddr) -> bool),
+        ("IPv6", IpAddr::is_ipv6),
+    ] {
+        let count = check
+            .addresses
+            .iter()
+            .filter(|address| is_family(address))
+            .count();
+        if count > cnibpf_common::source::MAX_ADDRESSES {
+            return Err(ConfigError::Invalid {
+                key: "sourceCheck".to_owned(),
+                reason: format!(
+                    "the container has {count} {family} addresses ({check}), and at most {} of a family are checked: set sourceCheck to false for it",
+                    cnibpf_common::source::MAX_ADDRESSES
+                ),
+            });
+        }
+    }
+    Ok(check)
 }
 
 /// The indexes of the interfaces hostPort conditions name; one that does not exist is an error
@@ -368,10 +412,11 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
         // What it reclaimed from attachments whose interface is gone.
         other.commit()?;
     }
-    // The filter goes first: once the datapath is hooked onto the interface, no packet may
-    // pass unfiltered.
+    // The filter and the source check go first: once the datapath is hooked onto the
+    // interface, no packet may pass unfiltered or unchecked.
     let applied = backend
         .setup_filter(&plan.endpoint, plan.filter.as_ref())
+        .and_then(|()| backend.setup_source_check(&plan.endpoint, plan.source_check.as_ref()))
         .and_then(|()| backend.setup_endpoint(&plan.endpoint))
         .and_then(|()| backend.refresh_uplinks(&plan.endpoint.uplinks))
         .and_then(|()| backend.setup_port_mappings(&plan.endpoint, &plan.mappings))
@@ -379,7 +424,7 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
         .and_then(|()| backend.commit());
     if let Err(error) = applied {
         // Undo: an attachment is either complete or absent. (The filter is found by its
-        // interface: the attachment may not be recorded yet.)
+        // interface: the attachment may not be recorded yet; the source check by its owner.)
         let undone = BackendError::collect(
             [
                 (
@@ -471,6 +516,7 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     backend.refresh_uplinks(&plan.endpoint.uplinks)?;
     backend.check_masquerade(&plan.endpoint, plan.masquerade.as_ref())?;
     backend.check_filter(&plan.endpoint, plan.filter.as_ref())?;
+    backend.check_source_check(&plan.endpoint, plan.source_check.as_ref())?;
     backend.commit()?;
     Ok(())
 }

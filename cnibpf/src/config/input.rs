@@ -37,6 +37,7 @@ pub struct NetConfInput {
     pub ip_masq: Option<bool>,
     pub ip_masq_exclude: Option<Vec<Cidr>>,
     pub host_firewall: Option<bool>,
+    pub source_check: Option<bool>,
     pub filter: Option<Vec<RuleInput>>,
     pub filter_default: Option<String>,
     pub uplinks: Option<Vec<String>>,

@@ -120,6 +120,9 @@ pub struct PluginConfig {
     /// `hostFirewall`: what the eBPF datapath translates goes through the host's stack, so
     /// that the host's own firewall chains judge it.
     pub host_firewall: bool,
+    /// `sourceCheck` (default on): what the container sends leaves only from its own
+    /// addresses.
+    pub source_check: bool,
     /// Sorted by ascending `index`, the evaluation order.
     pub filter: Vec<FilterRule>,
     pub filter_default: Target,
@@ -307,6 +310,7 @@ impl PluginConfig {
                 .map(|cidr| cidr.0)
                 .collect(),
             host_firewall: input.host_firewall.unwrap_or(false),
+            source_check: input.source_check.unwrap_or(true),
             filter: parse_filter(input.filter.unwrap_or_default())?,
             filter_default: match input.filter_default {
                 None => Target::Allow,

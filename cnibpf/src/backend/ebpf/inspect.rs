@@ -23,7 +23,8 @@ use super::{
 };
 use crate::{
     backend::{
-        AttachmentRecord, BackendError, FilterRecord, Inspect, MasqueradeRecord, UplinkAddresses,
+        AttachmentRecord, BackendError, FilterRecord, Inspect, MasqueradeRecord, SourceCheckRecord,
+        UplinkAddresses,
     },
     model::{ExcludeReason, Filter, ResolvedMapping, Target},
 };
@@ -105,6 +106,10 @@ impl Inspect for EbpfBackend {
         }
         uplinks.sort_by_key(|uplink| uplink.ifindex);
         Ok(uplinks)
+    }
+
+    fn source_checks(&self) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError> {
+        self.source_check_records()
     }
 
     fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {

@@ -21,6 +21,7 @@ mod owner;
 mod pins;
 mod portmap;
 mod probe;
+mod sources;
 
 use std::{fs, io, net::IpAddr};
 
@@ -45,6 +46,8 @@ use cnibpf_common::{
     port_claim::{self, PortClaim, PortClaimKey},
     port_condition::{PortConditions, PortConditionsKey},
     portmap::{self as portmap_map, PortMapKey, PortMapValue},
+    source::{self as source_map, SourceSet},
+    source_drop::{self, SourceDrops},
     uplink::{self, UplinkInfo},
 };
 
@@ -75,6 +78,8 @@ pub struct EbpfBackend {
     filter_flows: HashMap<MapData, FilterFlowKey, FilterFlow>,
     filter_fragments: HashMap<MapData, FilterFragmentKey, u64>,
     filter_stats: PerCpuArray<MapData, FilterStats>,
+    sources: HashMap<MapData, u32, SourceSet>,
+    source_drops: PerCpuHashMap<MapData, u32, SourceDrops>,
     /// The host's addresses (interface index, address) as dumped by `load_for_changes`.
     host_addresses: Vec<(u32, IpAddr)>,
     /// Whether this invocation already removed the expired entries of `masq_flows` (removing an
@@ -220,6 +225,8 @@ impl EbpfBackend {
             filter_flows: open_pinned(pins, filter_flow::MAP_NAME)?,
             filter_fragments: open_pinned(pins, filter_fragment::MAP_NAME)?,
             filter_stats: open_pinned(pins, filter_stats::MAP_NAME)?,
+            sources: open_pinned(pins, source_map::MAP_NAME)?,
+            source_drops: open_pinned(pins, source_drop::MAP_NAME)?,
             host_addresses: Vec::new(),
             masq_flows_swept: false,
             filter_flows_swept: false,
@@ -235,7 +242,8 @@ impl Backend for EbpfBackend {
     fn sweep_expired(&mut self) -> Result<(), BackendError> {
         self.sweep_expired_masquerade_flows()?;
         self.sweep_expired_port_mapping_flows()?;
-        self.sweep_expired_filter_flows()
+        self.sweep_expired_filter_flows()?;
+        self.sweep_orphaned_source_checks()
     }
 
     fn commit(&mut self) -> Result<(), BackendError> {

@@ -4,13 +4,13 @@
 use nftables::{batch::Batch, expr::Expression, schema::NfCmd, stmt::Statement};
 
 use super::{
-    Change, conditions_chain, family_suffix, filter, filter_chains,
+    Change, conditions_chain, family_suffix, filter, filter_chains, host,
     listing::Listing,
     masquerade, nat_chain,
     nft::{self, concat, jump, mapping, number, owned, text},
     portmap,
-    record::Record,
-    record_chain,
+    record::{Record, Sources},
+    record_chain, sources,
 };
 use crate::model::ResolvedMapping;
 
@@ -153,6 +153,16 @@ pub fn remove(batch: &mut Batch<'static>, owner: u64, change: &Change, specific:
     if translated(before) && !after.is_some_and(translated) {
         batch.delete(nft::chain(&nat_chain(owner)));
     }
+    // A chain hooked on another interface cannot be changed to this one: it goes, and `add`
+    // makes it anew.
+    let checked_on = |record: &Record| {
+        matches!(record.sources, Sources::Checked(_)).then(|| record.host.clone())
+    };
+    if let Some(host) = checked_on(before)
+        && after.and_then(checked_on) != Some(host)
+    {
+        sources::delete_chain(batch, owner);
+    }
     if after.is_none() {
         batch.delete(nft::chain(&record_chain(owner)));
     }
@@ -175,6 +185,9 @@ pub fn remove_listed(batch: &mut Batch<'static>, owner: u64, owner_text: &str, l
         if listing.has_chain(&chain) {
             batch.delete(nft::chain(&chain));
         }
+    }
+    if host::has_source_chain(&sources::chain_name(owner)).unwrap_or(false) {
+        sources::delete_chain(batch, owner);
     }
 }
 
@@ -215,6 +228,9 @@ pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change) {
         }
     }
     write_nat_chain(batch, owner, after);
+    if let Sources::Checked(check) = &after.sources {
+        sources::add_chain(batch, owner, &after.host, check);
+    }
     for element in owned_elements(owner, after) {
         add_element(batch, element, &after.owner);
     }

@@ -21,6 +21,7 @@ const NFT_MSG_GETCHAIN: u8 = 4;
 const NFT_MSG_GETRULE: u8 = 7;
 const NFT_MSG_GETSETELEM: u8 = 13;
 const NFPROTO_INET: u8 = 1;
+const NFPROTO_NETDEV: u8 = 5;
 const NFTA_TABLE_NAME: u16 = 1;
 const NFTA_TABLE_USERDATA: u16 = 6;
 const NFTA_CHAIN_TABLE: u16 = 1;
@@ -92,14 +93,44 @@ pub fn table_comment() -> io::Result<Option<String>> {
 
 /// Whether table `inet cnibpf` has chain `chain`.
 pub fn has_chain(chain: &str) -> Result<bool, NftablesError> {
-    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
-    let asked = connection.exchange(
+    exists(
         Request::new(NFNL_SUBSYS_NFTABLES, NFT_MSG_GETCHAIN, NFPROTO_INET, false)
             .string(NFTA_CHAIN_TABLE, TABLE)
             .string(NFTA_CHAIN_NAME, chain),
-        |_, _| ControlFlow::Continue(()),
-    );
-    match asked {
+    )
+}
+
+/// Whether table `netdev cnibpf` (the source checks) has chain `chain`.
+pub fn has_source_chain(chain: &str) -> Result<bool, NftablesError> {
+    exists(
+        Request::new(
+            NFNL_SUBSYS_NFTABLES,
+            NFT_MSG_GETCHAIN,
+            NFPROTO_NETDEV,
+            false,
+        )
+        .string(NFTA_CHAIN_TABLE, TABLE)
+        .string(NFTA_CHAIN_NAME, chain),
+    )
+}
+
+/// Whether table `netdev cnibpf` exists.
+pub fn has_source_table() -> Result<bool, NftablesError> {
+    exists(
+        Request::new(
+            NFNL_SUBSYS_NFTABLES,
+            NFT_MSG_GETTABLE,
+            NFPROTO_NETDEV,
+            false,
+        )
+        .string(NFTA_TABLE_NAME, TABLE),
+    )
+}
+
+/// Whether the object a GET asks for exists.
+fn exists(request: Request) -> Result<bool, NftablesError> {
+    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
+    match connection.exchange(request, |_, _| ControlFlow::Continue(())) {
         Ok(()) => Ok(true),
         Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
         Err(error) => Err(NftablesError::Netlink(error)),

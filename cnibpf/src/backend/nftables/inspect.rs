@@ -7,8 +7,8 @@ use std::net::IpAddr;
 use super::{NftablesBackend, filter::filter_of, parse_owner};
 use crate::{
     backend::{
-        AttachmentRecord, BackendError, FilterRecord, Inspect, MasqueradeRecord, UplinkAddresses,
-        is_link_local,
+        AttachmentRecord, BackendError, FilterRecord, Inspect, MasqueradeRecord, SourceCheckRecord,
+        UplinkAddresses, is_link_local,
     },
     model::ResolvedMapping,
     netlink,
@@ -98,6 +98,10 @@ impl Inspect for NftablesBackend {
             }
         }
         Ok(out)
+    }
+
+    fn source_checks(&self) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError> {
+        self.source_check_records()
     }
 
     fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {

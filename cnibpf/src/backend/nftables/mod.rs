@@ -6,7 +6,9 @@
 //! hostPorts, their conditions' dispatch, the dispatch to its NAT and filter chains — each
 //! carrying `<network>/<ifname>/<container id>` in its comment, and chains of its own: its
 //! record `a_<owner>` (what it holds, see `record`), its filter `f_<owner>_out`/`_in`, its
-//! hostPort conditions `c_<owner>` and its hairpin and masquerade `n_<owner>`. Every shared
+//! hostPort conditions `c_<owner>` and its hairpin and masquerade `n_<owner>`. Its source
+//! check is the one thing outside: chain `s_<owner>` of table `netdev cnibpf` (`sources`), on
+//! its interface's ingress, which sees ARP too. Every shared
 //! set is a hash keyed exactly: adding or removing an element costs the same however many
 //! attachments there are. An operation reads the
 //! records of the attachments it changes, never the whole table, and applies all its changes
@@ -31,6 +33,7 @@ mod nft;
 mod other_layout;
 mod portmap;
 mod record;
+mod sources;
 
 use std::{collections::BTreeMap, net::IpAddr};
 
@@ -398,6 +401,9 @@ impl NftablesBackend {
                 name: nft::TABLE.into(),
                 handle: None,
             }));
+            if host::has_source_table()? {
+                sources::delete_table(&mut batch);
+            }
         }
         Ok(batch)
     }

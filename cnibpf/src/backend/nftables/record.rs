@@ -12,7 +12,7 @@ use std::{fmt::Write as _, net::IpAddr};
 use ipnet::IpNet;
 
 use super::COMMENT_MAX;
-use crate::model::{ExcludeReason, Masquerade, Pod, Protocol, ResolvedMapping};
+use crate::model::{ExcludeReason, Masquerade, Pod, Protocol, ResolvedMapping, SourceCheck};
 
 /// What one attachment holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -33,6 +33,20 @@ pub struct Record {
     pub conditioned_v6: bool,
     /// It has a filter (chains `f_<owner>_out` and `f_<owner>_in`).
     pub filtered: bool,
+    /// Its source check (chain `s_<owner>` of table `netdev cnibpf` when checked).
+    pub sources: Sources,
+}
+
+/// What an attachment's record says of its source check.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Sources {
+    /// Nothing: recorded by a cnibpf without source checks (checked from its next ADD).
+    #[default]
+    Unrecorded,
+    /// `sourceCheck: false`.
+    Unchecked,
+    /// The addresses its container may send from.
+    Checked(SourceCheck),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +102,18 @@ impl Record {
         }
         if self.filtered {
             lines.push("filter".to_owned());
+        }
+        match &self.sources {
+            Sources::Unrecorded => {}
+            Sources::Unchecked => lines.push("sources off".to_owned()),
+            Sources::Checked(check) => {
+                let addresses: Vec<String> =
+                    check.addresses.iter().map(ToString::to_string).collect();
+                if addresses.is_empty() {
+                    lines.push("sources".to_owned());
+                }
+                chunked(&mut lines, "sources", &addresses);
+            }
         }
         for (head, ports) in mapping_groups(&self.mappings) {
             chunked(&mut lines, &head, &ports);
@@ -147,6 +173,19 @@ impl Record {
                     _ => return Err(bad("conditions of family 4 or 6")),
                 },
                 "filter" => record.filtered = true,
+                "sources" if rest == "off" => record.sources = Sources::Unchecked,
+                "sources" => {
+                    if !matches!(record.sources, Sources::Checked(_)) {
+                        record.sources = Sources::Checked(SourceCheck::default());
+                    }
+                    if let Sources::Checked(check) = &mut record.sources {
+                        for word in rest.split(' ').filter(|word| !word.is_empty()) {
+                            check
+                                .addresses
+                                .push(word.parse().map_err(|_| bad("not an address"))?);
+                        }
+                    }
+                }
                 "map" => record.mappings.extend(
                     parse_mappings(rest)
                         .ok_or_else(|| bad("map <proto> <hostIP|*> <container> <ports>"))?,
@@ -377,6 +416,12 @@ mod tests {
             conditioned_v4: true,
             conditioned_v6: false,
             filtered: true,
+            sources: Sources::Checked(SourceCheck::new(
+                (0..8)
+                    .map(|n| format!("2001:db8:ffff:ffff:ffff:ffff:ffff:{n:x}"))
+                    .chain(["10.22.0.2".to_owned(), "fe80::1".to_owned()])
+                    .map(|text| text.parse().expect("literal")),
+            )),
         };
         let lines = record.lines();
         assert!(
@@ -408,6 +453,25 @@ mod tests {
             .excludes
             .sort_by_key(|(_, reason)| *reason as u32);
         assert_eq!(read, expected);
+    }
+
+    #[test]
+    fn each_source_check_state_reads_back_as_itself() {
+        for sources in [
+            Sources::Unrecorded,
+            Sources::Unchecked,
+            // Without addresses, still a check: everything is dropped.
+            Sources::Checked(SourceCheck::default()),
+        ] {
+            let record = Record {
+                owner: "n/eth0/c".to_owned(),
+                host: "veth1".to_owned(),
+                sources: sources.clone(),
+                ..Record::default()
+            };
+            let read = Record::parse(record.lines().iter().map(String::as_str)).expect("readable");
+            assert_eq!(read.sources, sources);
+        }
     }
 
     #[test]

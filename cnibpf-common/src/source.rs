@@ -1,0 +1,67 @@
+//! `sources`: the addresses each source-checked container may send from.
+//!
+//! Key: `u32` ifindex of the host-side veth. Value: [`SourceSet`]. Written by the CNI plugin on
+//! ADD (replaced whole, from prevResult's addresses and the interface's IPv6 link-local ones;
+//! for an attachment that opts out, `sourceCheck: false`, a set marked [`FLAG_UNCHECKED`]),
+//! removed on DEL and GC; read by `from_container`, which drops what the container sends from
+//! any other address: an IPv4 or IPv6 source, an ARP sender address, a neighbour
+//! advertisement's target. An interface without an entry is not checked (its attachment was
+//! made by a cnibpf without source checks, and is checked from its next ADD).
+
+use crate::impl_pod;
+
+pub const MAP_NAME: &str = "sources";
+pub const MAX_ENTRIES: u32 = 16_384;
+/// Addresses of each family one container may have checked.
+pub const MAX_ADDRESSES: usize = 8;
+
+/// `SourceSet::flags`: `sourceCheck: false` — the container may send from any address.
+pub const FLAG_UNCHECKED: u32 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SourceSet {
+    /// Owner id of the attachment.
+    pub owner: u64,
+    /// How many of `ipv4` are in use.
+    pub ipv4_count: u32,
+    /// How many of `ipv6` are in use.
+    pub ipv6_count: u32,
+    /// `FLAG_*`.
+    pub flags: u32,
+    pub _pad: u32,
+    pub ipv4: [[u8; 4]; MAX_ADDRESSES],
+    pub ipv6: [[u8; 16]; MAX_ADDRESSES],
+}
+const _: () = assert!(size_of::<SourceSet>() == 24 + 4 * MAX_ADDRESSES + 16 * MAX_ADDRESSES);
+
+impl SourceSet {
+    /// Whether `addr` is one of the set's IPv4 addresses. Compared as integers, not as
+    /// arrays: an array comparison may become a `memcmp` call, which BPF has not.
+    pub fn holds_ipv4(&self, addr: [u8; 4]) -> bool {
+        let wanted = u32::from_ne_bytes(addr);
+        let mut position = 0;
+        while position < MAX_ADDRESSES && (position as u32) < self.ipv4_count {
+            if u32::from_ne_bytes(self.ipv4[position]) == wanted {
+                return true;
+            }
+            position += 1;
+        }
+        false
+    }
+
+    /// Whether `addr` is one of the set's IPv6 addresses.
+    pub fn holds_ipv6(&self, addr: [u8; 16]) -> bool {
+        let wanted = u128::from_ne_bytes(addr);
+        let mut position = 0;
+        while position < MAX_ADDRESSES && (position as u32) < self.ipv6_count {
+            if u128::from_ne_bytes(self.ipv6[position]) == wanted {
+                return true;
+            }
+            position += 1;
+        }
+        false
+    }
+}
+
+impl_pod!(SourceSet);

@@ -1,0 +1,21 @@
+//! `source_drops`: what each source-checked container sent from an address not its own.
+//!
+//! A per-CPU hash map (`BPF_F_NO_PREALLOC`). Key: `u32` ifindex of the host-side veth, as
+//! `sources`. Value: [`SourceDrops`]. Created zeroed by the CNI plugin with the `sources`
+//! entry and removed with it; incremented by `from_container` for every packet it drops for
+//! its source. `cnibpf inspect` sums the CPUs.
+
+use crate::impl_pod;
+
+pub const MAP_NAME: &str = "source_drops";
+pub const MAX_ENTRIES: u32 = 16_384;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SourceDrops {
+    pub packets: u64,
+    pub bytes: u64,
+}
+const _: () = assert!(size_of::<SourceDrops>() == 16);
+
+impl_pod!(SourceDrops);

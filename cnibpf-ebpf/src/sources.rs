@@ -1,0 +1,172 @@
+//! Source address verification: a container may send only from its own addresses (`sources`).
+//! Checked first in `from_container`, before anything is translated or tracked, so that a
+//! packet in another container's name creates no state: its IPv4 or IPv6 source, an ARP
+//! packet's sender address, a neighbour advertisement's target. The unspecified address passes
+//! (IPv6 duplicate address detection and MLD before an address is configured, ARP probes): no
+//! answer can reach anyone through it. Frames that are neither IP nor ARP carry no address of
+//! the container's and are dropped too (a VLAN tag would hide a spoofed source). What is
+//! dropped is counted in `source_drops` and reported in `filter_events` as `spoofed`.
+
+use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
+use cnibpf_common::{
+    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMPV6,
+    filter::DIRECTION_EGRESS,
+    filter_event::REASON_SPOOFED,
+    source::{FLAG_UNCHECKED, SourceSet},
+    source_drop::SourceDrops,
+};
+
+use crate::{
+    maps,
+    packet::{
+        ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_HLEN,
+        IPV6_SADDR_OFF, load_anywhere, widen,
+    },
+};
+
+const ETH_P_ARP: u16 = 0x0806;
+/// ARP for IPv4 over Ethernet: hardware type, protocol type, their lengths.
+const ARP_IPV4_ETHERNET: [u8; 6] = [0, 1, 0x08, 0x00, 6, 4];
+const ARP_SENDER_ADDR_OFF: usize = ETH_HLEN + 14;
+const ARP_TARGET_ADDR_OFF: usize = ETH_HLEN + 24;
+const ICMPV6_OFF: usize = ETH_HLEN + IPV6_HLEN;
+const NEIGHBOR_ADVERTISEMENT: u8 = 136;
+const NA_TARGET_OFF: usize = ICMPV6_OFF + 8;
+
+/// What the check needs to know of a dropped packet, for its event.
+struct Spoofed {
+    family: u8,
+    protocol: u8,
+    source: [u8; 16],
+    destination: [u8; 16],
+}
+
+/// Whether the container behind `ifindex` may send this packet as far as its addresses go:
+/// always for an interface without a `sources` entry. Not inlined: its reads stay out of the
+/// frames of `from_container`'s deeper calls.
+#[inline(never)]
+pub fn admit(ctx: &TcContext, ifindex: u32) -> bool {
+    let Some(set) = maps::sources.get_ptr(&ifindex) else {
+        return true;
+    };
+    // SAFETY: points into `sources`, whose elements are replaced whole (never written in
+    // place), so it reads one consistent set.
+    let set = unsafe { &*set };
+    if set.flags & FLAG_UNCHECKED != 0 {
+        return true;
+    }
+    match spoofed(ctx, set) {
+        None => true,
+        Some(spoofed) => {
+            count(ctx, ifindex);
+            report(&spoofed, set.owner, ifindex);
+            false
+        }
+    }
+}
+
+/// The packet's addresses when one the container claims is not its own; `None` when it may go.
+#[inline(always)]
+fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
+    let ethertype = u16::from_be(load_anywhere::<u16>(ctx, 12).ok()?);
+    let unreadable = || Spoofed {
+        family: 0,
+        protocol: 0,
+        source: [0; 16],
+        destination: [0; 16],
+    };
+    if ethertype == ETH_P_IP {
+        let source: [u8; 4] = load_anywhere(ctx, IPV4_SADDR_OFF).ok()?;
+        if set.holds_ipv4(source) {
+            return None;
+        }
+        let destination: [u8; 4] = load_anywhere(ctx, IPV4_DADDR_OFF).unwrap_or([0; 4]);
+        return Some(Spoofed {
+            family: FAMILY_IPV4,
+            protocol: load_anywhere(ctx, ETH_HLEN + 9).unwrap_or(0),
+            source: widen(source),
+            destination: widen(destination),
+        });
+    }
+    if ethertype == ETH_P_IPV6 {
+        let source: [u8; 16] = load_anywhere(ctx, IPV6_SADDR_OFF).ok()?;
+        let next_header: u8 = load_anywhere(ctx, ETH_HLEN + 6).unwrap_or(0);
+        let claimed = if source != [0; 16] && !set.holds_ipv6(source) {
+            source
+        } else if next_header == PROTO_ICMPV6
+            && load_anywhere::<u8>(ctx, ICMPV6_OFF).ok() == Some(NEIGHBOR_ADVERTISEMENT)
+        {
+            // An advertisement tells the neighbours where its target lives.
+            let target: [u8; 16] = load_anywhere(ctx, NA_TARGET_OFF).ok()?;
+            if set.holds_ipv6(target) {
+                return None;
+            }
+            target
+        } else {
+            return None;
+        };
+        return Some(Spoofed {
+            family: FAMILY_IPV6,
+            protocol: next_header,
+            source: claimed,
+            destination: load_anywhere(ctx, IPV6_DADDR_OFF).unwrap_or([0; 16]),
+        });
+    }
+    if ethertype == ETH_P_ARP {
+        let Ok(header) = load_anywhere::<[u8; 6]>(ctx, ETH_HLEN) else {
+            return Some(unreadable());
+        };
+        if header != ARP_IPV4_ETHERNET {
+            return Some(unreadable());
+        }
+        let Ok(sender) = load_anywhere::<[u8; 4]>(ctx, ARP_SENDER_ADDR_OFF) else {
+            return Some(unreadable());
+        };
+        if sender == [0; 4] || set.holds_ipv4(sender) {
+            return None;
+        }
+        return Some(Spoofed {
+            family: FAMILY_IPV4,
+            protocol: 0,
+            source: widen(sender),
+            destination: widen(load_anywhere(ctx, ARP_TARGET_ADDR_OFF).unwrap_or([0; 4])),
+        });
+    }
+    Some(unreadable())
+}
+
+fn count(ctx: &TcContext, ifindex: u32) {
+    if let Some(drops) = maps::source_drops.get_ptr_mut(&ifindex) {
+        // SAFETY: this CPU's value of a per-CPU map; programs on one CPU do not overlap.
+        let drops: &mut SourceDrops = unsafe { &mut *drops };
+        drops.packets += 1;
+        drops.bytes += u64::from(ctx.len());
+    }
+}
+
+/// Writes a `spoofed` drop event into the ring buffer.
+#[inline(always)]
+fn report(spoofed: &Spoofed, owner: u64, ifindex: u32) {
+    let Some(mut entry) = maps::filter_events.reserve(0) else {
+        maps::count_lost_event();
+        return;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: `event` points to the reserved record, which only this program writes until it
+    // is submitted; every field is written.
+    unsafe {
+        (*event).time_ns = bpf_ktime_get_ns();
+        (*event).owner = owner;
+        (*event).src_addr = spoofed.source;
+        (*event).dst_addr = spoofed.destination;
+        (*event).ifindex = ifindex;
+        (*event).rule_index = 0;
+        (*event).src_port = 0;
+        (*event).dst_port = 0;
+        (*event).protocol = spoofed.protocol;
+        (*event).family = spoofed.family;
+        (*event).direction = DIRECTION_EGRESS;
+        (*event).reason = REASON_SPOOFED;
+    }
+    entry.submit(0);
+}

@@ -1,0 +1,322 @@
+//! The source check: one chain per checked attachment, `s_<owner>` in table `netdev cnibpf`,
+//! hooked on the ingress of its host-side interface — where every frame the container sends
+//! passes, bridged to a neighbour or routed, ARP included, which no `inet` hook sees. Its rules
+//! drop (and count) an IPv4 or IPv6 source, an ARP sender address or a neighbour
+//! advertisement's target that is not the container's, and any frame that is neither IP nor
+//! ARP. The table lives as long as table `inet cnibpf`, whose records say which attachment has
+//! a chain there.
+
+use std::{borrow::Cow, collections::BTreeMap, net::IpAddr};
+
+use nftables::{
+    batch::Batch,
+    expr::{Expression, MetaKey, NamedExpression, Payload, PayloadBase, PayloadRaw, SetItem},
+    schema::{Chain, FlushObject, NfCmd, NfListObject, Rule, Table},
+    stmt::{AnonymousCounter, Counter, Operator, Statement},
+    types::{NfChainPolicy, NfChainType, NfFamily, NfHook},
+};
+
+use super::{NftablesBackend, host, nft, record::Sources};
+use crate::{
+    backend::{BackendError, Endpoint, SourceCheckRecord, SourceChecking},
+    model::SourceCheck,
+};
+
+/// The table of the source checks is named as the `inet` one, in family `netdev`.
+const TABLE: &str = nft::TABLE;
+const FAMILY: NfFamily = NfFamily::NetDev;
+/// Before anything else on the interface's netfilter ingress.
+const PRIORITY: i32 = -500;
+
+pub fn chain_name(owner: u64) -> String {
+    format!("s_{owner:016x}")
+}
+
+impl SourceChecking for NftablesBackend {
+    fn setup_source_check(
+        &mut self,
+        endpoint: &Endpoint,
+        check: Option<&SourceCheck>,
+    ) -> Result<(), BackendError> {
+        let change = self.attach(endpoint)?;
+        if let Some(after) = change.after.as_mut() {
+            after.sources =
+                check.map_or(Sources::Unchecked, |check| Sources::Checked(check.clone()));
+        }
+        Ok(())
+    }
+
+    fn teardown_source_check(&mut self, owner: u64) -> Result<(), BackendError> {
+        if let Some(after) = self.change(owner)?.after.as_mut() {
+            after.sources = Sources::Unrecorded;
+        }
+        Ok(())
+    }
+
+    fn check_source_check(
+        &self,
+        endpoint: &Endpoint,
+        check: Option<&SourceCheck>,
+    ) -> Result<(), BackendError> {
+        let listing = self.listing()?;
+        let owner = endpoint.attachment.owner_id();
+        let recorded = listing
+            .records()?
+            .into_iter()
+            .find(|(held, _)| *held == owner)
+            .map(|(_, record)| record.sources)
+            .unwrap_or_default();
+        let matching = match (&recorded, check) {
+            // Made by a cnibpf without source checks: checked from its next ADD.
+            (Sources::Unrecorded, _) | (Sources::Unchecked, None) => true,
+            (Sources::Checked(held), Some(wanted)) => held == wanted,
+            _ => false,
+        };
+        if !matching {
+            let described = |sources: &Sources| match sources {
+                Sources::Checked(held) => held.to_string(),
+                _ => "not checked".to_owned(),
+            };
+            return Err(BackendError::CheckFailed(format!(
+                "the addresses {} may send from are {}, its configuration says {}",
+                endpoint.attachment,
+                described(&recorded),
+                check.map_or_else(|| "not checked".to_owned(), ToString::to_string)
+            )));
+        }
+        if matches!(recorded, Sources::Checked(_)) && !host::has_source_chain(&chain_name(owner))? {
+            return Err(BackendError::CheckFailed(format!(
+                "the source check of {} is missing from table netdev {TABLE}",
+                endpoint.attachment
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl NftablesBackend {
+    pub(super) fn source_check_records(
+        &self,
+    ) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError> {
+        let records: Vec<(u64, SourceCheck)> = self
+            .listing()?
+            .records()?
+            .into_iter()
+            .filter_map(|(owner, record)| match record.sources {
+                Sources::Checked(check) => Some((owner, check)),
+                _ => None,
+            })
+            .collect();
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dropped = dropped_by_chain()?;
+        Ok(records
+            .into_iter()
+            .map(|(owner, check)| {
+                let dropped = dropped.get(&chain_name(owner)).copied().unwrap_or_default();
+                (owner, SourceCheckRecord { check, dropped })
+            })
+            .collect())
+    }
+}
+
+/// Adds chain `s_<owner>` on `host`'s ingress with the rules of `check`, replacing what it
+/// held (the table is created with the first).
+pub fn add_chain(batch: &mut Batch<'static>, owner: u64, host: &str, check: &SourceCheck) {
+    let name = chain_name(owner);
+    batch.add(NfListObject::Table(table()));
+    batch.add(NfListObject::Chain(Chain {
+        _type: Some(NfChainType::Filter),
+        hook: Some(NfHook::Ingress),
+        prio: Some(PRIORITY),
+        dev: Some(Cow::Owned(host.to_owned())),
+        policy: Some(NfChainPolicy::Accept),
+        ..chain(&name)
+    }));
+    batch.add_cmd(NfCmd::Flush(FlushObject::Chain(chain(&name))));
+    for statements in rules(check) {
+        batch.add(NfListObject::Rule(Rule {
+            family: FAMILY,
+            table: TABLE.into(),
+            chain: Cow::Owned(name.clone()),
+            expr: Cow::Owned(statements),
+            ..Rule::default()
+        }));
+    }
+}
+
+pub fn delete_chain(batch: &mut Batch<'static>, owner: u64) {
+    batch.delete(NfListObject::Chain(chain(&chain_name(owner))));
+}
+
+pub fn delete_table(batch: &mut Batch<'static>) {
+    batch.delete(NfListObject::Table(table()));
+}
+
+fn table() -> Table<'static> {
+    Table {
+        family: FAMILY,
+        name: TABLE.into(),
+        handle: None,
+    }
+}
+
+fn chain(name: &str) -> Chain<'static> {
+    Chain {
+        family: FAMILY,
+        table: TABLE.into(),
+        name: Cow::Owned(name.to_owned()),
+        ..Chain::default()
+    }
+}
+
+/// The chain's rules: each a match of what is not the container's, counted and dropped.
+fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
+    let ipv4: Vec<IpAddr> = check
+        .addresses
+        .iter()
+        .copied()
+        .filter(IpAddr::is_ipv4)
+        .collect();
+    let ipv6: Vec<IpAddr> = check
+        .addresses
+        .iter()
+        .copied()
+        .filter(IpAddr::is_ipv6)
+        .collect();
+    let protocol = |name: &'static str| {
+        nft::matches(nft::meta(MetaKey::Protocol), Operator::EQ, nft::text(name))
+    };
+    let not_in = |field: Expression<'static>, words: Vec<String>| {
+        nft::matches(
+            field,
+            Operator::NEQ,
+            Expression::Named(NamedExpression::Set(
+                words
+                    .into_iter()
+                    .map(|word| SetItem::Element(nft::text(word)))
+                    .collect(),
+            )),
+        )
+    };
+    let words = |addresses: &[IpAddr]| -> Vec<String> {
+        addresses.iter().map(ToString::to_string).collect()
+    };
+    let mut rules = Vec::new();
+    // IPv4: the source; a container without IPv4 addresses sends no IPv4.
+    let mut rule = vec![protocol("ip")];
+    if !ipv4.is_empty() {
+        rule.push(not_in(nft::payload("ip", "saddr"), words(&ipv4)));
+    }
+    rules.push(rule);
+    // IPv6: the source, or the unspecified address (duplicate address detection, MLD).
+    let mut unspecified_or_own = vec!["::".to_owned()];
+    unspecified_or_own.extend(words(&ipv6));
+    rules.push(vec![
+        protocol("ip6"),
+        not_in(nft::payload("ip6", "saddr"), unspecified_or_own),
+    ]);
+    // A neighbour advertisement's target: nft 1.0.6 names no such field, so it is read raw
+    // (64 bits into the ICMPv6 header, 128 long) and compared as a number.
+    let mut rule = vec![
+        protocol("ip6"),
+        nft::matches(
+            nft::meta(MetaKey::L4proto),
+            Operator::EQ,
+            nft::text("ipv6-icmp"),
+        ),
+        nft::matches(
+            nft::payload("icmpv6", "type"),
+            Operator::EQ,
+            nft::text("nd-neighbor-advert"),
+        ),
+    ];
+    if !ipv6.is_empty() {
+        let numbers = ipv6
+            .iter()
+            .map(|address| match address {
+                IpAddr::V6(v6) => format!("0x{:032x}", u128::from(*v6)),
+                IpAddr::V4(_) => unreachable!("filtered to IPv6 above"),
+            })
+            .collect();
+        rule.push(not_in(
+            Expression::Named(NamedExpression::Payload(Payload::PayloadRaw(PayloadRaw {
+                base: PayloadBase::TH,
+                offset: 64,
+                len: 128,
+            }))),
+            numbers,
+        ));
+    }
+    rules.push(rule);
+    // ARP: the sender address, or none (a probe).
+    let mut unspecified_or_own = vec!["0.0.0.0".to_owned()];
+    unspecified_or_own.extend(words(&ipv4));
+    rules.push(vec![
+        protocol("arp"),
+        not_in(nft::payload("arp", "saddr ip"), unspecified_or_own),
+    ]);
+    // Anything else carries no address of the container's (a VLAN tag would hide one).
+    rules.push(vec![not_in(
+        nft::meta(MetaKey::Protocol),
+        ["ip", "ip6", "arp"].map(str::to_owned).to_vec(),
+    )]);
+    for rule in &mut rules {
+        rule.push(Statement::Counter(Counter::Anonymous(Some(
+            AnonymousCounter::default(),
+        ))));
+        rule.push(Statement::Drop(None));
+    }
+    rules
+}
+
+/// (packets, bytes) each chain of the table dropped, by chain name.
+fn dropped_by_chain() -> Result<BTreeMap<String, (u64, u64)>, BackendError> {
+    let mut dropped = BTreeMap::new();
+    let listed = nft::list(&["table", "netdev", TABLE])?.unwrap_or_default();
+    for object in listed {
+        if let nft::Listed::Rule(rule) = object {
+            let counted = rule.expr.iter().find_map(|statement| match statement {
+                Statement::Counter(Counter::Anonymous(Some(counter))) => Some((
+                    counter.packets.unwrap_or(0) as u64,
+                    counter.bytes.unwrap_or(0) as u64,
+                )),
+                _ => None,
+            });
+            if let Some((packets, bytes)) = counted {
+                let total: &mut (u64, u64) = dropped.entry(rule.chain.to_string()).or_default();
+                total.0 += packets;
+                total.1 += bytes;
+            }
+        }
+    }
+    Ok(dropped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rule_counts_and_drops_and_names_the_own_addresses() {
+        let check = SourceCheck::new(
+            ["10.22.0.2", "fd00::2", "fe80::1"].map(|text| text.parse().expect("literal")),
+        );
+        let rules = rules(&check);
+        assert_eq!(rules.len(), 5);
+        for rule in &rules {
+            assert!(matches!(rule.last(), Some(Statement::Drop(None))));
+        }
+        let json = serde_json::to_string(&rules).expect("encodes");
+        for expected in [
+            "10.22.0.2",
+            "0xfd000000000000000000000000000002",
+            "0xfe800000000000000000000000000001",
+            "\"::\"",
+            "0.0.0.0",
+        ] {
+            assert!(json.contains(expected), "{expected} in {json}");
+        }
+    }
+}
