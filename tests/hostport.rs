@@ -72,13 +72,17 @@ fn an_ipv6_host_ip_restricts_the_mapping_to_ipv6(backend: Backend) {
 
 fn sctp_mappings_are_installed_and_carry_traffic_where_the_kernel_has_sctp(backend: Backend) {
     let sim = SimHost::on(backend, "hp-sctp", json!({}));
-    let c1 = sim.container("c1", port_mappings(&[(9999, 9999, "sctp")]));
+    // The second to another port: the datapath updates SCTP's CRC32c for it.
+    let c1 = sim.container(
+        "c1",
+        port_mappings(&[(9999, 9999, "sctp"), (9132, 132, "sctp")]),
+    );
     let inspect = sim.inspect();
     let mappings = &inspect["attachments"][0]["portMappings"];
     assert_eq!(
         mappings.as_array().map(Vec::len),
-        Some(2),
-        "one SCTP mapping per family: {mappings}"
+        Some(4),
+        "each SCTP mapping once per family: {mappings}"
     );
     assert!(
         mappings

@@ -42,7 +42,10 @@ fn bench(id: &str) -> Bench {
     mappings["portMappings"]
         .as_array_mut()
         .expect("a list")
-        .push(json!({ "hostPort": 9999, "containerPort": 9999, "protocol": "sctp" }));
+        .extend([
+            json!({ "hostPort": 9999, "containerPort": 9999, "protocol": "sctp" }),
+            json!({ "hostPort": 9132, "containerPort": 132, "protocol": "sctp" }),
+        ]);
     let container = sim.container("c1", mappings);
     let uplink = interface_index(&sim, UPLINK);
     let veth = interface_index(&sim, &sim.host_interface(&container));
@@ -217,6 +220,31 @@ fn a_packet_to_a_host_port_leaves_translated_with_valid_checksums() {
         &outside_v4(SCTP, &sctp(40_003, 9999, b"chunk")),
         9999,
         "SCTP",
+    );
+    // Another port: the CRC32c is updated for it without reading the chunks, whatever their
+    // length; the container's answers get the hostPort back the same way.
+    for (client_port, payload) in [(40_010, vec![7u8; 1]), (40_011, vec![0x5a; 1400])] {
+        bench.expect_translated(
+            &outside_v4(SCTP, &sctp(client_port, 9132, &payload)),
+            132,
+            &format!("SCTP to another port, {} bytes of chunk", payload.len()),
+        );
+        let answer = sctp(132, client_port, &payload);
+        let (verdict, out) = bench
+            .run_from_container(&bench.sent_by_container(SCTP, OUTSIDE_ADDR, &answer))
+            .expect("runs");
+        assert_ne!(verdict, DROP, "the SCTP answer goes out");
+        let parsed = verify(&out).unwrap_or_else(|error| panic!("SCTP answer: {error}"));
+        assert_eq!(
+            (parsed.src, parsed.ports),
+            (IpAddr::V4(HOST_UPLINK_ADDR), Some((9132, client_port))),
+            "the answer comes from the hostPort"
+        );
+    }
+    bench.expect_translated(
+        &outside_v6(SCTP, &sctp(40_012, 9132, b"chunk")),
+        132,
+        "SCTP over IPv6 to another port",
     );
     let segment = tcp(
         OUTSIDE_ADDR6.into(),

@@ -395,26 +395,6 @@ fn del_cleans_up_what_the_other_backend_made() {
 }
 
 #[test]
-fn unimplemented_datapath_is_error_101_not_silent_success() {
-    let sim = SimHost::new("proto-notyet", json!({}));
-    let c1 = sim.container("c1", json!({}));
-    let base = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
-    let cases = [(
-        json!({ "runtimeConfig": { "portMappings": [{ "hostPort": 9, "containerPort": 10, "protocol": "sctp" }] } }),
-        "sctp with hostPort 9 != containerPort 10",
-    )];
-    for (change, fragment) in cases {
-        let mut config = base.clone();
-        for (key, value) in change.as_object().expect("object") {
-            config[key] = value.clone();
-        }
-        let output = invoke(&sim, "ADD", Some(&c1.attachment), &config);
-        assert_cni_error(&output, 101, fragment);
-    }
-    assert!(sim.installed_host_ports().is_empty());
-}
-
-#[test]
 fn lock_held_too_long_is_error_11() {
     let sim = SimHost::new("proto-lock", json!({}));
     let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));

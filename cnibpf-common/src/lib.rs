@@ -30,6 +30,7 @@ pub mod owner_port;
 pub mod port_claim;
 pub mod port_condition;
 pub mod portmap;
+pub mod sctp_checksum;
 pub mod settings;
 pub mod sock_rev;
 pub mod source;

@@ -11,14 +11,16 @@ use aya_ebpf::{
         BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC, TC_ACT_SHOT,
         TC_ACT_UNSPEC, bpf_check_mtu_flags, bpf_fib_lookup,
     },
+    cty::c_void,
     helpers::{
-        bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_redirect,
+        bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_loop, bpf_redirect,
         bpf_redirect_neigh, bpf_redirect_peer,
     },
     programs::TcContext,
 };
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    sctp_checksum::{self, Product},
 };
 
 pub const ETH_HLEN: usize = 14;
@@ -40,6 +42,8 @@ const ICMP_ECHO_REPLY: u8 = 0;
 const ICMP_ECHO_REQUEST: u8 = 8;
 const ICMPV6_ECHO_REQUEST: u8 = 128;
 const ICMPV6_ECHO_REPLY: u8 = 129;
+/// Where SCTP's common header keeps its checksum.
+const SCTP_CHECKSUM_OFF: usize = 8;
 /// Enough of any L4 header for ports and checksum, pulled into the linear area up front.
 const L4_PULL: usize = 20;
 
@@ -467,12 +471,82 @@ impl Flow {
                 self.l4_csum_flags() | 2,
             )
             .map_err(failed)?;
+        } else if self.protocol == PROTO_SCTP && self.fragment != Fragment::Later {
+            self.update_sctp_checksum(ctx, side, new)?;
         } else {
-            // SCTP's CRC32c covers the ports; userspace refuses mappings that would change them.
             return Err(DatapathError::RewriteFailed);
         }
         ctx.store(offset, &new, 0).map_err(failed)
     }
+
+    /// Folds a port change into SCTP's CRC32c (see `cnibpf_common::sctp_checksum`): the
+    /// packet's length from its IP header, the payload never read. (A packet whose checksum
+    /// the stack has yet to compute gets it computed over the new ports anyway.) Not inlined:
+    /// its loops stay out of the callers' code.
+    #[inline(never)]
+    fn update_sctp_checksum(
+        &self,
+        ctx: &TcContext,
+        side: Side,
+        new: u16,
+    ) -> Result<(), DatapathError> {
+        let ports: [u8; 4] = load_anywhere(ctx, self.l4_off)?;
+        let mut changed = ports;
+        let [high, low] = new.to_ne_bytes();
+        match side {
+            Side::Source => (changed[0], changed[1]) = (high, low),
+            Side::Destination => (changed[2], changed[3]) = (high, low),
+        }
+        let (low, high) = sctp_checksum::length_factors(self.l4_length(ctx)?);
+        let factor = product(low, high);
+        let change = product(factor, sctp_checksum::difference(ports, changed));
+        let checksum: u32 = load_anywhere(ctx, self.l4_off + SCTP_CHECKSUM_OFF)?;
+        let updated = u32::from_le(checksum) ^ change;
+        ctx.store(self.l4_off + SCTP_CHECKSUM_OFF, &updated.to_le(), 0)
+            .map_err(|_| DatapathError::RewriteFailed)
+    }
+
+    /// Bytes from the L4 header to the end of the datagram, from the IP header's length (the
+    /// packet's when that says 0, as a segmentation offload's may).
+    fn l4_length(&self, ctx: &TcContext) -> Result<u32, DatapathError> {
+        let (length_off, counted_from) = if self.family == FAMILY_IPV4 {
+            (ETH_HLEN + 2, ETH_HLEN)
+        } else {
+            (ETH_HLEN + 4, ETH_HLEN + IPV6_HLEN)
+        };
+        let length = u32::from(u16::from_be(load_anywhere::<u16>(ctx, length_off)?));
+        let header = (self.l4_off - counted_from) as u32;
+        Ok(if length == 0 {
+            ctx.len().saturating_sub(self.l4_off as u32)
+        } else {
+            length.saturating_sub(header)
+        })
+    }
+}
+
+/// `a · b mod P` of SCTP's CRC, its 32 steps run by `bpf_loop`: the verifier checks one step,
+/// not 32 at every path that reaches here.
+fn product(a: u32, b: u32) -> u32 {
+    let mut product = Product::new(a, b);
+    // SAFETY: the callback has the signature bpf_loop expects; its context is `product`,
+    // which outlives the call.
+    unsafe {
+        bpf_loop(
+            Product::STEPS,
+            product_step as *mut c_void,
+            (&raw mut product).cast(),
+            0,
+        )
+    };
+    product.value()
+}
+
+/// One step of [`product`] (`bpf_loop` callback).
+extern "C" fn product_step(bit: u64, context: *mut c_void) -> i64 {
+    // SAFETY: `product` passes its `Product`, alive for the whole loop.
+    let product = unsafe { &mut *context.cast::<Product>() };
+    product.step(bit as u32);
+    0
 }
 
 #[derive(Clone, Copy)]

@@ -398,7 +398,6 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
         .clone()
         .ok_or(ConfigError::MissingPrevResult)?;
     let output = result::convert(&prev_result, conf.cni_version, &conf.cni_version_text)?;
-    conf.reject_unimplemented()?;
     let plan = plan(env, &conf, &prev_result)?;
     let pins = PinLayout::new(&conf.plugin.pin_path);
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
@@ -490,7 +489,6 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
         .prev_result
         .clone()
         .ok_or(ConfigError::MissingPrevResult)?;
-    conf.reject_unimplemented()?;
     let plan = plan(env, &conf, &prev_result)?;
     let pins = PinLayout::new(&conf.plugin.pin_path);
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;

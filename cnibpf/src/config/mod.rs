@@ -221,25 +221,6 @@ impl NetConf {
         })
     }
 
-    /// Refuses configuration that validates but asks for datapath this version cannot
-    /// provide yet: failing loudly beats pretending a container is masqueraded or filtered.
-    pub fn reject_unimplemented(&self) -> Result<(), ConfigError> {
-        for (position, mapping) in self.port_mappings.iter().enumerate() {
-            // SCTP's CRC32c covers the ports but not the addresses: translating the address
-            // alone keeps it valid, changing a port would mean recomputing it per packet.
-            if mapping.protocol == Protocol::Sctp && mapping.host_port != mapping.container_port {
-                return Err(ConfigError::not_supported(
-                    format!("runtimeConfig.portMappings[{position}]"),
-                    format!(
-                        "sctp with hostPort {} != containerPort {} is not supported yet by this version of cnibpf",
-                        mapping.host_port, mapping.container_port
-                    ),
-                ));
-            }
-        }
-        Ok(())
-    }
-
     /// The `cniVersion` rules of the spec for verbs newer than 0.3.
     pub fn require_version(&self, verb: &'static str) -> Result<(), ConfigError> {
         require_version(self.cni_version, &self.cni_version_text, verb)
