@@ -385,7 +385,7 @@ fn ipv4_options_are_translated_past_and_bad_header_lengths_are_not() {
 }
 
 #[test]
-fn ipv6_extension_headers_are_passed_on_untouched() {
+fn ipv6_extension_headers_are_translated_past() {
     let bench = bench("pk-exthdr");
     let segment = tcp(
         OUTSIDE_ADDR6.into(),
@@ -395,18 +395,52 @@ fn ipv6_extension_headers_are_passed_on_untouched() {
         SYN,
         b"",
     );
-    // Hop-by-hop, routing (type 0, no segments left), destination options, experimental.
-    for next_header in [0u8, 43, 60, 253] {
-        let mut payload = vec![TCP, 0, 1, 4, 0, 0, 0, 0];
-        if next_header == 43 {
-            payload = vec![TCP, 0, 0, 0, 0, 0, 0, 0];
+    // An 8-byte header of `kind` leading to `next` (PadN options; a routing header of type 0
+    // with `segments_left`).
+    let header = |next: u8, kind: u8, segments_left: u8| {
+        if kind == 43 {
+            vec![next, 0, 0, segments_left, 0, 0, 0, 0]
+        } else {
+            vec![next, 0, 1, 4, 0, 0, 0, 0]
         }
+    };
+    // Hop-by-hop, routing with no segments left (the destination is final), destination
+    // options, and all three in a row: translated past, the checksum verified by the test.
+    for (first, headers) in [
+        (0u8, header(TCP, 0, 0)),
+        (43, header(TCP, 43, 0)),
+        (60, header(TCP, 60, 0)),
+        (
+            0,
+            [header(43, 0, 0), header(60, 43, 0), header(TCP, 60, 0)].concat(),
+        ),
+    ] {
+        let mut payload = headers.clone();
         payload.extend(&segment);
-        bench.expect_untouched(
-            &outside_v6(next_header, &payload),
-            &format!("extension header {next_header}"),
+        bench.expect_translated(
+            &outside_v6(first, &payload),
+            80,
+            &format!("extension headers from {first}, {} bytes", headers.len()),
         );
     }
+    // A routing header with segments left (the destination is not the final one), an
+    // experimental header, five headers (more than are walked): left alone.
+    let mut routed = header(TCP, 43, 1);
+    routed.extend(&segment);
+    bench.expect_untouched(&outside_v6(43, &routed), "segments left");
+    let mut experimental = header(TCP, 253, 0);
+    experimental.extend(&segment);
+    bench.expect_untouched(&outside_v6(253, &experimental), "experimental header");
+    let mut five = [
+        header(60, 0, 0),
+        header(60, 60, 0),
+        header(60, 60, 0),
+        header(60, 60, 0),
+        header(TCP, 60, 0),
+    ]
+    .concat();
+    five.extend(&segment);
+    bench.expect_untouched(&outside_v6(0, &five), "five extension headers");
 }
 
 /// A fragmented datagram to a hostPort is not translated: its fragments go on to the host

@@ -158,6 +158,57 @@ fn ensure_linear(ctx: &TcContext, length: usize) {
     }
 }
 
+/// IPv6 extension headers a translation may pass: hop-by-hop options, destination options, a
+/// routing header with no segments left (the destination is final), and a fragment header.
+const IPV6_HOP_BY_HOP: u8 = 0;
+const IPV6_ROUTING: u8 = 43;
+const IPV6_DESTINATION_OPTIONS: u8 = 60;
+/// How many extension headers are walked: a packet with more is left alone.
+const MAX_EXTENSION_HEADERS: usize = 4;
+
+/// Walks an IPv6 packet's extension headers to its transport header: (protocol, its offset,
+/// where the packet stands in its datagram, the fragment identification); `None` for a
+/// routing header with segments left (its destination is not the final one), or more headers
+/// than are walked. Read with `bpf_skb_load_bytes`: the headers need not be linear, and the
+/// offsets grow with each.
+#[inline(always)]
+fn extension_headers(ctx: &TcContext) -> Result<Option<(u8, usize, Fragment, u32)>, DatapathError> {
+    let mut next_header: u8 = load_anywhere(ctx, ETH_HLEN + 6)?;
+    let mut offset = ETH_HLEN + IPV6_HLEN;
+    let mut fragment = Fragment::Whole;
+    let mut fragment_id = 0;
+    for _ in 0..MAX_EXTENSION_HEADERS {
+        match next_header {
+            IPV6_HOP_BY_HOP | IPV6_DESTINATION_OPTIONS | IPV6_ROUTING => {
+                // Next header, length in 8-byte units beyond the first 8; a routing header's
+                // type and segments left.
+                let header: [u8; 4] = load_anywhere(ctx, offset)?;
+                if next_header == IPV6_ROUTING && header[3] != 0 {
+                    return Ok(None);
+                }
+                next_header = header[0];
+                offset += (usize::from(header[1]) + 1) * 8;
+            }
+            IPV6_FRAGMENT_HEADER => {
+                let header: [u8; 8] = load_anywhere(ctx, offset)?;
+                let offset_and_more = u16::from_be_bytes([header[2], header[3]]);
+                fragment = if offset_and_more >> 3 != 0 {
+                    Fragment::Later
+                } else if offset_and_more & 1 != 0 {
+                    Fragment::First
+                } else {
+                    Fragment::Whole
+                };
+                fragment_id = u32::from_ne_bytes([header[4], header[5], header[6], header[7]]);
+                next_header = header[0];
+                offset += IPV6_FRAGMENT_HLEN;
+            }
+            _ => return Ok(Some((next_header, offset, fragment, fragment_id))),
+        }
+    }
+    Ok(None)
+}
+
 /// Reads a packet field with `bpf_skb_load_bytes`, wherever it lies (the linear area or not)
 /// and whatever bounds the verifier knows of `offset`.
 pub fn load_anywhere<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
@@ -257,28 +308,11 @@ impl Flow {
         if payload != 0 && (ctx.len() as usize) < ETH_HLEN + IPV6_HLEN + payload {
             return Ok(None);
         }
-        ensure_linear(ctx, ETH_HLEN + IPV6_HLEN + IPV6_FRAGMENT_HLEN + L4_PULL);
-        let next_header: u8 = load(ctx, ETH_HLEN + 6)?;
-        let (protocol, l4_off, fragment, fragment_id) = if next_header == IPV6_FRAGMENT_HEADER {
-            let header: [u8; 8] = load(ctx, ETH_HLEN + IPV6_HLEN)?;
-            let offset_and_more = u16::from_be_bytes([header[2], header[3]]);
-            let fragment = if offset_and_more >> 3 != 0 {
-                Fragment::Later
-            } else if offset_and_more & 1 != 0 {
-                Fragment::First
-            } else {
-                Fragment::Whole
-            };
-            let id = u32::from_ne_bytes([header[4], header[5], header[6], header[7]]);
-            (
-                header[0],
-                ETH_HLEN + IPV6_HLEN + IPV6_FRAGMENT_HLEN,
-                fragment,
-                id,
-            )
-        } else {
-            (next_header, ETH_HLEN + IPV6_HLEN, Fragment::Whole, 0)
+        let (protocol, l4_off, fragment, fragment_id) = match extension_headers(ctx)? {
+            Some(walked) => walked,
+            None => return Ok(None),
         };
+        ensure_linear(ctx, l4_off + L4_PULL);
         let Some((sport, dport)) = ports(ctx, protocol, l4_off, fragment)? else {
             return Ok(None);
         };

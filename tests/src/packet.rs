@@ -268,13 +268,27 @@ pub fn verify(frame: &[u8]) -> Result<Parsed, String> {
                 let length = usize::from(u16::from_be_bytes([header[4], header[5]]));
                 let src: [u8; 16] = header[8..24].try_into().map_err(|_| short())?;
                 let dst: [u8; 16] = header[24..40].try_into().map_err(|_| short())?;
+                // Past hop-by-hop, routing, destination options and fragment headers.
+                let (mut next, mut offset, mut later, mut more) = (header[6], 40, false, false);
+                while matches!(next, 0 | 43 | 60 | 44) {
+                    let extension = packet.get(offset..offset + 8).ok_or_else(short)?;
+                    if next == 44 {
+                        let offset_and_more = u16::from_be_bytes([extension[2], extension[3]]);
+                        later = offset_and_more >> 3 != 0;
+                        more = offset_and_more & 1 != 0;
+                        offset += 8;
+                    } else {
+                        offset += (usize::from(extension[1]) + 1) * 8;
+                    }
+                    next = extension[0];
+                }
                 (
                     IpAddr::V6(Ipv6Addr::from(src)),
                     IpAddr::V6(Ipv6Addr::from(dst)),
-                    header[6],
-                    packet.get(40..40 + length).ok_or_else(short)?,
-                    false,
-                    false,
+                    next,
+                    packet.get(offset..40 + length).ok_or_else(short)?,
+                    later,
+                    more,
                 )
             }
             other => return Err(format!("ethertype {other:#06x}")),
