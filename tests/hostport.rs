@@ -13,7 +13,10 @@ use std::{
 use cnibpf_tests::{
     SimHost, for_both_backends,
     topology::{BRIDGE, Backend, Family, GATEWAY, GATEWAY6, UPLINK, port_mappings},
-    traffic::{TcpServer, UdpServer, kernel_has_sctp, tcp_request, udp_request},
+    traffic::{
+        CLIENT_TIMEOUT, TcpServer, UdpServer, kernel_has_sctp, tcp_request, udp_exchange_with,
+        udp_request,
+    },
 };
 use serde_json::json;
 
@@ -101,6 +104,28 @@ fn sctp_mappings_are_installed_and_carry_traffic_where_the_kernel_has_sctp(backe
         assert_eq!(answer.as_deref(), Ok("sctp"), "SCTP through the hostPort");
     } else {
         eprintln!("this kernel has no SCTP: the SCTP mapping was checked in the maps only");
+    }
+}
+
+/// Datagrams larger than the MTU, both ways: the outside client's fragments reach the
+/// container behind the hostPort (the first carries the ports, the later ones follow it), and
+/// the container's fragmented answer comes back from the hostPort.
+fn fragmented_datagrams_reach_a_host_port_and_come_back(backend: Backend) {
+    let sim = SimHost::on(backend, "hp-frag", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(5353, 53, "udp")]));
+    let answer = "a".repeat(4000);
+    for family in Family::BOTH {
+        let _server = UdpServer::start(&c1.netns, family.any(53), &answer);
+        let target = sim.uplink(family, 5353);
+        let (received, from) = sim
+            .outside
+            .run(move || udp_exchange_with(0, target, &[7; 4000], CLIENT_TIMEOUT))
+            .unwrap_or_else(|error| panic!("{family:?}: fragmented exchange: {error}"));
+        assert_eq!(
+            (received.len(), from),
+            (4000, target),
+            "{family:?}: the whole answer, from the hostPort"
+        );
     }
 }
 
@@ -372,6 +397,7 @@ fn an_address_added_to_the_uplink_serves_wildcard_host_ports_at_once(backend: Ba
 
 for_both_backends!(
     an_address_added_to_the_uplink_serves_wildcard_host_ports_at_once,
+    fragmented_datagrams_reach_a_host_port_and_come_back,
     outside_clients_reach_tcp_and_udp_host_ports_over_both_families,
     an_ipv6_host_ip_restricts_the_mapping_to_ipv6,
     sctp_mappings_are_installed_and_carry_traffic_where_the_kernel_has_sctp,

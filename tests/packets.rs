@@ -443,11 +443,12 @@ fn ipv6_extension_headers_are_translated_past() {
     bench.expect_untouched(&outside_v6(0, &five), "five extension headers");
 }
 
-/// A fragmented datagram to a hostPort is not translated: its fragments go on to the host
-/// stack whole, and no state is made for them. (Masqueraded datagrams are followed fragment
-/// by fragment; hostPort ones are not yet.)
+/// A fragmented datagram to a hostPort: its first fragment (which carries the ports) is
+/// translated as a whole datagram is, the later ones follow it to the same container; the
+/// container's fragmented answer leaves from the hostPort, fragment by fragment. A later
+/// fragment whose first never came is no one's.
 #[test]
-fn fragments_of_a_host_port_datagram_pass_on_untouched() {
+fn fragments_of_a_host_port_datagram_follow_their_first() {
     let bench = bench("pk-fragments");
     let whole = udp(
         OUTSIDE_ADDR.into(),
@@ -457,14 +458,59 @@ fn fragments_of_a_host_port_datagram_pass_on_untouched() {
         &[7u8; 64],
         true,
     );
-    let fragment = |more: bool, offset: u16, part: &[u8]| {
+    let fragment = |source: Ipv4Addr, more: bool, offset: u16, part: &[u8]| {
         ethernet(
             [0x02, 0xaa, 0, 0, 0, 1],
             OUTSIDE_MAC,
             ETH_P_IP,
+            &ipv4(source, HOST_UPLINK_ADDR, UDP, &[], (more, offset), part),
+        )
+    };
+    let stranger = Ipv4Addr::new(203, 0, 113, 3);
+    bench.expect_untouched(
+        &fragment(stranger, true, 4, &whole[32..48]),
+        "a later fragment whose first never came",
+    );
+    bench.expect_translated(
+        &fragment(OUTSIDE_ADDR, true, 0, &whole[..32]),
+        53,
+        "a first fragment",
+    );
+    for (more, offset, part, what) in [
+        (true, 4, &whole[32..48], "a middle fragment"),
+        (false, 6, &whole[48..], "the last fragment"),
+    ] {
+        let (verdict, out) = bench
+            .run(&fragment(OUTSIDE_ADDR, more, offset, part))
+            .expect("runs");
+        assert_eq!(verdict, REDIRECT, "{what}: handed to the container");
+        let parsed = verify(&out).unwrap_or_else(|error| panic!("{what}: {error}"));
+        assert_eq!(
+            (parsed.src, parsed.dst),
+            (
+                IpAddr::V4(OUTSIDE_ADDR),
+                IpAddr::V4(bench.container.address)
+            ),
+            "{what}: to the container"
+        );
+    }
+    // The answer, in fragments: from the hostPort's address and port.
+    let answer = udp(
+        bench.container.address.into(),
+        OUTSIDE_ADDR.into(),
+        53,
+        40_300,
+        &[9u8; 64],
+        true,
+    );
+    let sent = |more: bool, offset: u16, part: &[u8]| {
+        ethernet(
+            [0x02, 0xbb, 0, 0, 0, 1],
+            bench.container_mac,
+            ETH_P_IP,
             &ipv4(
+                bench.container.address,
                 OUTSIDE_ADDR,
-                HOST_UPLINK_ADDR,
                 UDP,
                 &[],
                 (more, offset),
@@ -472,9 +518,26 @@ fn fragments_of_a_host_port_datagram_pass_on_untouched() {
             ),
         )
     };
-    bench.expect_untouched(&fragment(true, 0, &whole[..32]), "a first fragment");
-    bench.expect_untouched(&fragment(true, 4, &whole[32..48]), "a middle fragment");
-    bench.expect_untouched(&fragment(false, 6, &whole[48..]), "a last fragment");
+    for (more, offset, part, ports, what) in [
+        (true, 0, &answer[..32], Some((5353, 40_300)), "first"),
+        (true, 4, &answer[32..48], None, "middle"),
+        (false, 6, &answer[48..], None, "last"),
+    ] {
+        let (verdict, out) = bench
+            .run_from_container(&sent(more, offset, part))
+            .expect("runs");
+        assert_ne!(verdict, DROP, "the answer's {what} fragment goes out");
+        let parsed = verify(&out).unwrap_or_else(|error| panic!("{what}: {error}"));
+        assert_eq!(
+            (parsed.src, parsed.dst, parsed.ports),
+            (
+                IpAddr::V4(HOST_UPLINK_ADDR),
+                IpAddr::V4(OUTSIDE_ADDR),
+                ports
+            ),
+            "the answer's {what} fragment comes from the hostPort"
+        );
+    }
 }
 
 #[test]

@@ -25,6 +25,7 @@ pub mod masq_reply;
 pub mod masq_source;
 pub mod masq_stats;
 pub mod nat_flow;
+pub mod nat_fragment;
 pub mod owner;
 pub mod owner_port;
 pub mod port_claim;

@@ -1,10 +1,11 @@
-//! `masq_fragments`: where the later fragments of a fragmented reply go.
+//! `masq_fragments`: where the later fragments of a fragmented datagram arriving at an uplink
+//! go — a reply to a masqueraded flow, or a datagram to a hostPort.
 //!
-//! Key: [`FragmentKey`] — the reply datagram's addresses (remote to masquerade address),
-//! protocol and identification. Value: [`MasqReply`](crate::masq_reply::MasqReply) — the
-//! container the datagram's first fragment was translated for. Written by `uplink_ingress` when
-//! it translates the first fragment of a reply (which carries the ports); read for the later
-//! fragments, which carry none. Later fragments that arrive before the first are not
+//! Key: [`FragmentKey`] — the datagram's addresses as it arrives (remote to masquerade or
+//! hostPort address), protocol and identification. Value:
+//! [`MasqReply`](crate::masq_reply::MasqReply) — the container the datagram's first fragment was
+//! translated for. Written by `uplink_ingress` when it translates a first fragment (which
+//! carries the ports); read for the later fragments, which carry none. Later fragments that arrive before the first are not
 //! translated. An LRU map: entries live as long as fragments of the datagram keep coming.
 
 use crate::impl_pod;

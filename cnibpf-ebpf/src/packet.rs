@@ -20,6 +20,7 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    masq_fragment::FragmentKey,
     sctp_checksum::{self, Product},
 };
 
@@ -329,6 +330,19 @@ impl Flow {
         }))
     }
 
+    /// The key of the datagram this packet is a fragment of (`masq_fragments`,
+    /// `nat_fragments`).
+    pub fn fragment_key(&self) -> FragmentKey {
+        FragmentKey {
+            src_addr: self.saddr,
+            dst_addr: self.daddr,
+            id: self.fragment_id,
+            protocol: self.protocol,
+            family: self.family,
+            _pad: [0; 2],
+        }
+    }
+
     /// Whether a TCP packet opens a connection (SYN without ACK).
     pub fn is_tcp_syn(&self, ctx: &TcContext) -> Result<bool, DatapathError> {
         let flags = self.tcp_flags(ctx)?;
@@ -505,7 +519,8 @@ impl Flow {
                 self.l4_csum_flags() | 2,
             )
             .map_err(failed)?;
-        } else if self.protocol == PROTO_SCTP && self.fragment != Fragment::Later {
+        } else if self.protocol == PROTO_SCTP && self.fragment == Fragment::Whole {
+            // (A first fragment does not tell the datagram's length, which the CRC covers.)
             self.update_sctp_checksum(ctx, side, new)?;
         } else {
             return Err(DatapathError::RewriteFailed);

@@ -41,11 +41,9 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     // that follow this hook (the `bandwidth` plugin's redirect to its ifb), so nothing is sent
     // on from here; `uplink_egress` translates it on its way out.
     let via_stack = maps::endpoint_flags(ifindex(ctx)) & (FLAG_VIA_STACK | FLAG_HOST_FIREWALL) != 0;
-    if flow.fragment == Fragment::Whole {
-        let verdict = translated(ctx, &mut flow, via_stack);
-        if verdict != NOT_MINE {
-            return Ok(verdict);
-        }
+    let verdict = translated(ctx, &mut flow, via_stack);
+    if verdict != NOT_MINE {
+        return Ok(verdict);
     }
     if via_stack {
         return Ok(NEXT);
@@ -53,8 +51,9 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     masquerade::from_container(ctx, &mut flow)
 }
 
-/// A reply of a translated flow, or hairpin traffic to a hostPort: translated, and handed to
-/// the container it is for, sent on, or left to the stack; `NOT_MINE` when it is neither. Not
+/// A reply of a translated flow (or a fragment of one), or hairpin traffic to a hostPort:
+/// translated, and handed to the container it is for, sent on, or left to the stack;
+/// `NOT_MINE` when it is neither. Not
 /// inlined: its frame must not sit under masquerade's.
 #[inline(never)]
 fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> i32 {
@@ -66,6 +65,10 @@ fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> i32 {
         }
         NOT_MINE => {}
         verdict => return verdict,
+    }
+    // Hairpin traffic is translated whole only (nothing would follow a first fragment).
+    if flow.fragment != Fragment::Whole {
+        return NOT_MINE;
     }
     match portmap::translate_hairpin(ctx, flow, via_stack, &mut target) {
         TO_CONTAINER => {

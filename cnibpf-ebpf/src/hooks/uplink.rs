@@ -1,5 +1,5 @@
 //! An uplink. Ingress: ICMP errors about masqueraded packets, a later fragment of a
-//! masqueraded reply, a reply to a masqueraded flow (matched by its exact tuple before any
+//! masqueraded reply or of a datagram to a hostPort, a reply to a masqueraded flow (matched by its exact tuple before any
 //! hostPort, as conntrack matches a connection before a DNAT rule), then traffic to a hostPort —
 //! each translated and handed to its container. Egress: replies of translated flows the host
 //! stack routed, then container traffic it forwarded to be masqueraded.
@@ -59,11 +59,6 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
             TO_CONTAINER => hand_over(ctx, Some(flow), &container, true),
             verdict => Ok(verdict),
         };
-    }
-    // Port mapping does not translate fragments (later ones carry no ports to find a mapping
-    // by).
-    if flow.fragment != Fragment::Whole {
-        return Ok(NEXT);
     }
     match portmap::translate_from_outside(ctx, flow, &mut container)? {
         TO_CONTAINER => {

@@ -30,6 +30,7 @@ use cnibpf_common::{
     masq_source::{self, MasqSource, MasqSourceKey},
     masq_stats::{self, MasqStats},
     nat_flow::{self, NatFlowKey, NatFlowValue},
+    nat_fragment,
     owner::{self, OwnerInfo},
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
@@ -97,6 +98,13 @@ pub static masq_fragments: LruHashMap<
     FragmentKey,
     MasqReply,
     { masq_fragment::MAX_ENTRIES as usize },
+> = LruHashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static nat_fragments: LruHashMap<
+    FragmentKey,
+    NatFlowValue,
+    { nat_fragment::MAX_ENTRIES as usize },
 > = LruHashMap::new();
 
 #[btf_map(pin_by_name)]

@@ -27,7 +27,6 @@ use cnibpf_common::{
     FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
     masq_exclude::{MasqExcludeKey, OWNER_FAMILY_BITS},
     masq_flow::{MasqFlow, STATE_ESTABLISHED, STATE_OPENING},
-    masq_fragment::FragmentKey,
     masq_reply::MasqReply,
     masq_source::{MasqSource, MasqSourceKey},
     masq_stats::MasqStats,
@@ -145,7 +144,7 @@ fn try_translate_reply(
         return Ok(NEXT);
     }
     if flow.fragment == Fragment::First {
-        let _ = maps::masq_fragments.insert(&fragment_key(flow), entry, u64::from(BPF_ANY));
+        let _ = maps::masq_fragments.insert(&flow.fragment_key(), entry, u64::from(BPF_ANY));
     }
     flow.rewrite_destination(ctx, &entry.container_addr, entry.container_port.to_be())?;
     hand_over_to(entry, container);
@@ -164,7 +163,7 @@ fn try_translate_later_fragment(
     flow: &mut Flow,
     container: &mut Handover,
 ) -> Result<i32, DatapathError> {
-    let Some(reply) = maps::masq_fragments.get_ptr(&fragment_key(flow)) else {
+    let Some(reply) = maps::masq_fragments.get_ptr(&flow.fragment_key()) else {
         return Ok(NOT_MINE);
     };
     // SAFETY: points into `masq_fragments`; see `try_translate_reply` on reading LRU entries.
@@ -179,17 +178,6 @@ fn hand_over_to(reply: &MasqReply, container: &mut Handover) {
     container.host_ifindex = reply.host_ifindex;
     container.container_mac = reply.container_mac;
     container.gateway_mac = reply.gateway_mac;
-}
-
-fn fragment_key(flow: &Flow) -> FragmentKey {
-    FragmentKey {
-        src_addr: flow.saddr,
-        dst_addr: flow.daddr,
-        id: flow.fragment_id,
-        protocol: flow.protocol,
-        family: flow.family,
-        _pad: [0; 2],
-    }
 }
 
 /// Moves the state of the flow a reply belongs to on; `false` when that state has expired

@@ -6,6 +6,11 @@
 //! hostPort that changed owner takes effect on the very next packet — also for a UDP client
 //! that keeps its source port. The flow entry (`nat_flows`) only serves to reverse the
 //! translation of replies.
+//!
+//! Datagrams in fragments: the first fragment carries the ports and is translated as a whole
+//! datagram is; the later ones follow it by the datagram's identification — from outside
+//! through `masq_fragments` (the uplink hook translates them with masquerade's replies), the
+//! container's replies through `nat_fragments`. Hairpin traffic is translated whole only.
 
 mod conditions;
 
@@ -13,6 +18,7 @@ use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns, programs::TcContext
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
     endpoint::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
+    masq_reply::MasqReply,
     nat_flow::{NatFlowKey, NatFlowValue},
     portmap::{PortMapKey, PortMapValue},
 };
@@ -48,6 +54,20 @@ pub fn translate_from_outside(
     }
     if begin_translation(flow, mapping.owner, 0).is_none() {
         return Ok(NOT_MINE);
+    }
+    if flow.fragment == Fragment::First {
+        // Where the later fragments go, found by the datagram as it arrives.
+        let entry = MasqReply {
+            container_addr: mapping.container_addr,
+            owner: mapping.owner,
+            host_ifindex: mapping.host_ifindex,
+            container_port: mapping.container_port,
+            _pad: [0; 2],
+            container_mac: mapping.container_mac,
+            gateway_mac: mapping.gateway_mac,
+            _pad2: [0; 4],
+        };
+        let _ = maps::masq_fragments.insert(&flow.fragment_key(), &entry, u64::from(BPF_ANY));
     }
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
     hand_to(container, mapping);
@@ -133,72 +153,129 @@ pub fn translate_reply(
     via_stack: bool,
     client: &mut Handover,
 ) -> i32 {
-    try_translate_reply(ctx, flow, via_stack, client).unwrap_or_else(DatapathError::verdict)
-}
-
-#[inline(always)]
-fn try_translate_reply(
-    ctx: &TcContext,
-    flow: &mut Flow,
-    via_stack: bool,
-    client: &mut Handover,
-) -> Result<i32, DatapathError> {
-    let Some(entry) = maps::nat_flows.get_ptr_mut(&flow_key(flow, Direction::Packet)) else {
-        return Ok(NOT_MINE);
-    };
-    // SAFETY: entry points into nat_flows; it is copied out field by field before any rewrite,
-    // and only its refresh time is written (racing writers write the same).
-    let entry = unsafe { &mut *entry };
-    // Replies keep the flow alive too (GC sweeps idle ones), at most one write a second.
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
-    if now.wrapping_sub(entry.last_seen_ns) >= FLOW_REFRESH_NS {
-        entry.last_seen_ns = now;
+    // Verdicts, not a `Result`: packing `Ok` with the map pointer of a fragment's entry still
+    // in a register, LLVM builds the unused error byte from it, which the verifier refuses.
+    macro_rules! or_verdict {
+        ($step:expr) => {
+            match $step {
+                Ok(value) => value,
+                Err(error) => return DatapathError::verdict(error),
+            }
+        };
     }
-    let (orig_addr, orig_port) = (entry.orig_addr, entry.orig_port.to_be());
+    let Some(entry) = reverse_of(flow) else {
+        return NOT_MINE;
+    };
+    // SAFETY: entry points into nat_flows or nat_fragments; it is copied out field by field
+    // before any rewrite.
+    let entry = unsafe { &*entry };
+    // A later fragment has no ports: its addresses alone change.
+    let later = flow.fragment == Fragment::Later;
+    let (orig_addr, orig_port) = (
+        entry.orig_addr,
+        if later {
+            flow.sport
+        } else {
+            entry.orig_port.to_be()
+        },
+    );
     if entry.peer_ifindex != 0 {
-        let (peer_addr, peer_port) = (entry.peer_addr, entry.peer_port.to_be());
+        let (peer_addr, peer_port) = (
+            entry.peer_addr,
+            if later {
+                flow.dport
+            } else {
+                entry.peer_port.to_be()
+            },
+        );
         client.host_ifindex = entry.peer_ifindex;
         client.container_mac = entry.peer_mac;
         client.gateway_mac = entry.gateway_mac;
         // Also from a shaped container: with a local source address the reply could not cross
         // the host stack (it would be dropped as martian).
-        flow.rewrite_source(ctx, &orig_addr, orig_port)?;
-        flow.rewrite_destination(ctx, &peer_addr, peer_port)?;
-        return Ok(TO_CONTAINER);
+        or_verdict!(flow.rewrite_source(ctx, &orig_addr, orig_port));
+        or_verdict!(flow.rewrite_destination(ctx, &peer_addr, peer_port));
+        return TO_CONTAINER;
     }
     if via_stack {
-        return Ok(NEXT);
+        return NEXT;
     }
     let (reply_addr, reply_port) = (flow.saddr, flow.sport);
-    flow.rewrite_source(ctx, &orig_addr, orig_port)?;
+    or_verdict!(flow.rewrite_source(ctx, &orig_addr, orig_port));
     let next_hop = route(ctx, flow, false);
     if !matches!(next_hop, Route::Other)
-        && flow.decrement_hop_limit(ctx)?
-        && let Some(verdict) = forward(ctx, &next_hop)?
+        && or_verdict!(flow.decrement_hop_limit(ctx))
+        && let Some(verdict) = or_verdict!(forward(ctx, &next_hop))
     {
-        return Ok(verdict);
+        return verdict;
     }
     // The datapath cannot route it: undo, and leave it to the host stack untranslated (a local
     // source address would be dropped as martian); uplink_egress translates it on the way out.
-    flow.rewrite_source(ctx, &reply_addr, reply_port)?;
-    Ok(NEXT)
+    or_verdict!(flow.rewrite_source(ctx, &reply_addr, reply_port));
+    NEXT
 }
 
 /// A reply the host stack routed out of an uplink untranslated (when the container's hook did
 /// not route it itself): it gets the hostPort address back as its source (`NEXT`), or
 /// `NOT_MINE`.
 pub fn translate_routed_reply(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
-    if flow.fragment != Fragment::Whole {
-        return Ok(NOT_MINE);
-    }
-    let Some(entry) = maps::nat_flows.get_ptr(&flow_key(flow, Direction::Packet)) else {
+    let Some(entry) = reverse_of(flow) else {
         return Ok(NOT_MINE);
     };
-    // SAFETY: entry points into nat_flows; the fields are copied out before any rewrite.
-    let (orig_addr, orig_port) = unsafe { ((*entry).orig_addr, (*entry).orig_port) };
-    flow.rewrite_source(ctx, &orig_addr, orig_port.to_be())?;
+    // SAFETY: entry points into nat_flows or nat_fragments; the fields are copied out before
+    // any rewrite.
+    let (orig_addr, orig_port) = unsafe { ((*entry).orig_addr, (*entry).orig_port.to_be()) };
+    let port = if flow.fragment == Fragment::Later {
+        flow.sport
+    } else {
+        orig_port
+    };
+    flow.rewrite_source(ctx, &orig_addr, port)?;
     Ok(NEXT)
+}
+
+/// The translation a container's packet reverses: its flow's `nat_flows` entry (refreshed at
+/// most once a second: replies keep the flow alive too), or for a later fragment its first
+/// fragment's `nat_fragments` entry; a first fragment leaves its entry there for the later
+/// ones. The pointer is into one of the two maps. Inlined: as a BPF call, LLVM returns the
+/// option in two registers, and a BPF call returns one; the fragment keys stay in the frames
+/// of the two helpers below, off the deep call chains of the rewrites.
+#[inline(always)]
+fn reverse_of(flow: &Flow) -> Option<*const NatFlowValue> {
+    if flow.fragment == Fragment::Later {
+        let entry = later_fragment_reverse(flow);
+        return (!entry.is_null()).then_some(entry);
+    }
+    let entry = maps::nat_flows.get_ptr_mut(&flow_key(flow, Direction::Packet))?;
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    // SAFETY: entry points into nat_flows; racing writers of the refresh time write the same.
+    unsafe {
+        if now.wrapping_sub((*entry).last_seen_ns) >= FLOW_REFRESH_NS {
+            (*entry).last_seen_ns = now;
+        }
+    }
+    if flow.fragment == Fragment::First {
+        remember_first_fragment(flow, entry);
+    }
+    Some(entry.cast_const())
+}
+
+/// The `nat_fragments` entry of a later fragment's datagram; null when its first fragment
+/// was not seen.
+#[inline(never)]
+fn later_fragment_reverse(flow: &Flow) -> *const NatFlowValue {
+    maps::nat_fragments
+        .get_ptr(&flow.fragment_key())
+        .unwrap_or(core::ptr::null())
+}
+
+/// Leaves the translation of a first fragment's flow for the later fragments.
+#[inline(never)]
+fn remember_first_fragment(flow: &Flow, entry: *const NatFlowValue) {
+    // SAFETY: entry points into nat_flows, copied by the update.
+    let _ =
+        maps::nat_fragments.insert(&flow.fragment_key(), unsafe { &*entry }, u64::from(BPF_ANY));
 }
 
 /// A packet towards a container that did not come through a hostPort: a TCP connection

@@ -1,13 +1,15 @@
 //! Port mappings: `portmap` entries keyed by what a packet arrives at, each attachment's keys
 //! in its `owner_ports` slots, `port_claims` counting address-specific keys (so a wildcard
-//! finds an overlap without a scan), and the `nat_flows` they translated.
+//! finds an overlap without a scan), and the `nat_flows` they translated (with the
+//! `nat_fragments` and `masq_fragments` entries of their fragmented datagrams).
 
 use std::collections::HashSet;
 
 use aya::maps::MapError;
 use cnibpf_common::{
-    addr,
+    addr, masq_fragment,
     nat_flow::{self, NatFlowKey, NatFlowValue},
+    nat_fragment,
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
     portmap::{self, PortMapKey, PortMapValue},
@@ -120,6 +122,25 @@ impl EbpfBackend {
         Ok(())
     }
 
+    /// Removes where the later fragments of the attachment's datagrams would go, both ways.
+    fn remove_fragments(&mut self, owner: u64) -> Result<(), BackendError> {
+        let outbound =
+            batch::entries(&self.nat_fragments).map_err(read_error(nat_fragment::MAP_NAME))?;
+        for (key, value) in outbound {
+            if value.owner == owner {
+                remove_entry(&mut self.nat_fragments, &key, nat_fragment::MAP_NAME)?;
+            }
+        }
+        let inbound =
+            batch::entries(&self.masq_fragments).map_err(read_error(masq_fragment::MAP_NAME))?;
+        for (key, value) in inbound {
+            if value.owner == owner {
+                remove_entry(&mut self.masq_fragments, &key, masq_fragment::MAP_NAME)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Removes the expired translations of every attachment.
     pub(super) fn sweep_expired_port_mapping_flows(&mut self) -> Result<(), BackendError> {
         let now = monotonic_now_ns();
@@ -192,7 +213,8 @@ impl PortMappings for EbpfBackend {
             self.remove_owned_mapping(owner, key)?;
         }
         self.record_owned_keys(owner, &[])?;
-        self.remove_flows(|_, flow| flow.owner == owner)
+        self.remove_flows(|_, flow| flow.owner == owner)?;
+        self.remove_fragments(owner)
     }
 
     fn holder_of(
