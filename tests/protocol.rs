@@ -302,6 +302,57 @@ fn without_bpf_auto_serves_with_nftables_and_a_forced_ebpf_backend_is_104() {
     }
 }
 
+/// `CNIBPF_PHASES=1` (what `cargo xtask bench portmap` sets) makes the plugin say on stderr
+/// where its time went; stdout stays the CNI answer, and without the variable nothing is said.
+#[test]
+fn phases_are_reported_on_stderr_only_when_asked() {
+    let sim = SimHost::new("proto-phases", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let config = cnibpf_config(&sim, "1.0.0", Some(&c1.result));
+    let run = |command: &str, phases: bool| {
+        let mut process = chain::plugin_command(
+            &cni_path(),
+            &sim.host.path(),
+            "cnibpf",
+            command,
+            Some(&c1.attachment),
+        );
+        if phases {
+            process.env("CNIBPF_PHASES", "1");
+        }
+        run_with_stdin(process, "cnibpf", command, &config.to_string())
+    };
+    let quiet = run("ADD", false);
+    assert_eq!(quiet.exit_code, 0, "{quiet:?}");
+    assert!(!quiet.stderr.contains("phases"), "{quiet:?}");
+    let added = run("ADD", true);
+    assert_eq!(added.exit_code, 0, "{added:?}");
+    serde_json::from_str::<Value>(&added.stdout)
+        .unwrap_or_else(|error| panic!("stdout is the result alone ({error}): {added:?}"));
+    let line = added
+        .stderr
+        .lines()
+        .find(|line| line.starts_with("cnibpf: ADD phases (ms): "))
+        .unwrap_or_else(|| panic!("no phase report: {added:?}"));
+    for phase in [
+        "decode",
+        "plan",
+        "lock",
+        "backend",
+        "endpoint",
+        "port mappings",
+        "total",
+    ] {
+        assert!(line.contains(&format!("{phase} ")), "{phase} in {line}");
+    }
+    let deleted = run("DEL", true);
+    assert_eq!(deleted.exit_code, 0, "{deleted:?}");
+    assert!(
+        deleted.stderr.contains("cnibpf: DEL phases (ms): decode "),
+        "{deleted:?}"
+    );
+}
+
 #[test]
 fn an_owner_too_long_for_an_nftables_comment_is_refused() {
     let sim = SimHost::new("proto-long", json!({ "backend": "nftables" }));

@@ -15,6 +15,7 @@ mod netlink;
 mod netns;
 mod nfnetlink;
 mod paths;
+mod phases;
 mod reclaim;
 
 use std::{path::PathBuf, process::ExitCode, time::Duration};

@@ -313,11 +313,15 @@ pub fn select(
     match choice {
         BackendChoice::Ebpf => {
             ebpf::EbpfBackend::probe()?;
+            crate::phases::mark("probe");
             Ok(Box::new(ebpf::EbpfBackend::load_for_changes(pins)?))
         }
         BackendChoice::Nftables => Ok(Box::new(nftables::NftablesBackend::open_for_changes()?)),
         BackendChoice::Auto => match ebpf::EbpfBackend::probe() {
-            Ok(()) => Ok(Box::new(ebpf::EbpfBackend::load_for_changes(pins)?)),
+            Ok(()) => {
+                crate::phases::mark("probe");
+                Ok(Box::new(ebpf::EbpfBackend::load_for_changes(pins)?))
+            }
             Err(ebpf_error) => match nftables::NftablesBackend::open_for_changes() {
                 Ok(nftables) => Ok(Box::new(nftables)),
                 Err(nftables_error) => Err(BackendError::Unavailable {

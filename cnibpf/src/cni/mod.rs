@@ -25,6 +25,7 @@ use crate::{
     },
     netlink::{self, Link},
     paths::PinLayout,
+    phases,
 };
 use args::{ArgsError, CniArgs};
 use error::Error;
@@ -135,6 +136,7 @@ impl Env {
 
 /// Runs one CNI invocation; returns the process exit code.
 pub fn run(command_text: &str) -> i32 {
+    phases::begin();
     // The configuration is read whatever the command: a runtime writing it to a plugin that
     // quit early would get EPIPE instead of the error this plugin prints.
     let mut stdin = Vec::new();
@@ -143,6 +145,8 @@ pub fn run(command_text: &str) -> i32 {
         .map_err(Error::Stdin)
         .and_then(|_| Command::parse(command_text).map_err(Error::from))
         .and_then(|command| dispatch(command, &stdin));
+    phases::mark("answer");
+    phases::report(command_text);
     let mut stdout = std::io::stdout().lock();
     match outcome {
         Ok(Some(output)) => {
@@ -398,10 +402,14 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
         .clone()
         .ok_or(ConfigError::MissingPrevResult)?;
     let output = result::convert(&prev_result, conf.cni_version, &conf.cni_version_text)?;
+    phases::mark("decode");
     let plan = plan(env, &conf, &prev_result)?;
+    phases::mark("plan");
     let pins = PinLayout::new(&conf.plugin.pin_path);
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
+    phases::mark("lock");
     let mut backend = backend::select(conf.plugin.backend, &pins)?;
+    phases::mark("backend");
     let owner = plan.attachment.owner_id();
     let mut others = backend::existing_except(&pins, Some(backend.name()), Access::Changes)?;
     // A hostPort may be held by an attachment of either backend: the other's are checked
@@ -413,14 +421,28 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     }
     // The filter and the source check go first: once the datapath is hooked onto the
     // interface, no packet may pass unfiltered or unchecked.
+    phases::mark("other backends");
+    let marked = |name| {
+        move |()| {
+            phases::mark(name);
+            Ok(())
+        }
+    };
     let applied = backend
         .setup_filter(&plan.endpoint, plan.filter.as_ref())
+        .and_then(marked("filter"))
         .and_then(|()| backend.setup_source_check(&plan.endpoint, plan.source_check.as_ref()))
+        .and_then(marked("source check"))
         .and_then(|()| backend.setup_endpoint(&plan.endpoint))
+        .and_then(marked("endpoint"))
         .and_then(|()| backend.refresh_uplinks(&plan.endpoint.uplinks))
+        .and_then(marked("uplinks"))
         .and_then(|()| backend.setup_port_mappings(&plan.endpoint, &plan.mappings))
+        .and_then(marked("port mappings"))
         .and_then(|()| backend.setup_masquerade(&plan.endpoint, plan.masquerade.as_ref()))
-        .and_then(|()| backend.commit());
+        .and_then(marked("masquerade"))
+        .and_then(|()| backend.commit())
+        .and_then(marked("commit"));
     if let Err(error) = applied {
         // Undo: an attachment is either complete or absent. (The filter is found by its
         // interface: the attachment may not be recorded yet; the source check by its owner.)
@@ -464,14 +486,20 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
 
 fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let conf = CleanupConf::parse(stdin)?;
+    phases::mark("decode");
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
     let pins = PinLayout::new(&conf.pin_path);
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
+    phases::mark("lock");
     // Each backend is cleaned up even when another fails, and every failure is reported.
     let mut failures = Vec::new();
-    for mut backend in backend::existing(&pins, Access::Changes)? {
+    let backends = backend::existing(&pins, Access::Changes)?;
+    phases::mark("backend");
+    for mut backend in backends {
         let removed = backend::remove_attachment(backend.as_mut(), attachment.owner_id());
+        phases::mark("remove");
         let committed = backend.commit();
+        phases::mark("commit");
         failures.extend(
             [removed, committed]
                 .into_iter()

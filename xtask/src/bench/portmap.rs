@@ -11,7 +11,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
     Container, Netns, SimHost,
-    chain::{Attachment, invoke_plugin},
+    chain::{Attachment, invoke_plugin, plugin_command, run_with_stdin},
     topology::{cni_path, port_mappings},
     traffic::{EchoServer, connection_rate},
 };
@@ -423,7 +423,7 @@ fn plugin_time(
         bail!("creating veth pairs failed");
     }
 
-    let invoke = |command: &str, n: usize| -> Result<Duration> {
+    let invoke = |command: &str, n: usize| -> Result<Timed> {
         let args = json!({ "portMappings": [{ "hostPort": 30_000 + n, "containerPort": 80, "protocol": "tcp" }] });
         invoke_attachment(sim, &containers, plugin_type, command, n, &args)
     };
@@ -451,7 +451,21 @@ fn plugin_time(
         value: exec_floor,
         baseline: None,
     });
-    let mut existing = 0;
+    // The first ADD on this host: the datapath is loaded, verified and hooked (eBPF), or the
+    // table made (nftables).
+    let first = invoke("ADD", 0)?;
+    rows.push(Row {
+        scenario: format!("{label}, the first ADD on a fresh host"),
+        metric: "plugin ADD",
+        unit: "ms",
+        value: first.wall.as_secs_f64() * 1e3,
+        baseline: None,
+    });
+    rows.extend(phase_rows(
+        &format!("{label}, the first ADD on a fresh host"),
+        std::slice::from_ref(&first),
+    ));
+    let mut existing = 1;
     let probe = max;
     for &level in levels {
         progress.step(&format!("filling to {level} attachments"));
@@ -475,7 +489,7 @@ fn plugin_time(
 
 /// The plugin alone (`plugin_type`, configured as `sim`'s chain configures it) run for
 /// attachment `n` (veth `vb<n>`/`ec<n>` made beforehand), with `args` as its capability
-/// arguments; its wall time.
+/// arguments; its wall time and the phases cnibpf reports.
 fn invoke_attachment(
     sim: &SimHost,
     containers: &Netns,
@@ -483,7 +497,7 @@ fn invoke_attachment(
     command: &str,
     n: usize,
     args: &Value,
-) -> Result<Duration> {
+) -> Result<Timed> {
     let attachment = Attachment {
         container_id: format!("scale-{n}"),
         ifname: format!("ec{n}"),
@@ -501,23 +515,54 @@ fn invoke_attachment(
         "ips": [{ "address": format!("{}/16", address(n)), "interface": 1 }]
     });
     let config = sim.chain.plugin_config(&plugin, "1.0.0", Some(&prev), args);
-    let started = Instant::now();
-    let output = invoke_plugin(
+    let mut process = plugin_command(
         &cni_path(),
         &sim.host.path(),
         plugin_type,
         command,
         Some(&attachment),
-        &config.to_string(),
     );
-    let elapsed = started.elapsed();
+    process.env(PHASES_ENV, "1");
+    let started = Instant::now();
+    let output = run_with_stdin(process, plugin_type, command, &config.to_string());
+    let wall = started.elapsed();
     if output.exit_code != 0 {
         bail!(
             "{plugin_type} {command} of attachment {n} failed: {}",
             output.stdout
         );
     }
-    Ok(elapsed)
+    Ok(Timed {
+        wall,
+        phases: phases_of(&output.stderr),
+    })
+}
+
+/// What cnibpf reports of its phases when asked (`CNIBPF_PHASES=1`, see `cnibpf/src/phases.rs`).
+const PHASES_ENV: &str = "CNIBPF_PHASES";
+
+/// One plugin run: its wall time, and where cnibpf says the time went (in ms; empty for
+/// another plugin).
+struct Timed {
+    wall: Duration,
+    phases: Vec<(String, f64)>,
+}
+
+/// The phases of cnibpf's report line: `cnibpf: ADD phases (ms): decode 0.21, …, total 4.10`.
+fn phases_of(stderr: &str) -> Vec<(String, f64)> {
+    let Some(line) = stderr.lines().find(|line| line.contains(" phases (ms): ")) else {
+        return Vec::new();
+    };
+    let Some((_, list)) = line.split_once(" phases (ms): ") else {
+        return Vec::new();
+    };
+    list.split(", ")
+        .filter_map(|phase| {
+            let (name, ms) = phase.rsplit_once(' ')?;
+            Some((name.to_owned(), ms.parse().ok()?))
+        })
+        .filter(|(name, _)| name != "total")
+        .collect()
 }
 
 /// ADD and DEL of one pod with `count` UDP hostPorts (a media server's port range), for each
@@ -583,24 +628,75 @@ fn mapping_count_time(
 fn add_del_rows(
     scenario: &str,
     cycles: usize,
-    mut invoke: impl FnMut(&str) -> Result<Duration>,
+    mut invoke: impl FnMut(&str) -> Result<Timed>,
     baseline: Option<(String, f64)>,
 ) -> Result<Vec<Row>> {
     let (mut adds, mut dels) = (Vec::new(), Vec::new());
     for _ in 0..cycles {
-        adds.push(invoke("ADD")?.as_secs_f64() * 1e3);
-        dels.push(invoke("DEL")?.as_secs_f64() * 1e3);
+        adds.push(invoke("ADD")?);
+        dels.push(invoke("DEL")?);
     }
-    Ok([("plugin ADD", adds), ("plugin DEL", dels)]
-        .into_iter()
-        .map(|(metric, samples)| Row {
+    let mut rows = Vec::new();
+    for (verb, metric, runs) in [("ADD", "plugin ADD", adds), ("DEL", "plugin DEL", dels)] {
+        rows.push(Row {
             scenario: scenario.to_owned(),
             metric,
             unit: "ms",
-            value: median(samples),
+            value: median(
+                runs.iter()
+                    .map(|run| run.wall.as_secs_f64() * 1e3)
+                    .collect(),
+            ),
             baseline: baseline.clone(),
+        });
+        rows.extend(phase_rows(&format!("{scenario}, {verb}"), &runs));
+    }
+    Ok(rows)
+}
+
+/// The median of each phase cnibpf reported over `runs`, as rows "plugin phase" of
+/// `<scenario>: <phase>`, and what the process spent outside them (start, exit).
+fn phase_rows(scenario: &str, runs: &[Timed]) -> Vec<Row> {
+    let Some(first) = runs.first() else {
+        return Vec::new();
+    };
+    let mut rows: Vec<Row> = first
+        .phases
+        .iter()
+        .map(|(name, _)| Row {
+            scenario: format!("{scenario}: {name}"),
+            metric: "plugin phase",
+            unit: "ms",
+            value: median(
+                runs.iter()
+                    .filter_map(|run| {
+                        run.phases
+                            .iter()
+                            .find(|(held, _)| held == name)
+                            .map(|(_, ms)| *ms)
+                    })
+                    .collect(),
+            ),
+            baseline: None,
         })
-        .collect())
+        .collect();
+    if !first.phases.is_empty() {
+        rows.push(Row {
+            scenario: format!("{scenario}: process start and exit"),
+            metric: "plugin phase",
+            unit: "ms",
+            value: median(
+                runs.iter()
+                    .map(|run| {
+                        run.wall.as_secs_f64() * 1e3
+                            - run.phases.iter().map(|(_, ms)| ms).sum::<f64>()
+                    })
+                    .collect(),
+            ),
+            baseline: None,
+        });
+    }
+    rows
 }
 
 /// Guards the timings against a plugin that answered ADD without doing anything: the mapping

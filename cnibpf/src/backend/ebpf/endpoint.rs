@@ -26,7 +26,7 @@ use super::{
 };
 use crate::{
     backend::{BackendError, Endpoint, Endpoints, is_link_local},
-    netlink,
+    netlink, phases,
 };
 
 /// One tcx hook: the program and where its link is pinned.
@@ -83,6 +83,7 @@ impl EbpfBackend {
                 "could not attach {} to interface {ifindex}",
                 hook.program
             )))?;
+        phases::mark("tcx attach");
         let link = program.take_link(link_id).map_err(program_error(format!(
             "could not take the link of {}",
             hook.program
@@ -96,6 +97,7 @@ impl EbpfBackend {
                 action: format!("could not pin link {}", hook.link_pin.display()),
                 source: Box::new(source),
             })?;
+        phases::mark("pins");
         Ok(())
     }
 

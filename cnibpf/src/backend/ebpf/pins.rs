@@ -27,6 +27,7 @@ use crate::{
     backend::BackendError,
     netns,
     paths::{BPFFS_MOUNT_POINT, PinLayout},
+    phases,
 };
 
 /// The programs, with the hook each attaches to.
@@ -268,6 +269,7 @@ pub(super) fn load_object(pins: &PinLayout, stamp: bool) -> Result<(), BackendEr
         .default_map_pin_directory(pins.root())
         .load(OBJECT)
         .map_err(|error| BackendError::Load(Box::new(error)))?;
+    phases::mark("object parse and maps");
     for (name, program) in ebpf.programs_mut() {
         let loaded = match program {
             Program::SchedClassifier(program) => program.load(),
@@ -278,12 +280,14 @@ pub(super) fn load_object(pins: &PinLayout, stamp: bool) -> Result<(), BackendEr
             action: format!("the kernel rejected program {name}"),
             source: Box::new(source),
         })?;
+        phases::mark("verifier");
         let path = pins.program(name);
         remove_pin(&path)?;
         program.pin(&path).map_err(|source| BackendError::Pin {
             action: format!("could not pin program {}", path.display()),
             source: Box::new(source),
         })?;
+        phases::mark("pins");
     }
     let host_netns_cookie = netns::current_cookie().map_err(|source| BackendError::Pin {
         action: "could not read the host's network namespace cookie".to_owned(),
