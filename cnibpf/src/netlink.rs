@@ -150,6 +150,29 @@ pub fn addresses() -> Result<Vec<(u32, IpAddr)>, NetlinkError> {
     Ok(all.into_iter().flatten().collect())
 }
 
+/// The IPv6 addresses of interface `index` alone: the kernel filters the dump (strict
+/// checking), so a namespace with many interfaces costs no more than one with a few.
+pub fn ipv6_addresses_of(index: u32) -> Result<Vec<IpAddr>, NetlinkError> {
+    let mut message = AddressMessage::default();
+    message.header.family = AddressFamily::Inet6;
+    message.header.index = index;
+    let all = exchange_with(
+        "address",
+        RouteNetlinkMessage::GetAddress(message),
+        NLM_F_DUMP,
+        true,
+        |message| match message {
+            RouteNetlinkMessage::NewAddress(message) => address_from_message(&message),
+            _ => None,
+        },
+    )?;
+    Ok(all
+        .into_iter()
+        .filter(|(owner, _)| *owner == index)
+        .map(|(_, address)| address)
+        .collect())
+}
+
 /// IFA_LOCAL is the interface's own address on point-to-point links, IFA_ADDRESS otherwise.
 fn address_from_message(message: &AddressMessage) -> Option<(u32, IpAddr)> {
     let local = message
@@ -441,6 +464,18 @@ fn exchange<T>(
     request_name: &'static str,
     request: RouteNetlinkMessage,
     flags: u16,
+    keep: impl FnMut(RouteNetlinkMessage) -> Option<T>,
+) -> Result<Vec<T>, NetlinkError> {
+    exchange_with(request_name, request, flags, false, keep)
+}
+
+/// [`exchange`], with the kernel's strict checking of the request when `strict` (which makes
+/// it honour a dump's filter fields).
+fn exchange_with<T>(
+    request_name: &'static str,
+    request: RouteNetlinkMessage,
+    flags: u16,
+    strict: bool,
     mut keep: impl FnMut(RouteNetlinkMessage) -> Option<T>,
 ) -> Result<Vec<T>, NetlinkError> {
     let io_error = |source| NetlinkError::Request {
@@ -448,6 +483,11 @@ fn exchange<T>(
         source,
     };
     let mut socket = Socket::new(NETLINK_ROUTE).map_err(NetlinkError::Socket)?;
+    if strict {
+        socket
+            .set_netlink_get_strict_chk(true)
+            .map_err(NetlinkError::Socket)?;
+    }
     socket.bind_auto().map_err(NetlinkError::Socket)?;
     socket
         .connect(&SocketAddr::new(0, 0))

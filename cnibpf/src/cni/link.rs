@@ -135,13 +135,11 @@ pub fn container_link_locals(
         return Ok(Vec::new());
     }
     let index = netlink::link_by_name(ifname)?.index;
-    let mut addresses: Vec<Ipv6Addr> = netlink::addresses()?
+    let mut addresses: Vec<Ipv6Addr> = netlink::ipv6_addresses_of(index)?
         .into_iter()
-        .filter_map(|(owner, address)| match address {
-            IpAddr::V6(address) if owner == index && address.is_unicast_link_local() => {
-                Some(address)
-            }
-            _ => None,
+        .filter_map(|address| match address {
+            IpAddr::V6(address) if address.is_unicast_link_local() => Some(address),
+            IpAddr::V6(_) | IpAddr::V4(_) => None,
         })
         .collect();
     if setting("addr_gen_mode").as_deref() == Some(ADDR_GEN_MODE_EUI64) {
