@@ -669,6 +669,26 @@ fn header_ports(header: &[u8]) -> (u16, u16) {
     )
 }
 
+/// A packet's source address, read from its linear headers.
+pub enum SourceAddress {
+    V4([u8; 4]),
+    V6([u8; 16]),
+}
+
+/// The packet's source address when its IP header is in the linear area (nothing is pulled:
+/// the caller falls back to parsing otherwise); `None` for anything else.
+#[inline(always)]
+pub fn source_address(ctx: &TcContext) -> Option<SourceAddress> {
+    let ethertype: u16 = load(ctx, 12).ok()?;
+    if ethertype == ETH_P_IP.to_be() {
+        return load(ctx, IPV4_SADDR_OFF).ok().map(SourceAddress::V4);
+    }
+    if ethertype == ETH_P_IPV6.to_be() {
+        return load(ctx, IPV6_SADDR_OFF).ok().map(SourceAddress::V6);
+    }
+    None
+}
+
 /// An IPv4 address in the 16-byte map form.
 pub fn widen(addr: [u8; 4]) -> [u8; 16] {
     let mut out = [0u8; 16];

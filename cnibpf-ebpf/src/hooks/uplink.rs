@@ -1,15 +1,19 @@
 //! An uplink. Ingress: ICMP errors about masqueraded packets, a later fragment of a
-//! masqueraded reply or of a datagram to a hostPort, a reply to a masqueraded flow (matched by its exact tuple before any
-//! hostPort, as conntrack matches a connection before a DNAT rule), then traffic to a hostPort —
-//! each translated and handed to its container. Egress: replies of translated flows the host
-//! stack routed, then container traffic it forwarded to be masqueraded.
+//! masqueraded reply or of a datagram to a hostPort, a reply to a masqueraded flow (matched by
+//! its exact tuple before any hostPort, as conntrack matches a connection before a DNAT rule),
+//! then traffic to a hostPort — each translated and handed to its container. Egress: the
+//! host's own traffic (from the uplink's address) goes on at once; then replies of translated
+//! flows the host stack routed, and container traffic it forwarded to be masqueraded.
 
 use aya_ebpf::programs::TcContext;
 
 use super::hand_over;
 use crate::{
-    masquerade,
-    packet::{DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, TO_CONTAINER},
+    maps, masquerade,
+    packet::{
+        DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, SourceAddress, TO_CONTAINER,
+        ifindex, source_address,
+    },
     portmap,
 };
 
@@ -78,11 +82,38 @@ pub fn egress(ctx: &TcContext) -> i32 {
 }
 
 fn try_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
+    if leaves_from_uplink_address(ctx) {
+        return Ok(NEXT);
+    }
     let Some(mut flow) = Flow::parse(ctx)? else {
         return Ok(NEXT);
     };
     match portmap::translate_routed_reply(ctx, &mut flow)? {
         NOT_MINE => Ok(masquerade::uplink_egress(ctx, &mut flow)),
         verdict => Ok(verdict),
+    }
+}
+
+/// Whether the packet leaves from the uplink's own address — the host's own traffic, which
+/// nothing here translates (what this hook translates comes from a container's address). Told
+/// from its linear headers and one `uplinks` lookup, before any parsing: the cost of the
+/// packets this hook leaves alone. `false` when it cannot tell (the full path then decides).
+#[inline(always)]
+fn leaves_from_uplink_address(ctx: &TcContext) -> bool {
+    let Some(uplink) = maps::uplinks.get_ptr(&ifindex(ctx)) else {
+        return false;
+    };
+    // SAFETY: points into `uplinks`, whose values userspace replaces whole.
+    let uplink = unsafe { &*uplink };
+    match source_address(ctx) {
+        Some(SourceAddress::V4(source)) => {
+            uplink.addr_v4 != [0; 4]
+                && u32::from_ne_bytes(source) == u32::from_ne_bytes(uplink.addr_v4)
+        }
+        Some(SourceAddress::V6(source)) => {
+            uplink.addr_v6 != [0; 16]
+                && u128::from_ne_bytes(source) == u128::from_ne_bytes(uplink.addr_v6)
+        }
+        None => false,
     }
 }

@@ -129,7 +129,8 @@ pub fn run(out_dir: &Path) -> Result<()> {
 
 /// The eBPF programs' run time per packet while one container uploads over one masqueraded TCP
 /// connection: `from_container` masquerades its segments, `uplink_ingress` translates the
-/// ACKs back (kernel.bpf_stats_enabled, on only for this run).
+/// ACKs back; then while a host process uploads, `uplink_egress` leaves its segments alone
+/// (kernel.bpf_stats_enabled, on only for these runs).
 fn time_per_packet(setup: &Setup) -> Result<Vec<Row>> {
     let programs = ["from_container", "uplink_ingress"];
     let stats = BpfStats::enable()?;
@@ -163,6 +164,21 @@ fn time_per_packet(setup: &Setup) -> Result<Vec<Row>> {
             baseline: None,
         });
     }
+    // The host's own upload: every segment passes `uplink_egress`, which leaves it alone.
+    let before = stats.programs(pin_path, &["uplink_egress"])?;
+    iperf3_streams(&setup.sim.host, setup.server(5201), IPERF_SECONDS, 1)?;
+    let after = stats.programs(pin_path, &["uplink_egress"])?;
+    let runs = after.1.saturating_sub(before.1);
+    if runs == 0 {
+        bail!("uplink_egress did not run during the host's upload");
+    }
+    rows.push(Row {
+        scenario: "cnibpf masquerade, a host process's TCP upload".to_owned(),
+        metric: "uplink_egress time per packet (the host's own, left alone)",
+        unit: "ns",
+        value: after.0.saturating_sub(before.0) as f64 / runs as f64,
+        baseline: None,
+    });
     Ok(rows)
 }
 
