@@ -137,6 +137,25 @@ fn every_bad_configuration_fails_cleanly() {
             "ipMasq: expected true or false, got string \"yes\"",
         ),
         (
+            "sourceCheck string",
+            with(&sim, json!({ "sourceCheck": "off" })),
+            7,
+            "sourceCheck: expected true or false, got string \"off\"",
+        ),
+        (
+            "more addresses of a family than the source check holds",
+            with(
+                &sim,
+                json!({ "runtimeConfig": null, "prevResult": {
+                    "cniVersion": "1.0.0",
+                    "interfaces": base_config(&sim)["prevResult"]["interfaces"],
+                    "ips": (2..11).map(|n| json!({ "address": format!("10.22.0.{n}/16"), "interface": 2 })).collect::<Vec<_>>(),
+                } }),
+            ),
+            7,
+            "sourceCheck: the container has 9 IPv4 addresses",
+        ),
+        (
             "ipMasqExclude string",
             with(&sim, json!({ "ipMasqExclude": "10.0.0.0/8" })),
             7,

@@ -211,6 +211,10 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
     let mappings = resolve_mappings(&conf.port_mappings, &prev.container_addresses)?;
     let masquerade = masquerade_plan(conf, &prev)?;
+    if conf.plugin.source_check {
+        // Refused before anything is read in the container's namespace.
+        source_check_plan(&prev, Vec::new())?;
+    }
     let condition_interfaces = condition_interfaces(&conf.plugin.host_ports)?;
     let netns = env.netns.clone().ok_or(EnvError::Missing("CNI_NETNS"))?;
     if !netns.exists() {
