@@ -23,35 +23,28 @@ const fn multiply(a: u32, b: u32) -> u32 {
     product.value()
 }
 
-/// `x^(8 · i) mod P`.
-static LOW_POWERS: [u32; 256] = {
-    // x^8: x^1 (reflected) squared three times.
-    let x2 = multiply(1 << 30, 1 << 30);
-    let x4 = multiply(x2, x2);
-    let x8 = multiply(x4, x4);
+/// `factor^i mod P` for i = 0..256.
+const fn powers(factor: u32) -> [u32; 256] {
     let mut table = [0; 256];
-    // x^0.
+    // x^0, reflected.
     table[0] = 1 << 31;
     let mut i = 1;
     while i < 256 {
-        table[i] = multiply(table[i - 1], x8);
+        table[i] = multiply(table[i - 1], factor);
         i += 1;
     }
     table
+}
+
+/// `x^(8 · i) mod P`: x^8 is x^1 (reflected) squared three times.
+static LOW_POWERS: [u32; 256] = {
+    let x2 = multiply(1 << 30, 1 << 30);
+    let x4 = multiply(x2, x2);
+    powers(multiply(x4, x4))
 };
 
 /// `x^(8 · 256 · i) mod P`.
-static HIGH_POWERS: [u32; 256] = {
-    let x2048 = multiply(LOW_POWERS[255], LOW_POWERS[1]);
-    let mut table = [0; 256];
-    table[0] = 1 << 31;
-    let mut i = 1;
-    while i < 256 {
-        table[i] = multiply(table[i - 1], x2048);
-        i += 1;
-    }
-    table
-};
+static HIGH_POWERS: [u32; 256] = powers(multiply(LOW_POWERS[255], LOW_POWERS[1]));
 
 /// A product `a · b mod P` computed one step (one bit of `a`) at a time.
 #[repr(C)]

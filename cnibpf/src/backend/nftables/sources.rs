@@ -6,7 +6,11 @@
 //! ARP. The table lives as long as table `inet cnibpf`, whose records say which attachment has
 //! a chain there.
 
-use std::{borrow::Cow, collections::BTreeMap, net::IpAddr};
+use std::{
+    borrow::Cow,
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
 use nftables::{
     batch::Batch,
@@ -173,17 +177,21 @@ fn chain(name: &str) -> Chain<'static> {
 
 /// The chain's rules: each a match of what is not the container's, counted and dropped.
 fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
-    let ipv4: Vec<IpAddr> = check
+    let ipv4: Vec<Ipv4Addr> = check
         .addresses
         .iter()
-        .copied()
-        .filter(IpAddr::is_ipv4)
+        .filter_map(|address| match address {
+            IpAddr::V4(v4) => Some(*v4),
+            IpAddr::V6(_) => None,
+        })
         .collect();
-    let ipv6: Vec<IpAddr> = check
+    let ipv6: Vec<Ipv6Addr> = check
         .addresses
         .iter()
-        .copied()
-        .filter(IpAddr::is_ipv6)
+        .filter_map(|address| match address {
+            IpAddr::V6(v6) => Some(*v6),
+            IpAddr::V4(_) => None,
+        })
         .collect();
     let protocol = |name: &'static str| {
         nft::matches(nft::meta(MetaKey::Protocol), Operator::EQ, nft::text(name))
@@ -200,9 +208,14 @@ fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
             )),
         )
     };
-    let words = |addresses: &[IpAddr]| -> Vec<String> {
-        addresses.iter().map(ToString::to_string).collect()
+    // The unspecified address of a family, then the container's own.
+    let unspecified_or = |unspecified: &str, own: Vec<String>| {
+        let mut words = vec![unspecified.to_owned()];
+        words.extend(own);
+        words
     };
+    let words = |addresses: &[Ipv4Addr]| addresses.iter().map(ToString::to_string).collect();
+    let words6 = |addresses: &[Ipv6Addr]| addresses.iter().map(ToString::to_string).collect();
     let mut rules = Vec::new();
     // IPv4: the source; a container without IPv4 addresses sends no IPv4.
     let mut rule = vec![protocol("ip")];
@@ -211,11 +224,12 @@ fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
     }
     rules.push(rule);
     // IPv6: the source, or the unspecified address (duplicate address detection, MLD).
-    let mut unspecified_or_own = vec!["::".to_owned()];
-    unspecified_or_own.extend(words(&ipv6));
     rules.push(vec![
         protocol("ip6"),
-        not_in(nft::payload("ip6", "saddr"), unspecified_or_own),
+        not_in(
+            nft::payload("ip6", "saddr"),
+            unspecified_or("::", words6(&ipv6)),
+        ),
     ]);
     // A neighbour advertisement's target: nft 1.0.6 names no such field, so it is read raw
     // (64 bits into the ICMPv6 header, 128 long) and compared as a number.
@@ -235,10 +249,7 @@ fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
     if !ipv6.is_empty() {
         let numbers = ipv6
             .iter()
-            .map(|address| match address {
-                IpAddr::V6(v6) => format!("0x{:032x}", u128::from(*v6)),
-                IpAddr::V4(_) => unreachable!("filtered to IPv6 above"),
-            })
+            .map(|address| format!("0x{:032x}", u128::from(*address)))
             .collect();
         rule.push(not_in(
             Expression::Named(NamedExpression::Payload(Payload::PayloadRaw(PayloadRaw {
@@ -251,11 +262,12 @@ fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
     }
     rules.push(rule);
     // ARP: the sender address, or none (a probe).
-    let mut unspecified_or_own = vec!["0.0.0.0".to_owned()];
-    unspecified_or_own.extend(words(&ipv4));
     rules.push(vec![
         protocol("arp"),
-        not_in(nft::payload("arp", "saddr ip"), unspecified_or_own),
+        not_in(
+            nft::payload("arp", "saddr ip"),
+            unspecified_or("0.0.0.0", words(&ipv4)),
+        ),
     ]);
     // Anything else carries no address of the container's (a VLAN tag would hide one).
     rules.push(vec![not_in(
