@@ -14,12 +14,16 @@ use serde_json::{Value, json};
 use super::{
     BpfStats, IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
-    iperf3_streams, median, write_report,
+    iperf3_streams, iperf3_udp_rate, median, write_report,
 };
 
 const ROUNDS: usize = 7;
 const CONTAINERS: usize = 8;
 const STREAMS: u32 = 8;
+/// What a round measures (see `Setup::round`).
+const METRICS: usize = 5;
+/// Clients of the forwarding-bound connection rate.
+const BUSY_CLIENTS: usize = 8;
 
 pub fn run(out_dir: &Path) -> Result<()> {
     let progress = Progress::new();
@@ -45,7 +49,7 @@ pub fn run(out_dir: &Path) -> Result<()> {
         ("iptables MASQUERADE", &reference),
         ("cnibpf nftables masquerade", &nftables),
     ];
-    let mut rounds: [Vec<[f64; 3]>; 4] = Default::default();
+    let mut rounds: [Vec<[f64; METRICS]>; 4] = Default::default();
     // The three alternate within each round, so that drift on this noisy machine falls on all.
     for round in 1..=ROUNDS {
         for (series, (label, setup)) in setups.iter().enumerate() {
@@ -54,7 +58,9 @@ pub fn run(out_dir: &Path) -> Result<()> {
         }
     }
     let [nat, plain, iptables, nft] = rounds.map(|rounds| {
-        [0, 1, 2].map(|series| median(rounds.iter().map(|round| round[series]).collect()))
+        std::array::from_fn::<f64, METRICS, _>(|series| {
+            median(rounds.iter().map(|round| round[series]).collect())
+        })
     });
     if nat.contains(&0.0) || iptables.contains(&0.0) || nft.contains(&0.0) {
         bail!("no traffic passed a masquerade");
@@ -70,6 +76,13 @@ pub fn run(out_dir: &Path) -> Result<()> {
             ("1 container", "TCP throughput", "Gbit/s", 0),
             ("1 container", "connection rate", "conn/s", 1),
             (parallel.as_str(), "TCP throughput", "Gbit/s", 2),
+            (
+                "1 container",
+                "64-byte UDP datagrams received",
+                "packets/s",
+                3,
+            ),
+            ("1 container, 8 clients", "connection rate", "conn/s", 4),
         ] {
             rows.push(Row {
                 scenario: format!("{name}, {scenario}"),
@@ -86,7 +99,9 @@ pub fn run(out_dir: &Path) -> Result<()> {
     let notes = vec![format!(
         "Medians of {ROUNDS} alternating rounds, container → a server in the outside namespace. iperf3 {IPERF_SECONDS} s, one stream; \
          connection rate: {RATE_CLIENTS} clients, connect + 1-byte request/response + close, {} s windows; \
-         {CONTAINERS} containers each running iperf3 with {STREAMS} parallel streams at once, summed. \
+         {CONTAINERS} containers each running iperf3 with {STREAMS} parallel streams at once, summed; \
+         64-byte UDP datagrams: one iperf3 client at its highest rate, received per second; \
+         {BUSY_CLIENTS} clients: the connection rate with {BUSY_CLIENTS} clients at once. \
          Baseline \"routed, no NAT\": an identical simulated host with cnibpf chained but ipMasq off, whose outside \
          namespace has a route back to the containers. iptables MASQUERADE: the reference bridge plugin with \
          ipMasq: true and nothing chained. nftables backend: cnibpf with backend: nftables.",
@@ -111,12 +126,18 @@ pub fn run(out_dir: &Path) -> Result<()> {
                     "throughput",
                     "conn/s",
                     "8×8 streams",
+                    "UDP pkt/s",
+                    "8 clients conn/s",
                     "nft throughput",
                     "nft conn/s",
                     "nft 8×8",
+                    "nft UDP pkt/s",
+                    "nft 8 clients",
                     "ipt throughput",
                     "ipt conn/s",
                     "ipt 8×8",
+                    "ipt UDP pkt/s",
+                    "ipt 8 clients",
                 ])
                 .map(|(row, label)| (label.to_owned(), row.ratio().unwrap_or(f64::NAN)))
                 .collect(),
@@ -215,11 +236,15 @@ impl Setup {
         SocketAddr::new(Family::V4.outside(), port)
     }
 
-    /// One round: (single-stream throughput, connection rate, parallel throughput).
-    fn round(&self) -> Result<[f64; 3]> {
+    /// One round: single-stream throughput, connection rate, parallel throughput, and the
+    /// forwarding-bound loads — 64-byte UDP datagrams as fast as one sender goes, connections
+    /// of `BUSY_CLIENTS` clients at once.
+    fn round(&self) -> Result<[f64; METRICS]> {
         let first = &self.containers[0].netns;
         let single = iperf3_streams(first, self.server(5201), IPERF_SECONDS, 1)?;
         let rate = connection_rate(first, self.server(7000), RATE_CLIENTS, RATE_WINDOW);
+        let datagrams = iperf3_udp_rate(first, self.server(5201), IPERF_SECONDS, 64)?;
+        let busy_rate = connection_rate(first, self.server(7000), BUSY_CLIENTS, RATE_WINDOW);
         let parallel = thread::scope(|scope| {
             let clients: Vec<_> = self
                 .containers
@@ -242,6 +267,6 @@ impl Setup {
                 })
                 .sum::<Result<f64>>()
         })?;
-        Ok([single, rate, parallel])
+        Ok([single, rate, parallel, datagrams, busy_rate])
     }
 }

@@ -218,6 +218,47 @@ pub fn iperf3_streams(
         .with_context(|| format!("iperf3 to {target} failed: {}", report["error"]))
 }
 
+/// Datagrams per second that reach `target` when `netns` sends `length`-byte UDP payloads as
+/// fast as one iperf3 client can for `seconds` (sent less lost, as the server counted them).
+pub fn iperf3_udp_rate(
+    netns: &Netns,
+    target: std::net::SocketAddr,
+    seconds: u32,
+    length: u32,
+) -> Result<f64> {
+    let output = netns
+        .command(&[
+            "iperf3",
+            "--client",
+            &target.ip().to_string(),
+            "--port",
+            &target.port().to_string(),
+            "--udp",
+            "--bitrate",
+            "0",
+            "--length",
+            &length.to_string(),
+            "--time",
+            &seconds.to_string(),
+            "--json",
+        ])
+        .output()
+        .context("run iperf3 UDP client")?;
+    let report: serde_json::Value =
+        serde_json::from_slice(&output.stdout).context("iperf3 prints JSON")?;
+    let sum = &report["end"]["sum"];
+    match (
+        sum["packets"].as_f64(),
+        sum["lost_packets"].as_f64(),
+        sum["seconds"].as_f64(),
+    ) {
+        (Some(packets), Some(lost), Some(seconds)) if seconds > 0.0 => {
+            Ok((packets - lost) / seconds)
+        }
+        _ => bail!("iperf3 UDP to {target} failed: {}", report["error"]),
+    }
+}
+
 /// The kernel's per-program run time statistics, on while this lives (they cost a clock read
 /// per run, for every program alike).
 pub struct BpfStats {
