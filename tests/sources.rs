@@ -84,11 +84,14 @@ fn spoof(sim: &SimHost, spoofer: &Container, victim: &Container) -> Reached {
     send_datagrams(spoofer, victim.address6.into());
     let mac = interface_mac(spoofer);
     send_frame(&spoofer.netns, "eth0", arp_announcement(mac, GATEWAY));
-    send_frame(
-        &spoofer.netns,
-        "eth0",
-        neighbour_advertisement(mac, link_local(spoofer), GATEWAY6),
-    );
+    // Plain, and behind a destination options header (the victim's kernel walks past it).
+    for behind_options in [false, true] {
+        send_frame(
+            &spoofer.netns,
+            "eth0",
+            neighbour_advertisement(mac, link_local(spoofer), GATEWAY6, behind_options),
+        );
+    }
     std::thread::sleep(Duration::from_millis(500));
     let after = gateway_macs(victim);
     let mac_text = format_mac(mac);

@@ -173,7 +173,9 @@ const MAX_EXTENSION_HEADERS: usize = 4;
 /// than are walked. Read with `bpf_skb_load_bytes`: the headers need not be linear, and the
 /// offsets grow with each.
 #[inline(always)]
-fn extension_headers(ctx: &TcContext) -> Result<Option<(u8, usize, Fragment, u32)>, DatapathError> {
+pub fn extension_headers(
+    ctx: &TcContext,
+) -> Result<Option<(u8, usize, Fragment, u32)>, DatapathError> {
     let mut next_header: u8 = load_anywhere(ctx, ETH_HLEN + 6)?;
     let mut offset = ETH_HLEN + IPV6_HLEN;
     let mut fragment = Fragment::Whole;

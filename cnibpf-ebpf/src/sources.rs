@@ -1,7 +1,7 @@
 //! Source address verification: a container may send only from its own addresses (`sources`).
 //! Checked first in `from_container`, before anything is translated or tracked, so that a
 //! packet in another container's name creates no state: its IPv4 or IPv6 source, an ARP
-//! packet's sender address, a neighbour advertisement's target. The unspecified address passes
+//! packet's sender address, a neighbour advertisement's target (past extension headers). The unspecified address passes
 //! (IPv6 duplicate address detection and MLD before an address is configured, ARP probes): no
 //! answer can reach anyone through it. Frames that are neither IP nor ARP carry no address of
 //! the container's and are dropped too (a VLAN tag would hide a spoofed source). What is
@@ -19,8 +19,8 @@ use cnibpf_common::{
 use crate::{
     maps,
     packet::{
-        ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_HLEN,
-        IPV6_SADDR_OFF, load_anywhere, widen,
+        ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF,
+        IPV6_SADDR_OFF, extension_headers, load_anywhere, widen,
     },
 };
 
@@ -29,9 +29,9 @@ const ETH_P_ARP: u16 = 0x0806;
 const ARP_IPV4_ETHERNET: [u8; 6] = [0, 1, 0x08, 0x00, 6, 4];
 const ARP_SENDER_ADDR_OFF: usize = ETH_HLEN + 14;
 const ARP_TARGET_ADDR_OFF: usize = ETH_HLEN + 24;
-const ICMPV6_OFF: usize = ETH_HLEN + IPV6_HLEN;
 const NEIGHBOR_ADVERTISEMENT: u8 = 136;
-const NA_TARGET_OFF: usize = ICMPV6_OFF + 8;
+/// Where a neighbour advertisement's target address starts in its ICMPv6 message.
+const NA_TARGET_OFF: usize = 8;
 
 /// What the check needs to know of a dropped packet, for its event.
 struct Spoofed {
@@ -90,27 +90,36 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
     }
     if ethertype == ETH_P_IPV6 {
         let source: [u8; 16] = load_anywhere(ctx, IPV6_SADDR_OFF).ok()?;
-        let next_header: u8 = load_anywhere(ctx, ETH_HLEN + 6).unwrap_or(0);
-        let claimed = if source != [0; 16] && !set.holds_ipv6(source) {
-            source
-        } else if next_header == PROTO_ICMPV6
-            && load_anywhere::<u8>(ctx, ICMPV6_OFF).ok() == Some(NEIGHBOR_ADVERTISEMENT)
-        {
-            // An advertisement tells the neighbours where its target lives.
-            let target: [u8; 16] = load_anywhere(ctx, NA_TARGET_OFF).ok()?;
-            if set.holds_ipv6(target) {
-                return None;
-            }
-            target
-        } else {
-            return None;
-        };
-        return Some(Spoofed {
+        let spoofed = |protocol: u8, claimed: [u8; 16]| Spoofed {
             family: FAMILY_IPV6,
-            protocol: next_header,
+            protocol,
             source: claimed,
             destination: load_anywhere(ctx, IPV6_DADDR_OFF).unwrap_or([0; 16]),
-        });
+        };
+        if source != [0; 16] && !set.holds_ipv6(source) {
+            return Some(spoofed(
+                load_anywhere(ctx, ETH_HLEN + 6).unwrap_or(0),
+                source,
+            ));
+        }
+        // An advertisement tells the neighbours where its target lives — behind whatever
+        // extension headers the kernel would walk; one this check cannot walk past (more than
+        // four, a routing header with segments left) hides what it carries, and goes.
+        let (protocol, l4_off) = match extension_headers(ctx) {
+            Ok(Some((protocol, l4_off, _, _))) => (protocol, l4_off),
+            Ok(None) => return Some(spoofed(0, source)),
+            Err(_) => return None,
+        };
+        if protocol != PROTO_ICMPV6
+            || load_anywhere::<u8>(ctx, l4_off).ok() != Some(NEIGHBOR_ADVERTISEMENT)
+        {
+            return None;
+        }
+        let target: [u8; 16] = load_anywhere(ctx, l4_off + NA_TARGET_OFF).ok()?;
+        if set.holds_ipv6(target) {
+            return None;
+        }
+        return Some(spoofed(protocol, target));
     }
     if ethertype == ETH_P_ARP {
         let Ok(header) = load_anywhere::<[u8; 6]>(ctx, ETH_HLEN) else {

@@ -366,6 +366,7 @@ const NEIGHBOR_ADVERTISEMENT: u8 = 136;
 /// The override flag of a neighbour advertisement.
 const NA_OVERRIDE: u8 = 0x20;
 const TARGET_LINK_LAYER_ADDRESS: u8 = 2;
+const DESTINATION_OPTIONS: u8 = 60;
 
 /// A gratuitous ARP request, broadcast: `address` is at `mac`. Receivers holding a neighbour
 /// entry for `address` take `mac` for it at once.
@@ -379,8 +380,14 @@ pub fn arp_announcement(mac: [u8; 6], address: Ipv4Addr) -> Vec<u8> {
 }
 
 /// An unsolicited neighbour advertisement with the override flag, from `source` to all nodes:
-/// `target` is at `mac`.
-pub fn neighbour_advertisement(mac: [u8; 6], source: Ipv6Addr, target: Ipv6Addr) -> Vec<u8> {
+/// `target` is at `mac`; behind a destination options header when `behind_options` (which
+/// the receiving kernel walks past as well).
+pub fn neighbour_advertisement(
+    mac: [u8; 6],
+    source: Ipv6Addr,
+    target: Ipv6Addr,
+    behind_options: bool,
+) -> Vec<u8> {
     let mut body = target.octets().to_vec();
     body.extend([TARGET_LINK_LAYER_ADDRESS, 1]);
     body.extend(mac);
@@ -392,7 +399,14 @@ pub fn neighbour_advertisement(mac: [u8; 6], source: Ipv6Addr, target: Ipv6Addr)
         [NA_OVERRIDE, 0, 0, 0],
         &body,
     );
-    let mut packet = ipv6(source, ALL_NODES, ICMPV6, &message);
+    let mut packet = if behind_options {
+        // Destination options: next header ICMPv6, 8 bytes, a PadN option filling them.
+        let mut payload = vec![ICMPV6, 0, 1, 4, 0, 0, 0, 0];
+        payload.extend(&message);
+        ipv6(source, ALL_NODES, DESTINATION_OPTIONS, &payload)
+    } else {
+        ipv6(source, ALL_NODES, ICMPV6, &message)
+    };
     // Neighbour discovery is accepted only with the hop limit it cannot have been routed with.
     packet[7] = 255;
     ethernet(ALL_NODES_MAC, mac, ETH_P_IPV6, &packet)
