@@ -195,23 +195,12 @@ pub fn iperf3_streams(
     seconds: u32,
     streams: u32,
 ) -> Result<f64> {
-    let output = netns
-        .command(&[
-            "iperf3",
-            "--client",
-            &target.ip().to_string(),
-            "--port",
-            &target.port().to_string(),
-            "--time",
-            &seconds.to_string(),
-            "--parallel",
-            &streams.to_string(),
-            "--json",
-        ])
-        .output()
-        .context("run iperf3 client")?;
-    let report: serde_json::Value =
-        serde_json::from_slice(&output.stdout).context("iperf3 prints JSON")?;
+    let report = iperf3_client(
+        netns,
+        target,
+        seconds,
+        &["--parallel", &streams.to_string()],
+    )?;
     report["end"]["sum_received"]["bits_per_second"]
         .as_f64()
         .map(|bits| bits / 1e9)
@@ -226,26 +215,12 @@ pub fn iperf3_udp_rate(
     seconds: u32,
     length: u32,
 ) -> Result<f64> {
-    let output = netns
-        .command(&[
-            "iperf3",
-            "--client",
-            &target.ip().to_string(),
-            "--port",
-            &target.port().to_string(),
-            "--udp",
-            "--bitrate",
-            "0",
-            "--length",
-            &length.to_string(),
-            "--time",
-            &seconds.to_string(),
-            "--json",
-        ])
-        .output()
-        .context("run iperf3 UDP client")?;
-    let report: serde_json::Value =
-        serde_json::from_slice(&output.stdout).context("iperf3 prints JSON")?;
+    let report = iperf3_client(
+        netns,
+        target,
+        seconds,
+        &["--udp", "--bitrate", "0", "--length", &length.to_string()],
+    )?;
     let sum = &report["end"]["sum"];
     match (
         sum["packets"].as_f64(),
@@ -257,6 +232,30 @@ pub fn iperf3_udp_rate(
         }
         _ => bail!("iperf3 UDP to {target} failed: {}", report["error"]),
     }
+}
+
+/// The JSON report of one iperf3 client run from `netns` to `target` for `seconds`, with
+/// `options` besides.
+fn iperf3_client(
+    netns: &Netns,
+    target: std::net::SocketAddr,
+    seconds: u32,
+    options: &[&str],
+) -> Result<serde_json::Value> {
+    let (address, port, seconds) = (
+        target.ip().to_string(),
+        target.port().to_string(),
+        seconds.to_string(),
+    );
+    let mut arguments = vec![
+        "iperf3", "--client", &address, "--port", &port, "--time", &seconds, "--json",
+    ];
+    arguments.extend_from_slice(options);
+    let output = netns
+        .command(&arguments)
+        .output()
+        .context("run iperf3 client")?;
+    serde_json::from_slice(&output.stdout).context("iperf3 prints JSON")
 }
 
 /// The kernel's per-program run time statistics, on while this lives (they cost a clock read
