@@ -17,7 +17,10 @@ use cnibpf_common::{
 };
 use ipnet::IpNet;
 
-use super::{EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry, removed};
+use super::{
+    EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
+    removed,
+};
 use crate::{
     backend::{BackendError, Endpoint, Filtering},
     model::{ConnState, Direction, Filter, FilterRule, PortRange, RuleProtocol, Target},
@@ -132,14 +135,11 @@ impl EbpfBackend {
             }
         }
         self.filter_flows_swept = true;
-        let fragments = batch::entries(&self.filter_fragments)
-            .map_err(read_error(filter_fragment::MAP_NAME))?;
-        for (key, owner) in fragments {
-            if stale(owner) {
-                remove_entry(&mut self.filter_fragments, &key, filter_fragment::MAP_NAME)?;
-            }
-        }
-        Ok(())
+        remove_where(
+            &mut self.filter_fragments,
+            filter_fragment::MAP_NAME,
+            |owner| stale(*owner),
+        )
     }
 
     /// The GC sweep of expired connections (unless a removal in this run did it already).

@@ -17,7 +17,10 @@ use cnibpf_common::{
 };
 use ipnet::IpNet;
 
-use super::{EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry, removed};
+use super::{
+    EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
+    removed,
+};
 use crate::{
     backend::{BackendError, Endpoint, Masquerading, is_link_local},
     model::Masquerade,
@@ -112,21 +115,12 @@ impl Masquerading for EbpfBackend {
         })?;
         self.masq_flows_swept = true;
         // Reverse entries whose forward entry was evicted are found by their owner.
-        let orphans =
-            batch::entries(&self.masq_replies).map_err(read_error(masq_reply::MAP_NAME))?;
-        for (key, reply) in orphans {
-            if reply.owner == owner {
-                remove_entry(&mut self.masq_replies, &key, masq_reply::MAP_NAME)?;
-            }
-        }
-        let fragments =
-            batch::entries(&self.masq_fragments).map_err(read_error(masq_fragment::MAP_NAME))?;
-        for (key, reply) in fragments {
-            if reply.owner == owner {
-                remove_entry(&mut self.masq_fragments, &key, masq_fragment::MAP_NAME)?;
-            }
-        }
-        Ok(())
+        remove_where(&mut self.masq_replies, masq_reply::MAP_NAME, |reply| {
+            reply.owner == owner
+        })?;
+        remove_where(&mut self.masq_fragments, masq_fragment::MAP_NAME, |reply| {
+            reply.owner == owner
+        })
     }
 
     fn check_masquerade(

@@ -274,6 +274,20 @@ fn remove_entry<K: aya::Pod, V: aya::Pod>(
     removed(map.remove(key), name)
 }
 
+/// Removes every entry of map `name` whose value `stale` selects, from one whole-map read.
+fn remove_where<K: aya::Pod + Default, V: aya::Pod + Default>(
+    map: &mut HashMap<MapData, K, V>,
+    name: &'static str,
+    stale: impl Fn(&V) -> bool,
+) -> Result<(), BackendError> {
+    for (key, value) in batch::entries(map).map_err(read_error(name))? {
+        if stale(&value) {
+            remove_entry(map, &key, name)?;
+        }
+    }
+    Ok(())
+}
+
 /// The outcome of removing an entry from map `name`.
 fn removed(outcome: Result<(), MapError>, name: &str) -> Result<(), BackendError> {
     match outcome {

@@ -15,7 +15,9 @@ use cnibpf_common::{
     portmap::{self, PortMapKey, PortMapValue},
 };
 
-use super::{EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry};
+use super::{
+    EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
+};
 use crate::{
     backend::{BackendError, Endpoint, PortMappings, check_mapping_count, refuse_held_host_ports},
     model::{Protocol, ResolvedMapping},
@@ -124,21 +126,12 @@ impl EbpfBackend {
 
     /// Removes where the later fragments of the attachment's datagrams would go, both ways.
     fn remove_fragments(&mut self, owner: u64) -> Result<(), BackendError> {
-        let outbound =
-            batch::entries(&self.nat_fragments).map_err(read_error(nat_fragment::MAP_NAME))?;
-        for (key, value) in outbound {
-            if value.owner == owner {
-                remove_entry(&mut self.nat_fragments, &key, nat_fragment::MAP_NAME)?;
-            }
-        }
-        let inbound =
-            batch::entries(&self.masq_fragments).map_err(read_error(masq_fragment::MAP_NAME))?;
-        for (key, value) in inbound {
-            if value.owner == owner {
-                remove_entry(&mut self.masq_fragments, &key, masq_fragment::MAP_NAME)?;
-            }
-        }
-        Ok(())
+        remove_where(&mut self.nat_fragments, nat_fragment::MAP_NAME, |value| {
+            value.owner == owner
+        })?;
+        remove_where(&mut self.masq_fragments, masq_fragment::MAP_NAME, |value| {
+            value.owner == owner
+        })
     }
 
     /// Removes the expired translations of every attachment.

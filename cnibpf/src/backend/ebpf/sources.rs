@@ -139,8 +139,7 @@ impl EbpfBackend {
         &self,
     ) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError> {
         let mut records = Vec::new();
-        for entry in self.sources.iter() {
-            let (ifindex, set) = entry.map_err(map_error("could not read map sources"))?;
+        for (ifindex, set) in batch::entries(&self.sources).map_err(read_error(source::MAP_NAME))? {
             if set.flags & FLAG_UNCHECKED != 0 {
                 continue;
             }
