@@ -24,7 +24,7 @@ pub const REASON_SPOOFED: u8 = 4;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FilterEvent {
-    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) when the packet was dropped.
+    /// CLOCK_MONOTONIC (coarse) when the packet was dropped.
     pub time_ns: u64,
     /// Owner id of the attachment.
     pub owner: u64,

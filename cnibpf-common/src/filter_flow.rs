@@ -41,7 +41,7 @@ pub struct FilterFlow {
     pub owner: u64,
     /// `generation` of the `filters` entry `verdict` and `rule` were evaluated under.
     pub generation: u64,
-    /// `bpf_ktime_get_ns` of the last packet either way, refreshed at most once a second
+    /// CLOCK_MONOTONIC (coarse) of the last packet either way, refreshed at most once a second
     /// unless the state changes.
     pub last_seen_ns: u64,
     /// Position in the rule set of the rule deciding the connection's later packets,

@@ -60,7 +60,7 @@ pub struct MasqFlow {
     pub nat_addr: [u8; 16],
     /// Owner id of the attachment the flow belongs to.
     pub owner: u64,
-    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet either way, refreshed at most
+    /// CLOCK_MONOTONIC (coarse) of the last packet either way, refreshed at most
     /// once a second unless the state changes.
     pub last_seen_ns: u64,
     /// The uplink the flow leaves through.

@@ -37,7 +37,7 @@ pub struct NatFlowValue {
     pub peer_addr: [u8; 16],
     /// Owner id of the attachment whose mapping translated the flow.
     pub owner: u64,
-    /// `bpf_ktime_get_ns` of the last packet either way, refreshed at most once a second.
+    /// CLOCK_MONOTONIC (coarse) of the last packet either way, refreshed at most once a second.
     pub last_seen_ns: u64,
     /// For hairpin traffic, the client container's host-side veth: the reply is handed to its
     /// peer directly. Zero: the reply is routed (to an uplink).

@@ -13,12 +13,7 @@
 //! of rules; replies pass while it allows. ICMP errors about a tracked connection pass with it;
 //! link-local control traffic (ARP, IPv6 neighbour discovery, MLD, IGMP) always passes.
 
-use aya_ebpf::{
-    bindings::BPF_ANY,
-    cty::c_void,
-    helpers::{bpf_ktime_get_ns, bpf_loop},
-    programs::TcContext,
-};
+use aya_ebpf::{bindings::BPF_ANY, cty::c_void, helpers::bpf_loop, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6,
     filter::{
@@ -34,6 +29,7 @@ use cnibpf_common::{
 };
 
 use crate::{
+    clock,
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
     maps::{self, scratch::Subject},
     packet::{
@@ -117,8 +113,7 @@ fn subject(ctx: &TcContext, packet: &Packet, ifindex: u32, direction: u8) -> *mu
     key._pad = [0; 2];
     scratch.source = words(&packet.source);
     scratch.destination = words(&packet.destination);
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    scratch.now = unsafe { bpf_ktime_get_ns() };
+    scratch.now = clock::now_ns();
     scratch.bytes = ctx.len();
     scratch.source_port = u16::from_be(packet.source_port);
     scratch.destination_port = u16::from_be(packet.destination_port);
@@ -402,8 +397,7 @@ fn error_of_allowed_connection(ctx: &TcContext, ifindex: u32, direction: u8) -> 
     };
     // SAFETY: points into `filter_flows`, read at once.
     let entry = unsafe { &*entry };
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     entry.last_verdict == TARGET_ALLOW && !entry.is_expired(key.protocol, now)
 }
 

@@ -4,7 +4,7 @@
 //! with `conntrack`, `packet` and `maps` below them. Modules only use modules below them:
 //!
 //! ```text
-//! main → hooks → portmap, masquerade, filter, sources → conntrack → packet, maps
+//! main → hooks → portmap, masquerade, filter, sources → conntrack → packet, maps, clock
 //! ```
 #![no_std]
 #![no_main]
@@ -13,6 +13,7 @@
     reason = "aya-ebpf's #[classifier] generates the extern entry point that takes the kernel's raw context pointer"
 )]
 
+mod clock;
 mod conntrack;
 mod filter;
 mod hooks;

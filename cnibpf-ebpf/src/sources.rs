@@ -7,7 +7,7 @@
 //! the container's and are dropped too (a VLAN tag would hide a spoofed source). What is
 //! dropped is counted in `source_drops` and reported in `filter_events` as `spoofed`.
 
-use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
+use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMPV6,
     filter::DIRECTION_EGRESS,
@@ -17,7 +17,7 @@ use cnibpf_common::{
 };
 
 use crate::{
-    maps,
+    clock, maps,
     packet::{
         ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF,
         IPV6_SADDR_OFF, extension_headers, load_anywhere, widen,
@@ -164,7 +164,7 @@ fn report(spoofed: &Spoofed, owner: u64, ifindex: u32) {
     // SAFETY: `event` points to the reserved record, which only this program writes until it
     // is submitted; every field is written.
     unsafe {
-        (*event).time_ns = bpf_ktime_get_ns();
+        (*event).time_ns = clock::now_ns();
         (*event).owner = owner;
         (*event).src_addr = spoofed.source;
         (*event).dst_addr = spoofed.destination;

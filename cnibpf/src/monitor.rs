@@ -182,7 +182,7 @@ fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: b
     )
 }
 
-/// The wall-clock time of a `bpf_ktime_get_ns` timestamp (CLOCK_MONOTONIC).
+/// The wall-clock time of a datapath timestamp (CLOCK_MONOTONIC).
 fn wall_clock(monotonic_ns: u64) -> SystemTime {
     let now = SystemTime::now();
     let Ok(monotonic) = clock_gettime(ClockId::CLOCK_MONOTONIC) else {

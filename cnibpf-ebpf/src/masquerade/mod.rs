@@ -18,8 +18,8 @@ use aya_ebpf::{
     bindings::{BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_F_CURRENT_NETNS, BPF_NOEXIST, bpf_sock_tuple},
     cty::c_void,
     helpers::{
-        bpf_csum_level, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop, bpf_sk_lookup_udp,
-        bpf_sk_release, bpf_skc_lookup_tcp,
+        bpf_csum_level, bpf_get_prandom_u32, bpf_loop, bpf_sk_lookup_udp, bpf_sk_release,
+        bpf_skc_lookup_tcp,
     },
     programs::TcContext,
 };
@@ -37,6 +37,7 @@ use cnibpf_common::{
 mod icmp;
 
 use crate::{
+    clock,
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
     maps,
     packet::{
@@ -193,8 +194,7 @@ fn track_reply(ctx: &TcContext, flow: &Flow, reply: &MasqReply) -> Result<bool, 
         family: flow.family,
         _pad: [0; 2],
     };
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     let flags = flow.tcp_flags(ctx)?;
     let Some(state) = maps::masq_flows.get_ptr_mut(&forward_key) else {
         // Evicted under pressure while its reverse entry survived: rebuild it, the reply
@@ -279,8 +279,7 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
         return Ok(true);
     }
     let key = flow_key(flow);
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     let flags = flow.tcp_flags(ctx)?;
     let opens = conntrack::is_opening(flags);
     let mut known_port = None;
@@ -494,8 +493,7 @@ fn claim(reverse: &NatFlowKey, reply: &MasqReply) -> bool {
             family: reverse.family,
             _pad: [0; 2],
         };
-        // SAFETY: bpf_ktime_get_ns has no preconditions.
-        let now = unsafe { bpf_ktime_get_ns() };
+        let now = clock::now_ns();
         match maps::masq_flows.get_ptr(&holder_key) {
             // SAFETY: points into `masq_flows`, read at once.
             Some(state) => unsafe { &*state }.is_expired(reverse.protocol, now),

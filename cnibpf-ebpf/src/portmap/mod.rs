@@ -14,7 +14,7 @@
 
 mod conditions;
 
-use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns, programs::TcContext};
+use aya_ebpf::{bindings::BPF_ANY, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
     endpoint::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
@@ -24,6 +24,7 @@ use cnibpf_common::{
 };
 
 use crate::{
+    clock,
     maps::{self, scratch::Translation},
     packet::{
         DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, Route, TO_CONTAINER, forward,
@@ -247,8 +248,7 @@ fn reverse_of(flow: &Flow) -> Option<*const NatFlowValue> {
         return (!entry.is_null()).then_some(entry);
     }
     let entry = maps::nat_flows.get_ptr_mut(&flow_key(flow, Direction::Packet))?;
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     // SAFETY: entry points into nat_flows; racing writers of the refresh time write the same.
     unsafe {
         if now.wrapping_sub((*entry).last_seen_ns) >= FLOW_REFRESH_NS {
@@ -307,8 +307,7 @@ pub fn remember_translation(flow: &Flow) {
     // SAFETY: this CPU's slot, filled by the translation of this very packet.
     let translation = unsafe { &*translation };
     let key = flow_key(flow, Direction::Reply);
-    // SAFETY: bpf_ktime_get_ns has no preconditions.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     let orig_port = u16::from_be(translation.original_port);
     if let Some(entry) = maps::nat_flows.get_ptr(&key) {
         // SAFETY: read right after the lookup; a stale read only causes one extra update.

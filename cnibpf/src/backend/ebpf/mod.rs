@@ -317,7 +317,7 @@ fn open_pinned<T: TryFrom<Map, Error = MapError>>(
     T::try_from(map).map_err(error)
 }
 
-/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns` (expiry times in the flow tables).
+/// CLOCK_MONOTONIC, the clock of the datapath's timestamps (coarse there; expiry times in the flow tables).
 fn monotonic_now_ns() -> u64 {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |now| {
         u64::try_from(now.tv_sec()).unwrap_or(0) * 1_000_000_000
