@@ -64,12 +64,10 @@ pub fn run(out_dir: &Path) -> Result<()> {
             }
             cost[index].push((after.0 - before.0) as f64 / (after.1 - before.1) as f64);
             let before = stats.programs(&sim.pin_path, &["from_container", "to_container"])?;
-            rate[index].push(connection_rate(
-                &container.netns,
-                server(7000),
-                RATE_CLIENTS,
-                RATE_WINDOW,
-            ));
+            rate[index].push(
+                connection_rate(&container.netns, server(7000), RATE_CLIENTS, RATE_WINDOW)
+                    .per_second,
+            );
             let after = stats.programs(&sim.pin_path, &["from_container", "to_container"])?;
             if after.1 <= before.1 {
                 bail!("no run of the container programs counted during the connections ({label})");
@@ -224,12 +222,10 @@ fn nftables_rows(progress: &Progress) -> Result<(Vec<Row>, Vec<f64>, Vec<f64>)> 
                 server(5201 + index as u16),
                 IPERF_SECONDS,
             )?);
-            rate[index].push(connection_rate(
-                &container.netns,
-                server(7000),
-                RATE_CLIENTS,
-                RATE_WINDOW,
-            ));
+            rate[index].push(
+                connection_rate(&container.netns, server(7000), RATE_CLIENTS, RATE_WINDOW)
+                    .per_second,
+            );
         }
     }
     let throughput: Vec<f64> = throughput.into_iter().map(median).collect();

@@ -12,7 +12,7 @@ use cnibpf_tests::{
 use serde_json::{Value, json};
 
 use super::{
-    BpfStats, IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
+    BUSY_CLIENTS, BpfStats, IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
     iperf3_streams, iperf3_udp_rate, median, write_report,
 };
@@ -21,9 +21,7 @@ const ROUNDS: usize = 7;
 const CONTAINERS: usize = 8;
 const STREAMS: u32 = 8;
 /// What a round measures (see `Setup::round`).
-const METRICS: usize = 5;
-/// Clients of the forwarding-bound connection rate.
-const BUSY_CLIENTS: usize = 8;
+const METRICS: usize = 6;
 
 pub fn run(out_dir: &Path) -> Result<()> {
     let progress = Progress::new();
@@ -83,6 +81,12 @@ pub fn run(out_dir: &Path) -> Result<()> {
                 3,
             ),
             ("1 container, 8 clients", "connection rate", "conn/s", 4),
+            (
+                "1 container, 8 clients",
+                "p99 connection time (lower is better)",
+                "µs",
+                5,
+            ),
         ] {
             rows.push(Row {
                 scenario: format!("{name}, {scenario}"),
@@ -101,7 +105,8 @@ pub fn run(out_dir: &Path) -> Result<()> {
          connection rate: {RATE_CLIENTS} clients, connect + 1-byte request/response + close, {} s windows; \
          {CONTAINERS} containers each running iperf3 with {STREAMS} parallel streams at once, summed; \
          64-byte UDP datagrams: one iperf3 client at its highest rate, received per second; \
-         {BUSY_CLIENTS} clients: the connection rate with {BUSY_CLIENTS} clients at once. \
+         {BUSY_CLIENTS} clients: the connection rate with {BUSY_CLIENTS} clients at once, and the 99th percentile of one \
+         connection's time under that load (connect to the answer's byte). \
          Baseline \"routed, no NAT\": an identical simulated host with cnibpf chained but ipMasq off, whose outside \
          namespace has a route back to the containers. iptables MASQUERADE: the reference bridge plugin with \
          ipMasq: true and nothing chained. nftables backend: cnibpf with backend: nftables.",
@@ -122,6 +127,7 @@ pub fn run(out_dir: &Path) -> Result<()> {
             y_label: "ratio",
             bars: rows
                 .iter()
+                .filter(|row| row.unit != "µs")
                 .zip([
                     "throughput",
                     "conn/s",
@@ -223,7 +229,7 @@ impl Setup {
         let iperf = (0..CONTAINERS)
             .map(|index| Iperf3Server::start(&sim.outside, 5201 + index as u16))
             .collect::<Result<_>>()?;
-        let echo = EchoServer::start(&sim.outside, Family::V4.any(7000), 2);
+        let echo = EchoServer::start(&sim.outside, Family::V4.any(7000), BUSY_CLIENTS);
         Ok(Self {
             sim,
             containers,
@@ -238,13 +244,13 @@ impl Setup {
 
     /// One round: single-stream throughput, connection rate, parallel throughput, and the
     /// forwarding-bound loads — 64-byte UDP datagrams as fast as one sender goes, connections
-    /// of `BUSY_CLIENTS` clients at once.
+    /// of `BUSY_CLIENTS` clients at once and their 99th percentile time.
     fn round(&self) -> Result<[f64; METRICS]> {
         let first = &self.containers[0].netns;
         let single = iperf3_streams(first, self.server(5201), IPERF_SECONDS, 1)?;
         let rate = connection_rate(first, self.server(7000), RATE_CLIENTS, RATE_WINDOW);
         let datagrams = iperf3_udp_rate(first, self.server(5201), IPERF_SECONDS, 64)?;
-        let busy_rate = connection_rate(first, self.server(7000), BUSY_CLIENTS, RATE_WINDOW);
+        let busy = connection_rate(first, self.server(7000), BUSY_CLIENTS, RATE_WINDOW);
         let parallel = thread::scope(|scope| {
             let clients: Vec<_> = self
                 .containers
@@ -267,6 +273,13 @@ impl Setup {
                 })
                 .sum::<Result<f64>>()
         })?;
-        Ok([single, rate, parallel, datagrams, busy_rate])
+        Ok([
+            single,
+            rate.per_second,
+            parallel,
+            datagrams,
+            busy.per_second,
+            busy.latency_p99.as_secs_f64() * 1e6,
+        ])
     }
 }

@@ -24,6 +24,9 @@ pub const IPERF_SECONDS: u32 = 4;
 pub const RATE_WINDOW: Duration = Duration::from_secs(3);
 /// Concurrent clients of a connection-rate measurement.
 pub const RATE_CLIENTS: usize = 2;
+/// Clients of the forwarding-bound connection rate, where packets rather than endpoints are
+/// the load.
+pub const BUSY_CLIENTS: usize = 8;
 
 pub fn run(suite: Option<&str>) -> Result<()> {
     let release = crate::workspace_root().join("target/release/cnibpf");

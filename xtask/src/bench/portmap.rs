@@ -18,9 +18,9 @@ use cnibpf_tests::{
 use serde_json::{Value, json};
 
 use super::{
-    IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
+    BUSY_CLIENTS, IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
-    iperf3, median, write_report,
+    iperf3, iperf3_udp_rate, median, write_report,
 };
 
 const ROUNDS: usize = 5;
@@ -92,7 +92,9 @@ pub fn run(out_dir: &Path) -> Result<()> {
     )?);
     let notes = vec![format!(
         "Medians of {ROUNDS} alternating rounds; iperf3 {IPERF_SECONDS} s single stream; connection rate: {RATE_CLIENTS} clients, \
-         connect + 1-byte request/response + close, {} s windows. Baseline \"routed\": the outside client talks to the container \
+         connect + 1-byte request/response + close, {} s windows. Forwarding-bound loads: 64-byte UDP datagrams from one \
+         iperf3 client at its highest rate, received per second; {BUSY_CLIENTS} clients' connection rate and the 99th \
+         percentile of one connection's time (connect to the answer's byte) under that load. Baseline \"routed\": the outside client talks to the container \
          address directly, routed by the host (bridge, no NAT). Plugin times: wall time of the plugin process run by the test \
          harness, the chained plugin alone (no bridge); \"process start\" is the same harness running VERSION. \
          \"5,000 vs 1 mapping\" compares hostPort/routed ratios, which cancels the drift between the two states.",
@@ -161,6 +163,14 @@ pub fn run(out_dir: &Path) -> Result<()> {
                         find("hostPort, 5,000 mappings", "connection rate"),
                     ),
                     (
+                        "UDP pkt/s".to_owned(),
+                        find("hostPort, 1 mapping", "64-byte UDP datagrams received"),
+                    ),
+                    (
+                        "8 clients conn/s".to_owned(),
+                        find("hostPort, 1 mapping, 8 clients", "connection rate"),
+                    ),
+                    (
                         "nft throughput".to_owned(),
                         find("hostPort, nftables backend", "TCP throughput"),
                     ),
@@ -169,12 +179,34 @@ pub fn run(out_dir: &Path) -> Result<()> {
                         find("hostPort, nftables backend", "connection rate"),
                     ),
                     (
+                        "nft UDP pkt/s".to_owned(),
+                        find(
+                            "hostPort, nftables backend",
+                            "64-byte UDP datagrams received",
+                        ),
+                    ),
+                    (
+                        "nft 8 clients".to_owned(),
+                        find("hostPort, nftables backend, 8 clients", "connection rate"),
+                    ),
+                    (
                         "ref throughput".to_owned(),
                         find("reference portmap (iptables)", "TCP throughput"),
                     ),
                     (
                         "ref conn/s".to_owned(),
                         find("reference portmap (iptables)", "connection rate"),
+                    ),
+                    (
+                        "ref UDP pkt/s".to_owned(),
+                        find(
+                            "reference portmap (iptables)",
+                            "64-byte UDP datagrams received",
+                        ),
+                    ),
+                    (
+                        "ref 8 clients".to_owned(),
+                        find("reference portmap (iptables), 8 clients", "connection rate"),
                     ),
                 ],
                 reference: Some(1.0),
@@ -198,7 +230,8 @@ pub fn run(out_dir: &Path) -> Result<()> {
 }
 
 /// One measured hostPort setup: a simulated host with a container serving iperf3 (5201, via
-/// hostPort 8080) and an echo server (7000, via hostPort 8081), reachable routed too.
+/// hostPort 8080, TCP and UDP) and an echo server (7000, via hostPort 8081), reachable routed
+/// too.
 struct HostPortSetup {
     sim: SimHost,
     target: Container,
@@ -211,10 +244,14 @@ impl HostPortSetup {
         sim.route_outside_to_containers();
         let target = sim.container(
             "target",
-            port_mappings(&[(8080, 5201, "tcp"), (8081, 7000, "tcp")]),
+            port_mappings(&[
+                (8080, 5201, "tcp"),
+                (8080, 5201, "udp"),
+                (8081, 7000, "tcp"),
+            ]),
         );
         let iperf = Iperf3Server::start(&target.netns, 5201)?;
-        let echo = EchoServer::start(&target.netns, target.socket(7000), 2);
+        let echo = EchoServer::start(&target.netns, target.socket(7000), BUSY_CLIENTS);
         Ok(Self {
             sim,
             target,
@@ -231,10 +268,71 @@ impl HostPortSetup {
         Ok([
             iperf3(outside, routed.0, IPERF_SECONDS)?,
             iperf3(outside, host_port.0, IPERF_SECONDS)?,
-            connection_rate(outside, routed.1, RATE_CLIENTS, RATE_WINDOW),
-            connection_rate(outside, host_port.1, RATE_CLIENTS, RATE_WINDOW),
+            connection_rate(outside, routed.1, RATE_CLIENTS, RATE_WINDOW).per_second,
+            connection_rate(outside, host_port.1, RATE_CLIENTS, RATE_WINDOW).per_second,
         ])
     }
+
+    /// One round of the forwarding-bound loads, routed then through the hostPort: 64-byte UDP
+    /// datagrams received per second as fast as one sender goes, and the connection rate of
+    /// `BUSY_CLIENTS` clients at once with its 99th percentile connection time in µs.
+    fn forwarding_round(&self) -> Result<[f64; 6]> {
+        let routed = (self.target.socket(5201), self.target.socket(7000));
+        let host_port = (self.sim.uplink_target(8080), self.sim.uplink_target(8081));
+        let outside = &self.sim.outside;
+        let routed_datagrams = iperf3_udp_rate(outside, routed.0, IPERF_SECONDS, 64)?;
+        let host_port_datagrams = iperf3_udp_rate(outside, host_port.0, IPERF_SECONDS, 64)?;
+        let routed_busy = connection_rate(outside, routed.1, BUSY_CLIENTS, RATE_WINDOW);
+        let host_port_busy = connection_rate(outside, host_port.1, BUSY_CLIENTS, RATE_WINDOW);
+        Ok([
+            routed_datagrams,
+            host_port_datagrams,
+            routed_busy.per_second,
+            host_port_busy.per_second,
+            routed_busy.latency_p99.as_secs_f64() * 1e6,
+            host_port_busy.latency_p99.as_secs_f64() * 1e6,
+        ])
+    }
+}
+
+/// The forwarding-bound rows of `label`'s rounds (see `HostPortSetup::forwarding_round`):
+/// medians, hostPort against routed.
+fn forwarding_rows(label: &str, rounds: &[[f64; 6]]) -> Result<Vec<Row>> {
+    let [
+        routed_datagrams,
+        datagrams,
+        routed_busy,
+        busy,
+        routed_p99,
+        p99,
+    ] = std::array::from_fn(|series| median(rounds.iter().map(|round| round[series]).collect()));
+    if datagrams == 0.0 || busy == 0.0 {
+        bail!("{label}: no forwarding-bound traffic passed the hostPort");
+    }
+    let clients = format!("{label}, {BUSY_CLIENTS} clients");
+    Ok(vec![
+        ratio_row(
+            label,
+            "64-byte UDP datagrams received",
+            "packets/s",
+            datagrams,
+            ("routed", routed_datagrams),
+        ),
+        ratio_row(
+            &clients,
+            "connection rate",
+            "conn/s",
+            busy,
+            ("routed", routed_busy),
+        ),
+        ratio_row(
+            &clients,
+            "p99 connection time (lower is better)",
+            "µs",
+            p99,
+            ("routed", routed_p99),
+        ),
+    ])
 }
 
 /// Medians per series of `rounds`, which must have seen traffic through the hostPort.
@@ -273,10 +371,11 @@ fn datapath(progress: &Progress) -> Result<Vec<Row>> {
         .collect();
     // 1 and 5,000 mappings alternate within each round, so that drift on this noisy machine
     // falls on both alike.
-    let (mut one, mut five_thousand) = (Vec::new(), Vec::new());
+    let (mut one, mut five_thousand, mut forwarding) = (Vec::new(), Vec::new(), Vec::new());
     for round in 1..=ROUNDS {
         progress.step(&format!("cnibpf, round {round}/{ROUNDS}: 1 mapping"));
         one.push(cnibpf.round()?);
+        forwarding.push(cnibpf.forwarding_round()?);
         progress.step(&format!("cnibpf, round {round}/{ROUNDS}: 5,000 mappings"));
         let crowd = cnibpf
             .sim
@@ -336,13 +435,15 @@ fn datapath(progress: &Progress) -> Result<Vec<Row>> {
             ("1 mapping", nat_rate / routed_rate),
         ),
     ];
+    rows.extend(forwarding_rows("hostPort, 1 mapping", &forwarding)?);
 
     progress.step("cnibpf nftables backend: the same topology and traffic");
     let nftables = HostPortSetup::new(SimHost::new("bench-pmn", json!({ "backend": "nftables" })))?;
-    let mut rounds = Vec::new();
+    let (mut rounds, mut forwarding) = (Vec::new(), Vec::new());
     for round in 1..=ROUNDS {
         progress.step(&format!("nftables backend, round {round}/{ROUNDS}"));
         rounds.push(nftables.round()?);
+        forwarding.push(nftables.forwarding_round()?);
     }
     drop(nftables);
     let [nft_routed_tput, nft_tput, nft_routed_rate, nft_rate] =
@@ -363,13 +464,15 @@ fn datapath(progress: &Progress) -> Result<Vec<Row>> {
             ("routed", nft_routed_rate),
         ),
     ]);
+    rows.extend(forwarding_rows("hostPort, nftables backend", &forwarding)?);
 
     progress.step("reference portmap (iptables): the same topology and traffic");
     let reference = HostPortSetup::new(SimHost::with_reference_portmap("bench-ref"))?;
-    let mut rounds = Vec::new();
+    let (mut rounds, mut forwarding) = (Vec::new(), Vec::new());
     for round in 1..=ROUNDS {
         progress.step(&format!("reference portmap, round {round}/{ROUNDS}"));
         rounds.push(reference.round()?);
+        forwarding.push(reference.forwarding_round()?);
     }
     let [ref_routed_tput, ref_tput, ref_routed_rate, ref_rate] =
         medians("reference portmap", rounds)?;
@@ -389,6 +492,10 @@ fn datapath(progress: &Progress) -> Result<Vec<Row>> {
             ("routed", ref_routed_rate),
         ),
     ]);
+    rows.extend(forwarding_rows(
+        "reference portmap (iptables)",
+        &forwarding,
+    )?);
     Ok(rows)
 }
 
