@@ -18,9 +18,9 @@ use cnibpf_tests::{
         Backend, FAR_ADDR, FAR_ADDR6, Family, HOST_UPLINK_ADDR, HOST_UPLINK_ADDR6, port_mappings,
     },
     traffic::{
-        CLIENT_TIMEOUT, EchoServer, SinkServer, TcpServer, UdpServer, any_address_for, ping,
-        reset_on_close, tcp_exchange, tcp_request, tcp_upload, udp_error, udp_exchange_from,
-        udp_exchange_with, udp_request,
+        CLIENT_TIMEOUT, Conversation, EchoServer, SinkServer, StreamEchoServer, TcpServer,
+        UdpServer, any_address_for, ping, reset_on_close, tcp_exchange, tcp_request, tcp_upload,
+        udp_error, udp_exchange_from, udp_exchange_with, udp_request,
     },
 };
 use serde_json::{Value, json};
@@ -785,8 +785,82 @@ fn a_changed_uplink_address_takes_effect_at_the_next_packet(backend: Backend) {
     }
 }
 
+/// As with conntrack's NAT binding: a connection running when an exclusion is added keeps its
+/// translation to its end; connections opened after it are not masqueraded. Also where the
+/// container's traffic crosses the host stack (`hostFirewall`: masqueraded at the uplink).
+fn an_exclusion_added_later_applies_to_new_connections_and_spares_running_ones(backend: Backend) {
+    for host_firewall in [false, true] {
+        exclusion_added_later(backend, host_firewall);
+    }
+}
+
+fn exclusion_added_later(backend: Backend, host_firewall: bool) {
+    let keys = json!({ "ipMasq": true, "hostFirewall": host_firewall });
+    let host = SimHost::on(
+        backend,
+        &format!("mq-excl{}", u8::from(host_firewall)),
+        keys,
+    );
+    let container = host.container("c1", Value::Null);
+    host.route_outside_to_containers();
+    let _echo: Vec<StreamEchoServer> = Family::BOTH
+        .iter()
+        .map(|family| StreamEchoServer::start(&host.outside, family.any(7100 + *family as u16)))
+        .collect();
+    let servers: Vec<TcpServer> = Family::BOTH
+        .iter()
+        .map(|family| TcpServer::start(&host.outside, family.any(8100 + *family as u16), "hi"))
+        .collect();
+    let mut running: Vec<Conversation> = Family::BOTH
+        .iter()
+        .map(|family| {
+            let target = SocketAddr::new(family.outside(), 7100 + *family as u16);
+            let mut conversation = Conversation::open(&container.netns, target)
+                .unwrap_or_else(|error| panic!("{family:?}: open: {error}"));
+            conversation
+                .exchange(b"before", CLIENT_TIMEOUT)
+                .unwrap_or_else(|error| panic!("{family:?}: before the exclusion: {error}"));
+            conversation
+        })
+        .collect();
+    let excluded: Vec<String> = Family::BOTH
+        .iter()
+        .map(|family| match family.outside() {
+            IpAddr::V4(addr) => format!("{addr}/32"),
+            IpAddr::V6(addr) => format!("{addr}/128"),
+        })
+        .collect();
+    host.readd_with(
+        &container,
+        json!({ "ipMasq": true, "hostFirewall": host_firewall, "ipMasqExclude": excluded }),
+    )
+    .unwrap_or_else(|error| panic!("ADD with the exclusion: {error}"));
+    for (family, conversation) in Family::BOTH.iter().zip(&mut running) {
+        conversation
+            .exchange(b"after", CLIENT_TIMEOUT)
+            .unwrap_or_else(|error| {
+                panic!("{family:?} (hostFirewall {host_firewall}): the running connection broke: {error}")
+            });
+    }
+    for (family, server) in Family::BOTH.iter().zip(&servers) {
+        let target = SocketAddr::new(family.outside(), 8100 + *family as u16);
+        assert_eq!(
+            tcp_request(&container.netns, target).as_deref(),
+            Ok("hi"),
+            "{family:?}: a new connection"
+        );
+        let seen: Vec<IpAddr> = server.peers().iter().map(SocketAddr::ip).collect();
+        assert_eq!(
+            seen,
+            [container.at(*family, 0).ip()],
+            "{family:?} (hostFirewall {host_firewall}): a new connection is not masqueraded"
+        );
+    }
+}
+
 for_both_backends!(
     tcp_udp_and_ping_reach_an_outside_without_a_route_back_as_the_uplink,
+    an_exclusion_added_later_applies_to_new_connections_and_spares_running_ones,
     source_ports_are_kept_when_free_and_a_collision_picks_another,
     a_port_a_host_socket_holds_is_not_taken_for_a_container,
     a_host_port_added_later_does_not_take_a_masqueraded_flows_replies,

@@ -288,6 +288,70 @@ fn a_packet_to_a_host_port_leaves_translated_with_valid_checksums() {
     assert_eq!(parsed.dst, IpAddr::V4(far));
 }
 
+/// A masqueraded flow's first packet makes its state; the later ones take it (the header
+/// rewritten in one write, its checksum computed by the program): every one leaves from the
+/// uplink's address and the flow's port, one hop fewer, with valid checksums — TCP, UDP, and
+/// UDP without a checksum, which stays without one.
+#[test]
+fn a_masqueraded_flows_later_packets_leave_like_its_first() {
+    let bench = bench("pk-masq");
+    let far = Ipv4Addr::new(198, 51, 100, 9);
+    let own = bench.container.address;
+    // What the container sends on each flow: its first segment or datagram, then later ones.
+    let segment = |what: &str, payload: &[u8], first: bool| -> (u8, Vec<u8>) {
+        match what {
+            "TCP" => {
+                let flags = if first { SYN } else { ACK };
+                (
+                    TCP,
+                    tcp(own.into(), far.into(), 41_100, 443, flags, payload),
+                )
+            }
+            "UDP" => (UDP, udp(own.into(), far.into(), 41_101, 53, payload, true)),
+            _ => (UDP, udp(own.into(), far.into(), 41_102, 53, payload, false)),
+        }
+    };
+    for what in ["TCP", "UDP", "UDP without a checksum"] {
+        let mut first_port = None;
+        for (index, payload) in [&b""[..], b"one", b"two, a little longer"]
+            .iter()
+            .enumerate()
+        {
+            let (protocol, l4) = segment(what, payload, index == 0);
+            let frame = bench.sent_by_container(protocol, far, &l4);
+            let (verdict, out) = bench
+                .run_from_container(&frame)
+                .unwrap_or_else(|| panic!("{what} #{index}: the kernel refused the run"));
+            assert_eq!(verdict, REDIRECT, "{what} #{index}: sent out of the uplink");
+            let parsed =
+                verify(&out).unwrap_or_else(|error| panic!("{what} #{index}: {error}: {out:02x?}"));
+            assert_eq!(
+                parsed.src,
+                IpAddr::V4(HOST_UPLINK_ADDR),
+                "{what} #{index}: from the uplink's address"
+            );
+            assert_eq!(
+                out[14 + 8],
+                frame[14 + 8] - 1,
+                "{what} #{index}: one hop fewer"
+            );
+            let port = parsed.ports.map(|(sport, _)| sport);
+            assert_eq!(
+                *first_port.get_or_insert(port),
+                port,
+                "{what} #{index}: the flow's port"
+            );
+            if what == "UDP without a checksum" {
+                assert_eq!(
+                    out[14 + 20 + 6..14 + 20 + 8],
+                    [0, 0],
+                    "{what} #{index}: still without one"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn every_tcp_flag_combination_is_translated_whole() {
     let bench = bench("pk-flags");

@@ -17,6 +17,7 @@ pub mod filter_fragment;
 pub mod filter_hits;
 pub mod filter_stats;
 pub mod host_addr;
+pub mod internet_checksum;
 pub mod layout;
 pub mod masq_exclude;
 pub mod masq_flow;

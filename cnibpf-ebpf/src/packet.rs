@@ -22,6 +22,7 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    internet_checksum,
     masq_fragment::FragmentKey,
     sctp_checksum::{self, Product},
 };
@@ -49,6 +50,9 @@ const ICMPV6_ECHO_REPLY: u8 = 129;
 const SCTP_CHECKSUM_OFF: usize = 8;
 /// Enough of any L4 header for ports and checksum, pulled into the linear area up front.
 const L4_PULL: usize = 20;
+/// The largest offset read directly at a variable position: the verifier must see a bound
+/// (IPv4 options and the IPv6 extension headers walked end well before it).
+const MAX_DIRECT_OFFSET: usize = 512;
 
 /// The verdict for a packet cnibpf leaves alone, or rewrote and leaves to the stack: on to the
 /// next tcx program or tc filter, then the stack (`TCX_NEXT`, `TC_ACT_UNSPEC`). Never
@@ -230,7 +234,7 @@ pub fn csum_diff(old: &[u8; 16], new: &[u8; 16]) -> Result<u32, DatapathError> {
     u32::try_from(diff).map_err(|_| DatapathError::RewriteFailed)
 }
 
-fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
+pub fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
     let start = ctx.data();
     if start + offset + size_of::<T>() > ctx.data_end() {
         return Err(DatapathError::Truncated);
@@ -353,14 +357,25 @@ impl Flow {
         Ok(flags & TCP_SYN != 0 && flags & TCP_ACK == 0)
     }
 
-    /// The TCP flags byte (zero for other protocols). Read with `bpf_skb_load_bytes`: a
-    /// `Flow` passed between functions loses the bounds the verifier needs on `l4_off` for
-    /// direct packet access.
+    /// The TCP flags byte (zero for other protocols): read directly where parsing left the
+    /// header (the linear area), else with `bpf_skb_load_bytes`. A `Flow` passed between
+    /// functions loses the verifier's bounds on `l4_off`: the offset is bounded again here.
+    /// Not inlined: its two ways of reading would double the paths the verifier walks after
+    /// each caller's read.
+    #[inline(never)]
     pub fn tcp_flags(&self, ctx: &TcContext) -> Result<u8, DatapathError> {
         if self.protocol != PROTO_TCP || self.fragment == Fragment::Later {
             return Ok(0);
         }
-        load_anywhere(ctx, self.l4_off + 13)
+        // The data offset byte too: for a one-byte read LLVM turns the bounds check into a
+        // comparison the verifier takes as one byte short.
+        let offset = self.l4_off + 12;
+        if offset < MAX_DIRECT_OFFSET
+            && let Ok([_, flags]) = load::<[u8; 2]>(ctx, offset)
+        {
+            return Ok(flags);
+        }
+        load_anywhere(ctx, offset + 1)
     }
 
     /// Offset of the L4 checksum where it covers the addresses (the pseudo-header): not
@@ -422,6 +437,72 @@ impl Flow {
             ctx.store(ETH_HLEN + 7, &(hop_limit - 1), 0)
                 .map_err(failed)?;
         }
+        Ok(true)
+    }
+
+    /// Rewrites the source address and port (network byte order) of a packet the datapath
+    /// forwards itself and decrements its TTL (hop limit), as masquerade does to every packet
+    /// of a flow; `false` when the TTL runs out (nothing is written: the host stack answers
+    /// with time exceeded). IPv4's TTL, header checksum and source address lie side by side:
+    /// one write with the checksum computed here replaces four helper calls.
+    #[inline(never)]
+    pub fn rewrite_forwarded_source(
+        &mut self,
+        ctx: &TcContext,
+        addr: &[u8; 16],
+        port: u16,
+    ) -> Result<bool, DatapathError> {
+        let failed = |_| DatapathError::RewriteFailed;
+        if self.family != FAMILY_IPV4 {
+            let hop_limit: u8 = load(ctx, ETH_HLEN + 7)?;
+            if hop_limit <= 1 {
+                return Ok(false);
+            }
+            ctx.store(ETH_HLEN + 7, &(hop_limit - 1), 0)
+                .map_err(failed)?;
+            self.rewrite_address(ctx, Side::Source, addr)?;
+            self.saddr = *addr;
+            self.rewrite_port(ctx, Side::Source, port)?;
+            self.sport = port;
+            return Ok(true);
+        }
+        // TTL, protocol, header checksum, source address.
+        let mut header: [u8; 8] = load(ctx, ETH_HLEN + 8)?;
+        if header[0] <= 1 {
+            return Ok(false);
+        }
+        let old_word = u16::from_ne_bytes([header[0], header[1]]);
+        header[0] -= 1;
+        let new_word = u16::from_ne_bytes([header[0], header[1]]);
+        let old4 = [self.saddr[0], self.saddr[1], self.saddr[2], self.saddr[3]];
+        let new4 = [addr[0], addr[1], addr[2], addr[3]];
+        let checksum = internet_checksum::replace4(
+            internet_checksum::replace(
+                u16::from_ne_bytes([header[2], header[3]]),
+                old_word,
+                new_word,
+            ),
+            old4,
+            new4,
+        );
+        [header[2], header[3]] = checksum.to_ne_bytes();
+        [header[4], header[5], header[6], header[7]] = new4;
+        if old4 != new4
+            && let Some(csum_off) = self.address_csum_off()
+        {
+            let flags = u64::from(BPF_F_PSEUDO_HDR) | self.l4_csum_flags() | 4;
+            ctx.l4_csum_replace(
+                csum_off,
+                u64::from(u32::from_ne_bytes(old4)),
+                u64::from(u32::from_ne_bytes(new4)),
+                flags,
+            )
+            .map_err(failed)?;
+        }
+        ctx.store(ETH_HLEN + 8, &header, 0).map_err(failed)?;
+        self.saddr = *addr;
+        self.rewrite_port(ctx, Side::Source, port)?;
+        self.sport = port;
         Ok(true)
     }
 
@@ -709,14 +790,17 @@ pub fn ifindex(ctx: &TcContext) -> u32 {
     unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex }
 }
 
-/// Writes the Ethernet destination and source addresses.
+/// Writes the Ethernet destination and source addresses (one store: a helper call each would
+/// cost twice).
 pub fn set_macs(
     ctx: &TcContext,
     destination: &[u8; 6],
     source: &[u8; 6],
 ) -> Result<(), DatapathError> {
-    ctx.store(0, destination, 0)
-        .and_then(|()| ctx.store(6, source, 0))
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(destination);
+    macs[6..].copy_from_slice(source);
+    ctx.store(0, &macs, 0)
         .map_err(|_| DatapathError::RewriteFailed)
 }
 

@@ -9,7 +9,7 @@
 
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
-    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMPV6,
+    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
     filter::DIRECTION_EGRESS,
     filter_event::REASON_SPOOFED,
     source::{FLAG_UNCHECKED, SourceSet},
@@ -20,7 +20,8 @@ use crate::{
     clock, maps,
     packet::{
         ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF,
-        IPV6_SADDR_OFF, extension_headers, load_anywhere, widen,
+        IPV6_SADDR_OFF, SourceAddress, extension_headers, load, load_anywhere, source_address,
+        widen,
     },
 };
 
@@ -65,9 +66,28 @@ pub fn admit(ctx: &TcContext, ifindex: u32) -> bool {
     }
 }
 
+/// Whether the packet plainly comes from one of the container's addresses, told from its
+/// linear headers without a helper call: IPv4, or IPv6 with TCP or UDP right after its
+/// header (nothing that could carry a neighbour advertisement). `false` when it cannot tell:
+/// the full check decides.
+#[inline(always)]
+fn plainly_own(ctx: &TcContext, set: &SourceSet) -> bool {
+    match source_address(ctx) {
+        Some(SourceAddress::V4(source)) => set.holds_ipv4(source),
+        Some(SourceAddress::V6(source)) => {
+            matches!(load::<u8>(ctx, ETH_HLEN + 6), Ok(PROTO_TCP | PROTO_UDP))
+                && set.holds_ipv6(source)
+        }
+        None => false,
+    }
+}
+
 /// The packet's addresses when one the container claims is not its own; `None` when it may go.
 #[inline(always)]
 fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
+    if plainly_own(ctx, set) {
+        return None;
+    }
     let ethertype = u16::from_be(load_anywhere::<u16>(ctx, 12).ok()?);
     let unreadable = || Spoofed {
         family: 0,

@@ -1,7 +1,9 @@
 //! A container's host-side veth. Ingress (what the container sends): its source address
-//! checked first, then the filter, as it sees the container's own addresses; then replies of
-//! translated flows, hairpin traffic to a hostPort, and masquerade. Egress (what reaches the container through the bridge or the host
-//! stack): the filter, and a translation a direct connection has made stale is forgotten.
+//! checked first, then the filter, as it sees the container's own addresses; then a packet of
+//! a flow masquerade already tracks for this attachment (its translation holds, as a conntrack
+//! entry keeps its NAT binding), replies of translated flows, hairpin traffic to a hostPort,
+//! and masquerade of new flows. Egress (what reaches the container through the bridge or the
+//! host stack): the filter, and a translation a direct connection has made stale is forgotten.
 
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
@@ -41,12 +43,18 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     // that follow this hook (the `bandwidth` plugin's redirect to its ifb), so nothing is sent
     // on from here; `uplink_egress` translates it on its way out.
     let via_stack = maps::endpoint_flags(ifindex(ctx)) & (FLAG_VIA_STACK | FLAG_HOST_FIREWALL) != 0;
-    let verdict = translated(ctx, &mut flow, via_stack);
+    if via_stack {
+        // Only translated replies and hairpin traffic: `uplink_egress` masquerades the rest.
+        let verdict = translated(ctx, &mut flow, true);
+        return Ok(if verdict == NOT_MINE { NEXT } else { verdict });
+    }
+    let verdict = masquerade::established(ctx, &mut flow);
     if verdict != NOT_MINE {
         return Ok(verdict);
     }
-    if via_stack {
-        return Ok(NEXT);
+    let verdict = translated(ctx, &mut flow, false);
+    if verdict != NOT_MINE {
+        return Ok(verdict);
     }
     masquerade::from_container(ctx, &mut flow)
 }

@@ -42,7 +42,7 @@ use cnibpf_common::{
     source_drop::{self, SourceDrops},
     uplink::{self, UplinkInfo},
 };
-use scratch::{IcmpError, PortSearch, Subject, Translation};
+use scratch::{IcmpError, MasqueradedSource, PortSearch, Subject, Translation};
 
 /// Map names are the pin names users pass to bpftool, so they are lowercase like the files.
 #[btf_map(pin_by_name)]
@@ -212,6 +212,15 @@ pub static translation_scratch: PerCpuArray<Translation, 1> = PerCpuArray::new()
 )]
 #[btf_map]
 pub static icmp_error_scratch: PerCpuArray<IcmpError, 1> = PerCpuArray::new();
+
+/// What masquerade found of the packet's source (see `MasqueradedSource`); private to
+/// each loaded object, not pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static masquerade_scratch: PerCpuArray<MasqueradedSource, 1> = PerCpuArray::new();
 
 /// The source address the FIB chose for the packet at hand (see `packet::route`); private to
 /// each loaded object, not pinned.

@@ -29,6 +29,16 @@ pub struct Subject {
     pub established: u16,
 }
 
+/// What `masquerade::established` found of a container packet's source, for
+/// `masquerade::from_container`, which runs after the hostPort checks (`masquerade_scratch`):
+/// carried by the hook, the answer would make the verifier walk those checks once for each.
+pub struct MasqueradedSource {
+    /// The attachment the source address is masqueraded for.
+    pub owner: u64,
+    /// Non-zero when the source is masqueraded through the interface at hand.
+    pub found: u32,
+}
+
 /// The state of a search for a free masquerade port (`port_search`).
 pub struct PortSearch {
     /// The reply tuple of the flow; its destination port is the candidate.

@@ -49,17 +49,18 @@ use crate::{
 /// Candidate ports tried before a new flow is given up (the first is its own source port).
 const PORT_ATTEMPTS: u32 = 24;
 
-/// A container's packet at its host-side veth: masqueraded and sent out of the uplink the FIB
-/// chooses, or left alone. Not inlined (nor are the functions it calls): the verifier caps the
-/// stack of a whole call chain at 512 bytes.
+/// A container's packet at its host-side veth that `established` did not send on, nor the
+/// hostPort checks: masqueraded and sent out of the uplink the FIB chooses when its source is
+/// masqueraded (as `established` found it), or left alone. Not inlined (nor are the functions
+/// it calls): the verifier caps the stack of a whole call chain at 512 bytes.
 #[inline(never)]
 pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
-    let Some(source) = masqueraded_source(flow) else {
+    let Some(found) = maps::masquerade_scratch.get_ptr(0) else {
         return Ok(NEXT);
     };
-    // A container can only be masqueraded through the interface it was attached with: another
-    // one sending with its address is spoofing it.
-    if source.host_ifindex != ifindex(ctx) || is_excluded(source.owner, flow) {
+    // SAFETY: this CPU's slot, written by `established` for this very packet.
+    let (owner, masqueraded) = unsafe { ((*found).owner, (*found).found != 0) };
+    if !masqueraded || is_excluded(owner, flow) {
         return Ok(NEXT);
     }
     // With the address the host sends from on that route, as its addresses are now: an
@@ -71,6 +72,9 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
         // choose: the host stack decides, and `uplink_egress` masquerades what it forwards
         // out of an uplink.
         Route::Other => return Ok(NEXT),
+    };
+    let Some(source) = masqueraded_source(flow) else {
+        return Ok(NEXT);
     };
     let plan = match Plan::new(source, uplink_ifindex, flow.family, true) {
         Ok(Some(plan)) => plan,
@@ -86,6 +90,87 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
     Ok(forward(ctx, &next_hop)?.unwrap_or(NEXT))
 }
 
+/// Whether `masq_flows` holds live state of the packet's flow for the attachment `owner`.
+fn is_live(flow: &Flow, owner: u64) -> bool {
+    let now = clock::now_ns();
+    maps::masq_flows
+        .get_ptr(&flow_key(flow))
+        .is_some_and(|state| {
+            // SAFETY: points into `masq_flows`, read at once.
+            let state = unsafe { &*state };
+            state.owner == owner && !state.is_expired(flow.protocol, now)
+        })
+}
+
+/// A container's packet at its host-side veth, of a flow `masq_flows` tracks for the
+/// attachment its source is masqueraded for: masqueraded with the flow's translation and sent
+/// out of its uplink, when the FIB still sends it there from the address that translation uses
+/// (`NOT_MINE` otherwise: the hostPort checks and `from_container` decide, the latter replacing
+/// a translation whose address changed). An established flow keeps its translation as a
+/// conntrack entry keeps its NAT binding: the exclusions and hostPorts it was checked against
+/// when it began are not looked up again. What it finds of the source is left in
+/// `masquerade_scratch` for `from_container`.
+#[inline(never)]
+pub fn established(ctx: &TcContext, flow: &mut Flow) -> i32 {
+    // Verdicts, not a `Result`: LLVM packs an early `Ok` with a register the verifier sees
+    // unset.
+    macro_rules! or_verdict {
+        ($step:expr) => {
+            match $step {
+                Ok(value) => value,
+                Err(error) => return DatapathError::verdict(error),
+            }
+        };
+    }
+    let Some(found) = maps::masquerade_scratch.get_ptr_mut(0) else {
+        return NOT_MINE;
+    };
+    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
+    let found = unsafe { &mut *found };
+    found.found = 0;
+    // A container can only be masqueraded through the interface it was attached with: another
+    // one sending with its address is spoofing it.
+    let owner = match masqueraded_source(flow) {
+        Some(source) if source.host_ifindex == ifindex(ctx) => source.owner,
+        _ => return NOT_MINE,
+    };
+    (found.owner, found.found) = (owner, 1);
+    if flow.fragment != Fragment::Whole {
+        return NOT_MINE;
+    }
+    let Some(state) = maps::masq_flows.get_ptr_mut(&flow_key(flow)) else {
+        return NOT_MINE;
+    };
+    // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
+    let state = unsafe { &mut *state };
+    let now = clock::now_ns();
+    let flags = or_verdict!(flow.tcp_flags(ctx));
+    // Another attachment's flow (its address was given to this one since), a new connection
+    // on the tuple, or expired state: the full path.
+    if state.owner != owner || conntrack::is_opening(flags) || state.is_expired(flow.protocol, now)
+    {
+        return NOT_MINE;
+    }
+    let next_hop = route(ctx, flow, true);
+    let uplink_ifindex = match next_hop {
+        Route::Neighbour { ifindex, .. } | Route::Unresolved { ifindex } => ifindex,
+        Route::Other => return NOT_MINE,
+    };
+    let routed_from_nat_addr = maps::route_source
+        .get_ptr(0)
+        // SAFETY: this CPU's slot, written by the lookup just made.
+        .is_some_and(|source| unsafe { *source } == state.nat_addr);
+    if uplink_ifindex != state.uplink_ifindex || !routed_from_nat_addr {
+        return NOT_MINE;
+    }
+    let (nat_addr, nat_port) = (state.nat_addr, state.nat_port);
+    if !or_verdict!(flow.rewrite_forwarded_source(ctx, &nat_addr, nat_port.to_be())) {
+        return NEXT;
+    }
+    conntrack::advance(state, flow.protocol, flags, SIDE_ORIGIN, now);
+    or_verdict!(forward(ctx, &next_hop)).unwrap_or(NEXT)
+}
+
 /// A packet the host stack sends out of an uplink: masqueraded when it comes from a container
 /// that `from_container` did not forward itself. The verdicts of this function, `reply`,
 /// `later_fragment_reply` and `icmp_error` are final (the packets are not anyone else's), returned as plain integers:
@@ -99,7 +184,9 @@ fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathEr
     let Some(source) = masqueraded_source(flow) else {
         return Ok(NEXT);
     };
-    if is_excluded(source.owner, flow) {
+    // A flow that began before its destination was excluded keeps its translation, as in
+    // `established`.
+    if is_excluded(source.owner, flow) && !is_live(flow, source.owner) {
         return Ok(NEXT);
     }
     let plan = match Plan::new(source, ifindex(ctx), flow.family, false) {

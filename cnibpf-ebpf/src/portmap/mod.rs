@@ -201,19 +201,21 @@ pub fn translate_reply(
     if via_stack {
         return NEXT;
     }
+    // Routed as it will leave, from the hostPort's address; the packet is not written before
+    // the route is known.
     let (reply_addr, reply_port) = (flow.saddr, flow.sport);
-    or_verdict!(flow.rewrite_source(ctx, &orig_addr, orig_port));
+    (flow.saddr, flow.sport) = (orig_addr, orig_port);
     let next_hop = route(ctx, flow, false);
-    if !matches!(next_hop, Route::Other)
-        && or_verdict!(flow.decrement_hop_limit(ctx))
-        && let Some(verdict) = or_verdict!(forward(ctx, &next_hop))
+    (flow.saddr, flow.sport) = (reply_addr, reply_port);
+    // Where the datapath cannot route it (or its TTL runs out), the host stack gets it
+    // untranslated (a local source address would be dropped as martian); uplink_egress
+    // translates it on the way out.
+    if matches!(next_hop, Route::Other)
+        || !or_verdict!(flow.rewrite_forwarded_source(ctx, &orig_addr, orig_port))
     {
-        return verdict;
+        return NEXT;
     }
-    // The datapath cannot route it: undo, and leave it to the host stack untranslated (a local
-    // source address would be dropped as martian); uplink_egress translates it on the way out.
-    or_verdict!(flow.rewrite_source(ctx, &reply_addr, reply_port));
-    NEXT
+    or_verdict!(forward(ctx, &next_hop)).unwrap_or(NEXT)
 }
 
 /// A reply the host stack routed out of an uplink untranslated (when the container's hook did
