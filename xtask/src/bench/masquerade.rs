@@ -6,13 +6,14 @@ use std::{net::SocketAddr, path::Path, thread};
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
     Container, SimHost,
-    topology::Family,
+    topology::{Family, UPLINK},
     traffic::{EchoServer, connection_rate},
 };
 use serde_json::{Value, json};
 
 use super::{
-    BUSY_CLIENTS, BpfStats, IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
+    self as bench, BUSY_CLIENTS, Hook, IPERF_SECONDS, Iperf3Server, Measured, Progress,
+    RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
     iperf3_streams, iperf3_udp_rate, median, write_report,
 };
@@ -154,58 +155,43 @@ pub fn run(out_dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The eBPF programs' run time per packet while one container uploads over one masqueraded TCP
-/// connection: `from_container` masquerades its segments, `uplink_ingress` translates the
-/// ACKs back; then while a host process uploads, `uplink_egress` leaves its segments alone
-/// (kernel.bpf_stats_enabled, on only for these runs).
+/// The eBPF programs' own time per packet while one container uploads over one masqueraded
+/// TCP connection: `from_container` masquerades its segments, `uplink_ingress` translates the
+/// ACKs back; then while a host process uploads, `uplink_egress` leaves its segments alone.
 fn time_per_packet(setup: &Setup) -> Result<Vec<Row>> {
-    let programs = ["from_container", "uplink_ingress"];
-    let stats = BpfStats::enable()?;
-    let pin_path = &setup.sim.pin_path;
-    let before = programs
-        .iter()
-        .map(|program| stats.programs(pin_path, &[program]))
-        .collect::<Result<Vec<_>>>()?;
-    iperf3_streams(
-        &setup.containers[0].netns,
-        setup.server(5201),
-        IPERF_SECONDS,
-        1,
-    )?;
-    let mut rows = Vec::new();
-    for (program, before) in programs.iter().zip(before) {
-        let after = stats.programs(pin_path, &[program])?;
-        let runs = after.1.saturating_sub(before.1);
-        if runs == 0 {
-            bail!("{program} did not run during the upload");
-        }
-        rows.push(Row {
-            scenario: "cnibpf masquerade, 1 container, one TCP upload".to_owned(),
-            metric: if *program == "from_container" {
-                "from_container time per packet (masquerade)"
-            } else {
-                "uplink_ingress time per packet (replies translated back)"
+    let sim = &setup.sim;
+    let container = &setup.containers[0];
+    let veth = sim.host_interface(container);
+    let mut rows = bench::time_per_packet(
+        sim,
+        "cnibpf masquerade, 1 container, one TCP upload",
+        &[
+            Measured {
+                program: "from_container",
+                interface: &veth,
+                hook: Hook::Ingress,
+                metric: "from_container time per packet (masquerade)",
             },
-            unit: "ns",
-            value: after.0.saturating_sub(before.0) as f64 / runs as f64,
-            baseline: None,
-        });
-    }
-    // The host's own upload: every segment passes `uplink_egress`, which leaves it alone.
-    let before = stats.programs(pin_path, &["uplink_egress"])?;
-    iperf3_streams(&setup.sim.host, setup.server(5201), IPERF_SECONDS, 1)?;
-    let after = stats.programs(pin_path, &["uplink_egress"])?;
-    let runs = after.1.saturating_sub(before.1);
-    if runs == 0 {
-        bail!("uplink_egress did not run during the host's upload");
-    }
-    rows.push(Row {
-        scenario: "cnibpf masquerade, a host process's TCP upload".to_owned(),
-        metric: "uplink_egress time per packet (the host's own, left alone)",
-        unit: "ns",
-        value: after.0.saturating_sub(before.0) as f64 / runs as f64,
-        baseline: None,
-    });
+            Measured {
+                program: "uplink_ingress",
+                interface: UPLINK,
+                hook: Hook::Ingress,
+                metric: "uplink_ingress time per packet (replies translated back)",
+            },
+        ],
+        || iperf3_streams(&container.netns, setup.server(5201), IPERF_SECONDS, 1).map(drop),
+    )?;
+    rows.extend(bench::time_per_packet(
+        sim,
+        "cnibpf masquerade, a host process's TCP upload",
+        &[Measured {
+            program: "uplink_egress",
+            interface: UPLINK,
+            hook: Hook::Egress,
+            metric: "uplink_egress time per packet (the host's own, left alone)",
+        }],
+        || iperf3_streams(&sim.host, setup.server(5201), IPERF_SECONDS, 1).map(drop),
+    )?);
     Ok(rows)
 }
 

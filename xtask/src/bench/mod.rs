@@ -7,6 +7,7 @@ mod filter;
 mod masquerade;
 mod pods;
 mod portmap;
+mod stats;
 
 use std::{
     fmt::Write as _,
@@ -17,6 +18,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::Netns;
+pub use stats::{BpfStats, Hook, Measured, time_per_packet};
 
 /// Seconds of each iperf3 throughput run.
 pub const IPERF_SECONDS: u32 = 4;
@@ -259,43 +261,4 @@ fn iperf3_client(
         .output()
         .context("run iperf3 client")?;
     serde_json::from_slice(&output.stdout).context("iperf3 prints JSON")
-}
-
-/// The kernel's per-program run time statistics, on while this lives (they cost a clock read
-/// per run, for every program alike).
-pub struct BpfStats {
-    previous: String,
-}
-
-const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
-
-impl BpfStats {
-    pub fn enable() -> Result<Self> {
-        let previous = std::fs::read_to_string(BPF_STATS)?.trim().to_owned();
-        std::fs::write(BPF_STATS, "1")?;
-        Ok(Self { previous })
-    }
-
-    /// (run time in ns, runs) of `programs` pinned under `pin_path`, summed.
-    pub fn programs(&self, pin_path: &Path, programs: &[&str]) -> Result<(u64, u64)> {
-        let mut total = (0, 0);
-        for program in programs {
-            let output = std::process::Command::new("bpftool")
-                .args(["-j", "prog", "show", "pinned"])
-                .arg(pin_path.join("programs").join(program))
-                .output()?;
-            let shown: serde_json::Value = serde_json::from_slice(&output.stdout)
-                .with_context(|| format!("bpftool prog show {program}"))?;
-            // bpftool leaves both out while the program has not run.
-            total.0 += shown["run_time_ns"].as_u64().unwrap_or(0);
-            total.1 += shown["run_cnt"].as_u64().unwrap_or(0);
-        }
-        Ok(total)
-    }
-}
-
-impl Drop for BpfStats {
-    fn drop(&mut self) {
-        let _ = std::fs::write(BPF_STATS, &self.previous);
-    }
 }

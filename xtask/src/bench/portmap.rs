@@ -12,13 +12,14 @@ use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
     Container, Netns, SimHost,
     chain::{Attachment, invoke_plugin, plugin_command, run_with_stdin},
-    topology::{cni_path, port_mappings},
+    topology::{UPLINK, cni_path, port_mappings},
     traffic::{EchoServer, connection_rate},
 };
 use serde_json::{Value, json};
 
 use super::{
-    BUSY_CLIENTS, IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
+    self as bench, BUSY_CLIENTS, Hook, IPERF_SECONDS, Iperf3Server, Measured, Progress,
+    RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
     iperf3, iperf3_udp_rate, median, write_report,
 };
@@ -389,6 +390,36 @@ fn datapath(progress: &Progress) -> Result<Vec<Row>> {
     let [routed_tput, nat_tput, routed_rate, nat_rate] = medians("cnibpf, 1 mapping", one)?;
     let [routed_tput_5k, nat_tput_5k, routed_rate_5k, nat_rate_5k] =
         medians("cnibpf, 5,000 mappings", five_thousand)?;
+    progress.step(
+        "datapath time per packet: one TCP upload through the hostPort, kernel BPF statistics on",
+    );
+    let veth = cnibpf.sim.host_interface(&cnibpf.target);
+    let per_packet = bench::time_per_packet(
+        &cnibpf.sim,
+        "cnibpf hostPort, one TCP upload from outside",
+        &[
+            Measured {
+                program: "uplink_ingress",
+                interface: UPLINK,
+                hook: Hook::Ingress,
+                metric: "uplink_ingress time per packet (DNAT to the container)",
+            },
+            Measured {
+                program: "from_container",
+                interface: &veth,
+                hook: Hook::Ingress,
+                metric: "from_container time per packet (replies translated back)",
+            },
+        ],
+        || {
+            iperf3(
+                &cnibpf.sim.outside,
+                cnibpf.sim.uplink_target(8080),
+                IPERF_SECONDS,
+            )
+            .map(drop)
+        },
+    )?;
     drop(cnibpf);
 
     let mut rows = vec![
@@ -436,6 +467,7 @@ fn datapath(progress: &Progress) -> Result<Vec<Row>> {
         ),
     ];
     rows.extend(forwarding_rows("hostPort, 1 mapping", &forwarding)?);
+    rows.extend(per_packet);
 
     progress.step("cnibpf nftables backend: the same topology and traffic");
     let nftables = HostPortSetup::new(SimHost::new("bench-pmn", json!({ "backend": "nftables" })))?;
