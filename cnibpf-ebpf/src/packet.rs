@@ -71,12 +71,31 @@ pub const NOT_MINE: i32 = i32::MIN;
 
 /// The container a translated packet goes to: its host-side veth and the MAC addresses it
 /// expects on its frames (its own, its gateway's).
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 pub struct Handover {
     pub host_ifindex: u32,
     pub container_mac: [u8; 6],
     pub gateway_mac: [u8; 6],
 }
+
+/// `slot` zeroed in place (see [`zero`]), for a value of integers and byte arrays only.
+#[inline(always)]
+pub fn zeroed<T: Zeroable>(slot: &mut MaybeUninit<T>) -> &mut T {
+    // SAFETY: all of `slot` is zeroed, a valid value of a `Zeroable` type.
+    unsafe {
+        zero(slot.as_mut_ptr().cast(), size_of::<T>());
+        slot.assume_init_mut()
+    }
+}
+
+/// Types whose all-zero bytes are a valid value.
+///
+/// # Safety
+/// Only for types made of integers and arrays of them.
+pub unsafe trait Zeroable {}
+
+// SAFETY: an integer and two byte arrays.
+unsafe impl Zeroable for Handover {}
 
 /// `__sk_buff::tc_index` of a packet a cnibpf hook translated and handed to a container's
 /// veth (or to the stack) for its `to_container` to see: that hook must not take the fresh
@@ -285,16 +304,17 @@ impl Flow {
         ensure_linear(ctx, ETH_HLEN + header_len + L4_PULL);
         let protocol: u8 = load(ctx, ETH_HLEN + 9)?;
         let l4_off = ETH_HLEN + header_len;
-        let Some((sport, dport)) = ports(ctx, protocol, l4_off, fragment)? else {
+        let (translated, sport, dport) = ports(ctx, protocol, l4_off, fragment)?;
+        if !translated {
             return Ok(None);
-        };
+        }
         let saddr: [u8; 4] = load(ctx, IPV4_SADDR_OFF)?;
         let daddr: [u8; 4] = load(ctx, IPV4_DADDR_OFF)?;
         Ok(Some(Self {
             family: FAMILY_IPV4,
             protocol,
-            saddr: widen(saddr),
-            daddr: widen(daddr),
+            saddr: widen_fast(saddr),
+            daddr: widen_fast(daddr),
             sport,
             dport,
             fragment,
@@ -322,9 +342,10 @@ impl Flow {
             None => return Ok(None),
         };
         ensure_linear(ctx, l4_off + L4_PULL);
-        let Some((sport, dport)) = ports(ctx, protocol, l4_off, fragment)? else {
+        let (translated, sport, dport) = ports(ctx, protocol, l4_off, fragment)?;
+        if !translated {
             return Ok(None);
-        };
+        }
         Ok(Some(Self {
             family: FAMILY_IPV6,
             protocol,
@@ -697,33 +718,36 @@ fn is_translated_protocol(protocol: u8) -> bool {
 }
 
 /// The ports of a TCP, UDP or SCTP header at `l4_off`, or an ICMP echo's identifier in the
-/// place of the side that chose it (zeros in a later fragment, which has no L4 header); `None`
-/// for any other packet. Inlined: as a BPF call, LLVM packs the return value from a register
-/// the verifier sees uninitialised.
+/// place of the side that chose it (zeros in a later fragment, which has no L4 header), after
+/// `true`; `false` for any other packet. Inlined: as a BPF call, LLVM packs the return value
+/// from a register the verifier sees uninitialised. Not an `Option` either: LLVM fills the
+/// unused bits of a `None` from whatever register is at hand, a packet pointer among them,
+/// which the verifier refuses to mask.
 #[inline(always)]
 fn ports(
     ctx: &TcContext,
     protocol: u8,
     l4_off: usize,
     fragment: Fragment,
-) -> Result<Option<(u16, u16)>, DatapathError> {
+) -> Result<(bool, u16, u16), DatapathError> {
+    const NONE: (bool, u16, u16) = (false, 0, 0);
     if fragment == Fragment::Later {
-        return Ok(is_translated_protocol(protocol).then_some((0, 0)));
+        return Ok((is_translated_protocol(protocol), 0, 0));
     }
     match protocol {
         // The whole transport header must be there, not only its ports: a cut one is the
         // stack's to drop.
         PROTO_TCP => {
             let header: [u8; 20] = load(ctx, l4_off)?;
-            Ok(Some(header_ports(&header)))
+            Ok(header_ports(&header))
         }
         PROTO_UDP => {
             let header: [u8; 8] = load(ctx, l4_off)?;
-            Ok(Some(header_ports(&header)))
+            Ok(header_ports(&header))
         }
         PROTO_SCTP => {
             let header: [u8; 12] = load(ctx, l4_off)?;
-            Ok(Some(header_ports(&header)))
+            Ok(header_ports(&header))
         }
         PROTO_ICMP | PROTO_ICMPV6 => {
             // One read of the whole echo header: LLVM merges separate bounds checks into one
@@ -733,22 +757,23 @@ fn ports(
             let identifier = u16::from_ne_bytes([header[4], header[5]]);
             Ok(match (protocol, icmp_type) {
                 (PROTO_ICMP, ICMP_ECHO_REQUEST) | (PROTO_ICMPV6, ICMPV6_ECHO_REQUEST) => {
-                    Some((identifier, 0))
+                    (true, identifier, 0)
                 }
                 (PROTO_ICMP, ICMP_ECHO_REPLY) | (PROTO_ICMPV6, ICMPV6_ECHO_REPLY) => {
-                    Some((0, identifier))
+                    (true, 0, identifier)
                 }
-                _ => None,
+                _ => NONE,
             })
         }
-        _ => Ok(None),
+        _ => Ok(NONE),
     }
 }
 
-/// The ports at the start of a transport header, in network byte order.
+/// The ports at the start of a transport header, in network byte order, after `true`.
 #[inline(always)]
-fn header_ports(header: &[u8]) -> (u16, u16) {
+fn header_ports(header: &[u8]) -> (bool, u16, u16) {
     (
+        true,
         u16::from_ne_bytes([header[0], header[1]]),
         u16::from_ne_bytes([header[2], header[3]]),
     )
@@ -782,6 +807,28 @@ pub fn widen(addr: [u8; 4]) -> [u8; 16] {
     out[2] = addr[2];
     out[3] = addr[3];
     out
+}
+
+/// [`widen`] as one 128-bit integer, for the per-packet path: the zero array `widen` starts
+/// from becomes a `memset` call (see [`zero`]). (Not `widen` itself: the registers LLVM then
+/// picks elsewhere hand the verifier bits it sees unset.)
+#[inline(always)]
+fn widen_fast(addr: [u8; 4]) -> [u8; 16] {
+    u128::from(u32::from_le_bytes(addr)).to_le_bytes()
+}
+
+/// Zeroes `len` bytes at `at` a byte at a time, volatile: on this target LLVM turns any zeroing
+/// it sees (a zero array, a derived `Default`) into a call of compiler-builtins' `memset`,
+/// a loop of its own, per packet.
+///
+/// # Safety
+/// `at..at + len` must be writable.
+#[inline(always)]
+unsafe fn zero(at: *mut u8, len: usize) {
+    for index in 0..len {
+        // SAFETY: within the range the caller vouches for.
+        unsafe { at.add(index).write_volatile(0) };
+    }
 }
 
 /// The interface the program runs on.

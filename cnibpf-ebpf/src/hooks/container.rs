@@ -5,6 +5,8 @@
 //! and masquerade of new flows. Egress (what reaches the container through the bridge or the
 //! host stack): the filter, and a translation a direct connection has made stale is forgotten.
 
+use core::mem::MaybeUninit;
+
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
     endpoint::{FLAG_HOST_FIREWALL, FLAG_VIA_STACK},
@@ -15,8 +17,8 @@ use super::hand_over;
 use crate::{
     filter, maps, masquerade,
     packet::{
-        DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, TO_CONTAINER, ifindex,
-        take_translated_mark,
+        DROP, DatapathError, Flow, Fragment, NEXT, NOT_MINE, TO_CONTAINER, ifindex,
+        take_translated_mark, zeroed,
     },
     portmap, sources,
 };
@@ -65,10 +67,11 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
 /// inlined: its frame must not sit under masquerade's.
 #[inline(never)]
 fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> i32 {
-    let mut target = Handover::default();
-    match portmap::translate_reply(ctx, flow, via_stack, &mut target) {
+    let mut slot = MaybeUninit::uninit();
+    let target = zeroed(&mut slot);
+    match portmap::translate_reply(ctx, flow, via_stack, target) {
         TO_CONTAINER => {
-            return hand_over(ctx, Some(flow), &target, false)
+            return hand_over(ctx, Some(flow), target, false)
                 .unwrap_or_else(DatapathError::verdict);
         }
         NOT_MINE => {}
@@ -78,10 +81,10 @@ fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> i32 {
     if flow.fragment != Fragment::Whole {
         return NOT_MINE;
     }
-    match portmap::translate_hairpin(ctx, flow, via_stack, &mut target) {
+    match portmap::translate_hairpin(ctx, flow, via_stack, target) {
         TO_CONTAINER => {
             let verdict =
-                hand_over(ctx, Some(flow), &target, false).unwrap_or_else(DatapathError::verdict);
+                hand_over(ctx, Some(flow), target, false).unwrap_or_else(DatapathError::verdict);
             if verdict != DROP {
                 portmap::remember_translation(flow);
             }

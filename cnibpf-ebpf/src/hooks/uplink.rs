@@ -5,14 +5,16 @@
 //! host's own traffic (from the uplink's address) goes on at once; then replies of translated
 //! flows the host stack routed, and container traffic it forwarded to be masqueraded.
 
+use core::mem::MaybeUninit;
+
 use aya_ebpf::programs::TcContext;
 
 use super::hand_over;
 use crate::{
     maps, masquerade,
     packet::{
-        DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, SourceAddress, TO_CONTAINER,
-        ifindex, source_address,
+        DROP, DatapathError, Flow, Fragment, NEXT, NOT_MINE, SourceAddress, TO_CONTAINER, ifindex,
+        source_address, zeroed,
     },
     portmap,
 };
@@ -32,10 +34,11 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, DatapathError> {
 /// inlined, so that its stack is not under `from_outside`'s.
 #[inline(never)]
 fn icmp_error(ctx: &TcContext) -> i32 {
-    let mut container = Handover::default();
-    match masquerade::translate_icmp_error(ctx, &mut container) {
+    let mut slot = MaybeUninit::uninit();
+    let container = zeroed(&mut slot);
+    match masquerade::translate_icmp_error(ctx, container) {
         TO_CONTAINER => {
-            hand_over(ctx, None, &container, true).unwrap_or_else(DatapathError::verdict)
+            hand_over(ctx, None, container, true).unwrap_or_else(DatapathError::verdict)
         }
         NOT_MINE => NEXT,
         verdict => verdict,
@@ -49,24 +52,25 @@ fn from_outside(ctx: &TcContext, flow: &mut Flow) -> i32 {
 }
 
 fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
-    let mut container = Handover::default();
+    let mut slot = MaybeUninit::uninit();
+    let container = zeroed(&mut slot);
     if flow.fragment == Fragment::Later {
-        return match masquerade::translate_later_fragment(ctx, flow, &mut container) {
-            TO_CONTAINER => hand_over(ctx, Some(flow), &container, true),
+        return match masquerade::translate_later_fragment(ctx, flow, container) {
+            TO_CONTAINER => hand_over(ctx, Some(flow), container, true),
             NOT_MINE => Ok(NEXT),
             verdict => Ok(verdict),
         };
     }
     if let Some(entry) = masquerade::lookup_reply(flow) {
         // SAFETY: points into `masq_replies`; see `masquerade::translate_reply`.
-        return match masquerade::translate_reply(ctx, flow, unsafe { &*entry }, &mut container) {
-            TO_CONTAINER => hand_over(ctx, Some(flow), &container, true),
+        return match masquerade::translate_reply(ctx, flow, unsafe { &*entry }, container) {
+            TO_CONTAINER => hand_over(ctx, Some(flow), container, true),
             verdict => Ok(verdict),
         };
     }
-    match portmap::translate_from_outside(ctx, flow, &mut container)? {
+    match portmap::translate_from_outside(ctx, flow, container)? {
         TO_CONTAINER => {
-            let verdict = hand_over(ctx, Some(flow), &container, true)?;
+            let verdict = hand_over(ctx, Some(flow), container, true)?;
             if verdict != DROP {
                 portmap::remember_translation(flow);
             }
