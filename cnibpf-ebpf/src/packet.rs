@@ -576,25 +576,55 @@ impl Flow {
         side: Side,
         new: &[u8; 16],
     ) -> Result<(), DatapathError> {
-        let (old, v4_off, v6_off) = match side {
-            Side::Source => (self.saddr, IPV4_SADDR_OFF, IPV6_SADDR_OFF),
-            Side::Destination => (self.daddr, IPV4_DADDR_OFF, IPV6_DADDR_OFF),
+        let (old, v6_off) = match side {
+            Side::Source => (self.saddr, IPV6_SADDR_OFF),
+            Side::Destination => (self.daddr, IPV6_DADDR_OFF),
         };
         if old == *new {
             return Ok(());
         }
         let failed = |_| DatapathError::RewriteFailed;
         if self.family == FAMILY_IPV4 {
-            let old4 = u32::from_ne_bytes([old[0], old[1], old[2], old[3]]);
-            let new4 = u32::from_ne_bytes([new[0], new[1], new[2], new[3]]);
+            let old4 = [old[0], old[1], old[2], old[3]];
+            let new4 = [new[0], new[1], new[2], new[3]];
             if let Some(csum_off) = self.address_csum_off() {
                 let flags = u64::from(BPF_F_PSEUDO_HDR) | self.l4_csum_flags() | 4;
-                ctx.l4_csum_replace(csum_off, u64::from(old4), u64::from(new4), flags)
-                    .map_err(failed)?;
-            }
-            ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(old4), u64::from(new4), 4)
+                ctx.l4_csum_replace(
+                    csum_off,
+                    u64::from(u32::from_ne_bytes(old4)),
+                    u64::from(u32::from_ne_bytes(new4)),
+                    flags,
+                )
                 .map_err(failed)?;
-            ctx.store(v4_off, &new4, 0).map_err(failed)
+            }
+            // The header checksum and both addresses lie side by side: one write, the checksum
+            // computed here, instead of a checksum helper call and a store.
+            let [high, low] = load::<[u8; 2]>(ctx, IPV4_CSUM_OFF)?;
+            let checksum = internet_checksum::replace4(u16::from_ne_bytes([high, low]), old4, new4);
+            let (source, destination) = match side {
+                Side::Source => (
+                    new4,
+                    [self.daddr[0], self.daddr[1], self.daddr[2], self.daddr[3]],
+                ),
+                Side::Destination => (
+                    [self.saddr[0], self.saddr[1], self.saddr[2], self.saddr[3]],
+                    new4,
+                ),
+            };
+            let [high, low] = checksum.to_ne_bytes();
+            let header = [
+                high,
+                low,
+                source[0],
+                source[1],
+                source[2],
+                source[3],
+                destination[0],
+                destination[1],
+                destination[2],
+                destination[3],
+            ];
+            ctx.store(IPV4_CSUM_OFF, &header, 0).map_err(failed)
         } else {
             if let Some(csum_off) = self.address_csum_off() {
                 let diff = csum_diff(&old, new)?;
@@ -815,6 +845,13 @@ pub fn widen(addr: [u8; 4]) -> [u8; 16] {
 #[inline(always)]
 fn widen_fast(addr: [u8; 4]) -> [u8; 16] {
     u128::from(u32::from_le_bytes(addr)).to_le_bytes()
+}
+
+/// Sets `addr` to the unspecified address (see [`zero`]).
+#[inline(always)]
+pub fn clear_address(addr: &mut [u8; 16]) {
+    // SAFETY: the 16 bytes of `addr`.
+    unsafe { zero(addr.as_mut_ptr(), addr.len()) };
 }
 
 /// Zeroes `len` bytes at `at` a byte at a time, volatile: on this target LLVM turns any zeroing

@@ -27,8 +27,8 @@ use crate::{
     clock,
     maps::{self, scratch::Translation},
     packet::{
-        DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, Route, TO_CONTAINER, forward,
-        ifindex, is_local, mark_translated, route,
+        DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, Route, TO_CONTAINER,
+        clear_address, forward, ifindex, is_local, mark_translated, route,
     },
 };
 
@@ -392,7 +392,7 @@ pub fn lookup_mapping(ctx: &TcContext, flow: &Flow) -> Option<*const PortMapValu
     if let Some(value) = maps::portmap.get_ptr(&key) {
         return Some(value);
     }
-    key.host_addr = [0; 16];
+    clear_address(&mut key.host_addr);
     let wildcard = maps::portmap.get_ptr(&key)?;
     (maps::is_host_address(&flow.daddr, flow.family) || is_local(ctx, flow)).then_some(wildcard)
 }
