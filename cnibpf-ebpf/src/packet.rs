@@ -508,23 +508,36 @@ impl Flow {
         );
         [header[2], header[3]] = checksum.to_ne_bytes();
         [header[4], header[5], header[6], header[7]] = new4;
-        if old4 != new4
-            && let Some(csum_off) = self.address_csum_off()
-        {
-            let flags = u64::from(BPF_F_PSEUDO_HDR) | self.l4_csum_flags() | 4;
-            ctx.l4_csum_replace(
-                csum_off,
-                u64::from(u32::from_ne_bytes(old4)),
-                u64::from(u32::from_ne_bytes(new4)),
-                flags,
-            )
-            .map_err(failed)?;
+        if old4 != new4 {
+            self.update_pseudo_header_v4(ctx, old4, new4)?;
         }
         ctx.store(ETH_HLEN + 8, &header, 0).map_err(failed)?;
         self.saddr = *addr;
         self.rewrite_port(ctx, Side::Source, port)?;
         self.sport = port;
         Ok(true)
+    }
+
+    /// Folds an IPv4 address change into the transport checksum where it covers the
+    /// pseudo-header (the helper knows how the packet's checksum is offloaded).
+    #[inline(always)]
+    fn update_pseudo_header_v4(
+        &self,
+        ctx: &TcContext,
+        old: [u8; 4],
+        new: [u8; 4],
+    ) -> Result<(), DatapathError> {
+        let Some(csum_off) = self.address_csum_off() else {
+            return Ok(());
+        };
+        let flags = u64::from(BPF_F_PSEUDO_HDR) | self.l4_csum_flags() | 4;
+        ctx.l4_csum_replace(
+            csum_off,
+            u64::from(u32::from_ne_bytes(old)),
+            u64::from(u32::from_ne_bytes(new)),
+            flags,
+        )
+        .map_err(|_| DatapathError::RewriteFailed)
     }
 
     /// `bpf_l4_csum_replace` flags: UDP may carry no checksum at all, which must stay zero.
@@ -587,16 +600,7 @@ impl Flow {
         if self.family == FAMILY_IPV4 {
             let old4 = [old[0], old[1], old[2], old[3]];
             let new4 = [new[0], new[1], new[2], new[3]];
-            if let Some(csum_off) = self.address_csum_off() {
-                let flags = u64::from(BPF_F_PSEUDO_HDR) | self.l4_csum_flags() | 4;
-                ctx.l4_csum_replace(
-                    csum_off,
-                    u64::from(u32::from_ne_bytes(old4)),
-                    u64::from(u32::from_ne_bytes(new4)),
-                    flags,
-                )
-                .map_err(failed)?;
-            }
+            self.update_pseudo_header_v4(ctx, old4, new4)?;
             // The header checksum and both addresses lie side by side: one write, the checksum
             // computed here, instead of a checksum helper call and a store.
             let [high, low] = load::<[u8; 2]>(ctx, IPV4_CSUM_OFF)?;

@@ -1,6 +1,7 @@
-//! Someone else's programs on cnibpf's interfaces: a tcx program that drops IPv4 ICMP, loaded
-//! and attached with plain `bpf(2)` calls (no object file), as an operator's or another
-//! plugin's would be. Detached when dropped.
+//! Someone else's programs on cnibpf's interfaces, loaded and attached with plain `bpf(2)` calls
+//! (no object file), as an operator's or another plugin's would be: a tcx program that drops
+//! IPv4 ICMP, and one that does nothing, whose run time is what the kernel's statistics
+//! themselves cost at a hook (the benches take it off the datapath's). Detached when dropped.
 
 use std::{
     io,
@@ -11,7 +12,10 @@ use crate::Netns;
 
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_OBJ_PIN: libc::c_long = 6;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_CREATE: libc::c_long = 28;
+/// `BPF_LINK_CREATE` flag: before the relative program, which none names: first on the hook.
+const BPF_F_BEFORE: u32 = 1 << 3;
 const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 const BPF_TCX_INGRESS: u32 = 46;
 const BPF_TCX_EGRESS: u32 = 47;
@@ -49,6 +53,12 @@ const DROP_ICMP: [u64; 13] = [
     instruction(0x95, 0, 0, 0, 0),    // exit
 ];
 
+/// Does nothing: `TCX_NEXT`.
+const NOTHING: [u64; 2] = [
+    instruction(0xb7, 0, 0, 0, -1), // r0 = TCX_NEXT
+    instruction(0x95, 0, 0, 0, 0),  // exit
+];
+
 /// Which tcx hook of an interface.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Hook {
@@ -56,32 +66,93 @@ pub enum Hook {
     Egress,
 }
 
-/// A foreign tcx program dropping IPv4 ICMP, attached after whatever is there.
+/// A tcx program of `instructions` attached to `hook` of `ifname` in `netns`: first, or after
+/// whatever is there.
 #[derive(Debug)]
-pub struct IcmpDropper {
+struct TcxProgram {
+    program: OwnedFd,
     _link: OwnedFd,
 }
 
-impl IcmpDropper {
-    pub fn attach(netns: &Netns, ifname: &str, hook: Hook) -> Self {
+impl TcxProgram {
+    fn attach(
+        netns: &Netns,
+        ifname: &str,
+        hook: Hook,
+        instructions: &'static [u64],
+        first: bool,
+    ) -> Self {
         let ifname = ifname.to_owned();
-        let link = netns.run(move || {
+        let (program, link) = netns.run(move || {
             let ifindex = nix::net::if_::if_nametoindex(ifname.as_str())
                 .unwrap_or_else(|error| panic!("no interface {ifname}: {error}"));
-            let program = load().unwrap_or_else(|error| panic!("load the dropper: {error}"));
+            let program =
+                load(instructions).unwrap_or_else(|error| panic!("load a program: {error}"));
             let attach_type = match hook {
                 Hook::Ingress => BPF_TCX_INGRESS,
                 Hook::Egress => BPF_TCX_EGRESS,
             };
+            let flags = if first { BPF_F_BEFORE } else { 0 };
             // union bpf_attr, BPF_LINK_CREATE: prog_fd, target_ifindex, attach_type, flags.
             let mut attr = [0u8; 128];
             attr[0..4].copy_from_slice(&(program.as_raw_fd() as u32).to_ne_bytes());
             attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
             attr[8..12].copy_from_slice(&attach_type.to_ne_bytes());
-            bpf(BPF_LINK_CREATE, &attr)
-                .unwrap_or_else(|error| panic!("attach the dropper to {ifname}: {error}"))
+            attr[12..16].copy_from_slice(&flags.to_ne_bytes());
+            let link = bpf(BPF_LINK_CREATE, &attr)
+                .and_then(owned)
+                .unwrap_or_else(|error| panic!("attach a program to {ifname}: {error}"));
+            (program, link)
         });
-        Self { _link: link }
+        Self {
+            program,
+            _link: link,
+        }
+    }
+}
+
+/// A foreign tcx program dropping IPv4 ICMP, attached after whatever is there.
+#[derive(Debug)]
+pub struct IcmpDropper {
+    _program: TcxProgram,
+}
+
+impl IcmpDropper {
+    pub fn attach(netns: &Netns, ifname: &str, hook: Hook) -> Self {
+        Self {
+            _program: TcxProgram::attach(netns, ifname, hook, &DROP_ICMP, false),
+        }
+    }
+}
+
+/// A tcx program that does nothing, attached first on a hook. With `kernel.bpf_stats_enabled`
+/// the kernel reads a clock before and after every program run it counts; this one's time per
+/// run is that cost alone, over the same packets as the programs after it.
+#[derive(Debug)]
+pub struct EmptyProgram {
+    program: TcxProgram,
+}
+
+impl EmptyProgram {
+    pub fn attach(netns: &Netns, ifname: &str, hook: Hook) -> Self {
+        Self {
+            program: TcxProgram::attach(netns, ifname, hook, &NOTHING, true),
+        }
+    }
+
+    /// (run time in ns, runs) as the kernel's statistics count them.
+    pub fn counted(&self) -> (u64, u64) {
+        // struct bpf_prog_info up to run_time_ns (byte 192) and run_cnt (200); the kernel
+        // fills what fits.
+        let mut info = [0u64; 26];
+        // union bpf_attr, BPF_OBJ_GET_INFO_BY_FD: bpf_fd, info_len, info.
+        let mut attr = [0u8; 128];
+        attr[0..4].copy_from_slice(&(self.program.program.as_raw_fd() as u32).to_ne_bytes());
+        attr[4..8].copy_from_slice(&(size_of_val(&info) as u32).to_ne_bytes());
+        attr[8..16].copy_from_slice(&(info.as_mut_ptr() as u64).to_ne_bytes());
+        bpf(BPF_OBJ_GET_INFO_BY_FD, &attr)
+            .unwrap_or_else(|error| panic!("read an empty program's statistics: {error}"));
+        (info[24], info[25])
     }
 }
 
@@ -94,7 +165,7 @@ pub struct PinnedIcmpDropper {
 
 impl PinnedIcmpDropper {
     pub fn pin(path: &std::path::Path) -> Self {
-        let program = load().unwrap_or_else(|error| panic!("load the dropper: {error}"));
+        let program = load(&DROP_ICMP).unwrap_or_else(|error| panic!("load the dropper: {error}"));
         let path_text = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
             .expect("pin path without NUL");
         // union bpf_attr, BPF_OBJ_PIN: pathname, bpf_fd.
@@ -121,25 +192,32 @@ impl Drop for PinnedIcmpDropper {
     }
 }
 
-fn load() -> io::Result<OwnedFd> {
+fn load(instructions: &[u64]) -> io::Result<OwnedFd> {
     let license = c"GPL";
     // union bpf_attr, BPF_PROG_LOAD: prog_type, insn_cnt, insns, license, ...,
     // expected_attach_type at offset 68.
     let mut attr = [0u8; 128];
     attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
-    attr[4..8].copy_from_slice(&(DROP_ICMP.len() as u32).to_ne_bytes());
-    attr[8..16].copy_from_slice(&(DROP_ICMP.as_ptr() as u64).to_ne_bytes());
+    attr[4..8].copy_from_slice(&(instructions.len() as u32).to_ne_bytes());
+    attr[8..16].copy_from_slice(&(instructions.as_ptr() as u64).to_ne_bytes());
     attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
-    bpf(BPF_PROG_LOAD, &attr)
+    bpf(BPF_PROG_LOAD, &attr).and_then(owned)
 }
 
-fn bpf(command: libc::c_long, attr: &[u8; 128]) -> io::Result<OwnedFd> {
+/// bpf(2) with `attr`; its non-negative answer (a new descriptor, or 0).
+fn bpf(command: libc::c_long, attr: &[u8; 128]) -> io::Result<libc::c_long> {
     // SAFETY: bpf(2) reads `attr`, a zero-initialised union bpf_attr whose pointers outlive the
-    // call, and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, command, attr.as_ptr(), attr.len()) };
-    if fd < 0 {
+    // call (and writes only where they point), and returns a descriptor, 0 or -1.
+    let answer = unsafe { libc::syscall(libc::SYS_bpf, command, attr.as_ptr(), attr.len()) };
+    if answer < 0 {
         return Err(io::Error::last_os_error());
     }
+    Ok(answer)
+}
+
+/// A descriptor the kernel just returned, owned from here on.
+fn owned(fd: libc::c_long) -> io::Result<OwnedFd> {
+    let fd = i32::try_from(fd).map_err(|_| io::Error::other("descriptor out of range"))?;
     // SAFETY: a descriptor the kernel just returned, owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
