@@ -78,6 +78,18 @@ pub struct Handover {
     pub gateway_mac: [u8; 6],
 }
 
+/// Decrements an IPv6 packet's hop limit; `false` when it runs out (nothing written).
+#[inline(always)]
+fn decrement_ipv6_hop_limit(ctx: &TcContext) -> Result<bool, DatapathError> {
+    let hop_limit: u8 = load(ctx, ETH_HLEN + 7)?;
+    if hop_limit <= 1 {
+        return Ok(false);
+    }
+    ctx.store(ETH_HLEN + 7, &(hop_limit - 1), 0)
+        .map_err(|_| DatapathError::RewriteFailed)?;
+    Ok(true)
+}
+
 /// `slot` zeroed in place (see [`zero`]), for a value of integers and byte arrays only.
 #[inline(always)]
 pub fn zeroed<T: Zeroable>(slot: &mut MaybeUninit<T>) -> &mut T {
@@ -121,6 +133,19 @@ pub fn take_translated_mark(ctx: &TcContext) -> bool {
     }
     true
 }
+
+/// The value of a `Result` step, or a return of its error's verdict: for functions that
+/// return verdicts rather than a `Result` — LLVM packs an early `Ok` with whatever a register
+/// holds (a map or packet pointer), and the verifier refuses the unused bits it builds from it.
+macro_rules! or_verdict {
+    ($step:expr) => {
+        match $step {
+            Ok(value) => value,
+            Err(error) => return $crate::packet::DatapathError::verdict(error),
+        }
+    };
+}
+pub(crate) use or_verdict;
 
 /// Why a program stopped early, and what that means for the packet.
 #[derive(Clone, Copy)]
@@ -450,13 +475,8 @@ impl Flow {
             ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(word), u64::from(new), 2)
                 .map_err(failed)?;
             ctx.store(ETH_HLEN + 8, &new, 0).map_err(failed)?;
-        } else {
-            let hop_limit: u8 = load(ctx, ETH_HLEN + 7)?;
-            if hop_limit <= 1 {
-                return Ok(false);
-            }
-            ctx.store(ETH_HLEN + 7, &(hop_limit - 1), 0)
-                .map_err(failed)?;
+        } else if !decrement_ipv6_hop_limit(ctx)? {
+            return Ok(false);
         }
         Ok(true)
     }
@@ -473,20 +493,28 @@ impl Flow {
         addr: &[u8; 16],
         port: u16,
     ) -> Result<bool, DatapathError> {
-        let failed = |_| DatapathError::RewriteFailed;
         if self.family != FAMILY_IPV4 {
-            let hop_limit: u8 = load(ctx, ETH_HLEN + 7)?;
-            if hop_limit <= 1 {
+            if !decrement_ipv6_hop_limit(ctx)? {
                 return Ok(false);
             }
-            ctx.store(ETH_HLEN + 7, &(hop_limit - 1), 0)
-                .map_err(failed)?;
             self.rewrite_address(ctx, Side::Source, addr)?;
-            self.saddr = *addr;
-            self.rewrite_port(ctx, Side::Source, port)?;
-            self.sport = port;
-            return Ok(true);
+        } else if !self.rewrite_forwarded_ipv4_header(ctx, addr)? {
+            return Ok(false);
         }
+        self.saddr = *addr;
+        self.rewrite_port(ctx, Side::Source, port)?;
+        self.sport = port;
+        Ok(true)
+    }
+
+    /// IPv4's part of [`Self::rewrite_forwarded_source`]: TTL, header checksum and source
+    /// address in one write; `false` when the TTL runs out (nothing written).
+    #[inline(always)]
+    fn rewrite_forwarded_ipv4_header(
+        &self,
+        ctx: &TcContext,
+        addr: &[u8; 16],
+    ) -> Result<bool, DatapathError> {
         // TTL, protocol, header checksum, source address.
         let mut header: [u8; 8] = load(ctx, ETH_HLEN + 8)?;
         if header[0] <= 1 {
@@ -511,10 +539,8 @@ impl Flow {
         if old4 != new4 {
             self.update_pseudo_header_v4(ctx, old4, new4)?;
         }
-        ctx.store(ETH_HLEN + 8, &header, 0).map_err(failed)?;
-        self.saddr = *addr;
-        self.rewrite_port(ctx, Side::Source, port)?;
-        self.sport = port;
+        ctx.store(ETH_HLEN + 8, &header, 0)
+            .map_err(|_| DatapathError::RewriteFailed)?;
         Ok(true)
     }
 

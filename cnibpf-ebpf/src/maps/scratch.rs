@@ -2,7 +2,10 @@
 //! verifier's 512-byte stack. One packet is handled at a time per CPU, so each program finds
 //! its slot free. The maps holding these are in `super`, private to each loaded object.
 
-use cnibpf_common::{filter_flow::FilterFlowKey, masq_reply::MasqReply, nat_flow::NatFlowKey};
+use cnibpf_common::{
+    filter_flow::FilterFlowKey, masq_reply::MasqReply, masq_source::MasqSource,
+    nat_flow::NatFlowKey,
+};
 
 /// The filter's view of the packet at hand, and the state of its rule search. Kept in the
 /// per-CPU `filter_scratch` map: on the stack it would push call chains past the verifier's
@@ -33,8 +36,8 @@ pub struct Subject {
 /// `masquerade::from_container`, which runs after the hostPort checks (`masquerade_scratch`):
 /// carried by the hook, the answer would make the verifier walk those checks once for each.
 pub struct MasqueradedSource {
-    /// The attachment the source address is masqueraded for.
-    pub owner: u64,
+    /// The `masq_sources` entry of the source address.
+    pub source: MasqSource,
     /// Non-zero when the source is masqueraded through the interface at hand.
     pub found: u32,
 }

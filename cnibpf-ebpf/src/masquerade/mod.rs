@@ -42,7 +42,7 @@ use crate::{
     maps,
     packet::{
         DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, Route, TO_CONTAINER,
-        forward, ifindex, route, widen, words,
+        forward, ifindex, or_verdict, route, widen, words,
     },
 };
 
@@ -59,8 +59,8 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
         return Ok(NEXT);
     };
     // SAFETY: this CPU's slot, written by `established` for this very packet.
-    let (owner, masqueraded) = unsafe { ((*found).owner, (*found).found != 0) };
-    if !masqueraded || is_excluded(owner, flow) {
+    let (source, masqueraded) = unsafe { ((*found).source, (*found).found != 0) };
+    if !masqueraded || is_excluded(source.owner, flow) {
         return Ok(NEXT);
     }
     // With the address the host sends from on that route, as its addresses are now: an
@@ -72,9 +72,6 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
         // choose: the host stack decides, and `uplink_egress` masquerades what it forwards
         // out of an uplink.
         Route::Other => return Ok(NEXT),
-    };
-    let Some(source) = masqueraded_source(flow) else {
-        return Ok(NEXT);
     };
     let plan = match Plan::new(source, uplink_ifindex, flow.family, true) {
         Ok(Some(plan)) => plan,
@@ -112,16 +109,6 @@ fn is_live(flow: &Flow, owner: u64) -> bool {
 /// `masquerade_scratch` for `from_container`.
 #[inline(never)]
 pub fn established(ctx: &TcContext, flow: &mut Flow) -> i32 {
-    // Verdicts, not a `Result`: LLVM packs an early `Ok` with a register the verifier sees
-    // unset.
-    macro_rules! or_verdict {
-        ($step:expr) => {
-            match $step {
-                Ok(value) => value,
-                Err(error) => return DatapathError::verdict(error),
-            }
-        };
-    }
     let Some(found) = maps::masquerade_scratch.get_ptr_mut(0) else {
         return NOT_MINE;
     };
@@ -131,10 +118,12 @@ pub fn established(ctx: &TcContext, flow: &mut Flow) -> i32 {
     // A container can only be masqueraded through the interface it was attached with: another
     // one sending with its address is spoofing it.
     let owner = match masqueraded_source(flow) {
-        Some(source) if source.host_ifindex == ifindex(ctx) => source.owner,
+        Some(source) if source.host_ifindex == ifindex(ctx) => {
+            (found.source, found.found) = (source, 1);
+            source.owner
+        }
         _ => return NOT_MINE,
     };
-    (found.owner, found.found) = (owner, 1);
     if flow.fragment != Fragment::Whole {
         return NOT_MINE;
     }

@@ -28,7 +28,7 @@ use crate::{
     maps::{self, scratch::Translation},
     packet::{
         DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, Route, TO_CONTAINER,
-        clear_address, forward, ifindex, is_local, mark_translated, route,
+        clear_address, forward, ifindex, is_local, mark_translated, or_verdict, route,
     },
 };
 
@@ -154,16 +154,6 @@ pub fn translate_reply(
     via_stack: bool,
     client: &mut Handover,
 ) -> i32 {
-    // Verdicts, not a `Result`: packing `Ok` with the map pointer of a fragment's entry still
-    // in a register, LLVM builds the unused error byte from it, which the verifier refuses.
-    macro_rules! or_verdict {
-        ($step:expr) => {
-            match $step {
-                Ok(value) => value,
-                Err(error) => return DatapathError::verdict(error),
-            }
-        };
-    }
     let Some(entry) = reverse_of(flow) else {
         return NOT_MINE;
     };
