@@ -904,6 +904,16 @@ pub fn ifindex(ctx: &TcContext) -> u32 {
     unsafe { (*ctx.as_ptr().cast::<__sk_buff>()).ifindex }
 }
 
+/// Whether a local socket sent the packet: the host's own traffic. A forwarded packet never
+/// carries one (the stack drops one that does), nor does one that crossed a veth from a
+/// container (its socket is released at the crossing).
+#[inline(always)]
+pub fn from_local_socket(ctx: &TcContext) -> bool {
+    // SAFETY: the context is this program's __sk_buff; TC programs may read its socket
+    // pointer (a full 8-byte read, compared only).
+    unsafe { !(*ctx.as_ptr().cast::<__sk_buff>()).__bindgen_anon_2.sk.is_null() }
+}
+
 /// Writes the Ethernet destination and source addresses (one store: a helper call each would
 /// cost twice).
 pub fn set_macs(

@@ -2,7 +2,7 @@
 //! masqueraded reply or of a datagram to a hostPort, a reply to a masqueraded flow (matched by
 //! its exact tuple before any hostPort, as conntrack matches a connection before a DNAT rule),
 //! then traffic to a hostPort — each translated and handed to its container. Egress: the
-//! host's own traffic (from the uplink's address) goes on at once; then replies of translated
+//! host's own traffic (a local socket's, or from the uplink's address) goes on at once; then replies of translated
 //! flows the host stack routed, and container traffic it forwarded to be masqueraded.
 
 use core::mem::MaybeUninit;
@@ -13,8 +13,8 @@ use super::hand_over;
 use crate::{
     maps, masquerade,
     packet::{
-        DROP, DatapathError, Flow, Fragment, NEXT, NOT_MINE, SourceAddress, TO_CONTAINER, ifindex,
-        source_address, zeroed,
+        DROP, DatapathError, Flow, Fragment, NEXT, NOT_MINE, SourceAddress, TO_CONTAINER,
+        from_local_socket, ifindex, source_address, zeroed,
     },
     portmap,
 };
@@ -86,7 +86,7 @@ pub fn egress(ctx: &TcContext) -> i32 {
 }
 
 fn try_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
-    if leaves_from_uplink_address(ctx) {
+    if from_local_socket(ctx) || leaves_from_uplink_address(ctx) {
         return Ok(NEXT);
     }
     let Some(mut flow) = Flow::parse(ctx)? else {
