@@ -709,6 +709,28 @@ fn a_changed_uplink_address_takes_effect_at_the_next_packet(backend: Backend) {
         .sysctl("net.ipv4.conf.all.promote_secondaries", "1");
     host.host
         .sysctl("net.ipv4.conf.up0.promote_secondaries", "1");
+    // A running flow, from a fixed port: its next datagram after the change leaves from the
+    // new address (eBPF: the FIB's answer no longer matches its translation; nftables: the
+    // kernel drops masquerade bindings of a removed address).
+    let udp_servers: Vec<UdpServer> = Family::BOTH
+        .iter()
+        .map(|family| UdpServer::start(&host.outside, family.any(5300 + *family as u16), "hi"))
+        .collect();
+    let udp_target = |family: Family| SocketAddr::new(family.outside(), 5300 + family as u16);
+    let running_flow = |family: Family| {
+        let target = udp_target(family);
+        container
+            .netns
+            .run(move || udp_exchange_from(41_000, target, CLIENT_TIMEOUT))
+            .map(|(answer, _)| answer)
+    };
+    for family in Family::BOTH {
+        assert_eq!(
+            running_flow(family).as_deref(),
+            Ok("hi"),
+            "{family:?}: the running flow before the change"
+        );
+    }
     for (family, new, prefix, gateway) in new_addresses {
         let old = uplink_address(family);
         let version = if family == Family::V4 { "-4" } else { "-6" };
@@ -733,6 +755,26 @@ fn a_changed_uplink_address_takes_effect_at_the_next_packet(backend: Backend) {
         ]);
         host.host
             .exec(&["ip", version, "route", "replace", "default", "via", gateway]);
+    }
+    for ((family, new, _, _), server) in new_addresses.iter().zip(&udp_servers) {
+        assert_eq!(
+            running_flow(*family).as_deref(),
+            Ok("hi"),
+            "{family:?}: the running flow after the change"
+        );
+        let seen: Vec<(String, u16)> = server
+            .peers()
+            .iter()
+            .map(|peer| (peer.ip().to_string(), peer.port()))
+            .collect();
+        let old = uplink_address(*family).to_string();
+        assert_eq!(seen.len(), 2, "{family:?}: {seen:?}");
+        assert_eq!(seen[0].0, old, "{family:?}: before, from the old address");
+        assert_eq!(
+            seen[1].0,
+            new.to_string(),
+            "{family:?}: then from the new one"
+        );
     }
     let servers: Vec<TcpServer> = Family::BOTH
         .iter()

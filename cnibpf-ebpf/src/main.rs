@@ -4,7 +4,7 @@
 //! with `conntrack`, `packet` and `maps` below them. Modules only use modules below them:
 //!
 //! ```text
-//! main → hooks → portmap, masquerade, filter, sources → conntrack → packet, maps, clock
+//! main → hooks → portmap, masquerade, filter, sources → conntrack, route → packet, maps, clock
 //! ```
 #![no_std]
 #![no_main]
@@ -21,6 +21,7 @@ mod maps;
 mod masquerade;
 mod packet;
 mod portmap;
+mod route;
 mod sources;
 
 use aya_ebpf::{

@@ -8,16 +8,9 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::{
     EbpfContext as _,
-    bindings::{
-        __sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_FIB_LKUP_RET_NO_NEIGH,
-        BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC, TC_ACT_SHOT,
-        TC_ACT_UNSPEC, bpf_check_mtu_flags, bpf_fib_lookup,
-    },
+    bindings::{__sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_SHOT, TC_ACT_UNSPEC},
     cty::c_void,
-    helpers::{
-        bpf_check_mtu, bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_loop, bpf_redirect,
-        bpf_redirect_neigh, bpf_redirect_peer,
-    },
+    helpers::{bpf_csum_diff, bpf_loop, bpf_redirect_peer},
     programs::TcContext,
 };
 use cnibpf_common::{
@@ -911,7 +904,12 @@ pub fn ifindex(ctx: &TcContext) -> u32 {
 pub fn from_local_socket(ctx: &TcContext) -> bool {
     // SAFETY: the context is this program's __sk_buff; TC programs may read its socket
     // pointer (a full 8-byte read, compared only).
-    unsafe { !(*ctx.as_ptr().cast::<__sk_buff>()).__bindgen_anon_2.sk.is_null() }
+    unsafe {
+        !(*ctx.as_ptr().cast::<__sk_buff>())
+            .__bindgen_anon_2
+            .sk
+            .is_null()
+    }
 }
 
 /// Writes the Ethernet destination and source addresses (one store: a helper call each would
@@ -935,166 +933,6 @@ pub fn redirect_to_peer(ifindex: u32) -> i32 {
     unsafe { bpf_redirect_peer(ifindex, 0) as i32 }
 }
 
-/// What the FIB says about a packet's destination.
-pub enum Route {
-    /// Forwarded out of `ifindex` to the neighbour with these MACs.
-    Neighbour {
-        ifindex: u32,
-        source: [u8; 6],
-        destination: [u8; 6],
-    },
-    /// Forwarded out of `ifindex`, neighbour not resolved yet.
-    Unresolved { ifindex: u32 },
-    /// Anything else (local, no route, blackhole, forwarding off, ...): the host stack decides.
-    Other,
-}
-
-/// Looks the flow's current destination up in the FIB as the host forwards a packet received
-/// on the program's interface. (`BPF_FIB_LOOKUP_OUTPUT` would take that interface as the
-/// output device and find no route out of another one.) The MTU is checked separately:
-/// the FIB's own check compares the whole length of a GSO packet, while only its segments
-/// need to fit.
-///
-/// With `choose_source`, the FIB also chooses the address the host would send from on that
-/// route (`BPF_FIB_LOOKUP_SRC`, as the host's addresses are now), left in `route_source`
-/// (read with `maps::routed_source`); where the kernel cannot (older than 6.7, or no address),
-/// the route is `Other` and the host stack decides.
-#[inline(never)]
-pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
-    let mut storage = MaybeUninit::uninit();
-    let params = fib_params(ctx, flow, &mut storage);
-    let skb = ctx.as_ptr();
-    let flags = if choose_source { BPF_FIB_LOOKUP_SRC } else { 0 };
-    // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
-    let rc = unsafe {
-        fib_lookup(
-            skb,
-            &raw mut *params,
-            size_of::<bpf_fib_lookup>() as i32,
-            flags,
-        )
-    };
-    if choose_source
-        && (rc as u32 == BPF_FIB_LKUP_RET_SUCCESS || rc as u32 == BPF_FIB_LKUP_RET_NO_NEIGH)
-        && let Some(slot) = crate::maps::route_source.get_ptr_mut(0)
-    {
-        // SAFETY: the slot is this CPU's, written and read within one program run; the
-        // kernel wrote the union's member of the lookup's family.
-        unsafe {
-            *slot = if flow.family == FAMILY_IPV4 {
-                widen(params.__bindgen_anon_3.ipv4_src.to_ne_bytes())
-            } else {
-                unwords(params.__bindgen_anon_3.ipv6_src)
-            };
-        }
-    }
-    let route = match rc as u32 {
-        BPF_FIB_LKUP_RET_SUCCESS => {
-            // SAFETY: on success the kernel filled in the MAC addresses.
-            let macs = unsafe { params.__bindgen_anon_6.__bindgen_anon_2 };
-            Route::Neighbour {
-                ifindex: params.ifindex,
-                source: macs.smac,
-                destination: macs.dmac,
-            }
-        }
-        BPF_FIB_LKUP_RET_NO_NEIGH => Route::Unresolved {
-            ifindex: params.ifindex,
-        },
-        _ => return Route::Other,
-    };
-    let mut mtu: u32 = 0;
-    // SAFETY: skb is this program's context; mtu is a u32 on this stack, zero as the
-    // BPF_MTU_CHK_SEGS mode requires.
-    let fits = unsafe {
-        bpf_check_mtu(
-            skb,
-            params.ifindex,
-            &raw mut mtu,
-            0,
-            u64::from(bpf_check_mtu_flags::BPF_MTU_CHK_SEGS),
-        )
-    } == 0;
-    // Too big: the host stack answers with "fragmentation needed" or fragments it.
-    if fits { route } else { Route::Other }
-}
-
-/// The FIB lookup of the flow's current addresses and ports, as for a packet received on the
-/// program's interface.
-#[inline(always)]
-fn fib_params<'a>(
-    ctx: &TcContext,
-    flow: &Flow,
-    params: &'a mut MaybeUninit<bpf_fib_lookup>,
-) -> &'a mut bpf_fib_lookup {
-    // Zeroed (the documented initial state) in place, a word at a time and volatile: LLVM
-    // makes zeroing or moving a zeroed struct a call to a byte-at-a-time `memset` on this
-    // target, 60 bytes per lookup.
-    let zeros = params.as_mut_ptr().cast::<u32>();
-    for index in 0..size_of::<bpf_fib_lookup>() / size_of::<u32>() {
-        // SAFETY: within `params`, which is aligned for u32 (it holds u32 fields).
-        unsafe { zeros.add(index).write_volatile(0) };
-    }
-    // SAFETY: every byte was written; bpf_fib_lookup is plain old data.
-    let params = unsafe { params.assume_init_mut() };
-    params.family = flow.family;
-    params.l4_protocol = flow.protocol;
-    params.sport = flow.sport;
-    params.dport = flow.dport;
-    if flow.family == FAMILY_IPV4 {
-        params.__bindgen_anon_3.ipv4_src =
-            u32::from_ne_bytes([flow.saddr[0], flow.saddr[1], flow.saddr[2], flow.saddr[3]]);
-        params.__bindgen_anon_4.ipv4_dst =
-            u32::from_ne_bytes([flow.daddr[0], flow.daddr[1], flow.daddr[2], flow.daddr[3]]);
-    } else {
-        params.__bindgen_anon_3.ipv6_src = words(&flow.saddr);
-        params.__bindgen_anon_4.ipv6_dst = words(&flow.daddr);
-    }
-    params.ifindex = ifindex(ctx);
-    params
-}
-
-/// Whether the host delivers the flow's destination to itself rather than forwarding it: the
-/// FIB does not forward it. (It answers the same for a destination without any route, which
-/// nothing sends to a host that has a default route.)
-#[inline(never)]
-pub fn is_local(ctx: &TcContext, flow: &Flow) -> bool {
-    let mut storage = MaybeUninit::uninit();
-    let params = fib_params(ctx, flow, &mut storage);
-    // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
-    let rc = unsafe {
-        fib_lookup(
-            ctx.as_ptr(),
-            &raw mut *params,
-            size_of::<bpf_fib_lookup>() as i32,
-            0,
-        )
-    };
-    rc as u32 == BPF_FIB_LKUP_RET_NOT_FWDED
-}
-
-/// Sends the packet on along `route`; `None` when the route is not one to send it on.
-pub fn forward(ctx: &TcContext, route: &Route) -> Result<Option<i32>, DatapathError> {
-    match route {
-        Route::Neighbour {
-            ifindex,
-            source,
-            destination,
-        } => {
-            set_macs(ctx, destination, source)?;
-            // SAFETY: bpf_redirect has no memory arguments.
-            Ok(Some(unsafe { bpf_redirect(*ifindex, 0) as i32 }))
-        }
-        Route::Unresolved { ifindex } => {
-            // SAFETY: a null parameter block asks the kernel to resolve the next hop itself.
-            Ok(Some(unsafe {
-                bpf_redirect_neigh(*ifindex, core::ptr::null_mut(), 0, 0) as i32
-            }))
-        }
-        Route::Other => Ok(None),
-    }
-}
-
 /// An address as the four 32-bit words BPF helper structures take.
 pub fn words(addr: &[u8; 16]) -> [u32; 4] {
     [
@@ -1106,7 +944,7 @@ pub fn words(addr: &[u8; 16]) -> [u32; 4] {
 }
 
 /// The address `words` made: the words' bytes in order.
-fn unwords(words: [u32; 4]) -> [u8; 16] {
+pub fn unwords(words: [u32; 4]) -> [u8; 16] {
     let mut addr = [0u8; 16];
     for (index, word) in words.iter().enumerate() {
         let bytes = word.to_ne_bytes();

@@ -6,6 +6,7 @@
     reason = "each map static's name is the map's pin name"
 )]
 
+pub mod next_hop;
 pub mod scratch;
 
 use aya_ebpf::{
@@ -42,6 +43,7 @@ use cnibpf_common::{
     source_drop::{self, SourceDrops},
     uplink::{self, UplinkInfo},
 };
+use next_hop::{NEXT_HOP_SLOTS, NextHop};
 use scratch::{IcmpError, MasqueradedSource, PortSearch, Subject, Translation};
 
 /// Map names are the pin names users pass to bpftool, so they are lowercase like the files.
@@ -230,6 +232,14 @@ pub static masquerade_scratch: PerCpuArray<MasqueradedSource, 1> = PerCpuArray::
 )]
 #[btf_map]
 pub static route_source: PerCpuArray<[u8; 16], 1> = PerCpuArray::new();
+
+/// The FIB's recent answers (see `route`); private to each loaded object, not pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static next_hops: PerCpuArray<NextHop, { NEXT_HOP_SLOTS as usize }> = PerCpuArray::new();
 
 /// Userspace-only bookkeeping, declared here so that it is created and pinned with the rest.
 #[btf_map(pin_by_name)]

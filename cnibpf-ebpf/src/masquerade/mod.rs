@@ -41,9 +41,10 @@ use crate::{
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
     maps,
     packet::{
-        DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, Route, TO_CONTAINER,
-        forward, ifindex, or_verdict, route, widen, words,
+        DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, TO_CONTAINER, ifindex,
+        or_verdict, widen, words,
     },
+    route::{Route, forward, route},
 };
 
 /// Candidate ports tried before a new flow is given up (the first is its own source port).

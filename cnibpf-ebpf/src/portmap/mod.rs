@@ -27,9 +27,10 @@ use crate::{
     clock,
     maps::{self, scratch::Translation},
     packet::{
-        DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, Route, TO_CONTAINER,
-        clear_address, forward, ifindex, is_local, mark_translated, or_verdict, route,
+        DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, TO_CONTAINER, clear_address,
+        ifindex, mark_translated, or_verdict,
     },
+    route::{Route, forward, is_local, route},
 };
 
 /// How often a flow's `last_seen_ns` is refreshed: writing it on every packet would turn each

@@ -1,0 +1,261 @@
+//! Where a packet the datapath sends on itself goes: the FIB's answer for its flow, and the
+//! send. A FIB lookup costs a forwarded packet about 300 ns here, most of a masqueraded
+//! packet's time; its answer is kept per CPU in `next_hops`, with everything the lookup was
+//! asked (the FIB may route by any of it: policy rules match ports, protocol and the input
+//! interface), and later packets of the same flow take it until the coarse clock ticks (1 to
+//! 10 ms by the kernel's HZ). A changed route, address or neighbour thus reaches a running
+//! flow at most one tick late, and a new flow at once (its ports are another question). The
+//! MTU depends on the packet and is checked for every one.
+
+use core::mem::MaybeUninit;
+
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::{
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS,
+        BPF_FIB_LOOKUP_SRC, bpf_check_mtu_flags, bpf_fib_lookup,
+    },
+    helpers::{bpf_check_mtu, bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    programs::TcContext,
+};
+use cnibpf_common::FAMILY_IPV4;
+
+use crate::{
+    clock,
+    maps::{
+        self,
+        next_hop::{NEXT_HOP_SLOTS_LOG2, NextHop},
+    },
+    packet::{DatapathError, Flow, ifindex, set_macs, unwords, widen, words},
+};
+
+/// What the FIB says about a packet's destination.
+pub enum Route {
+    /// Forwarded out of `ifindex` to the neighbour with these MACs.
+    Neighbour {
+        ifindex: u32,
+        source: [u8; 6],
+        destination: [u8; 6],
+    },
+    /// Forwarded out of `ifindex`, neighbour not resolved yet.
+    Unresolved { ifindex: u32 },
+    /// Anything else (local, no route, blackhole, forwarding off, ...): the host stack decides.
+    Other,
+}
+
+/// The flow's current destination as the host forwards a packet received on the program's
+/// interface. (`BPF_FIB_LOOKUP_OUTPUT` would take that interface as the output device and
+/// find no route out of another one.) The MTU is checked separately: the FIB's own check
+/// compares the whole length of a GSO packet, while only its segments need to fit.
+///
+/// With `choose_source`, the FIB also chooses the address the host would send from on that
+/// route (`BPF_FIB_LOOKUP_SRC`, as the host's addresses are now), left in `route_source`;
+/// where the kernel cannot (older than 6.7, or no address), the route is `Other` and the host
+/// stack decides.
+#[inline(never)]
+pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
+    let Some(hop) = next_hop(ctx, flow, choose_source) else {
+        return Route::Other;
+    };
+    // SAFETY: this CPU's `next_hops` slot, which only this program run touches now.
+    let hop = unsafe { &*hop };
+    let route = match hop.answer {
+        BPF_FIB_LKUP_RET_SUCCESS => Route::Neighbour {
+            ifindex: hop.ifindex,
+            source: hop.source_mac,
+            destination: hop.destination_mac,
+        },
+        BPF_FIB_LKUP_RET_NO_NEIGH => Route::Unresolved {
+            ifindex: hop.ifindex,
+        },
+        _ => return Route::Other,
+    };
+    if choose_source && let Some(slot) = maps::route_source.get_ptr_mut(0) {
+        // Copied as two words: LLVM makes a copy between two map values a call to a
+        // byte-at-a-time `memmove` on this target.
+        // SAFETY: the slot is this CPU's, written and read within one program run; both are
+        // map values, which the kernel aligns to 8 bytes, and `source` is at a multiple of 8
+        // into `NextHop`.
+        unsafe {
+            let (from, to) = (hop.source.as_ptr().cast::<u64>(), slot.cast::<u64>());
+            to.write(from.read());
+            to.add(1).write(from.add(1).read());
+        }
+    }
+    let mut mtu: u32 = 0;
+    // SAFETY: skb is this program's context; mtu is a u32 on this stack, zero as the
+    // BPF_MTU_CHK_SEGS mode requires.
+    let fits = unsafe {
+        bpf_check_mtu(
+            ctx.as_ptr(),
+            hop.ifindex,
+            &raw mut mtu,
+            0,
+            u64::from(bpf_check_mtu_flags::BPF_MTU_CHK_SEGS),
+        )
+    } == 0;
+    // Too big: the host stack answers with "fragmentation needed" or fragments it.
+    if fits { route } else { Route::Other }
+}
+
+/// Whether the host delivers the flow's destination to itself rather than forwarding it: the
+/// FIB does not forward it. (It answers the same for a destination without any route, which
+/// nothing sends to a host that has a default route.)
+#[inline(never)]
+pub fn is_local(ctx: &TcContext, flow: &Flow) -> bool {
+    // SAFETY: this CPU's `next_hops` slot, read at once.
+    next_hop(ctx, flow, false)
+        .is_some_and(|hop| unsafe { (*hop).answer } == BPF_FIB_LKUP_RET_NOT_FWDED)
+}
+
+/// This CPU's `next_hops` slot for the flow, holding the FIB's answer: the one found there
+/// when it is for the same question and of this clock tick, else a new lookup's.
+#[inline(always)]
+fn next_hop(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Option<*mut NextHop> {
+    let ifindex = ifindex(ctx);
+    let choose_source = u8::from(choose_source);
+    let hop = maps::next_hops.get_ptr_mut(slot(flow, ifindex))?;
+    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
+    let kept = unsafe { &*hop };
+    let now = clock::now_ns();
+    if kept.looked_up_ns != now || !kept.answers(flow, ifindex, choose_source) {
+        look_up(ctx, flow, choose_source, hop, now);
+    }
+    Some(hop)
+}
+
+/// The `next_hops` slot of a question: its words folded, then spread by a multiplicative
+/// (Fibonacci) hash, whose top bits depend on all of them.
+#[inline(always)]
+fn slot(flow: &Flow, ifindex: u32) -> u32 {
+    let destination = u128::from_ne_bytes(flow.daddr);
+    let source = u128::from_ne_bytes(flow.saddr);
+    let mixed = destination ^ source.rotate_left(61);
+    let ports = (u64::from(flow.sport) << 16 | u64::from(flow.dport)) << 32;
+    let folded = (mixed as u64) ^ ((mixed >> 64) as u64) ^ ports ^ u64::from(ifindex);
+    let folded = (folded ^ (folded >> 32)) as u32 ^ u32::from(flow.protocol);
+    folded.wrapping_mul(0x9e37_79b1) >> (32 - NEXT_HOP_SLOTS_LOG2)
+}
+
+impl NextHop {
+    /// Whether this answer is for the question the flow asks on `ifindex`.
+    #[inline(always)]
+    fn answers(&self, flow: &Flow, ifindex: u32, choose_source: u8) -> bool {
+        // Compared as integers, xor-ed together: one branch instead of one per byte.
+        let addresses = (u128::from_ne_bytes(self.query_destination)
+            ^ u128::from_ne_bytes(flow.daddr))
+            | (u128::from_ne_bytes(self.query_source) ^ u128::from_ne_bytes(flow.saddr));
+        addresses == 0
+            && self.query_ifindex == ifindex
+            && self.query_source_port == flow.sport
+            && self.query_destination_port == flow.dport
+            && self.query_family == flow.family
+            && self.query_protocol == flow.protocol
+            && self.query_choose_source == choose_source
+    }
+}
+
+/// Asks the FIB about the flow and keeps the question and the answer in `hop`. Inlined: a
+/// frame of its own would deepen the call chains under `route` past the verifier's 512 bytes.
+#[inline(always)]
+fn look_up(ctx: &TcContext, flow: &Flow, choose_source: u8, hop: *mut NextHop, now: u64) {
+    let mut storage = MaybeUninit::uninit();
+    let params = fib_params(ctx, flow, &mut storage);
+    let flags = if choose_source != 0 {
+        BPF_FIB_LOOKUP_SRC
+    } else {
+        0
+    };
+    // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
+    let answer = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            &raw mut *params,
+            size_of::<bpf_fib_lookup>() as i32,
+            flags,
+        )
+    } as u32;
+    // SAFETY: this CPU's `next_hops` slot; programs on one CPU do not overlap.
+    let hop = unsafe { &mut *hop };
+    hop.query_source = flow.saddr;
+    hop.query_destination = flow.daddr;
+    hop.query_ifindex = ifindex(ctx);
+    hop.query_source_port = flow.sport;
+    hop.query_destination_port = flow.dport;
+    hop.query_family = flow.family;
+    hop.query_protocol = flow.protocol;
+    hop.query_choose_source = choose_source;
+    hop.looked_up_ns = now;
+    hop.answer = answer;
+    hop.ifindex = params.ifindex;
+    // SAFETY: the kernel filled in the MAC addresses on success, and wrote the source
+    // address's union member of the lookup's family when asked for it; other answers do not
+    // read them.
+    unsafe {
+        let macs = params.__bindgen_anon_6.__bindgen_anon_2;
+        hop.source_mac = macs.smac;
+        hop.destination_mac = macs.dmac;
+        hop.source = if flow.family == FAMILY_IPV4 {
+            widen(params.__bindgen_anon_3.ipv4_src.to_ne_bytes())
+        } else {
+            unwords(params.__bindgen_anon_3.ipv6_src)
+        };
+    }
+}
+
+/// The FIB lookup of the flow's current addresses and ports, as for a packet received on the
+/// program's interface.
+#[inline(always)]
+fn fib_params<'a>(
+    ctx: &TcContext,
+    flow: &Flow,
+    params: &'a mut MaybeUninit<bpf_fib_lookup>,
+) -> &'a mut bpf_fib_lookup {
+    // Zeroed (the documented initial state) in place, a word at a time and volatile: LLVM
+    // makes zeroing or moving a zeroed struct a call to a byte-at-a-time `memset` on this
+    // target, 60 bytes per lookup.
+    let zeros = params.as_mut_ptr().cast::<u32>();
+    for index in 0..size_of::<bpf_fib_lookup>() / size_of::<u32>() {
+        // SAFETY: within `params`, which is aligned for u32 (it holds u32 fields).
+        unsafe { zeros.add(index).write_volatile(0) };
+    }
+    // SAFETY: every byte was written; bpf_fib_lookup is plain old data.
+    let params = unsafe { params.assume_init_mut() };
+    params.family = flow.family;
+    params.l4_protocol = flow.protocol;
+    params.sport = flow.sport;
+    params.dport = flow.dport;
+    if flow.family == FAMILY_IPV4 {
+        params.__bindgen_anon_3.ipv4_src =
+            u32::from_ne_bytes([flow.saddr[0], flow.saddr[1], flow.saddr[2], flow.saddr[3]]);
+        params.__bindgen_anon_4.ipv4_dst =
+            u32::from_ne_bytes([flow.daddr[0], flow.daddr[1], flow.daddr[2], flow.daddr[3]]);
+    } else {
+        params.__bindgen_anon_3.ipv6_src = words(&flow.saddr);
+        params.__bindgen_anon_4.ipv6_dst = words(&flow.daddr);
+    }
+    params.ifindex = ifindex(ctx);
+    params
+}
+
+/// Sends the packet on along `route`; `None` when the route is not one to send it on.
+pub fn forward(ctx: &TcContext, route: &Route) -> Result<Option<i32>, DatapathError> {
+    match route {
+        Route::Neighbour {
+            ifindex,
+            source,
+            destination,
+        } => {
+            set_macs(ctx, destination, source)?;
+            // SAFETY: bpf_redirect has no memory arguments.
+            Ok(Some(unsafe { bpf_redirect(*ifindex, 0) as i32 }))
+        }
+        Route::Unresolved { ifindex } => {
+            // SAFETY: a null parameter block asks the kernel to resolve the next hop itself.
+            Ok(Some(unsafe {
+                bpf_redirect_neigh(*ifindex, core::ptr::null_mut(), 0, 0) as i32
+            }))
+        }
+        Route::Other => Ok(None),
+    }
+}
