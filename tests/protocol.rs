@@ -353,6 +353,111 @@ fn phases_are_reported_on_stderr_only_when_asked() {
     );
 }
 
+/// The id of the program pinned at `path`.
+fn pinned_program_id(path: &std::path::Path) -> u64 {
+    let shown = std::process::Command::new("bpftool")
+        .args(["--json", "prog", "show", "pinned"])
+        .arg(path)
+        .output()
+        .expect("run bpftool");
+    let program: Value = serde_json::from_slice(&shown.stdout).unwrap_or_else(|error| {
+        panic!(
+            "bpftool prog show pinned {} ({error}): {}",
+            path.display(),
+            String::from_utf8_lossy(&shown.stderr)
+        )
+    });
+    program["id"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no program id in {program}"))
+}
+
+/// The datapath loaded ahead of the first pod, by `cnibpf load` or by `cnibpf install --load`
+/// (the DaemonSet's way, reading the entry's pinPath): the first ADD then loads nothing — the
+/// programs it runs are the ones loaded before it — and the pod is served. A second load finds
+/// everything in place and replaces nothing.
+#[test]
+fn a_datapath_loaded_ahead_serves_the_first_pod_without_loading_again() {
+    for install in [false, true] {
+        let id = if install {
+            "proto-preinst"
+        } else {
+            "proto-preload"
+        };
+        let sim = SimHost::new(id, json!({ "backend": "ebpf" }));
+        let pin_path = sim.pin_path.display().to_string();
+        let program = sim.pin_path.join("programs").join("from_container");
+        let node =
+            NodeDir(std::env::temp_dir().join(format!("cnibpf-{id}-{}", std::process::id())));
+        let node = &node.0;
+        let load = || {
+            let output = if install {
+                let conf_dir = node.join("net.d");
+                let bin_dir = node.join("bin");
+                for dir in [&conf_dir, &bin_dir] {
+                    std::fs::create_dir_all(dir).expect("node dirs");
+                }
+                std::fs::write(
+                    conf_dir.join("10-bridge.conflist"),
+                    json!({ "cniVersion": "1.0.0", "name": "pods",
+                            "plugins": [{ "type": "bridge", "bridge": "cni9" }] })
+                    .to_string(),
+                )
+                .expect("write the primary");
+                let entry = node.join("entry.json");
+                std::fs::write(
+                    &entry,
+                    json!({ "backend": "ebpf", "pinPath": pin_path }).to_string(),
+                )
+                .expect("write the entry");
+                sim.cnibpf(&[
+                    "install",
+                    "--conf-dir",
+                    &conf_dir.display().to_string(),
+                    "--bin-dir",
+                    &bin_dir.display().to_string(),
+                    "--entry",
+                    &entry.display().to_string(),
+                    "--load",
+                ])
+            } else {
+                sim.cnibpf(&["load", "--pin-path", &pin_path, "--backend", "ebpf"])
+            };
+            assert!(output.status.success(), "{id}: {output:?}");
+            assert!(
+                String::from_utf8_lossy(&output.stdout).contains("ebpf datapath ready"),
+                "{id}: {output:?}"
+            );
+        };
+        assert!(!program.exists(), "{id}: nothing loaded before");
+        load();
+        let loaded = pinned_program_id(&program);
+        let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+        assert_eq!(
+            pinned_program_id(&program),
+            loaded,
+            "{id}: the first ADD runs the programs loaded ahead"
+        );
+        let _server = TcpServer::start(&c1.netns, Family::V4.any(80), "served");
+        assert_eq!(
+            tcp_request(&sim.outside, sim.uplink(Family::V4, 8080)).as_deref(),
+            Ok("served"),
+            "{id}: the first pod's hostPort"
+        );
+        load();
+        assert_eq!(pinned_program_id(&program), loaded, "{id}: loaded once");
+    }
+}
+
+/// A node's CNI directories for `install`, removed on drop.
+struct NodeDir(std::path::PathBuf);
+
+impl Drop for NodeDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[test]
 fn an_owner_too_long_for_an_nftables_comment_is_refused() {
     let sim = SimHost::new("proto-long", json!({ "backend": "nftables" }));

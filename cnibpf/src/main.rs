@@ -16,11 +16,14 @@ mod netns;
 mod nfnetlink;
 mod paths;
 mod phases;
+mod preload;
 mod reclaim;
 
 use std::{path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
+
+use crate::model::UnknownWord;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -81,6 +84,10 @@ enum AdminCommand {
         /// The pinPath --reclaim-every works on.
         #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
         pin_path: PathBuf,
+        /// Also load the datapath of the entry's backend and pinPath first, as `cnibpf load`
+        /// does, so that the node's first pod does not wait for it.
+        #[arg(long)]
+        load: bool,
     },
     /// Take the plugin off this node: its entry out of every network (a portmap it replaced
     /// put back), its binary out of the bin dir. Running pods keep their datapath until their
@@ -90,6 +97,16 @@ enum AdminCommand {
         conf_dir: PathBuf,
         #[arg(long, default_value = paths::CNI_BIN_DIR)]
         bin_dir: PathBuf,
+    },
+    /// Load the datapath now (the kernel verifies the eBPF programs), so that the first pod's
+    /// ADD does not wait for it; run it in the host's network namespace, at node set-up.
+    Load {
+        /// The instance's pinPath.
+        #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
+        pin_path: PathBuf,
+        /// The backend, as the network's `backend` key names it.
+        #[arg(long, default_value = "auto")]
+        backend: String,
     },
     /// Follow the packets the filter drops, one line each, until Ctrl-C.
     Monitor {
@@ -130,6 +147,7 @@ fn main() -> ExitCode {
             watch,
             reclaim_every,
             pin_path,
+            load,
         } => {
             let installed = install::Install::entry_from(entry.as_deref()).and_then(|entry| {
                 let install = install::Install {
@@ -139,6 +157,9 @@ fn main() -> ExitCode {
                     entry,
                     replace_portmap,
                 };
+                if load {
+                    install.load_datapath();
+                }
                 if watch {
                     install.run_and_watch(reclaim_every.map(|period| (period, pin_path)))
                 } else {
@@ -158,6 +179,26 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
                     eprintln!("cnibpf uninstall: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        AdminCommand::Load { pin_path, backend } => {
+            let loaded = backend
+                .parse()
+                .map_err(|error: UnknownWord| {
+                    format!("--backend: expected {}, got {backend:?}", error.expected)
+                })
+                .and_then(|choice| {
+                    preload::run(&pin_path, choice).map_err(|error| error.to_string())
+                });
+            match loaded {
+                Ok(backend) => {
+                    println!("{}: {backend} datapath ready", pin_path.display());
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("cnibpf load: {error}");
                     ExitCode::FAILURE
                 }
             }

@@ -333,6 +333,27 @@ pub fn select(
     }
 }
 
+/// Loads the datapath `choice` picks under `pins` as the first ADD would, touching no
+/// interface (see `crate::preload`); the name of the backend that will serve.
+pub fn preload(
+    choice: BackendChoice,
+    pins: &crate::paths::PinLayout,
+) -> Result<&'static str, BackendError> {
+    let ebpf = match choice {
+        BackendChoice::Nftables => false,
+        BackendChoice::Ebpf => {
+            ebpf::EbpfBackend::probe()?;
+            true
+        }
+        BackendChoice::Auto => ebpf::EbpfBackend::probe().is_ok(),
+    };
+    if !ebpf {
+        return Ok("nftables");
+    }
+    ebpf::EbpfBackend::load(pins)?;
+    Ok("ebpf")
+}
+
 /// Whether any backend can work on this host (STATUS).
 pub fn any_available() -> Result<(), BackendError> {
     ebpf::EbpfBackend::probe().or_else(|ebpf_error| {

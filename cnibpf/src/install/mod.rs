@@ -21,7 +21,11 @@ use std::{
 use serde_json::{Map, Value};
 
 use self::chain::{Form, chain_in, chain_out};
-use crate::paths::PLUGIN_NAME;
+use crate::{
+    config::{NetConf, PluginConfig},
+    paths::PLUGIN_NAME,
+    preload,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {
@@ -92,6 +96,35 @@ impl Install {
         let chaining = self.chaining(networks(&self.conf_dir)?)?;
         self.install_binary()?;
         chaining.apply()
+    }
+
+    /// Loads the datapath of the entry's backend and pinPath (see `crate::preload`). Reported,
+    /// not fatal: otherwise the node's first ADD loads it, and answers with the cause.
+    pub fn load_datapath(&self) {
+        let loaded = self.entry_config().and_then(|plugin| {
+            preload::run(&plugin.pin_path, plugin.backend).map_err(|error| error.to_string())
+        });
+        match loaded {
+            Ok(backend) => println!("{backend} datapath ready"),
+            Err(error) => eprintln!(
+                "cnibpf install: could not load the datapath ahead of the first pod (its ADD will try): {error}"
+            ),
+        }
+    }
+
+    /// The entry as the plugin will read it: its keys in a network of their own.
+    fn entry_config(&self) -> Result<PluginConfig, String> {
+        let mut network = self.entry.clone();
+        network
+            .entry("cniVersion")
+            .or_insert_with(|| Value::from("1.0.0"));
+        network.insert("name".to_owned(), Value::from("cnibpf-install"));
+        network.insert("type".to_owned(), Value::from(PLUGIN_NAME));
+        let bytes =
+            serde_json::to_vec(&Value::Object(network)).map_err(|error| error.to_string())?;
+        NetConf::parse(&bytes)
+            .map(|conf| conf.plugin)
+            .map_err(|error| format!("the entry: {error}"))
     }
 
     fn install_binary(&self) -> Result<(), InstallError> {

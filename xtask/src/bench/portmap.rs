@@ -47,6 +47,7 @@ pub fn run(out_dir: &Path) -> Result<()> {
         &SCALE_LEVELS,
     )?);
     drop(sim);
+    rows.extend(first_add_after_load(&progress)?);
     let sim = SimHost::new("bench-mapcount", json!({ "backend": "ebpf" }));
     rows.extend(mapping_count_time(
         &progress,
@@ -545,22 +546,7 @@ fn plugin_time(
     progress.step(&format!(
         "{label}: {max} veth pairs for attachments made by the plugin alone"
     ));
-    let mut batch = String::new();
-    for n in 0..=max {
-        batch.push_str(&format!(
-            "link add vb{n} address {} type veth peer name ec{n} address {} netns {}\nlink set vb{n} up\n",
-            mac(0xaa, n),
-            mac(0xbb, n),
-            containers.name()
-        ));
-    }
-    let mut ip = sim.host.command(&["ip", "-batch", "-"]);
-    ip.stdin(std::process::Stdio::piped());
-    let mut child = ip.spawn().context("ip -batch")?;
-    std::io::Write::write_all(child.stdin.as_mut().context("stdin")?, batch.as_bytes())?;
-    if !child.wait()?.success() {
-        bail!("creating veth pairs failed");
-    }
+    veth_pairs(sim, &containers, max + 1)?;
 
     let invoke = |command: &str, n: usize| -> Result<Timed> {
         let args = json!({ "portMappings": [{ "hostPort": 30_000 + n, "containerPort": 80, "protocol": "tcp" }] });
@@ -704,6 +690,66 @@ fn phases_of(stderr: &str) -> Vec<(String, f64)> {
         .collect()
 }
 
+/// Veth pairs `vb<n>` (in `sim`'s host, up) / `ec<n>` (in `containers`) for n below `count`:
+/// the interfaces of attachments the plugin makes alone.
+fn veth_pairs(sim: &SimHost, containers: &Netns, count: usize) -> Result<()> {
+    let mut batch = String::new();
+    for n in 0..count {
+        batch.push_str(&format!(
+            "link add vb{n} address {} type veth peer name ec{n} address {} netns {}\nlink set vb{n} up\n",
+            mac(0xaa, n),
+            mac(0xbb, n),
+            containers.name()
+        ));
+    }
+    let mut ip = sim.host.command(&["ip", "-batch", "-"]);
+    ip.stdin(std::process::Stdio::piped());
+    let mut child = ip.spawn().context("ip -batch")?;
+    std::io::Write::write_all(child.stdin.as_mut().context("stdin")?, batch.as_bytes())?;
+    if !child.wait()?.success() {
+        bail!("creating veth pairs failed");
+    }
+    Ok(())
+}
+
+/// Node set-up ahead of the first pod (`cnibpf load`, what the DaemonSet's `install --load`
+/// does) on a fresh host: the load's wall time, then the host's first ADD and its phases.
+fn first_add_after_load(progress: &Progress) -> Result<Vec<Row>> {
+    progress.step("cnibpf load on a fresh host, then its first ADD");
+    let sim = SimHost::new("bench-load", json!({ "backend": "ebpf" }));
+    let containers = Netns::create(&format!("cbt-{}-c", sim.id));
+    veth_pairs(&sim, &containers, 1)?;
+    let pin_path = sim.pin_path.display().to_string();
+    let started = Instant::now();
+    let loaded = sim.cnibpf(&["load", "--pin-path", &pin_path, "--backend", "ebpf"]);
+    let load = started.elapsed();
+    if !loaded.status.success() {
+        bail!("cnibpf load failed: {loaded:?}");
+    }
+    let args =
+        json!({ "portMappings": [{ "hostPort": 30_000, "containerPort": 80, "protocol": "tcp" }] });
+    let first = invoke_attachment(&sim, &containers, "cnibpf", "ADD", 0, &args)?;
+    let scenario = "cnibpf, the first ADD after `cnibpf load`";
+    let mut rows = vec![
+        Row {
+            scenario: "cnibpf, `cnibpf load` on a fresh host (node set-up)".to_owned(),
+            metric: "cnibpf load",
+            unit: "ms",
+            value: load.as_secs_f64() * 1e3,
+            baseline: None,
+        },
+        Row {
+            scenario: scenario.to_owned(),
+            metric: "plugin ADD",
+            unit: "ms",
+            value: first.wall.as_secs_f64() * 1e3,
+            baseline: None,
+        },
+    ];
+    rows.extend(phase_rows(scenario, std::slice::from_ref(&first)));
+    Ok(rows)
+}
+
 /// ADD and DEL of one pod with `count` UDP hostPorts (a media server's port range), for each
 /// of `counts`: what one attachment's size costs.
 fn mapping_count_time(
@@ -716,30 +762,7 @@ fn mapping_count_time(
     let containers = Netns::create(&format!("cbt-{}-m", sim.id));
     // Pod 0 is measured; pod 1 stays, as on any node, so that pod 0's DEL is never the last
     // (which unloads the datapath, and its next ADD loads it again).
-    for n in 0..2 {
-        let mut ip = sim.host.command(&[
-            "ip",
-            "link",
-            "add",
-            &format!("vb{n}"),
-            "address",
-            &mac(0xaa, n),
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &format!("ec{n}"),
-            "address",
-            &mac(0xbb, n),
-            "netns",
-            containers.name(),
-        ]);
-        if !ip.status()?.success() {
-            bail!("creating veth pair {n} failed");
-        }
-        sim.host
-            .exec(&["ip", "link", "set", &format!("vb{n}"), "up"]);
-    }
+    veth_pairs(sim, &containers, 2)?;
     let keeper =
         json!({ "portMappings": [{ "hostPort": 19_999, "containerPort": 80, "protocol": "tcp" }] });
     invoke_attachment(sim, &containers, plugin_type, "ADD", 1, &keeper)?;
