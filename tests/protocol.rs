@@ -353,25 +353,6 @@ fn phases_are_reported_on_stderr_only_when_asked() {
     );
 }
 
-/// The id of the program pinned at `path`.
-fn pinned_program_id(path: &std::path::Path) -> u64 {
-    let shown = std::process::Command::new("bpftool")
-        .args(["--json", "prog", "show", "pinned"])
-        .arg(path)
-        .output()
-        .expect("run bpftool");
-    let program: Value = serde_json::from_slice(&shown.stdout).unwrap_or_else(|error| {
-        panic!(
-            "bpftool prog show pinned {} ({error}): {}",
-            path.display(),
-            String::from_utf8_lossy(&shown.stderr)
-        )
-    });
-    program["id"]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no program id in {program}"))
-}
-
 /// The datapath loaded ahead of the first pod, by `cnibpf load` or by `cnibpf install --load`
 /// (the DaemonSet's way, reading the entry's pinPath): the first ADD then loads nothing — the
 /// programs it runs are the ones loaded before it — and the pod is served. A second load finds
@@ -425,16 +406,16 @@ fn a_datapath_loaded_ahead_serves_the_first_pod_without_loading_again() {
             };
             assert!(output.status.success(), "{id}: {output:?}");
             assert!(
-                String::from_utf8_lossy(&output.stdout).contains("ebpf datapath ready"),
+                String::from_utf8_lossy(&output.stdout).contains("eBPF datapath loaded and pinned"),
                 "{id}: {output:?}"
             );
         };
         assert!(!program.exists(), "{id}: nothing loaded before");
         load();
-        let loaded = pinned_program_id(&program);
+        let loaded = sim.pinned_program_id("from_container");
         let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
         assert_eq!(
-            pinned_program_id(&program),
+            sim.pinned_program_id("from_container"),
             loaded,
             "{id}: the first ADD runs the programs loaded ahead"
         );
@@ -445,7 +426,11 @@ fn a_datapath_loaded_ahead_serves_the_first_pod_without_loading_again() {
             "{id}: the first pod's hostPort"
         );
         load();
-        assert_eq!(pinned_program_id(&program), loaded, "{id}: loaded once");
+        assert_eq!(
+            sim.pinned_program_id("from_container"),
+            loaded,
+            "{id}: loaded once"
+        );
     }
 }
 

@@ -4,7 +4,7 @@
 //! asked (the FIB may route by any of it: policy rules match ports, protocol and the input
 //! interface), and later packets of the same flow take it until the coarse clock ticks (1 to
 //! 10 ms by the kernel's HZ). A changed route, address or neighbour thus reaches a running
-//! flow at most one tick late, and a new flow at once (its ports are another question). The
+//! flow at most one tick late, and a new flow at once (other ports: another question). The
 //! MTU depends on the packet and is checked for every one.
 
 use core::mem::MaybeUninit;

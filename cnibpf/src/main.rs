@@ -193,8 +193,8 @@ fn main() -> ExitCode {
                     preload::run(&pin_path, choice).map_err(|error| error.to_string())
                 });
             match loaded {
-                Ok(backend) => {
-                    println!("{}: {backend} datapath ready", pin_path.display());
+                Ok(done) => {
+                    println!("{done}");
                     ExitCode::SUCCESS
                 }
                 Err(error) => {

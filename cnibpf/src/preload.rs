@@ -16,9 +16,16 @@ use crate::{
     paths::PinLayout,
 };
 
-/// Loads what `choice` will use under `pin_path`; the name of the backend that will serve.
-pub fn run(pin_path: &Path, choice: BackendChoice) -> Result<&'static str, Error> {
+/// Loads what `choice` will use under `pin_path`; what was done, for the operator.
+pub fn run(pin_path: &Path, choice: BackendChoice) -> Result<String, Error> {
     let pins = PinLayout::new(pin_path);
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
-    Ok(backend::preload(choice, &pins)?)
+    Ok(if backend::preload(choice, &pins)? {
+        format!("{}: eBPF datapath loaded and pinned", pin_path.display())
+    } else {
+        format!(
+            "{}: the nftables backend will serve, nothing to load ahead",
+            pin_path.display()
+        )
+    })
 }

@@ -2,8 +2,9 @@
 //! masqueraded reply or of a datagram to a hostPort, a reply to a masqueraded flow (matched by
 //! its exact tuple before any hostPort, as conntrack matches a connection before a DNAT rule),
 //! then traffic to a hostPort — each translated and handed to its container. Egress: the
-//! host's own traffic (a local socket's, or from the uplink's address) goes on at once; then replies of translated
-//! flows the host stack routed, and container traffic it forwarded to be masqueraded.
+//! host's own traffic (a local socket's, or from the uplink's address) goes on at once; then
+//! replies of translated flows the host stack routed, and container traffic it forwarded to be
+//! masqueraded.
 
 use core::mem::MaybeUninit;
 

@@ -334,11 +334,12 @@ pub fn select(
 }
 
 /// Loads the datapath `choice` picks under `pins` as the first ADD would, touching no
-/// interface (see `crate::preload`); the name of the backend that will serve.
+/// interface (see `crate::preload`): whether there was one to load (the nftables backend has
+/// nothing to load ahead).
 pub fn preload(
     choice: BackendChoice,
     pins: &crate::paths::PinLayout,
-) -> Result<&'static str, BackendError> {
+) -> Result<bool, BackendError> {
     let ebpf = match choice {
         BackendChoice::Nftables => false,
         BackendChoice::Ebpf => {
@@ -347,11 +348,10 @@ pub fn preload(
         }
         BackendChoice::Auto => ebpf::EbpfBackend::probe().is_ok(),
     };
-    if !ebpf {
-        return Ok("nftables");
+    if ebpf {
+        ebpf::EbpfBackend::load(pins)?;
     }
-    ebpf::EbpfBackend::load(pins)?;
-    Ok("ebpf")
+    Ok(ebpf)
 }
 
 /// Whether any backend can work on this host (STATUS).

@@ -105,7 +105,7 @@ impl Install {
             preload::run(&plugin.pin_path, plugin.backend).map_err(|error| error.to_string())
         });
         match loaded {
-            Ok(backend) => println!("{backend} datapath ready"),
+            Ok(done) => println!("{done}"),
             Err(error) => eprintln!(
                 "cnibpf install: could not load the datapath ahead of the first pod (its ADD will try): {error}"
             ),
