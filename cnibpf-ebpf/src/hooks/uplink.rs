@@ -100,9 +100,10 @@ fn try_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
 }
 
 /// Whether the packet leaves from the uplink's own address — the host's own traffic, which
-/// nothing here translates (what this hook translates comes from a container's address). Told
-/// from its linear headers and one `uplinks` lookup, before any parsing: the cost of the
-/// packets this hook leaves alone. `false` when it cannot tell (the full path then decides).
+/// nothing here translates (what this hook translates comes from a container's address): for
+/// what carries no socket (the kernel's own packets, another NAT's translations). Told from
+/// its linear headers and one `uplinks` lookup, before any parsing. `false` when it cannot
+/// tell (the full path then decides).
 #[inline(always)]
 fn leaves_from_uplink_address(ctx: &TcContext) -> bool {
     let Some(uplink) = maps::uplinks.get_ptr(&ifindex(ctx)) else {
