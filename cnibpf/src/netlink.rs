@@ -2,8 +2,7 @@
 //! namespace. A one-shot CNI plugin needs a handful of dumps, not an async runtime.
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_ECHO, NLM_F_EXCL, NLM_F_REPLACE, NLM_F_REQUEST,
-    NetlinkHeader, NetlinkMessage, NetlinkPayload,
+    NLM_F_ACK, NLM_F_DUMP, NLM_F_ECHO, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
 use std::net::IpAddr;
 
@@ -12,7 +11,7 @@ use netlink_packet_route::{
     address::{AddressAttribute, AddressMessage},
     link::{InfoBridge, InfoData, InfoKind, LinkAttribute, LinkInfo, LinkMessage},
     route::{RouteAttribute, RouteHeader, RouteMessage, RouteType},
-    tc::{TcAttribute, TcBpfFlags, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
+    tc::{TcAttribute, TcHandle, TcMessage},
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
@@ -319,34 +318,6 @@ pub fn added_qdiscs(ifindex: u32) -> Result<Vec<String>, NetlinkError> {
     Ok(kinds)
 }
 
-/// Adds the clsact qdisc to an interface (already present is fine).
-pub fn add_clsact(ifindex: u32) -> Result<(), NetlinkError> {
-    let mut message = TcMessage::with_index(ifindex_i32(ifindex));
-    message.header.parent = TcHandle::CLSACT;
-    message.header.handle = TcHandle {
-        major: TcHandle::CLSACT.major,
-        minor: 0,
-    };
-    message
-        .attributes
-        .push(TcAttribute::Kind("clsact".to_owned()));
-    let request = RouteNetlinkMessage::NewQueueDiscipline(message);
-    match exchange(
-        "clsact qdisc",
-        request,
-        NLM_F_CREATE | NLM_F_EXCL | NLM_F_ACK,
-        |_| None::<()>,
-    ) {
-        Ok(_) => Ok(()),
-        Err(NetlinkError::Request { source, .. })
-            if source.raw_os_error() == Some(libc::EEXIST) =>
-        {
-            Ok(())
-        }
-        Err(error) => Err(error),
-    }
-}
-
 /// Whether any filter is on the clsact hooks of an interface (either direction).
 pub fn clsact_has_filters(ifindex: u32) -> Result<bool, NetlinkError> {
     for minor in [TcHandle::MIN_INGRESS, TcHandle::MIN_EGRESS] {
@@ -395,34 +366,6 @@ fn delete_if_there(what: &'static str, request: RouteNetlinkMessage) -> Result<(
         }
         Err(error) => Err(error),
     }
-}
-
-/// Creates or atomically replaces a direct-action BPF filter in `slot`.
-pub fn replace_bpf_filter(
-    ifindex: u32,
-    slot: TcFilterSlot,
-    program_fd: i32,
-    name: &str,
-) -> Result<(), NetlinkError> {
-    let mut message = filter_message(ifindex, slot);
-    message.attributes.push(TcAttribute::Kind("bpf".to_owned()));
-    let fd = u32::try_from(program_fd).map_err(|_| NetlinkError::Decode {
-        request: "bpf filter",
-        reason: format!("bad program descriptor {program_fd}"),
-    })?;
-    message.attributes.push(TcAttribute::Options(vec![
-        TcOption::Bpf(TcFilterBpfOption::ProgFd(fd)),
-        TcOption::Bpf(TcFilterBpfOption::ProgName(name.to_owned())),
-        TcOption::Bpf(TcFilterBpfOption::Flags(TcBpfFlags::DirectAction)),
-    ]));
-    let request = RouteNetlinkMessage::NewTrafficFilter(message);
-    exchange(
-        "bpf filter",
-        request,
-        NLM_F_CREATE | NLM_F_REPLACE | NLM_F_ACK,
-        |_| None::<()>,
-    )
-    .map(|_| ())
 }
 
 /// Deletes the filter in `slot` of the clsact ingress (or `egress`) hook; one that is not

@@ -376,6 +376,21 @@ pub fn plugin_command(
     command: &str,
     attachment: Option<&Attachment>,
 ) -> Command {
+    let mut process = plugin_process(cni_path, plugin_type, command, attachment);
+    enter_netns_on_exec(&mut process, host_netns);
+    process
+}
+
+/// [`plugin_command`] without entering a namespace on exec: the plugin starts where the
+/// spawning thread is, and is spawned as a runtime spawns it — `posix_spawn`, which shares
+/// the spawner's memory until the exec instead of copying its page tables (what Go's
+/// `os/exec` does for containerd; a `pre_exec` step forces a full fork).
+pub fn plugin_process(
+    cni_path: &str,
+    plugin_type: &str,
+    command: &str,
+    attachment: Option<&Attachment>,
+) -> Command {
     let binary = cni_path
         .split(':')
         .map(|dir| Path::new(dir).join(plugin_type))
@@ -399,7 +414,6 @@ pub fn plugin_command(
             process.env("CNI_ARGS", &attachment.cni_args);
         }
     }
-    enter_netns_on_exec(&mut process, host_netns);
     process
 }
 

@@ -103,7 +103,7 @@ impl EbpfBackend {
     /// Whether the eBPF backend can work on this host: the kernel loads and attaches a TC
     /// program (a kernel without BPF or tcx, or a sandbox that denies `bpf()`, fails here).
     pub fn probe() -> Result<(), BackendError> {
-        probe::load_and_attach()
+        probe::load_and_query()
             .and_then(|()| probe::bpffs_writable())
             .map_err(|reason| BackendError::Unavailable {
                 backend: "ebpf",

@@ -1,22 +1,19 @@
-//! Whether the eBPF backend can work on this host, asked of the kernel itself: a two-instruction
-//! TC program is loaded and attached as a clsact filter to the loopback of a scratch network
-//! namespace (which disappears with the probe), and the kernel must answer a query for tcx
-//! programs there (tcx, kernel 6.6, is how the hooks attach). Nothing is cached: a kernel or
-//! sandbox that changes between calls is seen as it is. (Attaching a tcx link itself would
-//! wait out an RCU grace period — 10-25 ms on every ADD.) bpffs must be writable.
+//! Whether the eBPF backend can work on this host, asked of the kernel itself, without changing
+//! anything: a two-instruction TC program must load (the kernel lets only a process that may
+//! administer networking load one, the same permission a tcx link then needs), and the kernel
+//! must answer a query for the tcx programs on this namespace's loopback (tcx, kernel 6.6, is
+//! how the hooks attach). Nothing is cached: a kernel or sandbox that changes between calls is
+//! seen as it is. (Attaching anything would cost a grace period: a tcx link waits out one,
+//! and so does tearing down a scratch namespace to attach in — in the kernel's own time, but
+//! holding the lock the next attach needs.) bpffs must be writable.
 
 use std::{
     fs, io,
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    os::fd::{FromRawFd as _, OwnedFd},
     path::Path,
 };
 
-use nix::sched::{CloneFlags, unshare};
-
-use crate::{
-    netlink::{self, TcFilterSlot},
-    paths::BPFFS_MOUNT_POINT,
-};
+use crate::paths::BPFFS_MOUNT_POINT;
 
 /// `BPF_PROG_LOAD`, `BPF_PROG_TYPE_SCHED_CLS` (uapi).
 const BPF_PROG_LOAD: libc::c_long = 5;
@@ -42,25 +39,15 @@ pub fn bpffs_writable() -> Result<(), String> {
         .map_err(|error| format!("bpffs at {} is not writable: {error}", root.display()))
 }
 
-/// Loads and attaches the probe program; the error says which step the kernel refused.
-pub fn load_and_attach() -> Result<(), String> {
-    let program = load().map_err(|error| format!("loading a TC program failed: {error}"))?;
-    // The scratch namespace belongs to a thread of its own, which ends with the probe.
-    std::thread::spawn(move || {
-        unshare(CloneFlags::CLONE_NEWNET)
-            .map_err(|error| format!("could not create a scratch network namespace: {error}"))?;
-        // The loopback of a new namespace always has index 1.
-        let slot = TcFilterSlot {
-            priority: 1,
-            handle: 1,
-        };
-        netlink::add_clsact(1)
-            .and_then(|()| netlink::replace_bpf_filter(1, slot, program.as_raw_fd(), "probe"))
-            .map_err(|error| format!("attaching a TC filter failed: {error}"))?;
-        query_tcx(1).map_err(|error| format!("the kernel has no tcx (needs Linux 6.6): {error}"))
-    })
-    .join()
-    .unwrap_or_else(|_| Err("the probe thread panicked".to_owned()))
+/// The loopback, index 1 in every network namespace.
+const LOOPBACK_IFINDEX: u32 = 1;
+
+/// Loads the probe program and asks for the loopback's tcx programs; the error says which
+/// step the kernel refused.
+pub fn load_and_query() -> Result<(), String> {
+    load().map_err(|error| format!("loading a TC program failed: {error}"))?;
+    query_tcx(LOOPBACK_IFINDEX)
+        .map_err(|error| format!("the kernel has no tcx (needs Linux 6.6): {error}"))
 }
 
 /// `BPF_PROG_QUERY` of the tcx ingress programs of interface `ifindex`.
