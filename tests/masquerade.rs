@@ -900,8 +900,44 @@ fn exclusion_added_later(backend: Backend, host_firewall: bool) {
     }
 }
 
+fn ip_masq_turned_off_and_on_by_a_new_add_applies_to_the_next_connection(backend: Backend) {
+    let host = masquerading(backend, "mq-toggle");
+    // Without masquerade the outside answers the container's own address.
+    host.route_outside_to_containers();
+    let container = host.container("c1", Value::Null);
+    let servers: Vec<TcpServer> = Family::BOTH
+        .iter()
+        .map(|family| TcpServer::start(&host.outside, family.any(8090 + *family as u16), "hi"))
+        .collect();
+    for (round, ip_masq) in [true, false, true].into_iter().enumerate() {
+        if round > 0 {
+            host.readd_with(&container, json!({ "ipMasq": ip_masq }))
+                .unwrap_or_else(|error| panic!("ADD with ipMasq {ip_masq}: {error}"));
+        }
+        for (family, server) in Family::BOTH.iter().zip(&servers) {
+            let target = SocketAddr::new(family.outside(), 8090 + *family as u16);
+            assert_eq!(
+                tcp_request(&container.netns, target).as_deref(),
+                Ok("hi"),
+                "{family:?}, ipMasq {ip_masq}"
+            );
+            let expected = if ip_masq {
+                uplink_address(*family)
+            } else {
+                container.at(*family, 0).ip()
+            };
+            assert_eq!(
+                server.peers().last().map(SocketAddr::ip),
+                Some(expected),
+                "{family:?}: a new connection with ipMasq {ip_masq} (round {round})"
+            );
+        }
+    }
+}
+
 for_both_backends!(
     tcp_udp_and_ping_reach_an_outside_without_a_route_back_as_the_uplink,
+    ip_masq_turned_off_and_on_by_a_new_add_applies_to_the_next_connection,
     an_exclusion_added_later_applies_to_new_connections_and_spares_running_ones,
     source_ports_are_kept_when_free_and_a_collision_picks_another,
     a_port_a_host_socket_holds_is_not_taken_for_a_container,

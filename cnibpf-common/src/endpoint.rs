@@ -1,8 +1,10 @@
 //! `endpoints`: what the datapath knows about each container's host-side interface.
 //!
 //! Key: `u32` ifindex of the host-side veth. Value: [`EndpointInfo`]. Written by the CNI plugin
-//! on ADD, removed on DEL and GC; read by `from_container`, which learns from it which
-//! attachment a packet comes from and the gateway it may translate hairpin traffic to.
+//! on ADD (and by the filter's setup, which clears [`FLAG_UNFILTERED`] before it adds rules),
+//! removed on DEL and GC; read by `from_container`, which learns from it which attachment a
+//! packet comes from, what it need not look up, and the gateway it may translate hairpin
+//! traffic to, and by every hook that hands a packet to a container.
 
 use crate::impl_pod;
 
@@ -20,6 +22,18 @@ pub const FLAG_NO_HAIRPIN_SNAT: u32 = 2;
 /// translated for it is handed to the stack where it was translated, so that the host's
 /// forward and input chains judge both ways (translated in BPF, routed by the kernel).
 pub const FLAG_HOST_FIREWALL: u32 = 4;
+/// The attachment has no filter: the datapath does not look for one in `filters`.
+pub const FLAG_UNFILTERED: u32 = 8;
+/// The container's traffic is masqueraded (`ipMasq`): a packet of a flow `masq_flows` tracks
+/// for `owner` is translated without asking `masq_sources` first.
+pub const FLAG_MASQUERADED: u32 = 16;
+/// The container's traffic is not masqueraded: the datapath does not look for its source in
+/// `masq_sources`.
+pub const FLAG_UNMASQUERADED: u32 = 32;
+/// The flags that only spare the datapath a lookup, whose answer they carry. A record made by
+/// a cnibpf that knew none of them has none: the datapath then looks, with the same outcome,
+/// and CHECK accepts it until the attachment's next ADD.
+pub const HINT_FLAGS: u32 = FLAG_UNFILTERED | FLAG_MASQUERADED | FLAG_UNMASQUERADED;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -9,7 +9,7 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
-    endpoint::{FLAG_HOST_FIREWALL, FLAG_VIA_STACK},
+    endpoint::{FLAG_HOST_FIREWALL, FLAG_UNFILTERED, FLAG_VIA_STACK},
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
 };
 
@@ -31,26 +31,32 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     if !sources::admit(ctx, ifindex(ctx)) {
         return Ok(DROP);
     }
-    let Some(mut flow) = Flow::parse(ctx)? else {
-        return Ok(filter::verdict(filter::allows_other(
-            ctx,
-            ifindex(ctx),
-            DIRECTION_EGRESS,
-        )));
+    let endpoint = maps::endpoint(ifindex(ctx));
+    // A null record is an interface cnibpf knows nothing about: its packets take every lookup.
+    let (flags, owner) = if endpoint.is_null() {
+        (0, 0)
+    } else {
+        // SAFETY: points into `endpoints`, read at once.
+        unsafe { ((*endpoint).flags, (*endpoint).owner) }
     };
-    if !filter::allows(ctx, &flow, ifindex(ctx), DIRECTION_EGRESS) {
+    let filtered = flags & FLAG_UNFILTERED == 0;
+    let Some(mut flow) = Flow::parse(ctx)? else {
+        return Ok(filter::verdict(
+            !filtered || filter::allows_other(ctx, ifindex(ctx), DIRECTION_EGRESS),
+        ));
+    };
+    if filtered && !filter::allows(ctx, &flow, ifindex(ctx), DIRECTION_EGRESS) {
         return Ok(DROP);
     }
     // A container whose traffic is shaped on its veth: what it sends must pass the qdiscs
     // that follow this hook (the `bandwidth` plugin's redirect to its ifb), so nothing is sent
     // on from here; `uplink_egress` translates it on its way out.
-    let via_stack = maps::endpoint_flags(ifindex(ctx)) & (FLAG_VIA_STACK | FLAG_HOST_FIREWALL) != 0;
-    if via_stack {
+    if flags & (FLAG_VIA_STACK | FLAG_HOST_FIREWALL) != 0 {
         // Only translated replies and hairpin traffic: `uplink_egress` masquerades the rest.
         let verdict = translated(ctx, &mut flow, true);
         return Ok(if verdict == NOT_MINE { NEXT } else { verdict });
     }
-    let verdict = masquerade::established(ctx, &mut flow);
+    let verdict = masquerade::established(ctx, &mut flow, flags, owner);
     if verdict != NOT_MINE {
         return Ok(verdict);
     }

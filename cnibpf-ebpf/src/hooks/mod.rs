@@ -10,7 +10,7 @@ pub mod uplink;
 
 use aya_ebpf::{helpers::bpf_redirect, programs::TcContext};
 use cnibpf_common::{
-    endpoint::{FLAG_HOST_FIREWALL, FLAG_VIA_STACK},
+    endpoint::{FLAG_HOST_FIREWALL, FLAG_UNFILTERED, FLAG_VIA_STACK},
     filter::DIRECTION_INGRESS,
 };
 
@@ -56,10 +56,11 @@ fn hand_over(
         // SAFETY: bpf_redirect has no memory arguments.
         return Ok(unsafe { bpf_redirect(ifindex, 0) } as i32);
     }
-    let allowed = match flow {
-        Some(flow) => filter::allows(ctx, flow, ifindex, DIRECTION_INGRESS),
-        None => filter::allows_other(ctx, ifindex, DIRECTION_INGRESS),
-    };
+    let allowed = flags & FLAG_UNFILTERED != 0
+        || match flow {
+            Some(flow) => filter::allows(ctx, flow, ifindex, DIRECTION_INGRESS),
+            None => filter::allows_other(ctx, ifindex, DIRECTION_INGRESS),
+        };
     if !allowed {
         return Ok(DROP);
     }

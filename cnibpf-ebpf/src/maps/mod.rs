@@ -292,3 +292,13 @@ pub fn endpoint_flags(host_ifindex: u32) -> u32 {
         .get_ptr(&host_ifindex)
         .map_or(0, |endpoint| unsafe { (*endpoint).flags })
 }
+
+/// The `endpoints` record of a container's host-side veth, null for an unknown one. Not
+/// inlined, as `endpoint_flags`. (A raw pointer: an `Option` returned from a BPF call comes
+/// back in a form the verifier rejects.)
+#[inline(never)]
+pub fn endpoint(host_ifindex: u32) -> *const EndpointInfo {
+    endpoints
+        .get_ptr(&host_ifindex)
+        .unwrap_or(core::ptr::null())
+}

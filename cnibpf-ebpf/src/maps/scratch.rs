@@ -36,11 +36,18 @@ pub struct Subject {
 /// `masquerade::from_container`, which runs after the hostPort checks (`masquerade_scratch`):
 /// carried by the hook, the answer would make the verifier walk those checks once for each.
 pub struct MasqueradedSource {
-    /// The `masq_sources` entry of the source address.
+    /// The `masq_sources` entry of the source address, when `found` is [`SOURCE_FOUND`].
     pub source: MasqSource,
-    /// Non-zero when the source is masqueraded through the interface at hand.
+    /// `SOURCE_*`.
     pub found: u32,
 }
+
+/// [`MasqueradedSource::found`]: the source is not masqueraded through the interface at hand.
+pub const SOURCE_NOT_MASQUERADED: u32 = 0;
+/// It is, as `source` says.
+pub const SOURCE_FOUND: u32 = 1;
+/// The endpoint's record says its traffic is masqueraded, and `masq_sources` was not asked.
+pub const SOURCE_NOT_LOOKED_UP: u32 = 2;
 
 /// The state of a search for a free masquerade port (`port_search`).
 pub struct PortSearch {

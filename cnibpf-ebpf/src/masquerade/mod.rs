@@ -25,6 +25,7 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    endpoint::{FLAG_MASQUERADED, FLAG_UNMASQUERADED},
     masq_exclude::{MasqExcludeKey, OWNER_FAMILY_BITS},
     masq_flow::{MasqFlow, STATE_ESTABLISHED, STATE_OPENING},
     masq_reply::MasqReply,
@@ -39,7 +40,10 @@ mod icmp;
 use crate::{
     clock,
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
-    maps,
+    maps::{
+        self,
+        scratch::{SOURCE_FOUND, SOURCE_NOT_LOOKED_UP, SOURCE_NOT_MASQUERADED},
+    },
     packet::{
         DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, TO_CONTAINER, ifindex,
         or_verdict, widen, words,
@@ -60,8 +64,17 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
         return Ok(NEXT);
     };
     // SAFETY: this CPU's slot, written by `established` for this very packet.
-    let (source, masqueraded) = unsafe { ((*found).source, (*found).found != 0) };
-    if !masqueraded || is_excluded(source.owner, flow) {
+    let state = unsafe { (*found).found };
+    let source = match state {
+        // SAFETY: as above.
+        SOURCE_FOUND => unsafe { (*found).source },
+        SOURCE_NOT_LOOKED_UP => match masqueraded_source(flow) {
+            Some(source) if source.host_ifindex == ifindex(ctx) => source,
+            _ => return Ok(NEXT),
+        },
+        _ => return Ok(NEXT),
+    };
+    if is_excluded(source.owner, flow) {
         return Ok(NEXT);
     }
     // With the address the host sends from on that route, as its addresses are now: an
@@ -108,22 +121,35 @@ fn is_live(flow: &Flow, owner: u64) -> bool {
 /// conntrack entry keeps its NAT binding: the exclusions and hostPorts it was checked against
 /// when it began are not looked up again. What it finds of the source is left in
 /// `masquerade_scratch` for `from_container`.
+///
+/// `flags` and `owner` are from the interface's `endpoints` record: one that says whether the
+/// container is masqueraded spares the `masq_sources` lookup (a flow of `owner` was begun by
+/// `from_container`, which checked the source against it); one of an older build says
+/// neither, and the source is looked up.
 #[inline(never)]
-pub fn established(ctx: &TcContext, flow: &mut Flow) -> i32 {
+pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> i32 {
     let Some(found) = maps::masquerade_scratch.get_ptr_mut(0) else {
         return NOT_MINE;
     };
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
     let found = unsafe { &mut *found };
-    found.found = 0;
-    // A container can only be masqueraded through the interface it was attached with: another
-    // one sending with its address is spoofing it.
-    let owner = match masqueraded_source(flow) {
-        Some(source) if source.host_ifindex == ifindex(ctx) => {
-            (found.source, found.found) = (source, 1);
-            source.owner
+    found.found = SOURCE_NOT_MASQUERADED;
+    if flags & FLAG_UNMASQUERADED != 0 {
+        return NOT_MINE;
+    }
+    let owner = if flags & FLAG_MASQUERADED != 0 {
+        found.found = SOURCE_NOT_LOOKED_UP;
+        owner
+    } else {
+        // A container can only be masqueraded through the interface it was attached with:
+        // another one sending with its address is spoofing it.
+        match masqueraded_source(flow) {
+            Some(source) if source.host_ifindex == ifindex(ctx) => {
+                (found.source, found.found) = (source, SOURCE_FOUND);
+                source.owner
+            }
+            _ => return NOT_MINE,
         }
-        _ => return NOT_MINE,
     };
     if flow.fragment != Fragment::Whole {
         return NOT_MINE;

@@ -49,6 +49,10 @@ pub struct Endpoint {
     /// `hostFirewall`: what the datapath translates for the container goes through the host's
     /// stack, so that the host's own firewall chains judge it.
     pub host_firewall: bool,
+    /// The attachment has a filter (rules, or a default that drops).
+    pub filtered: bool,
+    /// The container's traffic is masqueraded (`ipMasq`).
+    pub masqueraded: bool,
     /// Where the container's routed traffic enters the host: the bridge its host-side
     /// interface is enslaved to, else that interface.
     pub gateway_ifindex: u32,

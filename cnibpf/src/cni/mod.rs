@@ -258,6 +258,11 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
         }
         .into());
     }
+    let filter = (!conf.plugin.filter.is_empty() || conf.plugin.filter_default == Target::Drop)
+        .then(|| Filter {
+            rules: conf.plugin.filter.clone(),
+            default: conf.plugin.filter_default,
+        });
     Ok(Plan {
         endpoint: Endpoint {
             attachment: attachment.clone(),
@@ -278,6 +283,8 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
             pod: env.args.pod.clone(),
             shaped,
             host_firewall: conf.plugin.host_firewall,
+            filtered: filter.is_some(),
+            masqueraded: masquerade.is_some(),
             gateway_ifindex,
             host_ports: conf.plugin.host_ports.clone(),
             condition_interfaces,
@@ -285,11 +292,7 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
         attachment,
         mappings,
         masquerade,
-        filter: (!conf.plugin.filter.is_empty() || conf.plugin.filter_default == Target::Drop)
-            .then(|| Filter {
-                rules: conf.plugin.filter.clone(),
-                default: conf.plugin.filter_default,
-            }),
+        filter,
         source_check,
     })
 }

@@ -257,6 +257,21 @@ impl EbpfBackend {
         }
     }
 
+    /// Clears `FLAG_UNFILTERED` from the record of interface `ifindex`, whoever holds it, so
+    /// that the datapath looks for the rules about to be added from the first packet on
+    /// (clearing a hint is always safe; `setup_endpoint` writes the whole record again).
+    pub(super) fn expect_filter(&mut self, ifindex: u32) -> Result<(), BackendError> {
+        match self.endpoints.get(&ifindex, 0) {
+            Ok(mut info) if info.flags & endpoint::FLAG_UNFILTERED != 0 => {
+                info.flags &= !endpoint::FLAG_UNFILTERED;
+                self.endpoints
+                    .insert(&ifindex, &info, 0)
+                    .map_err(map_error("could not write map endpoints"))
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn endpoint_link_pins(&self, owner: u64) -> [std::path::PathBuf; 2] {
         [
             self.pins.endpoint_link(owner, "from"),
@@ -344,7 +359,7 @@ impl Endpoints for EbpfBackend {
             )));
         }
         match self.endpoints.get(&endpoint.host.index, 0) {
-            Ok(found) if found == endpoint_info(endpoint) => {}
+            Ok(found) if is_current(&found, &endpoint_info(endpoint)) => {}
             _ => {
                 return Err(BackendError::CheckFailed(format!(
                     "the endpoints entry of {} (index {}) is missing or differs",
@@ -376,6 +391,16 @@ impl Endpoints for EbpfBackend {
     }
 }
 
+/// Whether the `endpoints` record `found` is `wanted`, or is it as a cnibpf made it that
+/// knew none of the hint flags (the datapath then looks up what they would have told it).
+fn is_current(found: &EndpointInfo, wanted: &EndpointInfo) -> bool {
+    let unhinted = |info: &EndpointInfo| EndpointInfo {
+        flags: info.flags & !endpoint::HINT_FLAGS,
+        ..*info
+    };
+    found == wanted || (found.flags & endpoint::HINT_FLAGS == 0 && *found == unhinted(wanted))
+}
+
 /// What the datapath keeps about a container's host-side interface.
 fn endpoint_info(endpoint: &Endpoint) -> EndpointInfo {
     let mut flags = 0;
@@ -388,6 +413,14 @@ fn endpoint_info(endpoint: &Endpoint) -> EndpointInfo {
     if endpoint.host_firewall {
         flags |= endpoint::FLAG_HOST_FIREWALL;
     }
+    if !endpoint.filtered {
+        flags |= endpoint::FLAG_UNFILTERED;
+    }
+    flags |= if endpoint.masqueraded {
+        endpoint::FLAG_MASQUERADED
+    } else {
+        endpoint::FLAG_UNMASQUERADED
+    };
     EndpointInfo {
         gateway_v6: endpoint
             .gateway_v6
@@ -430,5 +463,52 @@ fn is_attached(
         Err(source) => Err(program_error(&format!(
             "could not query tcx programs of interface {ifindex}"
         ))(source)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wanted() -> EndpointInfo {
+        EndpointInfo {
+            owner: 7,
+            gateway_v4: [10, 22, 0, 1],
+            flags: endpoint::FLAG_VIA_STACK
+                | endpoint::FLAG_UNFILTERED
+                | endpoint::FLAG_MASQUERADED,
+            gateway_ifindex: 3,
+            ..EndpointInfo::default()
+        }
+    }
+
+    #[test]
+    fn a_record_without_hints_is_current_and_a_wrong_hint_is_not() {
+        let wanted = wanted();
+        assert!(is_current(&wanted, &wanted));
+        let older_build = EndpointInfo {
+            flags: endpoint::FLAG_VIA_STACK,
+            ..wanted
+        };
+        assert!(
+            is_current(&older_build, &wanted),
+            "made by a build without hints"
+        );
+        let filter_missed = EndpointInfo {
+            flags: endpoint::FLAG_VIA_STACK | endpoint::FLAG_MASQUERADED,
+            ..wanted
+        };
+        assert!(!is_current(&filter_missed, &wanted), "a hint that differs");
+        let other_flags = EndpointInfo { flags: 0, ..wanted };
+        assert!(
+            !is_current(&other_flags, &wanted),
+            "a flag that is not a hint"
+        );
+        let other_gateway = EndpointInfo {
+            flags: endpoint::FLAG_VIA_STACK,
+            gateway_ifindex: 4,
+            ..wanted
+        };
+        assert!(!is_current(&other_gateway, &wanted));
     }
 }

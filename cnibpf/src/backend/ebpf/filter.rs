@@ -44,6 +44,7 @@ impl Filtering for EbpfBackend {
         {
             return Ok(());
         }
+        self.expect_filter(ifindex)?;
         // Counters first: a packet judged by the new rules never counts on the old ones'
         // positions (one judged by the old rules meanwhile may count on the new ones').
         let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
