@@ -365,11 +365,14 @@ fn flow_key(flow: &Flow, direction: Direction) -> NatFlowKey {
     }
 }
 
-/// The mapping for the packet's destination: an exact host address first, then the wildcard,
-/// which applies only when the destination is an address of this host, as `-m addrtype
-/// --dst-type LOCAL` does for the reference portmap: routed traffic is never captured. An
-/// address is the host's when the plugin recorded it (`host_addrs`, at ADD and CHECK) or, for
-/// one added since, when the FIB does not forward it (`packet::is_local`).
+/// The mapping for the packet's destination: the wildcard, which applies only when the
+/// destination is an address of this host, as `-m addrtype --dst-type LOCAL` does for the
+/// reference portmap (routed traffic is never captured), else the one of that exact address.
+/// The wildcard is asked first because it is the common mapping and the two never coexist
+/// (a wildcard hostIP overlaps every other: an attachment's own list refuses the pair, another
+/// attachment's ADD the holder's port). An address is the host's when the FIB does not
+/// forward it (`route::is_local`, whose answer the flow's later packets find kept) or when the
+/// plugin recorded it (`host_addrs`, at ADD and CHECK: an address removed since).
 ///
 /// The pointer is into `portmap`; callers read what they need at once. Userspace replaces
 /// values whole, and a value freed under a reader can at worst misdirect the packet at hand.
@@ -380,12 +383,13 @@ pub fn lookup_mapping(ctx: &TcContext, flow: &Flow) -> Option<*const PortMapValu
         protocol: flow.protocol,
         family: flow.family,
     };
-    if let Some(value) = maps::portmap.get_ptr(&key) {
-        return Some(value);
-    }
     clear_address(&mut key.host_addr);
-    let wildcard = maps::portmap.get_ptr(&key)?;
-    (maps::is_host_address(&flow.daddr, flow.family) || is_local(ctx, flow)).then_some(wildcard)
+    if let Some(wildcard) = maps::portmap.get_ptr(&key) {
+        return (is_local(ctx, flow) || maps::is_host_address(&flow.daddr, flow.family))
+            .then_some(wildcard);
+    }
+    key.host_addr = flow.daddr;
+    maps::portmap.get_ptr(&key)
 }
 
 pub use conditions::admit;
