@@ -100,8 +100,8 @@ impl std::fmt::Debug for EbpfBackend {
 }
 
 impl EbpfBackend {
-    /// Whether the eBPF backend can work on this host: the kernel loads and attaches a TC
-    /// program (a kernel without BPF or tcx, or a sandbox that denies `bpf()`, fails here).
+    /// Whether the eBPF backend can work on this host: the kernel loads a TC program and
+    /// knows tcx (a kernel without BPF or tcx, or a sandbox that denies `bpf()`, fails here).
     pub fn probe() -> Result<(), BackendError> {
         probe::load_and_query()
             .and_then(|()| probe::bpffs_writable())
