@@ -15,7 +15,8 @@ use cnibpf_common::{
 use cnibpf_tests::{
     Container, SimHost, for_both_backends,
     topology::{
-        Backend, FAR_ADDR, FAR_ADDR6, Family, HOST_UPLINK_ADDR, HOST_UPLINK_ADDR6, port_mappings,
+        Backend, FAR_ADDR, FAR_ADDR6, Family, HOST_UPLINK_ADDR, HOST_UPLINK_ADDR6, UPLINK,
+        port_mappings,
     },
     traffic::{
         CLIENT_TIMEOUT, Conversation, EchoServer, SinkServer, StreamEchoServer, TcpServer,
@@ -935,8 +936,76 @@ fn ip_masq_turned_off_and_on_by_a_new_add_applies_to_the_next_connection(backend
     }
 }
 
+/// The uplink's MTU below the container's: small datagrams are sent straight out (their
+/// answer keeps the interface's MTU for the flow's later packets), a larger one from the same
+/// socket right after them is left to the host stack, which fragments it (`uplink_egress`
+/// masquerades the fragments). Sent straight out, it would be dropped by the uplink.
+fn a_datagram_too_big_for_the_uplink_goes_through_the_stack_between_small_ones(backend: Backend) {
+    const PAIRS: usize = 5;
+    const BIG: usize = 1400;
+    let host = masquerading(backend, "mq-mtu");
+    let container = host.container("c1", Value::Null);
+    host.host
+        .exec(&["ip", "link", "set", UPLINK, "mtu", "1280"]);
+    host.outside
+        .exec(&["ip", "link", "set", "eth0", "mtu", "1280"]);
+    let target = SocketAddr::new(Family::V4.outside(), 5400);
+    let server = host.outside.run(move || {
+        std::net::UdpSocket::bind(target).unwrap_or_else(|error| panic!("bind {target}: {error}"))
+    });
+    server
+        .set_read_timeout(Some(CLIENT_TIMEOUT))
+        .expect("read timeout");
+    container.netns.run(move || {
+        let socket = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind the client");
+        // No DF bit: a router (here the host) may fragment it.
+        let dont = libc::IP_PMTUDISC_DONT;
+        // SAFETY: setsockopt reads an int option from a live local, on a socket we own.
+        let set = unsafe {
+            libc::setsockopt(
+                std::os::fd::AsRawFd::as_raw_fd(&socket),
+                libc::IPPROTO_IP,
+                libc::IP_MTU_DISCOVER,
+                (&raw const dont).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(
+            set,
+            0,
+            "IP_MTU_DISCOVER: {}",
+            std::io::Error::last_os_error()
+        );
+        for _ in 0..PAIRS {
+            socket
+                .send_to(&[1; 64], target)
+                .expect("send a small datagram");
+            socket
+                .send_to(&[2; BIG], target)
+                .expect("send a big datagram");
+        }
+    });
+    let mut sizes = Vec::new();
+    let mut buffer = [0u8; 2048];
+    while sizes.len() < 2 * PAIRS {
+        match server.recv_from(&mut buffer) {
+            Ok((size, from)) => {
+                assert_eq!(from.ip(), uplink_address(Family::V4), "masqueraded");
+                sizes.push(size);
+            }
+            Err(error) => panic!("after {sizes:?}: {error}"),
+        }
+    }
+    assert_eq!(
+        sizes.iter().filter(|size| **size == BIG).count(),
+        PAIRS,
+        "every big datagram arrived whole: {sizes:?}"
+    );
+}
+
 for_both_backends!(
     tcp_udp_and_ping_reach_an_outside_without_a_route_back_as_the_uplink,
+    a_datagram_too_big_for_the_uplink_goes_through_the_stack_between_small_ones,
     ip_masq_turned_off_and_on_by_a_new_add_applies_to_the_next_connection,
     an_exclusion_added_later_applies_to_new_connections_and_spares_running_ones,
     source_ports_are_kept_when_free_and_a_collision_picks_another,

@@ -5,7 +5,9 @@
 //! interface), and later packets of the same flow take it until the coarse clock ticks (1 to
 //! 10 ms by the kernel's HZ). A changed route, address or neighbour thus reaches a running
 //! flow at most one tick late, and a new flow at once (other ports: another question). The
-//! MTU depends on the packet and is checked for every one.
+//! MTU check depends on the packet: one no longer than the interface's MTU, as the answer's
+//! first check reported it, fits whatever the link header; a longer one, or a GSO packet, is
+//! checked by the kernel.
 
 use core::mem::MaybeUninit;
 
@@ -58,7 +60,7 @@ pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
         return Route::Other;
     };
     // SAFETY: this CPU's `next_hops` slot, which only this program run touches now.
-    let hop = unsafe { &*hop };
+    let hop = unsafe { &mut *hop };
     let route = match hop.answer {
         BPF_FIB_LKUP_RET_SUCCESS => Route::Neighbour {
             ifindex: hop.ifindex,
@@ -82,6 +84,19 @@ pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
             to.add(1).write(from.add(1).read());
         }
     }
+    // Too big: the host stack answers with "fragmentation needed" or fragments it.
+    if ctx.len() <= hop.mtu || fits_mtu(ctx, hop) {
+        route
+    } else {
+        Route::Other
+    }
+}
+
+/// Whether the packet fits the MTU of the answer's output interface, by the kernel's check
+/// (which compares the whole frame with the MTU plus the link header, and a GSO packet's
+/// segments with the MTU); the MTU it reports is kept with the answer.
+#[inline(always)]
+fn fits_mtu(ctx: &TcContext, hop: &mut NextHop) -> bool {
     let mut mtu: u32 = 0;
     // SAFETY: skb is this program's context; mtu is a u32 on this stack, zero as the
     // BPF_MTU_CHK_SEGS mode requires.
@@ -94,8 +109,8 @@ pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
             u64::from(bpf_check_mtu_flags::BPF_MTU_CHK_SEGS),
         )
     } == 0;
-    // Too big: the host stack answers with "fragmentation needed" or fragments it.
-    if fits { route } else { Route::Other }
+    hop.mtu = mtu;
+    fits
 }
 
 /// Whether the host delivers the flow's destination to itself rather than forwarding it: the
@@ -188,6 +203,7 @@ fn look_up(ctx: &TcContext, flow: &Flow, choose_source: u8, hop: *mut NextHop, n
     hop.looked_up_ns = now;
     hop.answer = answer;
     hop.ifindex = params.ifindex;
+    hop.mtu = 0;
     // SAFETY: the kernel filled in the MAC addresses on success, and wrote the source
     // address's union member of the lookup's family when asked for it; other answers do not
     // read them.

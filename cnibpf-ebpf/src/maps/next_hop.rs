@@ -30,5 +30,9 @@ pub struct NextHop {
     pub source_mac: [u8; 6],
     pub destination_mac: [u8; 6],
     pub source: [u8; 16],
+    /// The output interface's MTU as the MTU check last reported it for this answer, zero
+    /// until then.
+    pub mtu: u32,
+    pub _pad2: u32,
 }
-const _: () = assert!(size_of::<NextHop>() == 88);
+const _: () = assert!(size_of::<NextHop>() == 96);
