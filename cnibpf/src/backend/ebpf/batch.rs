@@ -14,8 +14,11 @@ use aya::{
 
 /// `BPF_MAP_LOOKUP_BATCH` from the kernel's `enum bpf_cmd`.
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-/// Entries asked for per call.
-const CHUNK: u32 = 4_096;
+/// Entries asked for by the first call, and at most per call. A call's buffers are allocated
+/// (and touched) in this process and again in the kernel, whatever the map's fill: a DEL
+/// beside nearly empty flow tables starts small, a read of a full table doubles its way up.
+const FIRST_CHUNK: usize = 64;
+const MAX_CHUNK: usize = 4_096;
 
 /// The `batch` member of `union bpf_attr`.
 #[repr(C)]
@@ -39,26 +42,25 @@ where
     M: IterableMap<K, V>,
 {
     let data: &MapData = map.map();
-    let fd = data.fd().as_fd().as_raw_fd();
-    let mut keys = vec![K::default(); CHUNK as usize];
-    let mut values = vec![V::default(); CHUNK as usize];
+    let fd = u32::try_from(data.fd().as_fd().as_raw_fd())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let mut chunk = FIRST_CHUNK;
+    let mut keys = vec![K::default(); chunk];
+    let mut values = vec![V::default(); chunk];
     // Hash maps' batch position is a bucket index (u32); the first call passes none.
-    let mut position: u32 = 0;
+    let mut position: Option<u32> = None;
     let mut next_position: u32 = 0;
     let mut all = Vec::new();
-    let mut first = true;
     loop {
         let mut attr = BatchAttr {
-            in_batch: if first {
-                0
-            } else {
-                (&raw const position) as u64
-            },
+            in_batch: position
+                .as_ref()
+                .map_or(0, |position| core::ptr::from_ref(position) as u64),
             out_batch: (&raw mut next_position) as u64,
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
-            count: CHUNK,
-            map_fd: u32::try_from(fd).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
+            count: chunk as u32,
+            map_fd: fd,
             ..BatchAttr::default()
         };
         // SAFETY: bpf(2) with a correctly laid out batch attribute whose buffers hold `count`
@@ -76,11 +78,19 @@ where
             false
         } else {
             let error = io::Error::last_os_error();
-            // ENOENT: the end of the map, possibly with a last partial chunk.
-            if error.raw_os_error() != Some(libc::ENOENT) {
-                return Err(error);
+            match error.raw_os_error() {
+                // The end of the map, possibly with a last partial chunk.
+                Some(libc::ENOENT) => true,
+                // One bucket holds more entries than the buffers: the same position again,
+                // with room for it.
+                Some(libc::ENOSPC) if chunk < MAX_CHUNK => {
+                    chunk *= 2;
+                    keys.resize(chunk, K::default());
+                    values.resize(chunk, V::default());
+                    continue;
+                }
+                _ => return Err(error),
             }
-            true
         };
         let filled = attr.count as usize;
         all.extend(
@@ -92,7 +102,12 @@ where
         if done {
             return Ok(all);
         }
-        position = next_position;
-        first = false;
+        position = Some(next_position);
+        // A full chunk: the map holds more; the next call asks for more at once.
+        if filled == chunk && chunk < MAX_CHUNK {
+            chunk *= 2;
+            keys.resize(chunk, K::default());
+            values.resize(chunk, V::default());
+        }
     }
 }
