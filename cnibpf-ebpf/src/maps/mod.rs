@@ -283,19 +283,21 @@ pub fn count_lost_event() {
     }
 }
 
-/// The `endpoints` flags of a container's host-side veth (zero for an unknown one). Not
-/// inlined: its lookup key would otherwise sit in its callers' frames, under the filter's.
-#[inline(never)]
+/// The `endpoints` flags of a container's host-side veth (zero for an unknown one).
+#[inline(always)]
 pub fn endpoint_flags(host_ifindex: u32) -> u32 {
+    let endpoint = endpoint(host_ifindex);
+    if endpoint.is_null() {
+        return 0;
+    }
     // SAFETY: points into `endpoints`, read at once.
-    endpoints
-        .get_ptr(&host_ifindex)
-        .map_or(0, |endpoint| unsafe { (*endpoint).flags })
+    unsafe { (*endpoint).flags }
 }
 
 /// The `endpoints` record of a container's host-side veth, null for an unknown one. Not
-/// inlined, as `endpoint_flags`. (A raw pointer: an `Option` returned from a BPF call comes
-/// back in a form the verifier rejects.)
+/// inlined: its lookup key would otherwise sit in its callers' frames, under the filter's. (A
+/// raw pointer: an `Option` returned from a BPF call comes back in a form the verifier
+/// rejects.)
 #[inline(never)]
 pub fn endpoint(host_ifindex: u32) -> *const EndpointInfo {
     endpoints

@@ -68,9 +68,9 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
     let source = match state {
         // SAFETY: as above.
         SOURCE_FOUND => unsafe { (*found).source },
-        SOURCE_NOT_LOOKED_UP => match masqueraded_source(flow) {
-            Some(source) if source.host_ifindex == ifindex(ctx) => source,
-            _ => return Ok(NEXT),
+        SOURCE_NOT_LOOKED_UP => match source_attached_here(ctx, flow) {
+            Some(source) => source,
+            None => return Ok(NEXT),
         },
         _ => return Ok(NEXT),
     };
@@ -141,14 +141,12 @@ pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> 
         found.found = SOURCE_NOT_LOOKED_UP;
         owner
     } else {
-        // A container can only be masqueraded through the interface it was attached with:
-        // another one sending with its address is spoofing it.
-        match masqueraded_source(flow) {
-            Some(source) if source.host_ifindex == ifindex(ctx) => {
+        match source_attached_here(ctx, flow) {
+            Some(source) => {
                 (found.source, found.found) = (source, SOURCE_FOUND);
                 source.owner
             }
-            _ => return NOT_MINE,
+            None => return NOT_MINE,
         }
     };
     if flow.fragment != Fragment::Whole {
@@ -633,6 +631,14 @@ fn masqueraded_source(flow: &Flow) -> Option<MasqSource> {
     maps::masq_sources
         .get_ptr(&key)
         .map(|source| unsafe { *source })
+}
+
+/// The `masq_sources` entry of a container packet's source when it arrived by the interface
+/// the container was attached with: a container is masqueraded only through that one, and
+/// another one sending with its address is spoofing it.
+#[inline(always)]
+fn source_attached_here(ctx: &TcContext, flow: &Flow) -> Option<MasqSource> {
+    masqueraded_source(flow).filter(|source| source.host_ifindex == ifindex(ctx))
 }
 
 /// Whether the destination is one the attachment's traffic is never masqueraded towards.

@@ -45,13 +45,14 @@ where
     let fd = u32::try_from(data.fd().as_fd().as_raw_fd())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let mut chunk = FIRST_CHUNK;
-    let mut keys = vec![K::default(); chunk];
-    let mut values = vec![V::default(); chunk];
+    let (mut keys, mut values) = (Vec::new(), Vec::new());
     // Hash maps' batch position is a bucket index (u32); the first call passes none.
     let mut position: Option<u32> = None;
     let mut next_position: u32 = 0;
     let mut all = Vec::new();
     loop {
+        keys.resize(chunk, K::default());
+        values.resize(chunk, V::default());
         let mut attr = BatchAttr {
             in_batch: position
                 .as_ref()
@@ -85,8 +86,6 @@ where
                 // with room for it.
                 Some(libc::ENOSPC) if chunk < MAX_CHUNK => {
                     chunk *= 2;
-                    keys.resize(chunk, K::default());
-                    values.resize(chunk, V::default());
                     continue;
                 }
                 _ => return Err(error),
@@ -106,8 +105,6 @@ where
         // A full chunk: the map holds more; the next call asks for more at once.
         if filled == chunk && chunk < MAX_CHUNK {
             chunk *= 2;
-            keys.resize(chunk, K::default());
-            values.resize(chunk, V::default());
         }
     }
 }
