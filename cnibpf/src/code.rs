@@ -13,3 +13,4 @@ pub const INTERFACE: u32 = 103;
 pub const BACKEND_UNAVAILABLE: u32 = 104;
 pub const CHECK_FAILED: u32 = 105;
 pub const INCOMPATIBLE_STATE: u32 = 106;
+pub const OUTPUT: u32 = 107;

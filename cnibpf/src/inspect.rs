@@ -9,11 +9,12 @@ use crate::{
         self, AttachmentRecord, BackendError, FilterRecord, MasqueradeRecord, SourceCheckRecord,
         nftables,
     },
+    cni::error::Error,
     model::{ResolvedMapping, masquerade::ReasonText},
     paths::PinLayout,
 };
 
-pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
+pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
     let pins = PinLayout::new(pin_path);
     let mut attachments = Vec::new();
     let mut counters = Vec::new();
@@ -71,11 +72,11 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
     // The eBPF datapath hands what it translates past the host's own chains (README: the
     // host's firewall); a user whose rules would judge that traffic should know.
     let bypassed = if attachments.iter().any(|shown| shown.backend == "ebpf") {
-        nftables::firewall_chains().unwrap_or_default()
+        nftables::firewall_chains().map_err(BackendError::from)?
     } else {
         Vec::new()
     };
-    let mut out = std::io::stdout().lock();
+    let mut lines = Vec::new();
     if as_json {
         let list: Vec<_> = attachments
             .iter()
@@ -124,18 +125,18 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 ((*backend).to_owned(), serde_json::Value::Object(values))
             })
             .collect();
-        let uplinks: Vec<_> = uplinks
+        let uplinks = uplinks
             .iter()
             .map(|(backend, uplink)| {
-                json!({
+                Ok(json!({
                     "backend": backend,
                     "ifindex": uplink.ifindex,
-                    "ifname": interface_name(uplink.ifindex),
+                    "ifname": interface_name(uplink.ifindex)?,
                     "masqueradeV4": uplink.v4.map(|addr| addr.to_string()),
                     "masqueradeV6": uplink.v6.map(|addr| addr.to_string()),
-                })
+                }))
             })
-            .collect();
+            .collect::<Result<Vec<_>, Error>>()?;
         let document = json!({
             "pinPath": pin_path,
             "lockFile": pins.lock_file(),
@@ -150,18 +151,17 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 "rules": chain.rules,
             })).collect::<Vec<_>>(),
         });
-        let _ = writeln!(out, "{document:#}");
-        return Ok(());
+        lines.push(format!("{document:#}"));
+        return print(&lines);
     }
     if attachments.is_empty() {
-        let _ = writeln!(out, "no attachments under {}", pin_path.display());
-        return Ok(());
+        lines.push(format!("no attachments under {}", pin_path.display()));
+        return print(&lines);
     }
-    let _ = writeln!(
-        out,
+    lines.push(format!(
         "{:<16} {:<20} {:<8} {:<16} {:<7} {:<16}",
         "NETWORK", "CONTAINER", "IFNAME", "HOST-IF", "BACKEND", "OWNER"
-    );
+    ));
     for Shown {
         backend,
         record,
@@ -172,8 +172,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
     } in &attachments
     {
         let container: String = record.attachment.container_id.chars().take(20).collect();
-        let _ = writeln!(
-            out,
+        lines.push(format!(
             "{:<16} {:<20} {:<8} {:<16} {:<7} {:016x}",
             record.attachment.network,
             container,
@@ -181,15 +180,15 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
             record.host_ifname,
             backend,
             record.owner
-        );
+        ));
         if let Some(pod) = &record.pod {
-            let _ = writeln!(out, "    pod {pod}");
+            lines.push(format!("    pod {pod}"));
         }
         for mapping in mappings {
-            let _ = writeln!(out, "    portmap {}", mapping);
+            lines.push(format!("    portmap {}", mapping));
         }
         for note in notes(backend, mappings) {
-            let _ = writeln!(out, "    note: {note}");
+            lines.push(format!("    note: {note}"));
         }
         if let Some(record) = masquerade {
             let sources: Vec<String> = record
@@ -204,31 +203,28 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 .iter()
                 .map(|(net, reason)| format!("{net} ({})", ReasonText(*reason)))
                 .collect();
-            let _ = writeln!(
-                out,
+            lines.push(format!(
                 "    masquerade {} except to {}; {} tracked flows",
                 sources.join(", "),
                 excludes.join(", "),
                 record.flows
-            );
+            ));
         }
         match source_check {
             Some(record) => {
                 let (packets, bytes) = record.dropped;
-                let _ = writeln!(
-                    out,
+                lines.push(format!(
                     "    sources {}; spoofed: {packets} packets, {bytes} bytes dropped",
                     record.check
-                );
+                ));
             }
             None => {
-                let _ = writeln!(out, "    sources not checked");
+                lines.push("    sources not checked".to_owned());
             }
         }
         if let Some(filter) = filter {
             let (packets, bytes) = filter.default_hits;
-            let _ = writeln!(
-                out,
+            lines.push(format!(
                 "    filter: {} rule{}, default {} ({packets} packets, {bytes} bytes); {} tracked connections",
                 filter.filter.rules.len(),
                 if filter.filter.rules.len() == 1 {
@@ -238,15 +234,14 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 },
                 filter.filter.default.as_str(),
                 filter.flows
-            );
+            ));
             for (rule, (packets, bytes)) in filter.filter.rules.iter().zip(&filter.hits) {
-                let _ = writeln!(
-                    out,
+                lines.push(format!(
                     "      {:>10} {:<5} {:<60} {packets:>10} packets {bytes:>12} bytes",
                     rule.index,
                     rule.target.as_str(),
                     rule.to_string()
-                );
+                ));
             }
         }
     }
@@ -256,22 +251,22 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
             .flatten()
             .map(|addr| addr.to_string())
             .collect();
-        let _ = writeln!(
-            out,
+        lines.push(format!(
             "uplink {} (index {}, {backend}) masquerades to {}",
-            interface_name(uplink.ifindex).unwrap_or_else(|| "?".to_owned()),
+            // fail-closed: `interface_name` kept the errors; a gone uplink is shown as "?".
+            interface_name(uplink.ifindex)?.unwrap_or_else(|| "?".to_owned()),
             uplink.ifindex,
             if addresses.is_empty() {
                 "nothing (no address)".to_owned()
             } else {
                 addresses.join(", ")
             }
-        );
+        ));
     }
     for (backend, values) in &counters {
-        let _ = writeln!(out, "{backend} counters:");
+        lines.push(format!("{backend} counters:"));
         for (name, value) in values {
-            let _ = writeln!(out, "    {name:<30} {value}");
+            lines.push(format!("    {name:<30} {value}"));
         }
     }
     if !bypassed.is_empty() {
@@ -288,13 +283,12 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), BackendError> {
                 )
             })
             .collect();
-        let _ = writeln!(
-            out,
+        lines.push(format!(
             "note: the host's firewall chains {} do not see what the eBPF datapath forwards (hostPort traffic from outside, replies, masquerade, hairpin) for attachments without hostFirewall: true; cnibpf's filter rules do, and the nftables backend keeps that traffic in the stack",
             chains.join(", ")
-        );
+        ));
     }
-    Ok(())
+    print(&lines)
 }
 
 /// One attachment as inspect shows it.
@@ -347,9 +341,16 @@ fn notes(backend: &str, mappings: &[ResolvedMapping]) -> Vec<String> {
     )]
 }
 
-/// The interface's current name, when it still exists.
-fn interface_name(ifindex: u32) -> Option<String> {
-    crate::netlink::link_by_index(ifindex)
-        .ok()
-        .map(|link| link.name)
+/// The interface's current name, `None` when the kernel says it is gone.
+fn interface_name(ifindex: u32) -> Result<Option<String>, Error> {
+    Ok(crate::netlink::link_if_there(ifindex)?.map(|link| link.name))
+}
+
+/// Writes the report; one that cannot be written is the command's failure.
+fn print(lines: &[String]) -> Result<(), Error> {
+    let mut out = std::io::stdout().lock();
+    for line in lines {
+        writeln!(out, "{line}").map_err(Error::Output)?;
+    }
+    out.flush().map_err(Error::Output)
 }

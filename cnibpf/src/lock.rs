@@ -11,7 +11,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use nix::fcntl::{Flock, FlockArg};
+use nix::{
+    errno::Errno,
+    fcntl::{Flock, FlockArg},
+};
 
 /// How long an invocation waits for the lock before answering "try again" (code 11), unless
 /// `CNIBPF_LOCK_TIMEOUT_MS` says otherwise (runtimes with tighter deadlines of their own).
@@ -20,8 +23,11 @@ pub const LOCK_TIMEOUT_ENV: &str = "CNIBPF_LOCK_TIMEOUT_MS";
 
 pub fn lock_timeout() -> Duration {
     std::env::var(LOCK_TIMEOUT_ENV)
+        // fail-closed: a setting that is not there, or not a number, leaves the default.
         .ok()
+        // fail-closed: as above.
         .and_then(|value| value.parse().ok())
+        // fail-closed: as above.
         .map_or(DEFAULT_LOCK_TIMEOUT, Duration::from_millis)
 }
 const POLL_INTERVAL: Duration = Duration::from_millis(2);
@@ -36,6 +42,12 @@ pub enum LockError {
     },
     #[error("timed out after {timeout:?} waiting for lock {path}")]
     Timeout { path: PathBuf, timeout: Duration },
+    #[error("could not lock {path}")]
+    Lock {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// An exclusive `flock` on the instance's lock file, released on drop.
@@ -63,14 +75,21 @@ impl InstanceLock {
         loop {
             match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
                 Ok(lock) => return Ok(Self { _lock: lock }),
-                Err((returned, _)) if Instant::now() < deadline => {
+                // Held by another invocation (or interrupted): wait for it, up to the deadline.
+                Err((returned, Errno::EWOULDBLOCK | Errno::EINTR)) if Instant::now() < deadline => {
                     file = returned;
                     thread::sleep(POLL_INTERVAL);
                 }
-                Err(_) => {
+                Err((_, Errno::EWOULDBLOCK | Errno::EINTR)) => {
                     return Err(LockError::Timeout {
                         path: path.to_owned(),
                         timeout,
+                    });
+                }
+                Err((_, errno)) => {
+                    return Err(LockError::Lock {
+                        path: path.to_owned(),
+                        source: errno.into(),
                     });
                 }
             }

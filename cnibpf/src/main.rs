@@ -14,6 +14,7 @@ mod monitor;
 mod netlink;
 mod netns;
 mod nfnetlink;
+mod output;
 mod paths;
 mod phases;
 mod preload;
@@ -23,7 +24,10 @@ use std::{path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
 
-use crate::model::UnknownWord;
+use crate::{
+    model::UnknownWord,
+    output::{log_line, say},
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -127,14 +131,14 @@ fn main() -> ExitCode {
         AdminCommand::Inspect { pin_path, json } => match inspect::run(&pin_path, json) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
-                eprintln!("cnibpf inspect: {error}");
+                log_line!("cnibpf inspect: {error}");
                 ExitCode::FAILURE
             }
         },
         AdminCommand::Gc { pin_path, stale } => match reclaim::run(&pin_path, stale) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
-                eprintln!("cnibpf gc: {error}");
+                log_line!("cnibpf gc: {error}");
                 ExitCode::FAILURE
             }
         },
@@ -169,7 +173,7 @@ fn main() -> ExitCode {
             match installed {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
-                    eprintln!("cnibpf install: {error}");
+                    log_line!("cnibpf install: {error}");
                     ExitCode::FAILURE
                 }
             }
@@ -178,7 +182,7 @@ fn main() -> ExitCode {
             match install::uninstall(&conf_dir, &bin_dir) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
-                    eprintln!("cnibpf uninstall: {error}");
+                    log_line!("cnibpf uninstall: {error}");
                     ExitCode::FAILURE
                 }
             }
@@ -194,11 +198,11 @@ fn main() -> ExitCode {
                 });
             match loaded {
                 Ok(done) => {
-                    println!("{done}");
+                    say!("{done}");
                     ExitCode::SUCCESS
                 }
                 Err(error) => {
-                    eprintln!("cnibpf load: {error}");
+                    log_line!("cnibpf load: {error}");
                     ExitCode::FAILURE
                 }
             }
@@ -206,7 +210,7 @@ fn main() -> ExitCode {
         AdminCommand::Monitor { pin_path, json } => match monitor::run(&pin_path, json) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
-                eprintln!("cnibpf monitor: {error}");
+                log_line!("cnibpf monitor: {error}");
                 ExitCode::FAILURE
             }
         },

@@ -39,6 +39,8 @@ pub enum MonitorError {
     Lock(#[from] LockError),
     #[error("could not wait for events")]
     Io(#[from] std::io::Error),
+    #[error("could not write to stdout")]
+    Output(#[source] std::io::Error),
 }
 
 pub fn run(pin_path: &Path, as_json: bool) -> Result<(), MonitorError> {
@@ -102,9 +104,13 @@ async fn follow(
                 }
                 let mut out = std::io::stdout().lock();
                 for line in lines {
-                    // A closed stdout (the reader went away) ends the monitor like Ctrl-C.
-                    if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
-                        return Ok(());
+                    match writeln!(out, "{line}").and_then(|()| out.flush()) {
+                        Ok(()) => {}
+                        // A closed stdout (the reader went away) ends the monitor like Ctrl-C.
+                        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => {
+                            return Ok(());
+                        }
+                        Err(error) => return Err(MonitorError::Output(error)),
                     }
                 }
             }
@@ -135,6 +141,7 @@ fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: b
         (REASON_SPOOFED, cnibpf_common::FAMILY_IPV4, 0) => "arp".to_owned(),
         (_, _, number) => crate::model::protocol_name(number),
     };
+    // fail-closed: an Option: an event of an attachment gone since shows "?".
     let (network, container_id, ifname) = attachment.map_or(("?", "?", "?"), |record| {
         (
             record.attachment.network.as_str(),
@@ -173,6 +180,7 @@ fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: b
         (PROTO_ICMP | PROTO_ICMPV6, addr) if port != 0 => format!("{addr} (echo id {port})"),
         (_, addr) => addr.to_string(),
     };
+    // fail-closed: an Option: no pod, no pod shown.
     let pod = pod.map(|pod| format!(" pod {pod}")).unwrap_or_default();
     format!(
         "{time} {network} {container_id} {ifname}{pod} {direction} {} by {reason}: {protocol} {} -> {}",
@@ -185,10 +193,12 @@ fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: b
 /// The wall-clock time of a datapath timestamp (CLOCK_MONOTONIC).
 fn wall_clock(monotonic_ns: u64) -> SystemTime {
     let now = SystemTime::now();
+    // fail-closed: a clock that cannot be read dates the event now, for display only.
     let Ok(monotonic) = clock_gettime(ClockId::CLOCK_MONOTONIC) else {
         return now;
     };
     let monotonic_now = Duration::from(monotonic).as_nanos();
     let age = monotonic_now.saturating_sub(u128::from(monotonic_ns));
+    // fail-closed: no kernel result; an age beyond u64 nanoseconds is centuries.
     now - Duration::from_nanos(u64::try_from(age).unwrap_or(u64::MAX))
 }

@@ -77,6 +77,25 @@ pub fn link_by_index(index: u32) -> Result<Link, NetlinkError> {
     })
 }
 
+/// The interface `index`; `None` when the kernel says there is none (ENODEV), the only answer
+/// that means gone.
+pub fn link_if_there(index: u32) -> Result<Option<Link>, NetlinkError> {
+    match link_by_index(index) {
+        Ok(link) => Ok(Some(link)),
+        Err(NetlinkError::NoSuchIndex(_)) => Ok(None),
+        Err(error) => Err(error),
+    }
+}
+
+/// The index of interface `name`; `None` when the kernel says there is none.
+pub fn index_of(name: &str) -> Result<Option<u32>, NetlinkError> {
+    match link_by_name(name) {
+        Ok(link) => Ok(Some(link.index)),
+        Err(NetlinkError::NoSuchName(_)) => Ok(None),
+        Err(error) => Err(error),
+    }
+}
+
 fn get_link(message: LinkMessage) -> Result<Link, NetlinkError> {
     let request = RouteNetlinkMessage::GetLink(message);
     let links = exchange("link", request, NLM_F_ACK, |message| match message {
@@ -233,6 +252,7 @@ fn route_table(route: &RouteMessage) -> u32 {
             RouteAttribute::Table(table) => Some(*table),
             _ => None,
         })
+        // fail-closed: decoding a reply: without the attribute the header holds the table.
         .unwrap_or(u32::from(route.header.table))
 }
 
@@ -250,6 +270,7 @@ fn link_from_message(message: LinkMessage) -> Link {
             LinkAttribute::IfName(name) => link.name = name,
             LinkAttribute::Link(peer) => link.peer_index = Some(peer),
             LinkAttribute::Controller(master) => link.master = Some(master),
+            // fail-closed: decoding a reply: an address not 6 bytes long is no MAC.
             LinkAttribute::Address(bytes) => link.mac = <[u8; 6]>::try_from(bytes.as_slice()).ok(),
             LinkAttribute::LinkInfo(infos) => {
                 link.kind = infos.into_iter().find_map(|info| match info {
@@ -390,6 +411,7 @@ fn filter_message(ifindex: u32, slot: TcFilterSlot) -> TcMessage {
 }
 
 fn ifindex_i32(ifindex: u32) -> i32 {
+    // fail-closed: no kernel result; interface indexes are positive i32s.
     i32::try_from(ifindex).unwrap_or(i32::MAX)
 }
 

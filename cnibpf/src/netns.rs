@@ -6,6 +6,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use crate::output::log_line;
 use nix::sched::{CloneFlags, setns};
 
 #[derive(Debug, thiserror::Error)]
@@ -54,7 +55,7 @@ impl Drop for NetnsGuard {
         // Failing to return would leave every later netlink call in the container's
         // namespace; there is no safe way to continue, so stop the process.
         if let Err(error) = setns(self.original.as_fd(), CloneFlags::CLONE_NEWNET) {
-            eprintln!("cnibpf: cannot return to the original network namespace: {error}");
+            log_line!("cnibpf: cannot return to the original network namespace: {error}");
             std::process::abort();
         }
     }

@@ -50,6 +50,7 @@ impl Request {
     }
 
     fn push_attribute(&mut self, kind: u16, value: &[u8]) {
+        // fail-closed: no kernel result; our attributes are short.
         let length = u16::try_from(4 + value.len()).unwrap_or(u16::MAX);
         self.bytes.extend(length.to_ne_bytes());
         self.bytes.extend(kind.to_ne_bytes());
@@ -58,6 +59,7 @@ impl Request {
     }
 
     fn finish(mut self) -> Vec<u8> {
+        // fail-closed: no kernel result; our requests are short.
         let length = u32::try_from(self.bytes.len()).unwrap_or(u32::MAX);
         self.bytes[..4].copy_from_slice(&length.to_ne_bytes());
         self.bytes
@@ -126,9 +128,16 @@ impl Connection {
                 match kind {
                     NLMSG_DONE => return Ok(()),
                     NLMSG_ERROR => {
-                        let code = message.get(16..20).map_or(0, |code| {
-                            i32::from_ne_bytes([code[0], code[1], code[2], code[3]])
-                        });
+                        // An error message too short to carry its code is no acknowledgement.
+                        let code = message
+                            .get(16..20)
+                            .map(|code| i32::from_ne_bytes([code[0], code[1], code[2], code[3]]))
+                            .ok_or_else(|| {
+                                io::Error::new(
+                                    io::ErrorKind::InvalidData,
+                                    "truncated netlink error message",
+                                )
+                            })?;
                         return if code == 0 {
                             Ok(())
                         } else {

@@ -89,11 +89,11 @@ impl PinLayout {
 
 /// Where the cgroup v2 hierarchy is mounted (the default `cgroupPath`): `/sys/fs/cgroup` on a
 /// unified host, `/sys/fs/cgroup/unified` on a hybrid one.
-pub fn cgroup2_root() -> Option<PathBuf> {
-    let mounts = std::fs::read_to_string(MOUNTS).ok()?;
-    mounts.lines().find_map(|line| {
+pub fn cgroup2_root() -> std::io::Result<Option<PathBuf>> {
+    let mounts = std::fs::read_to_string(MOUNTS)?;
+    Ok(mounts.lines().find_map(|line| {
         let mut fields = line.split_whitespace();
         let (_, mount_point, fs_type) = (fields.next()?, fields.next()?, fields.next()?);
         (fs_type == "cgroup2").then(|| PathBuf::from(mount_point))
-    })
+    }))
 }

@@ -5,6 +5,7 @@
 //! `cargo xtask bench portmap` reads it; a runtime never sets it, and then marking costs one
 //! relaxed load.
 
+use crate::output::log_line;
 use std::{
     sync::{
         Mutex,
@@ -52,7 +53,7 @@ pub fn report(verb: &str) {
         .iter()
         .map(|(name, duration)| format!("{name} {:.2}", duration.as_secs_f64() * 1e3))
         .collect();
-    eprintln!(
+    log_line!(
         "cnibpf: {verb} phases (ms): {}, total {:.2}",
         phases.join(", "),
         total.as_secs_f64() * 1e3
@@ -70,5 +71,6 @@ fn record(name: &'static str, duration: Duration) {
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
+        // fail-closed: a poisoned lock of timings still holds timings.
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -3,6 +3,7 @@
 
 mod bench;
 mod demo;
+mod fail_closed;
 mod modules;
 
 use std::{
@@ -29,7 +30,8 @@ enum Task {
     Build,
     /// Disassemble the eBPF object with source lines (the nightly's llvm-objdump).
     Objdump,
-    /// cargo fmt --check, clippy -D warnings (userspace and eBPF), and no module import cycle.
+    /// cargo fmt --check, clippy -D warnings (userspace and eBPF), no module import cycle, and
+    /// no error read as a value without a `fail-closed:` comment.
     Lint,
     /// The module graph of the eBPF and userspace crates, and whether it has a cycle.
     Modules,
@@ -255,7 +257,8 @@ fn lint() -> Result<()> {
         ebpf_cargo(&["clippy", "--release", "--", "-D", "warnings"])?,
         "clippy (eBPF)",
     )?;
-    modules::run(false)
+    modules::run(false)?;
+    fail_closed::run()
 }
 
 fn test(filter: &[String]) -> Result<()> {

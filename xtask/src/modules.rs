@@ -84,7 +84,7 @@ fn graph_of(root: &Path) -> Result<BTreeMap<ModulePath, BTreeSet<ModulePath>>> {
     Ok(graph)
 }
 
-fn rust_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+pub fn rust_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     let mut files = Vec::new();
     for entry in fs::read_dir(dir).with_context(|| format!("{}", dir.display()))? {
         let path = entry?.path();

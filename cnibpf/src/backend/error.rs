@@ -15,6 +15,12 @@ pub enum BackendError {
         backend: &'static str,
         reason: String,
     },
+    /// Whether the backend works could not be asked (a transient failure, not a refusal).
+    #[error("could not tell whether backend {backend} works on this host: {reason}")]
+    ProbeFailed {
+        backend: &'static str,
+        reason: String,
+    },
     #[error("could not prepare bpffs directory {path}")]
     Bpffs {
         path: PathBuf,
@@ -82,6 +88,14 @@ pub enum BackendError {
     CheckFailed(String),
     #[error("could not list the host's addresses")]
     HostAddresses(#[source] Box<crate::netlink::NetlinkError>),
+    /// A question about an interface the kernel answered with an error (not "no such
+    /// interface", which means gone).
+    #[error("{action}")]
+    Interface {
+        action: String,
+        #[source]
+        source: Box<crate::netlink::NetlinkError>,
+    },
     #[error(transparent)]
     Nftables(#[from] nftables::NftablesError),
     /// Several steps of one operation failed; each ran regardless.
@@ -99,6 +113,7 @@ impl BackendError {
     pub fn code(&self) -> u32 {
         match self {
             Self::Unavailable { .. } => code::BACKEND_UNAVAILABLE,
+            Self::ProbeFailed { .. } => code::TRY_AGAIN,
             Self::OlderState { .. } | Self::NewerState { .. } | Self::ForeignState { .. } => {
                 code::INCOMPATIBLE_STATE
             }
@@ -112,7 +127,7 @@ impl BackendError {
             | Self::MapRead { .. }
             | Self::Pin { .. }
             | Self::OwnerCollision { .. } => code::DATAPATH,
-            Self::HostAddresses(_) => code::INTERFACE,
+            Self::HostAddresses(_) | Self::Interface { .. } => code::INTERFACE,
             Self::Nftables(
                 nftables::NftablesError::Layout { .. } | nftables::NftablesError::Older,
             ) => code::INCOMPATIBLE_STATE,

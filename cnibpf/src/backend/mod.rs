@@ -221,7 +221,8 @@ pub trait Backend:
 /// Fails with "hostPort in use" (100) naming the holder when another live attachment of
 /// `backend` holds a hostPort overlapping one of `wanted`. A holder whose host interface is
 /// gone (its pod's network namespace went without a DEL) is reclaimed instead: no DEL will
-/// ever free what it holds.
+/// ever free what it holds. A holder that cannot be told gone (the kernel's answer was an
+/// error, not "no such interface") counts as live: the ADD fails with that error.
 pub fn refuse_held_host_ports(
     backend: &mut dyn Backend,
     owner: u64,
@@ -234,20 +235,18 @@ pub fn refuse_held_host_ports(
                 .into_iter()
                 .find(|record| record.owner == holder);
             if let Some(record) = &record
-                && is_stale(record)
+                && is_stale(record)?
             {
                 remove_attachment(backend, holder)?;
                 continue;
             }
-            let (holder, pod) = record.map_or_else(
-                || {
-                    (
-                        Attachment::new("(unknown)", &format!("owner {holder:016x}"), "?"),
-                        None,
-                    )
-                },
-                |record| (record.attachment, record.pod),
-            );
+            let (holder, pod) = match record {
+                Some(record) => (record.attachment, record.pod),
+                None => (
+                    Attachment::new("(unknown)", &format!("owner {holder:016x}"), "?"),
+                    None,
+                ),
+            };
             return Err(BackendError::HostPortInUse {
                 mapping: mapping.host_side(),
                 holder: Box::new(holder),
@@ -260,10 +259,28 @@ pub fn refuse_held_host_ports(
 
 /// Whether an attachment's host-side interface is gone: its pod's network namespace went
 /// (deleting one deletes its veth pair) and only a DEL that never came would free it. An
-/// index now held by another interface is gone too.
-pub fn is_stale(record: &AttachmentRecord) -> bool {
-    netlink::link_by_index(record.host_ifindex).map_or(true, |link| link.name != record.host_ifname)
+/// index now held by another interface is gone too, and so is index 0 (a record whose
+/// interface the kernel said was gone when it was read). Only the kernel's "no such device"
+/// says gone; any other failure to ask is an error, and the caller counts the attachment as
+/// live.
+pub fn is_stale(record: &AttachmentRecord) -> Result<bool, BackendError> {
+    if record.host_ifindex == GONE_IFINDEX {
+        return Ok(true);
+    }
+    let link =
+        netlink::link_if_there(record.host_ifindex).map_err(|source| BackendError::Interface {
+            action: format!(
+                "could not tell whether interface {} (index {}) of {} still exists",
+                record.host_ifname, record.host_ifindex, record.attachment
+            ),
+            source: Box::new(source),
+        })?;
+    Ok(link.is_none_or(|link| link.name != record.host_ifname))
 }
+
+/// The `host_ifindex` of an [`AttachmentRecord`] whose interface the kernel said is gone (no
+/// interface has index 0).
+pub const GONE_IFINDEX: u32 = 0;
 
 /// Removes everything of the attachment from `backend`. Every capability is torn down even
 /// when another fails (what can go, goes); the record goes last, and only once nothing else
@@ -326,13 +343,17 @@ pub fn select(
                 crate::phases::mark("probe");
                 Ok(Box::new(ebpf::EbpfBackend::load_for_changes(pins)?))
             }
-            Err(ebpf_error) => match nftables::NftablesBackend::open_for_changes() {
-                Ok(nftables) => Ok(Box::new(nftables)),
-                Err(nftables_error) => Err(BackendError::Unavailable {
-                    backend: "auto",
-                    reason: format!("{ebpf_error}; {nftables_error}"),
-                }),
-            },
+            // Only a host that refuses BPF is served by nftables; a failure to ask fails.
+            Err(ebpf_error @ BackendError::Unavailable { .. }) => {
+                match nftables::NftablesBackend::open_for_changes() {
+                    Ok(nftables) => Ok(Box::new(nftables)),
+                    Err(nftables_error) => Err(BackendError::Unavailable {
+                        backend: "auto",
+                        reason: format!("{ebpf_error}; {nftables_error}"),
+                    }),
+                }
+            }
+            Err(error) => Err(error),
         },
     }
 }
@@ -350,7 +371,11 @@ pub fn preload(
             ebpf::EbpfBackend::probe()?;
             true
         }
-        BackendChoice::Auto => ebpf::EbpfBackend::probe().is_ok(),
+        BackendChoice::Auto => match ebpf::EbpfBackend::probe() {
+            Ok(()) => true,
+            Err(BackendError::Unavailable { .. }) => false,
+            Err(error) => return Err(error),
+        },
     };
     if ebpf {
         ebpf::EbpfBackend::load(pins)?;

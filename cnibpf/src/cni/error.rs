@@ -37,6 +37,8 @@ pub enum Error {
     Unavailable(String),
     #[error("could not read the network configuration from stdin")]
     Stdin(#[source] std::io::Error),
+    #[error("could not write the result to stdout")]
+    Output(#[source] std::io::Error),
 }
 
 impl Error {
@@ -49,6 +51,7 @@ impl Error {
             Self::Backend(error) => error.code(),
             Self::Lock(_) => code::TRY_AGAIN,
             Self::Stdin(_) => code::DECODE,
+            Self::Output(_) => code::OUTPUT,
             Self::Unavailable(_) => code::PLUGIN_UNAVAILABLE,
         }
     }

@@ -22,6 +22,12 @@ pub enum HostInterfaceError {
     NoPeer { ifname: String, netns: String },
     #[error("interface {0:?} has no MAC address")]
     NoMac(String),
+    #[error("could not read {path}")]
+    Setting {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("host-side interface {name:?} of {ifname:?} is a {kind}, not a veth")]
     NotVeth {
         name: String,
@@ -58,8 +64,10 @@ pub fn find_container_link(
             Err(error) => return Err(error.into()),
         }
     }
+    // Exactly one veth names the host side; none or several leave it to the peer's index.
     let from_prev_result = match <[Link; 1]>::try_from(veths) {
         Ok([only]) => Some(only),
+        // fail-closed: a count of interfaces, not an error.
         Err(_) => None,
     };
     let inside = match (&from_prev_result, prev.container_mac) {
@@ -80,11 +88,12 @@ pub fn find_container_link(
                 .as_ref()
                 .and_then(|link| link.peer_index)
                 .ok_or_else(no_peer)?;
-            let link = netlink::link_by_index(peer_index).map_err(|_| no_peer())?;
+            let link = netlink::link_if_there(peer_index)?.ok_or_else(no_peer)?;
             if link.kind.as_deref() != Some("veth") {
                 return Err(HostInterfaceError::NotVeth {
                     name: link.name,
                     ifname: ifname.to_owned(),
+                    // fail-closed: an Option of the interface, for the message.
                     kind: link.kind.unwrap_or_else(|| "plain device".to_owned()),
                 });
             }
@@ -123,11 +132,14 @@ pub fn container_link_locals(
 ) -> Result<Vec<Ipv6Addr>, HostInterfaceError> {
     let _guard = NetnsGuard::enter(netns)?;
     let setting = |name: &str| {
-        std::fs::read_to_string(format!("/proc/sys/net/ipv6/conf/{ifname}/{name}"))
-            .map(|text| text.trim().to_owned())
-            .ok()
+        let path = format!("/proc/sys/net/ipv6/conf/{ifname}/{name}");
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Ok(Some(text.trim().to_owned())),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(HostInterfaceError::Setting { path, source }),
+        }
     };
-    let Some(disabled) = setting("disable_ipv6") else {
+    let Some(disabled) = setting("disable_ipv6")? else {
         // No IPv6 in the namespace (or on the interface).
         return Ok(Vec::new());
     };
@@ -142,7 +154,7 @@ pub fn container_link_locals(
             IpAddr::V6(_) | IpAddr::V4(_) => None,
         })
         .collect();
-    if setting("addr_gen_mode").as_deref() == Some(ADDR_GEN_MODE_EUI64) {
+    if setting("addr_gen_mode")?.as_deref() == Some(ADDR_GEN_MODE_EUI64) {
         addresses.push(eui64_link_local(container_mac));
     }
     addresses.sort_unstable();

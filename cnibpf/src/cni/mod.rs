@@ -7,7 +7,7 @@ pub mod result;
 
 use std::{
     collections::BTreeSet,
-    io::{Read as _, Write as _},
+    io::Read as _,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
 };
@@ -24,6 +24,7 @@ use crate::{
         SourceCheck, Target, conditions::Subject, resolve_mappings,
     },
     netlink::{self, Link},
+    output::log_line,
     paths::PinLayout,
     phases,
 };
@@ -46,6 +47,14 @@ pub enum EnvError {
     Ifname { name: String, problem: &'static str },
     #[error("CNI_NETNS {0:?} does not exist")]
     Netns(String),
+    #[error("could not read the host's mounts (for the cgroup v2 hierarchy)")]
+    Mounts(#[source] std::io::Error),
+    #[error("CNI_NETNS {path:?} cannot be looked at")]
+    NetnsUnreadable {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(transparent)]
     HostInterface(#[from] HostInterfaceError),
     #[error(transparent)]
@@ -88,6 +97,7 @@ struct Env {
 impl Env {
     /// Reads and validates the variables `command` requires, as libcni's skel does.
     fn read(command: Command) -> Result<Self, EnvError> {
+        // fail-closed: a variable that is not set or not text is reported missing below.
         let var = |name: &'static str| std::env::var(name).ok().filter(|value| !value.is_empty());
         let needs_attachment = matches!(command, Command::Add | Command::Del | Command::Check);
         let container_id = var("CNI_CONTAINERID");
@@ -122,11 +132,14 @@ impl Env {
         // Only ADD and CHECK use them (to name the pod): a DEL must not fail on arguments the
         // ADD would have refused already.
         let args = match command {
+            // fail-closed: no CNI_ARGS is no arguments.
             Command::Add | Command::Check => CniArgs::parse(&var("CNI_ARGS").unwrap_or_default())?,
             _ => CniArgs::default(),
         };
         Ok(Self {
+            // fail-closed: required (checked above) by the verbs that use them.
             container_id: container_id.unwrap_or_default(),
+            // fail-closed: as above.
             ifname: ifname.unwrap_or_default(),
             netns: netns.map(PathBuf::from),
             args,
@@ -145,33 +158,35 @@ pub fn run(command_text: &str) -> i32 {
         .map_err(Error::Stdin)
         .and_then(|_| Command::parse(command_text).map_err(Error::from))
         .and_then(|command| dispatch(command, &stdin));
+    // A result the runtime cannot read is a failed call: it answers with an error instead.
+    let outcome = outcome.and_then(|output| match output {
+        Some(output) => answer(&output).map_err(Error::Output),
+        None => Ok(()),
+    });
     phases::mark("answer");
     phases::report(command_text);
-    let mut stdout = std::io::stdout().lock();
-    match outcome {
-        Ok(Some(output)) => {
-            let _ = writeln!(stdout, "{output}");
-            0
-        }
-        Ok(None) => 0,
-        Err(error) => {
-            let cni_error = error.into_cni(&CniVersion::answer_version(&stdin));
-            if cni_error.details.is_empty() {
-                eprintln!("cnibpf: {command_text}: {}", cni_error.msg);
-            } else {
-                eprintln!(
-                    "cnibpf: {command_text}: {}: {}",
-                    cni_error.msg, cni_error.details
-                );
-            }
-            let _ = writeln!(
-                stdout,
-                "{}",
-                serde_json::to_string(&cni_error).unwrap_or_default()
-            );
-            1
-        }
+    let Err(error) = outcome else {
+        return 0;
+    };
+    let cni_error = error.into_cni(&CniVersion::answer_version(&stdin));
+    if cni_error.details.is_empty() {
+        log_line!("cnibpf: {command_text}: {}", cni_error.msg);
+    } else {
+        log_line!(
+            "cnibpf: {command_text}: {}: {}",
+            cni_error.msg,
+            cni_error.details
+        );
     }
+    let json = serde_json::json!(cni_error).to_string();
+    // fail-closed: the call fails either way (exit 1); the error is on stderr too.
+    let _ = answer(&json);
+    1
+}
+
+/// The answer on stdout (see `output`).
+fn answer(text: &str) -> std::io::Result<()> {
+    crate::output::write_line(std::io::stdout(), text)
 }
 
 fn dispatch(command: Command, stdin: &[u8]) -> Result<Option<String>, Error> {
@@ -217,17 +232,28 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     }
     let condition_interfaces = condition_interfaces(&conf.plugin.host_ports)?;
     let netns = env.netns.clone().ok_or(EnvError::Missing("CNI_NETNS"))?;
-    if !netns.exists() {
-        return Err(EnvError::Netns(netns.display().to_string()).into());
+    match netns.try_exists() {
+        Ok(true) => {}
+        Ok(false) => return Err(EnvError::Netns(netns.display().to_string()).into()),
+        Err(source) => {
+            return Err(EnvError::NetnsUnreadable {
+                path: netns.display().to_string(),
+                source,
+            }
+            .into());
+        }
     }
     let link = link::find_container_link(&prev, &netns, &env.ifname).map_err(EnvError::from)?;
     let uplinks = resolve_uplinks(conf)?;
     let cgroup = match &conf.plugin.cgroup_path {
         Some(path) => path.clone(),
-        None => crate::paths::cgroup2_root().ok_or_else(|| ConfigError::Invalid {
-            key: "cgroupPath".to_owned(),
-            reason: "no cgroup v2 hierarchy is mounted: mount one or name a cgroupPath".to_owned(),
-        })?,
+        None => crate::paths::cgroup2_root()
+            .map_err(EnvError::Mounts)?
+            .ok_or_else(|| ConfigError::Invalid {
+                key: "cgroupPath".to_owned(),
+                reason: "no cgroup v2 hierarchy is mounted: mount one or name a cgroupPath"
+                    .to_owned(),
+            })?,
     };
     if !cgroup.is_dir() {
         return Err(ConfigError::Invalid {
@@ -243,6 +269,7 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
     } else {
         None
     };
+    // fail-closed: an Option of the interface; without a bridge the interface is the gateway.
     let gateway_ifindex = link.host.master.unwrap_or(link.host.index);
     // Shaping on the host-side veth (the `bandwidth` plugin chained before cnibpf), or asked
     // for in runtimeConfig (chained after it, when cnibpf declares the capability too).
@@ -530,11 +557,17 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     // The backend that serves the attachment, whichever the configuration asks for now.
     let owner = plan.attachment.owner_id();
     let mut backends = backend::existing(&pins, Access::Changes)?;
-    let serving = backends.iter().position(|backend| {
-        backend
-            .attachments()
-            .is_ok_and(|records| records.iter().any(|record| record.owner == owner))
-    });
+    let mut serving = None;
+    for (position, backend) in backends.iter().enumerate() {
+        if backend
+            .attachments()?
+            .iter()
+            .any(|record| record.owner == owner)
+        {
+            serving = Some(position);
+            break;
+        }
+    }
     let Some(backend) = serving.and_then(|position| backends.get_mut(position)) else {
         return Err(BackendError::CheckFailed(format!(
             "no backend holds state for {} (pinPath {}, table inet cnibpf)",
@@ -575,8 +608,14 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
     // One attachment or backend that cannot be cleaned up does not keep GC from the others.
     let mut failures = Vec::new();
     for mut backend in backend::existing(&pins, Access::Changes)? {
-        let stale: Vec<u64> = backend
-            .attachments()?
+        let records = match backend.attachments() {
+            Ok(records) => records,
+            Err(error) => {
+                failures.push((backend.name(), error));
+                continue;
+            }
+        };
+        let stale: Vec<u64> = records
             .into_iter()
             .filter(|record| {
                 record.attachment.network == conf.name

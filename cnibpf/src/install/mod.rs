@@ -21,6 +21,7 @@ use std::{
 use serde_json::{Map, Value};
 
 use self::chain::{Form, chain_in, chain_out};
+use crate::output::{log_line, say};
 use crate::{
     config::{NetConf, PluginConfig},
     paths::PLUGIN_NAME,
@@ -105,8 +106,8 @@ impl Install {
             preload::run(&plugin.pin_path, plugin.backend).map_err(|error| error.to_string())
         });
         match loaded {
-            Ok(done) => println!("{done}"),
-            Err(error) => eprintln!(
+            Ok(done) => say!("{done}"),
+            Err(error) => log_line!(
                 "cnibpf install: could not load the datapath ahead of the first pod (its ADD will try): {error}"
             ),
         }
@@ -130,7 +131,7 @@ impl Install {
     fn install_binary(&self) -> Result<(), InstallError> {
         let binary = std::env::current_exe().map_err(io_error("find this program's binary"))?;
         if install_binary(&binary, &self.bin_dir)? {
-            println!("installed {}", self.bin_dir.join(PLUGIN_NAME).display());
+            say!("installed {}", self.bin_dir.join(PLUGIN_NAME).display());
         }
         Ok(())
     }
@@ -145,7 +146,7 @@ impl Install {
             match self.chain_when_readable() {
                 Ok(()) => {}
                 // The primary may not have written its file yet, or may be half way through.
-                Err(error) => eprintln!("cnibpf install: {error}"),
+                Err(error) => log_line!("cnibpf install: {error}"),
             }
         })
     }
@@ -156,10 +157,10 @@ impl Install {
     fn chain_when_readable(&self) -> Result<(), InstallError> {
         let mut networks = Vec::new();
         for path in candidates(&self.conf_dir)? {
-            match read_network(&path) {
+            match read_network(&path)? {
                 Some((value, form)) => networks.push(NetworkFile { path, value, form }),
                 None if networks.is_empty() => {
-                    eprintln!("cnibpf install: waiting for {} to parse", path.display());
+                    log_line!("cnibpf install: waiting for {} to parse", path.display());
                     return Ok(());
                 }
                 None => {}
@@ -193,7 +194,10 @@ impl Install {
         )?;
         if primary.form == Form::Single {
             let conflist = primary.path.with_extension("conflist");
-            if conflist.exists() {
+            let taken = conflist
+                .try_exists()
+                .map_err(io_error(format!("look for {}", conflist.display())))?;
+            if taken {
                 return Err(InstallError::ConvertedExists(conflist));
             }
         }
@@ -216,15 +220,16 @@ impl Chaining {
     /// Writes the network, only when that changes it.
     fn apply(self) -> Result<(), InstallError> {
         for note in &self.notes {
-            eprintln!("cnibpf install: note: {note}");
+            log_line!("cnibpf install: note: {note}");
         }
+        // fail-closed: a value of the conflist, for the message.
         let network_name = self.conflist["name"].as_str().unwrap_or_default();
         let path = &self.primary.path;
         match self.primary.form {
             Form::List if self.conflist == self.primary.value => Ok(()),
             Form::List => {
                 write_atomically(path, &self.conflist)?;
-                println!(
+                say!(
                     "chained cnibpf into network {network_name:?} ({})",
                     path.display()
                 );
@@ -236,7 +241,7 @@ impl Chaining {
                 // between still finds the network, unchained, first.
                 write_atomically(&conflist, &self.conflist)?;
                 remove(path)?;
-                println!(
+                say!(
                     "chained cnibpf into network {network_name:?}: {} is now {}",
                     path.display(),
                     conflist.display()
@@ -260,7 +265,7 @@ pub fn uninstall(conf_dir: &Path, bin_dir: &Path) -> Result<(), InstallError> {
                 let single = conf_dir.join(file_name);
                 write_atomically(&single, &restored)?;
                 remove(&network.path)?;
-                println!(
+                say!(
                     "took cnibpf out of {}: restored {}",
                     network.path.display(),
                     single.display()
@@ -268,14 +273,13 @@ pub fn uninstall(conf_dir: &Path, bin_dir: &Path) -> Result<(), InstallError> {
             }
             None => {
                 write_atomically(&network.path, &restored)?;
-                println!("took cnibpf out of {}", network.path.display());
+                say!("took cnibpf out of {}", network.path.display());
             }
         }
     }
     let binary = bin_dir.join(PLUGIN_NAME);
-    if binary.exists() {
-        remove(&binary)?;
-        println!("removed {}", binary.display());
+    if remove(&binary)? {
+        say!("removed {}", binary.display());
     }
     Ok(())
 }
@@ -292,6 +296,7 @@ impl NetworkFile {
         self.path
             .file_name()
             .map(|name| name.to_string_lossy().into_owned())
+            // fail-closed: an Option of the path: a conf file always has a name.
             .unwrap_or_default()
     }
 }
@@ -300,13 +305,13 @@ impl NetworkFile {
 /// names sorted, `.conf`, `.conflist` and `.json` only), those that do not parse left out as
 /// kubelet and CRI-O leave them out.
 fn networks(dir: &Path) -> Result<Vec<NetworkFile>, InstallError> {
-    Ok(candidates(dir)?
-        .into_iter()
-        .filter_map(|path| {
-            let (value, form) = read_network(&path)?;
-            Some(NetworkFile { path, value, form })
-        })
-        .collect())
+    let mut networks = Vec::new();
+    for path in candidates(dir)? {
+        if let Some((value, form)) = read_network(&path)? {
+            networks.push(NetworkFile { path, value, form });
+        }
+    }
+    Ok(networks)
 }
 
 /// The files of `dir` a runtime considers, sorted.
@@ -316,29 +321,43 @@ fn candidates(dir: &Path) -> Result<Vec<PathBuf>, InstallError> {
         Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(error) => return Err(io_error(format!("read {}", dir.display()))(error)),
     };
-    let mut paths: Vec<PathBuf> = entries
-        .filter_map(Result::ok)
-        .map(|entry| entry.path())
-        .filter(|path| {
-            path.extension().is_some_and(|extension| {
-                ["conf", "conflist", "json"].contains(&&*extension.to_string_lossy())
-            })
-        })
-        .collect();
+    let mut paths = Vec::new();
+    for entry in entries {
+        let path = entry
+            .map_err(io_error(format!("read {}", dir.display())))?
+            .path();
+        let considered = path.extension().is_some_and(|extension| {
+            ["conf", "conflist", "json"].contains(&&*extension.to_string_lossy())
+        });
+        if considered {
+            paths.push(path);
+        }
+    }
     paths.sort();
     Ok(paths)
 }
 
-fn read_network(path: &Path) -> Option<(Value, Form)> {
-    let value: Value = serde_json::from_slice(&fs::read(path).ok()?).ok()?;
-    let form = Form::of(&value)?;
-    Some((value, form))
+/// The network in the file at `path`; `None` when it is gone or does not parse as one (a
+/// runtime skips it too). A file that cannot be read is an error: skipping it would make the
+/// next file the primary network.
+fn read_network(path: &Path) -> Result<Option<(Value, Form)>, InstallError> {
+    let bytes = match fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(io_error(format!("read {}", path.display()))(error)),
+    };
+    // fail-closed: a file that is not JSON is no network, as runtimes read it.
+    let Ok(value) = serde_json::from_slice::<Value>(&bytes) else {
+        return Ok(None);
+    };
+    Ok(Form::of(&value).map(|form| (value, form)))
 }
 
 /// Copies `binary` to `<bin_dir>/cnibpf` unless an identical file is there; whether it did.
 fn install_binary(binary: &Path, bin_dir: &Path) -> Result<bool, InstallError> {
     let target = bin_dir.join(PLUGIN_NAME);
     let content = fs::read(binary).map_err(io_error(format!("read {}", binary.display())))?;
+    // fail-closed: one that cannot be read is written anew, which is never wrong.
     if fs::read(&target).is_ok_and(|installed| installed == content) {
         return Ok(false);
     }
@@ -361,10 +380,12 @@ fn write_atomically(path: &Path, value: &Value) -> Result<(), InstallError> {
 /// it: a reader sees the old file or the new one, whole; a process running the old one keeps
 /// it.
 fn replace_file(path: &Path, content: &[u8], mode: u32) -> Result<(), InstallError> {
+    // fail-closed: an Option of the path, not an error.
     let directory = path.parent().unwrap_or(Path::new("."));
     let name = path
         .file_name()
         .map(|name| name.to_string_lossy().into_owned())
+        // fail-closed: an Option of the path, as above.
         .unwrap_or_default();
     let temporary = directory.join(format!(".{name}.{}.tmp", std::process::id()));
     let written = (|| {
@@ -375,16 +396,20 @@ fn replace_file(path: &Path, content: &[u8], mode: u32) -> Result<(), InstallErr
         fs::rename(&temporary, path)?;
         fs::File::open(directory)?.sync_all()
     })();
+    // fail-closed: the write's own error is the one reported; a temporary left behind is a
+    // dot file, which runtimes ignore.
     if written.is_err() {
+        // fail-closed: as above.
         let _ = fs::remove_file(&temporary);
     }
     written.map_err(io_error(format!("write {}", path.display())))
 }
 
-fn remove(path: &Path) -> Result<(), InstallError> {
+/// Removes the file at `path`; whether there was one.
+fn remove(path: &Path) -> Result<bool, InstallError> {
     match fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+        Ok(()) => Ok(true),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(false),
         Err(error) => Err(io_error(format!("remove {}", path.display()))(error)),
     }
 }

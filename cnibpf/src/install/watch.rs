@@ -18,6 +18,7 @@ use nix::{
 };
 
 use super::{InstallError, io_error};
+use crate::output::{log_line, say};
 
 /// Calls `ensure` now and after every change in `conf_dir` (its own writes included: it must
 /// be idempotent), and reclaims stale attachments of `reclaim`'s pin path on its period.
@@ -46,12 +47,13 @@ pub fn run(
                 | AddWatchFlags::IN_DELETE,
         )
         .map_err(|error| io_error(format!("watch {}", conf_dir.display()))(error.into()))?;
-    println!("watching {}", conf_dir.display());
+    say!("watching {}", conf_dir.display());
     ensure();
     let mut next_reclaim = reclaim.as_ref().map(|(period, _)| Instant::now() + *period);
     loop {
         let timeout = match next_reclaim {
             Some(at) => PollTimeout::try_from(at.saturating_duration_since(Instant::now()))
+                // fail-closed: no kernel result; a wait too long for poll waits as long as it can.
                 .unwrap_or(PollTimeout::MAX),
             None => PollTimeout::NONE,
         };
@@ -65,19 +67,27 @@ pub fn run(
         }
         let ready = |fd: &PollFd| fd.revents().is_some_and(|events| !events.is_empty());
         if ready(&fds[1]) {
-            println!("stopping: the entry stays chained in (cnibpf uninstall takes it out)");
+            say!("stopping: the entry stays chained in (cnibpf uninstall takes it out)");
             return Ok(());
         }
         if ready(&fds[0]) {
-            // Every event says "look again"; which file changed does not matter.
-            while inotify.read_events().is_ok_and(|events| !events.is_empty()) {}
+            // Every event says "look again"; which file changed does not matter. The queue is
+            // drained until the kernel says it is empty (EAGAIN); any other error ends the watch.
+            loop {
+                match inotify.read_events() {
+                    Ok(events) if !events.is_empty() => {}
+                    Ok(_) | Err(nix::errno::Errno::EAGAIN) => break,
+                    Err(nix::errno::Errno::EINTR) => {}
+                    Err(error) => return Err(io_error("read inotify events")(error.into())),
+                }
+            }
             ensure();
         }
         if let (Some(at), Some((period, pin_path))) = (next_reclaim, &reclaim)
             && Instant::now() >= at
         {
             if let Err(error) = crate::reclaim::run(pin_path, true) {
-                eprintln!("cnibpf install: reclaiming stale attachments: {error}");
+                log_line!("cnibpf install: reclaiming stale attachments: {error}");
             }
             next_reclaim = Some(Instant::now() + *period);
         }

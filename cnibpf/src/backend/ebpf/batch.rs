@@ -56,6 +56,7 @@ where
         let mut attr = BatchAttr {
             in_batch: position
                 .as_ref()
+                // fail-closed: an Option (the first call has no position), no error to lose.
                 .map_or(0, |position| core::ptr::from_ref(position) as u64),
             out_batch: (&raw mut next_position) as u64,
             keys: keys.as_mut_ptr() as u64,

@@ -9,7 +9,7 @@ use cnibpf_common::{
 };
 use ipnet::IpNet;
 
-use super::{EbpfBackend, map_error, remove_entry};
+use super::{EbpfBackend, found, map_error, remove_entry};
 use crate::{
     backend::{BackendError, Endpoint},
     model::conditions::{Condition, Subject},
@@ -31,7 +31,7 @@ impl EbpfBackend {
                 continue;
             }
             let value = encode(conditions, &endpoint.condition_interfaces);
-            if self.port_conditions.get(&key, 0).ok() != Some(value) {
+            if found(self.port_conditions.get(&key, 0), port_condition::MAP_NAME)? != Some(value) {
                 self.port_conditions
                     .insert(&key, &value, 0)
                     .map_err(map_error("could not write map port_conditions"))?;
@@ -58,11 +58,8 @@ impl EbpfBackend {
             let conditions = endpoint.host_ports.conditions(ipv4);
             let wanted = (!conditions.is_empty())
                 .then(|| encode(conditions, &endpoint.condition_interfaces));
-            let found = self
-                .port_conditions
-                .get(&conditions_key(owner, ipv4), 0)
-                .ok();
-            if found != wanted {
+            let key = conditions_key(owner, ipv4);
+            if found(self.port_conditions.get(&key, 0), port_condition::MAP_NAME)? != wanted {
                 return Err(BackendError::CheckFailed(format!(
                     "the IPv{} hostPort conditions of {} are missing or differ",
                     if ipv4 { 4 } else { 6 },
@@ -109,6 +106,7 @@ fn encode(conditions: &[Condition], interfaces: &[(String, u32)]) -> PortConditi
                 ifindex: interfaces
                     .iter()
                     .find(|(known, _)| known == name)
+                    // fail-closed: the plan resolved every named interface (0 matches none).
                     .map_or(0, |(_, index)| *index),
                 kind: KIND_IN_INTERFACE,
                 clause,
@@ -120,6 +118,7 @@ fn encode(conditions: &[Condition], interfaces: &[(String, u32)]) -> PortConditi
     for (slot, term) in value.terms.iter_mut().zip(terms.iter().take(MAX_TERMS)) {
         *slot = *term;
     }
+    // fail-closed: no kernel result; MAX_TERMS fits a u8.
     value.term_count = u8::try_from(terms.len().min(MAX_TERMS)).unwrap_or(u8::MAX);
     value
 }

@@ -2,7 +2,11 @@
 //! interface and of the uplinks, the socket hooks on the instance's cgroup, and the host's
 //! addresses the datapath tells apart from foreign ones.
 
-use std::{fs, path::Path};
+use std::{
+    fs,
+    net::{Ipv4Addr, Ipv6Addr},
+    path::Path,
+};
 
 use aya::programs::{
     CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, links::FdLink,
@@ -16,11 +20,11 @@ use cnibpf_common::{
 };
 
 use super::{
-    EbpfBackend, map_error,
+    EbpfBackend, found, map_error,
     owner::{attachment_of, owner_info, read_name},
     pins::{
-        FROM_CONTAINER, SOCK_PROGRAMS, TO_CONTAINER, UPLINK_EGRESS, UPLINK_INGRESS,
-        remove_instance, remove_pin,
+        FROM_CONTAINER, SOCK_PROGRAMS, TO_CONTAINER, UPLINK_EGRESS, UPLINK_INGRESS, remove_pin,
+        remove_tree,
     },
     remove_entry,
 };
@@ -58,7 +62,7 @@ fn hook_pair<'a>(
 impl EbpfBackend {
     fn attach(&self, ifindex: u32, hook: &Hook<'_>) -> Result<(), BackendError> {
         let mut program = self.pinned_program(hook.program)?;
-        if hook.link_pin.exists() {
+        if link_pinned(hook.link_pin)? {
             if is_attached(&program, ifindex, hook.attach_type)? {
                 return Ok(());
             }
@@ -108,7 +112,7 @@ impl EbpfBackend {
         hook: &Hook<'_>,
     ) -> Result<(), BackendError> {
         let program = self.pinned_program(hook.program)?;
-        if !hook.link_pin.exists() {
+        if !link_pinned(hook.link_pin)? {
             return Err(BackendError::CheckFailed(format!(
                 "link {} of {} on {ifname} is missing",
                 hook.link_pin.display(),
@@ -130,7 +134,7 @@ impl EbpfBackend {
         let mut cgroup_dir = None;
         for (name, attach_type) in SOCK_PROGRAMS {
             let link_pin = self.pins.cgroup_link(name);
-            if link_pin.exists() {
+            if link_pinned(&link_pin)? {
                 continue;
             }
             let cgroup_dir = match &mut cgroup_dir {
@@ -223,7 +227,7 @@ impl EbpfBackend {
             remove_entry(&mut self.host_addrs, &key, host_addr::MAP_NAME)?;
         }
         for (key, ifindex) in current {
-            if self.host_addrs.get(&key, 0).ok() != Some(ifindex) {
+            if found(self.host_addrs.get(&key, 0), host_addr::MAP_NAME)? != Some(ifindex) {
                 self.host_addrs
                     .insert(&key, &ifindex, 0)
                     .map_err(map_error("could not write map host_addrs"))?;
@@ -248,8 +252,8 @@ impl EbpfBackend {
         for link_pin in self.endpoint_link_pins(owner) {
             remove_pin(&link_pin)?;
         }
-        match self.endpoints.get(&ifindex, 0) {
-            Ok(info) if info.owner == owner => {
+        match found(self.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? {
+            Some(info) if info.owner == owner => {
                 self.remove_filter(owner, ifindex)?;
                 remove_entry(&mut self.endpoints, &ifindex, endpoint::MAP_NAME)
             }
@@ -261,8 +265,8 @@ impl EbpfBackend {
     /// that the datapath looks for the rules about to be added from the first packet on
     /// (clearing a hint is always safe; `setup_endpoint` writes the whole record again).
     pub(super) fn expect_filter(&mut self, ifindex: u32) -> Result<(), BackendError> {
-        match self.endpoints.get(&ifindex, 0) {
-            Ok(mut info) if info.flags & endpoint::FLAG_UNFILTERED != 0 => {
+        match found(self.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? {
+            Some(mut info) if info.flags & endpoint::FLAG_UNFILTERED != 0 => {
                 info.flags &= !endpoint::FLAG_UNFILTERED;
                 self.endpoints
                     .insert(&ifindex, &info, 0)
@@ -290,17 +294,18 @@ impl EbpfBackend {
     /// Removes everything shared once no attachment is left, so that a host without
     /// containers carries no cnibpf programs on its uplinks.
     fn teardown_shared_if_unused(&mut self) -> Result<(), BackendError> {
-        if self.owners.keys().next().is_some() {
-            return Ok(());
+        match self.owners.keys().next() {
+            None => remove_tree(self.pins.root()),
+            Some(Ok(_)) => Ok(()),
+            Some(Err(source)) => Err(map_error("could not read map owners")(source)),
         }
-        remove_instance(self.pins.root())
     }
 }
 
 impl Endpoints for EbpfBackend {
     fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let existing = self.owners.get(&owner, 0).ok();
+        let existing = found(self.owners.get(&owner, 0), owner::MAP_NAME)?;
         if let Some(existing) = existing {
             let holder = attachment_of(&existing);
             if holder != endpoint.attachment {
@@ -315,7 +320,9 @@ impl Endpoints for EbpfBackend {
             }
         }
         let mut info = owner_info(&endpoint.attachment, &endpoint.host, endpoint.pod.as_ref());
-        info.port_count = existing.map_or(0, |existing| existing.port_count);
+        if let Some(existing) = existing {
+            info.port_count = existing.port_count;
+        }
         self.owners
             .insert(&owner, &info, 0)
             .map_err(map_error("could not record the attachment in map owners"))?;
@@ -333,7 +340,7 @@ impl Endpoints for EbpfBackend {
     }
 
     fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
-        if let Ok(info) = self.owners.get(&owner, 0) {
+        if let Some(info) = found(self.owners.get(&owner, 0), owner::MAP_NAME)? {
             self.forget_endpoint(owner, info.host_ifindex)?;
         }
         remove_entry(&mut self.owners, &owner, owner::MAP_NAME)?;
@@ -342,7 +349,7 @@ impl Endpoints for EbpfBackend {
 
     fn check_endpoint(&self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let info = self.owners.get(&owner, 0).map_err(|_| {
+        let info = found(self.owners.get(&owner, 0), owner::MAP_NAME)?.ok_or_else(|| {
             BackendError::CheckFailed(format!(
                 "{} is not recorded in map owners",
                 endpoint.attachment
@@ -358,8 +365,11 @@ impl Endpoints for EbpfBackend {
                 endpoint.host.index
             )));
         }
-        match self.endpoints.get(&endpoint.host.index, 0) {
-            Ok(found) if is_current(&found, &endpoint_info(endpoint)) => {}
+        match found(
+            self.endpoints.get(&endpoint.host.index, 0),
+            endpoint::MAP_NAME,
+        )? {
+            Some(record) if is_current(&record, &endpoint_info(endpoint)) => {}
             _ => {
                 return Err(BackendError::CheckFailed(format!(
                     "the endpoints entry of {} (index {}) is missing or differs",
@@ -379,7 +389,7 @@ impl Endpoints for EbpfBackend {
         }
         for (name, _) in SOCK_PROGRAMS {
             let pin = self.pins.cgroup_link(name);
-            if !pin.exists() {
+            if !link_pinned(&pin)? {
                 return Err(BackendError::CheckFailed(format!(
                     "socket hook {name} is not attached to cgroup {} (link {} missing)",
                     endpoint.cgroup.display(),
@@ -422,18 +432,30 @@ fn endpoint_info(endpoint: &Endpoint) -> EndpointInfo {
         endpoint::FLAG_UNMASQUERADED
     };
     EndpointInfo {
+        // fail-closed: Options of the plan; no gateway is stored as the unspecified address.
         gateway_v6: endpoint
             .gateway_v6
-            .map_or([0; 16], |gateway| gateway.octets()),
+            .unwrap_or(Ipv6Addr::UNSPECIFIED)
+            .octets(),
         owner: endpoint.attachment.owner_id(),
+        // fail-closed: as above.
         gateway_v4: endpoint
             .gateway_v4
-            .map_or([0; 4], |gateway| gateway.octets()),
+            .unwrap_or(Ipv4Addr::UNSPECIFIED)
+            .octets(),
         container_mac: endpoint.container_mac,
         gateway_mac: endpoint.gateway_mac,
         flags,
         gateway_ifindex: endpoint.gateway_ifindex,
     }
+}
+
+/// Whether a link is pinned at `path`.
+fn link_pinned(path: &Path) -> Result<bool, BackendError> {
+    path.try_exists().map_err(|source| BackendError::Pin {
+        action: format!("could not look for link {}", path.display()),
+        source: Box::new(source),
+    })
 }
 
 fn is_attached(

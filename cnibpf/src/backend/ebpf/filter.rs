@@ -14,11 +14,12 @@ use cnibpf_common::{
     },
     filter_flow, filter_fragment,
     filter_hits::{self, FilterHits},
+    owner as owner_map,
 };
 use ipnet::IpNet;
 
 use super::{
-    EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
+    EbpfBackend, batch, found, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
     removed,
 };
 use crate::{
@@ -38,9 +39,9 @@ impl Filtering for EbpfBackend {
             return self.remove_filter(owner, ifindex);
         };
         let wanted = stored_set(owner, filter);
-        let current = self.filters.get(&ifindex, 0).ok();
+        let current = found(self.filters.get(&ifindex, 0), filter::MAP_NAME)?;
         if current.is_some_and(|current| same_rules(&current, &wanted))
-            && self.filter_hits.get(&ifindex, 0).is_ok()
+            && found(self.filter_hits.get(&ifindex, 0), filter_hits::MAP_NAME)?.is_some()
         {
             return Ok(());
         }
@@ -65,9 +66,9 @@ impl Filtering for EbpfBackend {
     }
 
     fn teardown_filter(&mut self, owner: u64) -> Result<(), BackendError> {
-        match self.owners.get(&owner, 0) {
-            Ok(info) => self.remove_filter(owner, info.host_ifindex),
-            Err(_) => Ok(()),
+        match found(self.owners.get(&owner, 0), owner_map::MAP_NAME)? {
+            Some(info) => self.remove_filter(owner, info.host_ifindex),
+            None => Ok(()),
         }
     }
 
@@ -77,7 +78,7 @@ impl Filtering for EbpfBackend {
         filter: Option<&Filter>,
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let current = self.filters.get(&endpoint.host.index, 0).ok();
+        let current = found(self.filters.get(&endpoint.host.index, 0), filter::MAP_NAME)?;
         match (filter, current) {
             (None, None) => Ok(()),
             (None, Some(_)) => Err(BackendError::CheckFailed(format!(
@@ -95,7 +96,8 @@ impl Filtering for EbpfBackend {
                         endpoint.attachment
                     )));
                 }
-                if self.filter_hits.get(&endpoint.host.index, 0).is_err() {
+                let hits = self.filter_hits.get(&endpoint.host.index, 0);
+                if found(hits, filter_hits::MAP_NAME)?.is_none() {
                     return Err(BackendError::CheckFailed(format!(
                         "the rule counters of {} are missing from map filter_hits",
                         endpoint.attachment
@@ -111,7 +113,7 @@ impl EbpfBackend {
     /// Removes the attachment's filter (if the element on `ifindex` is still its own) and its
     /// connections' state; expired state of others goes in the same pass.
     pub(super) fn remove_filter(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
-        let Ok(current) = self.filters.get(&ifindex, 0) else {
+        let Some(current) = found(self.filters.get(&ifindex, 0), filter::MAP_NAME)? else {
             // Never filtered (or already cleaned up): it tracked no connections either, so
             // the scans of the flow tables are skipped.
             return Ok(());
@@ -190,6 +192,7 @@ fn stored_rule(rule: &FilterRule) -> StoredRule {
         (Some(IpNet::V6(_)), _) | (None, RuleProtocol::Icmpv6) => FAMILY_IPV6,
         (None, _) => 0,
     };
+    // fail-closed: an Option of the configuration; no range is every port.
     let ports = |range: Option<PortRange>| range.map_or((0, u16::MAX), |r| (r.low, r.high));
     let (sport_low, sport_high) = ports(rule.sport);
     let (dport_low, dport_high) = ports(rule.dport);
@@ -204,6 +207,7 @@ fn stored_rule(rule: &FilterRule) -> StoredRule {
         dport_low,
         dport_high,
         family,
+        // fail-closed: an Option of the configuration; 0 is any protocol.
         protocol: rule.protocol.number().unwrap_or(0),
         connstate: match rule.connstate {
             ConnState::New => CONNSTATE_NEW,
@@ -240,6 +244,7 @@ pub(super) fn config_rule(stored: &StoredRule) -> FilterRule {
         (prefix != NO_PREFIX)
             .then(|| {
                 let addr: IpAddr = addr::from_bytes(addr, stored.family);
+                // fail-closed: a prefix too long for the family is no network, shown as any.
                 IpNet::new(addr, prefix).ok()
             })
             .flatten()
@@ -256,6 +261,7 @@ pub(super) fn config_rule(stored: &StoredRule) -> FilterRule {
         src: net(stored.src_addr, stored.src_prefix),
         dst: net(stored.dst_addr, stored.dst_prefix),
         protocol: RuleProtocol::from_number((stored.protocol != 0).then_some(stored.protocol))
+            // fail-closed: a number of no known protocol is shown as any, for inspect only.
             .unwrap_or(RuleProtocol::Any),
         sport: ports(stored.sport_low, stored.sport_high),
         dport: ports(stored.dport_low, stored.dport_high),

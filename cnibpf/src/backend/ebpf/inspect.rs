@@ -7,7 +7,7 @@ use cnibpf_common::{
     addr,
     filter::{MAX_RULES, TARGET_DROP},
     filter_flow,
-    filter_hits::{DEFAULT_SLOT, RuleHits},
+    filter_hits::{self, DEFAULT_SLOT, RuleHits},
     filter_stats::FilterStats,
     masq_flow,
 };
@@ -15,7 +15,7 @@ use cnibpf_common::{
 use super::{
     EbpfBackend, batch,
     filter::config_rule,
-    map_error,
+    found, map_error,
     masquerade::exclude_net,
     owner::{attachment_of, pod_of, read_name},
     portmap::mapping_from_entry,
@@ -117,17 +117,18 @@ impl Inspect for EbpfBackend {
         for entry in self.filters.iter() {
             let (ifindex, set) = entry.map_err(map_error("could not read map filters"))?;
             let rule_count = (set.rule_count as usize).min(MAX_RULES);
-            let hits = self.filter_hits.get(&ifindex, 0).ok();
+            let hits = found(self.filter_hits.get(&ifindex, 0), filter_hits::MAP_NAME)?;
             let summed = |slot: usize| {
-                hits.as_ref().map_or((0, 0), |per_cpu| {
-                    per_cpu.iter().fold((0, 0), |(packets, bytes), hits| {
+                hits.iter().flat_map(|per_cpu| per_cpu.iter()).fold(
+                    (0, 0),
+                    |(packets, bytes), hits| {
                         let RuleHits {
                             packets: more_packets,
                             bytes: more_bytes,
                         } = hits.rules[slot];
                         (packets + more_packets, bytes + more_bytes)
-                    })
-                })
+                    },
+                )
             };
             records.push((
                 set.owner,

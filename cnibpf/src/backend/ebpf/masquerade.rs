@@ -13,12 +13,12 @@ use cnibpf_common::{
     masq_fragment, masq_reply,
     masq_source::{self, MasqSource, MasqSourceKey},
     nat_flow::NatFlowKey,
-    uplink::UplinkInfo,
+    uplink::{self, UplinkInfo},
 };
 use ipnet::IpNet;
 
 use super::{
-    EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
+    EbpfBackend, batch, found, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
     removed,
 };
 use crate::{
@@ -49,7 +49,7 @@ impl Masquerading for EbpfBackend {
             gateway_mac: endpoint.gateway_mac,
         };
         for key in &wanted_sources {
-            if self.masq_sources.get(key, 0).ok() != Some(value) {
+            if found(self.masq_sources.get(key, 0), masq_source::MAP_NAME)? != Some(value) {
                 self.masq_sources
                     .insert(key, &value, 0)
                     .map_err(map_error("could not write map masq_sources"))?;
@@ -69,7 +69,7 @@ impl Masquerading for EbpfBackend {
             .map(|(net, reason)| (exclude_key(owner, net), *reason as u32))
             .collect();
         for (key, reason) in &wanted_excludes {
-            if self.masq_excludes.get(key, 0).ok() != Some(*reason) {
+            if found(self.masq_excludes.get(key, 0), masq_exclude::MAP_NAME)? != Some(*reason) {
                 self.masq_excludes
                     .insert(key, reason, 0)
                     .map_err(map_error("could not write map masq_excludes"))?;
@@ -142,8 +142,8 @@ impl Masquerading for EbpfBackend {
         };
         for addr in &masquerade.sources {
             let key = source_key(*addr);
-            match self.masq_sources.get(&key, 0) {
-                Ok(source)
+            match found(self.masq_sources.get(&key, 0), masq_source::MAP_NAME)? {
+                Some(source)
                     if source.owner == owner && source.host_ifindex == endpoint.host.index => {}
                 _ => {
                     return Err(BackendError::CheckFailed(format!(
@@ -168,7 +168,7 @@ impl Masquerading for EbpfBackend {
             }
         }
         for uplink in &endpoint.uplinks {
-            if self.uplinks.get(&uplink.index, 0).is_err() {
+            if found(self.uplinks.get(&uplink.index, 0), uplink::MAP_NAME)?.is_none() {
                 return Err(BackendError::CheckFailed(format!(
                     "uplink {} (index {}) has no masquerade address in map uplinks",
                     uplink.name, uplink.index
@@ -198,7 +198,7 @@ impl Masquerading for EbpfBackend {
                     _ => {}
                 }
             }
-            if self.uplinks.get(&uplink.index, 0).ok() != Some(info) {
+            if found(self.uplinks.get(&uplink.index, 0), uplink::MAP_NAME)? != Some(info) {
                 self.uplinks
                     .insert(&uplink.index, &info, 0)
                     .map_err(map_error("could not write map uplinks"))?;
@@ -266,9 +266,10 @@ impl EbpfBackend {
                 _pad: [0; 2],
             };
             // Only if it still reverses this flow: the port may have been claimed anew.
-            let owned = self.masq_replies.get(&reverse, 0).is_ok_and(|reply| {
-                reply.container_addr == key.src_addr && reply.container_port == key.src_port
-            });
+            let owned = found(self.masq_replies.get(&reverse, 0), masq_reply::MAP_NAME)?
+                .is_some_and(|reply| {
+                    reply.container_addr == key.src_addr && reply.container_port == key.src_port
+                });
             if owned {
                 remove_entry(&mut self.masq_replies, &reverse, masq_reply::MAP_NAME)?;
             }
@@ -299,9 +300,12 @@ fn exclude_key(owner: u64, net: &IpNet) -> Key<MasqExcludeKey> {
     )
 }
 
+/// The network of an exclusion key; `None` for a key no cnibpf writes (inspect skips it).
 pub(super) fn exclude_net(key: &Key<MasqExcludeKey>) -> Option<IpNet> {
     let data = key.data();
+    // fail-closed: decoding a key read whole, no kernel result here.
     let prefix = u8::try_from(key.prefix_len().checked_sub(OWNER_FAMILY_BITS)?).ok()?;
+    // fail-closed: as above.
     IpNet::new(addr::from_bytes(data.addr, data.family), prefix).ok()
 }
 

@@ -29,7 +29,7 @@ use cnibpf_common::{
 
 use super::{
     EbpfBackend, map_error,
-    pins::{load_object, object_id, relink},
+    pins::{load_object, object_id, relink, remove_tree},
 };
 use crate::{
     backend::BackendError,
@@ -90,9 +90,22 @@ fn unhook_legacy(ifindex: u32) -> Result<(), netlink::NetlinkError> {
     Ok(())
 }
 
-/// Whether something besides layout 6's clsact shapes the interface.
-fn shaped(ifindex: u32) -> bool {
-    netlink::added_qdiscs(ifindex).is_ok_and(|kinds| kinds.iter().any(|kind| kind != "clsact"))
+/// Whether something besides layout 6's clsact shapes the interface (one that is gone shapes
+/// nothing).
+fn shaped(ifindex: u32) -> Result<bool, BackendError> {
+    let kinds = netlink::added_qdiscs(ifindex).map_err(|source| BackendError::Interface {
+        action: format!("could not list the qdiscs of interface {ifindex}"),
+        source: Box::new(source),
+    })?;
+    Ok(kinds.iter().any(|kind| kind != "clsact"))
+}
+
+/// The interface `ifindex`, `None` when the kernel says it is gone.
+fn live_link(ifindex: u32) -> Result<Option<netlink::Link>, BackendError> {
+    netlink::link_if_there(ifindex).map_err(|source| BackendError::Interface {
+        action: format!("could not look up interface {ifindex}"),
+        source: Box::new(source),
+    })
 }
 
 /// Where the changed maps' old pins wait while the migration runs.
@@ -113,7 +126,10 @@ pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
         .map_err(pin_error(format!("could not create {}", aside.display())))?;
     for name in CHANGED {
         let old = aside.join(name);
-        if !old.exists() {
+        let moved = old
+            .try_exists()
+            .map_err(pin_error(format!("could not look for {}", old.display())))?;
+        if !moved {
             fs::rename(pins.map(name), &old)
                 .map_err(pin_error(format!("could not move map {name} aside")))?;
         }
@@ -128,11 +144,8 @@ pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
 }
 
 /// Removes what a migration that stamped the new layout left behind.
-pub fn finish(pins: &PinLayout) {
-    let aside = aside(pins);
-    if aside.exists() {
-        let _ = fs::remove_dir_all(aside);
-    }
+pub fn finish(pins: &PinLayout) -> Result<(), BackendError> {
+    remove_tree(&aside(pins))
 }
 
 fn stamp(pins: &PinLayout) -> Result<(), BackendError> {
@@ -182,10 +195,11 @@ impl EbpfBackend {
         for entry in old_endpoints.iter() {
             let (ifindex, old) =
                 entry.map_err(map_error("could not read the old map endpoints"))?;
-            // Where its routed traffic enters the host: its bridge, else itself.
-            let gateway_ifindex = netlink::link_by_index(ifindex)
-                .ok()
+            // Where its routed traffic enters the host: its bridge, else itself (also when it
+            // is gone: DEL or a reclaim removes it).
+            let gateway_ifindex = live_link(ifindex)?
                 .and_then(|link| link.master)
+                // fail-closed: `live_link` kept the errors; no bridge is the interface itself.
                 .unwrap_or(ifindex);
             let info = EndpointInfo {
                 gateway_v6: old.gateway_v6,
@@ -195,7 +209,7 @@ impl EbpfBackend {
                 gateway_mac: old.gateway_mac,
                 // Layout 6 knew no `snat: false`. Its own clsact qdisc goes in step 4; any
                 // other qdisc is shaping (as an ADD would find it).
-                flags: if shaped(ifindex) {
+                flags: if shaped(ifindex)? {
                     endpoint::FLAG_VIA_STACK
                 } else {
                     0
@@ -215,8 +229,8 @@ impl EbpfBackend {
     fn rehook_endpoints(&self) -> Result<(), BackendError> {
         for entry in self.owners.iter() {
             let (owner, info) = entry.map_err(map_error("could not read map owners"))?;
-            let live = netlink::link_by_index(info.host_ifindex)
-                .is_ok_and(|link| link.name == super::owner::read_name(&info.host_ifname));
+            let live = live_link(info.host_ifindex)?
+                .is_some_and(|link| link.name == super::owner::read_name(&info.host_ifname));
             if !live {
                 // Gone with its pod: DEL or a reclaim removes the rest.
                 continue;

@@ -53,7 +53,9 @@ use cnibpf_common::{
 };
 
 pub use self::migrate::FROM as MIGRATES_FROM;
-use self::pins::{PinnedState, all_programs, check_layout, load_object, prepare_pin_dir, relink};
+use self::pins::{
+    PinnedState, all_programs_pinned, check_layout, load_object, prepare_pin_dir, relink,
+};
 use super::{Access, Backend, BackendError};
 use crate::paths::PinLayout;
 
@@ -101,13 +103,24 @@ impl std::fmt::Debug for EbpfBackend {
 
 impl EbpfBackend {
     /// Whether the eBPF backend can work on this host: the kernel loads a TC program and
-    /// knows tcx (a kernel without BPF or tcx, or a sandbox that denies `bpf()`, fails here).
+    /// knows tcx (a kernel without BPF or tcx, or a sandbox that denies `bpf()`, fails here
+    /// with `Unavailable`). A failure that says nothing about BPF (a transient one) is
+    /// `ProbeFailed`: `auto` must not switch backends on it.
     pub fn probe() -> Result<(), BackendError> {
         probe::load_and_query()
             .and_then(|()| probe::bpffs_writable())
-            .map_err(|reason| BackendError::Unavailable {
-                backend: "ebpf",
-                reason,
+            .map_err(|refusal| {
+                if refusal.transient {
+                    BackendError::ProbeFailed {
+                        backend: "ebpf",
+                        reason: refusal.reason,
+                    }
+                } else {
+                    BackendError::Unavailable {
+                        backend: "ebpf",
+                        reason: refusal.reason,
+                    }
+                }
             })
     }
 
@@ -129,16 +142,17 @@ impl EbpfBackend {
                     found,
                 });
             }
-            PinnedState::Current => migrate::finish(pins),
+            PinnedState::Current => migrate::finish(pins)?,
             PinnedState::Absent | PinnedState::OtherPrograms => {}
         }
-        let programs_present = all_programs().all(|name| pins.program(name).exists());
-        if state == PinnedState::Current && programs_present {
+        if state == PinnedState::Current && all_programs_pinned(pins)? {
             return Self::open_maps(pins);
         }
         if let Err(error) = load_object(pins, true).and_then(|()| relink(pins)) {
             // Nothing of an attachment lives there yet: leave no half-loaded maps behind.
             if state == PinnedState::Absent {
+                // fail-closed: unstamped state holds no attachment, and what a failed removal
+                // leaves the next load takes over; the load's own error is the one to report.
                 let _ = fs::remove_dir_all(pins.root());
             }
             return Err(error);
@@ -288,6 +302,22 @@ fn remove_where<K: aya::Pod + Default, V: aya::Pod + Default>(
     Ok(())
 }
 
+/// What a lookup in map `name` found: `None` only when the kernel says the key is not there
+/// (ENOENT); every other failure is an error, never read as "absent".
+fn found<V>(outcome: Result<V, MapError>, name: &str) -> Result<Option<V>, BackendError> {
+    match outcome {
+        Ok(value) => Ok(Some(value)),
+        Err(MapError::KeyNotFound) => Ok(None),
+        Err(MapError::SyscallError(error)) if error.io_error.kind() == io::ErrorKind::NotFound => {
+            Ok(None)
+        }
+        Err(source) => Err(BackendError::Map {
+            action: format!("could not read map {name}"),
+            source: Box::new(source),
+        }),
+    }
+}
+
 /// The outcome of removing an entry from map `name`.
 fn removed(outcome: Result<(), MapError>, name: &str) -> Result<(), BackendError> {
     match outcome {
@@ -319,8 +349,47 @@ fn open_pinned<T: TryFrom<Map, Error = MapError>>(
 
 /// CLOCK_MONOTONIC, the clock of the datapath's timestamps (coarse there; expiry times in the flow tables).
 fn monotonic_now_ns() -> u64 {
+    // fail-closed: a clock that cannot be read says 0, the boot, before which nothing expires.
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |now| {
-        u64::try_from(now.tv_sec()).unwrap_or(0) * 1_000_000_000
-            + u64::try_from(now.tv_nsec()).unwrap_or(0)
+        now.tv_sec().unsigned_abs() * 1_000_000_000 + now.tv_nsec().unsigned_abs()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn syscall_error(errno: i32) -> MapError {
+        MapError::SyscallError(aya::sys::SyscallError {
+            call: "bpf_map_lookup_elem",
+            io_error: io::Error::from_raw_os_error(errno),
+        })
+    }
+
+    #[test]
+    fn only_the_kernels_not_found_reads_as_absent() {
+        assert_eq!(found(Ok(7u32), "m").expect("found"), Some(7));
+        assert_eq!(
+            found::<u32>(Err(MapError::KeyNotFound), "m").expect("absent"),
+            None
+        );
+        assert_eq!(
+            found::<u32>(Err(syscall_error(libc::ENOENT)), "m").expect("absent"),
+            None
+        );
+        for errno in [
+            libc::EMFILE,
+            libc::ENOMEM,
+            libc::EINTR,
+            libc::EPERM,
+            libc::EAGAIN,
+        ] {
+            let error = found::<u32>(Err(syscall_error(errno)), "owners")
+                .expect_err("an error is not an absence");
+            assert!(
+                error.to_string().contains("owners"),
+                "names the map: {error}"
+            );
+        }
+    }
 }

@@ -22,7 +22,7 @@ use cnibpf_common::owner::{
 
 use super::{
     owner::read_name,
-    pins::{remove_instance, remove_pin},
+    pins::{remove_pin, remove_tree},
 };
 use crate::{
     backend::{AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, is_stale},
@@ -42,7 +42,13 @@ pub struct NewerLayout {
 impl NewerLayout {
     pub fn open(pins: &PinLayout, found: u32) -> Result<Self, BackendError> {
         let path = pins.map(owner::MAP_NAME);
-        let owners = if path.exists() {
+        let pinned = path
+            .try_exists()
+            .map_err(|source| BackendError::UnreadableState {
+                path: pins.root().to_owned(),
+                source,
+            })?;
+        let owners = if pinned {
             Some(RawMap::open(&path).map_err(|source| BackendError::Pin {
                 action: format!("could not open map {} of layout v{found}", owner::MAP_NAME),
                 source: Box::new(source),
@@ -101,18 +107,30 @@ impl NewerLayout {
     }
 
     /// Removes everything once no attachment has a live interface: nothing uses the state.
+    /// One that cannot be told gone counts as live.
     fn remove_if_unused(&self) -> Result<(), BackendError> {
-        if self.records()?.iter().any(|record| !is_stale(record)) {
-            return Ok(());
+        for record in self.records()? {
+            if !is_stale(&record)? {
+                return Ok(());
+            }
         }
         // Unpinning the links first detaches every hook even if removing the rest fails.
         let links = self.pins.links_dir();
-        if let Ok(entries) = fs::read_dir(&links) {
-            for entry in entries.filter_map(Result::ok) {
-                remove_pin(&entry.path())?;
+        let list_error = |source: io::Error| BackendError::Pin {
+            action: format!("could not list {}", links.display()),
+            source: Box::new(source),
+        };
+        let entries = match fs::read_dir(&links) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {
+                return remove_tree(self.pins.root());
             }
+            Err(error) => return Err(list_error(error)),
+        };
+        for entry in entries {
+            remove_pin(&entry.map_err(list_error)?.path())?;
         }
-        remove_instance(self.pins.root())
+        remove_tree(self.pins.root())
     }
 }
 
@@ -259,6 +277,7 @@ impl RawMap {
         // Bounded: a key removed meanwhile would restart the walk from the first.
         while keys.len() <= self.max_entries {
             let mut next = vec![0; self.key_size];
+            // fail-closed: an Option (the walk's start), no error to lose.
             let current = keys.last().map_or(std::ptr::null(), |key| key.as_ptr());
             match self.call(BPF_MAP_GET_NEXT_KEY, current, next.as_mut_ptr()) {
                 Ok(()) => keys.push(next),

@@ -50,6 +50,7 @@ pub fn read_name(field: &[u8]) -> String {
     let end = field
         .iter()
         .position(|byte| *byte == 0)
+        // fail-closed: no terminating zero, the name fills the field.
         .unwrap_or(field.len());
     String::from_utf8_lossy(&field[..end]).into_owned()
 }

@@ -63,6 +63,21 @@ pub(super) fn all_programs() -> impl Iterator<Item = &'static str> {
         .chain(SOCK_PROGRAMS.iter().map(|(name, _)| *name))
 }
 
+/// Whether every program of this build is pinned under `pins`.
+pub(super) fn all_programs_pinned(pins: &PinLayout) -> Result<bool, BackendError> {
+    for name in all_programs() {
+        let path = pins.program(name);
+        let pinned = path.try_exists().map_err(|source| BackendError::Pin {
+            action: format!("could not look for pinned program {}", path.display()),
+            source: Box::new(source),
+        })?;
+        if !pinned {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 pub(super) fn remove_pin(path: &Path) -> Result<(), BackendError> {
     match fs::remove_file(path) {
         Ok(()) => Ok(()),
@@ -74,8 +89,9 @@ pub(super) fn remove_pin(path: &Path) -> Result<(), BackendError> {
     }
 }
 
-/// Removes the instance's whole pin directory; one already gone is fine.
-pub(super) fn remove_instance(root: &Path) -> Result<(), BackendError> {
+/// Removes a directory of pins with all it holds (the instance's whole state, a migration's
+/// leftovers); one already gone is fine.
+pub(super) fn remove_tree(root: &Path) -> Result<(), BackendError> {
     match fs::remove_dir_all(root) {
         Ok(()) => Ok(()),
         Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
@@ -107,7 +123,13 @@ pub(super) fn object_id() -> u64 {
 /// directory that holds something else than cnibpf's state.
 pub(super) fn check_layout(pins: &PinLayout) -> Result<PinnedState, BackendError> {
     let path = pins.map(layout::MAP_NAME);
-    if !path.exists() {
+    let pinned = path
+        .try_exists()
+        .map_err(|source| BackendError::UnreadableState {
+            path: pins.root().to_owned(),
+            source,
+        })?;
+    if !pinned {
         return Ok(PinnedState::Absent);
     }
     let unreadable = |error: MapError| match os_error(&error) {
@@ -226,7 +248,11 @@ pub(super) fn relink(pins: &PinLayout) -> Result<(), BackendError> {
         action: format!("could not list {}", links_dir.display()),
         source: Box::new(source),
     })?;
-    for entry in entries.filter_map(Result::ok) {
+    for entry in entries {
+        let entry = entry.map_err(|source| BackendError::Pin {
+            action: format!("could not list {}", links_dir.display()),
+            source: Box::new(source),
+        })?;
         let path = entry.path();
         let file_name = entry.file_name().to_string_lossy().into_owned();
         if let Some(program_name) = file_name.strip_prefix("cgroup-") {
@@ -339,8 +365,9 @@ pub(super) fn prepare_pin_dir(pins: &PinLayout) -> Result<(), BackendError> {
         let path = path.to_owned();
         move |source| BackendError::Bpffs { path, source }
     };
-    if root.starts_with(BPFFS_MOUNT_POINT) && !is_bpffs(Path::new(BPFFS_MOUNT_POINT)) {
-        fs::create_dir_all(BPFFS_MOUNT_POINT).map_err(error(Path::new(BPFFS_MOUNT_POINT)))?;
+    let mount_point = Path::new(BPFFS_MOUNT_POINT);
+    if root.starts_with(BPFFS_MOUNT_POINT) && !is_bpffs(mount_point).map_err(error(mount_point))? {
+        fs::create_dir_all(BPFFS_MOUNT_POINT).map_err(error(mount_point))?;
         mount(
             Some("bpf"),
             BPFFS_MOUNT_POINT,
@@ -348,11 +375,17 @@ pub(super) fn prepare_pin_dir(pins: &PinLayout) -> Result<(), BackendError> {
             MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
             Some("mode=0700"),
         )
-        .map_err(|errno| error(Path::new(BPFFS_MOUNT_POINT))(io::Error::from(errno)))?;
+        .map_err(|errno| error(mount_point)(io::Error::from(errno)))?;
     }
     // Checked on the nearest existing ancestor, so that a wrong pinPath creates nothing.
-    let existing = root.ancestors().find(|dir| dir.exists()).unwrap_or(root);
-    if !is_bpffs(existing) {
+    let mut existing = root;
+    for ancestor in root.ancestors() {
+        if ancestor.try_exists().map_err(error(ancestor))? {
+            existing = ancestor;
+            break;
+        }
+    }
+    if !is_bpffs(existing).map_err(error(existing))? {
         return Err(error(root)(io::Error::other(
             "not on a bpf filesystem (mount -t bpf bpf <dir>)",
         )));
@@ -363,6 +396,12 @@ pub(super) fn prepare_pin_dir(pins: &PinLayout) -> Result<(), BackendError> {
     Ok(())
 }
 
-pub(super) fn is_bpffs(path: &Path) -> bool {
-    statfs(path).is_ok_and(|stats| stats.filesystem_type().0 == BPF_FS_MAGIC)
+/// Whether `path` is on bpffs; a path that does not exist is not. Any other failure of
+/// `statfs` is an error: read as "not bpffs", it would mount a new bpffs over the old one.
+pub(super) fn is_bpffs(path: &Path) -> io::Result<bool> {
+    match statfs(path) {
+        Ok(stats) => Ok(stats.filesystem_type().0 == BPF_FS_MAGIC),
+        Err(nix::errno::Errno::ENOENT) => Ok(false),
+        Err(errno) => Err(io::Error::from(errno)),
+    }
 }

@@ -9,14 +9,14 @@ use aya::maps::MapError;
 use cnibpf_common::{
     addr, masq_fragment,
     nat_flow::{self, NatFlowKey, NatFlowValue},
-    nat_fragment,
+    nat_fragment, owner as owner_map,
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
     portmap::{self, PortMapKey, PortMapValue},
 };
 
 use super::{
-    EbpfBackend, batch, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
+    EbpfBackend, batch, found, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
 };
 use crate::{
     backend::{BackendError, Endpoint, PortMappings, check_mapping_count, refuse_held_host_ports},
@@ -26,7 +26,7 @@ use crate::{
 impl EbpfBackend {
     /// The `portmap` keys the attachment owns, from its `owner_ports` slots.
     fn owned_portmap_keys(&self, owner: u64) -> Result<Vec<PortMapKey>, BackendError> {
-        let Ok(info) = self.owners.get(&owner, 0) else {
+        let Some(info) = found(self.owners.get(&owner, 0), owner_map::MAP_NAME)? else {
             return Ok(Vec::new());
         };
         let mut keys = Vec::with_capacity(info.port_count as usize);
@@ -42,7 +42,7 @@ impl EbpfBackend {
 
     /// Makes `keys` the attachment's `owner_ports` slots and its `port_count`.
     fn record_owned_keys(&mut self, owner: u64, keys: &[PortMapKey]) -> Result<(), BackendError> {
-        let Ok(mut info) = self.owners.get(&owner, 0) else {
+        let Some(mut info) = found(self.owners.get(&owner, 0), owner_map::MAP_NAME)? else {
             return Ok(());
         };
         for (slot, key) in (0..).zip(keys) {
@@ -50,6 +50,7 @@ impl EbpfBackend {
                 .insert(&owner_port_key(owner, slot), key, 0)
                 .map_err(map_error("could not write map owner_ports"))?;
         }
+        // fail-closed: no kernel result; an attachment has at most a few hundred mappings.
         let count = u32::try_from(keys.len()).unwrap_or(u32::MAX);
         for slot in count..info.port_count {
             remove_entry(
@@ -74,10 +75,8 @@ impl EbpfBackend {
             protocol: key.protocol,
             family: key.family,
         };
-        let current = self
-            .port_claims
-            .get(&claim_key, 0)
-            .map_or(0, |claim| claim.specific);
+        let current = found(self.port_claims.get(&claim_key, 0), port_claim::MAP_NAME)?
+            .map_or(0, |claim| claim.specific); // fail-closed: `found` kept the errors.
         let next = if taken {
             current.saturating_add(1)
         } else {
@@ -101,8 +100,8 @@ impl EbpfBackend {
 
     /// Removes one of the attachment's mappings, unless another attachment holds the key now.
     fn remove_owned_mapping(&mut self, owner: u64, key: &PortMapKey) -> Result<(), BackendError> {
-        match self.portmap.get(key, 0) {
-            Ok(value) if value.owner == owner => {
+        match found(self.portmap.get(key, 0), portmap::MAP_NAME)? {
+            Some(value) if value.owner == owner => {
                 remove_entry(&mut self.portmap, key, portmap::MAP_NAME)?;
                 self.claim(key, false)
             }
@@ -155,7 +154,7 @@ impl PortMappings for EbpfBackend {
         let mut flows_stale = false;
         for mapping in mappings {
             let (key, value) = entry_for(endpoint, mapping);
-            let before = self.portmap.get(&key, 0).ok();
+            let before = found(self.portmap.get(&key, 0), portmap::MAP_NAME)?;
             self.portmap
                 .insert(&key, &value, 0)
                 .map_err(map_error("could not write map portmap"))?;
@@ -216,13 +215,14 @@ impl PortMappings for EbpfBackend {
         mapping: &ResolvedMapping,
     ) -> Result<Option<u64>, BackendError> {
         let key = key_for(mapping);
-        let other = |found: Result<PortMapValue, MapError>| {
-            found
-                .ok()
-                .map(|value| value.owner)
-                .filter(|holder| *holder != owner)
+        let other = |outcome: Result<PortMapValue, MapError>| {
+            Ok::<_, BackendError>(
+                found(outcome, portmap::MAP_NAME)?
+                    .map(|value| value.owner)
+                    .filter(|holder| *holder != owner),
+            )
         };
-        if let Some(holder) = other(self.portmap.get(&key, 0)) {
+        if let Some(holder) = other(self.portmap.get(&key, 0))? {
             return Ok(Some(holder));
         }
         if key.host_addr != [0; 16] {
@@ -230,14 +230,14 @@ impl PortMappings for EbpfBackend {
                 host_addr: [0; 16],
                 ..key
             };
-            return Ok(other(self.portmap.get(&wildcard, 0)));
+            return other(self.portmap.get(&wildcard, 0));
         }
         let claim_key = PortClaimKey {
             host_port: key.host_port,
             protocol: key.protocol,
             family: key.family,
         };
-        if self.port_claims.get(&claim_key, 0).is_err() {
+        if found(self.port_claims.get(&claim_key, 0), port_claim::MAP_NAME)?.is_none() {
             return Ok(None);
         }
         // Some address-specific mapping holds this port: find whose (rare, so a scan is fine).
@@ -262,15 +262,15 @@ impl PortMappings for EbpfBackend {
         let installed: HashSet<PortMapKey> = self.owned_portmap_keys(owner)?.into_iter().collect();
         for mapping in mappings {
             let (key, value) = entry_for(endpoint, mapping);
-            match self.portmap.get(&key, 0) {
-                Ok(found) if found == value => {}
-                Ok(_) => {
+            match found(self.portmap.get(&key, 0), portmap::MAP_NAME)? {
+                Some(installed) if installed == value => {}
+                Some(_) => {
                     return Err(BackendError::CheckFailed(format!(
                         "port mapping {} leads elsewhere than configured",
                         mapping
                     )));
                 }
-                Err(_) => {
+                None => {
                     return Err(BackendError::CheckFailed(format!(
                         "port mapping {} is missing",
                         mapping
@@ -297,6 +297,7 @@ fn owner_port_key(owner: u64, slot: u32) -> OwnerPortKey {
 
 fn key_for(mapping: &ResolvedMapping) -> PortMapKey {
     PortMapKey {
+        // fail-closed: an Option of the configuration; the wildcard is all zeroes.
         host_addr: mapping.host_addr.map_or([0; 16], addr::to_bytes),
         host_port: mapping.host_port,
         protocol: mapping.protocol.number(),

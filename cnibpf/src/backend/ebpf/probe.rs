@@ -25,18 +25,64 @@ const BPF_TCX_INGRESS: u32 = 46;
 /// `r0 = 0 (TC_ACT_OK); exit`.
 const PROGRAM: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
 
+/// Why the probe failed: the host refuses BPF (for good: `auto` serves with nftables), or it
+/// could not ask (a transient failure: fd limit, memory, an interrupted call), which says
+/// nothing about BPF and must not switch the backend.
+#[derive(Debug)]
+pub struct Refusal {
+    pub reason: String,
+    pub transient: bool,
+}
+
+impl Refusal {
+    fn of(what: &str, error: &io::Error) -> Self {
+        Self {
+            reason: format!("{what}: {error}"),
+            transient: !is_refusal(error),
+        }
+    }
+}
+
+/// Whether the kernel's answer means "no BPF here" — not built in, not permitted, not this
+/// kind of program or hook — rather than "could not now".
+fn is_refusal(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(
+            libc::EPERM
+                | libc::EACCES
+                | libc::ENOSYS
+                | libc::EINVAL
+                | libc::EOPNOTSUPP
+                | libc::EROFS
+        )
+    )
+}
+
 /// bpffs, where the datapath pins everything, must take new entries: a directory is made and
 /// removed. (Where none is mounted yet, loading mounts one and says so if it cannot.)
-pub fn bpffs_writable() -> Result<(), String> {
+pub fn bpffs_writable() -> Result<(), Refusal> {
     let root = Path::new(BPFFS_MOUNT_POINT);
-    if !super::pins::is_bpffs(root) {
+    let mounted = super::pins::is_bpffs(root).map_err(|error| Refusal {
+        reason: format!(
+            "could not tell whether {} is bpffs: {error}",
+            root.display()
+        ),
+        transient: true,
+    })?;
+    if !mounted {
         return Ok(());
     }
     // bpffs refuses names with a dot.
     let probe = root.join(format!("cnibpf-probe-{}", std::process::id()));
     fs::create_dir(&probe)
         .and_then(|()| fs::remove_dir(&probe))
-        .map_err(|error| format!("bpffs at {} is not writable: {error}", root.display()))
+        .map_err(|error| {
+            Refusal::of(
+                &format!("bpffs at {} is not writable", root.display()),
+                &error,
+            )
+        })
 }
 
 /// The loopback, index 1 in every network namespace.
@@ -44,10 +90,14 @@ const LOOPBACK_IFINDEX: u32 = 1;
 
 /// Loads the probe program and asks for the loopback's tcx programs; the error says which
 /// step the kernel refused.
-pub fn load_and_query() -> Result<(), String> {
-    load().map_err(|error| format!("loading a TC program failed: {error}"))?;
-    query_tcx(LOOPBACK_IFINDEX)
-        .map_err(|error| format!("the kernel has no tcx (needs Linux 6.6): {error}"))
+pub fn load_and_query() -> Result<(), Refusal> {
+    load().map_err(|error| Refusal::of("loading a TC program failed", &error))?;
+    query_tcx(LOOPBACK_IFINDEX).map_err(|error| {
+        Refusal::of(
+            "asking for the loopback's tcx programs failed (tcx needs Linux 6.6)",
+            &error,
+        )
+    })
 }
 
 /// `BPF_PROG_QUERY` of the tcx ingress programs of interface `ifindex`.
@@ -85,4 +135,21 @@ fn bpf(command: libc::c_long, attr: &[u8; 128]) -> io::Result<OwnedFd> {
     }
     // SAFETY: the kernel just returned this descriptor to us, nobody else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_is_told_from_a_failure_to_ask() {
+        for errno in [libc::EPERM, libc::ENOSYS, libc::EINVAL, libc::EACCES] {
+            let refusal = Refusal::of("load", &io::Error::from_raw_os_error(errno));
+            assert!(!refusal.transient, "errno {errno} means no BPF here");
+        }
+        for errno in [libc::EMFILE, libc::ENOMEM, libc::EINTR, libc::EAGAIN] {
+            let refusal = Refusal::of("load", &io::Error::from_raw_os_error(errno));
+            assert!(refusal.transient, "errno {errno} says nothing about BPF");
+        }
+    }
 }

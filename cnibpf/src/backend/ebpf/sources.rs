@@ -8,11 +8,12 @@ use std::net::IpAddr;
 
 use aya::maps::PerCpuValues;
 use cnibpf_common::{
+    owner as owner_map,
     source::{self, FLAG_UNCHECKED, MAX_ADDRESSES, SourceSet},
     source_drop::{self, SourceDrops},
 };
 
-use super::{EbpfBackend, batch, map_error, read_error, remove_entry, removed};
+use super::{EbpfBackend, batch, found, map_error, read_error, remove_entry, removed};
 use crate::{
     backend::{BackendError, Endpoint, SourceCheckRecord, SourceChecking},
     model::SourceCheck,
@@ -33,12 +34,11 @@ impl SourceChecking for EbpfBackend {
                 .insert(&ifindex, &wanted, 0)
                 .map_err(map_error("could not write map sources"));
         }
-        if self.sources.get(&ifindex, 0).ok() == Some(wanted)
-            && self.source_drops.get(&ifindex, 0).is_ok()
-        {
+        let counted = found(self.source_drops.get(&ifindex, 0), source_drop::MAP_NAME)?.is_some();
+        if counted && found(self.sources.get(&ifindex, 0), source::MAP_NAME)? == Some(wanted) {
             return Ok(());
         }
-        if self.source_drops.get(&ifindex, 0).is_err() {
+        if !counted {
             let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
                 name: source_drop::MAP_NAME,
                 source,
@@ -58,7 +58,7 @@ impl SourceChecking for EbpfBackend {
     }
 
     fn teardown_source_check(&mut self, owner: u64) -> Result<(), BackendError> {
-        if let Ok(info) = self.owners.get(&owner, 0) {
+        if let Some(info) = found(self.owners.get(&owner, 0), owner_map::MAP_NAME)? {
             return self.remove_source_check(info.host_ifindex, Some(owner));
         }
         // Not recorded (yet): an ADD undone before it recorded the attachment, or a DEL
@@ -80,7 +80,8 @@ impl SourceChecking for EbpfBackend {
         endpoint: &Endpoint,
         check: Option<&SourceCheck>,
     ) -> Result<(), BackendError> {
-        let Ok(current) = self.sources.get(&endpoint.host.index, 0) else {
+        let Some(current) = found(self.sources.get(&endpoint.host.index, 0), source::MAP_NAME)?
+        else {
             // Made by a cnibpf without source checks: checked from its next ADD.
             return Ok(());
         };
@@ -98,6 +99,7 @@ impl SourceChecking for EbpfBackend {
             "the addresses {} may send from are {}, its configuration says {}",
             endpoint.attachment,
             described(&current),
+            // fail-closed: an Option of the configuration, for the message.
             check.map_or_else(|| "not checked".to_owned(), ToString::to_string)
         )))
     }
@@ -110,7 +112,7 @@ impl EbpfBackend {
         ifindex: u32,
         owner: Option<u64>,
     ) -> Result<(), BackendError> {
-        let Ok(current) = self.sources.get(&ifindex, 0) else {
+        let Some(current) = found(self.sources.get(&ifindex, 0), source::MAP_NAME)? else {
             return Ok(());
         };
         if owner.is_some_and(|owner| current.owner != owner) {
@@ -123,12 +125,13 @@ impl EbpfBackend {
     /// The GC sweep: source checks whose attachment is gone (its record removed by a build
     /// that knew no source check).
     pub(super) fn sweep_orphaned_source_checks(&mut self) -> Result<(), BackendError> {
-        let orphaned: Vec<u32> = batch::entries(&self.sources)
-            .map_err(read_error(source::MAP_NAME))?
-            .into_iter()
-            .filter(|(_, set)| self.owners.get(&set.owner, 0).is_err())
-            .map(|(ifindex, _)| ifindex)
-            .collect();
+        let mut orphaned = Vec::new();
+        for (ifindex, set) in batch::entries(&self.sources).map_err(read_error(source::MAP_NAME))? {
+            // Only an owner the kernel says is not recorded is gone: a failed read keeps the check.
+            if found(self.owners.get(&set.owner, 0), owner_map::MAP_NAME)?.is_none() {
+                orphaned.push(ifindex);
+            }
+        }
         for ifindex in orphaned {
             self.remove_source_check(ifindex, None)?;
         }
@@ -143,14 +146,12 @@ impl EbpfBackend {
             if set.flags & FLAG_UNCHECKED != 0 {
                 continue;
             }
-            let dropped = self
-                .source_drops
-                .get(&ifindex, 0)
-                .ok()
-                .map_or((0, 0), |per_cpu| {
-                    per_cpu.iter().fold((0, 0), |(packets, bytes), drops| {
-                        (packets + drops.packets, bytes + drops.bytes)
-                    })
+            let counters = found(self.source_drops.get(&ifindex, 0), source_drop::MAP_NAME)?;
+            let dropped = counters
+                .iter()
+                .flat_map(|per_cpu| per_cpu.iter())
+                .fold((0, 0), |(packets, bytes), drops| {
+                    (packets + drops.packets, bytes + drops.bytes)
                 });
             records.push((
                 set.owner,

@@ -26,10 +26,14 @@ const CTA_PROTO_DST_PORT: u16 = 3;
 const NLA_F_NESTED: u16 = 0x8000;
 
 /// Whether the kernel tracks any connection in this network namespace: a dump walks the
-/// whole (global) table, milliseconds even when it finds nothing.
-pub fn tracking_any() -> bool {
-    std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_count")
-        .is_ok_and(|count| count.trim() != "0")
+/// whole (global) table, milliseconds even when it finds nothing. Without connection tracking
+/// loaded (no such file) nothing is tracked.
+pub fn tracking_any() -> io::Result<bool> {
+    match std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_count") {
+        Ok(count) => Ok(count.trim() != "0"),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(error) => Err(error),
+    }
 }
 
 /// Where a tracked connection was first sent.
@@ -108,11 +112,14 @@ fn destination_of(tuple: &[u8]) -> Option<Destination> {
     let ip = attribute(tuple, CTA_TUPLE_IP)?;
     let proto = attribute(tuple, CTA_TUPLE_PROTO)?;
     let addr = attributes(ip).find_map(|(kind, value)| match kind {
+        // fail-closed: decoding a reply; an address of another size is no address.
         CTA_IP_V4_DST => <[u8; 4]>::try_from(value).ok().map(IpAddr::from),
+        // fail-closed: as above.
         CTA_IP_V6_DST => <[u8; 16]>::try_from(value).ok().map(IpAddr::from),
         _ => None,
     })?;
     let protocol = *attribute(proto, CTA_PROTO_NUM)?.first()?;
+    // fail-closed: a reply without a port is no hostPort connection.
     let port = u16::from_be_bytes(attribute(proto, CTA_PROTO_DST_PORT)?.try_into().ok()?);
     Some(Destination {
         addr,

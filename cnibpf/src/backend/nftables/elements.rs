@@ -4,7 +4,7 @@
 use nftables::{batch::Batch, expr::Expression, schema::NfCmd, stmt::Statement};
 
 use super::{
-    Change, conditions_chain, family_suffix, filter, filter_chains, host,
+    Change, NftablesError, conditions_chain, family_suffix, filter, filter_chains, host,
     listing::Listing,
     masquerade, nat_chain,
     nft::{self, concat, jump, mapping, number, owned, text},
@@ -170,7 +170,12 @@ pub fn remove(batch: &mut Batch<'static>, owner: u64, change: &Change, specific:
 
 /// Removes what the table holds of `owner` as listed — its elements by their comment, its
 /// chains by name — for when its record no longer says so (someone changed the table).
-pub fn remove_listed(batch: &mut Batch<'static>, owner: u64, owner_text: &str, listing: &Listing) {
+pub fn remove_listed(
+    batch: &mut Batch<'static>,
+    owner: u64,
+    owner_text: &str,
+    listing: &Listing,
+) -> Result<(), NftablesError> {
     for (set, element) in listing.owned_by(owner_text) {
         batch.delete(nft::elements(set, vec![element.key.clone()]));
     }
@@ -186,9 +191,10 @@ pub fn remove_listed(batch: &mut Batch<'static>, owner: u64, owner_text: &str, l
             batch.delete(nft::chain(&chain));
         }
     }
-    if host::has_source_chain(&sources::chain_name(owner)).unwrap_or(false) {
+    if host::has_source_chain(&sources::chain_name(owner))? {
         sources::delete_chain(batch, owner);
     }
+    Ok(())
 }
 
 /// Adds what `change.after` holds: its chains, rewritten whole, and its elements. A hostPort

@@ -77,6 +77,7 @@ impl Filtering for NftablesBackend {
             .flat_map(|map| listing.elements(map))
             .filter(|element| element.comment.as_deref() == Some(owner_text.as_str()))
             .count();
+        // fail-closed: an Option of the configuration.
         let wanted_dispatch = filter.map_or(0, |_| endpoint.container_networks.len() * 2);
         if installed.as_ref() != filter || dispatched != wanted_dispatch {
             return Err(BackendError::CheckFailed(format!(
@@ -223,9 +224,12 @@ fn rule_of(
         match statement {
             Statement::Match(matched) => read_match(&mut out, &matched.left, &matched.right)?,
             Statement::Counter(Counter::Anonymous(counter)) => {
+                // fail-closed: a counter nft lists without values has counted nothing.
                 let counter = counter.clone().unwrap_or_default();
                 hits = Some((
+                    // fail-closed: as above.
                     counter.packets.unwrap_or(0) as u64,
+                    // fail-closed: as above.
                     counter.bytes.unwrap_or(0) as u64,
                 ));
             }
@@ -321,6 +325,7 @@ pub fn filter_of(listing: &Listing, owner: u64) -> Result<Option<FilterRecord>, 
             }
             let index = comment
                 .strip_prefix("rule ")
+                // fail-closed: decoding a comment; one that does not parse is an error below.
                 .and_then(|index| index.parse().ok())
                 .ok_or_else(|| unreadable(format!("comment {comment:?}")))?;
             let (read, hits) = rule_of(rule, index, direction).map_err(unreadable)?;

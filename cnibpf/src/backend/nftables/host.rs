@@ -53,6 +53,7 @@ pub fn rule_comments(chain: &str) -> Result<Option<Vec<String>>, NftablesError> 
             comments.push(
                 attribute(rule, NFTA_RULE_USERDATA)
                     .and_then(user_data_comment)
+                    // fail-closed: a rule without a comment is no line of a record (records read it so).
                     .unwrap_or_default(),
             );
             ControlFlow::Continue(())
@@ -79,6 +80,7 @@ pub fn table_comment() -> io::Result<Option<String>> {
             comment = Some(
                 attribute(table, NFTA_TABLE_USERDATA)
                     .and_then(user_data_comment)
+                    // fail-closed: a table without a comment is layout 1's, which had none.
                     .unwrap_or_default(),
             );
             ControlFlow::Continue(())
@@ -89,6 +91,15 @@ pub fn table_comment() -> io::Result<Option<String>> {
         Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(None),
         Err(error) => Err(error),
     }
+}
+
+/// Whether an error of a netfilter netlink question means this kernel has no nf_tables at all
+/// (no netfilter netlink, or no nf_tables subsystem behind it), rather than "could not ask".
+pub fn lacks_nf_tables(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EPROTONOSUPPORT | libc::EAFNOSUPPORT | libc::EOPNOTSUPP)
+    )
 }
 
 /// Whether table `inet cnibpf` has chain `chain`.
@@ -147,6 +158,7 @@ fn user_data_comment(data: &[u8]) -> Option<String> {
             let end = value
                 .iter()
                 .position(|byte| *byte == 0)
+                // fail-closed: a comment without its terminating zero ends with its value.
                 .unwrap_or(value.len());
             return Some(String::from_utf8_lossy(&value[..end]).into_owned());
         }
@@ -190,6 +202,7 @@ pub fn firewall_chains() -> Result<Vec<HostChain>, NftablesError> {
     }
     let unreadable = |error: serde_json::Error| NftablesError::Listing(error.to_string());
     let document: serde_json::Value = serde_json::from_slice(&output.stdout).map_err(unreadable)?;
+    // fail-closed: a listing without objects lists no chain.
     let objects = document["nftables"].as_array().cloned().unwrap_or_default();
     let mut chains = Vec::new();
     let mut rules = Vec::new();
@@ -274,6 +287,7 @@ fn interface_keys(message: &[u8]) -> impl Iterator<Item = String> + '_ {
             let end = value
                 .iter()
                 .position(|byte| *byte == 0)
+                // fail-closed: an interface name without its terminating zero ends with its value.
                 .unwrap_or(value.len());
             Some(String::from_utf8_lossy(&value[..end]).into_owned())
         })
@@ -282,14 +296,23 @@ fn interface_keys(message: &[u8]) -> impl Iterator<Item = String> + '_ {
 /// Makes bridge `bridge` hand its bridged IPv4 and IPv6 frames to the IP hooks, loading
 /// br_netfilter if it is not; whether cnibpf switched it on (it was off).
 pub fn bridge_netfilter_on(bridge: &netlink::Link) -> Result<bool, NftablesError> {
-    if !Path::new("/proc/sys/net/bridge").exists() {
+    let loaded = || {
+        Path::new(BRIDGE_SYSCTLS)
+            .try_exists()
+            .map_err(|source| NftablesError::HostSetting {
+                action: format!("look for {BRIDGE_SYSCTLS}"),
+                source,
+            })
+    };
+    if !loaded()? {
+        // fail-closed: whether modprobe worked is asked of the kernel right after.
         let _ = std::process::Command::new("modprobe")
             .arg("br_netfilter")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .status();
     }
-    if !Path::new("/proc/sys/net/bridge").exists() {
+    if !loaded()? {
         return Err(NftablesError::HostSetting {
             action: format!(
                 "filter traffic between containers on bridge {}: br_netfilter is not available (modprobe br_netfilter)",
@@ -324,21 +347,39 @@ pub fn route_localnet_on(name: &str) -> Result<bool, NftablesError> {
     Ok(true)
 }
 
+/// Present once br_netfilter is loaded.
+const BRIDGE_SYSCTLS: &str = "/proc/sys/net/bridge";
+
 fn route_localnet_path(name: &str) -> String {
     format!("/proc/sys/net/ipv4/conf/{name}/route_localnet")
 }
 
 /// Switches off what cnibpf switched on, once its table is gone. An interface that is gone
-/// meanwhile has nothing left to switch.
-pub fn restore(bridges: &[String], localnet: &[String]) {
+/// meanwhile has nothing left to switch. Every setting is tried; the failures are reported
+/// together (the table that listed them is gone: they must be switched off by hand).
+pub fn restore(bridges: &[String], localnet: &[String]) -> Result<(), NftablesError> {
+    let mut failed = Vec::new();
     for name in bridges {
-        if let Ok(link) = netlink::link_by_name(name) {
-            let _ = netlink::set_bridge_netfilter(link.index, false);
+        let switched = netlink::index_of(name).and_then(|index| match index {
+            Some(index) => netlink::set_bridge_netfilter(index, false),
+            None => Ok(()),
+        });
+        if let Err(error) = switched {
+            failed.push(format!("nf_call_iptables on bridge {name}: {error}"));
         }
     }
     for name in localnet {
-        let _ = std::fs::write(route_localnet_path(name), "0");
+        match std::fs::write(route_localnet_path(name), "0") {
+            Err(error) if error.kind() != io::ErrorKind::NotFound => {
+                failed.push(format!("route_localnet on interface {name}: {error}"));
+            }
+            _ => {}
+        }
     }
+    if failed.is_empty() {
+        return Ok(());
+    }
+    Err(NftablesError::Restore(failed.join("; ")))
 }
 
 #[cfg(test)]

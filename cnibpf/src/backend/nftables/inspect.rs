@@ -7,8 +7,8 @@ use std::net::IpAddr;
 use super::{NftablesBackend, filter::filter_of, parse_owner};
 use crate::{
     backend::{
-        AttachmentRecord, BackendError, FilterRecord, Inspect, MasqueradeRecord, SourceCheckRecord,
-        UplinkAddresses, is_link_local,
+        AttachmentRecord, BackendError, FilterRecord, GONE_IFINDEX, Inspect, MasqueradeRecord,
+        SourceCheckRecord, UplinkAddresses, is_link_local,
     },
     model::ResolvedMapping,
     netlink,
@@ -21,9 +21,19 @@ impl Inspect for NftablesBackend {
             let Some(attachment) = parse_owner(&record.owner) else {
                 continue;
             };
+            let host_ifindex = netlink::index_of(&record.host)
+                .map_err(|source| BackendError::Interface {
+                    action: format!(
+                        "could not look up interface {} of {attachment}",
+                        record.host
+                    ),
+                    source: Box::new(source),
+                })?
+                // fail-closed: `index_of` kept the errors; only a gone interface gets here.
+                .unwrap_or(GONE_IFINDEX);
             out.push(AttachmentRecord {
                 owner,
-                host_ifindex: netlink::link_by_name(&record.host).map_or(0, |link| link.index),
+                host_ifindex,
                 attachment,
                 pod: record.pod,
                 host_ifname: record.host,
@@ -59,25 +69,30 @@ impl Inspect for NftablesBackend {
     }
 
     fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
-        let addresses = netlink::addresses().unwrap_or_default();
-        Ok(self
-            .listing()?
-            .elements("uplinks")
-            .iter()
-            .filter_map(|element| match &element.key {
-                nftables::expr::Expression::String(name) => netlink::link_by_name(name).ok(),
-                _ => None,
-            })
-            .map(|link| UplinkAddresses {
-                ifindex: link.index,
-                v4: addresses.iter().find_map(|(index, addr)| match addr {
-                    IpAddr::V4(addr) if *index == link.index => Some(*addr),
+        let addresses =
+            netlink::addresses().map_err(|source| BackendError::HostAddresses(Box::new(source)))?;
+        let mut uplinks = Vec::new();
+        for element in self.listing()?.elements("uplinks") {
+            let nftables::expr::Expression::String(name) = &element.key else {
+                continue;
+            };
+            // An uplink that is gone masquerades to nothing: not listed.
+            let index = netlink::index_of(name).map_err(|source| BackendError::Interface {
+                action: format!("could not look up uplink {name}"),
+                source: Box::new(source),
+            })?;
+            uplinks.extend(index);
+        }
+        Ok(uplinks
+            .into_iter()
+            .map(|index| UplinkAddresses {
+                ifindex: index,
+                v4: addresses.iter().find_map(|(owner, addr)| match addr {
+                    IpAddr::V4(addr) if *owner == index => Some(*addr),
                     _ => None,
                 }),
-                v6: addresses.iter().find_map(|(index, addr)| match addr {
-                    IpAddr::V6(addr)
-                        if *index == link.index && !is_link_local(IpAddr::V6(*addr)) =>
-                    {
+                v6: addresses.iter().find_map(|(owner, addr)| match addr {
+                    IpAddr::V6(addr) if *owner == index && !is_link_local(IpAddr::V6(*addr)) => {
                         Some(*addr)
                     }
                     _ => None,

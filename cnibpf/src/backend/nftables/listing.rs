@@ -95,6 +95,7 @@ impl Listing {
     }
 
     pub fn elements(&self, set: &str) -> &[Listed] {
+        // fail-closed: a set the listing does not hold has no elements.
         self.sets.get(set).map_or(&[], Vec::as_slice)
     }
 
@@ -129,6 +130,7 @@ impl Listing {
 
     /// The rules of `chain`, in order.
     pub fn rules(&self, chain: &str) -> &[Rule<'static>] {
+        // fail-closed: a chain the listing does not hold has no rules.
         self.chains.get(chain).map_or(&[], Vec::as_slice)
     }
 
@@ -154,6 +156,7 @@ impl Listing {
         for chain in self.chains.keys() {
             let Some(owner) = chain
                 .strip_prefix("a_")
+                // fail-closed: a chain not named a_<owner> is no record.
                 .and_then(|hex| u64::from_str_radix(hex, 16).ok())
             else {
                 continue;
@@ -291,6 +294,7 @@ fn mapping_of(element: &Listed, any: bool) -> Option<ResolvedMapping> {
         (Some(address_of(key.first()?)?), &key[1..])
     };
     let protocol = match rest.first()? {
+        // fail-closed: an element of no known protocol is not a hostPort of ours.
         Expression::String(name) => name.parse().ok()?,
         _ => return None,
     };

@@ -69,11 +69,13 @@ impl Masquerading for NftablesBackend {
                     .as_deref()?
                     .strip_prefix(MASQUERADE)?
                     .parse()
+                    // fail-closed: a rule whose comment names no address is not a masquerade rule.
                     .ok()
             })
             .filter(|source| dispatched(*source))
             .collect();
         let mut wanted: Vec<IpAddr> =
+            // fail-closed: an Option of the configuration.
             masquerade.map_or_else(Vec::new, |masquerade| masquerade.sources.clone());
         installed.sort();
         wanted.sort();

@@ -14,8 +14,6 @@
 //! its creation, so the marker, not the comment, says that a `cnibpf layout 2` table holds
 //! layout 3.
 
-use std::fmt::Write as _;
-
 use nftables::batch::Batch;
 
 use super::{HOOK_RULES, LAYOUT_3_OBJECTS, NftablesError, elements, listing::Listing, nft};
@@ -41,6 +39,7 @@ const OLD_SETS: [&str; 6] = [
 /// Migrates table `inet cnibpf` of layout 2 (unmarked) to layout 3.
 pub fn migrate() -> Result<(), BackendError> {
     nft::run_script(&["-f", "-"], LAYOUT_3_OBJECTS.as_bytes())?;
+    // fail-closed: `read` kept the errors; no table lists nothing.
     let listing = Listing::read()?.unwrap_or_default();
     let mut additions = Batch::new();
     for (owner, record) in listing.records()? {
@@ -55,7 +54,7 @@ pub fn migrate() -> Result<(), BackendError> {
 fn switch(listing: &Listing) -> Result<String, NftablesError> {
     let mut script = String::new();
     for chain in HOOK_CHAINS {
-        let _ = writeln!(script, "flush chain inet cnibpf {chain}");
+        script.push_str(&format!("flush chain inet cnibpf {chain}\n"));
     }
     script.push_str(HOOK_RULES);
     // Layout 2's filter chains began with what passes every filter, the only rules there
@@ -69,12 +68,14 @@ fn switch(listing: &Listing) -> Result<String, NftablesError> {
                 chain: chain.to_owned(),
                 reason: "a rule is listed without its handle".to_owned(),
             })?;
-            let _ = writeln!(script, "delete rule inet cnibpf {chain} handle {handle}");
+            script.push_str(&format!(
+                "delete rule inet cnibpf {chain} handle {handle}\n"
+            ));
         }
     }
     for set in OLD_SETS {
-        let _ = writeln!(script, "delete set inet cnibpf {set}");
+        script.push_str(&format!("delete set inet cnibpf {set}\n"));
     }
-    let _ = writeln!(script, "add chain inet cnibpf {MARKER}");
+    script.push_str(&format!("add chain inet cnibpf {MARKER}\n"));
     Ok(script)
 }

@@ -87,6 +87,12 @@ pub enum NftablesError {
     Older,
     #[error("could not ask the kernel about table inet cnibpf")]
     Netlink(#[source] std::io::Error),
+    #[error(
+        "the table is gone, but switching off what cnibpf switched on failed (switch it off by hand): {0}"
+    )]
+    Restore(String),
+    #[error("could not remove the tracked connections of changed hostPorts")]
+    Conntrack(#[source] std::io::Error),
     #[error("could not {action}")]
     HostSetting {
         action: String,
@@ -251,8 +257,17 @@ impl NftablesBackend {
             backend: "nftables",
             reason,
         };
-        host::table_comment()
-            .map_err(|error| unavailable(format!("the kernel has no nf_tables: {error}")))?;
+        host::table_comment().map_err(|error| {
+            let reason = format!("asking the kernel for nf_tables failed: {error}");
+            if host::lacks_nf_tables(&error) {
+                unavailable(reason)
+            } else {
+                BackendError::ProbeFailed {
+                    backend: "nftables",
+                    reason,
+                }
+            }
+        })?;
         if !host::nft_installed() {
             return Err(unavailable(format!("{} is not installed", nft::NFT)));
         }
@@ -294,25 +309,23 @@ impl NftablesBackend {
     /// The table if it exists, for DEL, GC, inspect and ADD's hostPort conflicts. One netlink
     /// question; no `nft` runs on a host without the table (every eBPF host).
     pub fn open_existing(access: Access) -> Result<Option<Self>, BackendError> {
-        match host::table_comment() {
-            Ok(Some(comment)) => Self::open_as(layout_of(Some(comment))?, access).map(Some),
-            Ok(None) => Ok(None),
-            // No nf_tables at all: nothing of ours can be there.
-            Err(_) => Ok(None),
+        match existing_table_comment()? {
+            Some(comment) => Self::open_as(layout_of(Some(comment))?, access).map(Some),
+            None => Ok(None),
         }
     }
 
     /// [`Self::open_existing`] for DEL and GC: a table of another layout is opened for removing
     /// attachments, never refused (see `other_layout`).
     pub fn open_for_removal() -> Result<Option<Box<dyn Backend>>, BackendError> {
-        match host::table_comment() {
-            Ok(Some(comment)) => match layout_of(Some(comment))? {
-                TableLayout::Other(comment) => {
-                    Ok(Some(Box::new(other_layout::OtherLayout::open(comment)?)))
-                }
-                layout => Ok(Some(Box::new(Self::open_as(layout, Access::Changes)?))),
-            },
-            _ => Ok(None),
+        let Some(comment) = existing_table_comment()? else {
+            return Ok(None);
+        };
+        match layout_of(Some(comment))? {
+            TableLayout::Other(comment) => {
+                Ok(Some(Box::new(other_layout::OtherLayout::open(comment)?)))
+            }
+            layout => Ok(Some(Box::new(Self::open_as(layout, Access::Changes)?))),
         }
     }
 
@@ -322,6 +335,7 @@ impl NftablesBackend {
             return Ok(listing);
         }
         let listing = if self.exists {
+            // fail-closed: `read` kept the errors; no table lists nothing.
             Listing::read()?.unwrap_or_default()
         } else {
             Listing::default()
@@ -432,10 +446,12 @@ impl NftablesBackend {
             let before = change
                 .before
                 .as_ref()
+                // fail-closed: an Option: no record holds no mapping.
                 .map_or(&[][..], |record| &record.mappings);
             let after = change
                 .after
                 .as_ref()
+                // fail-closed: as above.
                 .map_or(&[][..], |record| &record.mappings);
             changed.extend(before.iter().filter(|mapping| !after.contains(mapping)));
             changed.extend(after.iter().filter(|mapping| !before.contains(mapping)));
@@ -446,6 +462,7 @@ impl NftablesBackend {
     /// The transaction again when a record said more than the table holds (someone removed
     /// part of it): what goes is what the kernel lists as the attachment's, not its record.
     fn apply_from_listing(&mut self) -> Result<(), BackendError> {
+        // fail-closed: `read` kept the errors; no table lists nothing.
         let listing = Listing::read()?.unwrap_or_default();
         let mut removals = Batch::new();
         for (owner, change) in &mut self.changes {
@@ -455,7 +472,7 @@ impl NftablesBackend {
                 .or(change.after.as_ref())
                 .map(|record| record.owner.clone());
             if let Some(text) = text {
-                elements::remove_listed(&mut removals, *owner, &text, &listing);
+                elements::remove_listed(&mut removals, *owner, &text, &listing)?;
             }
             change.before = None;
         }
@@ -490,7 +507,16 @@ impl NftablesBackend {
                     if leaving.contains(&holder) || !listing.has_chain(&chain) {
                         continue;
                     }
-                    if netlink::link_by_name(&listing.record(&chain)?.host).is_err() {
+                    let host = listing.record(&chain)?.host;
+                    let gone = netlink::index_of(&host)
+                        .map_err(|source| BackendError::Interface {
+                            action: format!(
+                                "could not tell whether interface {host} of the holder of {mapping} still exists"
+                            ),
+                            source: Box::new(source),
+                        })?
+                        .is_none();
+                    if gone {
                         return Ok(Some(holder));
                     }
                 }
@@ -575,44 +601,64 @@ impl Backend for NftablesBackend {
         }
         applied?;
         let deleted_table = self.deletes_table();
+        let mut failures = Vec::new();
         if let Some((bridges, localnet)) = self.delete_table.take()
             && deleted_table
+            && let Err(error) = host::restore(&bridges, &localnet)
         {
-            host::restore(&bridges, &localnet);
+            failures.push(("interface settings", error.into()));
         }
         // As the reference portmap: datagram flows that met a hostPort before it was there
         // (or while it led elsewhere) would otherwise keep their old fate; a TCP connection
-        // does not outlive its endpoints.
+        // does not outlive its endpoints. The change is in either way; a failure is reported
+        // (an ADD is undone and retried; a DEL's leftovers go with the next ADD of the port).
         let changed: Vec<ResolvedMapping> = self
             .changed_mappings()
             .into_iter()
             .filter(|mapping| mapping.protocol != Protocol::Tcp)
             .collect();
-        if !changed.is_empty() && conntrack::tracking_any() {
-            let addresses = host_addresses();
-            if let Err(error) = conntrack::forget(&changed, &addresses) {
-                // The change is in; connections that would have gone age out instead.
-                eprintln!(
-                    "cnibpf: could not remove the tracked connections of changed hostPorts: {error}"
-                );
-            }
+        if let Err(error) = forget_connections(&changed) {
+            failures.push(("connection tracking", error));
         }
         self.changes.clear();
         self.uplinks.clear();
-        Ok(())
+        BackendError::collect(failures)
+    }
+}
+
+/// Removes the kernel's tracked connections to the hostPorts of `changed`.
+fn forget_connections(changed: &[ResolvedMapping]) -> Result<(), BackendError> {
+    if changed.is_empty() || !conntrack::tracking_any().map_err(NftablesError::Conntrack)? {
+        return Ok(());
+    }
+    let addresses = host_addresses()?;
+    conntrack::forget(changed, &addresses)
+        .map(drop)
+        .map_err(|error| NftablesError::Conntrack(error).into())
+}
+
+/// The table's comment, `None` when there is no table — or no nf_tables in this kernel at all,
+/// where nothing of ours can be. Any other failure to ask is an error.
+fn existing_table_comment() -> Result<Option<String>, BackendError> {
+    match host::table_comment() {
+        Ok(comment) => Ok(comment),
+        Err(error) if host::lacks_nf_tables(&error) => Ok(None),
+        Err(error) => Err(NftablesError::Netlink(error).into()),
     }
 }
 
 /// The host's addresses, loopback included: where a wildcard hostPort's connections went.
-fn host_addresses() -> Vec<IpAddr> {
+fn host_addresses() -> Result<Vec<IpAddr>, BackendError> {
     let mut addresses: Vec<IpAddr> = netlink::addresses()
-        .map(|found| found.into_iter().map(|(_, addr)| addr).collect())
-        .unwrap_or_default();
+        .map_err(|source| BackendError::HostAddresses(Box::new(source)))?
+        .into_iter()
+        .map(|(_, addr)| addr)
+        .collect();
     addresses.extend([
         IpAddr::from([127, 0, 0, 1]),
         IpAddr::from(std::net::Ipv6Addr::LOCALHOST),
     ]);
-    addresses
+    Ok(addresses)
 }
 
 /// The text form of an attachment kept in comments; refused when it does not fit one.

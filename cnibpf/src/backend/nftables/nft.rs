@@ -235,6 +235,7 @@ pub fn list(what: &[&str]) -> Result<Option<Vec<Listed>>, NftablesError> {
 /// An address read back from a listing.
 pub fn address_of(expression: &Expression<'_>) -> Option<IpAddr> {
     match expression {
+        // fail-closed: decoding a listing; text that is no address is none.
         Expression::String(text) => text.parse().ok(),
         _ => None,
     }
@@ -244,6 +245,7 @@ pub fn address_of(expression: &Expression<'_>) -> Option<IpAddr> {
 pub fn network_of(expression: &Expression<'_>) -> Option<IpNet> {
     match expression {
         Expression::Named(NamedExpression::Prefix(prefix)) => {
+            // fail-closed: as above, for a prefix.
             IpNet::new(address_of(&prefix.addr)?, u8::try_from(prefix.len).ok()?).ok()
         }
         other => address_of(other).map(IpNet::from),
@@ -253,6 +255,7 @@ pub fn network_of(expression: &Expression<'_>) -> Option<IpNet> {
 /// A port read back from a listing.
 pub fn port_of(expression: &Expression<'_>) -> Option<u16> {
     match expression {
+        // fail-closed: as above, for a port.
         Expression::Number(number) => u16::try_from(*number).ok(),
         _ => None,
     }

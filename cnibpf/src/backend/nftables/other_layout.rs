@@ -12,7 +12,9 @@ use nftables::{batch::Batch, expr::Expression, schema::NfListObject};
 
 use super::{NftablesError, host, listing::Listing, nft, parse_owner};
 use crate::{
-    backend::{AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints},
+    backend::{
+        AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, GONE_IFINDEX,
+    },
     netlink,
 };
 
@@ -28,6 +30,7 @@ impl OtherLayout {
     pub fn open(found: String) -> Result<Self, BackendError> {
         Ok(Self {
             found,
+            // fail-closed: `read` kept the errors; no table lists nothing.
             listing: Listing::read()?.unwrap_or_default(),
             leaving: BTreeSet::new(),
         })
@@ -116,22 +119,37 @@ impl Draining for OtherLayout {
     }
 
     fn held(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
-        Ok(self
-            .owners()
-            .into_iter()
-            .filter(|(owner, _)| !self.leaving.contains(owner))
-            .filter_map(|(owner, text)| {
-                let host_ifname = self.host_interface(&text).unwrap_or_default();
-                let host_ifindex = netlink::link_by_name(&host_ifname).map_or(0, |link| link.index);
-                Some(AttachmentRecord {
-                    owner,
-                    attachment: parse_owner(&text)?,
-                    pod: None,
-                    host_ifname,
-                    host_ifindex,
-                })
-            })
-            .collect())
+        let mut held = Vec::new();
+        for (owner, text) in self.owners() {
+            if self.leaving.contains(&owner) {
+                continue;
+            }
+            let Some(attachment) = parse_owner(&text) else {
+                continue;
+            };
+            // An attachment whose interface the table does not name has no interface to
+            // outlive: it is as gone as one whose interface the kernel says is gone.
+            let host_ifname = self.host_interface(&text);
+            let host_ifindex = match &host_ifname {
+                Some(name) => netlink::index_of(name)
+                    .map_err(|source| BackendError::Interface {
+                        action: format!("could not look up interface {name} of {attachment}"),
+                        source: Box::new(source),
+                    })?
+                    // fail-closed: `index_of` kept the errors; only a gone interface gets here.
+                    .unwrap_or(GONE_IFINDEX),
+                None => GONE_IFINDEX,
+            };
+            held.push(AttachmentRecord {
+                owner,
+                attachment,
+                pod: None,
+                // fail-closed: an Option of the listing (see above).
+                host_ifname: host_ifname.unwrap_or_default(),
+                host_ifindex,
+            });
+        }
+        Ok(held)
     }
 }
 
@@ -165,9 +183,10 @@ impl Backend for OtherLayout {
             .is_none()
         {
             let [bridges, localnet] = settings;
-            host::restore(&bridges, &localnet);
+            host::restore(&bridges, &localnet)?;
         }
         self.leaving.clear();
+        // fail-closed: as above.
         self.listing = Listing::read()?.unwrap_or_default();
         Ok(())
     }

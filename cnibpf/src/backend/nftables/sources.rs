@@ -45,6 +45,7 @@ impl SourceChecking for NftablesBackend {
         let change = self.attach(endpoint)?;
         if let Some(after) = change.after.as_mut() {
             after.sources =
+                // fail-closed: an Option of the configuration.
                 check.map_or(Sources::Unchecked, |check| Sources::Checked(check.clone()));
         }
         Ok(())
@@ -69,6 +70,7 @@ impl SourceChecking for NftablesBackend {
             .into_iter()
             .find(|(held, _)| *held == owner)
             .map(|(_, record)| record.sources)
+            // fail-closed: an attachment without a record has none of its sources recorded.
             .unwrap_or_default();
         let matching = match (&recorded, check) {
             // Made by a cnibpf without source checks: checked from its next ADD.
@@ -85,6 +87,7 @@ impl SourceChecking for NftablesBackend {
                 "the addresses {} may send from are {}, its configuration says {}",
                 endpoint.attachment,
                 described(&recorded),
+                // fail-closed: an Option of the configuration, for the message.
                 check.map_or_else(|| "not checked".to_owned(), ToString::to_string)
             )));
         }
@@ -118,6 +121,7 @@ impl NftablesBackend {
         Ok(records
             .into_iter()
             .map(|(owner, check)| {
+                // fail-closed: a chain without a counted rule dropped nothing.
                 let dropped = dropped.get(&chain_name(owner)).copied().unwrap_or_default();
                 (owner, SourceCheckRecord { check, dropped })
             })
@@ -286,12 +290,15 @@ fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
 /// (packets, bytes) each chain of the table dropped, by chain name.
 fn dropped_by_chain() -> Result<BTreeMap<String, (u64, u64)>, BackendError> {
     let mut dropped = BTreeMap::new();
+    // fail-closed: `list` kept the errors; no table counted nothing.
     let listed = nft::list(&["table", "netdev", TABLE])?.unwrap_or_default();
     for object in listed {
         if let nft::Listed::Rule(rule) = object {
             let counted = rule.expr.iter().find_map(|statement| match statement {
                 Statement::Counter(Counter::Anonymous(Some(counter))) => Some((
+                    // fail-closed: a counter nft lists without values has counted nothing.
                     counter.packets.unwrap_or(0) as u64,
+                    // fail-closed: as above.
                     counter.bytes.unwrap_or(0) as u64,
                 )),
                 _ => None,
