@@ -3,29 +3,12 @@
 //! and flows. The next ADD that needs its hostPort reclaims it, and so does `cnibpf gc
 //! --stale`; an attachment whose interface exists is never touched.
 
-use std::time::Duration;
-
 use cnibpf_tests::{
-    Container, SimHost, eventually, for_both_backends,
+    SimHost, for_both_backends,
     topology::{Backend, port_mappings},
     traffic::{TcpServer, tcp_request},
 };
 use serde_json::json;
-
-/// The pod's network namespace goes without a DEL, and its veth pair with it.
-fn vanish(sim: &SimHost, container: &Container) {
-    let host_interface = sim.host_interface(container);
-    container
-        .netns
-        .exec(&["ip", "link", "del", &container.attachment.ifname]);
-    assert!(
-        eventually(Duration::from_secs(5), || !sim
-            .host
-            .exec(&["ip", "-o", "link", "show"])
-            .contains(&format!(" {host_interface}@"))),
-        "{host_interface} is still there"
-    );
-}
 
 fn attached_ids(sim: &SimHost) -> Vec<String> {
     let mut ids: Vec<String> = sim.inspect()["attachments"]
@@ -41,7 +24,7 @@ fn attached_ids(sim: &SimHost) -> Vec<String> {
 fn the_next_add_reclaims_a_host_port_whose_holder_vanished(backend: Backend) {
     let sim = SimHost::on(backend, "rc-add", json!({}));
     let gone = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
-    vanish(&sim, &gone);
+    sim.vanish(&gone);
     let next = sim
         .add_container("c2", port_mappings(&[(8080, 80, "tcp")]))
         .unwrap_or_else(|error| panic!("{backend:?}: the vanished holder is reclaimed: {error}"));
@@ -76,7 +59,7 @@ fn gc_stale_reclaims_only_attachments_whose_interface_is_gone(backend: Backend) 
     let gone = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
     let live = sim.container("c2", port_mappings(&[(8081, 80, "tcp")]));
     let _server = TcpServer::start(&live.netns, live.socket(80), "c2");
-    vanish(&sim, &gone);
+    sim.vanish(&gone);
     let pin_path = sim.pin_path.display().to_string();
     let output = sim.cnibpf(&["gc", "--stale", "--pin-path", &pin_path]);
     let stdout = String::from_utf8_lossy(&output.stdout);

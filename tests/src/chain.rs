@@ -80,6 +80,9 @@ pub struct Chain {
     cache: Mutex<HashMap<(String, String), (Value, Value)>>,
     /// When set, cnibpf runs with `bpf(2)` failing with this errno (a host without BPF).
     cnibpf_bpf_errno: Option<i32>,
+    /// When set, cnibpf runs under this command line (a fault's or a call counter's, see
+    /// `faults`).
+    cnibpf_prefix: Mutex<Option<Vec<String>>>,
 }
 
 impl Chain {
@@ -90,7 +93,57 @@ impl Chain {
             host_netns: host_netns.to_owned(),
             cache: Mutex::new(HashMap::new()),
             cnibpf_bpf_errno: None,
+            cnibpf_prefix: Mutex::new(None),
         }
+    }
+
+    /// From now on (until set to `None`) cnibpf runs under the command line `prefix` (a
+    /// fault's, a call counter's).
+    pub fn set_cnibpf_prefix(&self, prefix: Option<Vec<String>>) {
+        *self.cnibpf_prefix.lock().expect("prefix lock") = prefix;
+    }
+
+    /// One plugin of the chain alone, for an attachment already added: `command` (ADD, CHECK
+    /// or DEL) with the cached result as `prevResult`, as libcni would send it that plugin. The
+    /// cache is left as it is.
+    pub fn run_one(
+        &self,
+        attachment: &Attachment,
+        plugin_type: &str,
+        command: &str,
+    ) -> PluginOutput {
+        let key = (attachment.container_id.clone(), attachment.ifname.clone());
+        let (prev, capability_args) = self
+            .cache
+            .lock()
+            .expect("cache lock")
+            .get(&key)
+            .cloned()
+            .unwrap_or_else(|| panic!("{command} of {} before its ADD", attachment.container_id));
+        let plugin = self
+            .plugins()
+            .into_iter()
+            .find(|plugin| plugin["type"] == plugin_type)
+            .unwrap_or_else(|| panic!("no plugin {plugin_type} in the chain"));
+        let config = self.plugin_config(&plugin, &self.version(), Some(&prev), &capability_args);
+        self.invoke(&plugin, command, Some(attachment), &config)
+    }
+
+    /// GC of one plugin of the chain with the given (containerID, ifname) list.
+    pub fn gc_one(&self, plugin_type: &str, valid: &[(&str, &str)]) -> PluginOutput {
+        let plugin = self
+            .plugins()
+            .into_iter()
+            .find(|plugin| plugin["type"] == plugin_type)
+            .unwrap_or_else(|| panic!("no plugin {plugin_type} in the chain"));
+        let mut config = self.plugin_config(&plugin, "1.1.0", None, &Value::Null);
+        config["cni.dev/valid-attachments"] = Value::Array(
+            valid
+                .iter()
+                .map(|(container_id, ifname)| json!({ "containerID": container_id, "ifname": ifname }))
+                .collect(),
+        );
+        self.invoke(&plugin, "GC", None, &config)
     }
 
     /// From now on cnibpf runs as on a host without BPF: `bpf(2)` fails with `errno`.
@@ -340,13 +393,28 @@ impl Chain {
             .as_str()
             .expect("plugin has a type")
             .to_owned();
-        let mut process = plugin_command(
-            &self.cni_path,
-            &self.host_netns,
-            &plugin_type,
-            command,
-            attachment,
-        );
+        let prefix = self
+            .cnibpf_prefix
+            .lock()
+            .expect("prefix lock")
+            .clone()
+            .filter(|_| plugin_type == "cnibpf");
+        let mut process = match prefix {
+            Some(prefix) => {
+                let binary = plugin_binary(&self.cni_path, &plugin_type);
+                let mut process = crate::faults::wrapped(&prefix, &binary);
+                set_plugin_environment(&mut process, &self.cni_path, command, attachment);
+                enter_netns_on_exec(&mut process, &self.host_netns);
+                process
+            }
+            None => plugin_command(
+                &self.cni_path,
+                &self.host_netns,
+                &plugin_type,
+                command,
+                attachment,
+            ),
+        };
         if let Some(errno) = self.cnibpf_bpf_errno.filter(|_| plugin_type == "cnibpf") {
             deny_bpf_syscall(&mut process, errno);
         }
@@ -391,12 +459,27 @@ pub fn plugin_process(
     command: &str,
     attachment: Option<&Attachment>,
 ) -> Command {
-    let binary = cni_path
+    let mut process = Command::new(plugin_binary(cni_path, plugin_type));
+    set_plugin_environment(&mut process, cni_path, command, attachment);
+    process
+}
+
+/// The binary of plugin `plugin_type` in `cni_path`.
+pub fn plugin_binary(cni_path: &str, plugin_type: &str) -> PathBuf {
+    cni_path
         .split(':')
         .map(|dir| Path::new(dir).join(plugin_type))
         .find(|path| path.exists())
-        .unwrap_or_else(|| panic!("plugin {plugin_type} not found in {cni_path}"));
-    let mut process = Command::new(&binary);
+        .unwrap_or_else(|| panic!("plugin {plugin_type} not found in {cni_path}"))
+}
+
+/// The CNI environment of one invocation and nothing else of ours, with piped stdio.
+fn set_plugin_environment(
+    process: &mut Command,
+    cni_path: &str,
+    command: &str,
+    attachment: Option<&Attachment>,
+) {
     process
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
@@ -414,7 +497,6 @@ pub fn plugin_process(
             process.env("CNI_ARGS", &attachment.cni_args);
         }
     }
-    process
 }
 
 /// Makes `process` start inside `netns` (network namespace only).

@@ -9,6 +9,7 @@
 pub mod assertions;
 pub mod chain;
 pub mod cri;
+pub mod faults;
 pub mod foreign;
 pub mod history;
 pub mod image;

@@ -405,10 +405,39 @@ impl SimHost {
 
     /// `cnibpf` with `args` as an admin command in the host namespace, to spawn (`monitor`).
     pub fn cnibpf_command(&self, args: &[&str]) -> std::process::Command {
-        let mut process = std::process::Command::new(cnibpf_binary());
+        self.cnibpf_command_under(None, args)
+    }
+
+    /// [`Self::cnibpf_command`] run by the command line `prefix` (a fault's, a call
+    /// counter's; see `faults`).
+    pub fn cnibpf_command_under(
+        &self,
+        prefix: Option<&[String]>,
+        args: &[&str],
+    ) -> std::process::Command {
+        let mut process = match prefix {
+            Some(prefix) => crate::faults::wrapped(prefix, &cnibpf_binary()),
+            None => std::process::Command::new(cnibpf_binary()),
+        };
         process.args(args).env_remove("CNI_COMMAND");
         chain::enter_netns_on_exec(&mut process, &self.host.path());
         process
+    }
+
+    /// The pod's network namespace goes without a DEL, and its veth pair with it (how a lost
+    /// DEL or a crashed runtime leaves an attachment).
+    pub fn vanish(&self, container: &Container) {
+        let host_interface = self.host_interface(container);
+        container
+            .netns
+            .exec(&["ip", "link", "del", &container.attachment.ifname]);
+        assert!(
+            crate::eventually(std::time::Duration::from_secs(5), || !self
+                .host
+                .exec(&["ip", "-o", "link", "show"])
+                .contains(&format!(" {host_interface}@"))),
+            "{host_interface} is still there"
+        );
     }
 
     /// Gives the outside namespace a route to the container subnets via the uplink, for

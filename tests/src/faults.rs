@@ -1,0 +1,327 @@
+//! Faults injected into the cnibpf binary under test where a busy node produces them: the N-th
+//! call of a system call failing (strace's fault injection, `--inject=SYSCALL:error=ERRNO:
+//! when=N`, counted per process) or a file-descriptor limit (`prlimit --nofile`). A test counts
+//! the calls a verb makes, then runs it once per fault of [`plan`] and
+//! checks what a runtime and an operator would see: one CNI error or success, and nothing
+//! live reclaimed, released or changed. A test counts the calls with a [`CallCounter`].
+//!
+//! `./dev test` runs a bounded sample of N per system call; `CNIBPF_FAULTS=all` runs every N.
+
+use std::{
+    collections::BTreeMap,
+    fmt,
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+/// The system calls faults are injected into, one strace expression each: BPF, the netlink
+/// sockets (created, written, read) and files.
+pub const SYSCALLS: [&str; 6] = [
+    "bpf",
+    "socket",
+    "sendto,sendmsg",
+    "recvfrom,recvmsg",
+    "openat",
+    "write",
+];
+
+/// The errors a node produces: an interrupted call, memory or buffers short, a refusal, a
+/// resource busy. N picks one in turn.
+pub const ERRNOS: [&str; 5] = ["EINTR", "ENOMEM", "ENOBUFS", "EPERM", "EAGAIN"];
+
+/// One fault.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The `nth` call of `syscalls` (in each process) fails with `errno`.
+    Syscall {
+        syscalls: &'static str,
+        errno: &'static str,
+        nth: u32,
+    },
+    /// At most this many open file descriptors.
+    FdLimit(u32),
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Syscall {
+                syscalls,
+                errno,
+                nth,
+            } => write!(f, "call {nth} of {syscalls} fails with {errno}"),
+            Self::FdLimit(limit) => write!(f, "at most {limit} file descriptors"),
+        }
+    }
+}
+
+impl Fault {
+    /// The command line that runs a program with this fault, before the program's path.
+    pub fn prefix(&self) -> Vec<String> {
+        match self {
+            Self::Syscall {
+                syscalls,
+                errno,
+                nth,
+            } => vec![
+                "strace".to_owned(),
+                "-f".to_owned(),
+                "-qq".to_owned(),
+                "-o".to_owned(),
+                "/dev/null".to_owned(),
+                format!("--inject={syscalls}:error={errno}:when={nth}"),
+                "--".to_owned(),
+            ],
+            Self::FdLimit(limit) => vec![
+                "prlimit".to_owned(),
+                format!("--nofile={limit}"),
+                "--".to_owned(),
+            ],
+        }
+    }
+}
+
+/// `program` run by the command line `prefix` (a fault's, a counter's).
+pub fn wrapped(prefix: &[String], program: &Path) -> Command {
+    let (first, rest) = prefix.split_first().expect("a non-empty prefix");
+    let mut command = Command::new(first);
+    command.args(rest).arg(program);
+    command
+}
+
+/// Counts the calls of [`SYSCALLS`] of the runs made with its [`Self::prefix`].
+#[derive(Debug)]
+pub struct CallCounter {
+    log: PathBuf,
+}
+
+impl CallCounter {
+    pub fn new() -> Self {
+        Self {
+            log: tempfile_path("cnibpf-strace"),
+        }
+    }
+
+    pub fn prefix(&self) -> Vec<String> {
+        vec![
+            "strace".to_owned(),
+            "-f".to_owned(),
+            "-qq".to_owned(),
+            "-o".to_owned(),
+            self.log.display().to_string(),
+            format!("-etrace={}", SYSCALLS.join(",")),
+            "--".to_owned(),
+        ]
+    }
+
+    /// What the runs made.
+    pub fn counts(self) -> Counts {
+        let text = std::fs::read_to_string(&self.log)
+            .unwrap_or_else(|error| panic!("read {}: {error}", self.log.display()));
+        parse_counts(&text)
+    }
+}
+
+impl Default for CallCounter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for CallCounter {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// How many calls of each of [`SYSCALLS`] a run made, in the process that made most, and the
+/// first `openat` past the dynamic loader's (which a fault would keep the program from
+/// starting at all: no code of ours runs before it).
+#[derive(Clone, Debug, Default)]
+pub struct Counts {
+    pub calls: BTreeMap<&'static str, u32>,
+    pub first_own_openat: u32,
+}
+
+/// The counts of an `strace -f` log (`PID syscall(args) = result` lines).
+fn parse_counts(log: &str) -> Counts {
+    let mut per_process: BTreeMap<(&str, &'static str), u32> = BTreeMap::new();
+    let mut first_process = None;
+    let mut loader_openats = 0;
+    for line in log.lines() {
+        let Some((pid, call)) = line.split_once(char::is_whitespace) else {
+            continue;
+        };
+        let call = call.trim_start();
+        let Some(name) = call.split('(').next() else {
+            continue;
+        };
+        let Some(group) = SYSCALLS
+            .into_iter()
+            .find(|group| group.split(',').any(|syscall| syscall == name))
+        else {
+            continue;
+        };
+        let first = *first_process.get_or_insert(pid);
+        *per_process.entry((pid, group)).or_default() += 1;
+        if pid == first && name == "openat" && is_loader_open(call) {
+            loader_openats = per_process[&(pid, group)];
+        }
+    }
+    let mut calls: BTreeMap<&'static str, u32> = BTreeMap::new();
+    for ((_, group), count) in per_process {
+        let most = calls.entry(group).or_default();
+        *most = (*most).max(count);
+    }
+    Counts {
+        calls,
+        first_own_openat: loader_openats + 1,
+    }
+}
+
+/// Whether an `openat` is the dynamic loader's (its cache and shared objects).
+fn is_loader_open(call: &str) -> bool {
+    call.contains("/etc/ld.so.cache") || call.contains(".so.") || call.contains(".so\"")
+}
+
+fn tempfile_path(prefix: &str) -> PathBuf {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    std::env::temp_dir().join(format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// Whether every N is to be run (`CNIBPF_FAULTS=all`) rather than a sample.
+pub fn exhaustive() -> bool {
+    std::env::var("CNIBPF_FAULTS").is_ok_and(|value| value == "all")
+}
+
+/// The faults to run against a verb that made `counts`' calls: every N of every system call
+/// when [`exhaustive`], else `per_syscall` of them spread over the range (the first and the
+/// last included); the error rotates through [`ERRNOS`].
+pub fn plan(counts: &Counts, per_syscall: u32) -> Vec<Fault> {
+    let mut faults = Vec::new();
+    for syscalls in SYSCALLS {
+        let calls = counts.calls.get(syscalls).copied().unwrap_or(0);
+        let first = if syscalls == "openat" {
+            counts.first_own_openat
+        } else {
+            1
+        };
+        if calls < first {
+            continue;
+        }
+        for nth in sample(first, calls, per_syscall, exhaustive()) {
+            faults.push(Fault::Syscall {
+                syscalls,
+                errno: ERRNOS[nth as usize % ERRNOS.len()],
+                nth,
+            });
+        }
+    }
+    faults
+}
+
+/// `count` values spread evenly over `first..=last` (the ends included), or all of them.
+fn sample(first: u32, last: u32, count: u32, all: bool) -> Vec<u32> {
+    let span = last - first;
+    if all || span < count {
+        return (first..=last).collect();
+    }
+    let mut picked: Vec<u32> = (0..count)
+        .map(|step| first + span * step / (count - 1).max(1))
+        .collect();
+    picked.dedup();
+    picked
+}
+
+/// What a run of a CNI verb answered, checked the way a runtime reads it: exit 0, or a
+/// non-zero exit with exactly one CNI error object (a code and a message) on stdout — never a
+/// crash, a signal or an answer a runtime cannot parse. Returns whether it succeeded.
+pub fn assert_cni_answer(output: &crate::PluginOutput, context: &str) -> bool {
+    assert!(
+        !output.stderr.contains("panicked"),
+        "{context}: the plugin panicked: {output:?}"
+    );
+    if output.exit_code == 0 {
+        return true;
+    }
+    assert!(
+        output.exit_code > 0,
+        "{context}: the plugin died by a signal: {output:?}"
+    );
+    let error: serde_json::Value =
+        serde_json::from_str(output.stdout.trim()).unwrap_or_else(|error| {
+            panic!("{context}: stdout is not one CNI error object ({error}): {output:?}")
+        });
+    let code = error["code"].as_u64();
+    let message = error["msg"].as_str().unwrap_or_default();
+    assert!(
+        code.is_some_and(|code| code > 0) && !message.is_empty(),
+        "{context}: a CNI error names its code and the step that failed: {output:?}"
+    );
+    false
+}
+
+/// The same for an admin command (`gc --stale`, `install`, `uninstall`): exit 0, or exit 1 with
+/// its error on stderr, one line naming the command. A binary the dynamic loader could not
+/// start (too few file descriptors to open its libraries: no code of ours ran) failed too.
+pub fn assert_admin_answer(output: &Output, command: &str, context: &str) -> bool {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !stderr.contains("panicked"),
+        "{context}: cnibpf {command} panicked: {output:?}"
+    );
+    if output.status.code() == Some(127) && stderr.contains("error while loading shared libraries")
+    {
+        return false;
+    }
+    match output.status.code() {
+        Some(0) => true,
+        Some(1) => {
+            assert!(
+                stderr.contains(&format!("cnibpf {command}: ")),
+                "{context}: the failure names the command and the step: {output:?}"
+            );
+            false
+        }
+        _ => panic!("{context}: cnibpf {command} died or exited oddly: {output:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calls_are_counted_per_process_past_the_loader() {
+        let log = "\
+100 openat(AT_FDCWD, \"/etc/ld.so.cache\", O_RDONLY|O_CLOEXEC) = 3
+100 openat(AT_FDCWD, \"/lib/x86_64-linux-gnu/libc.so.6\", O_RDONLY|O_CLOEXEC) = 3
+100 bpf(BPF_OBJ_GET, {pathname=\"/sys/fs/bpf/x\"}, 16) = 4
+100 openat(AT_FDCWD, \"/proc/self/mounts\", O_RDONLY|O_CLOEXEC) = 5
+101 openat(AT_FDCWD, \"/etc/ld.so.cache\", O_RDONLY|O_CLOEXEC) = 3
+101 sendmsg(3, {...}, 0) = 20
+100 sendto(3, \"...\", 20, 0, NULL, 0) = 20
+100 sendto(3, \"...\", 20, 0, NULL, 0) = 20
+";
+        let counts = parse_counts(log);
+        assert_eq!(counts.calls["bpf"], 1);
+        assert_eq!(counts.calls["openat"], 3);
+        assert_eq!(
+            counts.calls["sendto,sendmsg"], 2,
+            "the process that made most"
+        );
+        assert_eq!(counts.first_own_openat, 3);
+    }
+
+    #[test]
+    fn a_sample_keeps_both_ends() {
+        assert_eq!(sample(1, 3, 4, false), vec![1, 2, 3]);
+        assert_eq!(sample(3, 103, 3, false), vec![3, 53, 103]);
+        assert_eq!(sample(1, 5, 2, true), vec![1, 2, 3, 4, 5]);
+    }
+}
