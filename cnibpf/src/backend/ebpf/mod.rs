@@ -187,6 +187,9 @@ impl EbpfBackend {
                     found,
                 });
             }
+            // What a migration that stamped the new layout left behind goes with the next run
+            // that may change the state, whichever verb it is.
+            PinnedState::Current if access == Access::Changes => migrate::finish(pins)?,
             PinnedState::Current | PinnedState::OtherPrograms => {}
         }
         Self::open_maps(pins).map(Some)
