@@ -17,7 +17,7 @@ use std::{
 
 use cnibpf_common::layout::{LayoutInfo, MAGIC};
 use cnibpf_tests::{
-    Container, SimHost, chain, eventually, history,
+    Container, SimHost, chain, eventually, faults, history,
     topology::{Backend, OUTSIDE_ADDR, cnibpf_binary, port_mappings},
     traffic::{
         Conversation, StreamEchoServer, TcpServer, UdpCounter, UdpSender, UdpServer, tcp_request,
@@ -383,6 +383,82 @@ fn killed_migrations_converge(installed: &Installed, old: &Path, new: &Path, bac
     pod.assert_carried_on("across the killed migrations");
 }
 
+/// The migration, run by `cnibpf gc --stale`, with a fault injected (see `faults`) at a sample
+/// of the calls it makes (every call with `CNIBPF_FAULTS=all`), each time from a fresh state
+/// of the older cnibpf: the faulted run answers with success or one error, the next run
+/// without the fault completes the migration, and the older cnibpf's pod passes CHECK and
+/// answers on its hostPort.
+fn faulted_migrations_converge(installed: &Installed, old: &Path, new: &Path, backend: Backend) {
+    let sim = SimHost::new(
+        &format!("upf{}", &backend.name()[..1]),
+        pod_keys(backend.name()),
+    );
+    let pin_path = sim.pin_path.display().to_string();
+    let gc_stale = |prefix: Option<&[String]>| {
+        let mut process = match prefix {
+            Some(prefix) => faults::wrapped(prefix, new),
+            None => Command::new(new),
+        };
+        process.args(["gc", "--stale", "--pin-path", &pin_path]);
+        chain::enter_netns_on_exec(&mut process, &sim.host.path());
+        process.output().expect("run cnibpf gc")
+    };
+    // A pod of the older cnibpf, and the node's state with it; then the migration's run.
+    let migrate = |index: usize, prefix: Option<&[String]>| {
+        installed.put(old);
+        let pod = sim.container(&format!("m{index}"), port_mappings(&[(8080, 80, "tcp")]));
+        let server = TcpServer::start(&pod.netns, pod.socket(80), "old pod");
+        assert_eq!(
+            migration_state(&sim, backend),
+            (false, false),
+            "a fresh old state"
+        );
+        (pod, server, gc_stale(prefix))
+    };
+    let converged = |pod: &Container, context: &str| {
+        let again = gc_stale(None);
+        assert!(
+            again.status.success(),
+            "{context}: the run after it: {again:?}"
+        );
+        assert_eq!(
+            migration_state(&sim, backend),
+            (false, true),
+            "{context}: migrated"
+        );
+        installed.put(new);
+        sim.check(pod)
+            .unwrap_or_else(|error| panic!("{context}: CHECK of the old pod: {error}"));
+        assert_eq!(
+            tcp_request(&sim.outside, sim.uplink_target(8080)).as_deref(),
+            Ok("old pod"),
+            "{context}: the old pod's hostPort"
+        );
+        sim.del(pod)
+            .unwrap_or_else(|error| panic!("{context}: DEL of the old pod: {error}"));
+        assert!(
+            sim.holds_no_state(),
+            "{context}: the last DEL leaves nothing"
+        );
+    };
+    let counter = faults::CallCounter::new();
+    let (pod, _server, output) = migrate(0, Some(&counter.prefix()));
+    assert!(output.status.success(), "the counted migration: {output:?}");
+    converged(&pod, "the counted migration");
+    let plan = faults::plan(&counter.counts(), 3);
+    let mut failed = 0;
+    for (index, fault) in plan.iter().enumerate() {
+        let context = format!("{backend:?} migration with {fault}");
+        let (pod, _server, output) = migrate(index + 1, Some(&fault.prefix()));
+        failed += usize::from(!faults::assert_admin_answer(&output, "gc", &context));
+        converged(&pod, &context);
+    }
+    eprintln!(
+        "{backend:?}: {} faulted migrations ({failed} failed), each completed by the next run",
+        plan.len()
+    );
+}
+
 /// An nftables table older than the previous layout is not migrated: the new cnibpf adds
 /// nothing to it, but DEL
 /// removes its pods one by one while the others keep working, and the last DEL leaves the
@@ -537,8 +613,10 @@ fn pods_live_on_across_layouts_and_del_works_both_ways() {
     unsafe { std::env::set_var("CNIBPF_BIN", &installed.path) };
     upgrade_then_downgrade(&installed, &old, &new);
     killed_migrations_converge(&installed, &old, &new, Backend::Ebpf);
+    faulted_migrations_converge(&installed, &old, &new, Backend::Ebpf);
     nftables_table_of_an_older_layout_drains(&installed, &old, &new);
     let previous_nftables = history::cnibpf_of(NFTABLES_LAYOUT_2);
     nftables_table_of_the_previous_layout_migrates(&installed, &previous_nftables, &new);
     killed_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
+    faulted_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
 }
