@@ -211,21 +211,13 @@ fn without_counters(value: Value) -> Value {
     }
 }
 
-/// The owner id `inspect` shows for the attachment of container `id`.
-fn owner_of(sim: &SimHost, id: &str) -> String {
-    sim.inspect()["attachments"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|attachment| attachment["containerID"] == id)
-        .and_then(|attachment| attachment["owner"].as_str().map(str::to_owned))
-        .unwrap_or_else(|| panic!("{id} is not attached"))
-}
-
 /// Nothing of the attachment of `container` (whose owner id is `owner`) is left: no record,
-/// no nft rule or element naming it, no pinned link of its interface.
-fn assert_gone(sim: &SimHost, container: &Container, owner: &str, context: &str) {
+/// no map entry, nft rule or element naming it, no pinned link of its interface.
+fn assert_gone(sim: &SimHost, container: &Container, owner: u64, context: &str) {
     let id = &container.attachment.container_id;
+    let held = sim.ebpf_maps_holding(owner);
+    assert!(held.is_empty(), "{context}: maps still hold {id}: {held:?}");
+    let owner = format!("{owner:016x}");
     let inspect = sim.inspect();
     assert!(
         !inspect.to_string().contains(id.as_str()),
@@ -233,7 +225,7 @@ fn assert_gone(sim: &SimHost, container: &Container, owner: &str, context: &str)
     );
     let ruleset = sim.nft_ruleset();
     assert!(
-        !ruleset.contains(id.as_str()) && !ruleset.contains(owner),
+        !ruleset.contains(id.as_str()) && !ruleset.contains(&owner),
         "{context}: the nftables table still holds {id}:\n{ruleset}"
     );
     let links = sim.pin_path.join("links");
@@ -242,7 +234,7 @@ fn assert_gone(sim: &SimHost, container: &Container, owner: &str, context: &str)
         .flatten()
         .flatten()
         .map(|entry| entry.file_name().to_string_lossy().into_owned())
-        .filter(|name| name.contains(owner))
+        .filter(|name| name.contains(&owner))
         .collect();
     assert!(
         pinned.is_empty(),
@@ -291,7 +283,7 @@ fn attached(sim: &SimHost, id: &str) -> bool {
 /// everything it left.
 fn faulted_add(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
     let new = sim.container("fa", port_mappings(&[(9090, 80, "tcp")]));
-    let owner = owner_of(sim, &new.attachment.container_id);
+    let owner = sim.owner_of(&new);
     let run = |command| sim.chain.run_one(&new.attachment, "cnibpf", command);
     expect_ok(&run("DEL"), "clean DEL");
     let counts = counted(sim, || expect_ok(&run("ADD"), "clean ADD"));
@@ -304,7 +296,7 @@ fn faulted_add(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
             expect_ok(&run("CHECK"), &format!("{context}: CHECK"));
         }
         expect_ok(&run("DEL"), &format!("{context}: DEL without the fault"));
-        assert_gone(sim, &new, &owner, &context);
+        assert_gone(sim, &new, owner, &context);
         tally.count("ADD", added);
     }
 }
@@ -313,7 +305,7 @@ fn faulted_add(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
 /// everything.
 fn faulted_del(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
     let target = sim.container("fd", port_mappings(&[(9091, 80, "tcp")]));
-    let owner = owner_of(sim, &target.attachment.container_id);
+    let owner = sim.owner_of(&target);
     let run = |command| sim.chain.run_one(&target.attachment, "cnibpf", command);
     let counts = counted(sim, || expect_ok(&run("DEL"), "clean DEL"));
     expect_ok(&run("ADD"), "clean ADD");
@@ -327,7 +319,7 @@ fn faulted_del(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
                 &format!("{context}: DEL retried without the fault"),
             );
         }
-        assert_gone(sim, &target, &owner, &context);
+        assert_gone(sim, &target, owner, &context);
         expect_ok(&run("ADD"), &format!("{context}: ADD again"));
         tally.count("DEL", deleted);
     }
@@ -351,19 +343,19 @@ fn faulted_check(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
 /// unlisted one goes once GC runs without the fault.
 fn faulted_gc(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
     let unlisted = sim.container("fg", port_mappings(&[(9092, 80, "tcp")]));
-    let owner = owner_of(sim, &unlisted.attachment.container_id);
+    let owner = sim.owner_of(&unlisted);
     let valid: Vec<(&str, &str)> = live.ids().into_iter().map(|id| (id, "eth0")).collect();
     let gc = || sim.chain.gc_one("cnibpf", &valid);
     let add = || sim.chain.run_one(&unlisted.attachment, "cnibpf", "ADD");
     let counts = counted(sim, || expect_ok(&gc(), "clean GC"));
-    assert_gone(sim, &unlisted, &owner, "clean GC");
+    assert_gone(sim, &unlisted, owner, "clean GC");
     expect_ok(&add(), "ADD again");
     for fault in plan(&counts, SAMPLE) {
         let context = format!("GC with {fault}");
         let collected = assert_cni_answer(&faulted(sim, &fault, gc), &context);
         live.assert_untouched(&context);
         expect_ok(&gc(), &format!("{context}: GC without the fault"));
-        assert_gone(sim, &unlisted, &owner, &context);
+        assert_gone(sim, &unlisted, owner, &context);
         expect_ok(&add(), &format!("{context}: ADD again"));
         tally.count("GC", collected);
     }
@@ -416,7 +408,7 @@ fn faulted_gc_stale(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
 /// attachment's, and a failed ADD leaves nothing a DEL does not remove.
 fn faulted_reclaim(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
     let new = sim.container("fr", port_mappings(&[(7070, 80, "tcp")]));
-    let owner = owner_of(sim, &new.attachment.container_id);
+    let owner = sim.owner_of(&new);
     let run = |command| sim.chain.run_one(&new.attachment, "cnibpf", command);
     expect_ok(&run("DEL"), "clean DEL");
     let holder = |index: usize| {
@@ -442,7 +434,7 @@ fn faulted_reclaim(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
             );
         }
         expect_ok(&run("DEL"), &format!("{context}: DEL without the fault"));
-        assert_gone(sim, &new, &owner, &context);
+        assert_gone(sim, &new, owner, &context);
         assert!(
             gc_stale(sim, None).status.success(),
             "{context}: gc --stale"

@@ -69,13 +69,29 @@ pub fn ipv6(src: Ipv6Addr, dst: Ipv6Addr, next_header: u8, payload: &[u8]) -> Ve
 
 /// A TCP segment with its checksum over the pseudo header of (`src`, `dst`).
 pub fn tcp(src: IpAddr, dst: IpAddr, sport: u16, dport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
-    let mut segment = vec![0u8; 20];
+    tcp_with_options(src, dst, sport, dport, flags, &[], payload)
+}
+
+/// [`tcp`] with `options` (padded with end-of-options to 4 bytes, at most 40).
+pub fn tcp_with_options(
+    src: IpAddr,
+    dst: IpAddr,
+    sport: u16,
+    dport: u16,
+    flags: u8,
+    options: &[u8],
+    payload: &[u8],
+) -> Vec<u8> {
+    let options_len = options.len().next_multiple_of(4);
+    assert!(options_len <= 40, "TCP options fit 40 bytes");
+    let mut segment = vec![0u8; 20 + options_len];
     segment[0..2].copy_from_slice(&sport.to_be_bytes());
     segment[2..4].copy_from_slice(&dport.to_be_bytes());
     segment[4..8].copy_from_slice(&1000u32.to_be_bytes());
-    segment[12] = 5 << 4;
+    segment[12] = u8::try_from((20 + options_len) / 4).expect("data offset fits") << 4;
     segment[13] = flags;
     segment[14..16].copy_from_slice(&65_535u16.to_be_bytes());
+    segment[20..20 + options.len()].copy_from_slice(options);
     segment.extend(payload);
     let sum = checksum(&[&pseudo_header(src, dst, TCP, segment.len()), &segment]);
     segment[16..18].copy_from_slice(&sum.to_be_bytes());

@@ -328,3 +328,126 @@ pub fn dual_stack(container_id: &str, host_port: u64) -> Vec<(String, u64, u8)> 
         (container_id.to_owned(), host_port, 6),
     ]
 }
+
+impl SimHost {
+    /// The eBPF maps that still hold an entry of the attachment `owner` (its hostPorts,
+    /// masquerade, exclusions, filter, source check, record, flows and their replies); empty
+    /// when nothing of it is left (or no eBPF state is).
+    pub fn ebpf_maps_holding(&self, owner: u64) -> Vec<&'static str> {
+        use cnibpf_common::{
+            endpoint::EndpointInfo,
+            filter::FilterSet,
+            filter_flow::{FilterFlow, FilterFlowKey},
+            masq_exclude::MasqExcludeKey,
+            masq_reply::MasqReply,
+            masq_source::{MasqSource, MasqSourceKey},
+            nat_flow::NatFlowValue,
+            owner::OwnerInfo,
+            portmap::{PortMapKey, PortMapValue},
+            source::SourceSet,
+        };
+        if !self.pin_path.join("owners").exists() {
+            return Vec::new();
+        }
+        fn owned_values<K: aya::Pod, V: aya::Pod>(
+            sim: &SimHost,
+            name: &str,
+            owner_of: impl Fn(&V) -> u64,
+            owner: u64,
+        ) -> bool {
+            sim.pinned_hash_map::<K, V>(name)
+                .iter()
+                .map(|entry| entry.unwrap_or_else(|error| panic!("read {name}: {error}")))
+                .any(|(_, value)| owner_of(&value) == owner)
+        }
+        let mut holding = Vec::new();
+        let checks: [(&'static str, bool); 10] = [
+            (
+                "owners",
+                self.pinned_hash_map::<u64, OwnerInfo>("owners")
+                    .get(&owner, 0)
+                    .is_ok(),
+            ),
+            (
+                "endpoints",
+                owned_values::<u32, EndpointInfo>(self, "endpoints", |v| v.owner, owner),
+            ),
+            (
+                "portmap",
+                owned_values::<PortMapKey, PortMapValue>(self, "portmap", |v| v.owner, owner),
+            ),
+            (
+                "nat_flows",
+                owned_values::<NatFlowKey, NatFlowValue>(self, "nat_flows", |v| v.owner, owner),
+            ),
+            (
+                "masq_sources",
+                owned_values::<MasqSourceKey, MasqSource>(self, "masq_sources", |v| v.owner, owner),
+            ),
+            (
+                "masq_flows",
+                owned_values::<NatFlowKey, MasqFlow>(self, "masq_flows", |v| v.owner, owner),
+            ),
+            (
+                "masq_replies",
+                owned_values::<NatFlowKey, MasqReply>(self, "masq_replies", |v| v.owner, owner),
+            ),
+            (
+                "filters",
+                owned_values::<u32, FilterSet>(self, "filters", |v| v.owner, owner),
+            ),
+            (
+                "filter_flows",
+                owned_values::<FilterFlowKey, FilterFlow>(self, "filter_flows", |v| v.owner, owner),
+            ),
+            (
+                "sources",
+                owned_values::<u32, SourceSet>(self, "sources", |v| v.owner, owner),
+            ),
+        ];
+        holding.extend(
+            checks
+                .into_iter()
+                .filter(|(_, held)| *held)
+                .map(|(name, _)| name),
+        );
+        let excludes: aya::maps::LpmTrie<_, MasqExcludeKey, u32> =
+            aya::maps::LpmTrie::try_from(self.pinned_map("masq_excludes"))
+                .expect("masq_excludes as an LPM trie");
+        let excluded = excludes
+            .iter()
+            .map(|entry| entry.expect("read masq_excludes"))
+            .any(|(key, _)| key.data().owner == owner.to_be_bytes());
+        if excluded {
+            holding.push("masq_excludes");
+        }
+        holding
+    }
+}
+
+impl SimHost {
+    /// The owner id `inspect` shows for `container`'s attachment.
+    pub fn owner_of(&self, container: &Container) -> u64 {
+        let id = &container.attachment.container_id;
+        self.inspect()["attachments"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|attachment| attachment["containerID"] == id.as_str())
+            .and_then(|attachment| attachment["owner"].as_str())
+            .and_then(|owner| u64::from_str_radix(owner, 16).ok())
+            .unwrap_or_else(|| panic!("{id} is not attached"))
+    }
+
+    /// The container ids `inspect` lists, sorted.
+    pub fn attached_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.inspect()["attachments"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|attachment| attachment["containerID"].as_str().map(str::to_owned))
+            .collect();
+        ids.sort();
+        ids
+    }
+}

@@ -49,6 +49,14 @@ impl TcpServer {
     }
 }
 
+/// Whether a request's error (as the helpers here report it) means no answer came in time —
+/// the connect, or the read of the answer, timed out — rather than an answer that refused the
+/// request (a reset, an ICMP error), which a test of a drop must not take for one.
+pub fn unanswered(error: &str) -> bool {
+    // std's connect_timeout says "connection timed out"; a read past SO_RCVTIMEO is EAGAIN.
+    error.contains("timed out") || error.contains("os error 110") || error.contains("os error 11)")
+}
+
 /// Connects from `netns` to `target` and returns what the server sent, or why it failed.
 pub fn tcp_request(netns: &Netns, target: SocketAddr) -> Result<String, String> {
     netns.run(move || tcp_exchange(target, CLIENT_TIMEOUT).map(|(answer, _)| answer))
