@@ -371,27 +371,39 @@ fn rules_match_addresses_protocols_ports_and_directions(backend: Backend) {
     }
     let filter = inspected_filter(&host, &container);
     assert_eq!(filter["rules"][6]["proto"], "sctp", "{filter:#}");
-    if kernel_has_sctp() {
-        let refused = sctp_request(
-            &host.outside,
-            &container.netns,
-            container.at(Family::V4, 7000),
-            Family::V4.any(7000),
-        );
-        assert!(
-            dropped(refused, "SCTP to port 7000"),
-            "SCTP to port 7000 is dropped"
-        );
-        let passed = sctp_request(
-            &host.outside,
-            &container.netns,
-            container.at(Family::V4, 7001),
-            Family::V4.any(7001),
-        );
-        assert_eq!(passed.as_deref(), Ok("sctp"));
-    } else {
-        eprintln!("this kernel has no SCTP: the sctp rule was checked as installed only");
+}
+
+/// An `sctp` rule with a port drops the associations to that port and no other: needs a
+/// kernel with SCTP.
+fn sctp_rules_match_associations(backend: Backend) {
+    if !kernel_has_sctp() {
+        cnibpf_tests::skip("this kernel has no SCTP");
+        return;
     }
+    let host = SimHost::on(
+        backend,
+        "fl-sctp",
+        json!({ "filter": [{ "index": 7, "proto": "sctp", "dport": 7000, "target": "DROP" }] }),
+    );
+    host.route_outside_to_containers();
+    let container = host.container("c1", Value::Null);
+    let passed = sctp_request(
+        &host.outside,
+        &container.netns,
+        container.at(Family::V4, 7001),
+        Family::V4.any(7001),
+    );
+    assert_eq!(passed.as_deref(), Ok("sctp"), "SCTP to port 7001 passes");
+    let refused = sctp_request(
+        &host.outside,
+        &container.netns,
+        container.at(Family::V4, 7000),
+        Family::V4.any(7000),
+    );
+    assert!(
+        dropped(refused, "SCTP to port 7000"),
+        "SCTP to port 7000 is dropped"
+    );
 }
 
 fn host_port_traffic_is_filtered_by_the_container_side_addresses(backend: Backend) {
@@ -1082,6 +1094,7 @@ for_both_backends!(
     replies_and_related_errors_pass_a_default_drop_unsolicited_packets_do_not,
     connstate_new_matches_first_packets_and_established_the_later_ones_until_rules_change,
     rules_match_addresses_protocols_ports_and_directions,
+    sctp_rules_match_associations,
     host_port_traffic_is_filtered_by_the_container_side_addresses,
     masqueraded_connections_replies_and_errors_pass_a_default_drop,
     readd_replaces_the_rules_atomically_while_traffic_runs,

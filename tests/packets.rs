@@ -4,7 +4,7 @@
 //! independently of the datapath; and no state for a frame that must not make any. Then a
 //! seeded random run (`CNIBPF_PACKET_SEED`, `CNIBPF_PACKETS`; 2,000 frames by default).
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use cnibpf_tests::{
     Container, SimHost,
@@ -37,7 +37,12 @@ struct Bench {
 }
 
 fn bench(id: &str) -> Bench {
-    let sim = SimHost::new(id, json!({ "ipMasq": true }));
+    bench_with(id, json!({ "ipMasq": true }))
+}
+
+/// [`bench`] with cnibpf's entry holding `keys`.
+fn bench_with(id: &str, keys: serde_json::Value) -> Bench {
+    let sim = SimHost::new(id, keys);
     let mut mappings = port_mappings(&[(8080, 80, "tcp"), (5353, 53, "udp")]);
     mappings["portMappings"]
         .as_array_mut()
@@ -138,6 +143,16 @@ impl Bench {
             self.container_mac,
             ETH_P_IP,
             &ipv4(self.container.address, dst, protocol, &[], (false, 0), l4),
+        )
+    }
+
+    /// A frame the container sends to `dst` (IPv6), `payload` starting with `next_header`'s.
+    fn sent_by_container_v6(&self, next_header: u8, dst: Ipv6Addr, payload: &[u8]) -> Vec<u8> {
+        ethernet(
+            [0x02, 0xbb, 0, 0, 0, 1],
+            self.container_mac,
+            ETH_P_IPV6,
+            &ipv6(self.container.address6, dst, next_header, payload),
         )
     }
 
@@ -507,6 +522,133 @@ fn ipv6_extension_headers_are_translated_past() {
     bench.expect_untouched(&outside_v6(0, &five), "five extension headers");
 }
 
+/// The arrangements of IPv6 extension headers a sender puts before the transport header:
+/// hop-by-hop, routing with no segments left, destination options, and all three in a row —
+/// (the first header's number, the headers, leading to `next`).
+fn extension_chains(next: u8) -> Vec<(u8, Vec<u8>)> {
+    vec![
+        (0, extension_header(0, next, 1)),
+        (43, extension_header(43, next, 1)),
+        (60, extension_header(60, next, 2)),
+        (
+            0,
+            [
+                extension_header(0, 43, 1),
+                extension_header(43, 60, 1),
+                extension_header(60, next, 1),
+            ]
+            .concat(),
+        ),
+    ]
+}
+
+/// IPv6 extension headers in front of what masquerade and the filter read: a container's
+/// segment with each arrangement leaves masqueraded (from the uplink's address, one hop fewer,
+/// the headers as they were, every checksum valid); the filter's rules see the ports past
+/// them, both ways — an egress rule drops the container's segment to its port and an ingress
+/// rule the hostPort segment to its container port, while the next port passes.
+#[test]
+fn ipv6_extension_headers_are_masqueraded_and_filtered_past() {
+    let bench = bench_with(
+        "pk-ext6",
+        json!({ "ipMasq": true, "filter": [
+            { "index": 1, "direction": "egress", "proto": "tcp", "dport": 9, "target": "DROP" },
+            { "index": 2, "direction": "ingress", "proto": "tcp", "dport": 80, "target": "DROP" },
+        ]}),
+    );
+    let far: Ipv6Addr = "2001:db8:9::9".parse().expect("literal");
+    let own = bench.container.address6;
+    for ((first, headers), (_, udp_headers)) in
+        extension_chains(TCP).into_iter().zip(extension_chains(UDP))
+    {
+        let what = format!("extension headers from {first}, {} bytes", headers.len());
+        let with_headers = |segment: Vec<u8>| [headers.clone(), segment].concat();
+        let frame = bench.sent_by_container_v6(
+            first,
+            far,
+            &with_headers(tcp(own.into(), far.into(), 41_200, 443, SYN, b"")),
+        );
+        let (verdict, out) = bench
+            .run_from_container(&frame)
+            .unwrap_or_else(|| panic!("{what}: the kernel refused the run"));
+        assert_eq!(verdict, REDIRECT, "{what}: masqueraded out of the uplink");
+        let parsed = verify(&out).unwrap_or_else(|error| panic!("{what}: {error}: {out:02x?}"));
+        assert_eq!(
+            parsed.src,
+            IpAddr::V6(HOST_UPLINK_ADDR6),
+            "{what}: from the uplink's address"
+        );
+        assert_eq!(out[14 + 7], frame[14 + 7] - 1, "{what}: one hop fewer");
+        assert_eq!(
+            out[14 + 40..14 + 40 + headers.len()],
+            headers[..],
+            "{what}: the extension headers as they were"
+        );
+        let dropped = bench.sent_by_container_v6(
+            first,
+            far,
+            &with_headers(tcp(own.into(), far.into(), 41_201, 9, SYN, b"")),
+        );
+        assert_eq!(
+            bench
+                .run_from_container(&dropped)
+                .map(|(verdict, _)| verdict),
+            Some(DROP),
+            "{what}: the egress rule sees the port past them"
+        );
+        let (outside, uplink) = (OUTSIDE_ADDR6.into(), HOST_UPLINK_ADDR6.into());
+        let to_tcp_host_port = outside_v6(
+            first,
+            &with_headers(tcp(outside, uplink, 40_300, 8080, SYN, b"")),
+        );
+        let (verdict, _) = bench
+            .run(&to_tcp_host_port)
+            .unwrap_or_else(|| panic!("{what}: the kernel refused the run"));
+        assert_eq!(
+            verdict, DROP,
+            "{what}: the ingress rule sees container port 80 past them"
+        );
+        let to_udp_host_port = outside_v6(
+            first,
+            &[udp_headers, udp(outside, uplink, 40_301, 5353, b"q", true)].concat(),
+        );
+        bench.expect_translated(&to_udp_host_port, 53, &what);
+    }
+}
+
+/// ICMPv6 errors (destination unreachable, packet too big) quoting a masqueraded datagram cut
+/// at every length: none makes state or leaves changed, however little of the quote is left.
+#[test]
+fn icmpv6_errors_quoting_cut_packets_make_no_state() {
+    let bench = bench("pk-icmp6");
+    let far: Ipv6Addr = "2001:db8:9::9".parse().expect("literal");
+    let sent = ipv6(
+        HOST_UPLINK_ADDR6,
+        far,
+        UDP,
+        &udp(HOST_UPLINK_ADDR6.into(), far.into(), 50_000, 53, b"q", true),
+    );
+    for (kind, code, rest, name) in [
+        (1u8, 4u8, [0u8; 4], "port unreachable"),
+        (2, 0, 1280u32.to_be_bytes(), "packet too big"),
+    ] {
+        for length in 0..=sent.len() {
+            let error = icmpv6(
+                OUTSIDE_ADDR6,
+                HOST_UPLINK_ADDR6,
+                kind,
+                code,
+                rest,
+                &sent[..length],
+            );
+            bench.expect_untouched(
+                &outside_v6(ICMPV6, &error),
+                &format!("{name} quoting {length} bytes"),
+            );
+        }
+    }
+}
+
 /// A fragmented datagram to a hostPort: its first fragment (which carries the ports) is
 /// translated as a whole datagram is, the later ones follow it to the same container; the
 /// container's fragmented answer leaves from the hostPort, fragment by fragment. A later
@@ -700,7 +842,7 @@ fn random_frame(bench: &Bench, random: &mut Random) -> (Vec<u8>, bool) {
     let outward = random.below(3) == 0;
     let v6 = random.below(2) == 0;
     let far4 = Ipv4Addr::new(198, 51, 100, 9);
-    let far6: std::net::Ipv6Addr = "2001:db8:9::9".parse().expect("literal");
+    let far6: Ipv6Addr = "2001:db8:9::9".parse().expect("literal");
     let hairpin = random.below(4) == 0;
     let (src, dst): (IpAddr, IpAddr) = match (outward, v6, hairpin) {
         (false, false, _) => (OUTSIDE_ADDR.into(), HOST_UPLINK_ADDR.into()),

@@ -25,6 +25,29 @@ pub use chain::{Chain, ChainError, PluginOutput};
 pub use netns::Netns;
 pub use topology::{Container, SimHost};
 
+/// Where [`skip`] records skipped tests: set by `cargo xtask test`, which counts them apart
+/// from the passed ones in its summary.
+pub const SKIP_LOG_ENV: &str = "CNIBPF_SKIP_LOG";
+
+/// Records that the running test cannot run on this machine (say why), for the summary of
+/// `cargo xtask test` (`N passed, M failed, K skipped`); the caller returns right after. A
+/// test skipped this way must be one that a capable machine runs: never a default.
+pub fn skip(reason: &str) {
+    use std::io::Write as _;
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("?");
+    let line = format!("{test}: {reason}");
+    eprintln!("skipped {line}");
+    if let Some(log) = std::env::var_os(SKIP_LOG_ENV) {
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap_or_else(|error| panic!("open the skip log {}: {error}", log.display()));
+        writeln!(file, "{line}").expect("record the skip");
+    }
+}
+
 /// Polls `condition` until it holds or `timeout` passes; whether it held. For state the kernel
 /// changes asynchronously (an unpinned link is released from a work queue).
 pub fn eventually(timeout: std::time::Duration, mut condition: impl FnMut() -> bool) -> bool {

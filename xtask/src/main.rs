@@ -278,7 +278,7 @@ fn test(filter: &[String]) -> Result<()> {
     unit.args(filter);
     let (unit_passed, unit_failed) = run_counting_tests(unit, "unit tests")?;
     if unit_failed > 0 {
-        println!("tests: {unit_passed} passed, {unit_failed} failed");
+        println!("tests: {unit_passed} passed, {unit_failed} failed, 0 skipped");
         bail!("{unit_failed} unit tests failed");
     }
     // The deploy suite builds the node image from it.
@@ -297,14 +297,34 @@ fn test(filter: &[String]) -> Result<()> {
         "--",
     ]);
     integration.args(filter);
+    // Tests that cannot run on this machine record themselves (cnibpf_tests::skip): they are
+    // counted as skipped, not passed.
+    let skip_log = workspace_root().join("target/test-skips.log");
+    match std::fs::remove_file(&skip_log) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error).with_context(|| format!("remove {}", skip_log.display())),
+    }
+    integration.env(cnibpf_tests::SKIP_LOG_ENV, &skip_log);
     let (passed, failed) = run_counting_tests(integration, "integration tests")?;
-    let passed = passed + unit_passed;
+    let skipped: Vec<String> = match std::fs::read_to_string(&skip_log) {
+        Ok(text) => text.lines().map(str::to_owned).collect(),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(error) => return Err(error).with_context(|| format!("read {}", skip_log.display())),
+    };
+    let passed = passed + unit_passed - skipped.len() as u64;
     eprintln!(
         "\x1b[1mbuild, lint and tests took {:.1}s\x1b[0m",
         started.elapsed().as_secs_f64()
     );
+    for line in &skipped {
+        println!("skipped {line}");
+    }
     // One plain closing line, last, for whoever reads the end of the log (CI included).
-    println!("tests: {passed} passed, {failed} failed");
+    println!(
+        "tests: {passed} passed, {failed} failed, {} skipped",
+        skipped.len()
+    );
     if failed > 0 {
         bail!("{failed} tests failed");
     }
