@@ -13,8 +13,8 @@ use cnibpf_tests::{
     Container, SimHost, eventually, for_both_backends,
     monitor::{first_line_matching, interrupt, monitor_lines, start_monitor},
     packet::{arp_announcement, neighbour_advertisement},
-    topology::{Backend, GATEWAY, GATEWAY6, OUTSIDE_ADDR, OUTSIDE_ADDR6},
-    traffic::{UdpCounter, send_frame},
+    topology::{Backend, Family, GATEWAY, GATEWAY6, OUTSIDE_ADDR, OUTSIDE_ADDR6, port_mappings},
+    traffic::{TcpServer, UdpCounter, send_frame, tcp_request},
 };
 use serde_json::{Value, json};
 
@@ -304,7 +304,90 @@ fn with_the_check_off_a_container_sends_in_any_name(backend: Backend) {
     );
 }
 
+/// A container attached twice to one network (eth0 and eth1, one subnet): its replies leave by
+/// the interface its routes pick, whatever address they carry, so each interface admits the
+/// addresses of both — and still no neighbour's. Both hostPorts answer, before and after the
+/// DEL of one attachment; the address of the one gone is refused from then on.
+fn a_container_attached_twice_sends_from_the_addresses_of_both(backend: Backend) {
+    let sim = SimHost::on(backend, "sc-twice", json!({}));
+    let neighbour = sim.container("n1", Value::Null);
+    let container = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    // Each interface answers ARP for its own address only, as a host with two interfaces in
+    // one subnet is set up (else the host may take one's address for the other's MAC, and
+    // keep it after the other is gone).
+    container.netns.sysctl("net.ipv4.conf.all.arp_ignore", "1");
+    container.netns.sysctl("net.ipv4.conf.all.arp_announce", "2");
+    let second = sim
+        .add_interface(&container, "eth1", port_mappings(&[(8081, 81, "tcp")]))
+        .unwrap_or_else(|error| panic!("{backend:?}: ADD of eth1: {error}"));
+    let _servers = Family::BOTH.map(|family| {
+        [
+            TcpServer::start(&container.netns, container.at(family, 80), "eth0"),
+            TcpServer::start(&container.netns, second.at(family, 81), "eth1"),
+        ]
+    });
+    let answers =
+        |port: u16| Family::BOTH.map(|family| tcp_request(&sim.outside, sim.uplink(family, port)));
+    let eth0 = Ok("eth0".to_owned());
+    let eth1 = Ok("eth1".to_owned());
+    assert_eq!(answers(8080), [eth0.clone(), eth0.clone()], "{backend:?}");
+    assert_eq!(
+        answers(8081),
+        [eth1.clone(), eth1.clone()],
+        "{backend:?}: eth1's hostPort, its replies leaving by eth0"
+    );
+    for attachment in [&container, &second] {
+        sim.check(attachment)
+            .unwrap_or_else(|error| panic!("{backend:?}: CHECK: {error}"));
+    }
+    sim.del(&second)
+        .unwrap_or_else(|error| panic!("{backend:?}: DEL of eth1: {error}"));
+    assert_eq!(
+        answers(8080),
+        [eth0.clone(), eth0],
+        "{backend:?}: after the DEL"
+    );
+    sim.check(&container)
+        .unwrap_or_else(|error| panic!("{backend:?}: CHECK after the DEL: {error}"));
+    // eth1's address is no longer the container's: taken on eth0, it is refused.
+    let outside = UdpCounter::start(
+        &sim.outside,
+        SocketAddr::new(OUTSIDE_ADDR.into(), OUTSIDE_PORT),
+    );
+    container.netns.exec(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{}/32", second.address),
+        "dev",
+        "eth0",
+    ]);
+    send_datagrams(&container, IpAddr::from(container.address));
+    assert!(
+        eventually(Duration::from_secs(3), || outside.received() > 0),
+        "{backend:?}: its own address reaches the outside"
+    );
+    let before = outside.received();
+    send_datagrams(&container, IpAddr::from(second.address));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        outside.received(),
+        before,
+        "{backend:?}: the address of the attachment gone is refused"
+    );
+    drop(outside);
+    assert_eq!(
+        spoof(&sim, &container, &neighbour),
+        Reached {
+            outside: (false, false),
+            gateway_poisoned: (false, false),
+        },
+        "{backend:?}: a neighbour's address is still refused"
+    );
+}
+
 for_both_backends!(
+    a_container_attached_twice_sends_from_the_addresses_of_both,
     a_container_cannot_send_or_announce_in_its_neighbours_name,
     with_the_check_off_a_container_sends_in_any_name,
 );

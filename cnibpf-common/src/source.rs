@@ -7,6 +7,12 @@
 //! any other address: an IPv4 or IPv6 source, an ARP sender address, a neighbour
 //! advertisement's target. An interface without an entry is not checked (its attachment was
 //! made by a cnibpf without source checks, and is checked from its next ADD).
+//!
+//! A container attached more than once (eth0 and eth1, one network or several) may send from
+//! any of its addresses by any of its interfaces — its routes pick the interface, not the
+//! address — so each of its sets admits the addresses of all of its checked attachments: its
+//! own first (`own_ipv4_count`, `own_ipv6_count`, valid with [`FLAG_OWN_COUNTED`]), then its
+//! siblings'. ADD and DEL of one rewrite the others'.
 
 use crate::impl_pod;
 
@@ -17,6 +23,9 @@ pub const MAX_ADDRESSES: usize = 8;
 
 /// `SourceSet::flags`: `sourceCheck: false` — the container may send from any address.
 pub const FLAG_UNCHECKED: u32 = 1;
+/// `SourceSet::flags`: the set counts its attachment's own addresses apart from its
+/// siblings' (a set without it, written before siblings were admitted, holds only its own).
+pub const FLAG_OWN_COUNTED: u32 = 2;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -29,7 +38,10 @@ pub struct SourceSet {
     pub ipv6_count: u32,
     /// `FLAG_*`.
     pub flags: u32,
-    pub _pad: u32,
+    /// How many of `ipv4`, from the first, are the attachment's own (with `FLAG_OWN_COUNTED`).
+    pub own_ipv4_count: u16,
+    /// The same of `ipv6`.
+    pub own_ipv6_count: u16,
     pub ipv4: [[u8; 4]; MAX_ADDRESSES],
     pub ipv6: [[u8; 16]; MAX_ADDRESSES],
 }

@@ -97,6 +97,15 @@ impl Chain {
         }
     }
 
+    /// Keeps `result` as the cached result of `attachment` (added by another chain of the same
+    /// network), for its CHECK and DEL.
+    pub fn remember(&self, attachment: &Attachment, result: &Value) {
+        self.cache.lock().expect("cache lock").insert(
+            (attachment.container_id.clone(), attachment.ifname.clone()),
+            (result.clone(), attachment.capability_args.clone()),
+        );
+    }
+
     /// From now on (until set to `None`) cnibpf runs under the command line `prefix` (a
     /// fault's, a call counter's).
     pub fn set_cnibpf_prefix(&self, prefix: Option<Vec<String>>) {

@@ -372,6 +372,46 @@ impl SimHost {
         })
     }
 
+    /// A second attachment of `container` to this network, by interface `ifname` in the same
+    /// subnet (its routes stay on the first: the bridge's IPAM adds none here).
+    pub fn add_interface(
+        &self,
+        container: &Container,
+        ifname: &str,
+        capability_args: Value,
+    ) -> Result<Container, ChainError> {
+        let mut conflist = self.chain.conflist().clone();
+        conflist["plugins"][0]["ipam"]["routes"] = json!([]);
+        let chain = Chain::new(conflist, &cni_path(), &self.host.path());
+        let attachment = Attachment {
+            container_id: container.attachment.container_id.clone(),
+            ifname: ifname.to_owned(),
+            netns: container.netns.path(),
+            capability_args,
+            cni_args: String::new(),
+        };
+        let result = chain.add(&attachment)?;
+        self.chain.remember(&attachment, &result);
+        self.attached
+            .lock()
+            .expect("attached lock")
+            .push(attachment.clone());
+        let address = |ipv4| {
+            container_address(&result, ipv4)
+                .unwrap_or_else(|| panic!("no address of each family in result {result}"))
+        };
+        let (IpAddr::V4(address), IpAddr::V6(address6)) = (address(true), address(false)) else {
+            panic!("addresses of the wrong family in {result}");
+        };
+        Ok(Container {
+            netns: Netns::at(&container.netns.path()),
+            attachment,
+            result,
+            address,
+            address6,
+        })
+    }
+
     /// [`Self::add_container`] that must succeed.
     pub fn container(&self, name: &str, capability_args: Value) -> Container {
         self.add_container(name, capability_args)
@@ -383,7 +423,13 @@ impl SimHost {
         self.attached
             .lock()
             .expect("attached lock")
-            .retain(|attachment| attachment.container_id != container.attachment.container_id);
+            .retain(|attachment| {
+                (&attachment.container_id, &attachment.ifname)
+                    != (
+                        &container.attachment.container_id,
+                        &container.attachment.ifname,
+                    )
+            });
         Ok(())
     }
 

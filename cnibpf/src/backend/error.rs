@@ -86,6 +86,14 @@ pub enum BackendError {
     },
     #[error("check failed: {0}")]
     CheckFailed(String),
+    #[error(
+        "container {container_id} has more addresses over its attachments than a source check holds ({admitted}; at most {} of a family): set sourceCheck to false for it",
+        cnibpf_common::source::MAX_ADDRESSES
+    )]
+    TooManySources {
+        container_id: String,
+        admitted: String,
+    },
     #[error("could not list the host's addresses")]
     HostAddresses(#[source] Box<crate::netlink::NetlinkError>),
     /// A question about an interface the kernel answered with an error (not "no such
@@ -120,6 +128,7 @@ impl BackendError {
             Self::UnreadableState { .. } => code::DATAPATH,
             Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
             Self::CheckFailed(_) => code::CHECK_FAILED,
+            Self::TooManySources { .. } => code::INVALID_CONFIG,
             Self::Bpffs { .. }
             | Self::Load(_)
             | Self::Program { .. }

@@ -299,6 +299,23 @@ pub fn remove_attachment(backend: &mut dyn Backend, owner: u64) -> Result<(), Ba
     backend.teardown_endpoint(owner)
 }
 
+/// Refuses a container whose attachments hold more addresses of a family than a source check
+/// holds (the eBPF backend's element; the same limit on both backends).
+pub(crate) fn fits_a_source_check(
+    container_id: &str,
+    admitted: &SourceCheck,
+) -> Result<(), BackendError> {
+    let (ipv4, ipv6) = admitted.counts();
+    let most = cnibpf_common::source::MAX_ADDRESSES;
+    if ipv4 <= most && ipv6 <= most {
+        return Ok(());
+    }
+    Err(BackendError::TooManySources {
+        container_id: container_id.to_owned(),
+        admitted: admitted.to_string(),
+    })
+}
+
 /// CHECK's last word on port mappings, once each configured one was found: no more are
 /// installed than configured.
 pub(crate) fn check_mapping_count(installed: usize, configured: usize) -> Result<(), BackendError> {

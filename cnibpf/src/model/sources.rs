@@ -18,6 +18,24 @@ impl SourceCheck {
         addresses.dedup();
         Self { addresses }
     }
+
+    /// What one interface of a container admits: its own addresses, and those of the
+    /// container's other checked attachments (`siblings`' own) — replies may leave by any of
+    /// its interfaces, whatever address they carry.
+    pub fn admitting<'a>(&self, siblings: impl IntoIterator<Item = &'a SourceCheck>) -> Self {
+        Self::new(
+            self.addresses
+                .iter()
+                .chain(siblings.into_iter().flat_map(|sibling| &sibling.addresses))
+                .copied(),
+        )
+    }
+
+    /// How many addresses of each family it holds: (IPv4, IPv6).
+    pub fn counts(&self) -> (usize, usize) {
+        let ipv4 = self.addresses.iter().filter(|addr| addr.is_ipv4()).count();
+        (ipv4, self.addresses.len() - ipv4)
+    }
 }
 
 impl fmt::Display for SourceCheck {
@@ -35,6 +53,22 @@ impl fmt::Display for SourceCheck {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_interface_admits_its_siblings_addresses_once_each() {
+        let check = |addresses: &[&str]| {
+            SourceCheck::new(addresses.iter().map(|text| text.parse::<IpAddr>().unwrap()))
+        };
+        let eth0 = check(&["10.22.0.5", "fe80::5"]);
+        let eth1 = check(&["10.22.0.6", "fe80::6"]);
+        let admitted = eth0.admitting([&eth1, &check(&["10.22.0.5"])]);
+        assert_eq!(
+            admitted.to_string(),
+            "10.22.0.5, 10.22.0.6, fe80::5, fe80::6"
+        );
+        assert_eq!(admitted.counts(), (2, 2));
+        assert_eq!(eth0.admitting([]), eth0, "alone, its own");
+    }
 
     #[test]
     fn addresses_are_kept_sorted_once_each() {

@@ -2,22 +2,33 @@
 //! host-side interface, replaced whole so that packets see the old addresses or the new ones;
 //! marked unchecked for `sourceCheck: false`) and a checked one's drop counters in
 //! `source_drops`. An attachment without an element was made by a cnibpf without source
-//! checks: CHECK leaves it be, its next ADD checks it.
+//! checks: CHECK leaves it be, its next ADD checks it. The checked attachments of one
+//! container admit each other's addresses (see `cnibpf_common::source`): ADD and DEL of one
+//! rewrite its siblings' elements.
 
 use std::net::IpAddr;
 
 use aya::maps::PerCpuValues;
 use cnibpf_common::{
     owner as owner_map,
-    source::{self, FLAG_UNCHECKED, MAX_ADDRESSES, SourceSet},
+    source::{self, FLAG_OWN_COUNTED, FLAG_UNCHECKED, MAX_ADDRESSES, SourceSet},
     source_drop::{self, SourceDrops},
 };
 
-use super::{EbpfBackend, batch, found, map_error, read_error, remove_entry, removed};
+use super::{
+    EbpfBackend, batch, found, map_error, owner::read_name, read_error, remove_entry, removed,
+};
 use crate::{
-    backend::{BackendError, Endpoint, SourceCheckRecord, SourceChecking},
+    backend::{BackendError, Endpoint, SourceCheckRecord, SourceChecking, fits_a_source_check},
     model::SourceCheck,
 };
+
+/// A checked attachment of the same container: its owner, host interface and element.
+struct Sibling {
+    owner: u64,
+    ifindex: u32,
+    set: SourceSet,
+}
 
 impl SourceChecking for EbpfBackend {
     fn setup_source_check(
@@ -25,19 +36,23 @@ impl SourceChecking for EbpfBackend {
         endpoint: &Endpoint,
         check: Option<&SourceCheck>,
     ) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
         let ifindex = endpoint.host.index;
-        let wanted = stored_set(endpoint.attachment.owner_id(), check);
-        if check.is_none() {
+        let siblings = self.siblings(&endpoint.attachment.container_id, owner)?;
+        let Some(check) = check else {
             removed(self.source_drops.remove(&ifindex), source_drop::MAP_NAME)?;
-            return self
-                .sources
-                .insert(&ifindex, &wanted, 0)
-                .map_err(map_error("could not write map sources"));
-        }
+            self.sources
+                .insert(&ifindex, &unchecked_set(owner), 0)
+                .map_err(map_error("could not write map sources"))?;
+            return self.rewrite_siblings(&siblings, None);
+        };
+        let sibling_owns: Vec<SourceCheck> =
+            siblings.iter().map(|sibling| own(&sibling.set)).collect();
+        let admitted = check.admitting(&sibling_owns);
+        fits_a_source_check(&endpoint.attachment.container_id, &admitted)?;
+        let wanted = stored_set(owner, check, &admitted);
         let counted = found(self.source_drops.get(&ifindex, 0), source_drop::MAP_NAME)?.is_some();
-        if counted && found(self.sources.get(&ifindex, 0), source::MAP_NAME)? == Some(wanted) {
-            return Ok(());
-        }
+        let current = found(self.sources.get(&ifindex, 0), source::MAP_NAME)?;
         if !counted {
             let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
                 name: source_drop::MAP_NAME,
@@ -52,14 +67,19 @@ impl SourceChecking for EbpfBackend {
                 .insert(&ifindex, zeroed, 0)
                 .map_err(map_error("could not write map source_drops"))?;
         }
-        self.sources
-            .insert(&ifindex, &wanted, 0)
-            .map_err(map_error("could not write map sources"))
+        if current != Some(wanted) {
+            self.sources
+                .insert(&ifindex, &wanted, 0)
+                .map_err(map_error("could not write map sources"))?;
+        }
+        self.rewrite_siblings(&siblings, Some(check))
     }
 
     fn teardown_source_check(&mut self, owner: u64) -> Result<(), BackendError> {
         if let Some(info) = found(self.owners.get(&owner, 0), owner_map::MAP_NAME)? {
-            return self.remove_source_check(info.host_ifindex, Some(owner));
+            let siblings = self.siblings(&read_name(&info.container_id), owner)?;
+            self.remove_source_check(info.host_ifindex, Some(owner))?;
+            return self.rewrite_siblings(&siblings, None);
         }
         // Not recorded (yet): an ADD undone before it recorded the attachment, or a DEL
         // repeated; the element, if any, is found by its owner.
@@ -80,32 +100,85 @@ impl SourceChecking for EbpfBackend {
         endpoint: &Endpoint,
         check: Option<&SourceCheck>,
     ) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
         let Some(current) = found(self.sources.get(&endpoint.host.index, 0), source::MAP_NAME)?
         else {
             // Made by a cnibpf without source checks: checked from its next ADD.
             return Ok(());
         };
-        if current == stored_set(endpoint.attachment.owner_id(), check) {
+        let siblings = self.siblings(&endpoint.attachment.container_id, owner)?;
+        let sibling_owns: Vec<SourceCheck> =
+            siblings.iter().map(|sibling| own(&sibling.set)).collect();
+        let wanted = check.map(|check| check.admitting(&sibling_owns));
+        let held = (current.flags & FLAG_UNCHECKED == 0).then(|| admitted(&current));
+        if current.owner == owner && held == wanted {
             return Ok(());
         }
-        let described = |set: &SourceSet| {
-            if set.flags & FLAG_UNCHECKED != 0 {
-                "not checked".to_owned()
-            } else {
-                admitted(set).to_string()
-            }
+        let described = |addresses: Option<&SourceCheck>| {
+            // fail-closed: an Option of the configuration, for the message.
+            addresses.map_or_else(|| "not checked".to_owned(), ToString::to_string)
         };
         Err(BackendError::CheckFailed(format!(
-            "the addresses {} may send from are {}, its configuration says {}",
+            "the addresses {} may send from are {}, its configuration (with its container's other interfaces) says {}",
             endpoint.attachment,
-            described(&current),
-            // fail-closed: an Option of the configuration, for the message.
-            check.map_or_else(|| "not checked".to_owned(), ToString::to_string)
+            described(held.as_ref()),
+            described(wanted.as_ref())
         )))
     }
 }
 
 impl EbpfBackend {
+    /// The checked attachments of container `container_id` other than `owner`.
+    fn siblings(&self, container_id: &str, owner: u64) -> Result<Vec<Sibling>, BackendError> {
+        let mut siblings = Vec::new();
+        for (sibling, info) in
+            batch::entries(&self.owners).map_err(read_error(owner_map::MAP_NAME))?
+        {
+            if sibling == owner || read_name(&info.container_id) != container_id {
+                continue;
+            }
+            let set = found(self.sources.get(&info.host_ifindex, 0), source::MAP_NAME)?;
+            if let Some(set) = set
+                && set.owner == sibling
+                && set.flags & FLAG_UNCHECKED == 0
+            {
+                siblings.push(Sibling {
+                    owner: sibling,
+                    ifindex: info.host_ifindex,
+                    set,
+                });
+            }
+        }
+        Ok(siblings)
+    }
+
+    /// Rewrites each sibling's element to admit its own addresses and the others': those of
+    /// `siblings` and `joining` (the attachment set up now; `None` when it leaves or is not
+    /// checked).
+    fn rewrite_siblings(
+        &mut self,
+        siblings: &[Sibling],
+        joining: Option<&SourceCheck>,
+    ) -> Result<(), BackendError> {
+        let owns: Vec<SourceCheck> = siblings.iter().map(|sibling| own(&sibling.set)).collect();
+        for (position, sibling) in siblings.iter().enumerate() {
+            let others = owns
+                .iter()
+                .enumerate()
+                .filter(|(other, _)| *other != position)
+                .map(|(_, own)| own)
+                .chain(joining);
+            let admitted = owns[position].admitting(others);
+            let wanted = stored_set(sibling.owner, &owns[position], &admitted);
+            if wanted != sibling.set {
+                self.sources
+                    .insert(&sibling.ifindex, &wanted, 0)
+                    .map_err(map_error("could not write map sources"))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Removes the source check of interface `ifindex` (only `owner`'s, when named).
     fn remove_source_check(
         &mut self,
@@ -165,34 +238,63 @@ impl EbpfBackend {
     }
 }
 
-/// The `sources` element of `check` (whose addresses per family the plan limited to what an
-/// element holds); `None`: unchecked.
-fn stored_set(owner: u64, check: Option<&SourceCheck>) -> SourceSet {
+/// The element of an attachment whose own addresses are `own`, admitting `admitted` (its own
+/// and its siblings', which the plan and `fits_a_source_check` limited to what an element holds): its own
+/// first, counted.
+fn stored_set(owner: u64, own: &SourceCheck, admitted: &SourceCheck) -> SourceSet {
     let mut set = SourceSet {
         owner,
+        flags: FLAG_OWN_COUNTED,
         ..SourceSet::default()
     };
-    let Some(check) = check else {
-        set.flags = FLAG_UNCHECKED;
-        return set;
-    };
-    for address in &check.addresses {
+    let others = admitted
+        .addresses
+        .iter()
+        .filter(|address| !own.addresses.contains(address));
+    for (position, address) in own.addresses.iter().chain(others).enumerate() {
+        let is_own = position < own.addresses.len();
         match address {
             IpAddr::V4(v4) => {
                 if let Some(slot) = set.ipv4.get_mut(set.ipv4_count as usize) {
                     *slot = v4.octets();
                     set.ipv4_count += 1;
+                    set.own_ipv4_count += u16::from(is_own);
                 }
             }
             IpAddr::V6(v6) => {
                 if let Some(slot) = set.ipv6.get_mut(set.ipv6_count as usize) {
                     *slot = v6.octets();
                     set.ipv6_count += 1;
+                    set.own_ipv6_count += u16::from(is_own);
                 }
             }
         }
     }
     set
+}
+
+/// The element of an attachment that is not checked (`sourceCheck: false`).
+fn unchecked_set(owner: u64) -> SourceSet {
+    SourceSet {
+        owner,
+        flags: FLAG_UNCHECKED | FLAG_OWN_COUNTED,
+        ..SourceSet::default()
+    }
+}
+
+/// The attachment's own addresses in its element: the first of each family as counted, or
+/// all of them in an element written before siblings were admitted.
+fn own(set: &SourceSet) -> SourceCheck {
+    if set.flags & FLAG_OWN_COUNTED == 0 {
+        return admitted(set);
+    }
+    let ipv4 = set.ipv4[..usize::from(set.own_ipv4_count).min(MAX_ADDRESSES)]
+        .iter()
+        .map(|octets| IpAddr::from(*octets));
+    let ipv6 = set.ipv6[..usize::from(set.own_ipv6_count).min(MAX_ADDRESSES)]
+        .iter()
+        .map(|octets| IpAddr::from(*octets));
+    SourceCheck::new(ipv4.chain(ipv6))
 }
 
 /// The addresses a `sources` element admits.
@@ -210,12 +312,44 @@ fn admitted(set: &SourceSet) -> SourceCheck {
 mod tests {
     use super::*;
 
+    fn check(addresses: &[&str]) -> SourceCheck {
+        SourceCheck::new(addresses.iter().map(|text| text.parse::<IpAddr>().unwrap()))
+    }
+
     #[test]
     fn a_stored_set_reads_back_as_the_check() {
-        let check =
-            SourceCheck::new(["10.22.0.2", "fd00::2", "fe80::1"].map(|text| text.parse().unwrap()));
-        let set = stored_set(7, Some(&check));
+        let own_check = check(&["10.22.0.2", "fd00::2", "fe80::1"]);
+        let set = stored_set(7, &own_check, &own_check);
         assert_eq!((set.owner, set.ipv4_count, set.ipv6_count), (7, 1, 2));
-        assert_eq!(admitted(&set), check);
+        assert_eq!(admitted(&set), own_check);
+        assert_eq!(own(&set), own_check);
+    }
+
+    #[test]
+    fn a_set_admits_its_siblings_and_keeps_its_own_apart() {
+        let eth0 = check(&["10.22.0.5", "fe80::5"]);
+        let eth1 = check(&["10.22.0.6", "fe80::6"]);
+        let set = stored_set(7, &eth0, &eth0.admitting([&eth1]));
+        assert_eq!(admitted(&set), eth0.admitting([&eth1]));
+        assert_eq!(own(&set), eth0, "its own, for the siblings to rebuild from");
+        let older = SourceSet {
+            flags: 0,
+            ..stored_set(7, &eth0, &eth0)
+        };
+        assert_eq!(
+            own(&older),
+            eth0,
+            "a set of an older build holds only its own"
+        );
+    }
+
+    #[test]
+    fn more_addresses_than_a_set_holds_are_refused() {
+        let many: Vec<String> = (0..=MAX_ADDRESSES)
+            .map(|host| format!("10.22.0.{host}"))
+            .collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert!(fits_a_source_check("c", &check(&many[..MAX_ADDRESSES])).is_ok());
+        assert!(fits_a_source_check("c", &check(&many)).is_err());
     }
 }

@@ -235,7 +235,8 @@ pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change) {
     }
     write_nat_chain(batch, owner, after);
     if let Sources::Checked(check) = &after.sources {
-        sources::add_chain(batch, owner, &after.host, check);
+        let admitted = change.admitted.as_ref().unwrap_or(check);
+        sources::add_chain(batch, owner, &after.host, admitted);
     }
     for element in owned_elements(owner, after) {
         add_element(batch, element, &after.owner);

@@ -34,6 +34,7 @@ const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_SET_ELEM_KEY: u16 = 1;
+const NFTA_SET_ELEM_USERDATA: u16 = 6;
 const NFTA_DATA_VALUE: u16 = 1;
 /// `NFTNL_UDATA_TABLE_COMMENT` and `NFTNL_UDATA_RULE_COMMENT`, in a table's or rule's user
 /// data.
@@ -267,6 +268,31 @@ pub fn interfaces_in(set: &str) -> Result<Vec<String>, NftablesError> {
         })
         .map_err(NftablesError::Netlink)?;
     Ok(names)
+}
+
+/// The comments of set `set`'s elements: for set `attachments`, the owner text of every
+/// attachment the table holds (one netlink dump, no `nft` run).
+pub fn element_comments(set: &str) -> Result<Vec<String>, NftablesError> {
+    let mut comments = Vec::new();
+    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
+    let asked = connection.exchange(set_dump(set), |_, message| {
+        comments.extend(
+            attribute(message, NFTA_SET_ELEM_LIST_ELEMENTS)
+                .into_iter()
+                .flat_map(attributes)
+                .filter(|(kind, _)| *kind == NFTA_LIST_ELEM)
+                .filter_map(|(_, element)| {
+                    attribute(element, NFTA_SET_ELEM_USERDATA).and_then(user_data_comment)
+                }),
+        );
+        ControlFlow::Continue(())
+    });
+    match asked {
+        Ok(()) => Ok(comments),
+        // No table (or set): no element.
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(Vec::new()),
+        Err(error) => Err(NftablesError::Netlink(error)),
+    }
 }
 
 fn set_dump(set: &str) -> Request {

@@ -43,7 +43,7 @@ pub use self::host::firewall_chains;
 use self::{listing::Listing, record::Record};
 use super::{Access, Backend, BackendError};
 use crate::{
-    model::{Attachment, Filter, HostPortAccess, Protocol, ResolvedMapping},
+    model::{Attachment, Filter, HostPortAccess, Protocol, ResolvedMapping, SourceCheck},
     netlink,
 };
 
@@ -229,6 +229,9 @@ struct Change {
     filter: Option<Filter>,
     /// Who reaches its hostPorts.
     access: Option<HostPortAccess>,
+    /// What its source check admits when it has siblings: its own addresses and theirs (see
+    /// `sources`); `None`: its own.
+    admitted: Option<SourceCheck>,
 }
 
 #[derive(Debug, Default)]
@@ -239,6 +242,9 @@ pub struct NftablesBackend {
     changes: BTreeMap<u64, Change>,
     /// Uplinks to record.
     uplinks: Vec<String>,
+    /// The source checks of attachments this operation does not change whose sibling joined,
+    /// changed or left: their host interface and what they admit now, by owner id.
+    sibling_sources: BTreeMap<u64, (String, SourceCheck)>,
     /// Interfaces whose settings this operation switched on, to record.
     filtered_bridges: Vec<String>,
     localnet_interfaces: Vec<String>,
@@ -398,6 +404,11 @@ impl NftablesBackend {
         }
         for (owner, change) in &self.changes {
             elements::add(&mut batch, *owner, change);
+        }
+        for (owner, (host, admitted)) in &self.sibling_sources {
+            if !self.changes.contains_key(owner) {
+                sources::add_chain(&mut batch, *owner, host, admitted);
+            }
         }
         let shared = [
             ("uplinks", &self.uplinks),
@@ -622,6 +633,7 @@ impl Backend for NftablesBackend {
         }
         self.changes.clear();
         self.uplinks.clear();
+        self.sibling_sources.clear();
         BackendError::collect(failures)
     }
 }

@@ -20,9 +20,9 @@ use nftables::{
     types::{NfChainPolicy, NfChainType, NfFamily, NfHook},
 };
 
-use super::{NftablesBackend, host, nft, record::Sources};
+use super::{NftablesBackend, host, listing, nft, parse_owner, record::Sources};
 use crate::{
-    backend::{BackendError, Endpoint, SourceCheckRecord, SourceChecking},
+    backend::{BackendError, Endpoint, SourceCheckRecord, SourceChecking, fits_a_source_check},
     model::SourceCheck,
 };
 
@@ -42,18 +42,39 @@ impl SourceChecking for NftablesBackend {
         endpoint: &Endpoint,
         check: Option<&SourceCheck>,
     ) -> Result<(), BackendError> {
+        let owner = endpoint.attachment.owner_id();
+        let siblings = self.siblings(&endpoint.attachment.container_id, owner)?;
+        let sibling_owns: Vec<SourceCheck> =
+            siblings.iter().map(|sibling| sibling.own.clone()).collect();
+        let admitted = check.map(|check| check.admitting(&sibling_owns));
+        if let Some(admitted) = &admitted {
+            fits_a_source_check(&endpoint.attachment.container_id, admitted)?;
+        }
         let change = self.attach(endpoint)?;
         if let Some(after) = change.after.as_mut() {
             after.sources =
                 // fail-closed: an Option of the configuration.
                 check.map_or(Sources::Unchecked, |check| Sources::Checked(check.clone()));
         }
+        change.admitted = admitted;
+        self.rewrite_siblings(siblings, check);
         Ok(())
     }
 
     fn teardown_source_check(&mut self, owner: u64) -> Result<(), BackendError> {
-        if let Some(after) = self.change(owner)?.after.as_mut() {
+        let change = self.change(owner)?;
+        let container_id = change
+            .before
+            .as_ref()
+            .and_then(|record| parse_owner(&record.owner))
+            .map(|attachment| attachment.container_id);
+        if let Some(after) = change.after.as_mut() {
             after.sources = Sources::Unrecorded;
+        }
+        change.admitted = None;
+        if let Some(container_id) = container_id {
+            let siblings = self.siblings(&container_id, owner)?;
+            self.rewrite_siblings(siblings, None);
         }
         Ok(())
     }
@@ -101,7 +122,64 @@ impl SourceChecking for NftablesBackend {
     }
 }
 
+/// A checked attachment of the same container: its owner, host interface and own addresses.
+struct Sibling {
+    owner: u64,
+    host: String,
+    own: SourceCheck,
+}
+
 impl NftablesBackend {
+    /// The checked attachments of container `container_id` other than `owner`, as their
+    /// records say (those this operation removes aside).
+    fn siblings(&self, container_id: &str, owner: u64) -> Result<Vec<Sibling>, BackendError> {
+        if !self.exists {
+            return Ok(Vec::new());
+        }
+        let mut siblings = Vec::new();
+        for text in host::element_comments("attachments")? {
+            let Some(attachment) = parse_owner(&text) else {
+                continue;
+            };
+            let sibling = attachment.owner_id();
+            let leaving = self
+                .changes
+                .get(&sibling)
+                .is_some_and(|change| change.after.is_none());
+            if sibling == owner || attachment.container_id != container_id || leaving {
+                continue;
+            }
+            if let Some(record) = listing::record_of(sibling)?
+                && let Sources::Checked(own) = record.sources
+            {
+                siblings.push(Sibling {
+                    owner: sibling,
+                    host: record.host,
+                    own,
+                });
+            }
+        }
+        Ok(siblings)
+    }
+
+    /// Has each sibling's chain rewritten to admit its own addresses and the others': those of
+    /// `siblings` and `joining` (the attachment set up now; `None` when it leaves or is not
+    /// checked).
+    fn rewrite_siblings(&mut self, siblings: Vec<Sibling>, joining: Option<&SourceCheck>) {
+        let owns: Vec<SourceCheck> = siblings.iter().map(|sibling| sibling.own.clone()).collect();
+        for (position, sibling) in siblings.into_iter().enumerate() {
+            let others = owns
+                .iter()
+                .enumerate()
+                .filter(|(other, _)| *other != position)
+                .map(|(_, own)| own)
+                .chain(joining);
+            let admitted = sibling.own.admitting(others);
+            self.sibling_sources
+                .insert(sibling.owner, (sibling.host, admitted));
+        }
+    }
+
     pub(super) fn source_check_records(
         &self,
     ) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError> {
