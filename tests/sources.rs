@@ -316,7 +316,9 @@ fn a_container_attached_twice_sends_from_the_addresses_of_both(backend: Backend)
     // one subnet is set up (else the host may take one's address for the other's MAC, and
     // keep it after the other is gone).
     container.netns.sysctl("net.ipv4.conf.all.arp_ignore", "1");
-    container.netns.sysctl("net.ipv4.conf.all.arp_announce", "2");
+    container
+        .netns
+        .sysctl("net.ipv4.conf.all.arp_announce", "2");
     let second = sim
         .add_interface(&container, "eth1", port_mappings(&[(8081, 81, "tcp")]))
         .unwrap_or_else(|error| panic!("{backend:?}: ADD of eth1: {error}"));

@@ -235,6 +235,7 @@ pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change) {
     }
     write_nat_chain(batch, owner, after);
     if let Sources::Checked(check) = &after.sources {
+        // fail-closed: an Option of the plan: without siblings it admits its own addresses.
         let admitted = change.admitted.as_ref().unwrap_or(check);
         sources::add_chain(batch, owner, &after.host, admitted);
     }
