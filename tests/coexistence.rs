@@ -147,6 +147,20 @@ fn bandwidth_chained_after_cnibpf(backend: Backend) {
     shapes_filters_and_translates(&sim, backend);
 }
 
+/// Chained after cnibpf in a hand-written conflist whose cnibpf entry does not declare the
+/// `bandwidth` capability (k3s's chain after portmap is swapped for cnibpf): cnibpf's ADD cannot
+/// know of the shaping, and the datapath learns of the qdiscs when the plugin adds them.
+fn bandwidth_chained_after_cnibpf_without_its_capability(backend: Backend) {
+    let sim = SimHost::with_chain(
+        &id("bw-unkn", backend),
+        vec![
+            Chained::Cnibpf(cnibpf_keys(backend, json!({}))),
+            bandwidth_plugin(),
+        ],
+    );
+    shapes_filters_and_translates(&sim, backend);
+}
+
 /// An operator's tc filter and another tcx program, on the uplink and on a container's veth,
 /// keep judging what cnibpf passes through; cnibpf's own traffic keeps working beside them.
 fn foreign_filters_and_programs_keep_seeing_traffic(backend: Backend) {
@@ -228,5 +242,6 @@ fn foreign_filters_and_programs_keep_seeing_traffic(backend: Backend) {
 for_both_backends!(
     bandwidth_chained_before_cnibpf,
     bandwidth_chained_after_cnibpf,
+    bandwidth_chained_after_cnibpf_without_its_capability,
     foreign_filters_and_programs_keep_seeing_traffic,
 );

@@ -25,12 +25,12 @@ mod route;
 mod sources;
 
 use aya_ebpf::{
-    macros::{cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, TcContext},
+    macros::{cgroup_sock_addr, classifier, raw_tracepoint},
+    programs::{RawTracePointContext, SockAddrContext, TcContext},
 };
 use cnibpf_common::{FAMILY_IPV4, FAMILY_IPV6};
 
-use crate::hooks::{container, socket, uplink};
+use crate::hooks::{container, qdisc, socket, uplink};
 
 /// Uplink ingress: traffic from outside to a hostPort is translated to its container; replies
 /// of masqueraded flows (and ICMP errors about them) are translated back to theirs.
@@ -112,6 +112,13 @@ pub fn sock_peername4(ctx: SockAddrContext) -> i32 {
 pub fn sock_peername6(ctx: SockAddrContext) -> i32 {
     socket::to_host_port(&ctx, FAMILY_IPV6);
     socket::ALLOW
+}
+
+/// A qdisc added to a container's host-side veth: its traffic passes the veth's qdiscs from
+/// then on (the `bandwidth` plugin chained after cnibpf).
+#[raw_tracepoint(tracepoint = "qdisc_create")]
+pub fn qdisc_created(ctx: RawTracePointContext) -> i32 {
+    qdisc::qdisc_created(&ctx)
 }
 
 #[cfg(not(test))]

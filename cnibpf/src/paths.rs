@@ -61,6 +61,11 @@ impl PinLayout {
             .join(format!("endpoint-{owner:016x}-{hook}"))
     }
 
+    /// Link of a kernel tracepoint program of the instance (shared): the qdisc watcher's.
+    pub fn tracepoint_link(&self, program: &str) -> PathBuf {
+        self.links_dir().join(format!("tracepoint-{program}"))
+    }
+
     /// Link of a socket hook attached to the instance's cgroup (shared).
     pub fn cgroup_link(&self, program: &str) -> PathBuf {
         self.links_dir().join(format!("cgroup-{program}"))

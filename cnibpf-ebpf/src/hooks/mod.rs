@@ -1,10 +1,11 @@
 //! The hooks: what runs, and in what order, at each place cnibpf attaches — an uplink
 //! ([`uplink`]), a container's host-side veth ([`container`]), host processes' sockets
-//! ([`socket`]). The features (`portmap`, `masquerade`, `filter`) each do their part on a
+//! ([`socket`]), the kernel's creation of a qdisc ([`qdisc`]). The features (`portmap`, `masquerade`, `filter`) each do their part on a
 //! packet; a hook decides which of them sees it, and hands what they translated to its
 //! container, filter first.
 
 pub mod container;
+pub mod qdisc;
 pub mod socket;
 pub mod uplink;
 

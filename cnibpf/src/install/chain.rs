@@ -141,6 +141,18 @@ pub fn chain_in(
         ours.insert(BOOKKEEPING.to_owned(), Value::Object(bookkeeping));
     }
     let position = position.unwrap_or(plugins.len()).min(plugins.len());
+    // A `bandwidth` plugin after cnibpf shapes the pod's veth once cnibpf's ADD is done: the
+    // capability lets that ADD see the pod's rates and keep its traffic on the veth's qdiscs
+    // from the first packet (the datapath's qdisc watcher would notice a moment later).
+    if plugins[position..]
+        .iter()
+        .any(|plugin| plugin_type(plugin) == Some("bandwidth"))
+    {
+        let capabilities = ours.entry("capabilities").or_insert_with(|| json!({}));
+        if let Some(capabilities) = capabilities.as_object_mut() {
+            capabilities.insert("bandwidth".to_owned(), Value::Bool(true));
+        }
+    }
     plugins.insert(position, Value::Object(ours));
     Ok(Chained { conflist, notes })
 }
@@ -258,6 +270,31 @@ mod tests {
             .iter()
             .filter_map(plugin_type)
             .collect()
+    }
+
+    #[test]
+    fn a_bandwidth_plugin_after_cnibpf_gets_its_capability_declared() {
+        let k3s = json!({ "name": "cbr0", "cniVersion": "1.0.0", "plugins": [
+            { "type": "flannel" },
+            { "type": "portmap", "capabilities": { "portMappings": true } },
+            { "type": "bandwidth", "capabilities": { "bandwidth": true } },
+        ]});
+        let chained =
+            chain_in(&k3s, Form::List, "10-flannel.conflist", &entry(), true).expect("replaced");
+        assert_eq!(types(&chained.conflist), ["flannel", "cnibpf", "bandwidth"]);
+        assert_eq!(
+            chained.conflist["plugins"][1]["capabilities"],
+            json!({ "portMappings": true, "bandwidth": true })
+        );
+        // Before cnibpf, bandwidth has shaped the veth when cnibpf's ADD looks.
+        let before = chain_in(&calico(), Form::List, "10-calico.conflist", &entry(), true)
+            .expect("replaced");
+        assert_eq!(
+            before.conflist["plugins"][2]["capabilities"],
+            json!({ "portMappings": true })
+        );
+        let (restored, _) = chain_out(&chained.conflist).expect("ours");
+        assert_eq!(restored, k3s);
     }
 
     #[test]

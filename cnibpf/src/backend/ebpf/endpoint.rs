@@ -23,8 +23,8 @@ use super::{
     EbpfBackend, found, map_error,
     owner::{attachment_of, owner_info, read_name},
     pins::{
-        FROM_CONTAINER, SOCK_PROGRAMS, TO_CONTAINER, UPLINK_EGRESS, UPLINK_INGRESS, remove_pin,
-        remove_tree,
+        FROM_CONTAINER, QDISC_TRACEPOINT, QDISC_WATCHER, SOCK_PROGRAMS, TO_CONTAINER,
+        UPLINK_EGRESS, UPLINK_INGRESS, attach_tracepoint, remove_pin, remove_tree,
     },
     remove_entry,
 };
@@ -336,7 +336,8 @@ impl Endpoints for EbpfBackend {
                 self.attach(uplink.index, &hook)?;
             }
         }
-        self.attach_socket_hooks(&endpoint.cgroup)
+        self.attach_socket_hooks(&endpoint.cgroup)?;
+        attach_tracepoint(&self.pins, QDISC_WATCHER, QDISC_TRACEPOINT)
     }
 
     fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
@@ -386,6 +387,13 @@ impl Endpoints for EbpfBackend {
             for hook in Self::uplink_hooks(&uplink_pins) {
                 self.check_attached(uplink.index, &uplink.name, &hook)?;
             }
+        }
+        let watcher = self.pins.tracepoint_link(QDISC_WATCHER);
+        if !link_pinned(&watcher)? {
+            return Err(BackendError::CheckFailed(format!(
+                "the qdisc watcher is not attached (link {} missing)",
+                watcher.display()
+            )));
         }
         for (name, _) in SOCK_PROGRAMS {
             let pin = self.pins.cgroup_link(name);

@@ -14,6 +14,7 @@ mod conditions;
 mod endpoint;
 mod filter;
 mod inspect;
+mod kernel_btf;
 mod masquerade;
 mod migrate;
 mod newer;

@@ -8,7 +8,7 @@ use aya::{
     EbpfLoader,
     maps::{Array, Map, MapData, MapError},
     programs::{
-        CgroupSockAddr, Program, SchedClassifier,
+        CgroupSockAddr, Program, RawTracePoint, SchedClassifier,
         cgroup_sock_addr::{CgroupSockAddrAttachType, CgroupSockAddrLink},
         links::{FdLink, PinnedLink},
         tc::SchedClassifierLink,
@@ -23,6 +23,7 @@ use nix::{
     sys::statfs::statfs,
 };
 
+use super::kernel_btf;
 use crate::{
     backend::BackendError,
     netns,
@@ -36,6 +37,10 @@ pub(super) const UPLINK_EGRESS: &str = "uplink_egress";
 pub(super) const FROM_CONTAINER: &str = "from_container";
 pub(super) const TO_CONTAINER: &str = "to_container";
 const TC_PROGRAMS: [&str; 4] = [UPLINK_INGRESS, UPLINK_EGRESS, FROM_CONTAINER, TO_CONTAINER];
+
+/// The qdisc watcher (see the eBPF crate's `hooks::qdisc`) and the raw tracepoint it runs at.
+pub(super) const QDISC_WATCHER: &str = "qdisc_created";
+pub(super) const QDISC_TRACEPOINT: &str = "qdisc_create";
 
 /// The socket hooks of host processes, attached to the instance's cgroup.
 pub(super) const SOCK_PROGRAMS: [(&str, CgroupSockAddrAttachType); 8] = [
@@ -61,6 +66,7 @@ pub(super) fn all_programs() -> impl Iterator<Item = &'static str> {
     TC_PROGRAMS
         .into_iter()
         .chain(SOCK_PROGRAMS.iter().map(|(name, _)| *name))
+        .chain([QDISC_WATCHER])
 }
 
 /// Whether every program of this build is pinned under `pins`.
@@ -203,6 +209,62 @@ fn relink_cgroup(pins: &PinLayout, path: &Path, program_name: &str) -> Result<()
     settle_relink(moved, path, link_error)
 }
 
+/// Moves a pinned raw tracepoint link to the program now pinned under its name. The kernel
+/// cannot point such a link at another program: the old one is detached and the new one
+/// attached (a qdisc added in between is seen by its container's next ADD).
+fn relink_tracepoint(
+    pins: &PinLayout,
+    path: &Path,
+    program_name: &str,
+) -> Result<(), BackendError> {
+    remove_pin(path)?;
+    if program_name == QDISC_WATCHER {
+        attach_tracepoint(pins, QDISC_WATCHER, QDISC_TRACEPOINT)?;
+    }
+    Ok(())
+}
+
+/// Attaches the pinned program `program_name` to raw tracepoint `tracepoint` and pins its
+/// link (`PinLayout::tracepoint_link`), unless a link is pinned there already.
+pub(super) fn attach_tracepoint(
+    pins: &PinLayout,
+    program_name: &str,
+    tracepoint: &str,
+) -> Result<(), BackendError> {
+    let link_pin = pins.tracepoint_link(program_name);
+    let pinned = link_pin.try_exists().map_err(|source| BackendError::Pin {
+        action: format!("could not look for link {}", link_pin.display()),
+        source: Box::new(source),
+    })?;
+    if pinned {
+        return Ok(());
+    }
+    let program_path = pins.program(program_name);
+    let program_error = |action: String| {
+        move |source| BackendError::Program {
+            action,
+            source: Box::new(source),
+        }
+    };
+    let mut program = RawTracePoint::from_pin(&program_path).map_err(program_error(format!(
+        "could not open pinned program {}",
+        program_path.display()
+    )))?;
+    let link_id = program.attach(tracepoint).map_err(program_error(format!(
+        "could not attach {program_name} to tracepoint {tracepoint}"
+    )))?;
+    let link = program.take_link(link_id).map_err(program_error(format!(
+        "could not take the link of {program_name}"
+    )))?;
+    FdLink::from(link)
+        .pin(&link_pin)
+        .map_err(|source| BackendError::Pin {
+            action: format!("could not pin link {}", link_pin.display()),
+            source: Box::new(source),
+        })?;
+    Ok(())
+}
+
 /// The TC program a pinned tcx link (by its file name, see `PinLayout`) belongs to.
 fn program_of_tc_link(file_name: &str) -> Option<&'static str> {
     if file_name.starts_with("uplink-") {
@@ -259,6 +321,10 @@ pub(super) fn relink(pins: &PinLayout) -> Result<(), BackendError> {
             relink_cgroup(pins, &path, program_name)?;
             continue;
         }
+        if let Some(program_name) = file_name.strip_prefix("tracepoint-") {
+            relink_tracepoint(pins, &path, program_name)?;
+            continue;
+        }
         let Some(program_name) = program_of_tc_link(&file_name) else {
             continue;
         };
@@ -291,8 +357,15 @@ pub(super) fn relink(pins: &PinLayout) -> Result<(), BackendError> {
 /// Loads the embedded object, reusing maps already pinned under `pins` and pinning new ones,
 /// then pins each program and finally stamps the layout map.
 pub(super) fn load_object(pins: &PinLayout, stamp: bool) -> Result<(), BackendError> {
+    let offsets = kernel_btf::device_offsets().map_err(|source| BackendError::Pin {
+        action: "could not find the kernel's struct offsets the qdisc watcher reads".to_owned(),
+        source: Box::new(source),
+    })?;
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(pins.root())
+        .override_global("NET_DEVICE_IFINDEX", &offsets.ifindex, true)
+        .override_global("NET_DEVICE_NAMESPACE", &offsets.namespace, true)
+        .override_global("NET_COOKIE", &offsets.namespace_cookie, true)
         .load(OBJECT)
         .map_err(|error| BackendError::Load(Box::new(error)))?;
     phases::mark("object parse and maps");
@@ -300,6 +373,7 @@ pub(super) fn load_object(pins: &PinLayout, stamp: bool) -> Result<(), BackendEr
         let loaded = match program {
             Program::SchedClassifier(program) => program.load(),
             Program::CgroupSockAddr(program) => program.load(),
+            Program::RawTracePoint(program) => program.load(),
             _ => Err(aya::programs::ProgramError::UnexpectedProgramType),
         };
         loaded.map_err(|source| BackendError::Program {
