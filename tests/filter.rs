@@ -10,7 +10,7 @@ use cnibpf_common::{
 use cnibpf_tests::{
     Container, Netns, SimHost, eventually, for_both_backends,
     monitor::{first_line_matching, interrupt, monitor_lines, start_monitor},
-    topology::{Backend, Family, GATEWAY, OUTSIDE_ADDR, OUTSIDE_ADDR6, port_mappings},
+    topology::{Backend, Family, GATEWAY, GATEWAY6, OUTSIDE_ADDR, OUTSIDE_ADDR6, port_mappings},
     traffic::{
         CLIENT_TIMEOUT, Conversation, StreamEchoServer, TcpServer, UdpCounter, UdpSender,
         UdpServer, kernel_has_sctp, ping, sctp_request, tcp_exchange, tcp_request, udp_error,
@@ -466,6 +466,78 @@ fn host_port_traffic_is_filtered_by_the_container_side_addresses(backend: Backen
         tcp_dropped(&neighbour.netns, host.uplink(Family::V4, 8081)),
         "hairpin traffic is filtered with the neighbour's address as its source"
     );
+}
+
+/// Filtered containers reach their own hostPorts and their neighbours' (hairpin), through the
+/// uplink's address and the gateway's, both families, TCP and UDP; the filter still judges that
+/// traffic (a hostPort leading to a dropped port stays closed) and the bridged traffic between
+/// neighbours. On nftables the bridge then hands its frames to the IP hooks: the ports' hairpin
+/// mode is what lets a container's DNATed frame back to itself.
+fn hairpin_reaches_itself_and_its_neighbour_with_filters_on(backend: Backend) {
+    let host = SimHost::on(
+        backend,
+        "fl-hairpin",
+        json!({ "filter": [
+            { "index": 1, "direction": "ingress", "proto": "tcp", "dport": 81, "target": "DROP" },
+        ]}),
+    );
+    let c1 = host.container(
+        "c1",
+        port_mappings(&[(8080, 80, "tcp"), (8082, 81, "tcp"), (5353, 53, "udp")]),
+    );
+    let c2 = host.container("c2", port_mappings(&[(8081, 80, "tcp")]));
+    for family in Family::BOTH {
+        let _servers = [
+            TcpServer::start(&c1.netns, c1.at(family, 80), "c1"),
+            TcpServer::start(&c1.netns, c1.at(family, 81), "c1 81"),
+            TcpServer::start(&c2.netns, c2.at(family, 80), "c2"),
+            TcpServer::start(&c2.netns, c2.at(family, 81), "c2 81"),
+        ];
+        let _dns = UdpServer::start(&c1.netns, c1.at(family, 53), "dns c1");
+        let gateway = match family {
+            Family::V4 => SocketAddr::from((GATEWAY, 0)),
+            Family::V6 => SocketAddr::from((GATEWAY6, 0)),
+        };
+        for host_address in [host.uplink(family, 0), gateway] {
+            let at = |port| SocketAddr::new(host_address.ip(), port);
+            let what =
+                |path: &str| format!("{backend:?} {family:?} {path} via {}", host_address.ip());
+            assert_eq!(
+                tcp_request(&c1.netns, at(8080)).as_deref(),
+                Ok("c1"),
+                "{}",
+                what("c1 to itself")
+            );
+            assert_eq!(
+                tcp_request(&c1.netns, at(8081)).as_deref(),
+                Ok("c2"),
+                "{}",
+                what("c1 to its neighbour")
+            );
+            assert_eq!(
+                tcp_request(&c2.netns, at(8080)).as_deref(),
+                Ok("c1"),
+                "{}",
+                what("c2 to its neighbour")
+            );
+            let answer = udp_request(&c1.netns, at(5353)).map(|(answer, _)| answer);
+            assert_eq!(
+                answer.as_deref(),
+                Ok("dns c1"),
+                "{}",
+                what("UDP c1 to itself")
+            );
+            assert!(
+                tcp_dropped(&c1.netns, at(8082)),
+                "{}",
+                what("c1 to itself, to a port its filter drops")
+            );
+        }
+        assert!(
+            tcp_dropped(&c2.netns, c1.at(family, 81)),
+            "{backend:?} {family:?}: bridged traffic between neighbours is filtered"
+        );
+    }
 }
 
 fn masqueraded_connections_replies_and_errors_pass_a_default_drop(backend: Backend) {
@@ -1096,6 +1168,7 @@ for_both_backends!(
     rules_match_addresses_protocols_ports_and_directions,
     sctp_rules_match_associations,
     host_port_traffic_is_filtered_by_the_container_side_addresses,
+    hairpin_reaches_itself_and_its_neighbour_with_filters_on,
     masqueraded_connections_replies_and_errors_pass_a_default_drop,
     readd_replaces_the_rules_atomically_while_traffic_runs,
     up_to_256_rules_per_attachment_more_is_invalid_config,

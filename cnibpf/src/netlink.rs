@@ -9,7 +9,10 @@ use std::net::IpAddr;
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
     address::{AddressAttribute, AddressMessage},
-    link::{InfoBridge, InfoData, InfoKind, LinkAttribute, LinkInfo, LinkMessage},
+    link::{
+        InfoBridge, InfoBridgePort, InfoData, InfoKind, InfoPortData, InfoPortKind, LinkAttribute,
+        LinkInfo, LinkMessage,
+    },
     route::{RouteAttribute, RouteHeader, RouteMessage, RouteType},
     tc::{TcAttribute, TcHandle, TcMessage},
 };
@@ -87,13 +90,18 @@ pub fn link_if_there(index: u32) -> Result<Option<Link>, NetlinkError> {
     }
 }
 
-/// The index of interface `name`; `None` when the kernel says there is none.
-pub fn index_of(name: &str) -> Result<Option<u32>, NetlinkError> {
+/// The interface `name`; `None` when the kernel says there is none.
+pub fn link_if_there_by_name(name: &str) -> Result<Option<Link>, NetlinkError> {
     match link_by_name(name) {
-        Ok(link) => Ok(Some(link.index)),
+        Ok(link) => Ok(Some(link)),
         Err(NetlinkError::NoSuchName(_)) => Ok(None),
         Err(error) => Err(error),
     }
+}
+
+/// The index of interface `name`; `None` when the kernel says there is none.
+pub fn index_of(name: &str) -> Result<Option<u32>, NetlinkError> {
+    Ok(link_if_there_by_name(name)?.map(|link| link.index))
 }
 
 fn get_link(message: LinkMessage) -> Result<Link, NetlinkError> {
@@ -156,6 +164,22 @@ pub fn set_bridge_netfilter(index: u32, on: bool) -> Result<(), NetlinkError> {
     // (as `ip link set … type bridge …` does); RTM_SETLINK ignores them.
     let request = RouteNetlinkMessage::NewLink(message);
     exchange("link settings", request, NLM_F_ACK, |_| None::<()>).map(|_| ())
+}
+
+/// Switches hairpin mode on (or off) for the bridge port `index`: frames may then be sent back
+/// out of the port they came in by (as `ip link set … type bridge_slave hairpin on`).
+pub fn set_bridge_port_hairpin(index: u32, on: bool) -> Result<(), NetlinkError> {
+    let mut message = LinkMessage::default();
+    message.header.index = index;
+    message.attributes.push(LinkAttribute::LinkInfo(vec![
+        LinkInfo::PortKind(InfoPortKind::Bridge),
+        LinkInfo::PortData(InfoPortData::BridgePort(vec![InfoBridgePort::HairpinMode(
+            on,
+        )])),
+    ]));
+    // RTM_NEWLINK on an existing interface changes its port settings (RTM_SETLINK ignores them).
+    let request = RouteNetlinkMessage::NewLink(message);
+    exchange("bridge port settings", request, NLM_F_ACK, |_| None::<()>).map(|_| ())
 }
 
 /// Every address of every interface, with the interface's index.

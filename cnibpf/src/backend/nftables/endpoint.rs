@@ -6,6 +6,13 @@ use crate::backend::{BackendError, Endpoint, Endpoints};
 
 impl Endpoints for NftablesBackend {
     fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
+        // On a bridge that hands its frames to the IP hooks (one with a filtered container),
+        // the container reaches its own hostPorts only with its port in hairpin mode.
+        if let Some(bridge) = endpoint.host.master
+            && host::bridge_netfilter_is_on(bridge)?
+        {
+            host::hairpin_on(&endpoint.host.name)?;
+        }
         self.attach(endpoint).map(|_| ())
     }
 

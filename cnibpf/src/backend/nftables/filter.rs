@@ -34,9 +34,30 @@ impl Filtering for NftablesBackend {
         filter: Option<&Filter>,
     ) -> Result<(), BackendError> {
         if filter.is_some() && endpoint.gateway_ifindex != endpoint.host.index {
-            let gateway = netlink::link_by_index(endpoint.gateway_ifindex)
-                .map_err(|source| BackendError::HostAddresses(Box::new(source)))?;
+            let gateway = netlink::link_by_index(endpoint.gateway_ifindex).map_err(|source| {
+                BackendError::Interface {
+                    action: format!(
+                        "could not look up bridge {} of {}",
+                        endpoint.gateway_ifindex, endpoint.attachment
+                    ),
+                    source: Box::new(source),
+                }
+            })?;
             if gateway.kind.as_deref() == Some("bridge") && host::bridge_netfilter_on(&gateway)? {
+                // The attachments already on it reach their own hostPorts from now on only
+                // through their ports' hairpin mode (see `host::hairpin_on`); this one's port
+                // gets it with its endpoint.
+                for port in host::interfaces_in("attachments")? {
+                    let on_this_bridge = netlink::link_if_there_by_name(&port)
+                        .map_err(|source| BackendError::Interface {
+                            action: format!("could not look up interface {port}"),
+                            source: Box::new(source),
+                        })?
+                        .is_some_and(|link| link.master == Some(gateway.index));
+                    if on_this_bridge {
+                        host::hairpin_on(&port)?;
+                    }
+                }
                 self.filtered_bridges.push(gateway.name);
             }
         }

@@ -257,17 +257,19 @@ pub fn others_attached(leaving: &[String]) -> Result<bool, NftablesError> {
     Ok(other)
 }
 
-/// The interface names set `set` holds.
+/// The interface names set `set` holds (none without the table).
 pub fn interfaces_in(set: &str) -> Result<Vec<String>, NftablesError> {
     let mut names = Vec::new();
     let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
-    connection
-        .exchange(set_dump(set), |_, message| {
-            names.extend(interface_keys(message));
-            ControlFlow::Continue(())
-        })
-        .map_err(NftablesError::Netlink)?;
-    Ok(names)
+    let asked = connection.exchange(set_dump(set), |_, message| {
+        names.extend(interface_keys(message));
+        ControlFlow::Continue(())
+    });
+    match asked {
+        Ok(()) => Ok(names),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(Vec::new()),
+        Err(error) => Err(NftablesError::Netlink(error)),
+    }
 }
 
 /// The comments of set `set`'s elements: for set `attachments`, the owner text of every
@@ -356,6 +358,38 @@ pub fn bridge_netfilter_on(bridge: &netlink::Link) -> Result<bool, NftablesError
     }
     netlink::set_bridge_netfilter(bridge.index, true).map_err(setting_error)?;
     Ok(true)
+}
+
+/// Whether bridge `index` hands its bridged frames to the IP hooks (cnibpf switched it on to
+/// filter between neighbours, or someone else did).
+pub fn bridge_netfilter_is_on(index: u32) -> Result<bool, NftablesError> {
+    let (ipv4, ipv6) =
+        netlink::bridge_netfilter(index).map_err(|source| NftablesError::HostSetting {
+            action: format!("read nf_call_iptables of bridge {index}"),
+            source: io::Error::other(source.to_string()),
+        })?;
+    Ok(ipv4 || ipv6)
+}
+
+/// Switches hairpin mode on for bridge port `port` (a container's host-side veth, by name).
+///
+/// A bridge that hands its frames to the IP hooks (br_netfilter) applies a hostPort's DNAT to a
+/// container's frame at the bridge layer, and when the DNAT leads back to the container itself
+/// bridges the frame back out of the port it came in by — which a bridge does only in hairpin
+/// mode (the reference bridge plugin's `hairpinMode`, kubelet's hairpin-veth). Without it a
+/// container cannot reach its own hostPort there. nftables' own bridge family would keep the
+/// bridge out of the IP hooks, but filtering between neighbours must be stateful, and bridge
+/// conntrack (nf_conntrack_bridge) is not in every kernel (nor in this one).
+pub fn hairpin_on(port: &str) -> Result<(), NftablesError> {
+    let setting_error = |source: netlink::NetlinkError| NftablesError::HostSetting {
+        action: format!("switch hairpin mode on for bridge port {port}"),
+        source: io::Error::other(source.to_string()),
+    };
+    let Some(index) = netlink::index_of(port).map_err(setting_error)? else {
+        // Gone with its pod: nothing to switch.
+        return Ok(());
+    };
+    netlink::set_bridge_port_hairpin(index, true).map_err(setting_error)
 }
 
 /// Lets interface `name` carry packets from 127.0.0.1 (`route_localnet`); whether cnibpf
