@@ -303,7 +303,8 @@ fn settle_relink(
 }
 
 /// Points every pinned link at the program now pinned for its hook (`bpf_link_update`, atomic
-/// per link). Links whose interface is gone are unpinned instead.
+/// per link). Links whose interface is gone are unpinned instead. The qdisc watcher is attached
+/// if it is not (state of a build that had none).
 pub(super) fn relink(pins: &PinLayout) -> Result<(), BackendError> {
     let links_dir = pins.links_dir();
     let entries = fs::read_dir(&links_dir).map_err(|source| BackendError::Pin {
@@ -351,7 +352,7 @@ pub(super) fn relink(pins: &PinLayout) -> Result<(), BackendError> {
             .map(|link_id| drop(program.take_link(link_id)));
         settle_relink(moved, &path, link_error)?;
     }
-    Ok(())
+    attach_tracepoint(pins, QDISC_WATCHER, QDISC_TRACEPOINT)
 }
 
 /// Loads the embedded object, reusing maps already pinned under `pins` and pinning new ones,

@@ -77,7 +77,17 @@ impl SourceChecking for EbpfBackend {
 
     fn teardown_source_check(&mut self, owner: u64) -> Result<(), BackendError> {
         if let Some(info) = found(self.owners.get(&owner, 0), owner_map::MAP_NAME)? {
-            let siblings = self.siblings(&read_name(&info.container_id), owner)?;
+            let set = found(self.sources.get(&info.host_ifindex, 0), source::MAP_NAME)?;
+            // Only a set that admits addresses besides its own has checked siblings to rewrite:
+            // a DEL without them reads no other attachment.
+            let admits_siblings = set.is_some_and(|set| {
+                set.owner == owner && set.flags & FLAG_UNCHECKED == 0 && admitted(&set) != own(&set)
+            });
+            let siblings = if admits_siblings {
+                self.siblings(&read_name(&info.container_id), owner)?
+            } else {
+                Vec::new()
+            };
             self.remove_source_check(info.host_ifindex, Some(owner))?;
             return self.rewrite_siblings(&siblings, None);
         }
