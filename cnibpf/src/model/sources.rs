@@ -31,6 +31,24 @@ impl SourceCheck {
         )
     }
 
+    /// What each of a container's checked attachments admits when their own addresses are
+    /// `owns` and `joining` (one being set up now, if any) joins them: its own and all the
+    /// others', in the order of `owns`.
+    pub fn each_admitting(owns: &[SourceCheck], joining: Option<&SourceCheck>) -> Vec<Self> {
+        owns.iter()
+            .enumerate()
+            .map(|(position, own)| {
+                let others = owns
+                    .iter()
+                    .enumerate()
+                    .filter(|(other, _)| *other != position)
+                    .map(|(_, other)| other)
+                    .chain(joining);
+                own.admitting(others)
+            })
+            .collect()
+    }
+
     /// How many addresses of each family it holds: (IPv4, IPv6).
     pub fn counts(&self) -> (usize, usize) {
         let ipv4 = self.addresses.iter().filter(|addr| addr.is_ipv4()).count();
@@ -68,6 +86,17 @@ mod tests {
         );
         assert_eq!(admitted.counts(), (2, 2));
         assert_eq!(eth0.admitting([]), eth0, "alone, its own");
+        let eth2 = check(&["10.22.0.7"]);
+        let all = eth0.admitting([&eth1, &eth2]);
+        assert_eq!(
+            SourceCheck::each_admitting(&[eth0.clone(), eth1.clone()], Some(&eth2)),
+            [all.clone(), all],
+            "every attachment admits the same addresses"
+        );
+        assert_eq!(
+            SourceCheck::each_admitting(&[eth0.clone(), eth1.clone()], None),
+            [eth0.admitting([&eth1]), eth1.admitting([&eth0])]
+        );
     }
 
     #[test]

@@ -22,7 +22,7 @@ use cnibpf_common::owner::{
 
 use super::{
     owner::read_name,
-    pins::{remove_pin, remove_tree},
+    pins::{map_pinned, remove_pin, remove_tree},
 };
 use crate::{
     backend::{AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, is_stale},
@@ -42,13 +42,7 @@ pub struct NewerLayout {
 impl NewerLayout {
     pub fn open(pins: &PinLayout, found: u32) -> Result<Self, BackendError> {
         let path = pins.map(owner::MAP_NAME);
-        let pinned = path
-            .try_exists()
-            .map_err(|source| BackendError::UnreadableState {
-                path: pins.root().to_owned(),
-                source,
-            })?;
-        let owners = if pinned {
+        let owners = if map_pinned(pins, &path)? {
             Some(RawMap::open(&path).map_err(|source| BackendError::Pin {
                 action: format!("could not open map {} of layout v{found}", owner::MAP_NAME),
                 source: Box::new(source),

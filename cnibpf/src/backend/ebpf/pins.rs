@@ -125,17 +125,20 @@ pub(super) fn object_id() -> u64 {
     OBJECT_ID.parse().expect("build.rs emits a u64")
 }
 
+/// Whether a map of the instance is pinned at `path`.
+pub(super) fn map_pinned(pins: &PinLayout, path: &Path) -> Result<bool, BackendError> {
+    path.try_exists()
+        .map_err(|source| BackendError::UnreadableState {
+            path: pins.root().to_owned(),
+            source,
+        })
+}
+
 /// What is pinned under `pins`. An error names its real cause: a lack of privilege, or a
 /// directory that holds something else than cnibpf's state.
 pub(super) fn check_layout(pins: &PinLayout) -> Result<PinnedState, BackendError> {
     let path = pins.map(layout::MAP_NAME);
-    let pinned = path
-        .try_exists()
-        .map_err(|source| BackendError::UnreadableState {
-            path: pins.root().to_owned(),
-            source,
-        })?;
-    if !pinned {
+    if !map_pinned(pins, &path)? {
         return Ok(PinnedState::Absent);
     }
     let unreadable = |error: MapError| match os_error(&error) {

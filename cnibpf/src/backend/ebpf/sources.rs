@@ -171,15 +171,9 @@ impl EbpfBackend {
         joining: Option<&SourceCheck>,
     ) -> Result<(), BackendError> {
         let owns: Vec<SourceCheck> = siblings.iter().map(|sibling| own(&sibling.set)).collect();
-        for (position, sibling) in siblings.iter().enumerate() {
-            let others = owns
-                .iter()
-                .enumerate()
-                .filter(|(other, _)| *other != position)
-                .map(|(_, own)| own)
-                .chain(joining);
-            let admitted = owns[position].admitting(others);
-            let wanted = stored_set(sibling.owner, &owns[position], &admitted);
+        let admitting = SourceCheck::each_admitting(&owns, joining);
+        for ((sibling, own), admitted) in siblings.iter().zip(&owns).zip(&admitting) {
+            let wanted = stored_set(sibling.owner, own, admitted);
             if wanted != sibling.set {
                 self.sources
                     .insert(&sibling.ifindex, &wanted, 0)

@@ -167,14 +167,8 @@ impl NftablesBackend {
     /// checked).
     fn rewrite_siblings(&mut self, siblings: Vec<Sibling>, joining: Option<&SourceCheck>) {
         let owns: Vec<SourceCheck> = siblings.iter().map(|sibling| sibling.own.clone()).collect();
-        for (position, sibling) in siblings.into_iter().enumerate() {
-            let others = owns
-                .iter()
-                .enumerate()
-                .filter(|(other, _)| *other != position)
-                .map(|(_, own)| own)
-                .chain(joining);
-            let admitted = sibling.own.admitting(others);
+        let admitting = SourceCheck::each_admitting(&owns, joining);
+        for (sibling, admitted) in siblings.into_iter().zip(admitting) {
             self.sibling_sources
                 .insert(sibling.owner, (sibling.host, admitted));
         }
