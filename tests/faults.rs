@@ -14,7 +14,7 @@ use cnibpf_tests::{
     Container, PluginOutput, SimHost,
     faults::{CallCounter, Counts, Fault, assert_admin_answer, assert_cni_answer, plan, wrapped},
     for_both_backends,
-    topology::{Backend, OUTSIDE_ADDR, cnibpf_binary, port_mappings},
+    topology::{Backend, HOST_UPLINK_ADDR, OUTSIDE_ADDR, cnibpf_binary, port_mappings},
     traffic::{TcpServer, tcp_request},
 };
 use serde_json::{Value, json};
@@ -282,7 +282,17 @@ fn attached(sim: &SimHost, id: &str) -> bool {
 /// ADD of a new attachment: success, or an error after which a DEL without the fault removes
 /// everything it left.
 fn faulted_add(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
-    let new = sim.container("fa", port_mappings(&[(9090, 80, "tcp")]));
+    // A wildcard hostPort and one of the uplink's address (counted in `port_claims`).
+    let mut mappings = port_mappings(&[(9090, 80, "tcp")]);
+    mappings["portMappings"]
+        .as_array_mut()
+        .expect("a list")
+        .push(json!({
+            "hostPort": 9095, "containerPort": 80, "protocol": "tcp",
+            "hostIP": HOST_UPLINK_ADDR.to_string(),
+        }));
+    let claims_before = sim.port_claims();
+    let new = sim.container("fa", mappings);
     let owner = sim.owner_of(&new);
     let run = |command| sim.chain.run_one(&new.attachment, "cnibpf", command);
     expect_ok(&run("DEL"), "clean DEL");
@@ -297,6 +307,11 @@ fn faulted_add(sim: &SimHost, live: &Live<'_>, tally: &mut Tally) {
         }
         expect_ok(&run("DEL"), &format!("{context}: DEL without the fault"));
         assert_gone(sim, &new, owner, &context);
+        assert_eq!(
+            sim.port_claims(),
+            claims_before,
+            "{context}: the count of address-specific hostPorts is as before"
+        );
         tally.count("ADD", added);
     }
 }

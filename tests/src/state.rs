@@ -426,6 +426,23 @@ impl SimHost {
 }
 
 impl SimHost {
+    /// The counts of address-specific hostPorts in `port_claims`: (hostPort, protocol, family,
+    /// count), empty without eBPF state.
+    pub fn port_claims(&self) -> Vec<(u16, u8, u8, u32)> {
+        use cnibpf_common::port_claim::{PortClaim, PortClaimKey};
+        if !self.pin_path.join("port_claims").exists() {
+            return Vec::new();
+        }
+        let mut claims: Vec<(u16, u8, u8, u32)> = self
+            .pinned_hash_map::<PortClaimKey, PortClaim>("port_claims")
+            .iter()
+            .map(|entry| entry.expect("read port_claims"))
+            .map(|(key, claim)| (key.host_port, key.protocol, key.family, claim.specific))
+            .collect();
+        claims.sort_unstable();
+        claims
+    }
+
     /// The owner id `inspect` shows for `container`'s attachment.
     pub fn owner_of(&self, container: &Container) -> u64 {
         let id = &container.attachment.container_id;

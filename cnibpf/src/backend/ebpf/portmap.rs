@@ -66,15 +66,14 @@ impl EbpfBackend {
     }
 
     /// Counts a specific-address key in or out of `port_claims`; wildcard keys are not counted.
+    /// A key is counted in before its entry is installed and out after it is removed: a
+    /// failure in between leaves the count too high (a wildcard of that port then scans
+    /// `portmap` and finds no holder), never too low (which would let a wildcard overlap).
     fn claim(&mut self, key: &PortMapKey, taken: bool) -> Result<(), BackendError> {
         if key.host_addr == [0; 16] {
             return Ok(());
         }
-        let claim_key = PortClaimKey {
-            host_port: key.host_port,
-            protocol: key.protocol,
-            family: key.family,
-        };
+        let claim_key = claim_key(key);
         let current = found(self.port_claims.get(&claim_key, 0), port_claim::MAP_NAME)?
             .map_or(0, |claim| claim.specific); // fail-closed: `found` kept the errors.
         let next = if taken {
@@ -82,12 +81,33 @@ impl EbpfBackend {
         } else {
             current.saturating_sub(1)
         };
+        self.set_claim(&claim_key, next)
+    }
+
+    /// Sets the count of specific-address mappings of a port to what `portmap` holds: for a key
+    /// whose entry was never installed (an ADD that failed in between), whose count may be one
+    /// too high. Rare, so a scan is fine.
+    fn recount_claim(&mut self, key: &PortMapKey) -> Result<(), BackendError> {
+        if key.host_addr == [0; 16] {
+            return Ok(());
+        }
+        let mut count = 0u32;
+        for entry in self.portmap.iter() {
+            let (found, _) = entry.map_err(map_error("could not read map portmap"))?;
+            if claim_key(&found) == claim_key(key) && found.host_addr != [0; 16] {
+                count += 1;
+            }
+        }
+        self.set_claim(&claim_key(key), count)
+    }
+
+    fn set_claim(&mut self, claim_key: &PortClaimKey, next: u32) -> Result<(), BackendError> {
         if next == 0 {
-            remove_entry(&mut self.port_claims, &claim_key, port_claim::MAP_NAME)
+            remove_entry(&mut self.port_claims, claim_key, port_claim::MAP_NAME)
         } else {
             self.port_claims
                 .insert(
-                    &claim_key,
+                    claim_key,
                     &PortClaim {
                         specific: next,
                         _pad: 0,
@@ -98,14 +118,16 @@ impl EbpfBackend {
         }
     }
 
-    /// Removes one of the attachment's mappings, unless another attachment holds the key now.
+    /// Removes one of the attachment's mappings, unless another attachment holds the key now;
+    /// one recorded but never installed has its port's count set right.
     fn remove_owned_mapping(&mut self, owner: u64, key: &PortMapKey) -> Result<(), BackendError> {
         match found(self.portmap.get(key, 0), portmap::MAP_NAME)? {
             Some(value) if value.owner == owner => {
                 remove_entry(&mut self.portmap, key, portmap::MAP_NAME)?;
                 self.claim(key, false)
             }
-            _ => Ok(()),
+            Some(_) => Ok(()),
+            None => self.recount_claim(key),
         }
     }
 
@@ -149,21 +171,32 @@ impl PortMappings for EbpfBackend {
         let owner = endpoint.attachment.owner_id();
         refuse_held_host_ports(self, owner, mappings)?;
         let previous = self.owned_portmap_keys(owner)?;
-        let mut wanted = Vec::with_capacity(mappings.len());
+        let wanted: Vec<(PortMapKey, PortMapValue)> = mappings
+            .iter()
+            .map(|mapping| entry_for(endpoint, mapping))
+            .collect();
+        // Recorded before they are installed: whatever fails from here on, the attachment's
+        // DEL finds every key it may hold.
+        let mut recorded = previous.clone();
+        for (key, _) in &wanted {
+            if !recorded.contains(key) {
+                recorded.push(*key);
+            }
+        }
+        self.record_owned_keys(owner, &recorded)?;
         // Whether a flow translated before could now be reversed wrongly.
         let mut flows_stale = false;
-        for mapping in mappings {
-            let (key, value) = entry_for(endpoint, mapping);
-            let before = found(self.portmap.get(&key, 0), portmap::MAP_NAME)?;
-            self.portmap
-                .insert(&key, &value, 0)
-                .map_err(map_error("could not write map portmap"))?;
-            if previous.contains(&key) {
-                flows_stale |= before != Some(value);
-            } else {
-                self.claim(&key, true)?;
+        for (key, value) in &wanted {
+            let before = found(self.portmap.get(key, 0), portmap::MAP_NAME)?;
+            if !previous.contains(key) {
+                self.claim(key, true)?;
             }
-            wanted.push((key, value));
+            self.portmap
+                .insert(key, value, 0)
+                .map_err(map_error("could not write map portmap"))?;
+            if previous.contains(key) {
+                flows_stale |= before != Some(*value);
+            }
         }
         for key in &previous {
             if !wanted.iter().any(|(wanted_key, _)| wanted_key == key) {
@@ -232,12 +265,12 @@ impl PortMappings for EbpfBackend {
             };
             return other(self.portmap.get(&wildcard, 0));
         }
-        let claim_key = PortClaimKey {
-            host_port: key.host_port,
-            protocol: key.protocol,
-            family: key.family,
-        };
-        if found(self.port_claims.get(&claim_key, 0), port_claim::MAP_NAME)?.is_none() {
+        if found(
+            self.port_claims.get(&claim_key(&key), 0),
+            port_claim::MAP_NAME,
+        )?
+        .is_none()
+        {
             return Ok(None);
         }
         // Some address-specific mapping holds this port: find whose (rare, so a scan is fine).
@@ -284,6 +317,14 @@ impl PortMappings for EbpfBackend {
         } else {
             self.check_port_conditions(endpoint)
         }
+    }
+}
+
+fn claim_key(key: &PortMapKey) -> PortClaimKey {
+    PortClaimKey {
+        host_port: key.host_port,
+        protocol: key.protocol,
+        family: key.family,
     }
 }
 
