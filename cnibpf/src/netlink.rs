@@ -119,6 +119,15 @@ fn get_link(message: LinkMessage) -> Result<Link, NetlinkError> {
         })
 }
 
+/// Every interface of the current namespace.
+pub fn links() -> Result<Vec<Link>, NetlinkError> {
+    let request = RouteNetlinkMessage::GetLink(LinkMessage::default());
+    dump("link", request, |message| match message {
+        RouteNetlinkMessage::NewLink(link) => Some(link_from_message(link)),
+        _ => None,
+    })
+}
+
 /// Whether the bridge `index` hands its bridged IPv4 and IPv6 traffic to the IP hooks
 /// (`nf_call_iptables`, `nf_call_ip6tables`; br_netfilter must be loaded for either to matter).
 pub fn bridge_netfilter(index: u32) -> Result<(bool, bool), NetlinkError> {

@@ -51,6 +51,10 @@ pub struct Endpoint {
     pub host_firewall: bool,
     /// The attachment has a filter (rules, or a default that drops).
     pub filtered: bool,
+    /// The container has other veths than this attachment's: it may be attached more than
+    /// once, and its source checks admit each other's addresses (false: no sibling to look
+    /// for).
+    pub may_have_siblings: bool,
     /// The container's traffic is masqueraded (`ipMasq`).
     pub masqueraded: bool,
     /// Where the container's routed traffic enters the host: the bridge its host-side

@@ -118,6 +118,16 @@ pub fn find_container_link(
     })
 }
 
+/// Whether the container behind CNI_NETNS has a veth besides CNI_IFNAME: attached more than
+/// once (another network, another interface), so that its source checks admit each other's
+/// addresses. A container with one interface has no other attachment to look for.
+pub fn has_other_veths(netns: &Path, ifname: &str) -> Result<bool, HostInterfaceError> {
+    let _guard = NetnsGuard::enter(netns)?;
+    Ok(netlink::links()?
+        .iter()
+        .any(|link| link.name != ifname && link.kind.as_deref() == Some("veth")))
+}
+
 /// `addr_gen_mode` values (`IN6_ADDR_GEN_MODE_*`): how the kernel makes an interface's IPv6
 /// link-local address.
 const ADDR_GEN_MODE_EUI64: &str = "0";

@@ -262,12 +262,13 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
         }
         .into());
     }
-    let source_check = if conf.plugin.source_check {
+    let (source_check, may_have_siblings) = if conf.plugin.source_check {
         let link_locals = link::container_link_locals(&netns, &env.ifname, link.container_mac)
             .map_err(EnvError::from)?;
-        Some(source_check_plan(&prev, link_locals)?)
+        let siblings = link::has_other_veths(&netns, &env.ifname).map_err(EnvError::from)?;
+        (Some(source_check_plan(&prev, link_locals)?), siblings)
     } else {
-        None
+        (None, false)
     };
     // fail-closed: an Option of the interface; without a bridge the interface is the gateway.
     let gateway_ifindex = link.host.master.unwrap_or(link.host.index);
@@ -311,6 +312,7 @@ fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
             shaped,
             host_firewall: conf.plugin.host_firewall,
             filtered: filter.is_some(),
+            may_have_siblings,
             masqueraded: masquerade.is_some(),
             gateway_ifindex,
             host_ports: conf.plugin.host_ports.clone(),

@@ -38,7 +38,7 @@ impl SourceChecking for EbpfBackend {
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
         let ifindex = endpoint.host.index;
-        let siblings = self.siblings(&endpoint.attachment.container_id, owner)?;
+        let siblings = self.siblings_of(endpoint)?;
         let Some(check) = check else {
             removed(self.source_drops.remove(&ifindex), source_drop::MAP_NAME)?;
             self.sources
@@ -116,7 +116,7 @@ impl SourceChecking for EbpfBackend {
             // Made by a cnibpf without source checks: checked from its next ADD.
             return Ok(());
         };
-        let siblings = self.siblings(&endpoint.attachment.container_id, owner)?;
+        let siblings = self.siblings_of(endpoint)?;
         let sibling_owns: Vec<SourceCheck> =
             siblings.iter().map(|sibling| own(&sibling.set)).collect();
         let wanted = check.map(|check| check.admitting(&sibling_owns));
@@ -138,6 +138,18 @@ impl SourceChecking for EbpfBackend {
 }
 
 impl EbpfBackend {
+    /// The checked attachments of `endpoint`'s container other than its own; none looked for
+    /// when the container has no other interface.
+    fn siblings_of(&self, endpoint: &Endpoint) -> Result<Vec<Sibling>, BackendError> {
+        if !endpoint.may_have_siblings {
+            return Ok(Vec::new());
+        }
+        self.siblings(
+            &endpoint.attachment.container_id,
+            endpoint.attachment.owner_id(),
+        )
+    }
+
     /// The checked attachments of container `container_id` other than `owner`.
     fn siblings(&self, container_id: &str, owner: u64) -> Result<Vec<Sibling>, BackendError> {
         let mut siblings = Vec::new();

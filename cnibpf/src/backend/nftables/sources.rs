@@ -43,7 +43,12 @@ impl SourceChecking for NftablesBackend {
         check: Option<&SourceCheck>,
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let siblings = self.siblings(&endpoint.attachment.container_id, owner)?;
+        // A container with no other interface has no sibling to look for.
+        let siblings = if endpoint.may_have_siblings {
+            self.siblings(&endpoint.attachment.container_id, owner)?
+        } else {
+            Vec::new()
+        };
         let sibling_owns: Vec<SourceCheck> =
             siblings.iter().map(|sibling| sibling.own.clone()).collect();
         let admitted = check.map(|check| check.admitting(&sibling_owns));
