@@ -541,16 +541,28 @@ fn plugin_time(
     label: &str,
     levels: &[usize],
 ) -> Result<Vec<Row>> {
-    let containers = Netns::create(&format!("cbt-{}-c", sim.id));
+    // The attachments filling the host share one namespace (a thousand namespaces would cost
+    // more to make and remove than the measurement); the timed ones, the first and the probe,
+    // have one each, as a pod has: what the plugin reads in a pod's namespace is a pod's.
+    let fillers = Netns::create(&format!("cbt-{}-c", sim.id));
+    let first_pod = Netns::create(&format!("cbt-{}-f", sim.id));
+    let probe_pod = Netns::create(&format!("cbt-{}-p", sim.id));
     let max = levels[levels.len() - 1];
     progress.step(&format!(
         "{label}: {max} veth pairs for attachments made by the plugin alone"
     ));
-    veth_pairs(sim, &containers, max + 1)?;
+    veth_pairs(sim, &first_pod, 0..1)?;
+    veth_pairs(sim, &fillers, 1..max)?;
+    veth_pairs(sim, &probe_pod, max..max + 1)?;
+    let netns_of = |n: usize| match n {
+        0 => &first_pod,
+        n if n == max => &probe_pod,
+        _ => &fillers,
+    };
 
     let invoke = |command: &str, n: usize| -> Result<Timed> {
         let args = json!({ "portMappings": [{ "hostPort": 30_000 + n, "containerPort": 80, "protocol": "tcp" }] });
-        invoke_attachment(sim, &containers, plugin_type, command, n, &args)
+        invoke_attachment(sim, netns_of(n), plugin_type, command, n, &args)
     };
 
     let mut rows = Vec::new();
@@ -693,11 +705,11 @@ fn phases_of(stderr: &str) -> Vec<(String, f64)> {
         .collect()
 }
 
-/// Veth pairs `vb<n>` (in `sim`'s host, up) / `ec<n>` (in `containers`) for n below `count`:
+/// Veth pairs `vb<n>` (in `sim`'s host, up) / `ec<n>` (in `containers`) for n in `numbers`:
 /// the interfaces of attachments the plugin makes alone.
-fn veth_pairs(sim: &SimHost, containers: &Netns, count: usize) -> Result<()> {
+fn veth_pairs(sim: &SimHost, containers: &Netns, numbers: std::ops::Range<usize>) -> Result<()> {
     let mut batch = String::new();
-    for n in 0..count {
+    for n in numbers {
         batch.push_str(&format!(
             "link add vb{n} address {} type veth peer name ec{n} address {} netns {}\nlink set vb{n} up\n",
             mac(0xaa, n),
@@ -721,7 +733,7 @@ fn first_add_after_load(progress: &Progress) -> Result<Vec<Row>> {
     progress.step("cnibpf load on a fresh host, then its first ADD");
     let sim = SimHost::new("bench-load", json!({ "backend": "ebpf" }));
     let containers = Netns::create(&format!("cbt-{}-c", sim.id));
-    veth_pairs(&sim, &containers, 1)?;
+    veth_pairs(&sim, &containers, 0..1)?;
     let pin_path = sim.pin_path.display().to_string();
     let started = Instant::now();
     let loaded = sim.cnibpf(&["load", "--pin-path", &pin_path, "--backend", "ebpf"]);
@@ -765,7 +777,7 @@ fn mapping_count_time(
     let containers = Netns::create(&format!("cbt-{}-m", sim.id));
     // Pod 0 is measured; pod 1 stays, as on any node, so that pod 0's DEL is never the last
     // (which unloads the datapath, and its next ADD loads it again).
-    veth_pairs(sim, &containers, 2)?;
+    veth_pairs(sim, &containers, 0..2)?;
     let keeper =
         json!({ "portMappings": [{ "hostPort": 19_999, "containerPort": 80, "protocol": "tcp" }] });
     invoke_attachment(sim, &containers, plugin_type, "ADD", 1, &keeper)?;
