@@ -922,6 +922,7 @@ fn drops_are_counted_per_rule_and_streamed_by_monitor() {
         assert_eq!(event["pod"], "shop/web-0", "{event}");
         assert_eq!(event["direction"], "ingress", "{event}");
         assert_eq!(event["rule"], 10, "{event}");
+        assert_eq!(event["reason"], "filter_rule", "{event}");
         assert_eq!(event["protocol"], "tcp", "{event}");
         assert_eq!(event["src"], source, "{event}");
         assert_eq!(event["dst"], destination, "{event}");

@@ -2,7 +2,7 @@
 //! leaves only from its own addresses. A container that takes its neighbour's address can
 //! neither send from it — outside or to the neighbours — nor announce it by ARP or neighbour
 //! advertisement; what it tried is counted in inspect and, on eBPF, reported by `cnibpf
-//! monitor` as `spoofed`. The same attempts with the check off succeed: the tests can fail.
+//! monitor` with their reasons. The same attempts with the check off succeed: the tests can fail.
 
 use std::{
     net::{IpAddr, Ipv6Addr, SocketAddr, UdpSocket},
@@ -250,7 +250,7 @@ fn a_container_cannot_send_or_announce_in_its_neighbours_name(backend: Backend) 
                 panic!("no event for a packet from {claimed}");
             };
             let event: Value = serde_json::from_str(&line).expect("JSON event");
-            assert_eq!(event["reason"], "spoofed", "{event}");
+            assert_eq!(event["reason"], "source_check_address", "{event}");
             assert_eq!(event["src"], claimed, "{event}");
             assert_eq!(event["direction"], "egress", "{event}");
             assert_eq!(
@@ -262,6 +262,8 @@ fn a_container_cannot_send_or_announce_in_its_neighbours_name(backend: Backend) 
             panic!("no event for the ARP announcement");
         };
         assert!(line.contains(&GATEWAY.to_string()), "{line}");
+        let event: Value = serde_json::from_str(&line).expect("JSON event");
+        assert_eq!(event["reason"], "source_check_arp", "{event}");
         interrupt(monitor);
     }
     for container in [&spoofer, &victim] {

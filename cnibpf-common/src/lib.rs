@@ -9,6 +9,8 @@
 
 #[cfg(feature = "user")]
 pub mod addr;
+pub mod drop_event_budget;
+pub mod drop_stats;
 pub mod endpoint;
 pub mod filter;
 pub mod filter_event;

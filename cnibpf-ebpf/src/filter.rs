@@ -16,11 +16,11 @@
 use aya_ebpf::{bindings::BPF_ANY, cty::c_void, helpers::bpf_loop, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6,
+    drop_stats::DropReason,
     filter::{
         CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS, FilterRule, FilterSet, MAX_RULES,
         TARGET_ALLOW,
     },
-    filter_event::{REASON_DEFAULT, REASON_FRAGMENT, REASON_RULE},
     filter_flow::{FilterFlow, FilterFlowKey, RULE_DEFAULT},
     filter_fragment::FilterFragmentKey,
     filter_hits::DEFAULT_SLOT,
@@ -31,6 +31,7 @@ use cnibpf_common::{
 use crate::{
     clock,
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
+    drops,
     maps::{self, scratch::Subject},
     packet::{
         DROP, DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, NEXT,
@@ -134,10 +135,12 @@ pub fn allows(ctx: &TcContext, flow: &Flow, ifindex: u32, direction: u8) -> bool
     let set = unsafe { &*set };
     // A packet whose TCP header cannot be read is not judged by a rule: dropped, fail closed.
     let Ok(flags) = flow.tcp_flags(ctx) else {
+        drops::record_unread(ctx, DropReason::FilterUnreadable, ifindex);
         return false;
     };
     let subject = subject(ctx, &Packet::of_flow(flow, flags), ifindex, direction);
     if subject.is_null() {
+        drops::record_unread(ctx, DropReason::FilterUnreadable, ifindex);
         return false;
     }
     // SAFETY: this CPU's scratch, filled just above.
@@ -268,9 +271,13 @@ pub fn allows_other(ctx: &TcContext, ifindex: u32, direction: u8) -> bool {
         ICMP_JUDGED if error_of_allowed_connection(ctx, ifindex, direction) => return true,
         ICMP_JUDGED => maps::filter_scratch.get_ptr_mut(0),
         PASSES => return true,
-        _ => return false,
+        _ => {
+            drops::record_unread(ctx, DropReason::FilterUnreadable, ifindex);
+            return false;
+        }
     };
     let Some(subject) = subject else {
+        drops::record_unread(ctx, DropReason::FilterUnreadable, ifindex);
         return false;
     };
     // SAFETY: this CPU's scratch, filled by `classify`.
@@ -419,7 +426,7 @@ fn later_fragment_allowed(subject: &Subject, set: &FilterSet, fragment_id: u32) 
     if maps::filter_fragments.get_ptr(&fragment).is_some() {
         return true;
     }
-    send_event(subject, set, REASON_FRAGMENT, 0);
+    dropped(subject, set, DropReason::FilterFragment, 0);
     false
 }
 
@@ -559,43 +566,33 @@ fn count_hit(subject: &Subject, position: u16) {
     }
 }
 
-/// Reports a packet dropped by the rule at `position` (or the default).
+/// Records a packet dropped by the rule at `position` (or the default).
 #[inline(always)]
 fn report(subject: &Subject, set: &FilterSet, position: u16) {
     match rule_at(set, usize::from(position)) {
-        Some(rule) => send_event(subject, set, REASON_RULE, rule.index),
-        None => send_event(subject, set, REASON_DEFAULT, 0),
+        Some(rule) => dropped(subject, set, DropReason::FilterRule, rule.index),
+        None => dropped(subject, set, DropReason::FilterDefault, 0),
     }
 }
 
-/// Writes a drop event straight into the ring buffer (a copy on the stack would cost the
-/// stack the verifier caps).
+/// Counts a packet the filter dropped and reports it with its connection's addresses and ports.
 #[inline(never)]
-fn send_event(subject: &Subject, set: &FilterSet, reason: u8, rule_index: u32) {
-    let Some(mut entry) = maps::filter_events.reserve(0) else {
-        maps::count_lost_event();
-        return;
-    };
-    let event = entry.as_mut_ptr();
+fn dropped(subject: &Subject, set: &FilterSet, reason: DropReason, rule_index: u32) {
+    drops::count(reason, subject.bytes);
     let key = &subject.key;
     let (source, destination) = subject.addresses();
-    // SAFETY: `event` points to the reserved record, which only this program writes until it
-    // is submitted; every field is written.
-    unsafe {
-        (*event).time_ns = subject.now;
-        (*event).owner = set.owner;
-        (*event).src_addr = *source;
-        (*event).dst_addr = *destination;
-        (*event).ifindex = key.ifindex;
-        (*event).rule_index = rule_index;
-        (*event).src_port = subject.source_port;
-        (*event).dst_port = subject.destination_port;
-        (*event).protocol = key.protocol;
-        (*event).family = key.family;
-        (*event).direction = subject.direction;
-        (*event).reason = reason;
-    }
-    entry.submit(0);
+    drops::report(reason, |event| {
+        event.owner = set.owner;
+        event.src_addr = *source;
+        event.dst_addr = *destination;
+        event.ifindex = key.ifindex;
+        event.rule_index = rule_index;
+        event.src_port = subject.source_port;
+        event.dst_port = subject.destination_port;
+        event.protocol = key.protocol;
+        event.family = key.family;
+        event.direction = subject.direction;
+    });
 }
 
 fn count(field: impl FnOnce(&mut FilterStats) -> &mut u64) {

@@ -4,7 +4,7 @@
 //! with `conntrack`, `packet` and `maps` below them. Modules only use modules below them:
 //!
 //! ```text
-//! main → hooks → portmap, masquerade, filter, sources → conntrack, route → packet, maps, clock
+//! main → hooks → portmap, masquerade, filter, sources → conntrack, route → packet → drops → maps, clock
 //! ```
 #![no_std]
 #![no_main]
@@ -15,6 +15,7 @@
 
 mod clock;
 mod conntrack;
+mod drops;
 mod filter;
 mod hooks;
 mod maps;

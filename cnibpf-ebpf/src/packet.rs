@@ -15,10 +15,13 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    drop_stats::DropReason,
     internet_checksum,
     masq_fragment::FragmentKey,
     sctp_checksum::{self, Product},
 };
+
+use crate::drops;
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
@@ -131,10 +134,10 @@ pub fn take_translated_mark(ctx: &TcContext) -> bool {
 /// return verdicts rather than a `Result` — LLVM packs an early `Ok` with whatever a register
 /// holds (a map or packet pointer), and the verifier refuses the unused bits it builds from it.
 macro_rules! or_verdict {
-    ($step:expr) => {
+    ($ctx:expr, $step:expr) => {
         match $step {
             Ok(value) => value,
-            Err(error) => return $crate::packet::DatapathError::verdict(error),
+            Err(error) => return $crate::packet::DatapathError::verdict(error, $ctx),
         }
     };
 }
@@ -151,10 +154,14 @@ pub enum DatapathError {
 }
 
 impl DatapathError {
-    pub fn verdict(self) -> i32 {
+    /// The packet's verdict; a drop is counted and reported (`drops`).
+    pub fn verdict(self, ctx: &TcContext) -> i32 {
         match self {
             Self::Truncated => NEXT,
-            Self::RewriteFailed => DROP,
+            Self::RewriteFailed => {
+                drops::record_unread(ctx, DropReason::RewriteFailed, ifindex(ctx));
+                DROP
+            }
         }
     }
 }

@@ -5,19 +5,20 @@
 //! (IPv6 duplicate address detection and MLD before an address is configured, ARP probes): no
 //! answer can reach anyone through it. Frames that are neither IP nor ARP carry no address of
 //! the container's and are dropped too (a VLAN tag would hide a spoofed source). What is
-//! dropped is counted in `source_drops` and reported in `filter_events` as `spoofed`.
+//! dropped is counted in `source_drops` (per attachment) and `drop_stats` (per reason) and
+//! reported in `filter_events`.
 
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    drop_stats::DropReason,
     filter::DIRECTION_EGRESS,
-    filter_event::REASON_SPOOFED,
     source::{FLAG_UNCHECKED, SourceSet},
     source_drop::SourceDrops,
 };
 
 use crate::{
-    clock, maps,
+    drops, maps,
     packet::{
         ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF,
         IPV6_SADDR_OFF, SourceAddress, extension_headers, load, load_anywhere, source_address,
@@ -36,6 +37,7 @@ const NA_TARGET_OFF: usize = 8;
 
 /// What the check needs to know of a dropped packet, for its event.
 struct Spoofed {
+    reason: DropReason,
     family: u8,
     protocol: u8,
     source: [u8; 16],
@@ -60,6 +62,7 @@ pub fn admit(ctx: &TcContext, ifindex: u32) -> bool {
         None => true,
         Some(spoofed) => {
             count(ctx, ifindex);
+            drops::count(spoofed.reason, ctx.len());
             report(&spoofed, set.owner, ifindex);
             false
         }
@@ -90,6 +93,7 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
     }
     let ethertype = u16::from_be(load_anywhere::<u16>(ctx, 12).ok()?);
     let unreadable = || Spoofed {
+        reason: DropReason::SourceCheckNotIp,
         family: 0,
         protocol: 0,
         source: [0; 16],
@@ -102,6 +106,7 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
         }
         let destination: [u8; 4] = load_anywhere(ctx, IPV4_DADDR_OFF).unwrap_or([0; 4]);
         return Some(Spoofed {
+            reason: DropReason::SourceCheckAddress,
             family: FAMILY_IPV4,
             protocol: load_anywhere(ctx, ETH_HLEN + 9).unwrap_or(0),
             source: widen(source),
@@ -110,7 +115,8 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
     }
     if ethertype == ETH_P_IPV6 {
         let source: [u8; 16] = load_anywhere(ctx, IPV6_SADDR_OFF).ok()?;
-        let spoofed = |protocol: u8, claimed: [u8; 16]| Spoofed {
+        let spoofed = |reason: DropReason, protocol: u8, claimed: [u8; 16]| Spoofed {
+            reason,
             family: FAMILY_IPV6,
             protocol,
             source: claimed,
@@ -118,6 +124,7 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
         };
         if source != [0; 16] && !set.holds_ipv6(source) {
             return Some(spoofed(
+                DropReason::SourceCheckAddress,
                 load_anywhere(ctx, ETH_HLEN + 6).unwrap_or(0),
                 source,
             ));
@@ -127,7 +134,7 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
         // four, a routing header with segments left) hides what it carries, and goes.
         let (protocol, l4_off) = match extension_headers(ctx) {
             Ok(Some((protocol, l4_off, _, _))) => (protocol, l4_off),
-            Ok(None) => return Some(spoofed(0, source)),
+            Ok(None) => return Some(spoofed(DropReason::SourceCheckNotIp, 0, source)),
             Err(_) => return None,
         };
         if protocol != PROTO_ICMPV6
@@ -139,7 +146,11 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
         if set.holds_ipv6(target) {
             return None;
         }
-        return Some(spoofed(protocol, target));
+        return Some(spoofed(
+            DropReason::SourceCheckNeighbourAdvertisement,
+            protocol,
+            target,
+        ));
     }
     if ethertype == ETH_P_ARP {
         let Ok(header) = load_anywhere::<[u8; 6]>(ctx, ETH_HLEN) else {
@@ -155,6 +166,7 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
             return None;
         }
         return Some(Spoofed {
+            reason: DropReason::SourceCheckArp,
             family: FAMILY_IPV4,
             protocol: 0,
             source: widen(sender),
@@ -173,29 +185,16 @@ fn count(ctx: &TcContext, ifindex: u32) {
     }
 }
 
-/// Writes a `spoofed` drop event into the ring buffer.
+/// Reports a packet the check dropped.
 #[inline(always)]
 fn report(spoofed: &Spoofed, owner: u64, ifindex: u32) {
-    let Some(mut entry) = maps::filter_events.reserve(0) else {
-        maps::count_lost_event();
-        return;
-    };
-    let event = entry.as_mut_ptr();
-    // SAFETY: `event` points to the reserved record, which only this program writes until it
-    // is submitted; every field is written.
-    unsafe {
-        (*event).time_ns = clock::now_ns();
-        (*event).owner = owner;
-        (*event).src_addr = spoofed.source;
-        (*event).dst_addr = spoofed.destination;
-        (*event).ifindex = ifindex;
-        (*event).rule_index = 0;
-        (*event).src_port = 0;
-        (*event).dst_port = 0;
-        (*event).protocol = spoofed.protocol;
-        (*event).family = spoofed.family;
-        (*event).direction = DIRECTION_EGRESS;
-        (*event).reason = REASON_SPOOFED;
-    }
-    entry.submit(0);
+    drops::report(spoofed.reason, |event| {
+        event.owner = owner;
+        event.src_addr = spoofed.source;
+        event.dst_addr = spoofed.destination;
+        event.ifindex = ifindex;
+        event.protocol = spoofed.protocol;
+        event.family = spoofed.family;
+        event.direction = DIRECTION_EGRESS;
+    });
 }

@@ -18,6 +18,8 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
     let pins = PinLayout::new(pin_path);
     let mut attachments = Vec::new();
     let mut counters = Vec::new();
+    let mut drops = Vec::new();
+    let mut flow_tables = Vec::new();
     let mut uplinks = Vec::new();
     for backend in backend::existing(&pins, backend::Access::ReadOnly)? {
         let mappings = backend.port_mappings()?;
@@ -54,6 +56,8 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
             });
         }
         counters.push((backend.name(), backend.counters()?));
+        drops.push((backend.name(), backend.drops()?));
+        flow_tables.push((backend.name(), backend.flow_tables()?));
         for uplink in backend.uplink_addresses()? {
             uplinks.push((backend.name(), uplink));
         }
@@ -137,12 +141,47 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
                 }))
             })
             .collect::<Result<Vec<_>, Error>>()?;
+        let drops: serde_json::Map<String, serde_json::Value> = drops
+            .iter()
+            .map(|(backend, counted)| {
+                let counted = counted.as_ref().map(|counted| {
+                    counted
+                        .iter()
+                        .map(|(reason, count)| {
+                            (
+                                reason.name().to_owned(),
+                                json!({ "packets": count.packets, "bytes": count.bytes }),
+                            )
+                        })
+                        .collect::<serde_json::Map<_, _>>()
+                });
+                ((*backend).to_owned(), json!(counted))
+            })
+            .collect();
+        let flow_tables: serde_json::Map<String, serde_json::Value> = flow_tables
+            .iter()
+            .map(|(backend, tables)| {
+                let tables: Vec<_> = tables
+                    .iter()
+                    .map(|table| {
+                        json!({
+                            "table": table.name,
+                            "entries": table.entries,
+                            "capacity": table.capacity,
+                        })
+                    })
+                    .collect();
+                ((*backend).to_owned(), json!(tables))
+            })
+            .collect();
         let document = json!({
             "pinPath": pin_path,
             "lockFile": pins.lock_file(),
             "attachments": list,
             "uplinks": uplinks,
             "counters": counters,
+            "drops": drops,
+            "flowTables": flow_tables,
             "bypassedHostChains": bypassed.iter().map(|chain| json!({
                 "family": chain.family,
                 "table": chain.table,
@@ -156,12 +195,12 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
     }
     if attachments.is_empty() {
         lines.push(format!("no attachments under {}", pin_path.display()));
-        return print(&lines);
+    } else {
+        lines.push(format!(
+            "{:<16} {:<20} {:<8} {:<16} {:<7} {:<16}",
+            "NETWORK", "CONTAINER", "IFNAME", "HOST-IF", "BACKEND", "OWNER"
+        ));
     }
-    lines.push(format!(
-        "{:<16} {:<20} {:<8} {:<16} {:<7} {:<16}",
-        "NETWORK", "CONTAINER", "IFNAME", "HOST-IF", "BACKEND", "OWNER"
-    ));
     for Shown {
         backend,
         record,
@@ -266,7 +305,34 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
     for (backend, values) in &counters {
         lines.push(format!("{backend} counters:"));
         for (name, value) in values {
-            lines.push(format!("    {name:<30} {value}"));
+            lines.push(format!("    {name:<36} {value}"));
+        }
+    }
+    for (backend, counted) in &drops {
+        match counted {
+            Some(counted) => {
+                lines.push(format!("{backend} drops:"));
+                for (reason, count) in counted {
+                    lines.push(format!(
+                        "    {:<36} {:>10} packets {:>12} bytes",
+                        reason.name(),
+                        count.packets,
+                        count.bytes
+                    ));
+                }
+            }
+            None => lines.push(format!(
+                "{backend} drops: not counted by the datapath loaded (an older build's; the next ADD replaces it)"
+            )),
+        }
+    }
+    for (backend, tables) in &flow_tables {
+        lines.push(format!("{backend} flow tables:"));
+        for table in tables {
+            lines.push(format!(
+                "    {:<36} {:>10} of {:>10} entries",
+                table.name, table.entries, table.capacity
+            ));
         }
     }
     if !bypassed.is_empty() {

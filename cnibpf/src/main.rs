@@ -112,7 +112,8 @@ enum AdminCommand {
         #[arg(long, default_value = "auto")]
         backend: String,
     },
-    /// Follow the packets the filter drops, one line each, until Ctrl-C.
+    /// Follow the packets the eBPF datapath drops, one line each, until Ctrl-C: those the
+    /// attachments' filters and source checks drop, or with --drops every one.
     Monitor {
         /// The instance's pinPath.
         #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
@@ -120,6 +121,10 @@ enum AdminCommand {
         /// Print one JSON object per event instead of a line of text.
         #[arg(long)]
         json: bool,
+        /// Every dropped packet, whatever the reason (masquerade out of ports, a failed
+        /// rewrite, …), not only the attachments' policy.
+        #[arg(long)]
+        drops: bool,
     },
 }
 
@@ -207,7 +212,19 @@ fn main() -> ExitCode {
                 }
             }
         }
-        AdminCommand::Monitor { pin_path, json } => match monitor::run(&pin_path, json) {
+        AdminCommand::Monitor {
+            pin_path,
+            json,
+            drops,
+        } => match monitor::run(
+            &pin_path,
+            json,
+            if drops {
+                monitor::Shown::Every
+            } else {
+                monitor::Shown::Policy
+            },
+        ) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
                 log_line!("cnibpf monitor: {error}");

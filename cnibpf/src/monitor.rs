@@ -1,18 +1,17 @@
-//! `cnibpf monitor`: follows the filter's drop events (the pinned `filter_events` ring buffer)
-//! and prints one line — or one JSON object — per dropped packet, until Ctrl-C.
+//! `cnibpf monitor`: follows the datapath's drop events (the pinned `filter_events` ring
+//! buffer) and prints one line — or one JSON object — per dropped packet, until Ctrl-C: the
+//! attachments' policy (filter, source check) by default, every reason with `--drops`.
 
 use std::{
-    collections::HashMap,
     io::Write as _,
     net::IpAddr,
     path::Path,
-    time::{Duration, SystemTime},
+    time::{Duration, Instant, SystemTime},
 };
 
 use cnibpf_common::{
-    PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, addr,
-    filter::DIRECTION_INGRESS,
-    filter_event::{FilterEvent, REASON_DEFAULT, REASON_FRAGMENT, REASON_RULE, REASON_SPOOFED},
+    PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, addr, drop_stats::DropReason,
+    filter::DIRECTION_INGRESS, filter_event::FilterEvent,
 };
 use nix::time::{ClockId, clock_gettime};
 use serde_json::json;
@@ -43,7 +42,38 @@ pub enum MonitorError {
     Output(#[source] std::io::Error),
 }
 
-pub fn run(pin_path: &Path, as_json: bool) -> Result<(), MonitorError> {
+/// Which drops `cnibpf monitor` shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shown {
+    /// What the attachments' policy drops: the filter and the source check.
+    Policy,
+    /// Every drop, whatever its reason.
+    Every,
+}
+
+impl Shown {
+    fn includes(self, reason: Option<DropReason>) -> bool {
+        self == Self::Every || reason.is_some_and(is_policy)
+    }
+}
+
+/// Whether `reason` is an attachment's policy at work rather than the datapath failing to
+/// serve a packet.
+fn is_policy(reason: DropReason) -> bool {
+    matches!(
+        reason,
+        DropReason::FilterRule
+            | DropReason::FilterDefault
+            | DropReason::FilterFragment
+            | DropReason::FilterUnreadable
+            | DropReason::SourceCheckAddress
+            | DropReason::SourceCheckArp
+            | DropReason::SourceCheckNeighbourAdvertisement
+            | DropReason::SourceCheckNotIp
+    )
+}
+
+pub fn run(pin_path: &Path, as_json: bool, shown: Shown) -> Result<(), MonitorError> {
     let pins = PinLayout::new(pin_path);
     let _reader = match InstanceLock::acquire(&pins.monitor_lock_file(), Duration::ZERO) {
         Err(LockError::Timeout { .. }) => {
@@ -57,20 +87,24 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), MonitorError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .build()?;
-    runtime.block_on(follow(&backend, events, as_json))
+    runtime.block_on(follow(&backend, events, as_json, shown))
 }
 
 async fn follow(
     backend: &EbpfBackend,
     events: aya::maps::RingBuf<aya::maps::MapData>,
     as_json: bool,
+    shown: Shown,
 ) -> Result<(), MonitorError> {
     // SAFETY: the ring buffer owns its map descriptor, which stays open and the same until
     // it is dropped with the `AsyncFd`.
     let mut events = unsafe { AsyncFd::register_with_interest(events, Interest::READABLE) }
         .map_err(|error| MonitorError::Io(error.into_parts().1))?;
-    // Owners read from `owners` (None: not there, e.g. removed since the drop).
-    let mut names: HashMap<u64, Option<AttachmentRecord>> = HashMap::new();
+    // The attachments as last read from `owners`, read again when an event names one that is
+    // not among them (it may have been added since) — at most once a second, whatever the
+    // rate of such events.
+    let mut attachments: Vec<AttachmentRecord> = backend.attachments()?;
+    let mut read_at = Instant::now();
     let interrupted = tokio::signal::ctrl_c();
     tokio::pin!(interrupted);
     loop {
@@ -91,15 +125,25 @@ async fn follow(
                     // SAFETY: the datapath writes whole `FilterEvent`s, checked long enough
                     // just above; read unaligned as the ring promises only 8-byte alignment.
                     let event = unsafe { item.as_ptr().cast::<FilterEvent>().read_unaligned() };
-                    if !names.contains_key(&event.owner) {
-                        names = backend
-                            .attachments()?
-                            .into_iter()
-                            .map(|record| (record.owner, Some(record)))
-                            .collect();
-                        names.entry(event.owner).or_insert(None);
+                    if !shown.includes(DropReason::from_u8(event.reason)) {
+                        continue;
                     }
-                    let attachment = names.get(&event.owner).and_then(Option::as_ref);
+                    // An event names its attachment, or only the interface it was dropped on
+                    // (a packet whose headers were not read).
+                    let of_event = |record: &AttachmentRecord| {
+                        if event.owner == 0 {
+                            record.host_ifindex == event.ifindex
+                        } else {
+                            record.owner == event.owner
+                        }
+                    };
+                    if !attachments.iter().any(of_event)
+                        && read_at.elapsed() >= Duration::from_secs(1)
+                    {
+                        attachments = backend.attachments()?;
+                        read_at = Instant::now();
+                    }
+                    let attachment = attachments.iter().find(|record| of_event(record));
                     lines.push(render(&event, attachment, as_json));
                 }
                 let mut out = std::io::stdout().lock();
@@ -127,20 +171,34 @@ fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: b
     } else {
         Direction::Egress
     };
-    let rule = (event.reason == REASON_RULE).then_some(event.rule_index);
-    let reason = match event.reason {
-        REASON_DEFAULT => "default".to_owned(),
-        REASON_FRAGMENT => "fragment without its first".to_owned(),
-        REASON_SPOOFED => "spoofed source".to_owned(),
-        _ => format!("rule {}", event.rule_index),
+    let reason = DropReason::from_u8(event.reason);
+    let rule = (reason == Some(DropReason::FilterRule)).then_some(event.rule_index);
+    let reason_text = match reason {
+        Some(DropReason::FilterRule) => format!("rule {}", event.rule_index),
+        Some(DropReason::FilterDefault) => "default".to_owned(),
+        Some(DropReason::FilterFragment) => "fragment without its first".to_owned(),
+        Some(DropReason::SourceCheckAddress) => "spoofed source".to_owned(),
+        Some(DropReason::SourceCheckArp) => "spoofed ARP sender".to_owned(),
+        Some(DropReason::SourceCheckNeighbourAdvertisement) => {
+            "spoofed neighbour advertisement".to_owned()
+        }
+        Some(other) => other.name().replace('_', " "),
+        None => format!("reason {}", event.reason),
     };
-    // A spoofed-source event of an ARP packet (IPv4 addresses, no IP protocol) or of a frame
-    // that is neither IP nor ARP (no family).
-    let protocol = match (event.reason, event.family, event.protocol) {
-        (REASON_SPOOFED, 0, _) => "non-IP".to_owned(),
-        (REASON_SPOOFED, cnibpf_common::FAMILY_IPV4, 0) => "arp".to_owned(),
+    // fail-closed: an unknown reason (a newer build's) is shown by its number.
+    let reason_name = reason.map_or_else(
+        || event.reason.to_string(),
+        |reason| reason.name().to_owned(),
+    );
+    // Events of frames that are neither IP nor ARP, or whose headers were not read, carry no
+    // family; an ARP packet's carries IPv4 addresses and no IP protocol.
+    let protocol = match (reason, event.family, event.protocol) {
+        (Some(DropReason::SourceCheckNotIp), 0, _) => "non-IP".to_owned(),
+        (_, 0, _) => "unread".to_owned(),
+        (Some(DropReason::SourceCheckArp), _, _) => "arp".to_owned(),
         (_, _, number) => crate::model::protocol_name(number),
     };
+    let unread = event.family == 0;
     // fail-closed: an Option: an event of an attachment gone since shows "?".
     let (network, container_id, ifname) = attachment.map_or(("?", "?", "?"), |record| {
         (
@@ -156,20 +214,16 @@ fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: b
             "network": network,
             "containerID": container_id,
             "ifname": ifname,
+            "ifindex": event.ifindex,
             "pod": pod.map(ToString::to_string),
             "direction": direction.as_str(),
             "verdict": Target::Drop.as_str(),
-            "reason": match event.reason {
-                REASON_DEFAULT => "default",
-                REASON_FRAGMENT => "fragment",
-                REASON_SPOOFED => "spoofed",
-                _ => "rule",
-            },
+            "reason": reason_name,
             "rule": rule,
             "protocol": protocol,
-            "src": source.to_string(),
+            "src": (!unread).then(|| source.to_string()),
             "sport": event.src_port,
-            "dst": destination.to_string(),
+            "dst": (!unread).then(|| destination.to_string()),
             "dport": event.dst_port,
         })
         .to_string();
@@ -182,8 +236,14 @@ fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: b
     };
     // fail-closed: an Option: no pod, no pod shown.
     let pod = pod.map(|pod| format!(" pod {pod}")).unwrap_or_default();
+    if unread {
+        return format!(
+            "{time} {network} {container_id} {ifname}{pod} {direction} {} by {reason_text}: {protocol}",
+            Target::Drop,
+        );
+    }
     format!(
-        "{time} {network} {container_id} {ifname}{pod} {direction} {} by {reason}: {protocol} {} -> {}",
+        "{time} {network} {container_id} {ifname}{pod} {direction} {} by {reason_text}: {protocol} {} -> {}",
         Target::Drop,
         endpoint(source, event.src_port),
         endpoint(destination, event.dst_port)

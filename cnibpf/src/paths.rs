@@ -14,6 +14,9 @@ pub const CNI_CONF_DIR: &str = "/etc/cni/net.d";
 pub const CNI_BIN_DIR: &str = "/opt/cni/bin";
 /// The plugin's file name in the bin dir: the `type` of its conflist entry.
 pub const PLUGIN_NAME: &str = "cnibpf";
+/// The connections the kernel tracks, and how many it may (the nftables backend's table).
+pub const CONNTRACK_COUNT: &str = "/proc/sys/net/netfilter/nf_conntrack_count";
+pub const CONNTRACK_MAX: &str = "/proc/sys/net/netfilter/nf_conntrack_max";
 /// Directory of lock files (tmpfs on every systemd host, so stale locks vanish on reboot).
 pub const LOCK_DIR: &str = "/run/cnibpf";
 

@@ -24,7 +24,7 @@ use crate::{
 };
 
 pub fn from_container(ctx: &TcContext) -> i32 {
-    try_from_container(ctx).unwrap_or_else(DatapathError::verdict)
+    try_from_container(ctx).unwrap_or_else(|error| error.verdict(ctx))
 }
 
 fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
@@ -78,7 +78,7 @@ fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> i32 {
     match portmap::translate_reply(ctx, flow, via_stack, target) {
         TO_CONTAINER => {
             return hand_over(ctx, Some(flow), target, false)
-                .unwrap_or_else(DatapathError::verdict);
+                .unwrap_or_else(|error| error.verdict(ctx));
         }
         NOT_MINE => {}
         verdict => return verdict,
@@ -89,8 +89,8 @@ fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> i32 {
     }
     match portmap::translate_hairpin(ctx, flow, via_stack, target) {
         TO_CONTAINER => {
-            let verdict =
-                hand_over(ctx, Some(flow), target, false).unwrap_or_else(DatapathError::verdict);
+            let verdict = hand_over(ctx, Some(flow), target, false)
+                .unwrap_or_else(|error| error.verdict(ctx));
             if verdict != DROP {
                 portmap::remember_translation(flow);
             }
@@ -109,7 +109,7 @@ pub fn to_container(ctx: &TcContext) -> i32 {
         Ok(None) => {
             return filter::verdict(filter::allows_other(ctx, ifindex(ctx), DIRECTION_INGRESS));
         }
-        Err(error) => return error.verdict(),
+        Err(error) => return error.verdict(ctx),
     };
     // Translated by one of cnibpf's hooks on its way here: not a direct connection.
     let translated = take_translated_mark(ctx);

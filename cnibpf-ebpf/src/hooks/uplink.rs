@@ -21,7 +21,7 @@ use crate::{
 };
 
 pub fn ingress(ctx: &TcContext) -> i32 {
-    try_ingress(ctx).unwrap_or_else(DatapathError::verdict)
+    try_ingress(ctx).unwrap_or_else(|error| error.verdict(ctx))
 }
 
 fn try_ingress(ctx: &TcContext) -> Result<i32, DatapathError> {
@@ -39,7 +39,7 @@ fn icmp_error(ctx: &TcContext) -> i32 {
     let container = zeroed(&mut slot);
     match masquerade::translate_icmp_error(ctx, container) {
         TO_CONTAINER => {
-            hand_over(ctx, None, container, true).unwrap_or_else(DatapathError::verdict)
+            hand_over(ctx, None, container, true).unwrap_or_else(|error| error.verdict(ctx))
         }
         NOT_MINE => NEXT,
         verdict => verdict,
@@ -49,7 +49,7 @@ fn icmp_error(ctx: &TcContext) -> i32 {
 /// A TCP, UDP, SCTP or ICMP echo packet from outside.
 #[inline(never)]
 fn from_outside(ctx: &TcContext, flow: &mut Flow) -> i32 {
-    try_from_outside(ctx, flow).unwrap_or_else(DatapathError::verdict)
+    try_from_outside(ctx, flow).unwrap_or_else(|error| error.verdict(ctx))
 }
 
 fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
@@ -83,7 +83,7 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
 }
 
 pub fn egress(ctx: &TcContext) -> i32 {
-    try_egress(ctx).unwrap_or_else(DatapathError::verdict)
+    try_egress(ctx).unwrap_or_else(|error| error.verdict(ctx))
 }
 
 fn try_egress(ctx: &TcContext) -> Result<i32, DatapathError> {

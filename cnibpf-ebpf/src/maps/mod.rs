@@ -15,6 +15,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use cnibpf_common::{
+    drop_event_budget::{self, DropEventBudget},
+    drop_stats::{self, DropCount},
     endpoint::{self, EndpointInfo},
     filter::{self, FilterSet},
     filter_event::{self, FilterEvent},
@@ -178,6 +180,16 @@ pub static source_drops: PerCpuHashMap<
 #[btf_map(pin_by_name)]
 pub static filter_stats: PerCpuArray<FilterStats, { filter_stats::MAX_ENTRIES as usize }> =
     PerCpuArray::new();
+
+#[btf_map(pin_by_name)]
+pub static drop_stats: PerCpuArray<DropCount, { drop_stats::MAX_ENTRIES as usize }> =
+    PerCpuArray::new();
+
+#[btf_map(pin_by_name)]
+pub static drop_event_budget: PerCpuArray<
+    DropEventBudget,
+    { drop_event_budget::MAX_ENTRIES as usize },
+> = PerCpuArray::new();
 
 /// Scratch space of the masquerade port search (see `masquerade::claim_port`); private to
 /// each loaded object, not pinned.

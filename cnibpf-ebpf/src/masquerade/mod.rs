@@ -25,6 +25,7 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    drop_stats::DropReason,
     endpoint::{FLAG_MASQUERADED, FLAG_UNMASQUERADED},
     masq_exclude::{MasqExcludeKey, OWNER_FAMILY_BITS},
     masq_flow::{MasqFlow, STATE_ESTABLISHED, STATE_OPENING},
@@ -40,6 +41,7 @@ mod icmp;
 use crate::{
     clock,
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
+    drops,
     maps::{
         self,
         scratch::{SOURCE_FOUND, SOURCE_NOT_LOOKED_UP, SOURCE_NOT_MASQUERADED},
@@ -87,7 +89,7 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
         // out of an uplink.
         Route::Other => return Ok(NEXT),
     };
-    let plan = match Plan::new(source, uplink_ifindex, flow.family, true) {
+    let plan = match Plan::new(ctx, flow, source, uplink_ifindex, true) {
         Ok(Some(plan)) => plan,
         Ok(None) => return Ok(NEXT),
         Err(verdict) => return Ok(verdict),
@@ -158,7 +160,7 @@ pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> 
     // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
     let state = unsafe { &mut *state };
     let now = clock::now_ns();
-    let flags = or_verdict!(flow.tcp_flags(ctx));
+    let flags = or_verdict!(ctx, flow.tcp_flags(ctx));
     // Another attachment's flow (its address was given to this one since), a new connection
     // on the tuple, or expired state: the full path.
     if state.owner != owner || conntrack::is_opening(flags) || state.is_expired(flow.protocol, now)
@@ -178,11 +180,14 @@ pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> 
         return NOT_MINE;
     }
     let (nat_addr, nat_port) = (state.nat_addr, state.nat_port);
-    if !or_verdict!(flow.rewrite_forwarded_source(ctx, &nat_addr, nat_port.to_be())) {
+    if !or_verdict!(
+        ctx,
+        flow.rewrite_forwarded_source(ctx, &nat_addr, nat_port.to_be())
+    ) {
         return NEXT;
     }
     conntrack::advance(state, flow.protocol, flags, SIDE_ORIGIN, now);
-    or_verdict!(forward(ctx, &next_hop)).unwrap_or(NEXT)
+    or_verdict!(ctx, forward(ctx, &next_hop)).unwrap_or(NEXT)
 }
 
 /// A packet the host stack sends out of an uplink: masqueraded when it comes from a container
@@ -191,7 +196,7 @@ pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> 
 /// LLVM returns an `Option` from a BPF call with bits the verifier sees uninitialised.
 #[inline(never)]
 pub fn uplink_egress(ctx: &TcContext, flow: &mut Flow) -> i32 {
-    try_uplink_egress(ctx, flow).unwrap_or_else(DatapathError::verdict)
+    try_uplink_egress(ctx, flow).unwrap_or_else(|error| error.verdict(ctx))
 }
 
 fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
@@ -203,7 +208,7 @@ fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathEr
     if is_excluded(source.owner, flow) && !is_live(flow, source.owner) {
         return Ok(NEXT);
     }
-    let plan = match Plan::new(source, ifindex(ctx), flow.family, false) {
+    let plan = match Plan::new(ctx, flow, source, ifindex(ctx), false) {
         Ok(Some(plan)) => plan,
         Ok(None) => return Ok(NEXT),
         Err(verdict) => return Ok(verdict),
@@ -232,7 +237,7 @@ pub fn translate_reply(
     entry: &MasqReply,
     container: &mut Handover,
 ) -> i32 {
-    try_translate_reply(ctx, flow, entry, container).unwrap_or_else(DatapathError::verdict)
+    try_translate_reply(ctx, flow, entry, container).unwrap_or_else(|error| error.verdict(ctx))
 }
 
 fn try_translate_reply(
@@ -257,7 +262,7 @@ fn try_translate_reply(
 /// (`TO_CONTAINER`), or `NOT_MINE`.
 #[inline(never)]
 pub fn translate_later_fragment(ctx: &TcContext, flow: &mut Flow, container: &mut Handover) -> i32 {
-    try_translate_later_fragment(ctx, flow, container).unwrap_or_else(DatapathError::verdict)
+    try_translate_later_fragment(ctx, flow, container).unwrap_or_else(|error| error.verdict(ctx))
 }
 
 fn try_translate_later_fragment(
@@ -332,17 +337,18 @@ struct Plan {
 }
 
 impl Plan {
-    /// The plan for a packet of `family` from `source` leaving through `uplink_ifindex`, from
+    /// The plan for `flow`'s packet from `source` leaving through `uplink_ifindex`, from
     /// the address the FIB chose for it (`routed`: see `packet::route`) or else the uplink's
     /// address as the plugin recorded it;
     /// `None` when that interface is not an uplink (the packet is not masqueraded), the
-    /// verdict `DROP` when the uplink has no address of the family (as the kernel's
-    /// MASQUERADE drops it).
+    /// verdict `DROP` (the drop recorded) when the uplink has no address of the family (as the
+    /// kernel's MASQUERADE drops it).
     #[inline(always)]
     fn new(
+        ctx: &TcContext,
+        flow: &Flow,
         source: MasqSource,
         uplink_ifindex: u32,
-        family: u8,
         routed: bool,
     ) -> Result<Option<Self>, i32> {
         let Some(uplink) = maps::uplinks.get_ptr(&uplink_ifindex) else {
@@ -356,9 +362,15 @@ impl Plan {
         // SAFETY: both point into maps, read at once.
         let Some(nat_addr) = chosen
             .map(|slot| unsafe { *slot })
-            .or_else(|| uplink_address(unsafe { &*uplink }, family))
+            .or_else(|| uplink_address(unsafe { &*uplink }, flow.family))
         else {
             count(|stats| &mut stats.no_uplink_address);
+            dropped(
+                ctx,
+                flow,
+                source.owner,
+                DropReason::MasqueradeNoUplinkAddress,
+            );
             return Err(DROP);
         };
         Ok(Some(Self {
@@ -404,6 +416,12 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
             let keep_own_port = !host_socket_holds(ctx, flow, &plan.nat_addr);
             let Some(port) = claim_port(flow, plan, keep_own_port) else {
                 count(|stats| &mut stats.ports_exhausted);
+                dropped(
+                    ctx,
+                    flow,
+                    plan.source.owner,
+                    DropReason::MasqueradePortsExhausted,
+                );
                 return Ok(false);
             };
             record_flow(flow, plan, port, now, opens);
@@ -677,6 +695,22 @@ fn flow_key(flow: &Flow) -> NatFlowKey {
     }
 }
 
+/// Counts and reports a packet masquerade drops, on the interface of the hook that drops it.
+#[inline(never)]
+fn dropped(ctx: &TcContext, flow: &Flow, owner: u64, reason: DropReason) {
+    drops::count(reason, ctx.len());
+    drops::report(reason, |event| {
+        event.owner = owner;
+        event.ifindex = ifindex(ctx);
+        event.src_addr = flow.saddr;
+        event.dst_addr = flow.daddr;
+        event.src_port = u16::from_be(flow.sport);
+        event.dst_port = u16::from_be(flow.dport);
+        event.protocol = flow.protocol;
+        event.family = flow.family;
+    });
+}
+
 fn count(field: impl FnOnce(&mut MasqStats) -> &mut u64) {
     if let Some(stats) = maps::masq_stats.get_ptr_mut(0) {
         // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
@@ -691,7 +725,7 @@ fn count(field: impl FnOnce(&mut MasqStats) -> &mut u64) {
 /// anything else.
 #[inline(never)]
 pub fn translate_icmp_error(ctx: &TcContext, container: &mut Handover) -> i32 {
-    try_translate_icmp_error(ctx, container).unwrap_or_else(DatapathError::verdict)
+    try_translate_icmp_error(ctx, container).unwrap_or_else(|error| error.verdict(ctx))
 }
 
 fn try_translate_icmp_error(

@@ -88,7 +88,7 @@ pub fn translate_hairpin(
     via_stack: bool,
     target: &mut Handover,
 ) -> i32 {
-    try_translate_hairpin(ctx, flow, via_stack, target).unwrap_or_else(DatapathError::verdict)
+    try_translate_hairpin(ctx, flow, via_stack, target).unwrap_or_else(|error| error.verdict(ctx))
 }
 
 #[inline(always)]
@@ -185,8 +185,8 @@ pub fn translate_reply(
         client.gateway_mac = entry.gateway_mac;
         // Also from a shaped container: with a local source address the reply could not cross
         // the host stack (it would be dropped as martian).
-        or_verdict!(flow.rewrite_source(ctx, &orig_addr, orig_port));
-        or_verdict!(flow.rewrite_destination(ctx, &peer_addr, peer_port));
+        or_verdict!(ctx, flow.rewrite_source(ctx, &orig_addr, orig_port));
+        or_verdict!(ctx, flow.rewrite_destination(ctx, &peer_addr, peer_port));
         return TO_CONTAINER;
     }
     if via_stack {
@@ -202,11 +202,14 @@ pub fn translate_reply(
     // untranslated (a local source address would be dropped as martian); uplink_egress
     // translates it on the way out.
     if matches!(next_hop, Route::Other)
-        || !or_verdict!(flow.rewrite_forwarded_source(ctx, &orig_addr, orig_port))
+        || !or_verdict!(
+            ctx,
+            flow.rewrite_forwarded_source(ctx, &orig_addr, orig_port)
+        )
     {
         return NEXT;
     }
-    or_verdict!(forward(ctx, &next_hop)).unwrap_or(NEXT)
+    or_verdict!(ctx, forward(ctx, &next_hop)).unwrap_or(NEXT)
 }
 
 /// A reply the host stack routed out of an uplink untranslated (when the container's hook did

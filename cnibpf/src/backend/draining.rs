@@ -3,9 +3,12 @@
 //! but which attachments it holds; an attachment's hostPorts, masquerade, filter and source
 //! check leave with its endpoint, whose teardown each such backend implements itself.
 
+use cnibpf_common::drop_stats::{DropCount, DropReason};
+
 use super::{
-    AttachmentRecord, BackendError, Endpoint, FilterRecord, Filtering, Inspect, MasqueradeRecord,
-    Masquerading, PortMappings, SourceCheckRecord, SourceChecking, UplinkAddresses,
+    AttachmentRecord, BackendError, Endpoint, FilterRecord, Filtering, FlowTable, Inspect,
+    MasqueradeRecord, Masquerading, PortMappings, SourceCheckRecord, SourceChecking,
+    UplinkAddresses,
 };
 use crate::{
     model::{Filter, Masquerade, ResolvedMapping, SourceCheck},
@@ -47,6 +50,14 @@ impl<T: Draining> Inspect for T {
     }
 
     fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn drops(&self) -> Result<Option<Vec<(DropReason, DropCount)>>, BackendError> {
+        Err(self.refused())
+    }
+
+    fn flow_tables(&self) -> Result<Vec<FlowTable>, BackendError> {
         Err(self.refused())
     }
 }

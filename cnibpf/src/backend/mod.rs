@@ -12,6 +12,7 @@ use std::{
     path::PathBuf,
 };
 
+use cnibpf_common::drop_stats::{DropCount, DropReason};
 use ipnet::IpNet;
 
 pub use self::{draining::Draining, error::BackendError};
@@ -207,6 +208,20 @@ pub trait Inspect {
     fn source_checks(&self) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError>;
     /// Datapath counters and table sizes, by name.
     fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError>;
+    /// The packets the datapath dropped, by reason (every reason it counts, zero or not);
+    /// `None` for state of a build that did not count them.
+    fn drops(&self) -> Result<Option<Vec<(DropReason, DropCount)>>, BackendError>;
+    /// How full each connection-tracking table the datapath relies on is.
+    fn flow_tables(&self) -> Result<Vec<FlowTable>, BackendError>;
+}
+
+/// The fill of a connection-tracking table: what an operator watches for pressure (a full
+/// LRU table evicts live connections' state; a full conntrack table drops new connections).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlowTable {
+    pub name: &'static str,
+    pub entries: u64,
+    pub capacity: u64,
 }
 
 /// A datapath: every capability, what reads them back, and what spans them.

@@ -3,13 +3,16 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
+use aya::maps::{IterableMap, MapData, PerCpuArray};
 use cnibpf_common::{
     addr,
+    drop_event_budget::{self, DropEventBudget},
+    drop_stats::{self, DropCount, DropReason},
     filter::{MAX_RULES, TARGET_DROP},
-    filter_flow,
+    filter_flow, filter_fragment,
     filter_hits::{self, DEFAULT_SLOT, RuleHits},
     filter_stats::FilterStats,
-    masq_flow,
+    masq_flow, masq_fragment, masq_reply, nat_flow, nat_fragment,
 };
 
 use super::{
@@ -23,8 +26,8 @@ use super::{
 };
 use crate::{
     backend::{
-        AttachmentRecord, BackendError, FilterRecord, Inspect, MasqueradeRecord, SourceCheckRecord,
-        UplinkAddresses,
+        AttachmentRecord, BackendError, FilterRecord, FlowTable, Inspect, MasqueradeRecord,
+        SourceCheckRecord, UplinkAddresses,
     },
     model::{ExcludeReason, Filter, ResolvedMapping, Target},
 };
@@ -165,6 +168,64 @@ impl Inspect for EbpfBackend {
         counters.extend(self.filter_counters()?);
         Ok(counters)
     }
+
+    fn drops(&self) -> Result<Option<Vec<(DropReason, DropCount)>>, BackendError> {
+        let Some(stats) =
+            self.optional_map::<PerCpuArray<MapData, DropCount>>(drop_stats::MAP_NAME)?
+        else {
+            return Ok(None);
+        };
+        let mut drops = Vec::new();
+        for reason in DropReason::ALL {
+            if reason == DropReason::LocalnetGuard {
+                continue;
+            }
+            let per_cpu = stats
+                .get(&reason.key(), 0)
+                .map_err(map_error("could not read map drop_stats"))?;
+            let summed = per_cpu
+                .iter()
+                .fold(DropCount::default(), |sum, count| DropCount {
+                    packets: sum.packets + count.packets,
+                    bytes: sum.bytes + count.bytes,
+                });
+            drops.push((reason, summed));
+        }
+        Ok(Some(drops))
+    }
+
+    fn flow_tables(&self) -> Result<Vec<FlowTable>, BackendError> {
+        Ok(vec![
+            fill(nat_flow::MAP_NAME, &self.nat_flows)?,
+            fill(nat_fragment::MAP_NAME, &self.nat_fragments)?,
+            fill(masq_flow::MAP_NAME, &self.masq_flows)?,
+            fill(masq_reply::MAP_NAME, &self.masq_replies)?,
+            fill(masq_fragment::MAP_NAME, &self.masq_fragments)?,
+            fill(filter_flow::MAP_NAME, &self.filter_flows)?,
+            fill(filter_fragment::MAP_NAME, &self.filter_fragments)?,
+        ])
+    }
+}
+
+/// How full the hash map `name` is: its entries, read whole, against the size the kernel
+/// made it with.
+fn fill<K, V, M>(name: &'static str, map: &M) -> Result<FlowTable, BackendError>
+where
+    K: aya::Pod + Default,
+    V: aya::Pod + Default,
+    M: IterableMap<K, V>,
+{
+    let entries = batch::entries(map).map_err(read_error(name))?.len();
+    let capacity = map
+        .map()
+        .info()
+        .map_err(map_error("could not read the size of a flow table"))?
+        .max_entries();
+    Ok(FlowTable {
+        name,
+        entries: entries as u64,
+        capacity: u64::from(capacity),
+    })
 }
 
 impl EbpfBackend {
@@ -198,12 +259,27 @@ impl EbpfBackend {
             .get(&0, 0)
             .map_err(map_error("could not read map filter_stats"))?;
         let sum = |field: fn(&FilterStats) -> u64| per_cpu.iter().map(field).sum::<u64>();
-        Ok(vec![
+        let mut counters = vec![
             (
                 "filter connections created",
                 sum(|stats| stats.flows_created),
             ),
-            ("filter drop events lost", sum(|stats| stats.events_lost)),
-        ])
+            (
+                "drop events lost (ring full)",
+                sum(|stats| stats.events_lost),
+            ),
+        ];
+        if let Some(budget) =
+            self.optional_map::<PerCpuArray<MapData, DropEventBudget>>(drop_event_budget::MAP_NAME)?
+        {
+            let per_cpu = budget
+                .get(&0, 0)
+                .map_err(map_error("could not read map drop_event_budget"))?;
+            counters.push((
+                "drop events suppressed (rate limit)",
+                per_cpu.iter().map(|budget| budget.suppressed).sum(),
+            ));
+        }
+        Ok(counters)
     }
 }

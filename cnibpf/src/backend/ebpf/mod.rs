@@ -217,7 +217,19 @@ impl EbpfBackend {
         migrate::from_6(pins)
     }
 
-    /// The ring buffer of the filter's drop events, for `cnibpf monitor`.
+    /// A pinned map a build before this one did not create: `None` when it is not there
+    /// (the kernel's "not found"), for reading what such state does not count.
+    fn optional_map<T: TryFrom<Map, Error = MapError>>(
+        &self,
+        name: &str,
+    ) -> Result<Option<T>, BackendError> {
+        if !pins::map_pinned(&self.pins, &self.pins.map(name))? {
+            return Ok(None);
+        }
+        open_pinned(&self.pins, name).map(Some)
+    }
+
+    /// The ring buffer of the datapath's drop events, for `cnibpf monitor`.
     pub fn drop_events(&self) -> Result<aya::maps::RingBuf<MapData>, BackendError> {
         open_pinned(&self.pins, cnibpf_common::filter_event::MAP_NAME)
     }

@@ -10,6 +10,7 @@ use std::{io, net::IpAddr, ops::ControlFlow};
 use crate::{
     model::ResolvedMapping,
     nfnetlink::{Connection, Request, attribute, attributes},
+    paths,
 };
 
 const NFNL_SUBSYS_CTNETLINK: u8 = 1;
@@ -29,11 +30,27 @@ const NLA_F_NESTED: u16 = 0x8000;
 /// whole (global) table, milliseconds even when it finds nothing. Without connection tracking
 /// loaded (no such file) nothing is tracked.
 pub fn tracking_any() -> io::Result<bool> {
-    match std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_count") {
+    match std::fs::read_to_string(paths::CONNTRACK_COUNT) {
         Ok(count) => Ok(count.trim() != "0"),
         Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(false),
         Err(error) => Err(error),
     }
+}
+
+/// The connections the kernel tracks and how many it may (`nf_conntrack_max`); `None` without
+/// connection tracking loaded.
+pub fn fill() -> io::Result<Option<(u64, u64)>> {
+    let read = |path: &str| match std::fs::read_to_string(path) {
+        Ok(text) => text.trim().parse::<u64>().map(Some).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{path} holds {text:?}, not a number"),
+            )
+        }),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(error),
+    };
+    Ok(read(paths::CONNTRACK_COUNT)?.zip(read(paths::CONNTRACK_MAX)?))
 }
 
 /// Where a tracked connection was first sent.

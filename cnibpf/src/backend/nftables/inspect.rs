@@ -2,15 +2,24 @@
 //! what they asked for, the hostport maps for what is installed, the filter chains (with their
 //! counters) for what they run.
 
-use std::net::IpAddr;
+use std::{collections::BTreeMap, net::IpAddr};
 
-use super::{NftablesBackend, filter::filter_of, parse_owner};
+use cnibpf_common::drop_stats::{DropCount, DropReason};
+use nftables::{
+    schema::Rule,
+    stmt::{Counter, Statement},
+};
+
+use super::{
+    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack, filter::filter_of,
+    parse_owner, sources,
+};
 use crate::{
     backend::{
-        AttachmentRecord, BackendError, FilterRecord, GONE_IFINDEX, Inspect, MasqueradeRecord,
-        SourceCheckRecord, UplinkAddresses, is_link_local,
+        AttachmentRecord, BackendError, FilterRecord, FlowTable, GONE_IFINDEX, Inspect,
+        MasqueradeRecord, SourceCheckRecord, UplinkAddresses, is_link_local,
     },
-    model::ResolvedMapping,
+    model::{ResolvedMapping, Target},
     netlink,
 };
 
@@ -122,4 +131,73 @@ impl Inspect for NftablesBackend {
     fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
         Ok(Vec::new())
     }
+
+    /// The filter's drops from its chains' counters, the source check's from its chains' in
+    /// table `netdev cnibpf`, the localnet guard's from its rule. What the kernel's own
+    /// connection tracking and NAT drop (a full table, no port left) is the kernel's to count.
+    fn drops(&self) -> Result<Option<Vec<(DropReason, DropCount)>>, BackendError> {
+        let mut drops: BTreeMap<DropReason, DropCount> = [
+            DropReason::FilterRule,
+            DropReason::FilterDefault,
+            DropReason::SourceCheckAddress,
+            DropReason::SourceCheckArp,
+            DropReason::SourceCheckNeighbourAdvertisement,
+            DropReason::SourceCheckNotIp,
+            DropReason::LocalnetGuard,
+        ]
+        .into_iter()
+        .map(|reason| (reason, DropCount::default()))
+        .collect();
+        let mut add = |reason: DropReason, (packets, bytes): (u64, u64)| {
+            let count = drops.entry(reason).or_default();
+            count.packets += packets;
+            count.bytes += bytes;
+        };
+        for (_, record) in self.filters()? {
+            for (rule, hits) in record.filter.rules.iter().zip(&record.hits) {
+                if rule.target == Target::Drop {
+                    add(DropReason::FilterRule, *hits);
+                }
+            }
+            if record.filter.default == Target::Drop {
+                add(DropReason::FilterDefault, record.default_hits);
+            }
+        }
+        for (reason, counted) in sources::dropped_by_reason()? {
+            add(reason, counted);
+        }
+        if let Some(counted) = counted_by(self.listing()?.rules(LOCALNET_GUARD_CHAIN)) {
+            add(DropReason::LocalnetGuard, counted);
+        }
+        Ok(Some(drops.into_iter().collect()))
+    }
+
+    /// The kernel's connection tracking, which the nftables datapath relies on for NAT and the
+    /// filter's state.
+    fn flow_tables(&self) -> Result<Vec<FlowTable>, BackendError> {
+        let Some((entries, capacity)) = conntrack::fill().map_err(NftablesError::ConntrackFill)?
+        else {
+            return Ok(Vec::new());
+        };
+        Ok(vec![FlowTable {
+            name: "conntrack",
+            entries,
+            capacity,
+        }])
+    }
+}
+
+/// The (packets, bytes) of the counter of the first counted rule among `rules`.
+fn counted_by(rules: &[Rule<'static>]) -> Option<(u64, u64)> {
+    rules.iter().find_map(|rule| {
+        rule.expr.iter().find_map(|statement| match statement {
+            Statement::Counter(Counter::Anonymous(Some(counter))) => Some((
+                // fail-closed: a counter nft lists without values has counted nothing.
+                counter.packets.unwrap_or(0) as u64,
+                // fail-closed: as above.
+                counter.bytes.unwrap_or(0) as u64,
+            )),
+            _ => None,
+        })
+    })
 }

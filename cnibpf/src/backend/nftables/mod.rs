@@ -93,6 +93,8 @@ pub enum NftablesError {
     Restore(String),
     #[error("could not remove the tracked connections of changed hostPorts")]
     Conntrack(#[source] std::io::Error),
+    #[error("could not read how full the kernel's connection tracking table is")]
+    ConntrackFill(#[source] std::io::Error),
     #[error("could not {action}")]
     HostSetting {
         action: String,
@@ -152,10 +154,18 @@ add rule inet cnibpf hostports_dnat meta l4proto { tcp, udp, sctp } dnat ip to i
 add rule inet cnibpf hostports_dnat fib daddr type local meta l4proto { tcp, udp, sctp } dnat ip to meta l4proto . th dport map @hostports4_any
 add rule inet cnibpf hostports_dnat meta l4proto { tcp, udp, sctp } dnat ip6 to ip6 daddr . meta l4proto . th dport map @hostports6
 add rule inet cnibpf hostports_dnat ip6 daddr != ::1 fib daddr type local meta l4proto { tcp, udp, sctp } dnat ip6 to meta l4proto . th dport map @hostports6_any
-add rule inet cnibpf localnet_guard iifname != "lo" ip daddr 127.0.0.0/8 drop
 add rule inet cnibpf prerouting jump hostports
 add rule inet cnibpf output jump hostports
 "#;
+
+/// The rule of chain `localnet_guard`, counted. Tables made before it was counted hold it
+/// without the counter and comment: the first ADD that meets one replaces it.
+const LOCALNET_GUARD: &str = r#"
+flush chain inet cnibpf localnet_guard
+add rule inet cnibpf localnet_guard iifname != "lo" ip daddr 127.0.0.0/8 counter drop comment "drop reason localnet_guard"
+"#;
+const LOCALNET_GUARD_COMMENT: &str = "drop reason localnet_guard";
+const LOCALNET_GUARD_CHAIN: &str = "localnet_guard";
 
 /// The shared objects layout 3 added to layout 2's (see `migrate`).
 const LAYOUT_3_OBJECTS: &str = r#"
@@ -382,12 +392,18 @@ impl NftablesBackend {
         Ok(change)
     }
 
-    /// Creates the table's fixed part if it is not there (a fixed declaration, applied once).
+    /// Creates the table's fixed part if it is not there (a fixed declaration, applied once),
+    /// or counts its localnet guard's drops if it does not yet.
     fn ensure_table(&mut self) -> Result<(), BackendError> {
         if !self.exists {
-            let script = format!("{SKELETON}{LAYOUT_3_OBJECTS}{HOOK_RULES}");
+            let script = format!("{SKELETON}{LOCALNET_GUARD}{LAYOUT_3_OBJECTS}{HOOK_RULES}");
             nft::run_script(&["-f", "-"], script.as_bytes())?;
             self.exists = true;
+            return Ok(());
+        }
+        let guard = host::rule_comments(LOCALNET_GUARD_CHAIN)?;
+        if guard.is_some_and(|comments| !comments.iter().any(|c| c == LOCALNET_GUARD_COMMENT)) {
+            nft::run_script(&["-f", "-"], LOCALNET_GUARD.as_bytes())?;
         }
         Ok(())
     }

@@ -20,6 +20,8 @@ use nftables::{
     types::{NfChainPolicy, NfChainType, NfFamily, NfHook},
 };
 
+use cnibpf_common::drop_stats::DropReason;
+
 use super::{NftablesBackend, host, listing, nft, parse_owner, record::Sources};
 use crate::{
     backend::{BackendError, Endpoint, SourceCheckRecord, SourceChecking, fits_a_source_check},
@@ -367,11 +369,36 @@ fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
 /// (packets, bytes) each chain of the table dropped, by chain name.
 fn dropped_by_chain() -> Result<BTreeMap<String, (u64, u64)>, BackendError> {
     let mut dropped = BTreeMap::new();
+    for (chain, _, (packets, bytes)) in counted_rules()? {
+        let total: &mut (u64, u64) = dropped.entry(chain).or_default();
+        total.0 += packets;
+        total.1 += bytes;
+    }
+    Ok(dropped)
+}
+
+/// (packets, bytes) the table dropped, by reason.
+pub fn dropped_by_reason() -> Result<BTreeMap<DropReason, (u64, u64)>, BackendError> {
+    let mut dropped = BTreeMap::new();
+    for (_, reason, (packets, bytes)) in counted_rules()? {
+        let total: &mut (u64, u64) = dropped.entry(reason).or_default();
+        total.0 += packets;
+        total.1 += bytes;
+    }
+    Ok(dropped)
+}
+
+/// A counted rule of the table: its chain, what it drops and its (packets, bytes).
+type CountedRule = (String, DropReason, (u64, u64));
+
+/// Every counted rule of the table.
+fn counted_rules() -> Result<Vec<CountedRule>, BackendError> {
+    let mut counted = Vec::new();
     // fail-closed: `list` kept the errors; no table counted nothing.
     let listed = nft::list(&["table", "netdev", TABLE])?.unwrap_or_default();
     for object in listed {
         if let nft::Listed::Rule(rule) = object {
-            let counted = rule.expr.iter().find_map(|statement| match statement {
+            let counter = rule.expr.iter().find_map(|statement| match statement {
                 Statement::Counter(Counter::Anonymous(Some(counter))) => Some((
                     // fail-closed: a counter nft lists without values has counted nothing.
                     counter.packets.unwrap_or(0) as u64,
@@ -380,19 +407,73 @@ fn dropped_by_chain() -> Result<BTreeMap<String, (u64, u64)>, BackendError> {
                 )),
                 _ => None,
             });
-            if let Some((packets, bytes)) = counted {
-                let total: &mut (u64, u64) = dropped.entry(rule.chain.to_string()).or_default();
-                total.0 += packets;
-                total.1 += bytes;
+            if let Some(counter) = counter {
+                counted.push((rule.chain.to_string(), reason_of(&rule.expr), counter));
             }
         }
     }
-    Ok(dropped)
+    Ok(counted)
+}
+
+/// What a rule of [`rules`] drops, told by what it matches: a protocol other than IP and
+/// ARP, an ICMPv6 type (a neighbour advertisement's target), ARP (its sender), or else IP (its
+/// source).
+fn reason_of(statements: &[Statement<'static>]) -> DropReason {
+    let matched = || {
+        statements.iter().filter_map(|statement| match statement {
+            Statement::Match(matched) => Some(matched),
+            _ => None,
+        })
+    };
+    let is_payload_of = |expression: &Expression<'static>, protocol: &str| {
+        matches!(
+            expression,
+            Expression::Named(NamedExpression::Payload(Payload::PayloadField(field)))
+                if field.protocol == protocol
+        )
+    };
+    let not_a_protocol = matched().any(|matched| {
+        matched.op == Operator::NEQ
+            && matches!(
+                &matched.left,
+                Expression::Named(NamedExpression::Meta(meta)) if meta.key == MetaKey::Protocol
+            )
+    });
+    if not_a_protocol {
+        DropReason::SourceCheckNotIp
+    } else if matched().any(|matched| is_payload_of(&matched.left, "icmpv6")) {
+        DropReason::SourceCheckNeighbourAdvertisement
+    } else if matched().any(|matched| is_payload_of(&matched.left, "arp")) {
+        DropReason::SourceCheckArp
+    } else {
+        DropReason::SourceCheckAddress
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_rule_is_told_by_what_it_drops() {
+        for addresses in [vec!["10.22.0.2", "fd00::2"], vec!["fd00::2"], vec![]] {
+            let check =
+                SourceCheck::new(addresses.iter().map(|text| text.parse().expect("literal")));
+            let reasons: Vec<DropReason> =
+                rules(&check).iter().map(|rule| reason_of(rule)).collect();
+            assert_eq!(
+                reasons,
+                [
+                    DropReason::SourceCheckAddress,
+                    DropReason::SourceCheckAddress,
+                    DropReason::SourceCheckNeighbourAdvertisement,
+                    DropReason::SourceCheckArp,
+                    DropReason::SourceCheckNotIp,
+                ],
+                "{addresses:?}"
+            );
+        }
+    }
 
     #[test]
     fn every_rule_counts_and_drops_and_names_the_own_addresses() {
