@@ -20,8 +20,9 @@ fi
 # Debian packages: the tests' tools, the reference CNI plugins, what the nftables backend runs
 # (nft, and conntrack to drop the connections of a hostPort that changed owner), and the real
 # runtimes the tests drive — containerd's CRI (with runc; protoc builds the CRI client) and
-# podman — with busybox-static for the images they run; python3-venv for the manifest validator.
-packages=(iproute2 nftables conntrack iptables bpftool containernetworking-plugins jq iperf3 iputils-ping util-linux procps gcc libc6-dev fonts-dejavu-core containerd runc podman busybox-static protobuf-compiler python3-venv)
+# podman — with busybox-static for the images they run; python3-venv for the manifest validator;
+# prometheus (server and promtool) for the metrics tests.
+packages=(iproute2 nftables conntrack iptables bpftool containernetworking-plugins jq iperf3 iputils-ping util-linux procps gcc libc6-dev fonts-dejavu-core containerd runc podman busybox-static protobuf-compiler python3-venv prometheus)
 missing=()
 for package in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then

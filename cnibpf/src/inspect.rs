@@ -177,6 +177,7 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
         let document = json!({
             "pinPath": pin_path,
             "lockFile": pins.lock_file(),
+            "callStatsFile": pins.call_stats_file(),
             "attachments": list,
             "uplinks": uplinks,
             "counters": counters,

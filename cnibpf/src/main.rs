@@ -1,6 +1,8 @@
 //! `cnibpf`: a chained CNI plugin when run with `CNI_COMMAND` set, an admin tool otherwise.
 
 mod backend;
+mod call_log;
+mod call_stats;
 mod cni;
 mod code;
 mod config;
@@ -8,7 +10,9 @@ mod config;
 mod fuzz;
 mod inspect;
 mod install;
+mod journal;
 mod lock;
+mod metrics;
 mod model;
 mod monitor;
 mod netlink;
@@ -20,13 +24,13 @@ mod phases;
 mod preload;
 mod reclaim;
 
-use std::{path::PathBuf, process::ExitCode, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, sync::Mutex, time::Duration};
 
 use clap::{Parser, Subcommand};
 
 use crate::{
     model::UnknownWord,
-    output::{log_line, say},
+    output::{log_line, say, with_causes},
 };
 
 #[derive(Debug, Parser)]
@@ -92,6 +96,32 @@ enum AdminCommand {
         /// does, so that the node's first pod does not wait for it.
         #[arg(long)]
         load: bool,
+        /// With --watch: serve /metrics, /healthz and /readyz on this address (as
+        /// `cnibpf metrics` does) for the entry's pinPath and backend.
+        #[arg(long, requires = "watch")]
+        listen: Option<SocketAddr>,
+    },
+    /// Serve Prometheus metrics, /healthz and /readyz over HTTP until SIGTERM: the datapath's
+    /// state and counters and the plugin's calls, read at each scrape.
+    Metrics {
+        /// Where to listen, e.g. 127.0.0.1:9965 or [::]:9965.
+        #[arg(long)]
+        listen: SocketAddr,
+        /// The instance's pinPath.
+        #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
+        pin_path: PathBuf,
+        /// The backend the network's entry names, for /readyz.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Where /readyz looks for cnibpf chained into the runtime's network.
+        #[arg(long, default_value = paths::CNI_CONF_DIR)]
+        conf_dir: PathBuf,
+        /// Where /readyz looks for this build's binary.
+        #[arg(long, default_value = paths::CNI_BIN_DIR)]
+        bin_dir: PathBuf,
+        /// The network cnibpf must be chained into (default: the one the runtime uses).
+        #[arg(long)]
+        network: Option<String>,
     },
     /// Take the plugin off this node: its entry out of every network (a portmap it replaced
     /// put back), its binary out of the bin dir. Running pods keep their datapath until their
@@ -128,6 +158,34 @@ enum AdminCommand {
     },
 }
 
+/// The metrics endpoint of `install --watch --listen`, for the entry's pinPath and backend.
+fn serve_beside(
+    install: &install::Install,
+    address: SocketAddr,
+) -> Result<(), install::InstallError> {
+    let plugin = install
+        .entry_config()
+        .map_err(|reason| install::InstallError::Entry {
+            path: PathBuf::from("--entry"),
+            reason,
+        })?;
+    metrics::serve_in_background(
+        address,
+        metrics::Exporter {
+            pins: paths::PinLayout::new(&plugin.pin_path),
+            conf_dir: install.conf_dir.clone(),
+            bin_dir: install.bin_dir.clone(),
+            network: install.network.clone(),
+            backend: plugin.backend,
+            binary_check: Mutex::default(),
+        },
+    )
+    .map_err(|error| install::InstallError::Io {
+        action: format!("serve the metrics endpoint on {address}"),
+        source: std::io::Error::other(with_causes(&error)),
+    })
+}
+
 fn main() -> ExitCode {
     if let Ok(command) = std::env::var("CNI_COMMAND") {
         return ExitCode::from(u8::try_from(cni::run(&command)).unwrap_or(1));
@@ -136,14 +194,14 @@ fn main() -> ExitCode {
         AdminCommand::Inspect { pin_path, json } => match inspect::run(&pin_path, json) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
-                log_line!("cnibpf inspect: {error}");
+                log_line!("cnibpf inspect: {}", with_causes(&error));
                 ExitCode::FAILURE
             }
         },
         AdminCommand::Gc { pin_path, stale } => match reclaim::run(&pin_path, stale) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
-                log_line!("cnibpf gc: {error}");
+                log_line!("cnibpf gc: {}", with_causes(&error));
                 ExitCode::FAILURE
             }
         },
@@ -157,6 +215,7 @@ fn main() -> ExitCode {
             reclaim_every,
             pin_path,
             load,
+            listen,
         } => {
             let installed = install::Install::entry_from(entry.as_deref()).and_then(|entry| {
                 let install = install::Install {
@@ -170,7 +229,9 @@ fn main() -> ExitCode {
                     install.load_datapath();
                 }
                 if watch {
-                    install.run_and_watch(reclaim_every.map(|period| (period, pin_path)))
+                    install.run_and_watch(reclaim_every.map(|period| (period, pin_path)), || {
+                        listen.map_or(Ok(()), |address| serve_beside(&install, address))
+                    })
                 } else {
                     install.run()
                 }
@@ -178,7 +239,7 @@ fn main() -> ExitCode {
             match installed {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
-                    log_line!("cnibpf install: {error}");
+                    log_line!("cnibpf install: {}", with_causes(&error));
                     ExitCode::FAILURE
                 }
             }
@@ -187,7 +248,7 @@ fn main() -> ExitCode {
             match install::uninstall(&conf_dir, &bin_dir) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
-                    log_line!("cnibpf uninstall: {error}");
+                    log_line!("cnibpf uninstall: {}", with_causes(&error));
                     ExitCode::FAILURE
                 }
             }
@@ -212,6 +273,41 @@ fn main() -> ExitCode {
                 }
             }
         }
+        AdminCommand::Metrics {
+            listen,
+            pin_path,
+            backend,
+            conf_dir,
+            bin_dir,
+            network,
+        } => {
+            let served = backend
+                .parse()
+                .map_err(|error: UnknownWord| {
+                    format!("--backend: expected {}, got {backend:?}", error.expected)
+                })
+                .and_then(|backend| {
+                    metrics::serve(
+                        listen,
+                        metrics::Exporter {
+                            pins: paths::PinLayout::new(pin_path),
+                            conf_dir,
+                            bin_dir,
+                            network,
+                            backend,
+                            binary_check: Mutex::default(),
+                        },
+                    )
+                    .map_err(|error| with_causes(&error))
+                });
+            match served {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    log_line!("cnibpf metrics: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         AdminCommand::Monitor {
             pin_path,
             json,
@@ -227,7 +323,7 @@ fn main() -> ExitCode {
         ) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
-                log_line!("cnibpf monitor: {error}");
+                log_line!("cnibpf monitor: {}", with_causes(&error));
                 ExitCode::FAILURE
             }
         },

@@ -48,3 +48,15 @@ macro_rules! log_line {
 }
 
 pub(crate) use {log_line, say};
+
+/// An error with every cause under it, as one line (`could not read X: Permission denied`).
+pub fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -17,7 +17,10 @@ pub const PLUGIN_NAME: &str = "cnibpf";
 /// The connections the kernel tracks, and how many it may (the nftables backend's table).
 pub const CONNTRACK_COUNT: &str = "/proc/sys/net/netfilter/nf_conntrack_count";
 pub const CONNTRACK_MAX: &str = "/proc/sys/net/netfilter/nf_conntrack_max";
-/// Directory of lock files (tmpfs on every systemd host, so stale locks vanish on reboot).
+/// The call log (`logFile`'s default).
+pub const DEFAULT_LOG_FILE: &str = "/var/log/cnibpf/cnibpf.log";
+/// Directory of lock files and call statistics (tmpfs on every systemd host, so stale locks
+/// vanish on reboot, as the datapath's counters do).
 pub const LOCK_DIR: &str = "/run/cnibpf";
 
 /// The pinned objects of one instance, all under its `pinPath`.
@@ -78,6 +81,11 @@ impl PinLayout {
     /// instances with different `pinPath`s (tests, several networks) never wait on each other.
     pub fn lock_file(&self) -> PathBuf {
         Path::new(LOCK_DIR).join(format!("{}.lock", self.lock_name()))
+    }
+
+    /// The call statistics of this instance (`call_stats`), beside its lock file.
+    pub fn call_stats_file(&self) -> PathBuf {
+        Path::new(LOCK_DIR).join(format!("{}.calls", self.lock_name()))
     }
 
     /// The lock file `cnibpf monitor` holds while it follows the instance's drop events: a

@@ -9,8 +9,10 @@ use std::path::Path;
 
 use crate::{
     backend::{self, AttachmentRecord, Backend, BackendError, is_stale, remove_attachment},
+    call_stats,
     cni::error::Error,
     lock::{InstanceLock, lock_timeout},
+    output::log_line,
     paths::PinLayout,
 };
 
@@ -30,6 +32,11 @@ pub fn run(pin_path: &Path, stale: bool) -> Result<(), Error> {
         // What the nftables backend removed is in once its transaction is.
         match backend.commit() {
             Ok(()) => {
+                let counted =
+                    call_stats::record_reclaimed(&pins.call_stats_file(), reclaimed.len() as u64);
+                if let Err(error) = counted {
+                    log_line!("cnibpf gc: the reclaimed attachments are not counted: {error}");
+                }
                 for record in reclaimed {
                     report(&format!(
                         "reclaimed {} ({}): its interface {} is gone",

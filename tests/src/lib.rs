@@ -15,6 +15,7 @@ pub mod history;
 pub mod image;
 pub mod monitor;
 pub mod netns;
+pub mod observe;
 pub mod packet;
 pub mod podman;
 pub mod state;

@@ -22,6 +22,8 @@ use crate::{
     chain::{self, Attachment},
 };
 
+/// The file name of a simulated host's call log, in its work dir.
+pub const CALL_LOG: &str = "cnibpf.log";
 pub const UPLINK: &str = "up0";
 pub const HOST_UPLINK_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 pub const OUTSIDE_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
@@ -192,6 +194,7 @@ impl SimHost {
         let work_dir = std::env::temp_dir().join(format!("cnibpf-test-{id}"));
         let _ = std::fs::remove_dir_all(&pin_path);
         let _ = std::fs::remove_dir_all(&work_dir);
+        let _ = std::fs::remove_file(call_stats_file(&pin_path));
         std::fs::create_dir_all(&work_dir).expect("work dir");
         let cgroup = cgroup2_root().join(format!("cnibpf-test-{id}"));
         let _ = std::fs::remove_dir(&cgroup);
@@ -281,7 +284,8 @@ impl SimHost {
             .map(|plugin| match plugin {
                 Chained::Cnibpf(cnibpf_keys) => {
                     let mut cnibpf = json!({
-                        "type": "cnibpf", "pinPath": pin_path, "cgroupPath": cgroup, "capabilities": { "portMappings": true }
+                        "type": "cnibpf", "pinPath": pin_path, "cgroupPath": cgroup, "capabilities": { "portMappings": true },
+                        "logFile": work_dir.join(CALL_LOG)
                     });
                     merge(&mut cnibpf, &cnibpf_keys);
                     cnibpf
@@ -324,6 +328,11 @@ impl SimHost {
 
     pub fn network(&self) -> String {
         format!("net-{}", self.id)
+    }
+
+    /// The call log cnibpf's entry names (`logFile`).
+    pub fn call_log(&self) -> PathBuf {
+        self.work_dir.join(CALL_LOG)
     }
 
     /// Creates a container namespace and runs the chain's ADD for it.
@@ -670,6 +679,7 @@ impl Drop for SimHost {
         for attachment in attached.iter().rev() {
             let _ = self.chain.del(attachment);
         }
+        let _ = std::fs::remove_file(call_stats_file(&self.pin_path));
         let _ = std::fs::remove_dir_all(&self.pin_path);
         let _ = std::fs::remove_dir_all(&self.work_dir);
         if let Some(lock_file) = self.try_lock_file() {
@@ -678,6 +688,17 @@ impl Drop for SimHost {
         }
         let _ = std::fs::remove_dir(&self.cgroup);
     }
+}
+
+/// The call statistics file of the instance at `pin_path`, as `cnibpf inspect --json` names
+/// it (`callStatsFile`): read there by tests that count calls, removed with the host.
+pub fn call_stats_file(pin_path: &Path) -> PathBuf {
+    let name: String = pin_path
+        .to_string_lossy()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    PathBuf::from(format!("/run/cnibpf/{name}.calls"))
 }
 
 /// An address family, for tests that run for both.

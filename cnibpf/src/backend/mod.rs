@@ -17,6 +17,7 @@ use ipnet::IpNet;
 
 pub use self::{draining::Draining, error::BackendError};
 use crate::{
+    journal,
     model::{
         Attachment, BackendChoice, Filter, HostPortAccess, Masquerade, Pod, ResolvedMapping,
         SourceCheck,
@@ -257,6 +258,7 @@ pub fn refuse_held_host_ports(
                 && is_stale(record)?
             {
                 remove_attachment(backend, holder)?;
+                journal::note(journal::Change::Reclaimed(record.attachment.to_string()));
                 continue;
             }
             let (holder, pod) = match record {

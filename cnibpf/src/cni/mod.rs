@@ -10,6 +10,7 @@ use std::{
     io::Read as _,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
+    time::Instant,
 };
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
@@ -17,7 +18,12 @@ use serde_json::{Value, json};
 
 use crate::{
     backend::{self, Access, BackendError, Endpoint},
-    config::{CleanupConf, CniVersion, ConfigError, NetConf, SUPPORTED_VERSIONS, ifname_problem},
+    call_log, call_stats,
+    config::{
+        CleanupConf, CniVersion, ConfigError, NetConf, Recording, SUPPORTED_VERSIONS,
+        ifname_problem,
+    },
+    journal,
     lock::{InstanceLock, lock_timeout},
     model::{
         Attachment, ExcludeReason, Filter, HostPortAccess, Masquerade, ResolvedMapping,
@@ -149,6 +155,7 @@ impl Env {
 
 /// Runs one CNI invocation; returns the process exit code.
 pub fn run(command_text: &str) -> i32 {
+    let started = Instant::now();
     phases::begin();
     // The configuration is read whatever the command: a runtime writing it to a plugin that
     // quit early would get EPIPE instead of the error this plugin prints.
@@ -164,24 +171,57 @@ pub fn run(command_text: &str) -> i32 {
         None => Ok(()),
     });
     phases::mark("answer");
-    phases::report(command_text);
     let Err(error) = outcome else {
+        record(command_text, &stdin, 0, None, started);
+        phases::report(command_text);
         return 0;
     };
     let cni_error = error.into_cni(&CniVersion::answer_version(&stdin));
-    if cni_error.details.is_empty() {
-        log_line!("cnibpf: {command_text}: {}", cni_error.msg);
+    let message = if cni_error.details.is_empty() {
+        cni_error.msg.clone()
     } else {
-        log_line!(
-            "cnibpf: {command_text}: {}: {}",
-            cni_error.msg,
-            cni_error.details
-        );
-    }
+        format!("{}: {}", cni_error.msg, cni_error.details)
+    };
+    log_line!("cnibpf: {command_text}: {message}");
     let json = serde_json::json!(cni_error).to_string();
     // fail-closed: the call fails either way (exit 1); the error is on stderr too.
     let _ = answer(&json);
+    record(
+        command_text,
+        &stdin,
+        cni_error.code,
+        Some(&message),
+        started,
+    );
+    phases::report(command_text);
     1
+}
+
+/// Counts the call in its instance's call statistics and writes its line to the call log.
+/// Neither can fail the call: a failure is said on stderr.
+fn record(verb: &str, stdin: &[u8], code: u32, message: Option<&str>, started: Instant) {
+    let recording = Recording::of_stdin(stdin);
+    let noted = journal::noted();
+    let duration = started.elapsed();
+    let reclaimed = noted.reclaimed.len() as u64;
+    let stats = PinLayout::new(&recording.pin_path).call_stats_file();
+    if let Err(error) = call_stats::record(&stats, verb, code, duration, reclaimed) {
+        log_line!("cnibpf: {verb}: the call is not counted: {error}");
+    }
+    let logged = call_log::write(
+        &recording.log,
+        &call_log::CallRecord {
+            verb,
+            code,
+            message,
+            duration,
+            noted: &noted,
+        },
+    );
+    if let Err(error) = logged {
+        log_line!("cnibpf: {verb}: the call is not logged: {error}");
+    }
+    phases::mark("record");
 }
 
 /// The answer on stdout (see `output`).
@@ -194,6 +234,12 @@ fn dispatch(command: Command, stdin: &[u8]) -> Result<Option<String>, Error> {
         return Ok(Some(version_output(stdin)));
     }
     let env = Env::read(command)?;
+    if !env.container_id.is_empty() {
+        journal::container(&env.container_id, &env.ifname);
+    }
+    if let Some(pod) = &env.args.pod {
+        journal::pod(&pod.to_string());
+    }
     match command {
         Command::Add => add(&env, stdin).map(Some),
         Command::Del => del(&env, stdin).map(|()| None),
@@ -433,6 +479,7 @@ fn resolve_uplinks(conf: &NetConf) -> Result<Vec<Link>, Error> {
 
 fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     let conf = NetConf::parse(stdin)?;
+    journal::network(&conf.name);
     let prev_result = conf
         .prev_result
         .clone()
@@ -445,6 +492,7 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     phases::mark("lock");
     let mut backend = backend::select(conf.plugin.backend, &pins)?;
+    journal::backend(backend.name());
     phases::mark("backend");
     let owner = plan.attachment.owner_id();
     let mut others = backend::existing_except(&pins, Some(backend.name()), Access::Changes)?;
@@ -504,6 +552,9 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
         }
         .into());
     }
+    for mapping in &plan.mappings {
+        journal::note(journal::Change::HostPortHeld(mapping.to_string()));
+    }
     // A re-ADD served by the other backend (the host gained or lost BPF, or `backend` changed)
     // moves the attachment: what the previous backend holds of it goes, once the new one
     // serves it.
@@ -522,6 +573,7 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
 
 fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let conf = CleanupConf::parse(stdin)?;
+    journal::network(&conf.name);
     phases::mark("decode");
     let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
     let pins = PinLayout::new(&conf.pin_path);
@@ -532,6 +584,7 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let backends = backend::existing(&pins, Access::Changes)?;
     phases::mark("backend");
     for mut backend in backends {
+        journal::backend(backend.name());
         let removed = backend::remove_attachment(backend.as_mut(), attachment.owner_id());
         phases::mark("remove");
         let committed = backend.commit();
@@ -548,6 +601,7 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
 
 fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let conf = NetConf::parse(stdin)?;
+    journal::network(&conf.name);
     conf.require_version("CHECK")?;
     let prev_result = conf
         .prev_result
@@ -571,6 +625,7 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
         }
     }
     let Some(backend) = serving.and_then(|position| backends.get_mut(position)) else {
+        // fail-closed: no backend holds it; the error below says so.
         return Err(BackendError::CheckFailed(format!(
             "no backend holds state for {} (pinPath {}, table inet cnibpf)",
             plan.attachment,
@@ -578,6 +633,7 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
         ))
         .into());
     };
+    journal::backend(backend.name());
     backend.check_endpoint(&plan.endpoint)?;
     backend.check_port_mappings(&plan.endpoint, &plan.mappings)?;
     // CHECK is how an operator makes a changed uplink address take effect (see README).
@@ -591,6 +647,7 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
 
 fn gc(stdin: &[u8]) -> Result<(), Error> {
     let conf = NetConf::parse(stdin)?;
+    journal::network(&conf.name);
     conf.require_version("GC")?;
     // Without the list every attachment of the network would look stale: refuse rather than
     // wipe a network because a runtime left the key out.
@@ -610,6 +667,7 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
     // One attachment or backend that cannot be cleaned up does not keep GC from the others.
     let mut failures = Vec::new();
     for mut backend in backend::existing(&pins, Access::Changes)? {
+        journal::backend(backend.name());
         let records = match backend.attachments() {
             Ok(records) => records,
             Err(error) => {
@@ -617,7 +675,7 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
                 continue;
             }
         };
-        let stale: Vec<u64> = records
+        let stale: Vec<_> = records
             .into_iter()
             .filter(|record| {
                 record.attachment.network == conf.name
@@ -626,11 +684,14 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
                         record.attachment.ifname.clone(),
                     ))
             })
-            .map(|record| record.owner)
             .collect();
         let mut outcomes: Vec<Result<(), BackendError>> = stale
             .into_iter()
-            .map(|owner| backend::remove_attachment(backend.as_mut(), owner))
+            .map(|record| {
+                backend::remove_attachment(backend.as_mut(), record.owner).map(|()| {
+                    journal::note(journal::Change::Removed(record.attachment.to_string()));
+                })
+            })
             .collect();
         outcomes.push(backend.sweep_expired());
         outcomes.push(backend.commit());
@@ -646,6 +707,7 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
 
 fn status(stdin: &[u8]) -> Result<(), Error> {
     let conf = NetConf::parse(stdin)?;
+    journal::network(&conf.name);
     conf.require_version("STATUS")?;
     backend::any_available()
         .map_err(|error| Error::Unavailable(format!("no backend can work on this host: {error}")))

@@ -43,6 +43,10 @@ pub struct NetConfInput {
     pub uplinks: Option<Vec<String>>,
     pub pin_path: Option<String>,
     pub cgroup_path: Option<String>,
+    pub log_file: Option<String>,
+    #[serde(rename = "logMaxSizeMB")]
+    pub log_max_size_mb: Option<u64>,
+    pub log_max_files: Option<u32>,
 
     // The reference portmap's own keys, and the bridge's, that a conflist may carry over.
     pub snat: Option<bool>,
@@ -61,6 +65,22 @@ pub struct CleanupInput {
     pub cni_version: Option<String>,
     pub name: Option<String>,
     pub pin_path: Option<String>,
+    pub log_file: Option<String>,
+    #[serde(rename = "logMaxSizeMB")]
+    pub log_max_size_mb: Option<u64>,
+    pub log_max_files: Option<u32>,
+}
+
+/// What the call log and the call statistics read of any configuration, even one a verb
+/// refuses: where they go.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordingInput {
+    pub pin_path: Option<String>,
+    pub log_file: Option<String>,
+    #[serde(rename = "logMaxSizeMB")]
+    pub log_max_size_mb: Option<u64>,
+    pub log_max_files: Option<u32>,
 }
 
 /// `runtimeConfig`: the capabilities cnibpf reads. Whatever else a runtime passes (`dns`,

@@ -198,6 +198,16 @@ pub fn chain_out(network: &Value) -> Option<(Value, Option<String>)> {
     Some((conflist, None))
 }
 
+/// Whether a network (a conflist, or a single plugin) runs cnibpf.
+pub fn chains_cnibpf(network: &Value) -> bool {
+    match network.get("plugins").and_then(Value::as_array) {
+        Some(plugins) => plugins
+            .iter()
+            .any(|plugin| plugin_type(plugin) == Some(PLUGIN_NAME)),
+        None => plugin_type(network) == Some(PLUGIN_NAME),
+    }
+}
+
 fn plugin_type(plugin: &Value) -> Option<&str> {
     plugin.get("type").and_then(Value::as_str)
 }

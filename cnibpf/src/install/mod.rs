@@ -114,7 +114,7 @@ impl Install {
     }
 
     /// The entry as the plugin will read it: its keys in a network of their own.
-    fn entry_config(&self) -> Result<PluginConfig, String> {
+    pub fn entry_config(&self) -> Result<PluginConfig, String> {
         let mut network = self.entry.clone();
         network
             .entry("cniVersion")
@@ -138,10 +138,19 @@ impl Install {
 
     /// Runs [`Self::run`], then keeps the entry chained in as the primary CNI rewrites its
     /// file, and every `reclaim_every` removes the attachments of `pin_path` whose DEL never
-    /// came, until SIGTERM or SIGINT.
-    pub fn run_and_watch(&self, reclaim: Option<(Duration, PathBuf)>) -> Result<(), InstallError> {
+    /// came, until SIGTERM or SIGINT. `beside` runs first, once the binary is in place and
+    /// SIGTERM and SIGINT are blocked for the threads it may start (the metrics endpoint's).
+    pub fn run_and_watch(
+        &self,
+        reclaim: Option<(Duration, PathBuf)>,
+        beside: impl FnOnce() -> Result<(), InstallError>,
+    ) -> Result<(), InstallError> {
         let binary = std::env::current_exe().map_err(io_error("find this program's binary"))?;
         install_binary(&binary, &self.bin_dir)?;
+        // Blocked before another thread starts, which inherits the mask: the signals are the
+        // watch loop's to take, never a default action in another thread.
+        watch::block_signals()?;
+        beside()?;
         watch::run(&self.conf_dir, reclaim, || {
             match self.chain_when_readable() {
                 Ok(()) => {}
@@ -282,6 +291,32 @@ pub fn uninstall(conf_dir: &Path, bin_dir: &Path) -> Result<(), InstallError> {
         say!("removed {}", binary.display());
     }
     Ok(())
+}
+
+/// Whether the network the runtime uses — the first file of `conf_dir` that parses, or the
+/// network named `network` — chains cnibpf: `Ok(())`, or what the runtime uses instead.
+pub fn chained(conf_dir: &Path, network: Option<&str>) -> Result<Result<(), String>, InstallError> {
+    let networks = networks(conf_dir)?;
+    let used = match network {
+        Some(name) => networks
+            .iter()
+            .find(|file| file.value["name"].as_str() == Some(name)),
+        None => networks.first(),
+    };
+    let Some(used) = used else {
+        return Ok(Err(match network {
+            Some(name) => format!("no network named {name:?} in {}", conf_dir.display()),
+            None => format!("no network configuration in {}", conf_dir.display()),
+        }));
+    };
+    Ok(if chain::chains_cnibpf(&used.value) {
+        Ok(())
+    } else {
+        Err(format!(
+            "the network the runtime uses ({}) does not chain cnibpf",
+            used.path.display()
+        ))
+    })
 }
 
 /// A network configuration file as a runtime would read it.

@@ -22,17 +22,24 @@ use crate::output::{log_line, say};
 
 /// Calls `ensure` now and after every change in `conf_dir` (its own writes included: it must
 /// be idempotent), and reclaims stale attachments of `reclaim`'s pin path on its period.
-pub fn run(
-    conf_dir: &Path,
-    reclaim: Option<(Duration, PathBuf)>,
-    mut ensure: impl FnMut(),
-) -> Result<(), InstallError> {
+/// Blocks SIGTERM and SIGINT in this thread (and the threads it starts after), for the watch
+/// loop to read them from a signalfd.
+pub fn block_signals() -> Result<SigSet, InstallError> {
     let mut signals = SigSet::empty();
     signals.add(Signal::SIGTERM);
     signals.add(Signal::SIGINT);
     signals
         .thread_block()
         .map_err(|error| io_error("block SIGTERM and SIGINT")(error.into()))?;
+    Ok(signals)
+}
+
+pub fn run(
+    conf_dir: &Path,
+    reclaim: Option<(Duration, PathBuf)>,
+    mut ensure: impl FnMut(),
+) -> Result<(), InstallError> {
+    let signals = block_signals()?;
     let signal_fd = SignalFd::with_flags(&signals, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
         .map_err(|error| io_error("wait for signals")(error.into()))?;
     let inotify = Inotify::init(InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK)

@@ -33,6 +33,7 @@ use super::{
 };
 use crate::{
     backend::BackendError,
+    journal,
     netlink::{self, TcFilterSlot},
     paths::PinLayout,
 };
@@ -134,12 +135,28 @@ pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
                 .map_err(pin_error(format!("could not move map {name} aside")))?;
         }
     }
+    journal::note(journal::Change::Migrated(format!(
+        "eBPF layout {FROM}: changed maps moved aside"
+    )));
     load_object(pins, false)?;
+    journal::note(journal::Change::Migrated(
+        "this build's programs and maps loaded".to_owned(),
+    ));
     let mut backend = EbpfBackend::open_maps(pins)?;
     backend.convert(&aside)?;
+    journal::note(journal::Change::Migrated(
+        "owners and endpoints converted".to_owned(),
+    ));
     relink(pins)?;
     backend.rehook_endpoints()?;
+    journal::note(journal::Change::Migrated(
+        "links moved to the new programs, endpoints hooked with tcx".to_owned(),
+    ));
     stamp(pins)?;
+    journal::note(journal::Change::Migrated(format!(
+        "stamped layout {}",
+        layout::VERSION
+    )));
     fs::remove_dir_all(&aside).map_err(pin_error(format!("could not remove {}", aside.display())))
 }
 

@@ -217,6 +217,27 @@ impl EbpfBackend {
         migrate::from_6(pins)
     }
 
+    /// Whether the datapath pinned under `pins` is this build's, at this layout: `Ok(())`, or
+    /// what it is instead (nothing loaded, another build's programs, another layout).
+    pub fn loaded_by_this_build(pins: &PinLayout) -> Result<Result<(), String>, BackendError> {
+        Ok(match check_layout(pins)? {
+            PinnedState::Current if all_programs_pinned(pins)? => Ok(()),
+            PinnedState::Current => Err("some of this build's programs are not pinned".to_owned()),
+            PinnedState::Absent => Err("no datapath is loaded (`cnibpf load`)".to_owned()),
+            PinnedState::OtherPrograms => Err(
+                "the programs loaded are another build's (`cnibpf load` replaces them)".to_owned(),
+            ),
+            PinnedState::Older(found) => Err(format!(
+                "the pinned state has layout {found}, older than this build's {} (`cnibpf load` migrates it)",
+                cnibpf_common::layout::VERSION
+            )),
+            PinnedState::Newer(found) => Err(format!(
+                "the pinned state has layout {found}, newer than this build's {}",
+                cnibpf_common::layout::VERSION
+            )),
+        })
+    }
+
     /// A pinned map a build before this one did not create: `None` when it is not there
     /// (the kernel's "not found"), for reading what such state does not count.
     fn optional_map<T: TryFrom<Map, Error = MapError>>(

@@ -20,6 +20,7 @@ use super::{
 };
 use crate::{
     backend::{BackendError, Endpoint, PortMappings, check_mapping_count, refuse_held_host_ports},
+    journal,
     model::{Protocol, ResolvedMapping},
 };
 
@@ -124,6 +125,9 @@ impl EbpfBackend {
         match found(self.portmap.get(key, 0), portmap::MAP_NAME)? {
             Some(value) if value.owner == owner => {
                 remove_entry(&mut self.portmap, key, portmap::MAP_NAME)?;
+                if let Some(mapping) = mapping_from_entry(key, &value) {
+                    journal::note(journal::Change::HostPortReleased(mapping.to_string()));
+                }
                 self.claim(key, false)
             }
             Some(_) => Ok(()),

@@ -17,7 +17,7 @@
 use nftables::batch::Batch;
 
 use super::{HOOK_RULES, LAYOUT_3_OBJECTS, NftablesError, elements, listing::Listing, nft};
-use crate::backend::BackendError;
+use crate::{backend::BackendError, journal};
 
 /// The comment of a table of the layout this one migrates from.
 pub const PREVIOUS: &str = "cnibpf layout 2";
@@ -39,6 +39,9 @@ const OLD_SETS: [&str; 6] = [
 /// Migrates table `inet cnibpf` of layout 2 (unmarked) to layout 3.
 pub fn migrate() -> Result<(), BackendError> {
     nft::run_script(&["-f", "-"], LAYOUT_3_OBJECTS.as_bytes())?;
+    journal::note(journal::Change::Migrated(format!(
+        "nftables {PREVIOUS}: layout 3's shared maps added"
+    )));
     // fail-closed: `read` kept the errors; no table lists nothing.
     let listing = Listing::read()?.unwrap_or_default();
     let mut additions = Batch::new();
@@ -46,7 +49,13 @@ pub fn migrate() -> Result<(), BackendError> {
         elements::add_nat(&mut additions, owner, &record);
     }
     nft::apply(additions)?;
+    journal::note(journal::Change::Migrated(
+        "attachments' NAT dispatch added".to_owned(),
+    ));
     nft::run_script(&["-f", "-"], switch(&listing)?.as_bytes())?;
+    journal::note(journal::Change::Migrated(
+        "hook chains switched to layout 3".to_owned(),
+    ));
     Ok(())
 }
 

@@ -43,6 +43,7 @@ pub use self::host::firewall_chains;
 use self::{listing::Listing, record::Record};
 use super::{Access, Backend, BackendError};
 use crate::{
+    journal,
     model::{Attachment, Filter, HostPortAccess, Protocol, ResolvedMapping, SourceCheck},
     netlink,
 };
@@ -520,6 +521,30 @@ impl NftablesBackend {
         self.delete_table.is_some() && self.changes.values().all(|change| change.after.is_none())
     }
 
+    /// Tells the journal what the committed transaction did: the hostPorts attachments
+    /// released, the holders in `reclaimed` removed.
+    fn note_changes(&self, reclaimed: &[u64]) {
+        for (owner, change) in &self.changes {
+            let Some(before) = &change.before else {
+                continue;
+            };
+            let kept = change
+                .after
+                .as_ref()
+                // fail-closed: an Option: an attachment that goes keeps no hostPort.
+                .map_or(&[][..], |after| &after.mappings[..]);
+            for mapping in before.mappings.iter().filter(|held| !kept.contains(held)) {
+                journal::note(journal::Change::HostPortReleased(mapping.to_string()));
+            }
+            if reclaimed.contains(owner) {
+                // fail-closed: a record names its owner; an unreadable one is shown as stored.
+                let name = parse_owner(&before.owner)
+                    .map_or_else(|| before.owner.clone(), |attachment| attachment.to_string());
+                journal::note(journal::Change::Reclaimed(name));
+            }
+        }
+    }
+
     /// After a refused transaction: an attachment whose interface is gone holding a hostPort
     /// this operation claims.
     fn stale_holder(&self) -> Result<Option<u64>, BackendError> {
@@ -608,11 +633,13 @@ impl Backend for NftablesBackend {
         }
         // A hostPort held by an attachment whose interface is gone is reclaimed, as many as
         // there are, before a holder is named.
+        let mut reclaimed = Vec::new();
         while refused(&applied, "File exists") {
             let Some(stale) = self.stale_holder()? else {
                 break;
             };
             super::remove_attachment(self, stale)?;
+            reclaimed.push(stale);
             let specific = if self.needs_specific() {
                 Listing::read_specific()?
             } else {
@@ -627,6 +654,7 @@ impl Backend for NftablesBackend {
             return Err(holder);
         }
         applied?;
+        self.note_changes(&reclaimed);
         let deleted_table = self.deletes_table();
         let mut failures = Vec::new();
         if let Some((bridges, localnet)) = self.delete_table.take()
@@ -674,6 +702,24 @@ fn existing_table_comment() -> Result<Option<String>, BackendError> {
         Err(error) => Err(NftablesError::Netlink(error).into()),
     }
 }
+
+/// Whether table `inet cnibpf` is at this build's layout: `Ok(())` when it is (or there is
+/// none: an ADD makes it so), else which layout it has.
+pub fn table_at_this_layout() -> Result<Result<(), String>, BackendError> {
+    Ok(match layout_of(existing_table_comment()?)? {
+        TableLayout::Absent | TableLayout::Current => Ok(()),
+        TableLayout::Previous => Err(format!(
+            "table inet cnibpf has the previous layout (\"{}\"; the next ADD, DEL or GC migrates it)",
+            migrate::PREVIOUS
+        )),
+        TableLayout::Other(found) => Err(format!(
+            "table inet cnibpf has layout {found:?}, not this build's \"{LAYOUT}\""
+        )),
+    })
+}
+
+/// The layout comment this build writes on table `inet cnibpf`.
+pub const TABLE_LAYOUT: &str = LAYOUT;
 
 /// The host's addresses, loopback included: where a wildcard hostPort's connections went.
 fn host_addresses() -> Result<Vec<IpAddr>, BackendError> {
