@@ -15,6 +15,7 @@ use cnibpf_tests::{
     cri::{Containerd, Cri, Pod, host_port},
     eventually, for_both_backends,
     image::PAGE,
+    observe::call_log,
     topology::{Backend, HOST_UPLINK_ADDR, OUTSIDE_ADDR},
     traffic::{TcpServer, UdpServer, http_get, udp_request},
 };
@@ -58,6 +59,38 @@ fn pods_of(sim: &SimHost) -> Vec<String> {
         .flatten()
         .filter_map(|attachment| attachment["pod"].as_str().map(str::to_owned))
         .collect()
+}
+
+/// The call log holds exactly the pod's lifecycle as containerd ran it: its ADD (naming the
+/// pod and the hostPorts it holds), the DEL of the first StopPodSandbox (releasing them), and
+/// the DELs of the second StopPodSandbox and of RemovePodSandbox (releasing nothing).
+fn assert_pod_logged(sim: &SimHost, backend: Backend, sandbox: &str) {
+    let lines: Vec<serde_json::Value> = call_log(&sim.call_log())
+        .into_iter()
+        .filter(|line| line["container_id"] == sandbox)
+        .collect();
+    let verbs: Vec<&str> = lines
+        .iter()
+        .filter_map(|line| line["verb"].as_str())
+        .collect();
+    assert_eq!(verbs, ["ADD", "DEL", "DEL", "DEL"], "{lines:#?}");
+    for line in &lines {
+        assert_eq!(line["result"], "ok", "{line}");
+        assert_eq!(line["pod"], "shop/web", "{line}");
+        assert_eq!(line["network"], sim.network(), "{line}");
+        assert_eq!(line["ifname"], "eth0", "{line}");
+        assert_eq!(line["backend"], backend.name(), "{line}");
+        assert!(line["duration_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{line}");
+    }
+    let held = lines[0]["host_ports"].as_str().unwrap_or_default();
+    for port in ["tcp 0.0.0.0:18080 ", "tcp 203.0.113.1:18081 ", "udp 0.0.0.0:15353 "] {
+        assert!(held.contains(port), "the ADD holds {port}: {held}");
+    }
+    assert_eq!(lines[1]["host_ports_released"], lines[0]["host_ports"], "{lines:#?}");
+    assert!(
+        lines[2..].iter().all(|line| line.get("host_ports_released").is_none()),
+        "the later DELs release nothing: {lines:#?}"
+    );
 }
 
 fn a_pod_with_host_ports_through_containerd(backend: Backend) {
@@ -179,6 +212,7 @@ fn a_pod_with_host_ports_through_containerd(backend: Backend) {
         "hostPort 18080 refused after the pod is gone"
     );
     assert_eq!(pods_of(&sim), ["shop/client"], "nothing of the pod is left");
+    assert_pod_logged(&sim, backend, &web.id);
 
     // The pod again, as kubelet restarts it: same name, a new sandbox; its hostPort at once.
     let again = cri

@@ -135,11 +135,14 @@ impl Env {
         if command != Command::Version && var("CNI_PATH").is_none() {
             return Err(EnvError::Missing("CNI_PATH"));
         }
-        // Only ADD and CHECK use them (to name the pod): a DEL must not fail on arguments the
-        // ADD would have refused already.
+        // ADD and CHECK use them (to name the pod) and refuse bad ones; DEL reads them only
+        // for its log line: it must not fail on arguments the ADD would have refused already.
+        // fail-closed: no CNI_ARGS is no arguments.
+        let text = var("CNI_ARGS").unwrap_or_default();
         let args = match command {
-            // fail-closed: no CNI_ARGS is no arguments.
-            Command::Add | Command::Check => CniArgs::parse(&var("CNI_ARGS").unwrap_or_default())?,
+            Command::Add | Command::Check => CniArgs::parse(&text)?,
+            // fail-closed: naming only; a DEL goes on whatever its arguments are.
+            Command::Del => CniArgs::parse(&text).unwrap_or_default(),
             _ => CniArgs::default(),
         };
         Ok(Self {
