@@ -80,15 +80,27 @@ fn assert_pod_logged(sim: &SimHost, backend: Backend, sandbox: &str) {
         assert_eq!(line["network"], sim.network(), "{line}");
         assert_eq!(line["ifname"], "eth0", "{line}");
         assert_eq!(line["backend"], backend.name(), "{line}");
-        assert!(line["duration_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{line}");
+        assert!(
+            line["duration_ms"].as_f64().is_some_and(|ms| ms > 0.0),
+            "{line}"
+        );
     }
     let held = lines[0]["host_ports"].as_str().unwrap_or_default();
-    for port in ["tcp 0.0.0.0:18080 ", "tcp 203.0.113.1:18081 ", "udp 0.0.0.0:15353 "] {
+    for port in [
+        "tcp 0.0.0.0:18080 ",
+        "tcp 203.0.113.1:18081 ",
+        "udp 0.0.0.0:15353 ",
+    ] {
         assert!(held.contains(port), "the ADD holds {port}: {held}");
     }
-    assert_eq!(lines[1]["host_ports_released"], lines[0]["host_ports"], "{lines:#?}");
+    assert_eq!(
+        lines[1]["host_ports_released"], lines[0]["host_ports"],
+        "{lines:#?}"
+    );
     assert!(
-        lines[2..].iter().all(|line| line.get("host_ports_released").is_none()),
+        lines[2..]
+            .iter()
+            .all(|line| line.get("host_ports_released").is_none()),
         "the later DELs release nothing: {lines:#?}"
     );
 }

@@ -153,6 +153,7 @@ pub fn run(out_dir: &Path) -> Result<()> {
     drop(servers);
     drop(containers);
     drop(sim);
+    rows.extend(drop_counting_rows(&progress)?);
     let nftables = nftables_rows(&progress)?;
     rows.extend(nftables.0);
     let report = write_report(out_dir, "filter", "cnibpf bench: filter", &rows, &notes)?;
@@ -178,6 +179,115 @@ pub fn run(out_dir: &Path) -> Result<()> {
     )?;
     progress.step(&format!("report: {} and filter.png", report.display()));
     Ok(())
+}
+
+/// The commit before the datapath counted its drops by reason (`drop_stats`, the event
+/// budget): the baseline of what counting costs.
+const BEFORE_DROP_COUNTING: &str = "fd7ba15";
+/// The port a filtered container's flood is dropped at.
+const DROPPED_PORT: u16 = 9;
+
+/// What counting drops costs per packet, this build against the one before it in the same run:
+/// one filtered container on each (a DROP rule for UDP to port 9, everything else allowed), the
+/// datapath's time per packet while the container uploads (packets that go on) and while it
+/// floods port 9 (packets dropped), rounds alternating between the two builds.
+fn drop_counting_rows(progress: &Progress) -> Result<Vec<Row>> {
+    progress.step(&format!(
+        "drop counting: building cnibpf of {BEFORE_DROP_COUNTING} (once)"
+    ));
+    let before = cnibpf_tests::history::cnibpf_of(BEFORE_DROP_COUNTING);
+    let this = cnibpf_tests::topology::cnibpf_binary();
+    let keys = json!({
+        "backend": "ebpf",
+        "filter": [
+            { "index": 1, "direction": "egress", "proto": "udp", "dport": DROPPED_PORT, "target": "DROP" },
+        ],
+    });
+    let mut builds = Vec::new();
+    for (id, binary) in [("bench-dcb", &before), ("bench-dcn", &this)] {
+        // SAFETY: the bench runs one thread that reads the environment, this one.
+        unsafe { std::env::set_var("CNIBPF_BIN", binary) };
+        let sim = SimHost::new(id, keys.clone());
+        sim.route_outside_to_containers();
+        let container = sim.container("c", Value::Null);
+        let iperf = Iperf3Server::start(&sim.outside, 5201)?;
+        builds.push((sim, container, iperf));
+    }
+    // SAFETY: as above.
+    unsafe { std::env::set_var("CNIBPF_BIN", &this) };
+    let stats = BpfStats::enable()?;
+    let mut passed = [Vec::new(), Vec::new()];
+    let mut dropped = [Vec::new(), Vec::new()];
+    for round in 1..=ROUNDS {
+        for (index, (sim, container, _)) in builds.iter().enumerate() {
+            let label = if index == 0 {
+                BEFORE_DROP_COUNTING
+            } else {
+                "this build"
+            };
+            progress.step(&format!("drop counting round {round}/{ROUNDS}: {label}"));
+            let before = stats.programs(&sim.pin_path, &["from_container", "to_container"])?;
+            iperf3(
+                &container.netns,
+                SocketAddr::new(Family::V4.outside(), 5201),
+                IPERF_SECONDS,
+            )?;
+            let after = stats.programs(&sim.pin_path, &["from_container", "to_container"])?;
+            if after.1 <= before.1 {
+                bail!("no run of the container programs counted during iperf3 ({label})");
+            }
+            passed[index].push((after.0 - before.0) as f64 / (after.1 - before.1) as f64);
+            let before = stats.programs(&sim.pin_path, &["from_container"])?;
+            flood(container, std::time::Duration::from_secs(2));
+            let after = stats.programs(&sim.pin_path, &["from_container"])?;
+            if after.1 <= before.1 {
+                bail!("no run of from_container counted during the flood ({label})");
+            }
+            dropped[index].push((after.0 - before.0) as f64 / (after.1 - before.1) as f64);
+        }
+    }
+    drop(stats);
+    let [passed_before, passed_now] = passed.map(median);
+    let [dropped_before, dropped_now] = dropped.map(median);
+    let baseline = |value| {
+        Some((
+            format!("{BEFORE_DROP_COUNTING}, before drop counting"),
+            value,
+        ))
+    };
+    Ok(vec![
+        Row {
+            scenario: "drop counting, a packet that goes on (1 rule, TCP upload)".to_owned(),
+            metric: "datapath time per packet, this build",
+            unit: "ns",
+            value: passed_now,
+            baseline: baseline(passed_before),
+        },
+        Row {
+            scenario: format!(
+                "drop counting, a packet dropped by a rule (UDP flood to port {DROPPED_PORT})"
+            ),
+            metric: "from_container time per packet, this build",
+            unit: "ns",
+            value: dropped_now,
+            baseline: baseline(dropped_before),
+        },
+    ])
+}
+
+/// Sends UDP datagrams from `container` to the outside's port [`DROPPED_PORT`] for `length`.
+fn flood(container: &Container, length: std::time::Duration) {
+    let target = SocketAddr::new(Family::V4.outside(), DROPPED_PORT);
+    container.netns.run(move || {
+        let socket = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+        let until = std::time::Instant::now() + length;
+        while std::time::Instant::now() < until {
+            for _ in 0..256 {
+                // A send the kernel refuses (its queue full) is one less packet, not a failure.
+                let _ = socket.send_to(&[0u8; 64], target);
+            }
+        }
+    });
 }
 
 /// Labels of the four containers, in order.

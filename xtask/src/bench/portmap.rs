@@ -613,8 +613,47 @@ fn plugin_time(
             |command| invoke(command, probe),
             Some(("VERSION".to_owned(), exec_floor)),
         )?);
+        if plugin_type == "cnibpf" {
+            progress.step(&format!(
+                "{TIMED_CYCLES} scrapes of /metrics at {level} attachments"
+            ));
+            rows.push(Row {
+                scenario: format!("{label}, {level} existing attachments"),
+                metric: "a scrape of /metrics",
+                unit: "ms",
+                value: scrape_time(sim)?,
+                baseline: None,
+            });
+        }
     }
     Ok(rows)
+}
+
+/// The median wall time of a scrape of `cnibpf metrics` serving `sim`'s instance, as
+/// Prometheus would make it (OpenMetrics asked for), request to last byte.
+fn scrape_time(sim: &SimHost) -> Result<f64> {
+    let endpoint = cnibpf_tests::observe::Endpoint::metrics(sim, &[]);
+    let netns = Netns::at(&sim.host.path());
+    let address = endpoint.address;
+    let times = (0..TIMED_CYCLES)
+        .map(|_| {
+            netns.run(move || -> Result<f64> {
+                use std::io::{Read as _, Write as _};
+                let started = Instant::now();
+                let mut stream = std::net::TcpStream::connect(address)?;
+                stream.write_all(
+                    b"GET /metrics HTTP/1.0\r\nAccept: application/openmetrics-text; version=1.0.0\r\n\r\n",
+                )?;
+                let mut answer = String::new();
+                stream.read_to_string(&mut answer)?;
+                if !answer.starts_with("HTTP/1.1 200") || !answer.contains("cnibpf_attachments") {
+                    bail!("the scrape failed: {answer}");
+                }
+                Ok(started.elapsed().as_secs_f64() * 1e3)
+            })
+        })
+        .collect::<Result<Vec<f64>>>()?;
+    Ok(median(times))
 }
 
 /// The plugin alone (`plugin_type`, configured as `sim`'s chain configures it) run for
