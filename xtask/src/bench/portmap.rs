@@ -646,7 +646,9 @@ fn scrape_time(sim: &SimHost) -> Result<f64> {
                 )?;
                 let mut answer = String::new();
                 stream.read_to_string(&mut answer)?;
-                if !answer.starts_with("HTTP/1.1 200") || !answer.contains("cnibpf_attachments") {
+                // HTTP/1.0 asked, HTTP/1.0 answered: the server closes after the body.
+                let status = answer.lines().next().unwrap_or_default();
+                if !status.ends_with(" 200 OK") || !answer.contains("cnibpf_attachments") {
                     bail!("the scrape failed: {answer}");
                 }
                 Ok(started.elapsed().as_secs_f64() * 1e3)
