@@ -251,7 +251,8 @@ fn a_pod_with_host_ports_through_containerd(backend: Backend) {
 for_both_backends!(a_pod_with_host_ports_through_containerd);
 
 /// The conflist `cnibpf install` makes of a bridge + portmap network (containerd's own example
-/// configuration has that shape) is the one containerd runs: a pod's hostPort is cnibpf's.
+/// configuration has that shape), a file of its own beside the primary's, is the one
+/// containerd runs: a pod's hostPort is cnibpf's.
 #[test]
 fn a_pod_with_a_host_port_through_the_conflist_cnibpf_install_wrote() {
     let sim = SimHost::on(Backend::Ebpf, "crii", json!({ "ipMasq": true }));
@@ -289,10 +290,18 @@ fn a_pod_with_a_host_port_through_the_conflist_cnibpf_install_wrote() {
             .output()
             .expect("run cnibpf install");
         assert!(installed.status.success(), "cnibpf install: {installed:?}");
-        let chained: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(conf_dir.join(&file)).expect("read the installed conflist"),
-        )
-        .expect("the installed conflist parses");
+        assert_eq!(
+            serde_json::from_slice::<serde_json::Value>(
+                &std::fs::read(conf_dir.join(&file)).expect("read the primary network")
+            )
+            .expect("it parses"),
+            primary,
+            "the primary's file is left as it was"
+        );
+        let own_file = conf_dir.join(format!("10-{}.cnibpf.conflist", sim.network()));
+        let chained: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&own_file).expect("read cnibpf's own conflist"))
+                .expect("the installed conflist parses");
         let types: Vec<&str> = chained["plugins"]
             .as_array()
             .into_iter()
@@ -322,4 +331,177 @@ fn a_pod_with_a_host_port_through_the_conflist_cnibpf_install_wrote() {
     cri.remove_pod(&web.id)
         .unwrap_or_else(|status| panic!("RemovePodSandbox: {status}"));
     assert!(sim.holds_no_state(), "the pod's teardown leaves nothing");
+}
+
+/// Backing out through containerd's CRI with a pod running: `cnibpf install` over a bridge +
+/// portmap network, a pod with a hostPort served by cnibpf, `cnibpf uninstall` (cnibpf's
+/// conflist turns release-only), a new pod made by the restored network (portmap's iptables),
+/// the first pod still served; its removal through cnibpf's entry leaves nothing of cnibpf on
+/// the node — no pin, program on the uplink, socket hook, lock or statistics file, conflist or
+/// binary — and the runtime reads the primary's file again for the second pod's removal.
+#[test]
+fn uninstall_with_a_pod_running_leaves_nothing_once_it_is_removed() {
+    let sim = SimHost::on(Backend::Ebpf, "criu", json!({ "ipMasq": true }));
+    let conflist = sim.chain.conflist().clone();
+    let mut entry = conflist["plugins"][1].clone();
+    if let Some(entry) = entry.as_object_mut() {
+        entry.remove("type");
+    }
+    let primary = json!({
+        "cniVersion": conflist["cniVersion"],
+        "name": conflist["name"],
+        "plugins": [
+            conflist["plugins"][0],
+            { "type": "portmap", "snat": true, "capabilities": { "portMappings": true } },
+        ],
+    });
+    let primary_file = format!("10-{}.conflist", sim.network());
+    let own_file = format!("10-{}.cnibpf.conflist", sim.network());
+    let dirs = std::sync::Mutex::new(None);
+    let containerd = Containerd::start_with(&sim, |conf_dir, bin_dir| {
+        std::fs::write(
+            conf_dir.join(&primary_file),
+            serde_json::to_string_pretty(&primary).expect("JSON"),
+        )
+        .expect("write the primary network");
+        let entry_file = sim.work_dir.join("entry.json");
+        std::fs::write(&entry_file, entry.to_string()).expect("write the entry");
+        let installed = sim.cnibpf(&[
+            "install",
+            "--conf-dir",
+            &conf_dir.display().to_string(),
+            "--bin-dir",
+            &bin_dir.display().to_string(),
+            "--entry",
+            &entry_file.display().to_string(),
+            "--replace-portmap",
+        ]);
+        assert!(installed.status.success(), "cnibpf install: {installed:?}");
+        *dirs.lock().expect("dirs") = Some((conf_dir.to_owned(), bin_dir.to_owned()));
+    });
+    let (conf_dir, bin_dir) = dirs
+        .into_inner()
+        .expect("dirs")
+        .expect("containerd configured");
+    let mut cri = containerd.client();
+    let web = cri
+        .run_pod(cri.pod_config(
+            "shop",
+            "web",
+            0,
+            vec![host_port(Protocol::Tcp, 80, 18080, "")],
+        ))
+        .unwrap_or_else(|status| panic!("RunPodSandbox: {status}\n{}", containerd.log()));
+    start_httpd(&mut cri, &web);
+    assert_eq!(pods_of(&sim), ["shop/web"], "cnibpf serves the pod");
+
+    let uninstalled = sim.cnibpf(&[
+        "uninstall",
+        "--conf-dir",
+        &conf_dir.display().to_string(),
+        "--bin-dir",
+        &bin_dir.display().to_string(),
+    ]);
+    let said = String::from_utf8_lossy(&uninstalled.stdout);
+    assert!(
+        uninstalled.status.success() && said.contains("release-only"),
+        "cnibpf uninstall: {uninstalled:?}"
+    );
+    let released: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(conf_dir.join(&own_file)).expect("cnibpf's conflist stays"),
+    )
+    .expect("it parses");
+    let types: Vec<&str> = released["plugins"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|plugin| plugin["type"].as_str())
+        .collect();
+    assert_eq!(types, ["bridge", "portmap", "cnibpf"], "{released:#}");
+    assert!(
+        bin_dir.join("cnibpf").exists(),
+        "the binary stays for the DEL"
+    );
+
+    let late = cri
+        .run_pod(cri.pod_config(
+            "shop",
+            "late",
+            0,
+            vec![host_port(Protocol::Tcp, 80, 18081, "")],
+        ))
+        .unwrap_or_else(|status| panic!("RunPodSandbox: {status}\n{}", containerd.log()));
+    start_httpd(&mut cri, &late);
+    assert_eq!(pods_of(&sim), ["shop/web"], "the new pod is not cnibpf's");
+    assert!(
+        sim.host
+            .exec(&["iptables-save", "-t", "nat"])
+            .contains(&late.id),
+        "the restored portmap maps the new pod's hostPort"
+    );
+    assert!(
+        outside_gets_the_page(&sim, 18081),
+        "the outside reaches the new pod through portmap's hostPort 18081"
+    );
+    assert!(
+        outside_gets_the_page(&sim, 18080),
+        "the first pod keeps its hostPort, served by cnibpf"
+    );
+
+    cri.stop_pod(&web.id)
+        .unwrap_or_else(|status| panic!("StopPodSandbox: {status}"));
+    cri.remove_pod(&web.id)
+        .unwrap_or_else(|status| panic!("RemovePodSandbox: {status}"));
+    let stats = cnibpf_tests::topology::call_stats_file(&sim.pin_path);
+    let lock = stats.with_extension("lock");
+    let left: Vec<String> = [
+        sim.pin_path.clone(),
+        stats,
+        lock,
+        conf_dir.join(&own_file),
+        bin_dir.join("cnibpf"),
+    ]
+    .into_iter()
+    .filter(|path| path.symlink_metadata().is_ok())
+    .map(|path| path.display().to_string())
+    .collect();
+    assert!(left.is_empty(), "left on the node: {left:?}");
+    let hooks = sim.host.exec(&[
+        "bpftool",
+        "net",
+        "show",
+        "dev",
+        cnibpf_tests::topology::UPLINK,
+    ]);
+    assert!(
+        !hooks.contains("uplink_"),
+        "no cnibpf program on the uplink: {hooks}"
+    );
+    let socket_hooks = sim.host.exec(&[
+        "bpftool",
+        "cgroup",
+        "show",
+        &sim.cgroup.display().to_string(),
+    ]);
+    assert!(
+        socket_hooks.trim().is_empty(),
+        "no socket hook on the instance's cgroup: {socket_hooks}"
+    );
+    let log = call_log(&sim.call_log());
+    assert!(
+        log.iter()
+            .any(|line| line["verb"] == "DEL" && line["uninstalled"].is_string()),
+        "the last DEL says what it removed: {log:#?}"
+    );
+
+    cri.stop_pod(&late.id)
+        .unwrap_or_else(|status| panic!("StopPodSandbox: {status}\n{}", containerd.log()));
+    cri.remove_pod(&late.id)
+        .unwrap_or_else(|status| panic!("RemovePodSandbox: {status}"));
+    let nat = sim.host.exec(&["iptables-save", "-t", "nat"]);
+    assert!(
+        !nat.contains(&late.id),
+        "the restored network's portmap removed the new pod's rules:\n{nat}"
+    );
+    assert!(sim.holds_no_state(), "nothing of cnibpf");
 }

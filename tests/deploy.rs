@@ -73,6 +73,10 @@ fn the_image_installs_into_the_host_dirs_and_uninstalls_from_them() {
     ];
     let run = |args: &[&str]| {
         let mut command = vec!["run", "--rm", "--network", "none"];
+        if args.first() == Some(&"uninstall") {
+            // As the uninstall manifest grants: reading (and removing) the datapath.
+            command.extend(["--cap-add", "BPF,NET_ADMIN,SYS_ADMIN"]);
+        }
         for mount in &mounts {
             command.extend(["--volume", mount]);
         }
@@ -98,7 +102,13 @@ fn the_image_installs_into_the_host_dirs_and_uninstalls_from_them() {
     ];
     let installed = run(&[&["install", "--replace-portmap"][..], &host_dirs].concat());
     assert!(installed.status.success(), "install: {installed:?}");
-    let chained = read_json(&primary);
+    assert_eq!(
+        read_json(&primary),
+        flannel(),
+        "the primary's file is not written"
+    );
+    let own_file = conf_dir.join("10-flannel.cnibpf.conflist");
+    let chained = read_json(&own_file);
     assert_eq!(chained["plugins"][1]["type"], "cnibpf", "{chained:#}");
     assert_eq!(
         std::fs::read(bin_dir.join("cnibpf")).expect("the installed binary"),
@@ -113,21 +123,106 @@ fn the_image_installs_into_the_host_dirs_and_uninstalls_from_them() {
 
     let removed = run(&[&["uninstall"][..], &host_dirs].concat());
     assert!(removed.status.success(), "uninstall: {removed:?}");
-    assert_eq!(read_json(&primary), flannel(), "restored");
+    assert_eq!(read_json(&primary), flannel(), "as it was");
+    assert!(!own_file.exists(), "cnibpf's conflist removed");
     assert!(!bin_dir.join("cnibpf").exists(), "binary removed");
+
+    // The DaemonSet's init container: bpffs mounted inside a privileged container on a
+    // volume with shared propagation (Kubernetes' Bidirectional) appears on the host, where
+    // the plugin pins; run again, it finds it there.
+    let host_bpffs = node.join("sys/fs/bpf");
+    std::fs::create_dir_all(&host_bpffs).expect("host bpffs dir");
+    let shared = SharedMount::new(&host_bpffs);
+    let mount = format!(
+        "type=bind,src={},dst=/sys/fs/bpf,bind-propagation=rshared",
+        shared.path.display()
+    );
+    let init = |expect: &str| {
+        let output = podman.run(&[
+            "run",
+            "--rm",
+            "--privileged",
+            "--network",
+            "none",
+            "--mount",
+            &mount,
+            "localhost/cnibpf:test",
+            "mount-bpffs",
+            "--path=/sys/fs/bpf",
+        ]);
+        let said = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success() && said.contains(expect),
+            "mount-bpffs ({expect}): {output:?}"
+        );
+    };
+    init("mounted bpffs on /sys/fs/bpf");
+    assert_eq!(
+        filesystem_type(&shared.path),
+        "bpf_fs",
+        "the host sees the bpffs the container mounted"
+    );
+    init("is a bpffs already");
 }
 
-#[test]
-fn the_manifests_are_valid_kubernetes_objects_and_name_the_image_xtask_builds() {
+/// `path` bind-mounted on itself with shared propagation (what kubelet makes of a hostPath
+/// with Bidirectional propagation), unmounted with whatever was mounted under it on drop.
+struct SharedMount {
+    path: PathBuf,
+}
+
+impl SharedMount {
+    fn new(path: &Path) -> Self {
+        for args in [
+            vec!["--bind", &*path.to_string_lossy(), &*path.to_string_lossy()],
+            vec!["--make-rshared", &*path.to_string_lossy()],
+        ] {
+            let output = std::process::Command::new("mount")
+                .args(&args)
+                .output()
+                .expect("run mount");
+            assert!(output.status.success(), "mount {args:?}: {output:?}");
+        }
+        Self {
+            path: path.to_owned(),
+        }
+    }
+}
+
+impl Drop for SharedMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("--recursive")
+            .arg(&self.path)
+            .status();
+    }
+}
+
+/// The type of the filesystem `path` is on, as `stat -f` names it.
+fn filesystem_type(path: &Path) -> String {
+    let output = std::process::Command::new("stat")
+        .args(["-f", "-c", "%T"])
+        .arg(path)
+        .output()
+        .expect("run stat");
+    assert!(
+        output.status.success(),
+        "stat -f {}: {output:?}",
+        path.display()
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+/// `kubernetes-validate --strict` over `manifests` (the API's schemas, offline): its report.
+fn validate(manifests: &[PathBuf]) -> String {
     let tools = std::env::var_os("CNIBPF_TOOLS_DIR").map_or_else(
         || Path::new(&std::env::var_os("HOME").expect("HOME")).join(".local/share/cnibpf-tools"),
         PathBuf::from,
     );
     let validator = tools.join("kubernetes-validate/bin/kubernetes-validate");
-    let manifests = ["deploy/cnibpf.yaml", "deploy/cnibpf-uninstall.yaml"];
     let output = std::process::Command::new(&validator)
         .arg("--strict")
-        .args(manifests.map(|manifest| repository().join(manifest)))
+        .args(manifests)
         .output()
         .unwrap_or_else(|error| {
             panic!(
@@ -135,12 +230,22 @@ fn the_manifests_are_valid_kubernetes_objects_and_name_the_image_xtask_builds() 
                 validator.display()
             )
         });
-    let report = String::from_utf8_lossy(&output.stdout);
+    let report = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
         "{report}\n{}",
         String::from_utf8_lossy(&output.stderr)
     );
+    report
+}
+
+const DAEMONSET: &str = "deploy/base/cnibpf.yaml";
+const UNINSTALL: &str = "deploy/cnibpf-uninstall.yaml";
+
+#[test]
+fn the_manifests_are_valid_kubernetes_objects_and_name_the_image_xtask_builds() {
+    let manifests = [DAEMONSET, UNINSTALL];
+    let report = validate(&manifests.map(|manifest| repository().join(manifest)));
     for resource in [
         "configmap/cnibpf-entry",
         "daemonset/cnibpf ",
@@ -153,8 +258,119 @@ fn the_manifests_are_valid_kubernetes_objects_and_name_the_image_xtask_builds() 
         let text = std::fs::read_to_string(repository().join(manifest)).expect("manifest");
         assert!(text.contains(&image), "{manifest} runs {image}");
     }
-    let daemonset = std::fs::read_to_string(repository().join(manifests[0])).expect("manifest");
-    for arg in ["- --watch", "- --reclaim-every=", "- --replace-portmap"] {
+    let daemonset = std::fs::read_to_string(repository().join(DAEMONSET)).expect("manifest");
+    for arg in [
+        "- --watch",
+        "- --reclaim-every=$(RECLAIM_EVERY)",
+        "- --replace-portmap",
+    ] {
         assert!(daemonset.contains(arg), "the DaemonSet runs install {arg}");
     }
+}
+
+/// The node's confinement lifted and its mounts in place, as Cilium's agent has them: the
+/// runtime's AppArmor profile and SELinux's container_t off (each container), bpffs mounted
+/// for the host by a privileged init container with Bidirectional propagation and seen by
+/// the installer, Linux nodes only, no service account token.
+#[test]
+fn the_daemonset_runs_unconfined_with_bpffs_propagated_to_the_host() {
+    let text = std::fs::read_to_string(repository().join(DAEMONSET)).expect("manifest");
+    let documents: Vec<Value> = text
+        .split("\n---\n")
+        .map(|document| {
+            serde_yaml_ng::from_str(document).unwrap_or_else(|error| panic!("YAML: {error}"))
+        })
+        .collect();
+    let daemonset = documents
+        .iter()
+        .find(|document| document["kind"] == "DaemonSet")
+        .expect("the DaemonSet");
+    let pod = &daemonset["spec"]["template"]["spec"];
+    assert_eq!(pod["nodeSelector"]["kubernetes.io/os"], "linux");
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    let init = &pod["initContainers"][0];
+    assert_eq!(init["args"], json!(["mount-bpffs", "--path=/sys/fs/bpf"]));
+    assert_eq!(init["securityContext"]["privileged"], true);
+    let bpffs_mount = |container: &Value| {
+        container["volumeMounts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|mount| mount["mountPath"] == "/sys/fs/bpf")
+            .cloned()
+            .unwrap_or_else(|| panic!("{} mounts /sys/fs/bpf", container["name"]))
+    };
+    assert_eq!(bpffs_mount(init)["mountPropagation"], "Bidirectional");
+    let installer = &pod["containers"][0];
+    assert_eq!(
+        bpffs_mount(installer)["mountPropagation"],
+        "HostToContainer"
+    );
+    for container in [init, installer] {
+        let context = &container["securityContext"];
+        assert_eq!(
+            (
+                &context["appArmorProfile"]["type"],
+                &context["seLinuxOptions"]["type"]
+            ),
+            (&json!("Unconfined"), &json!("spc_t")),
+            "{}",
+            container["name"]
+        );
+    }
+    assert_eq!(installer["securityContext"]["privileged"], false);
+}
+
+/// The kustomize base renders the manifest as it is, and the example overlay sets the image,
+/// the entry and the reclaim period; both stay valid objects.
+#[test]
+fn kustomize_renders_the_base_and_an_overlay() {
+    let kubectl = std::process::Command::new("kubectl")
+        .args(["version", "--client"])
+        .output();
+    if !kubectl.is_ok_and(|output| output.status.success()) {
+        cnibpf_tests::skip(
+            "no kubectl on this machine (Debian 12 does not package it; the development image has it)",
+        );
+        return;
+    }
+    let work = std::env::temp_dir().join(format!("cnibpf-kustomize-{}", std::process::id()));
+    std::fs::create_dir_all(&work).expect("work dir");
+    let render = |kustomization: &str| {
+        let output = std::process::Command::new("kubectl")
+            .arg("kustomize")
+            .arg(repository().join(kustomization))
+            .output()
+            .expect("run kubectl kustomize");
+        assert!(
+            output.status.success(),
+            "kubectl kustomize {kustomization}: {output:?}"
+        );
+        let rendered = work.join(format!("{}.yaml", kustomization.replace('/', "-")));
+        std::fs::write(&rendered, &output.stdout).expect("write the rendering");
+        let report = validate(std::slice::from_ref(&rendered));
+        assert!(
+            report.contains("daemonset/cnibpf ") && report.contains("configmap/cnibpf-entry"),
+            "{report}"
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let base = render("deploy/base");
+    assert!(base.contains("image: localhost/cnibpf:"), "{base}");
+    assert!(base.contains("reclaim-every: 5m"), "{base}");
+    let overlay = render("deploy/overlays/example");
+    assert_eq!(
+        overlay
+            .matches("image: registry.example.com/cnibpf:0.1.0")
+            .count(),
+        2,
+        "both containers run the overlay's image: {overlay}"
+    );
+    assert!(!overlay.contains("localhost/cnibpf"), "{overlay}");
+    assert!(overlay.contains("reclaim-every: 10m"), "{overlay}");
+    assert!(
+        overlay.contains("\"ipMasq\": true"),
+        "the overlay's entry: {overlay}"
+    );
+    let _ = std::fs::remove_dir_all(&work);
 }

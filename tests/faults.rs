@@ -521,6 +521,7 @@ fn faults_in_install_and_uninstall() {
     ]});
     let write_original = || {
         std::fs::write(conf.join("10-k8s.conflist"), original.to_string()).expect("write");
+        let _ = std::fs::remove_file(conf.join("10-k8s.cnibpf.conflist"));
         let _ = std::fs::remove_file(bin.join("cnibpf"));
     };
     let binary = cnibpf_binary();
@@ -540,13 +541,21 @@ fn faults_in_install_and_uninstall() {
             .output()
             .expect("run cnibpf")
     };
-    let install: &[&str] = &["install", "--replace-portmap"];
+    // A pinPath of the test's own: uninstall removes the datapath of the instance it names.
+    let entry = work.join("entry.json");
+    std::fs::write(
+        &entry,
+        json!({ "pinPath": "/sys/fs/bpf/cnibpf-test-faults-install" }).to_string(),
+    )
+    .expect("write the entry");
+    let entry = entry.display().to_string();
+    let install: &[&str] = &["install", "--replace-portmap", "--entry", &entry];
     let uninstall: &[&str] = &["uninstall"];
     write_original();
     let before = conf_files(&conf);
     assert!(run(None, install).status.success());
     let after = conf_files(&conf);
-    assert_ne!(before, after, "install chains cnibpf in");
+    assert_ne!(before, after, "install writes cnibpf's conflist");
     let assert_whole = |context: &str| {
         let files = conf_files(&conf);
         for (name, value) in &files {

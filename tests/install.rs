@@ -1,8 +1,11 @@
 //! `cnibpf install` and `cnibpf uninstall` against a node's CNI directories (temporary ones):
-//! the primary networks of Calico, flannel, Cilium in chaining mode and the bridge plugin, as
-//! they ship them; re-installs, an upgrade while the old binary runs, `--watch` after the
-//! primary rewrites or replaces its file, readers that never see half a file, and uninstall
-//! restoring what was there.
+//! the primary networks of Calico, flannel, Cilium in chaining mode, the bridge plugin and
+//! Multus (thin and thick) in front of a cluster network, as they ship them; cnibpf's own
+//! conflist read by a runtime in the primary's place, the primary's files never written;
+//! re-installs, an upgrade while the old binary runs, an earlier release's in-place chain
+//! moved out, `--watch` while the primary rewrites or replaces its file (a runtime never
+//! reading a network without cnibpf), readers that never see half a file, and uninstall
+//! leaving the directory as it was.
 
 use std::{
     path::{Path, PathBuf},
@@ -14,12 +17,18 @@ use std::{
     time::Duration,
 };
 
-use cnibpf_tests::{eventually, topology::cnibpf_binary};
+use cnibpf_tests::{
+    chain::{Attachment, Chain, plugin_command, run_with_stdin},
+    eventually,
+    topology::{SimHost, cni_path, cnibpf_binary, port_mappings},
+};
 use serde_json::{Value, json};
 
-/// A node's CNI conf and bin dirs, removed on drop.
+/// A node's CNI conf and bin dirs, removed on drop, and an entry naming a pinPath of the
+/// test's own (uninstall removes the datapath of the instance an entry names).
 struct NodeDirs {
     root: PathBuf,
+    pin_path: PathBuf,
 }
 
 impl NodeDirs {
@@ -31,7 +40,25 @@ impl NodeDirs {
             std::fs::create_dir_all(root.join(dir))
                 .unwrap_or_else(|error| panic!("create {}: {error}", root.display()));
         }
-        Self { root }
+        let pin_path = PathBuf::from(format!(
+            "/sys/fs/bpf/cnibpf-test-install-{name}-{}",
+            std::process::id()
+        ));
+        std::fs::write(
+            root.join("entry.json"),
+            json!({ "pinPath": pin_path }).to_string(),
+        )
+        .expect("write the entry");
+        Self { root, pin_path }
+    }
+
+    /// An entry file with `keys` and this node's pinPath.
+    fn entry(&self, keys: &Value) -> String {
+        let mut entry = keys.clone();
+        entry["pinPath"] = json!(self.pin_path);
+        let path = self.root.join("entry-keys.json");
+        std::fs::write(&path, entry.to_string()).expect("write the entry");
+        path.display().to_string()
     }
 
     fn conf_dir(&self) -> PathBuf {
@@ -56,6 +83,12 @@ impl NodeDirs {
             .unwrap_or_else(|error| panic!("{} does not parse ({error}):\n{text}", path.display()))
     }
 
+    /// The network in file `name`, when it is there and whole.
+    fn read_if_there(&self, name: &str) -> Option<Value> {
+        let text = std::fs::read_to_string(self.conf_dir().join(name)).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
     /// The file names of the conf dir, sorted.
     fn files(&self) -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(self.conf_dir())
@@ -67,21 +100,28 @@ impl NodeDirs {
         names
     }
 
-    fn args(&self, command: &str) -> Vec<String> {
-        vec![
+    /// The arguments of `command` with `extra`: the dirs, and for `install` this node's
+    /// entry unless `extra` names one.
+    fn args(&self, command: &str, extra: &[&str]) -> Vec<String> {
+        let mut args = vec![
             command.to_owned(),
             "--conf-dir".to_owned(),
             self.conf_dir().display().to_string(),
             "--bin-dir".to_owned(),
             self.bin_dir().display().to_string(),
-        ]
+        ];
+        if command == "install" && !extra.contains(&"--entry") {
+            args.push("--entry".to_owned());
+            args.push(self.root.join("entry.json").display().to_string());
+        }
+        args.extend(extra.iter().map(|arg| (*arg).to_owned()));
+        args
     }
 
     /// `cnibpf install` (or `uninstall`) with `extra` arguments, run by `binary`.
     fn run_with(&self, binary: &Path, command: &str, extra: &[&str]) -> Output {
         Command::new(binary)
-            .args(self.args(command))
-            .args(extra)
+            .args(self.args(command, extra))
             .output()
             .unwrap_or_else(|error| panic!("run cnibpf {command}: {error}"))
     }
@@ -101,9 +141,8 @@ impl NodeDirs {
 
     fn watch(&self, extra: &[&str]) -> Child {
         Command::new(cnibpf_binary())
-            .args(self.args("install"))
+            .args(self.args("install", extra))
             .arg("--watch")
-            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -114,6 +153,7 @@ impl NodeDirs {
 impl Drop for NodeDirs {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.root);
+        let _ = std::fs::remove_dir_all(&self.pin_path);
     }
 }
 
@@ -142,12 +182,60 @@ fn terminate(mut child: Child) {
 /// A primary network as its CNI ships it, and what cnibpf's install must make of it.
 struct Primary {
     shape: &'static str,
+    /// The file and network cnibpf chains into.
     file: &'static str,
     network: Value,
-    /// Plugin types after the install.
+    /// A Multus file sorting before it, as Multus writes its own.
+    multus: Option<(&'static str, Value)>,
+    /// Plugin types of cnibpf's own file.
     chained: &'static [&'static str],
-    /// The file holding the chain after the install.
-    chained_file: &'static str,
+    /// cnibpf's own file.
+    own_file: &'static str,
+}
+
+fn calico() -> Value {
+    json!({ "name": "k8s-pod-network", "cniVersion": "0.3.1", "plugins": [
+        { "type": "calico", "log_level": "info", "datastore_type": "kubernetes",
+          "mtu": 1440, "ipam": { "type": "calico-ipam" },
+          "policy": { "type": "k8s" }, "kubernetes": { "kubeconfig": "/etc/cni/net.d/calico-kubeconfig" } },
+        { "type": "bandwidth", "capabilities": { "bandwidth": true } },
+        { "type": "portmap", "snat": true, "capabilities": { "portMappings": true } },
+    ]})
+}
+
+fn flannel() -> Value {
+    json!({ "name": "cbr0", "cniVersion": "0.3.1", "plugins": [
+        { "type": "flannel", "delegate": { "hairpinMode": true, "isDefaultGateway": true } },
+        { "type": "portmap", "capabilities": { "portMappings": true } },
+    ]})
+}
+
+fn cilium_chaining() -> Value {
+    json!({ "name": "generic-veth", "cniVersion": "0.3.1", "plugins": [
+        { "type": "ptp", "ipMasq": true, "ipam": { "type": "host-local", "subnet": "10.1.0.0/16" } },
+        { "type": "cilium-cni" },
+    ]})
+}
+
+fn bridge() -> Value {
+    json!({ "cniVersion": "1.0.0", "name": "mynet", "type": "bridge",
+        "bridge": "cni0", "isGateway": true, "ipMasq": true,
+        "ipam": { "type": "host-local", "subnet": "10.22.0.0/16",
+                  "routes": [{ "dst": "0.0.0.0/0" }] } })
+}
+
+/// Thin Multus's `00-multus.conf`, its cluster network inline, as its entrypoint writes it.
+fn multus_thin(cluster: &Value) -> Value {
+    json!({ "cniVersion": "0.3.1", "name": "multus-cni-network", "type": "multus",
+        "capabilities": { "portMappings": true, "bandwidth": true },
+        "kubeconfig": "/etc/cni/net.d/multus.d/multus.kubeconfig",
+        "delegates": [cluster] })
+}
+
+/// Thick Multus's `00-multus.conflist`: the shim, the daemon reading the cluster network.
+fn multus_thick() -> Value {
+    json!({ "cniVersion": "0.3.1", "name": "multus-cni-network",
+        "plugins": [{ "type": "multus-shim", "logLevel": "verbose", "logToStderr": true }] })
 }
 
 fn primaries() -> Vec<Primary> {
@@ -155,62 +243,112 @@ fn primaries() -> Vec<Primary> {
         Primary {
             shape: "Calico",
             file: "10-calico.conflist",
-            network: json!({ "name": "k8s-pod-network", "cniVersion": "0.3.1", "plugins": [
-                { "type": "calico", "log_level": "info", "datastore_type": "kubernetes",
-                  "mtu": 1440, "ipam": { "type": "calico-ipam" },
-                  "policy": { "type": "k8s" }, "kubernetes": { "kubeconfig": "/etc/cni/net.d/calico-kubeconfig" } },
-                { "type": "bandwidth", "capabilities": { "bandwidth": true } },
-                { "type": "portmap", "snat": true, "capabilities": { "portMappings": true } },
-            ]}),
+            network: calico(),
+            multus: None,
             chained: &["calico", "bandwidth", "cnibpf"],
-            chained_file: "10-calico.conflist",
+            own_file: "10-calico.cnibpf.conflist",
         },
         Primary {
             shape: "flannel",
             file: "10-flannel.conflist",
-            network: json!({ "name": "cbr0", "cniVersion": "0.3.1", "plugins": [
-                { "type": "flannel", "delegate": { "hairpinMode": true, "isDefaultGateway": true } },
-                { "type": "portmap", "capabilities": { "portMappings": true } },
-            ]}),
+            network: flannel(),
+            multus: None,
             chained: &["flannel", "cnibpf"],
-            chained_file: "10-flannel.conflist",
+            own_file: "10-flannel.cnibpf.conflist",
         },
         Primary {
             shape: "Cilium chaining",
             file: "05-cilium.conflist",
-            network: json!({ "name": "generic-veth", "cniVersion": "0.3.1", "plugins": [
-                { "type": "ptp", "ipMasq": true, "ipam": { "type": "host-local", "subnet": "10.1.0.0/16" } },
-                { "type": "cilium-cni" },
-            ]}),
+            network: cilium_chaining(),
+            multus: None,
             chained: &["ptp", "cilium-cni", "cnibpf"],
-            chained_file: "05-cilium.conflist",
+            own_file: "05-cilium.cnibpf.conflist",
         },
         Primary {
             shape: "bridge .conf",
             file: "10-mynet.conf",
-            network: json!({ "cniVersion": "1.0.0", "name": "mynet", "type": "bridge",
-                "bridge": "cni0", "isGateway": true, "ipMasq": true,
-                "ipam": { "type": "host-local", "subnet": "10.22.0.0/16",
-                          "routes": [{ "dst": "0.0.0.0/0" }] } }),
+            network: bridge(),
+            multus: None,
             chained: &["bridge", "cnibpf"],
-            chained_file: "10-mynet.conflist",
+            own_file: "10-mynet.cnibpf.conflist",
+        },
+        Primary {
+            shape: "Multus thin over Calico",
+            file: "10-calico.conflist",
+            network: calico(),
+            multus: Some(("00-multus.conf", multus_thin(&calico()))),
+            chained: &["calico", "bandwidth", "cnibpf"],
+            own_file: "10-calico.cnibpf.conflist",
+        },
+        Primary {
+            shape: "Multus thick over flannel",
+            file: "10-flannel.conflist",
+            network: flannel(),
+            multus: Some(("00-multus.conflist", multus_thick())),
+            chained: &["flannel", "cnibpf"],
+            own_file: "10-flannel.cnibpf.conflist",
         },
     ]
 }
 
+/// The network a runtime uses, as libcni finds it: the first of the sorted `.conf`,
+/// `.conflist` and `.json` files, which must be whole (a file renamed away between the listing
+/// and the read is passed over); `None` when there is none.
+fn first_network(conf_dir: &Path) -> Option<(PathBuf, Value)> {
+    let mut names: Vec<PathBuf> = std::fs::read_dir(conf_dir)
+        .expect("read the conf dir")
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| {
+            path.extension().is_some_and(|extension| {
+                extension == "conf" || extension == "conflist" || extension == "json"
+            })
+        })
+        .collect();
+    names.sort();
+    names.into_iter().find_map(|path| {
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return None,
+            Err(error) => panic!("read {}: {error}", path.display()),
+        };
+        let value = serde_json::from_str::<Value>(&text).unwrap_or_else(|error| {
+            panic!("{} read half written ({error}):\n{text}", path.display())
+        });
+        Some((path, value))
+    })
+}
+
+/// The first network after Multus's own, which Multus's configuration picks as the cluster
+/// network.
+fn multus_cluster_network(conf_dir: &Path, multus_file: &str) -> Value {
+    let mut names: Vec<String> = std::fs::read_dir(conf_dir)
+        .expect("read the conf dir")
+        .filter_map(Result::ok)
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.ends_with(".conf") || name.ends_with(".conflist"))
+        .filter(|name| name != multus_file)
+        .collect();
+    names.sort();
+    let first = names.first().expect("a cluster network");
+    let text = std::fs::read_to_string(conf_dir.join(first)).expect("read it");
+    serde_json::from_str(&text).expect("it parses")
+}
+
 #[test]
-fn every_primary_shape_is_chained_once_and_restored_by_uninstall() {
-    let entry_dir = NodeDirs::new("entry");
-    let entry = entry_dir.root.join("entry.json");
-    std::fs::write(&entry, r#"{ "ipMasq": false, "backend": "auto" }"#).expect("entry");
-    let entry = entry.display().to_string();
+fn every_primary_shape_is_chained_in_a_file_of_cnibpfs_own_and_uninstall_removes_it() {
     for primary in primaries() {
         let node = NodeDirs::new("shapes");
+        let entry = node.entry(&json!({ "ipMasq": false, "backend": "auto" }));
         node.write(primary.file, &primary.network);
+        if let Some((file, multus)) = &primary.multus {
+            node.write(file, multus);
+        }
         // A network the runtime does not use: it sorts after the primary.
         let other =
             json!({ "name": "other", "cniVersion": "1.0.0", "plugins": [{ "type": "loopback" }] });
         node.write("99-other.conflist", &other);
+        let before = node.files();
         let has_portmap = types(&primary.network).iter().any(|kind| kind == "portmap");
         if has_portmap {
             let refused = node.run("install", &["--entry", &entry]);
@@ -220,12 +358,7 @@ fn every_primary_shape_is_chained_once_and_restored_by_uninstall() {
                 "{}: a chain with portmap is refused: {refused:?}",
                 primary.shape
             );
-            assert_eq!(
-                node.read(primary.file),
-                primary.network,
-                "{}: untouched",
-                primary.shape
-            );
+            assert_eq!(node.files(), before, "{}: nothing written", primary.shape);
             assert!(
                 !node.bin_dir().join("cnibpf").exists(),
                 "{}: nothing installed",
@@ -245,11 +378,16 @@ fn every_primary_shape_is_chained_once_and_restored_by_uninstall() {
             "{}",
             primary.shape
         );
-        let chained = node.read(primary.chained_file);
+        let chained = node.read(primary.own_file);
         assert_eq!(
             types(&chained),
             primary.chained,
             "{}: {chained:#}",
+            primary.shape
+        );
+        assert_eq!(
+            chained["name"], primary.network["name"],
+            "{}: the same network, by name",
             primary.shape
         );
         let ours = chained["plugins"]
@@ -265,24 +403,62 @@ fn every_primary_shape_is_chained_once_and_restored_by_uninstall() {
             "{}: runtimes send hostPorts to cnibpf",
             primary.shape
         );
-        if primary.file != primary.chained_file {
-            assert!(
-                !node.conf_dir().join(primary.file).exists(),
-                "the .conf became the .conflist"
-            );
-        }
         assert_eq!(
-            node.read("99-other.conflist"),
-            other,
-            "the other network is untouched"
+            ours["cnibpfInstall"]["source"], primary.file,
+            "{}",
+            primary.shape
         );
+        assert_eq!(
+            node.read(primary.file),
+            primary.network,
+            "{}: the primary's file is never written",
+            primary.shape
+        );
+        assert_eq!(
+            node.files(),
+            {
+                let mut files = before.clone();
+                files.push(primary.own_file.to_owned());
+                files.sort();
+                files
+            },
+            "{}: one file more",
+            primary.shape
+        );
+        let (used, network) = first_network(&node.conf_dir()).expect("a network");
+        match &primary.multus {
+            None => assert_eq!(
+                (
+                    used.file_name()
+                        .map(|name| name.to_string_lossy().into_owned()),
+                    &network
+                ),
+                (Some(primary.own_file.to_owned()), &chained),
+                "{}: the runtime reads cnibpf's file in the primary's place",
+                primary.shape
+            ),
+            Some((file, multus)) => {
+                assert_eq!(
+                    (&network, used.ends_with(file)),
+                    (multus, true),
+                    "{}: the runtime still reads Multus's file, untouched",
+                    primary.shape
+                );
+                assert_eq!(
+                    multus_cluster_network(&node.conf_dir(), file),
+                    chained,
+                    "{}: Multus's cluster network is cnibpf's file",
+                    primary.shape
+                );
+            }
+        }
         eprintln!(
-            "{} ({}) before:\n{:#}\nafter install ({}):\n{chained:#}",
-            primary.shape, primary.file, primary.network, primary.chained_file
+            "{} ({}) chained in {}:\n{chained:#}",
+            primary.shape, primary.file, primary.own_file
         );
 
         // Again: nothing changes, not even the file's time.
-        let written = std::fs::metadata(node.conf_dir().join(primary.chained_file))
+        let written = std::fs::metadata(node.conf_dir().join(primary.own_file))
             .and_then(|metadata| metadata.modified())
             .expect("mtime");
         let again = node.succeed("install", flags);
@@ -290,26 +466,22 @@ fn every_primary_shape_is_chained_once_and_restored_by_uninstall() {
             again.trim().is_empty(),
             "a re-install writes nothing: {again}"
         );
-        let unchanged = std::fs::metadata(node.conf_dir().join(primary.chained_file))
+        let unchanged = std::fs::metadata(node.conf_dir().join(primary.own_file))
             .and_then(|metadata| metadata.modified())
             .expect("mtime");
         assert_eq!(written, unchanged, "{}", primary.shape);
 
         node.succeed("uninstall", &[]);
         assert_eq!(
-            node.read(primary.file),
-            primary.network,
-            "{}: restored",
+            node.files(),
+            before,
+            "{}: nothing left behind",
             primary.shape
         );
         assert_eq!(
-            node.files(),
-            {
-                let mut files = vec![primary.file.to_owned(), "99-other.conflist".to_owned()];
-                files.sort();
-                files
-            },
-            "{}: nothing left behind",
+            node.read(primary.file),
+            primary.network,
+            "{}",
             primary.shape
         );
         assert!(
@@ -320,10 +492,59 @@ fn every_primary_shape_is_chained_once_and_restored_by_uninstall() {
     }
 }
 
+/// A node an earlier release installed on (cnibpf chained into the primary's own file, a
+/// `.conf` turned into a `.conflist` — Multus's among them): the install moves the chain into
+/// cnibpf's own file and puts every file back as it was.
+#[test]
+fn an_earlier_in_place_chain_moves_into_cnibpfs_own_file() {
+    let node = NodeDirs::new("in-place");
+    let mut in_place = calico();
+    let portmap = in_place["plugins"][2].clone();
+    in_place["plugins"][2] = json!({ "type": "cnibpf", "snat": true,
+        "capabilities": { "portMappings": true },
+        "cnibpfInstall": { "replacedPortmap": portmap, "portmapIndex": 2 } });
+    node.write("10-calico.conflist", &in_place);
+    // What an earlier release made of thin Multus's file.
+    let multus = multus_thin(&calico());
+    let mut multus_chain = json!({ "cniVersion": multus["cniVersion"], "name": multus["name"],
+        "plugins": [multus.clone(), { "type": "cnibpf",
+            "cnibpfInstall": { "convertedFrom": "00-multus.conf" } }] });
+    if let Some(plugin) = multus_chain["plugins"][0].as_object_mut() {
+        plugin.remove("cniVersion");
+        plugin.remove("name");
+    }
+    node.write("00-multus.conflist", &multus_chain);
+    node.succeed("install", &["--replace-portmap"]);
+    assert_eq!(
+        node.files(),
+        [
+            "00-multus.conf",
+            "10-calico.cnibpf.conflist",
+            "10-calico.conflist"
+        ]
+    );
+    assert_eq!(
+        node.read("00-multus.conf"),
+        multus,
+        "Multus's file as Multus wrote it"
+    );
+    assert_eq!(
+        node.read("10-calico.conflist"),
+        calico(),
+        "Calico's as Calico wrote it"
+    );
+    assert_eq!(
+        types(&node.read("10-calico.cnibpf.conflist")),
+        ["calico", "bandwidth", "cnibpf"]
+    );
+    node.succeed("uninstall", &[]);
+    assert_eq!(node.files(), ["00-multus.conf", "10-calico.conflist"]);
+}
+
 #[test]
 fn an_upgrade_replaces_the_binary_while_the_old_one_runs() {
     let node = NodeDirs::new("upgrade");
-    node.write("10-flannel.conflist", &primaries()[1].network);
+    node.write("10-flannel.conflist", &flannel());
     // The "old release": the same program with a byte more, running from the bin dir.
     let old = node.bin_dir().join("cnibpf");
     let mut content = std::fs::read(cnibpf_binary()).expect("cnibpf");
@@ -332,16 +553,15 @@ fn an_upgrade_replaces_the_binary_while_the_old_one_runs() {
     std::fs::set_permissions(&old, std::os::unix::fs::PermissionsExt::from_mode(0o755))
         .expect("chmod");
     let running = Command::new(&old)
-        .args(node.args("install"))
-        .args(["--watch", "--replace-portmap"])
+        .args(node.args("install", &["--watch", "--replace-portmap"]))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("run the old binary");
     assert!(
-        eventually(Duration::from_secs(5), || types(
-            &node.read("10-flannel.conflist")
-        ) == ["flannel", "cnibpf"]),
+        eventually(Duration::from_secs(5), || node
+            .read_if_there("10-flannel.cnibpf.conflist")
+            .is_some_and(|chained| types(&chained) == ["flannel", "cnibpf"])),
         "the old release chained itself in"
     );
     let output = node.succeed("install", &["--replace-portmap"]);
@@ -354,63 +574,92 @@ fn an_upgrade_replaces_the_binary_while_the_old_one_runs() {
     terminate(running);
 }
 
+/// `--watch` while the primary rewrites its file in place, renames a new one over it and
+/// changes it: a runtime reading the directory all the while (as libcni does) never finds a
+/// network without cnibpf once it was chained, and cnibpf's file follows the primary's
+/// content. Then another network comes to sort first and gets its own file, the old one gone.
 #[test]
-fn watch_chains_again_after_the_primary_rewrites_or_replaces_its_file() {
+fn watch_keeps_the_runtime_on_a_chained_network_while_the_primary_rewrites_its_file() {
     let node = NodeDirs::new("watch");
-    let calico = primaries()[0].network.clone();
-    node.write("10-calico.conflist", &calico);
+    node.write("10-calico.conflist", &calico());
     let watcher = node.watch(&["--replace-portmap"]);
-    let chained_once = |node: &NodeDirs, file: &str| {
-        let conflist = node.read(file);
-        types(&conflist) == ["calico", "bandwidth", "cnibpf"]
+    let chained_with = |node: &NodeDirs, file: &str, kinds: &[&str]| {
+        node.read_if_there(file)
+            .is_some_and(|conflist| types(&conflist) == kinds)
     };
     assert!(
-        eventually(Duration::from_secs(5), || chained_once(
+        eventually(Duration::from_secs(5), || chained_with(
             &node,
-            "10-calico.conflist"
+            "10-calico.cnibpf.conflist",
+            &["calico", "bandwidth", "cnibpf"]
         )),
         "chained at start"
     );
-    // The primary writes its file again in place, as calico's install-cni does.
-    std::fs::write(
-        node.conf_dir().join("10-calico.conflist"),
-        serde_json::to_string_pretty(&calico).expect("JSON"),
-    )
-    .expect("rewrite in place");
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let stop = Arc::clone(&stop);
+        let conf_dir = node.conf_dir();
+        std::thread::spawn(move || {
+            let mut reads = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let (path, network) = first_network(&conf_dir).expect("a network");
+                assert!(
+                    types(&network).iter().any(|kind| kind == "cnibpf"),
+                    "after {reads} reads the runtime would use {} without cnibpf: {network:#}",
+                    path.display()
+                );
+                reads += 1;
+            }
+            reads
+        })
+    };
+    let mut changed = calico();
+    for round in 0..20u64 {
+        changed["plugins"][0]["mtu"] = json!(1400 + round);
+        let text = serde_json::to_string_pretty(&changed).expect("JSON");
+        if round % 2 == 0 {
+            // In place, as calico's install-cni does: truncated, then written.
+            std::fs::write(node.conf_dir().join("10-calico.conflist"), &text)
+                .expect("rewrite in place");
+        } else {
+            let staged = node.conf_dir().join("calico.tmp");
+            std::fs::write(&staged, &text).expect("stage");
+            std::fs::rename(&staged, node.conf_dir().join("10-calico.conflist")).expect("rename");
+        }
+        assert!(
+            eventually(Duration::from_secs(5), || node
+                .read_if_there("10-calico.cnibpf.conflist")
+                .is_some_and(
+                    |chained| chained["plugins"][0]["mtu"] == json!(1400 + round)
+                )),
+            "round {round}: cnibpf's file follows the primary's: {:#?}",
+            node.read_if_there("10-calico.cnibpf.conflist")
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    let reads = reader.join().expect("the runtime always found cnibpf");
+    assert!(reads > 100, "only {reads} reads");
+    // A new primary that sorts first takes over: the runtime uses it (unchained until the
+    // watch has rendered its file: a new network's first moments are its writer's).
+    node.write("05-cilium.conflist", &cilium_chaining());
     assert!(
-        eventually(Duration::from_secs(5), || chained_once(
+        eventually(Duration::from_secs(5), || chained_with(
             &node,
-            "10-calico.conflist"
-        )),
-        "chained again after an in-place rewrite: {:#}",
-        node.read("10-calico.conflist")
+            "05-cilium.cnibpf.conflist",
+            &["ptp", "cilium-cni", "cnibpf"]
+        ) && node
+            .read_if_there("10-calico.cnibpf.conflist")
+            .is_none()),
+        "the new first network is chained, the old file gone: {:?}",
+        node.files()
     );
-    // ... and by renaming a new file over it.
-    let staged = node.conf_dir().join("calico.tmp");
-    std::fs::write(
-        &staged,
-        serde_json::to_string_pretty(&calico).expect("JSON"),
-    )
-    .expect("stage");
-    std::fs::rename(&staged, node.conf_dir().join("10-calico.conflist")).expect("rename");
-    assert!(
-        eventually(Duration::from_secs(5), || chained_once(
-            &node,
+    assert_eq!(
+        node.files(),
+        [
+            "05-cilium.cnibpf.conflist",
+            "05-cilium.conflist",
             "10-calico.conflist"
-        )),
-        "chained again after a rename"
-    );
-    // A new primary that sorts first takes over: the runtime will use it.
-    node.write("05-cilium.conflist", &primaries()[2].network);
-    assert!(
-        eventually(Duration::from_secs(5), || types(
-            &node.read("05-cilium.conflist")
-        ) == [
-            "ptp",
-            "cilium-cni",
-            "cnibpf"
-        ]),
-        "the new first network is chained"
+        ]
     );
     terminate(watcher);
 }
@@ -418,7 +667,7 @@ fn watch_chains_again_after_the_primary_rewrites_or_replaces_its_file() {
 #[test]
 fn readers_never_see_half_a_file_and_always_find_a_network() {
     let node = NodeDirs::new("readers");
-    node.write("10-mynet.conf", &primaries()[3].network);
+    node.write("10-mynet.conf", &bridge());
     let stop = Arc::new(AtomicBool::new(false));
     let conf_dir = node.conf_dir();
     let reader = {
@@ -458,5 +707,169 @@ fn readers_never_see_half_a_file_and_always_find_a_network() {
     stop.store(true, Ordering::Relaxed);
     let reads = reader.join().expect("the reader saw only whole files");
     assert!(reads > 100, "only {reads} reads");
-    assert_eq!(node.read("10-mynet.conf"), primaries()[3].network);
+    assert_eq!(node.read("10-mynet.conf"), bridge());
+}
+
+/// The iptables state of the simulated host's nat table (`iptables-save`, or the legacy
+/// one).
+fn nat_rules(sim: &SimHost, save: &str) -> String {
+    sim.host.exec(&[save, "-t", "nat"])
+}
+
+/// A pod the reference portmap set up before `install --replace-portmap` (its hostPort in
+/// portmap's iptables chains) is deleted through cnibpf's entry: cnibpf holds nothing of it
+/// and hands the DEL to portmap, which removes its chains — with iptables over nf_tables
+/// (Debian's default) and with legacy iptables. A pod cnibpf set up afterwards is deleted by
+/// cnibpf, and its repeated DELs (which containerd sends) succeed.
+#[test]
+fn a_pod_portmap_made_before_the_install_is_deleted_by_portmap_through_cnibpfs_entry() {
+    for (iptables, save) in [
+        ("iptables-nft", "iptables-nft-save"),
+        ("iptables-legacy", "iptables-legacy-save"),
+    ] {
+        let sim = SimHost::with_reference_portmap(&format!("pmd-{}", &iptables[9..]));
+        // portmap runs the `iptables` it finds first on PATH.
+        let tools = sim.work_dir.join("iptables");
+        std::fs::create_dir_all(&tools).expect("tools dir");
+        for (name, target) in [
+            ("iptables", iptables),
+            ("ip6tables", &iptables.replace("ip", "ip6")),
+        ] {
+            std::os::unix::fs::symlink(format!("/usr/sbin/{target}"), tools.join(name))
+                .expect("link iptables");
+        }
+        let path = format!(
+            "{}:{}",
+            tools.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        sim.chain.set_environment(&[("PATH", &path)]);
+        let made_by_portmap = sim
+            .add_container("old", port_mappings(&[(18090, 80, "tcp")]))
+            .unwrap_or_else(|error| panic!("{iptables}: ADD through portmap: {error}"));
+        let container_id = made_by_portmap.attachment.container_id.clone();
+        let before = nat_rules(&sim, save);
+        assert!(
+            before.contains(&container_id) && before.contains("CNI-DN-"),
+            "{iptables}: portmap's chains of the pod:\n{before}"
+        );
+
+        let node = NodeDirs::new(&format!("pmd-{}", &iptables[9..]));
+        node.write("10-net.conflist", sim.chain.conflist());
+        let entry = node.root.join("entry.json");
+        std::fs::write(
+            &entry,
+            json!({ "pinPath": sim.pin_path, "logFile": sim.call_log() }).to_string(),
+        )
+        .expect("entry");
+        node.succeed(
+            "install",
+            &["--entry", &entry.display().to_string(), "--replace-portmap"],
+        );
+        let own = node.read("10-net.cnibpf.conflist");
+        assert_eq!(types(&own), ["bridge", "cnibpf"], "{own:#}");
+        let through_cnibpf = Chain::new(own, &cni_path(), &sim.host.path());
+        through_cnibpf.remember(&made_by_portmap.attachment, &made_by_portmap.result);
+        let del = |attachment: &Attachment| {
+            let cnibpf = &through_cnibpf.conflist()["plugins"][1];
+            let config = through_cnibpf.plugin_config(
+                cnibpf,
+                "1.0.0",
+                Some(&made_by_portmap.result),
+                &attachment.capability_args,
+            );
+            let mut process = plugin_command(
+                &cni_path(),
+                &sim.host.path(),
+                "cnibpf",
+                "DEL",
+                Some(attachment),
+            );
+            process.env("PATH", &path);
+            run_with_stdin(process, "cnibpf", "DEL", &config.to_string())
+        };
+        let deleted = del(&made_by_portmap.attachment);
+        assert_eq!(
+            deleted.exit_code, 0,
+            "{iptables}: DEL through cnibpf: {deleted:?}"
+        );
+        let after = nat_rules(&sim, save);
+        assert!(
+            !after.contains(&container_id),
+            "{iptables}: nothing of portmap's for the pod remains:\n{after}"
+        );
+        let logged = std::fs::read_to_string(sim.call_log()).expect("the call log");
+        assert!(
+            logged.lines().any(|line| line.contains(&container_id)
+                && line.contains("\"DEL\"")
+                && line.contains("portmap")),
+            "{iptables}: the DEL's log line names portmap:\n{logged}"
+        );
+        let again = del(&made_by_portmap.attachment);
+        assert_eq!(again.exit_code, 0, "{iptables}: a repeated DEL: {again:?}");
+        sim.del(&made_by_portmap)
+            .unwrap_or_else(|error| panic!("{iptables}: the bridge's DEL: {error}"));
+    }
+}
+
+/// `uninstall --purge` with pods running: every attachment's state, the datapath, the lock
+/// and statistics files, cnibpf's conflist and binary go at once, each listed; the pods'
+/// hostPorts stop answering. Without `--purge`, with no pod left, the same goes (the
+/// datapath `install --load` loaded ahead included).
+#[test]
+fn uninstall_purge_removes_everything_at_once_and_lists_it() {
+    let sim = SimHost::new("unp", json!({ "ipMasq": true }));
+    let served = sim.container("a", port_mappings(&[(18095, 80, "tcp")]));
+    let node = NodeDirs::new("purge");
+    let primary = json!({ "cniVersion": "1.0.0", "name": sim.network(),
+        "plugins": [sim.chain.conflist()["plugins"][0]] });
+    node.write("10-net.conflist", &primary);
+    let entry = node.root.join("sim-entry.json");
+    std::fs::write(
+        &entry,
+        json!({ "pinPath": sim.pin_path, "logFile": sim.call_log() }).to_string(),
+    )
+    .expect("entry");
+    // In the simulated host's namespace, as the DaemonSets run (host network).
+    let run = |extra: &[&str]| {
+        let args = node.args(extra[0], &extra[1..]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let output = sim.cnibpf(&args);
+        assert!(output.status.success(), "cnibpf {extra:?}: {output:?}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let entry = entry.display().to_string();
+    run(&["install", "--entry", &entry]);
+    assert!(sim.pin_path.exists(), "the container's datapath");
+    let stats = cnibpf_tests::topology::call_stats_file(&sim.pin_path);
+    let lock = stats.with_extension("lock");
+    let purged = run(&["uninstall", "--purge"]);
+    for removed in [
+        served.attachment.container_id.clone(),
+        format!("eBPF datapath {}", sim.pin_path.display()),
+        lock.display().to_string(),
+        "10-net.cnibpf.conflist".to_owned(),
+        "bin/cnibpf".to_owned(),
+    ] {
+        assert!(purged.contains(&removed), "lists {removed}: {purged}");
+    }
+    assert!(sim.holds_no_state(), "no datapath left");
+    assert!(!lock.exists() && !stats.exists(), "no instance file left");
+    assert_eq!(node.files(), ["10-net.conflist"]);
+    assert!(!node.bin_dir().join("cnibpf").exists());
+    assert!(
+        sim.installed_host_ports().is_empty(),
+        "the purged pod's hostPort is gone"
+    );
+
+    // Loaded ahead, no pod: a plain uninstall takes it all.
+    run(&["install", "--entry", &entry, "--load"]);
+    assert!(sim.pin_path.exists(), "loaded ahead of the first pod");
+    let removed = run(&["uninstall"]);
+    assert!(
+        removed.contains(&format!("eBPF datapath {}", sim.pin_path.display())),
+        "{removed}"
+    );
+    assert!(sim.holds_no_state() && !lock.exists());
+    assert_eq!(node.files(), ["10-net.conflist"]);
 }

@@ -633,6 +633,21 @@ fn readyz_follows_the_chain_and_the_datapath() {
     );
 
     std::fs::write(&primary_file, primary.to_string()).expect("the primary rewrites its file");
+    assert_eq!(
+        readiness().0,
+        200,
+        "the runtime reads cnibpf's own file, which the primary's rewrite leaves alone"
+    );
+    // cnibpf's entry taken out of its file: the runtime would make pods without it.
+    let own_file = conf_dir.join("10-primary.cnibpf.conflist");
+    let mut unchained: Value =
+        serde_json::from_slice(&std::fs::read(&own_file).expect("cnibpf's own conflist"))
+            .expect("it parses");
+    unchained["plugins"]
+        .as_array_mut()
+        .expect("plugins")
+        .retain(|plugin| plugin["type"] != "cnibpf");
+    std::fs::write(&own_file, unchained.to_string()).expect("take cnibpf's entry out");
     let (status, body) = readiness();
     assert_eq!(status, 503, "cnibpf is not chained: {body}");
     assert!(body.contains("not ready chained"), "{body}");

@@ -14,3 +14,4 @@ pub const BACKEND_UNAVAILABLE: u32 = 104;
 pub const CHECK_FAILED: u32 = 105;
 pub const INCOMPATIBLE_STATE: u32 = 106;
 pub const OUTPUT: u32 = 107;
+pub const DELEGATE: u32 = 108;

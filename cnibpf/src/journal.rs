@@ -17,6 +17,9 @@ pub enum Change {
     Removed(String),
     /// A step of a migration of the previous layout's state.
     Migrated(String),
+    /// What the last DEL in release-only mode removed of cnibpf (its datapath, conflist and
+    /// binary).
+    Uninstalled(String),
 }
 
 #[derive(Debug, Default)]
@@ -90,6 +93,7 @@ pub struct Noted {
     pub reclaimed: Vec<String>,
     pub removed: Vec<String>,
     pub migrated: Vec<String>,
+    pub uninstalled: Vec<String>,
 }
 
 /// What was noted so far.
@@ -127,6 +131,10 @@ pub fn noted() -> Noted {
             }),
             migrated: of(|change| match change {
                 Change::Migrated(text) => Some(text),
+                _ => None,
+            }),
+            uninstalled: of(|change| match change {
+                Change::Uninstalled(text) => Some(text),
                 _ => None,
             }),
         }

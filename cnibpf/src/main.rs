@@ -64,15 +64,18 @@ enum AdminCommand {
         #[arg(long)]
         stale: bool,
     },
-    /// Install the plugin on this node: its binary into the CNI bin dir, its entry into the
-    /// network the runtime uses (written atomically, once; everything else kept).
+    /// Install the plugin on this node: its binary into the CNI bin dir, and a conflist of its
+    /// own, `<primary>.cnibpf.conflist`, holding the network the runtime uses with cnibpf
+    /// chained in, which the runtime reads in its place (written atomically; the primary's
+    /// files never written).
     Install {
         #[arg(long, default_value = paths::CNI_CONF_DIR)]
         conf_dir: PathBuf,
         #[arg(long, default_value = paths::CNI_BIN_DIR)]
         bin_dir: PathBuf,
         /// Chain into the network of this name instead of the one the runtime uses (the
-        /// first file of the conf dir, by name, that parses).
+        /// first file of the conf dir, by name, that parses; the cluster network after it
+        /// when that is Multus).
         #[arg(long)]
         network: Option<String>,
         /// A JSON file holding cnibpf's keys for its entry (the portMappings capability is
@@ -82,7 +85,8 @@ enum AdminCommand {
         /// Put cnibpf in the place of the reference portmap plugin instead of refusing.
         #[arg(long)]
         replace_portmap: bool,
-        /// Keep running: chain the entry in again whenever the conf dir changes, until SIGTERM.
+        /// Keep running: render cnibpf's conflist again whenever the conf dir changes (the
+        /// primary rewrote its file, another network became the first), until SIGTERM.
         #[arg(long)]
         watch: bool,
         /// With --watch: every so often (e.g. "5m"), remove the attachments whose host
@@ -123,14 +127,20 @@ enum AdminCommand {
         #[arg(long)]
         network: Option<String>,
     },
-    /// Take the plugin off this node: its entry out of every network (a portmap it replaced
-    /// put back), its binary out of the bin dir. Running pods keep their datapath until their
-    /// DEL.
+    /// Take the plugin off this node: the runtime reads the primary's files again. With no pod
+    /// cnibpf set up left, its conflists, datapath, files and binary go now; otherwise its
+    /// conflist keeps it in release-only mode (new pods are the restored network's, the old
+    /// pods' DELs reach cnibpf) and the last DEL removes everything. Run it with the host's
+    /// paths: the conflist names the files that DEL removes.
     Uninstall {
         #[arg(long, default_value = paths::CNI_CONF_DIR)]
         conf_dir: PathBuf,
         #[arg(long, default_value = paths::CNI_BIN_DIR)]
         bin_dir: PathBuf,
+        /// Remove everything now, the running pods' hostPorts, masquerade and filters too,
+        /// and list what was removed.
+        #[arg(long)]
+        purge: bool,
     },
     /// Load the datapath now (the kernel verifies the eBPF programs), so that the first pod's
     /// ADD does not wait for it; run it in the host's network namespace, at node set-up.
@@ -141,6 +151,12 @@ enum AdminCommand {
         /// The backend, as the network's `backend` key names it.
         #[arg(long, default_value = "auto")]
         backend: String,
+    },
+    /// Mount a bpffs where the datapath pins its state, unless one is mounted there: the
+    /// DaemonSet's init container does, with the mount propagated to the host.
+    MountBpffs {
+        #[arg(long, default_value = paths::BPFFS_MOUNT_POINT)]
+        path: PathBuf,
     },
     /// Follow the packets the eBPF datapath drops, one line each, until Ctrl-C: those the
     /// attachments' filters and source checks drop, or with --drops every one.
@@ -244,15 +260,17 @@ fn main() -> ExitCode {
                 }
             }
         }
-        AdminCommand::Uninstall { conf_dir, bin_dir } => {
-            match install::uninstall(&conf_dir, &bin_dir) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(error) => {
-                    log_line!("cnibpf uninstall: {}", with_causes(&error));
-                    ExitCode::FAILURE
-                }
+        AdminCommand::Uninstall {
+            conf_dir,
+            bin_dir,
+            purge,
+        } => match install::uninstall(&conf_dir, &bin_dir, purge) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                log_line!("cnibpf uninstall: {}", with_causes(&error));
+                ExitCode::FAILURE
             }
-        }
+        },
         AdminCommand::Load { pin_path, backend } => {
             let loaded = backend
                 .parse()
@@ -273,6 +291,20 @@ fn main() -> ExitCode {
                 }
             }
         }
+        AdminCommand::MountBpffs { path } => match backend::ebpf::mount_bpffs(&path) {
+            Ok(true) => {
+                say!("mounted bpffs on {}", path.display());
+                ExitCode::SUCCESS
+            }
+            Ok(false) => {
+                say!("{} is a bpffs already", path.display());
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                log_line!("cnibpf mount-bpffs: {}", with_causes(&error));
+                ExitCode::FAILURE
+            }
+        },
         AdminCommand::Metrics {
             listen,
             pin_path,

@@ -14,6 +14,17 @@ pub const CNI_CONF_DIR: &str = "/etc/cni/net.d";
 pub const CNI_BIN_DIR: &str = "/opt/cni/bin";
 /// The plugin's file name in the bin dir: the `type` of its conflist entry.
 pub const PLUGIN_NAME: &str = "cnibpf";
+/// The suffix of the conflists `cnibpf install` writes: `<stem>.cnibpf.conflist` sorts right
+/// before the file it was made from, `<stem>.conf`, `.conflist` or `.json` ("cn" < "co" < "j"),
+/// so the runtime reads it in that file's place, and after Multus's `00-multus.conf` as that
+/// file does.
+pub const OWN_CONFLIST_SUFFIX: &str = ".cnibpf.conflist";
+
+/// Whether `path` names one of the conflists `cnibpf install` writes.
+pub fn is_own_conflist(path: &Path) -> bool {
+    path.file_name()
+        .is_some_and(|name| name.to_string_lossy().ends_with(OWN_CONFLIST_SUFFIX))
+}
 /// The connections the kernel tracks, and how many it may (the nftables backend's table).
 pub const CONNTRACK_COUNT: &str = "/proc/sys/net/netfilter/nf_conntrack_count";
 pub const CONNTRACK_MAX: &str = "/proc/sys/net/netfilter/nf_conntrack_max";

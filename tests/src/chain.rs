@@ -83,6 +83,9 @@ pub struct Chain {
     /// When set, cnibpf runs under this command line (a fault's or a call counter's, see
     /// `faults`).
     cnibpf_prefix: Mutex<Option<Vec<String>>>,
+    /// Variables every plugin runs with besides the CNI ones (a `PATH` choosing the
+    /// reference portmap's iptables).
+    environment: Mutex<Vec<(String, String)>>,
 }
 
 impl Chain {
@@ -94,6 +97,7 @@ impl Chain {
             cache: Mutex::new(HashMap::new()),
             cnibpf_bpf_errno: None,
             cnibpf_prefix: Mutex::new(None),
+            environment: Mutex::new(Vec::new()),
         }
     }
 
@@ -104,6 +108,14 @@ impl Chain {
             (attachment.container_id.clone(), attachment.ifname.clone()),
             (result.clone(), attachment.capability_args.clone()),
         );
+    }
+
+    /// From now on every plugin runs with `variables` set besides the CNI ones.
+    pub fn set_environment(&self, variables: &[(&str, &str)]) {
+        *self.environment.lock().expect("environment lock") = variables
+            .iter()
+            .map(|(name, value)| ((*name).to_owned(), (*value).to_owned()))
+            .collect();
     }
 
     /// From now on (until set to `None`) cnibpf runs under the command line `prefix` (a
@@ -427,6 +439,13 @@ impl Chain {
         if let Some(errno) = self.cnibpf_bpf_errno.filter(|_| plugin_type == "cnibpf") {
             deny_bpf_syscall(&mut process, errno);
         }
+        process.envs(
+            self.environment
+                .lock()
+                .expect("environment lock")
+                .iter()
+                .map(|(name, value)| (name, value)),
+        );
         run_with_stdin(process, &plugin_type, command, &config.to_string())
     }
 }

@@ -243,7 +243,9 @@ fn image() -> Result<()> {
         .arg(root.join("deploy/Containerfile"))
         .arg(&context);
     run(command, &format!("podman build {tag}"))?;
-    eprintln!("    {tag}: push it where your nodes pull from, and set it in deploy/cnibpf.yaml");
+    eprintln!(
+        "    {tag}: push it where your nodes pull from, and set it in deploy/base/cnibpf.yaml (or a kustomize overlay: deploy/overlays/example)"
+    );
     Ok(())
 }
 

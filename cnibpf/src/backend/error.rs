@@ -27,6 +27,13 @@ pub enum BackendError {
         #[source]
         source: std::io::Error,
     },
+    /// A pinned object or an instance file that could not be removed.
+    #[error("could not remove {path}")]
+    Unpin {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("could not load the eBPF object")]
     Load(#[source] Box<aya::EbpfError>),
     #[error("{action}")]
@@ -130,6 +137,7 @@ impl BackendError {
             Self::CheckFailed(_) => code::CHECK_FAILED,
             Self::TooManySources { .. } => code::INVALID_CONFIG,
             Self::Bpffs { .. }
+            | Self::Unpin { .. }
             | Self::Load(_)
             | Self::Program { .. }
             | Self::Map { .. }

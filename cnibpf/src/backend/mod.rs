@@ -6,6 +6,7 @@ mod draining;
 pub mod ebpf;
 mod error;
 pub mod nftables;
+pub mod purge;
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},

@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use super::EnvError;
+use super::{EnvError, delegate::DelegateError};
 use crate::{
     backend::BackendError, code, config::ConfigError, lock::LockError, model::MappingError,
     netlink::NetlinkError,
@@ -33,6 +33,8 @@ pub enum Error {
     Backend(#[from] BackendError),
     #[error(transparent)]
     Lock(#[from] LockError),
+    #[error(transparent)]
+    Delegate(#[from] DelegateError),
     #[error("{0}")]
     Unavailable(String),
     #[error("could not read the network configuration from stdin")]
@@ -50,6 +52,7 @@ impl Error {
             Self::Netlink(_) => code::INTERFACE,
             Self::Backend(error) => error.code(),
             Self::Lock(_) => code::TRY_AGAIN,
+            Self::Delegate(error) => error.code(),
             Self::Stdin(_) => code::DECODE,
             Self::Output(_) => code::OUTPUT,
             Self::Unavailable(_) => code::PLUGIN_UNAVAILABLE,

@@ -1,8 +1,10 @@
 //! The CNI protocol: environment, verbs, results and errors on stdout.
 
 pub mod args;
+mod delegate;
 pub mod error;
 mod link;
+mod release;
 pub mod result;
 
 use std::{
@@ -20,7 +22,7 @@ use crate::{
     backend::{self, Access, BackendError, Endpoint},
     call_log, call_stats,
     config::{
-        CleanupConf, CniVersion, ConfigError, NetConf, Recording, SUPPORTED_VERSIONS,
+        CleanupConf, CniVersion, ConfigError, NetConf, Recording, ReleaseOnly, SUPPORTED_VERSIONS,
         ifname_problem,
     },
     journal,
@@ -208,7 +210,10 @@ fn record(verb: &str, stdin: &[u8], code: u32, message: Option<&str>, started: I
     let duration = started.elapsed();
     let reclaimed = noted.reclaimed.len() as u64;
     let stats = PinLayout::new(&recording.pin_path).call_stats_file();
-    if let Err(error) = call_stats::record(&stats, verb, code, duration, reclaimed) {
+    // An instance this call removed whole keeps no statistics file.
+    if noted.uninstalled.is_empty()
+        && let Err(error) = call_stats::record(&stats, verb, code, duration, reclaimed)
+    {
         log_line!("cnibpf: {verb}: the call is not counted: {error}");
     }
     let logged = call_log::write(
@@ -242,6 +247,9 @@ fn dispatch(command: Command, stdin: &[u8]) -> Result<Option<String>, Error> {
     }
     if let Some(pod) = &env.args.pod {
         journal::pod(&pod.to_string());
+    }
+    if let Some(release) = ReleaseOnly::of_stdin(stdin) {
+        return release::dispatch(command, &env, stdin, &release);
     }
     match command {
         Command::Add => add(&env, stdin).map(Some),
@@ -586,6 +594,23 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let mut failures = Vec::new();
     let backends = backend::existing(&pins, Access::Changes)?;
     phases::mark("backend");
+    if let Some(portmap) = &conf.replaced_portmap {
+        let owner = attachment.owner_id();
+        let mut held = false;
+        for backend in &backends {
+            held |= backend
+                .attachments()?
+                .iter()
+                .any(|record| record.owner == owner);
+        }
+        if !held {
+            // Made while portmap was chained: its hostPorts are portmap's to remove.
+            journal::backend("portmap");
+            delegate::portmap_del(portmap)?;
+            phases::mark("portmap");
+            return Ok(());
+        }
+    }
     for mut backend in backends {
         journal::backend(backend.name());
         let removed = backend::remove_attachment(backend.as_mut(), attachment.owner_id());

@@ -65,6 +65,11 @@ pub struct CleanupInput {
     pub cni_version: Option<String>,
     pub name: Option<String>,
     pub pin_path: Option<String>,
+    /// What `cnibpf install` recorded in the entry; only the portmap it replaced is read.
+    pub cnibpf_install: Option<Value>,
+    /// Passed on, as they came, to the portmap a DEL is handed to.
+    pub runtime_config: Option<Value>,
+    pub prev_result: Option<Value>,
     pub log_file: Option<String>,
     #[serde(rename = "logMaxSizeMB")]
     pub log_max_size_mb: Option<u64>,

@@ -233,6 +233,10 @@ impl NetConf {
 pub struct CleanupConf {
     pub name: String,
     pub pin_path: PathBuf,
+    /// The reference portmap `cnibpf install --replace-portmap` put cnibpf in the place of,
+    /// as its DEL's configuration: for a container cnibpf holds nothing of (made while portmap
+    /// was chained), the DEL is handed to it.
+    pub replaced_portmap: Option<Vec<u8>>,
 }
 
 impl CleanupConf {
@@ -245,11 +249,87 @@ impl CleanupConf {
             header.input.log_max_size_mb,
             header.input.log_max_files,
         )?;
+        let replaced_portmap =
+            replaced_portmap(&header.cni_version_text, &header.name, &mut header.input);
         Ok(Self {
             name: header.name,
             pin_path: pin_path(header.input.pin_path)?,
+            replaced_portmap,
         })
     }
+}
+
+/// `releaseOnly`: the entry `cnibpf uninstall` leaves in cnibpf's conflist while pods cnibpf
+/// set up remain. ADD passes the previous result on and CHECK accepts (new pods are the
+/// restored network's); DEL and GC release as ever, and once no attachment is left the
+/// instance is removed whole, with `file` (the conflist) and `binary`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReleaseOnly {
+    pub file: Option<PathBuf>,
+    pub binary: Option<PathBuf>,
+}
+
+impl ReleaseOnly {
+    /// Read from any configuration, even one a verb refuses: `None` unless it holds
+    /// `releaseOnly` as an object.
+    pub fn of_stdin(bytes: &[u8]) -> Option<Self> {
+        let value: Value = serde_json::from_slice(bytes).ok()?;
+        let object = value.get("releaseOnly")?.as_object()?;
+        let path = |key: &str| object.get(key).and_then(Value::as_str).map(PathBuf::from);
+        Some(Self {
+            file: path("file"),
+            binary: path("binary"),
+        })
+    }
+}
+
+/// The configuration the replaced portmap's DEL reads, built as libcni builds a chained
+/// plugin's: its own keys, the network's `cniVersion` and `name`, the runtime's arguments of
+/// the capabilities it declares, and the previous result. `None` when the entry replaced no
+/// portmap (a record that is not a plugin object counts as none: a DEL never fails on it) or
+/// the runtime passes no hostPorts.
+fn replaced_portmap(cni_version: &str, name: &str, input: &mut CleanupInput) -> Option<Vec<u8>> {
+    let mut record = input.cnibpf_install.take()?;
+    let Value::Object(mut portmap) = record.get_mut("replacedPortmap")?.take() else {
+        return None;
+    };
+    if portmap.get("type").and_then(Value::as_str) != Some("portmap") {
+        return None;
+    }
+    portmap.insert("cniVersion".to_owned(), Value::from(cni_version));
+    portmap.insert("name".to_owned(), Value::from(name));
+    let declared: Vec<String> = portmap
+        .get("capabilities")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .filter(|(_, enabled)| **enabled == Value::Bool(true))
+        .map(|(capability, _)| capability.clone())
+        .collect();
+    let runtime: serde_json::Map<String, Value> = input
+        .runtime_config
+        .take()
+        .and_then(|runtime| match runtime {
+            Value::Object(runtime) => Some(runtime),
+            _ => None,
+        })
+        .into_iter()
+        .flatten()
+        .filter(|(capability, _)| declared.contains(capability))
+        .collect();
+    // Without hostPorts portmap's DEL does nothing: it is not run.
+    let has_host_ports = runtime
+        .get("portMappings")
+        .and_then(Value::as_array)
+        .is_some_and(|mappings| !mappings.is_empty());
+    if !has_host_ports {
+        return None;
+    }
+    portmap.insert("runtimeConfig".to_owned(), Value::Object(runtime));
+    if let Some(prev_result) = input.prev_result.take() {
+        portmap.insert("prevResult".to_owned(), prev_result);
+    }
+    serde_json::to_vec(&Value::Object(portmap)).ok()
 }
 
 impl PluginConfig {
@@ -620,6 +700,52 @@ mod tests {
 
     fn error(extra: Value) -> String {
         parse_value(extra).expect_err("invalid").to_string()
+    }
+
+    #[test]
+    fn a_del_for_the_replaced_portmap_is_built_as_libcni_builds_a_chained_plugins() {
+        let portmap =
+            json!({ "type": "portmap", "snat": true, "capabilities": { "portMappings": true } });
+        let mappings = json!([{ "hostPort": 8080, "containerPort": 80, "protocol": "tcp" }]);
+        let del = |entry: Value| {
+            let mut config = json!({ "cniVersion": "0.4.0", "name": "k8s", "type": "cnibpf" });
+            for (key, value) in entry.as_object().expect("object") {
+                config[key] = value.clone();
+            }
+            CleanupConf::parse(config.to_string().as_bytes())
+                .expect("a DEL's configuration")
+                .replaced_portmap
+                .map(|bytes| serde_json::from_slice::<Value>(&bytes).expect("JSON"))
+        };
+        let built = del(json!({
+            "cnibpfInstall": { "source": "10-k8s.conflist", "replacedPortmap": portmap, "portmapIndex": 1 },
+            "runtimeConfig": { "portMappings": mappings, "bandwidth": { "ingressRate": 1 } },
+            "prevResult": { "cniVersion": "0.4.0", "ips": [] },
+        }));
+        assert_eq!(
+            built,
+            Some(json!({ "type": "portmap", "snat": true,
+                "capabilities": { "portMappings": true },
+                "cniVersion": "0.4.0", "name": "k8s",
+                "runtimeConfig": { "portMappings": mappings },
+                "prevResult": { "cniVersion": "0.4.0", "ips": [] } }))
+        );
+        let no_host_ports = del(json!({
+            "cnibpfInstall": { "replacedPortmap": portmap },
+            "runtimeConfig": { "portMappings": [] },
+        }));
+        assert_eq!(no_host_ports, None, "portmap's DEL would do nothing");
+        assert_eq!(
+            del(json!({ "runtimeConfig": { "portMappings": mappings } })),
+            None,
+            "no portmap replaced"
+        );
+        assert_eq!(
+            del(json!({ "cnibpfInstall": { "replacedPortmap": "portmap" },
+                "runtimeConfig": { "portMappings": mappings } })),
+            None,
+            "a record that is not a plugin is none"
+        );
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! cnibpf's entry in a network configuration, as JSON: chained in (once, replacing the
-//! reference portmap when asked to) and taken out again, restoring what it replaced. What the
-//! uninstall needs to restore is kept in the entry itself (`cnibpfInstall`), which the plugin
-//! ignores like every unknown top-level key: the file on the node is the whole record.
+//! cnibpf's entry in a network configuration, as JSON: chained into a copy of the primary
+//! network (replacing the reference portmap when asked to), and taken out of a network an
+//! earlier release chained it into in place. The file the copy was made from and what it
+//! replaced are kept in the entry itself (`cnibpfInstall`), which the plugin ignores like every
+//! unknown top-level key: the file on the node is the whole record.
 
 use serde_json::{Map, Value, json};
 
@@ -43,9 +44,9 @@ pub struct Chained {
     pub notes: Vec<String>,
 }
 
-/// Chains `entry` into `network` (of `form`, read from file `file_name`). An entry of cnibpf
-/// already there is updated in place (its bookkeeping kept) and any second one dropped; a
-/// portmap entry is an error unless `replace_portmap`, which puts cnibpf where it was.
+/// Chains `entry` into `network` (of `form`, read from file `file_name`, holding no cnibpf
+/// entry): a portmap entry is an error unless `replace_portmap`, which puts cnibpf where it
+/// was. The entry records the file it was rendered from (`source`) and what it replaced.
 pub fn chain_in(
     network: &Value,
     form: Form,
@@ -70,21 +71,10 @@ pub fn chain_in(
     );
     let mut position = None;
     let mut bookkeeping = Map::new();
-    if form == Form::Single {
-        bookkeeping.insert("convertedFrom".to_owned(), Value::from(file_name));
-    }
+    bookkeeping.insert("source".to_owned(), Value::from(file_name));
     let mut index = 0;
     while index < plugins.len() {
         match plugin_type(&plugins[index]) {
-            Some(PLUGIN_NAME) => {
-                let held = plugins.remove(index);
-                if position.is_none() {
-                    position = Some(index);
-                    if let Some(Value::Object(kept)) = held.get(BOOKKEEPING) {
-                        bookkeeping.extend(kept.clone());
-                    }
-                }
-            }
             Some("portmap") if replace_portmap => {
                 let portmap = plugins.remove(index);
                 for key in portmap.as_object().into_iter().flat_map(Map::keys) {
@@ -94,6 +84,13 @@ pub fn chain_in(
                         notes.push(format!(
                             "portmap's key {key:?} is not carried over to cnibpf"
                         ));
+                    }
+                }
+                for key in PORTMAP_KEYS_CARRIED {
+                    if let Some(value) = portmap.get(key)
+                        && !ours.contains_key(key)
+                    {
+                        ours.insert(key.to_owned(), value.clone());
                     }
                 }
                 bookkeeping.insert("replacedPortmap".to_owned(), portmap);
@@ -122,24 +119,13 @@ pub fn chain_in(
     if !ours.contains_key("capabilities") {
         ours.insert("capabilities".to_owned(), json!({ "portMappings": true }));
     }
-    // A re-install finds the replaced portmap in the bookkeeping: its keys are carried over
-    // again, unless the entry now sets them.
-    if let Some(portmap) = bookkeeping.get("replacedPortmap") {
-        for key in PORTMAP_KEYS_CARRIED {
-            if let Some(value) = portmap.get(key)
-                && !ours.contains_key(key)
-            {
-                ours.insert(key.to_owned(), value.clone());
-            }
-        }
+    if bookkeeping.contains_key("replacedPortmap") {
         let capabilities = ours.entry("capabilities").or_insert_with(|| json!({}));
         if let Some(capabilities) = capabilities.as_object_mut() {
             capabilities.insert("portMappings".to_owned(), Value::Bool(true));
         }
     }
-    if !bookkeeping.is_empty() {
-        ours.insert(BOOKKEEPING.to_owned(), Value::Object(bookkeeping));
-    }
+    ours.insert(BOOKKEEPING.to_owned(), Value::Object(bookkeeping));
     let position = position.unwrap_or(plugins.len()).min(plugins.len());
     // A `bandwidth` plugin after cnibpf shapes the pod's veth once cnibpf's ADD is done: the
     // capability lets that ADD see the pod's rates and keep its traffic on the veth's qdiscs
@@ -157,9 +143,10 @@ pub fn chain_in(
     Ok(Chained { conflist, notes })
 }
 
-/// `network` without cnibpf: its entries dropped, a portmap it replaced put back where it was,
-/// and the single-plugin form restored when the install made the chain. `None` when cnibpf is
-/// not in it. The second value names the file the network came from when it was converted.
+/// A network an earlier release of `install` chained cnibpf into in place, as it was before:
+/// cnibpf's entries dropped, a portmap it replaced put back where it was, and the
+/// single-plugin form restored when that install made the chain. `None` when cnibpf is not in
+/// it. The second value names the file the network came from when it was converted.
 pub fn chain_out(network: &Value) -> Option<(Value, Option<String>)> {
     if Form::of(network)? != Form::List {
         return None;
@@ -206,6 +193,29 @@ pub fn chains_cnibpf(network: &Value) -> bool {
             .any(|plugin| plugin_type(plugin) == Some(PLUGIN_NAME)),
         None => plugin_type(network) == Some(PLUGIN_NAME),
     }
+}
+
+/// Whether a network is Multus's (thin `multus`, thick `multus-shim`): a meta-plugin whose
+/// pods' cluster network is another file of the directory.
+pub fn is_multus(network: &Value) -> bool {
+    let first = match network.get("plugins").and_then(Value::as_array) {
+        Some(plugins) => plugins.first(),
+        None => Some(network),
+    };
+    first
+        .and_then(plugin_type)
+        .is_some_and(|kind| ["multus", "multus-shim"].contains(&kind))
+}
+
+/// Whether Multus's network holds its cluster network inline (thin Multus's `delegates`) and
+/// that chains cnibpf; `None` when it holds none (thick Multus reads the file itself).
+pub fn multus_delegate_chains_cnibpf(network: &Value) -> Option<bool> {
+    let first = match network.get("plugins").and_then(Value::as_array) {
+        Some(plugins) => plugins.first()?,
+        None => network,
+    };
+    let delegate = first.get("delegates")?.as_array()?.first()?;
+    Some(chains_cnibpf(delegate))
 }
 
 fn plugin_type(plugin: &Value) -> Option<&str> {
@@ -282,6 +292,23 @@ mod tests {
             .collect()
     }
 
+    /// What an earlier release's in-place install made of `network`: the chain, with the
+    /// bookkeeping it kept (`convertedFrom` for a single plugin it turned into a chain).
+    fn in_place(network: &Value, form: Form, file_name: &str) -> Value {
+        let mut chained = chain_in(network, form, file_name, &entry(), true)
+            .expect("chained")
+            .conflist;
+        for plugin in plugins_mut(&mut chained) {
+            if let Some(kept) = plugin.get_mut(BOOKKEEPING).and_then(Value::as_object_mut) {
+                kept.shift_remove("source");
+                if form == Form::Single {
+                    kept.insert("convertedFrom".to_owned(), Value::from(file_name));
+                }
+            }
+        }
+        chained
+    }
+
     #[test]
     fn a_bandwidth_plugin_after_cnibpf_gets_its_capability_declared() {
         let k3s = json!({ "name": "cbr0", "cniVersion": "1.0.0", "plugins": [
@@ -303,12 +330,10 @@ mod tests {
             before.conflist["plugins"][2]["capabilities"],
             json!({ "portMappings": true })
         );
-        let (restored, _) = chain_out(&chained.conflist).expect("ours");
-        assert_eq!(restored, k3s);
     }
 
     #[test]
-    fn a_portmap_is_refused_unless_replaced_and_comes_back_on_removal() {
+    fn a_portmap_is_refused_unless_replaced_and_recorded_with_the_source() {
         let refused = chain_in(&calico(), Form::List, "10-calico.conflist", &entry(), false)
             .expect_err("portmap present");
         assert!(
@@ -318,23 +343,15 @@ mod tests {
         let chained = chain_in(&calico(), Form::List, "10-calico.conflist", &entry(), true)
             .expect("replaced");
         assert_eq!(types(&chained.conflist), ["calico", "bandwidth", "cnibpf"]);
-        assert_eq!(chained.conflist["plugins"][2]["snat"], true, "carried over");
-        let again = chain_in(
-            &chained.conflist,
-            Form::List,
-            "10-calico.conflist",
-            &entry(),
-            false,
-        )
-        .expect("re-install");
-        assert_eq!(chained.conflist, again.conflist, "idempotent");
-        let (restored, converted) = chain_out(&again.conflist).expect("ours");
-        assert_eq!(restored, calico());
-        assert_eq!(converted, None);
+        let ours = &chained.conflist["plugins"][2];
+        assert_eq!(ours["snat"], true, "carried over");
+        assert_eq!(ours[BOOKKEEPING]["source"], "10-calico.conflist");
+        assert_eq!(ours[BOOKKEEPING]["replacedPortmap"], calico()["plugins"][2]);
+        assert_eq!(ours[BOOKKEEPING]["portmapIndex"], 2);
     }
 
     #[test]
-    fn a_single_plugin_becomes_a_chain_and_back() {
+    fn a_single_plugin_becomes_a_chain() {
         let bridge = json!({ "cniVersion": "1.0.0", "name": "mynet", "type": "bridge",
             "bridge": "cni0", "isGateway": true, "ipMasq": true,
             "ipam": { "type": "host-local", "subnet": "10.22.0.0/16" } });
@@ -347,23 +364,44 @@ mod tests {
             "{:?}",
             chained.notes
         );
-        let (restored, converted) = chain_out(&chained.conflist).expect("ours");
-        assert_eq!(restored, bridge);
-        assert_eq!(converted.as_deref(), Some("10-mynet.conf"));
     }
 
     #[test]
-    fn duplicates_collapse_into_one_entry_in_place() {
+    fn an_earlier_in_place_chain_is_taken_out_to_what_it_was() {
+        let (restored, converted) =
+            chain_out(&in_place(&calico(), Form::List, "10-calico.conflist")).expect("ours");
+        assert_eq!(restored, calico());
+        assert_eq!(converted, None);
+        let bridge = json!({ "cniVersion": "1.0.0", "name": "mynet", "type": "bridge",
+            "ipam": { "type": "host-local", "subnet": "10.22.0.0/16" } });
+        let (restored, converted) =
+            chain_out(&in_place(&bridge, Form::Single, "10-mynet.conf")).expect("ours");
+        assert_eq!(restored, bridge);
+        assert_eq!(converted.as_deref(), Some("10-mynet.conf"));
+        // Two entries (a hand edit beside an install) both go.
         let flannel = json!({ "name": "cbr0", "cniVersion": "0.3.1", "plugins": [
-            { "type": "flannel", "delegate": { "hairpinMode": true } },
-            { "type": "cnibpf", "backend": "ebpf" },
-            { "type": "portmap", "capabilities": { "portMappings": true } },
-            { "type": "cnibpf" },
+            { "type": "flannel" }, { "type": "cnibpf", "backend": "ebpf" }, { "type": "cnibpf" },
         ]});
-        let chained =
-            chain_in(&flannel, Form::List, "10-flannel.conflist", &entry(), true).expect("ok");
-        assert_eq!(types(&chained.conflist), ["flannel", "cnibpf"]);
-        assert_eq!(chained.conflist["plugins"][1]["ipMasq"], true, "updated");
+        let (restored, _) = chain_out(&flannel).expect("ours");
+        assert_eq!(types(&restored), ["flannel"]);
         assert!(chain_out(&json!({ "type": "bridge" })).is_none());
+    }
+
+    #[test]
+    fn multus_is_told_apart_thin_and_thick() {
+        let thin = json!({ "cniVersion": "0.3.1", "name": "multus-cni-network", "type": "multus",
+            "kubeconfig": "/etc/cni/net.d/multus.d/multus.kubeconfig",
+            "delegates": [calico()] });
+        let thick = json!({ "cniVersion": "0.3.1", "name": "multus-cni-network",
+            "plugins": [{ "type": "multus-shim", "logLevel": "verbose" }] });
+        assert!(is_multus(&thin) && is_multus(&thick) && !is_multus(&calico()));
+        assert_eq!(multus_delegate_chains_cnibpf(&thin), Some(false));
+        assert_eq!(multus_delegate_chains_cnibpf(&thick), None);
+        let chained = chain_in(&calico(), Form::List, "10-calico.conflist", &entry(), true)
+            .expect("replaced")
+            .conflist;
+        let regenerated = json!({ "type": "multus", "name": "multus-cni-network",
+            "delegates": [chained] });
+        assert_eq!(multus_delegate_chains_cnibpf(&regenerated), Some(true));
     }
 }

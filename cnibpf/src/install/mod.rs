@@ -1,6 +1,9 @@
 //! `cnibpf install` and `cnibpf uninstall`: the plugin onto a node the way CNI add-ons get
-//! there from a DaemonSet — its binary into the host's CNI bin dir, its entry into the network
-//! the runtime uses — and off again, leaving everything else as it was.
+//! there from a DaemonSet — its binary into the host's CNI bin dir, and a file of its own
+//! holding the network the runtime uses with cnibpf chained in, which the runtime reads in the
+//! primary's place — and off again. The primary CNI's own files are never written: it may
+//! rewrite them at any time (Calico's install-cni does on every start), and cnibpf's file,
+//! re-rendered by `--watch`, stays first throughout.
 //!
 //! Runtimes read these directories while we write them (containerd reloads on every inotify
 //! event), and run the binary while it is replaced. So nothing is written in place: each file
@@ -20,11 +23,13 @@ use std::{
 
 use serde_json::{Map, Value};
 
-use self::chain::{Form, chain_in, chain_out};
+use self::chain::{Form, chain_in, chain_out, is_multus};
 use crate::output::{log_line, say};
 use crate::{
+    backend::{BackendError, purge},
     config::{NetConf, PluginConfig},
-    paths::PLUGIN_NAME,
+    lock::{InstanceLock, LockError, lock_timeout},
+    paths::{DEFAULT_PIN_PATH, OWN_CONFLIST_SUFFIX, PLUGIN_NAME, PinLayout, is_own_conflist},
     preload,
 };
 
@@ -40,8 +45,14 @@ pub enum InstallError {
     NoNetwork(PathBuf),
     #[error("no network named {name:?} in {dir}")]
     NoSuchNetwork { name: String, dir: PathBuf },
-    #[error("{0} exists already: cnibpf would write the chain of the network it converts there")]
-    ConvertedExists(PathBuf),
+    #[error(
+        "the runtime's network is Multus's ({0}) and no cluster network follows it for cnibpf to chain into"
+    )]
+    MultusOnly(PathBuf),
+    #[error("the datapath")]
+    Datapath(#[from] BackendError),
+    #[error(transparent)]
+    Lock(#[from] LockError),
     #[error("the entry in {path}: {reason}")]
     Entry { path: PathBuf, reason: String },
     #[error("could not {action}")]
@@ -94,7 +105,10 @@ impl Install {
     /// The binary in place and the entry chained in, once.
     pub fn run(&self) -> Result<(), InstallError> {
         // What the network becomes is worked out first: a refused chain changes nothing.
-        let chaining = self.chaining(networks(&self.conf_dir)?)?;
+        let node = self
+            .read_node(false)?
+            .ok_or_else(|| InstallError::NoNetwork(self.conf_dir.clone()))?;
+        let chaining = self.chaining(node)?;
         self.install_binary()?;
         chaining.apply()
     }
@@ -160,27 +174,76 @@ impl Install {
         })
     }
 
-    /// [`Self::chain`], unless a file a runtime would consider first does not parse: the
-    /// primary may be half way through writing it in place, and the next network is not the
-    /// one to chain into.
+    /// [`Self::chaining`] and its writes, unless a file a runtime would consider before the
+    /// primary network does not parse: the primary may be half way through writing it in
+    /// place, and the next network is not the one to chain into.
     fn chain_when_readable(&self) -> Result<(), InstallError> {
-        let mut networks = Vec::new();
-        for path in candidates(&self.conf_dir)? {
-            match read_network(&path)? {
-                Some((value, form)) => networks.push(NetworkFile { path, value, form }),
-                None if networks.is_empty() => {
-                    log_line!("cnibpf install: waiting for {} to parse", path.display());
-                    return Ok(());
-                }
-                None => {}
-            }
+        match self.read_node(true)? {
+            Some(node) => self.chaining(node)?.apply(),
+            None => Ok(()),
         }
-        self.chaining(networks)?.apply()
     }
 
-    /// The entry chained into the network (of `networks`, in the runtime's order), not yet
-    /// written.
-    fn chaining(&self, networks: Vec<NetworkFile>) -> Result<Chaining, InstallError> {
+    /// The conf dir as the install sees it: its own files apart, every other network as it
+    /// was before any earlier in-place install. `None` (with `wait_for_parse`) when a file
+    /// before the primary network does not parse.
+    fn read_node(&self, wait_for_parse: bool) -> Result<Option<Node>, InstallError> {
+        let mut node = Node::default();
+        let mut primary_seen = false;
+        for path in candidates(&self.conf_dir)? {
+            let Some((value, form)) = read_network(&path)? else {
+                if wait_for_parse && !primary_seen && !is_own_conflist(&path) {
+                    log_line!("cnibpf install: waiting for {} to parse", path.display());
+                    return Ok(None);
+                }
+                continue;
+            };
+            if is_own_conflist(&path) {
+                node.own.push(NetworkFile { path, value, form });
+                continue;
+            }
+            let network = match chain_out(&value) {
+                Some((restored, converted_from)) => {
+                    let source = match &converted_from {
+                        Some(file_name) => self.conf_dir.join(file_name),
+                        None => path.clone(),
+                    };
+                    let restored_form = if converted_from.is_some() {
+                        Form::Single
+                    } else {
+                        Form::List
+                    };
+                    node.in_place.push(InPlace {
+                        chained: path,
+                        restored: restored.clone(),
+                        source: source.clone(),
+                    });
+                    NetworkFile {
+                        path: source,
+                        value: restored,
+                        form: restored_form,
+                    }
+                }
+                None => NetworkFile { path, value, form },
+            };
+            primary_seen |= match &self.network {
+                Some(name) => network.value["name"].as_str() == Some(name),
+                None => !is_multus(&network.value),
+            };
+            node.networks.push(network);
+        }
+        Ok(Some(node))
+    }
+
+    /// cnibpf's own file for the network to chain into (the one named, or the one the runtime
+    /// uses — the cluster network when that is Multus), not yet written.
+    fn chaining(&self, node: Node) -> Result<Chaining, InstallError> {
+        let Node {
+            networks,
+            own,
+            in_place,
+        } = node;
+        let mut notes = Vec::new();
         let primary = match &self.network {
             Some(name) => networks
                 .into_iter()
@@ -189,10 +252,25 @@ impl Install {
                     name: name.clone(),
                     dir: self.conf_dir.clone(),
                 })?,
-            None => networks
-                .into_iter()
-                .next()
-                .ok_or_else(|| InstallError::NoNetwork(self.conf_dir.clone()))?,
+            None => {
+                let mut networks = networks.into_iter().peekable();
+                let multus = networks
+                    .next_if(|network| is_multus(&network.value))
+                    .map(|network| network.path);
+                let primary = networks
+                    .find(|network| !is_multus(&network.value))
+                    .ok_or_else(|| match &multus {
+                        Some(multus) => InstallError::MultusOnly(multus.clone()),
+                        None => InstallError::NoNetwork(self.conf_dir.clone()),
+                    })?;
+                if let Some(multus) = multus {
+                    notes.push(format!(
+                        "the runtime's network is Multus's ({}): cnibpf is chained into the cluster network it delegates to, which Multus reads from the first file after its own once it regenerates its configuration",
+                        multus.display()
+                    ));
+                }
+                primary
+            }
         };
         let chained = chain_in(
             &primary.value,
@@ -201,107 +279,234 @@ impl Install {
             &self.entry,
             self.replace_portmap,
         )?;
-        if primary.form == Form::Single {
-            let conflist = primary.path.with_extension("conflist");
-            let taken = conflist
-                .try_exists()
-                .map_err(io_error(format!("look for {}", conflist.display())))?;
-            if taken {
-                return Err(InstallError::ConvertedExists(conflist));
-            }
-        }
+        notes.extend(chained.notes);
+        let own_path = own_file_of(&primary.path);
+        let current = own
+            .iter()
+            .find(|file| file.path == own_path)
+            .map(|file| file.value.clone());
+        let stale = own
+            .into_iter()
+            .map(|file| file.path)
+            .filter(|path| *path != own_path)
+            .collect();
         Ok(Chaining {
-            primary,
+            source: primary.path,
+            own: own_path,
             conflist: chained.conflist,
-            notes: chained.notes,
+            current,
+            notes,
+            in_place,
+            stale,
         })
     }
 }
 
-/// A network with the entry chained in, to be written.
+/// A conf dir as the install sees it.
+#[derive(Default)]
+struct Node {
+    /// Every network but cnibpf's own files, in the runtime's order, as it was before an
+    /// earlier in-place install.
+    networks: Vec<NetworkFile>,
+    /// cnibpf's own files.
+    own: Vec<NetworkFile>,
+    /// Networks an earlier release chained cnibpf into in place.
+    in_place: Vec<InPlace>,
+}
+
+/// A network an earlier release chained cnibpf into in place, and what it was.
+struct InPlace {
+    /// The file holding the chain.
+    chained: PathBuf,
+    restored: Value,
+    /// Where the restored network goes: the chain's file, or the single-plugin file it was
+    /// converted from.
+    source: PathBuf,
+}
+
+/// cnibpf's own file, to be written.
 struct Chaining {
-    primary: NetworkFile,
+    /// The primary network's file.
+    source: PathBuf,
+    own: PathBuf,
     conflist: Value,
+    /// The own file as it is, if there is one.
+    current: Option<Value>,
     notes: Vec<String>,
+    in_place: Vec<InPlace>,
+    /// Own files of another network (the primary changed), removed once the new one is there.
+    stale: Vec<PathBuf>,
 }
 
 impl Chaining {
-    /// Writes the network, only when that changes it.
+    /// Writes cnibpf's own file when that changes it, then takes cnibpf out of networks an
+    /// earlier release chained it into and removes own files of other networks: the runtime
+    /// finds the own file first throughout.
     fn apply(self) -> Result<(), InstallError> {
         for note in &self.notes {
             log_line!("cnibpf install: note: {note}");
         }
-        // fail-closed: a value of the conflist, for the message.
-        let network_name = self.conflist["name"].as_str().unwrap_or_default();
-        let path = &self.primary.path;
-        match self.primary.form {
-            Form::List if self.conflist == self.primary.value => Ok(()),
-            Form::List => {
-                write_atomically(path, &self.conflist)?;
-                say!(
-                    "chained cnibpf into network {network_name:?} ({})",
-                    path.display()
-                );
-                Ok(())
+        if self.current.as_ref() != Some(&self.conflist) {
+            write_atomically(&self.own, &self.conflist)?;
+            // fail-closed: a value of the conflist, for the message.
+            let network_name = self.conflist["name"].as_str().unwrap_or_default();
+            say!(
+                "chained cnibpf into network {network_name:?} of {}: wrote {}",
+                self.source.display(),
+                self.own.display()
+            );
+        }
+        for in_place in self.in_place {
+            write_atomically(&in_place.source, &in_place.restored)?;
+            if in_place.chained != in_place.source {
+                remove(&in_place.chained)?;
             }
-            Form::Single => {
-                let conflist = path.with_extension("conflist");
-                // The chain is in place before the single plugin goes: a runtime reading in
-                // between still finds the network, unchained, first.
-                write_atomically(&conflist, &self.conflist)?;
-                remove(path)?;
+            say!(
+                "took cnibpf out of {} (an earlier install's chain in place): restored {}",
+                in_place.chained.display(),
+                in_place.source.display()
+            );
+        }
+        for stale in self.stale {
+            if remove(&stale)? {
                 say!(
-                    "chained cnibpf into network {network_name:?}: {} is now {}",
-                    path.display(),
-                    conflist.display()
+                    "removed {}: its network is no longer the one chained",
+                    stale.display()
                 );
-                Ok(())
             }
         }
+        Ok(())
     }
 }
 
-/// `cnibpf uninstall`: cnibpf's entry out of every network in `conf_dir` (what it replaced put
-/// back), and its binary out of `bin_dir`. Pinned state stays for the last DEL: running pods
-/// keep their datapath.
-pub fn uninstall(conf_dir: &Path, bin_dir: &Path) -> Result<(), InstallError> {
-    for network in networks(conf_dir)? {
-        let Some((restored, converted_from)) = chain_out(&network.value) else {
+/// `cnibpf uninstall`: cnibpf out of `conf_dir` and `bin_dir`, and its datapath off the node.
+/// Each of cnibpf's own conflists goes with the instance its entry names when no attachment
+/// of that instance is left (or with `purge`, which removes the attachments too). While pods
+/// cnibpf set up remain, the file becomes the restored network with cnibpf in release-only
+/// mode after it, and the binary stays: new pods are the restored network's, the old pods'
+/// DELs still reach cnibpf, and the last one removes what is left (see `cni::release`). A
+/// network an earlier release chained cnibpf into in place is restored.
+pub fn uninstall(conf_dir: &Path, bin_dir: &Path, purge: bool) -> Result<(), InstallError> {
+    let binary = bin_dir.join(PLUGIN_NAME);
+    let mut binary_needed = false;
+    for path in candidates(conf_dir)? {
+        if is_own_conflist(&path) {
+            binary_needed |= release_or_remove(&path, &binary, purge)?;
+            continue;
+        }
+        let Some((value, _)) = read_network(&path)? else {
+            continue;
+        };
+        let Some((restored, converted_from)) = chain_out(&value) else {
             continue;
         };
         match converted_from {
             Some(file_name) => {
                 let single = conf_dir.join(file_name);
                 write_atomically(&single, &restored)?;
-                remove(&network.path)?;
+                remove(&path)?;
                 say!(
                     "took cnibpf out of {}: restored {}",
-                    network.path.display(),
+                    path.display(),
                     single.display()
                 );
             }
             None => {
-                write_atomically(&network.path, &restored)?;
-                say!("took cnibpf out of {}", network.path.display());
+                write_atomically(&path, &restored)?;
+                say!("took cnibpf out of {}", path.display());
             }
         }
     }
-    let binary = bin_dir.join(PLUGIN_NAME);
-    if remove(&binary)? {
+    if !binary_needed && remove(&binary)? {
         say!("removed {}", binary.display());
     }
     Ok(())
 }
 
+/// cnibpf's own conflist at `path`: removed, with the instance its entry names, when that
+/// instance holds no attachment (or `purge`); else rewritten into release-only mode. Whether
+/// the binary must stay for the DELs to come.
+fn release_or_remove(path: &Path, binary: &Path, purge: bool) -> Result<bool, InstallError> {
+    let entry = read_network(path)?.and_then(|(value, _)| {
+        let entry = value["plugins"]
+            .as_array()?
+            .iter()
+            .find(|plugin| plugin["type"] == PLUGIN_NAME)?
+            .clone();
+        Some((value, entry))
+    });
+    let Some((network, entry)) = entry else {
+        // Not a chain with cnibpf in it (any more): nothing reaches cnibpf through it.
+        if remove(path)? {
+            say!("removed {}", path.display());
+        }
+        return Ok(false);
+    };
+    let pins = PinLayout::new(
+        entry["pinPath"]
+            .as_str()
+            // fail-closed: a value of the entry: none is the default pinPath.
+            .unwrap_or(DEFAULT_PIN_PATH),
+    );
+    let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
+    if !purge && purge::holds_attachments(&pins)? {
+        let released = release_only(&network, &entry, path, binary);
+        if released != network {
+            write_atomically(path, &released)?;
+            say!(
+                "{}: cnibpf in release-only mode: new pods are made by the network as it was; the DELs of the pods cnibpf set up still reach it, and the last one removes cnibpf's datapath, this file and {} (cnibpf uninstall --purge removes them now)",
+                path.display(),
+                binary.display()
+            );
+        }
+        return Ok(true);
+    }
+    for removed in purge::purge(&pins)? {
+        say!("removed {removed}");
+    }
+    if remove(path)? {
+        say!("removed {}", path.display());
+    }
+    Ok(false)
+}
+
+/// `network` (cnibpf's own file) as the network it was made from, with cnibpf's entry after
+/// it in release-only mode: the keys a DEL reads, and the files the last one removes.
+fn release_only(network: &Value, entry: &Value, path: &Path, binary: &Path) -> Value {
+    let (mut restored, _) = chain_out(network)
+        // fail-closed: an Option of the JSON: a network holding no cnibpf stays as it is.
+        .unwrap_or_else(|| (network.clone(), None));
+    let mut release = Map::new();
+    release.insert("type".to_owned(), Value::from(PLUGIN_NAME));
+    for key in ["pinPath", "logFile", "logMaxSizeMB", "logMaxFiles"] {
+        if let Some(value) = entry.get(key) {
+            release.insert(key.to_owned(), value.clone());
+        }
+    }
+    release.insert(
+        "releaseOnly".to_owned(),
+        serde_json::json!({
+            "file": path.display().to_string(),
+            "binary": binary.display().to_string(),
+        }),
+    );
+    if let Some(plugins) = restored["plugins"].as_array_mut() {
+        plugins.push(Value::Object(release));
+    }
+    restored
+}
+
 /// Whether the network the runtime uses — the first file of `conf_dir` that parses, or the
-/// network named `network` — chains cnibpf: `Ok(())`, or what the runtime uses instead.
+/// network named `network` — chains cnibpf: `Ok(())`, or what the runtime uses instead. When
+/// that is Multus, its cluster network is looked at: inline (thin), or the first file after
+/// Multus's own, which Multus reads (thick).
 pub fn chained(conf_dir: &Path, network: Option<&str>) -> Result<Result<(), String>, InstallError> {
     let networks = networks(conf_dir)?;
     let used = match network {
         Some(name) => networks
             .iter()
-            .find(|file| file.value["name"].as_str() == Some(name)),
-        None => networks.first(),
+            .position(|file| file.value["name"].as_str() == Some(name)),
+        None => (!networks.is_empty()).then_some(0),
     };
     let Some(used) = used else {
         return Ok(Err(match network {
@@ -309,14 +514,31 @@ pub fn chained(conf_dir: &Path, network: Option<&str>) -> Result<Result<(), Stri
             None => format!("no network configuration in {}", conf_dir.display()),
         }));
     };
-    Ok(if chain::chains_cnibpf(&used.value) {
-        Ok(())
-    } else {
-        Err(format!(
-            "the network the runtime uses ({}) does not chain cnibpf",
-            used.path.display()
-        ))
-    })
+    let file = &networks[used];
+    if chain::chains_cnibpf(&file.value) {
+        return Ok(Ok(()));
+    }
+    if is_multus(&file.value) {
+        let cluster = match chain::multus_delegate_chains_cnibpf(&file.value) {
+            Some(inline) => inline,
+            None => networks[used + 1..]
+                .iter()
+                .find(|next| !is_multus(&next.value))
+                .is_some_and(|next| chain::chains_cnibpf(&next.value)),
+        };
+        return Ok(if cluster {
+            Ok(())
+        } else {
+            Err(format!(
+                "the cluster network Multus ({}) delegates to does not chain cnibpf (Multus regenerates its configuration from the first file after its own)",
+                file.path.display()
+            ))
+        });
+    }
+    Ok(Err(format!(
+        "the network the runtime uses ({}) does not chain cnibpf",
+        file.path.display()
+    )))
 }
 
 /// A network configuration file as a runtime would read it.
@@ -447,4 +669,14 @@ fn remove(path: &Path) -> Result<bool, InstallError> {
         Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(false),
         Err(error) => Err(io_error(format!("remove {}", path.display()))(error)),
     }
+}
+
+/// cnibpf's own file for the network of `source` (see [`OWN_CONFLIST_SUFFIX`]).
+fn own_file_of(source: &Path) -> PathBuf {
+    let stem = source
+        .file_stem()
+        .map(|stem| stem.to_string_lossy().into_owned())
+        // fail-closed: an Option of the path: a conf file always has a name.
+        .unwrap_or_default();
+    source.with_file_name(format!("{stem}{OWN_CONFLIST_SUFFIX}"))
 }

@@ -57,6 +57,7 @@ pub use self::migrate::FROM as MIGRATES_FROM;
 use self::pins::{
     PinnedState, all_programs_pinned, check_layout, load_object, prepare_pin_dir, relink,
 };
+pub use self::pins::{mount_bpffs, remove_pinned};
 use super::{Access, Backend, BackendError};
 use crate::paths::PinLayout;
 

@@ -443,17 +443,8 @@ pub(super) fn prepare_pin_dir(pins: &PinLayout) -> Result<(), BackendError> {
         let path = path.to_owned();
         move |source| BackendError::Bpffs { path, source }
     };
-    let mount_point = Path::new(BPFFS_MOUNT_POINT);
-    if root.starts_with(BPFFS_MOUNT_POINT) && !is_bpffs(mount_point).map_err(error(mount_point))? {
-        fs::create_dir_all(BPFFS_MOUNT_POINT).map_err(error(mount_point))?;
-        mount(
-            Some("bpf"),
-            BPFFS_MOUNT_POINT,
-            Some("bpf"),
-            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-            Some("mode=0700"),
-        )
-        .map_err(|errno| error(mount_point)(io::Error::from(errno)))?;
+    if root.starts_with(BPFFS_MOUNT_POINT) {
+        mount_bpffs(Path::new(BPFFS_MOUNT_POINT))?;
     }
     // Checked on the nearest existing ancestor, so that a wrong pinPath creates nothing.
     let mut existing = root;
@@ -472,6 +463,75 @@ pub(super) fn prepare_pin_dir(pins: &PinLayout) -> Result<(), BackendError> {
         fs::create_dir_all(&dir).map_err(error(&dir))?;
     }
     Ok(())
+}
+
+/// Removes every pinned object of the instance and its directory: maps and programs are freed
+/// and links detached (tcx hooks, socket hooks, the tracepoint) once no process holds them.
+/// What it removed, by kind; nothing when there was no instance.
+pub fn remove_pinned(pins: &PinLayout) -> Result<Vec<String>, BackendError> {
+    let root = pins.root();
+    let error = |path: &Path| {
+        let path = path.to_owned();
+        move |source| BackendError::Unpin { path, source }
+    };
+    if !root.try_exists().map_err(error(root))? {
+        return Ok(Vec::new());
+    }
+    // The entries of `dir` but its subdirectories of programs and links.
+    let count = |dir: &Path| -> Result<usize, BackendError> {
+        let entries = match fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(source) if source.kind() == io::ErrorKind::NotFound => return Ok(0),
+            Err(source) => return Err(error(dir)(source)),
+        };
+        let mut pinned = 0;
+        for entry in entries {
+            let path = entry.map_err(error(dir))?.path();
+            if path != pins.programs_dir() && path != pins.links_dir() {
+                pinned += 1;
+            }
+        }
+        Ok(pinned)
+    };
+    let (links, programs, maps) = (
+        count(&pins.links_dir())?,
+        count(&pins.programs_dir())?,
+        count(root)?,
+    );
+    // Links first: a hook is detached before the program it runs is unpinned.
+    for dir in [pins.links_dir(), pins.programs_dir()] {
+        match fs::remove_dir_all(&dir) {
+            Ok(()) => {}
+            Err(source) if source.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => return Err(error(&dir)(source)),
+        }
+    }
+    fs::remove_dir_all(root).map_err(error(root))?;
+    Ok(vec![format!(
+        "eBPF datapath {}: {links} links (hooks detached), {programs} programs, {maps} maps",
+        root.display()
+    )])
+}
+
+/// Mounts a bpffs at `mount_point` unless one is mounted there; whether it mounted one.
+pub fn mount_bpffs(mount_point: &Path) -> Result<bool, BackendError> {
+    let error = |source| BackendError::Bpffs {
+        path: mount_point.to_owned(),
+        source,
+    };
+    if is_bpffs(mount_point).map_err(error)? {
+        return Ok(false);
+    }
+    fs::create_dir_all(mount_point).map_err(error)?;
+    mount(
+        Some("bpf"),
+        mount_point,
+        Some("bpf"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("mode=0700"),
+    )
+    .map_err(|errno| error(io::Error::from(errno)))?;
+    Ok(true)
 }
 
 /// Whether `path` is on bpffs; a path that does not exist is not. Any other failure of
