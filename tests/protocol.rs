@@ -46,6 +46,35 @@ fn version_lists_the_supported_versions() {
     }
 }
 
+/// `cnibpf --version` says what an operator upgrades from: the release, the commit it was
+/// built from (git's HEAD of this checkout), and the layouts of the state it writes.
+#[test]
+fn the_version_names_the_release_the_commit_and_the_layouts() {
+    let output = std::process::Command::new(cnibpf_tests::topology::cnibpf_binary())
+        .arg("--version")
+        .env_remove("CNI_COMMAND")
+        .output()
+        .expect("run cnibpf --version");
+    assert!(output.status.success(), "{output:?}");
+    let version = String::from_utf8_lossy(&output.stdout);
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run git");
+    assert!(head.status.success(), "git rev-parse: {head:?}");
+    let head = String::from_utf8_lossy(&head.stdout).trim().to_owned();
+    let expected = format!(
+        "cnibpf {} (commit {head}; eBPF state layout {}, nftables cnibpf layout ",
+        env!("CARGO_PKG_VERSION"),
+        cnibpf_common::layout::VERSION
+    );
+    assert!(
+        version.starts_with(&expected),
+        "{version:?} starts with {expected:?}"
+    );
+}
+
 #[test]
 fn add_returns_prev_result_in_the_requested_version() {
     for version in ["0.3.1", "0.4.0", "1.0.0"] {

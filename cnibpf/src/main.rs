@@ -24,7 +24,13 @@ mod phases;
 mod preload;
 mod reclaim;
 
-use std::{net::SocketAddr, path::PathBuf, process::ExitCode, sync::Mutex, time::Duration};
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    process::ExitCode,
+    sync::{LazyLock, Mutex},
+    time::Duration,
+};
 
 use clap::{Parser, Subcommand};
 
@@ -33,9 +39,21 @@ use crate::{
     output::{log_line, say, with_causes},
 };
 
+/// `cnibpf --version`: the release, the commit it was built from, and the layouts of the
+/// state it writes (what an upgrade or a downgrade crosses, see CHANGELOG.md).
+static VERSION: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "{} (commit {}; eBPF state layout {}, nftables {})",
+        env!("CARGO_PKG_VERSION"),
+        env!("CNIBPF_COMMIT"),
+        cnibpf_common::layout::VERSION,
+        backend::nftables::TABLE_LAYOUT,
+    )
+});
+
 #[derive(Debug, Parser)]
 #[command(
-    version,
+    version = VERSION.as_str(),
     about = "eBPF masquerade, port mapping and filter rules for containers (CNI plugin)"
 )]
 struct Cli {

@@ -56,11 +56,11 @@ pub fn snapshot(exporter: &Exporter) -> Snapshot {
     let started = Instant::now();
     let mut snapshot = Snapshot::default();
     let ebpf = EbpfBackend::open_existing(&exporter.pins, Access::ReadOnly)
-        .map(|backend| backend.map(|backend| Box::new(backend) as Box<dyn Backend>));
+        .and_then(|backend| backend.map(|backend| read(&backend)).transpose());
     let nftables = NftablesBackend::open_existing(Access::ReadOnly)
-        .map(|backend| backend.map(|backend| Box::new(backend) as Box<dyn Backend>));
-    for (name, opened) in [("ebpf", ebpf), ("nftables", nftables)] {
-        match opened.and_then(|backend| backend.map(|backend| read(backend.as_ref())).transpose()) {
+        .and_then(|backend| backend.map(|backend| read_nftables(&backend)).transpose());
+    for (name, read) in [("ebpf", ebpf), ("nftables", nftables)] {
+        match read {
             Ok(Some(backend)) => snapshot.backends.push((name, Some(backend))),
             Ok(None) => {}
             Err(error) => {
@@ -78,6 +78,46 @@ pub fn snapshot(exporter: &Exporter) -> Snapshot {
     }
     snapshot.seconds = started.elapsed().as_secs_f64();
     snapshot
+}
+
+/// The nftables datapath as its scrape reads it (netlink dumps, no `nft`).
+fn read_nftables(backend: &NftablesBackend) -> Result<BackendSnapshot, BackendError> {
+    let scraped = backend.scrape()?;
+    let mut rules = Vec::new();
+    for rule in &scraped.rules {
+        let Some((_, attachment, pod)) = scraped
+            .attachments
+            .iter()
+            .find(|(owner, _, _)| *owner == rule.owner)
+        else {
+            continue;
+        };
+        let (pod_namespace, pod) = pod
+            .as_ref()
+            .map(|pod| (pod.namespace.clone(), pod.name.clone()))
+            // fail-closed: an Option: an attachment without a pod (podman, libcni) has none.
+            .unwrap_or_default();
+        rules.push(RulePackets {
+            pod_namespace,
+            pod,
+            container_id: attachment.container_id.clone(),
+            ifname: attachment.ifname.clone(),
+            index: match rule.index {
+                Some(index) => index.to_string(),
+                None => "default".to_owned(),
+            },
+            target: rule.target.as_str(),
+            packets: rule.packets,
+        });
+    }
+    Ok(BackendSnapshot {
+        attachments: scraped.attachments.len() as u64,
+        host_ports: scraped.host_ports,
+        flow_tables: scraped.flow_tables,
+        drops: Some(scraped.drops),
+        rules,
+        counters: Vec::new(),
+    })
 }
 
 fn read(backend: &dyn Backend) -> Result<BackendSnapshot, BackendError> {

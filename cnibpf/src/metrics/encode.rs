@@ -127,10 +127,11 @@ impl Collector for Encoded {
         gauges(
             encoder,
             "cnibpf_build_info",
-            "The build serving these metrics: its version, the eBPF layout and the nftables table layout it writes",
+            "The build serving these metrics: its version, commit, and the eBPF layout and nftables table layout it writes",
             [(
                 vec![
                     label("version", env!("CARGO_PKG_VERSION")),
+                    label("commit", env!("CNIBPF_COMMIT")),
                     label("layout", cnibpf_common::layout::VERSION.to_string()),
                     label("nftables_layout", nftables::TABLE_LAYOUT),
                 ],

@@ -20,15 +20,29 @@ const NFT_MSG_GETTABLE: u8 = 1;
 const NFT_MSG_GETCHAIN: u8 = 4;
 const NFT_MSG_GETRULE: u8 = 7;
 const NFT_MSG_GETSETELEM: u8 = 13;
-const NFPROTO_INET: u8 = 1;
-const NFPROTO_NETDEV: u8 = 5;
+pub const NFPROTO_INET: u8 = 1;
+pub const NFPROTO_NETDEV: u8 = 5;
 const NFTA_TABLE_NAME: u16 = 1;
 const NFTA_TABLE_USERDATA: u16 = 6;
 const NFTA_CHAIN_TABLE: u16 = 1;
 const NFTA_CHAIN_NAME: u16 = 3;
 const NFTA_RULE_TABLE: u16 = 1;
 const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_EXPRESSIONS: u16 = 4;
 const NFTA_RULE_USERDATA: u16 = 7;
+const NFTA_EXPR_NAME: u16 = 1;
+const NFTA_EXPR_DATA: u16 = 2;
+const NFTA_COUNTER_BYTES: u16 = 1;
+const NFTA_COUNTER_PACKETS: u16 = 2;
+const NFTA_IMMEDIATE_DATA: u16 = 2;
+const NFTA_DATA_VERDICT: u16 = 2;
+const NFTA_VERDICT_CODE: u16 = 1;
+const NFTA_PAYLOAD_BASE: u16 = 2;
+const NFTA_META_KEY: u16 = 2;
+const NFT_META_PROTOCOL: u32 = 1;
+const NFTA_CMP_OP: u16 = 2;
+const NFTA_CMP_DATA: u16 = 3;
+const NFT_CMP_EQ: u32 = 0;
 const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
 const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
@@ -66,6 +80,125 @@ pub fn rule_comments(chain: &str) -> Result<Option<Vec<String>>, NftablesError> 
         Ok(()) => Ok(Some(comments)),
         Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(None),
         Err(error) => Err(NftablesError::Netlink(error)),
+    }
+}
+
+/// A rule as one netlink dump of its table gives it: enough to count what it matched and to
+/// tell what it is, without `nft`, whose listing fetches every anonymous set's elements one
+/// request at a time (four per source-check chain: 0.6 s at 1,000 attachments).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DumpedRule {
+    pub chain: String,
+    pub comment: Option<String>,
+    /// (packets, bytes) of its counter.
+    pub counter: Option<(u64, u64)>,
+    /// Its verdict's code (`NF_DROP` 0, `NF_ACCEPT` 1, `NFT_RETURN` -5, …).
+    pub verdict: Option<i32>,
+    /// The header bases its payload expressions read (0 link, 1 network, 2 transport).
+    pub payload_bases: Vec<u32>,
+    /// It loads `meta protocol`.
+    pub reads_protocol: bool,
+    /// The values it compares for equality, as bytes (a dependency's `meta protocol == arp`
+    /// is `[0x08, 0x06]`).
+    pub equal_to: Vec<Vec<u8>>,
+}
+
+/// Table `cnibpf` of `family` (`NFPROTO_INET` 1, `NFPROTO_NETDEV` 5) rule by rule, in chain
+/// order; empty when there is no table.
+pub fn dump_rules(family: u8) -> Result<Vec<DumpedRule>, NftablesError> {
+    let mut rules = Vec::new();
+    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
+    let asked = connection.exchange(
+        Request::new(NFNL_SUBSYS_NFTABLES, NFT_MSG_GETRULE, family, true)
+            .string(NFTA_RULE_TABLE, TABLE),
+        |_, rule| {
+            rules.push(dumped_rule(rule));
+            ControlFlow::Continue(())
+        },
+    );
+    match asked {
+        Ok(()) => Ok(rules),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(Vec::new()),
+        Err(error) => Err(NftablesError::Netlink(error)),
+    }
+}
+
+/// The attributes of one `NFT_MSG_NEWRULE` read into a [`DumpedRule`]; what it does not
+/// understand it leaves out (the scrape only counts).
+fn dumped_rule(rule: &[u8]) -> DumpedRule {
+    let be32 = |bytes: &[u8]| {
+        bytes
+            .get(..4)
+            .map(|value| u32::from_be_bytes([value[0], value[1], value[2], value[3]]))
+    };
+    let be64 = |bytes: &[u8]| {
+        bytes.get(..8).map(|value| {
+            u64::from_be_bytes([
+                value[0], value[1], value[2], value[3], value[4], value[5], value[6], value[7],
+            ])
+        })
+    };
+    let mut dumped = DumpedRule {
+        chain: attribute(rule, NFTA_RULE_CHAIN)
+            .map(|name| String::from_utf8_lossy(until_nul(name)).into_owned())
+            // fail-closed: a dump's rule always names its chain; one without is no chain's.
+            .unwrap_or_default(),
+        comment: attribute(rule, NFTA_RULE_USERDATA).and_then(user_data_comment),
+        ..DumpedRule::default()
+    };
+    let Some(expressions) = attribute(rule, NFTA_RULE_EXPRESSIONS) else {
+        return dumped;
+    };
+    for (kind, expression) in attributes(expressions) {
+        if kind != NFTA_LIST_ELEM {
+            continue;
+        }
+        let name = attribute(expression, NFTA_EXPR_NAME).map(until_nul);
+        // fail-closed: an expression without data has nothing to read.
+        let data = attribute(expression, NFTA_EXPR_DATA).unwrap_or_default();
+        match name {
+            Some(b"counter") => {
+                dumped.counter = attribute(data, NFTA_COUNTER_PACKETS)
+                    .and_then(be64)
+                    .zip(attribute(data, NFTA_COUNTER_BYTES).and_then(be64));
+            }
+            Some(b"immediate") => {
+                let verdict = attribute(data, NFTA_IMMEDIATE_DATA)
+                    .and_then(|value| attribute(value, NFTA_DATA_VERDICT))
+                    .and_then(|verdict| attribute(verdict, NFTA_VERDICT_CODE))
+                    .and_then(be32);
+                if let Some(code) = verdict {
+                    dumped.verdict = Some(code as i32);
+                }
+            }
+            Some(b"payload") => {
+                dumped
+                    .payload_bases
+                    .extend(attribute(data, NFTA_PAYLOAD_BASE).and_then(be32));
+            }
+            Some(b"meta") => {
+                dumped.reads_protocol |=
+                    attribute(data, NFTA_META_KEY).and_then(be32) == Some(NFT_META_PROTOCOL);
+            }
+            Some(b"cmp") => {
+                let equal = attribute(data, NFTA_CMP_OP).and_then(be32) == Some(NFT_CMP_EQ);
+                let value = attribute(data, NFTA_CMP_DATA)
+                    .and_then(|value| attribute(value, NFTA_DATA_VALUE));
+                if let (true, Some(value)) = (equal, value) {
+                    dumped.equal_to.push(value.to_vec());
+                }
+            }
+            _ => {}
+        }
+    }
+    dumped
+}
+
+/// `bytes` up to its first NUL, as the kernel ends its strings.
+fn until_nul(bytes: &[u8]) -> &[u8] {
+    match bytes.iter().position(|byte| *byte == 0) {
+        Some(end) => &bytes[..end],
+        None => bytes,
     }
 }
 

@@ -33,6 +33,7 @@ mod nft;
 mod other_layout;
 mod portmap;
 mod record;
+mod scrape;
 mod sources;
 
 use std::{collections::BTreeMap, net::IpAddr};
