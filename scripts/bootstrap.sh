@@ -21,8 +21,9 @@ fi
 # (nft, and conntrack to drop the connections of a hostPort that changed owner), and the real
 # runtimes the tests drive — containerd's CRI (with runc; protoc builds the CRI client) and
 # podman — with busybox-static for the images they run; python3-venv for the manifest validator;
-# prometheus (server and promtool) for the metrics tests.
-packages=(iproute2 nftables conntrack iptables bpftool containernetworking-plugins jq iperf3 iputils-ping util-linux procps gcc libc6-dev fonts-dejavu-core containerd runc podman busybox-static protobuf-compiler python3-venv prometheus)
+# prometheus (server and promtool) for the metrics tests; the arm64 cross linker and C library
+# for the node image's second architecture, and qemu-user-static to run that binary in a test.
+packages=(iproute2 nftables conntrack iptables bpftool containernetworking-plugins jq iperf3 iputils-ping util-linux procps gcc libc6-dev fonts-dejavu-core containerd runc podman busybox-static protobuf-compiler python3-venv prometheus gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static)
 missing=()
 for package in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then
@@ -68,7 +69,12 @@ ensure_toolchain() {
 }
 ensure_toolchain "$userspace_toolchain" clippy rustfmt
 ensure_toolchain "$ebpf_toolchain" rust-src llvm-tools clippy rustfmt
-step "toolchains $userspace_toolchain (userspace) and $ebpf_toolchain (eBPF) present"
+# The node image's arm64 binary is cross-compiled by the userspace toolchain.
+if ! rustup target list --installed --toolchain "$userspace_toolchain" | grep -q '^aarch64-unknown-linux-gnu$'; then
+    step "adding target aarch64-unknown-linux-gnu to $userspace_toolchain"
+    rustup target add --toolchain "$userspace_toolchain" aarch64-unknown-linux-gnu >/dev/null
+fi
+step "toolchains $userspace_toolchain (userspace, x86_64 and aarch64) and $ebpf_toolchain (eBPF) present"
 
 # bpf-linker must link the very libLLVM of the eBPF nightly; it is rebuilt when that changes.
 nightly_lib="$(rustup run "$ebpf_toolchain" rustc --print sysroot)/lib"

@@ -16,9 +16,14 @@ fn repository() -> &'static Path {
 
 /// The binary `cargo xtask image` puts in the image (`cargo xtask test` builds it first).
 fn static_binary() -> PathBuf {
+    static_binary_for(&format!("{}-unknown-linux-gnu", std::env::consts::ARCH))
+}
+
+/// [`static_binary`] of Rust target `target`.
+fn static_binary_for(target: &str) -> PathBuf {
     let path = repository()
         .join("target/static")
-        .join(format!("{}-unknown-linux-gnu", std::env::consts::ARCH))
+        .join(target)
         .join("release/cnibpf");
     assert!(
         path.exists(),
@@ -373,4 +378,84 @@ fn kustomize_renders_the_base_and_an_overlay() {
         "the overlay's entry: {overlay}"
     );
     let _ = std::fs::remove_dir_all(&work);
+}
+
+/// The node image for both architectures: `deploy/build-image.sh` (what `./dev image` runs)
+/// makes one manifest list of amd64 and arm64 offline, and the arm64 binary — an AArch64 ELF,
+/// cross-compiled — runs under qemu-user-static: `--version`, and a configuration parsed and
+/// refused with the key that is wrong.
+#[test]
+fn the_image_is_built_for_amd64_and_arm64_and_the_arm64_binary_runs() {
+    let arm64 = static_binary_for("aarch64-unknown-linux-gnu");
+    let header = std::fs::read(&arm64).expect("the arm64 binary");
+    const EM_AARCH64: u16 = 183;
+    assert_eq!(
+        (&header[..4], u16::from_le_bytes([header[18], header[19]])),
+        (&b"\x7fELF"[..], EM_AARCH64),
+        "an AArch64 ELF"
+    );
+    let version = std::process::Command::new("qemu-aarch64-static")
+        .arg(&arm64)
+        .arg("--version")
+        .env_remove("CNI_COMMAND")
+        .output()
+        .expect("run qemu-aarch64-static (scripts/bootstrap.sh installs it)");
+    let said = String::from_utf8_lossy(&version.stdout);
+    assert!(
+        version.status.success()
+            && said.starts_with(&format!("cnibpf {} (commit ", env!("CARGO_PKG_VERSION"))),
+        "{version:?}"
+    );
+    let mut refused = std::process::Command::new("qemu-aarch64-static")
+        .arg(&arm64)
+        .env("CNI_COMMAND", "ADD")
+        .env("CNI_CONTAINERID", "arm64")
+        .env("CNI_NETNS", "/proc/self/ns/net")
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", "/opt/cni/bin")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run the arm64 plugin");
+    std::io::Write::write_all(
+        &mut refused.stdin.take().expect("stdin"),
+        json!({ "cniVersion": "1.0.0", "name": "n", "type": "cnibpf",
+            "filter": [{ "index": "ten", "target": "DROP" }] })
+        .to_string()
+        .as_bytes(),
+    )
+    .expect("write the configuration");
+    let refused = refused.wait_with_output().expect("wait for the plugin");
+    let answer: Value = serde_json::from_slice(&refused.stdout)
+        .unwrap_or_else(|error| panic!("a CNI error ({error}): {refused:?}"));
+    assert_eq!(answer["code"], 7, "{answer}");
+    assert!(
+        answer["msg"]
+            .as_str()
+            .is_some_and(|msg| msg.contains("filter[0].index")),
+        "{answer}"
+    );
+
+    let sim = SimHost::new("img-arch", json!({}));
+    let podman = Podman::new(&sim);
+    let tag = "localhost/cnibpf:arch-test";
+    let built = std::process::Command::new(repository().join("deploy/build-image.sh"))
+        .arg(tag)
+        .arg(static_binary_for("x86_64-unknown-linux-gnu"))
+        .arg(&arm64)
+        .envs(podman.environment())
+        .output()
+        .expect("run deploy/build-image.sh");
+    assert!(built.status.success(), "{built:?}");
+    let inspected = podman.run(&["manifest", "inspect", tag]);
+    assert!(inspected.status.success(), "{inspected:?}");
+    let manifest: Value = serde_json::from_slice(&inspected.stdout).expect("the manifest list");
+    let mut architectures: Vec<&str> = manifest["manifests"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| entry["platform"]["architecture"].as_str())
+        .collect();
+    architectures.sort_unstable();
+    assert_eq!(architectures, ["amd64", "arm64"], "{manifest:#}");
 }

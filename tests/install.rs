@@ -552,12 +552,25 @@ fn an_upgrade_replaces_the_binary_while_the_old_one_runs() {
     std::fs::write(&old, &content).expect("the old binary");
     std::fs::set_permissions(&old, std::os::unix::fs::PermissionsExt::from_mode(0o755))
         .expect("chmod");
-    let running = Command::new(&old)
-        .args(node.args("install", &["--watch", "--replace-portmap"]))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("run the old binary");
+    // A process another test forks while the file was open for writing holds it open until
+    // it execs: the kernel answers "text file busy" until then.
+    let mut attempts = 0;
+    let running = loop {
+        let spawned = Command::new(&old)
+            .args(node.args("install", &["--watch", "--replace-portmap"]))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        match spawned {
+            Err(error)
+                if error.kind() == std::io::ErrorKind::ExecutableFileBusy && attempts < 100 =>
+            {
+                attempts += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            spawned => break spawned.expect("run the old binary"),
+        }
+    };
     assert!(
         eventually(Duration::from_secs(5), || node
             .read_if_there("10-flannel.cnibpf.conflist")

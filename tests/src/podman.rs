@@ -79,16 +79,24 @@ image_copy_tmp_dir = "{b}/tmp"
         }
     }
 
+    /// The variables that point podman at this instance's configuration and storage, for a
+    /// script that runs podman itself.
+    pub fn environment(&self) -> [(&'static str, PathBuf); 3] {
+        [
+            ("CONTAINERS_CONF", self.base.join("containers.conf")),
+            ("CONTAINERS_STORAGE_CONF", self.base.join("storage.conf")),
+            (
+                "CONTAINERS_REGISTRIES_CONF",
+                self.base.join("registries.conf"),
+            ),
+        ]
+    }
+
     /// `podman <args>` with this instance's configuration, in the simulated host.
     pub fn run(&self, args: &[&str]) -> Output {
         let mut command = Command::new("podman");
         command
-            .env("CONTAINERS_CONF", self.base.join("containers.conf"))
-            .env("CONTAINERS_STORAGE_CONF", self.base.join("storage.conf"))
-            .env(
-                "CONTAINERS_REGISTRIES_CONF",
-                self.base.join("registries.conf"),
-            )
+            .envs(self.environment())
             .arg("--root")
             .arg(self.base.join("root"))
             .arg("--runroot")

@@ -43,7 +43,8 @@ enum Task {
     },
     /// Wire a container in a simulated host with cnibpf and show it working.
     Demo,
-    /// Build the node image (deploy/Containerfile): cnibpf linked statically, nothing else.
+    /// Build the node image (deploy/Containerfile): cnibpf linked statically, nothing else,
+    /// for amd64 and arm64, as one multi-arch manifest list (deploy/build-image.sh).
     Image,
     /// Benchmarks against same-run baselines; results in target/bench (table, JSON, PNG).
     Bench {
@@ -204,47 +205,71 @@ fn build() -> Result<()> {
     run(cargo(&["build", "--package", "cnibpf"]), "build cnibpf")
 }
 
+/// The architectures of the node image: (Rust target, the image's architecture, the cross
+/// linker when it is not the host's).
+pub const IMAGE_TARGETS: [(&str, &str, Option<&str>); 2] = [
+    ("x86_64-unknown-linux-gnu", "amd64", None),
+    (
+        "aarch64-unknown-linux-gnu",
+        "arm64",
+        Some("aarch64-linux-gnu-gcc"),
+    ),
+];
+
 /// cnibpf linked statically (glibc's static libc: it calls no name service), for an image of
-/// nothing else; its path.
-pub fn build_static() -> Result<PathBuf> {
+/// nothing else, for Rust target `target` (one of [`IMAGE_TARGETS`]: another architecture than
+/// the host's is cross-compiled with Debian's cross linker, which bootstrap installs); its
+/// path.
+pub fn build_static_for(target: &str) -> Result<PathBuf> {
     build_ebpf()?;
-    let target = format!("{}-unknown-linux-gnu", std::env::consts::ARCH);
     let mut command = cargo(&[
         "build",
         "--release",
         "--package",
         "cnibpf",
         "--target",
-        &target,
+        target,
         "--target-dir",
         "target/static",
     ]);
     // With --target, RUSTFLAGS reach the target's crates only, not the build scripts.
     command.env("RUSTFLAGS", "-C target-feature=+crt-static");
-    run(command, "build cnibpf, statically linked")?;
+    let cross = IMAGE_TARGETS
+        .iter()
+        .find(|(rust, _, _)| *rust == target)
+        .and_then(|(_, _, linker)| *linker)
+        .filter(|_| !target.starts_with(std::env::consts::ARCH));
+    if let Some(linker) = cross {
+        let variable = format!(
+            "CARGO_TARGET_{}_LINKER",
+            target.to_uppercase().replace('-', "_")
+        );
+        command.env(variable, linker);
+    }
+    run(
+        command,
+        &format!("build cnibpf for {target}, statically linked"),
+    )?;
     Ok(workspace_root()
         .join("target/static")
         .join(target)
         .join("release/cnibpf"))
 }
 
-/// The image `localhost/cnibpf:<version>` in podman's storage.
+/// The image `localhost/cnibpf:<version>` in podman's storage: a manifest list of amd64 and
+/// arm64 (deploy/build-image.sh).
 fn image() -> Result<()> {
-    let binary = build_static()?;
-    let root = workspace_root();
-    let context = root.join("target/image");
-    std::fs::create_dir_all(&context)?;
-    std::fs::copy(&binary, context.join("cnibpf"))
-        .with_context(|| format!("copy {}", binary.display()))?;
+    let mut binaries = Vec::new();
+    for (target, _, _) in IMAGE_TARGETS {
+        binaries.push(build_static_for(target)?);
+    }
     let tag = format!("localhost/cnibpf:{}", env!("CARGO_PKG_VERSION"));
-    let mut command = Command::new("podman");
-    command
-        .args(["build", "--tag", &tag, "--file"])
-        .arg(root.join("deploy/Containerfile"))
-        .arg(&context);
-    run(command, &format!("podman build {tag}"))?;
+    let mut command = Command::new(workspace_root().join("deploy/build-image.sh"));
+    command.arg(&tag).args(&binaries);
+    run(command, &format!("podman build {tag} (amd64, arm64)"))?;
     eprintln!(
-        "    {tag}: push it where your nodes pull from, and set it in deploy/base/cnibpf.yaml (or a kustomize overlay: deploy/overlays/example)"
+        "    {tag}: push it where your nodes pull from (podman manifest push {tag} <registry>/cnibpf:{}), and set it in deploy/base/cnibpf.yaml (or a kustomize overlay: deploy/overlays/example)",
+        env!("CARGO_PKG_VERSION")
     );
     Ok(())
 }
@@ -283,8 +308,10 @@ fn test(filter: &[String]) -> Result<()> {
         println!("tests: {unit_passed} passed, {unit_failed} failed, 0 skipped");
         bail!("{unit_failed} unit tests failed");
     }
-    // The deploy suite builds the node image from it.
-    build_static()?;
+    // The deploy suite builds the node image from them, and runs the arm64 one under qemu.
+    for (target, _, _) in IMAGE_TARGETS {
+        build_static_for(target)?;
+    }
     let mut integration = cargo(&[
         "test",
         // The same package set as the unit tests, so that nothing is rebuilt with other
