@@ -45,6 +45,20 @@ fn start_httpd(cri: &mut Cri, pod: &Pod) -> String {
     )
 }
 
+/// Pod `shop/<name>` with busybox httpd serving port 80 on TCP hostPort `port`.
+fn serving_pod(cri: &mut Cri, containerd: &Containerd, name: &str, port: u16) -> Pod {
+    let pod = cri
+        .run_pod(cri.pod_config(
+            "shop",
+            name,
+            0,
+            vec![host_port(Protocol::Tcp, 80, i32::from(port), "")],
+        ))
+        .unwrap_or_else(|status| panic!("RunPodSandbox: {status}\n{}", containerd.log()));
+    start_httpd(cri, &pod);
+    pod
+}
+
 /// Whether the outside gets the test page through hostPort `port` (within 5 s).
 fn outside_gets_the_page(sim: &SimHost, port: u16) -> bool {
     eventually(Duration::from_secs(5), || {
@@ -250,77 +264,106 @@ fn a_pod_with_host_ports_through_containerd(backend: Backend) {
 
 for_both_backends!(a_pod_with_host_ports_through_containerd);
 
-/// The conflist `cnibpf install` makes of a bridge + portmap network (containerd's own example
-/// configuration has that shape), a file of its own beside the primary's, is the one
-/// containerd runs: a pod's hostPort is cnibpf's.
+/// containerd over a bridge + portmap network (containerd's own example configuration has
+/// that shape) into which `cnibpf install --replace-portmap` chained cnibpf with `sim`'s keys,
+/// in a file of its own beside the primary's: containerd, its conf and bin dirs, the primary
+/// network as written, and the name of cnibpf's file.
+struct Installed {
+    containerd: Containerd,
+    conf_dir: std::path::PathBuf,
+    bin_dir: std::path::PathBuf,
+    primary: serde_json::Value,
+    primary_file: String,
+    own_file: String,
+}
+
+impl Installed {
+    fn start(sim: &SimHost) -> Self {
+        let conflist = sim.chain.conflist().clone();
+        let mut entry = conflist["plugins"][1].clone();
+        if let Some(entry) = entry.as_object_mut() {
+            entry.remove("type");
+        }
+        let primary = json!({
+            "cniVersion": conflist["cniVersion"],
+            "name": conflist["name"],
+            "plugins": [
+                conflist["plugins"][0],
+                { "type": "portmap", "snat": true, "capabilities": { "portMappings": true } },
+            ],
+        });
+        let primary_file = format!("10-{}.conflist", sim.network());
+        let dirs = std::sync::Mutex::new(None);
+        let containerd = Containerd::start_with(sim, |conf_dir, bin_dir| {
+            std::fs::write(
+                conf_dir.join(&primary_file),
+                serde_json::to_string_pretty(&primary).expect("JSON"),
+            )
+            .expect("write the primary network");
+            let entry_file = sim.work_dir.join("entry.json");
+            std::fs::write(&entry_file, entry.to_string()).expect("write the entry");
+            let installed = sim.cnibpf(&[
+                "install",
+                "--conf-dir",
+                &conf_dir.display().to_string(),
+                "--bin-dir",
+                &bin_dir.display().to_string(),
+                "--entry",
+                &entry_file.display().to_string(),
+                "--replace-portmap",
+            ]);
+            assert!(installed.status.success(), "cnibpf install: {installed:?}");
+            *dirs.lock().expect("dirs") = Some((conf_dir.to_owned(), bin_dir.to_owned()));
+        });
+        let (conf_dir, bin_dir) = dirs
+            .into_inner()
+            .expect("dirs")
+            .expect("containerd configured");
+        Self {
+            containerd,
+            conf_dir,
+            bin_dir,
+            primary,
+            primary_file,
+            own_file: format!("10-{}.cnibpf.conflist", sim.network()),
+        }
+    }
+
+    fn read(&self, file: &str) -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(self.conf_dir.join(file)).expect("read the file"))
+            .expect("it parses")
+    }
+}
+
+fn types(conflist: &serde_json::Value) -> Vec<&str> {
+    conflist["plugins"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|plugin| plugin["type"].as_str())
+        .collect()
+}
+
+/// The conflist `cnibpf install` makes of a bridge + portmap network, a file of its own beside
+/// the primary's, is the one containerd runs: a pod's hostPort is cnibpf's.
 #[test]
 fn a_pod_with_a_host_port_through_the_conflist_cnibpf_install_wrote() {
     let sim = SimHost::on(Backend::Ebpf, "crii", json!({ "ipMasq": true }));
-    let conflist = sim.chain.conflist().clone();
-    let mut entry = conflist["plugins"][1].clone();
-    if let Some(entry) = entry.as_object_mut() {
-        entry.remove("type");
-    }
-    let primary = json!({
-        "cniVersion": conflist["cniVersion"],
-        "name": conflist["name"],
-        "plugins": [
-            conflist["plugins"][0],
-            { "type": "portmap", "snat": true, "capabilities": { "portMappings": true } },
-        ],
-    });
-    let file = format!("10-{}.conflist", sim.network());
-    let containerd = Containerd::start_with(&sim, |conf_dir, bin_dir| {
-        std::fs::write(
-            conf_dir.join(&file),
-            serde_json::to_string_pretty(&primary).expect("JSON"),
-        )
-        .expect("write the primary network");
-        let entry_file = sim.work_dir.join("entry.json");
-        std::fs::write(&entry_file, entry.to_string()).expect("write the entry");
-        let installed = std::process::Command::new(cnibpf_tests::topology::cnibpf_binary())
-            .arg("install")
-            .arg("--conf-dir")
-            .arg(conf_dir)
-            .arg("--bin-dir")
-            .arg(bin_dir)
-            .arg("--entry")
-            .arg(&entry_file)
-            .arg("--replace-portmap")
-            .output()
-            .expect("run cnibpf install");
-        assert!(installed.status.success(), "cnibpf install: {installed:?}");
-        assert_eq!(
-            serde_json::from_slice::<serde_json::Value>(
-                &std::fs::read(conf_dir.join(&file)).expect("read the primary network")
-            )
-            .expect("it parses"),
-            primary,
-            "the primary's file is left as it was"
-        );
-        let own_file = conf_dir.join(format!("10-{}.cnibpf.conflist", sim.network()));
-        let chained: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&own_file).expect("read cnibpf's own conflist"))
-                .expect("the installed conflist parses");
-        let types: Vec<&str> = chained["plugins"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|plugin| plugin["type"].as_str())
-            .collect();
-        assert_eq!(types, ["bridge", "cnibpf"], "{chained:#}");
-        eprintln!("before install:\n{primary:#}\nafter install:\n{chained:#}");
-    });
+    let installed = Installed::start(&sim);
+    assert_eq!(
+        installed.read(&installed.primary_file),
+        installed.primary,
+        "the primary's file is left as it was"
+    );
+    let chained = installed.read(&installed.own_file);
+    assert_eq!(types(&chained), ["bridge", "cnibpf"], "{chained:#}");
+    eprintln!(
+        "before install:\n{:#}\nafter install:\n{chained:#}",
+        installed.primary
+    );
+    let containerd = &installed.containerd;
     let mut cri = containerd.client();
-    let web = cri
-        .run_pod(cri.pod_config(
-            "shop",
-            "web",
-            0,
-            vec![host_port(Protocol::Tcp, 80, 18080, "")],
-        ))
-        .unwrap_or_else(|status| panic!("RunPodSandbox: {status}\n{}", containerd.log()));
-    start_httpd(&mut cri, &web);
+    let web = serving_pod(&mut cri, containerd, "web", 18080);
     assert_eq!(pods_of(&sim), ["shop/web"], "cnibpf serves the pod");
     assert!(
         outside_gets_the_page(&sim, 18080),
@@ -342,57 +385,15 @@ fn a_pod_with_a_host_port_through_the_conflist_cnibpf_install_wrote() {
 #[test]
 fn uninstall_with_a_pod_running_leaves_nothing_once_it_is_removed() {
     let sim = SimHost::on(Backend::Ebpf, "criu", json!({ "ipMasq": true }));
-    let conflist = sim.chain.conflist().clone();
-    let mut entry = conflist["plugins"][1].clone();
-    if let Some(entry) = entry.as_object_mut() {
-        entry.remove("type");
-    }
-    let primary = json!({
-        "cniVersion": conflist["cniVersion"],
-        "name": conflist["name"],
-        "plugins": [
-            conflist["plugins"][0],
-            { "type": "portmap", "snat": true, "capabilities": { "portMappings": true } },
-        ],
-    });
-    let primary_file = format!("10-{}.conflist", sim.network());
-    let own_file = format!("10-{}.cnibpf.conflist", sim.network());
-    let dirs = std::sync::Mutex::new(None);
-    let containerd = Containerd::start_with(&sim, |conf_dir, bin_dir| {
-        std::fs::write(
-            conf_dir.join(&primary_file),
-            serde_json::to_string_pretty(&primary).expect("JSON"),
-        )
-        .expect("write the primary network");
-        let entry_file = sim.work_dir.join("entry.json");
-        std::fs::write(&entry_file, entry.to_string()).expect("write the entry");
-        let installed = sim.cnibpf(&[
-            "install",
-            "--conf-dir",
-            &conf_dir.display().to_string(),
-            "--bin-dir",
-            &bin_dir.display().to_string(),
-            "--entry",
-            &entry_file.display().to_string(),
-            "--replace-portmap",
-        ]);
-        assert!(installed.status.success(), "cnibpf install: {installed:?}");
-        *dirs.lock().expect("dirs") = Some((conf_dir.to_owned(), bin_dir.to_owned()));
-    });
-    let (conf_dir, bin_dir) = dirs
-        .into_inner()
-        .expect("dirs")
-        .expect("containerd configured");
+    let installed = Installed::start(&sim);
+    let (containerd, conf_dir, bin_dir, own_file) = (
+        &installed.containerd,
+        &installed.conf_dir,
+        &installed.bin_dir,
+        &installed.own_file,
+    );
     let mut cri = containerd.client();
-    let web = cri
-        .run_pod(cri.pod_config(
-            "shop",
-            "web",
-            0,
-            vec![host_port(Protocol::Tcp, 80, 18080, "")],
-        ))
-        .unwrap_or_else(|status| panic!("RunPodSandbox: {status}\n{}", containerd.log()));
-    start_httpd(&mut cri, &web);
+    let web = serving_pod(&mut cri, containerd, "web", 18080);
     assert_eq!(pods_of(&sim), ["shop/web"], "cnibpf serves the pod");
 
     let uninstalled = sim.cnibpf(&[
@@ -407,31 +408,18 @@ fn uninstall_with_a_pod_running_leaves_nothing_once_it_is_removed() {
         uninstalled.status.success() && said.contains("release-only"),
         "cnibpf uninstall: {uninstalled:?}"
     );
-    let released: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(conf_dir.join(&own_file)).expect("cnibpf's conflist stays"),
-    )
-    .expect("it parses");
-    let types: Vec<&str> = released["plugins"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|plugin| plugin["type"].as_str())
-        .collect();
-    assert_eq!(types, ["bridge", "portmap", "cnibpf"], "{released:#}");
+    let released = installed.read(own_file);
+    assert_eq!(
+        types(&released),
+        ["bridge", "portmap", "cnibpf"],
+        "{released:#}"
+    );
     assert!(
         bin_dir.join("cnibpf").exists(),
         "the binary stays for the DEL"
     );
 
-    let late = cri
-        .run_pod(cri.pod_config(
-            "shop",
-            "late",
-            0,
-            vec![host_port(Protocol::Tcp, 80, 18081, "")],
-        ))
-        .unwrap_or_else(|status| panic!("RunPodSandbox: {status}\n{}", containerd.log()));
-    start_httpd(&mut cri, &late);
+    let late = serving_pod(&mut cri, containerd, "late", 18081);
     assert_eq!(pods_of(&sim), ["shop/web"], "the new pod is not cnibpf's");
     assert!(
         sim.host
@@ -458,7 +446,7 @@ fn uninstall_with_a_pod_running_leaves_nothing_once_it_is_removed() {
         sim.pin_path.clone(),
         stats,
         lock,
-        conf_dir.join(&own_file),
+        conf_dir.join(own_file),
         bin_dir.join("cnibpf"),
     ]
     .into_iter()

@@ -64,7 +64,7 @@ pub fn purge(pins: &PinLayout) -> Result<Vec<String>, BackendError> {
 }
 
 /// Removes the file at `path`; whether there was one.
-fn remove_file(path: &Path) -> Result<bool, BackendError> {
+pub fn remove_file(path: &Path) -> Result<bool, BackendError> {
     match fs::remove_file(path) {
         Ok(()) => Ok(true),
         Err(source) if source.kind() == io::ErrorKind::NotFound => Ok(false),

@@ -488,7 +488,9 @@ fn resolve_uplinks(conf: &NetConf) -> Result<Vec<Link>, Error> {
     }
 }
 
-fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
+/// An ADD's configuration, its previous result, and that result as this ADD answers it (in
+/// the configuration's version).
+fn decode_add(stdin: &[u8]) -> Result<(NetConf, Value, Value), Error> {
     let conf = NetConf::parse(stdin)?;
     journal::network(&conf.name);
     let prev_result = conf
@@ -496,6 +498,11 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
         .clone()
         .ok_or(ConfigError::MissingPrevResult)?;
     let output = result::convert(&prev_result, conf.cni_version, &conf.cni_version_text)?;
+    Ok((conf, prev_result, output))
+}
+
+fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
+    let (conf, prev_result, output) = decode_add(stdin)?;
     phases::mark("decode");
     let plan = plan(env, &conf, &prev_result)?;
     phases::mark("plan");

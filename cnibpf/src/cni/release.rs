@@ -5,12 +5,10 @@
 //! whole — the datapath, its files, the conflist and the binary — so nothing of cnibpf is left
 //! on the node and the runtime reads the primary's own file again.
 
-use std::{fs, io, path::Path};
-
-use super::{Command, Env, error::Error, result};
+use super::{Command, Env, error::Error};
 use crate::{
-    backend::{BackendError, purge},
-    config::{CleanupConf, ConfigError, NetConf, ReleaseOnly},
+    backend::purge,
+    config::{CleanupConf, NetConf, ReleaseOnly},
     journal,
     lock::{InstanceLock, lock_timeout},
     paths::{PLUGIN_NAME, PinLayout, is_own_conflist},
@@ -24,13 +22,7 @@ pub fn dispatch(
 ) -> Result<Option<String>, Error> {
     match command {
         Command::Add => {
-            let conf = NetConf::parse(stdin)?;
-            journal::network(&conf.name);
-            let prev_result = conf
-                .prev_result
-                .clone()
-                .ok_or(ConfigError::MissingPrevResult)?;
-            let output = result::convert(&prev_result, conf.cni_version, &conf.cni_version_text)?;
+            let (_, _, output) = super::decode_add(stdin)?;
             Ok(Some(output.to_string()))
         }
         Command::Check | Command::Status => {
@@ -69,7 +61,7 @@ fn release_if_last(stdin: &[u8], release: &ReleaseOnly) -> Result<(), Error> {
         .as_deref()
         .filter(|path| path.file_name().is_some_and(|name| name == PLUGIN_NAME));
     for path in [conflist, binary].into_iter().flatten() {
-        if remove_file(path)? {
+        if purge::remove_file(path)? {
             removed.push(path.display().to_string());
         }
     }
@@ -77,15 +69,4 @@ fn release_if_last(stdin: &[u8], release: &ReleaseOnly) -> Result<(), Error> {
         journal::note(journal::Change::Uninstalled(item));
     }
     Ok(())
-}
-
-fn remove_file(path: &Path) -> Result<bool, BackendError> {
-    match fs::remove_file(path) {
-        Ok(()) => Ok(true),
-        Err(source) if source.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(source) => Err(BackendError::Unpin {
-            path: path.to_owned(),
-            source,
-        }),
-    }
 }

@@ -2,7 +2,7 @@
 //! what they asked for, the hostport maps for what is installed, the filter chains (with their
 //! counters) for what they run.
 
-use std::{collections::BTreeMap, net::IpAddr};
+use std::net::IpAddr;
 
 use cnibpf_common::drop_stats::{DropCount, DropReason};
 use nftables::{
@@ -11,8 +11,8 @@ use nftables::{
 };
 
 use super::{
-    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack, filter::filter_of,
-    parse_owner, sources,
+    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, add_drops, conntrack, counted_drops,
+    filter::filter_of, parse_owner, sources,
 };
 use crate::{
     backend::{
@@ -136,23 +136,8 @@ impl Inspect for NftablesBackend {
     /// table `netdev cnibpf`, the localnet guard's from its rule. What the kernel's own
     /// connection tracking and NAT drop (a full table, no port left) is the kernel's to count.
     fn drops(&self) -> Result<Option<Vec<(DropReason, DropCount)>>, BackendError> {
-        let mut drops: BTreeMap<DropReason, DropCount> = [
-            DropReason::FilterRule,
-            DropReason::FilterDefault,
-            DropReason::SourceCheckAddress,
-            DropReason::SourceCheckArp,
-            DropReason::SourceCheckNeighbourAdvertisement,
-            DropReason::SourceCheckNotIp,
-            DropReason::LocalnetGuard,
-        ]
-        .into_iter()
-        .map(|reason| (reason, DropCount::default()))
-        .collect();
-        let mut add = |reason: DropReason, (packets, bytes): (u64, u64)| {
-            let count = drops.entry(reason).or_default();
-            count.packets += packets;
-            count.bytes += bytes;
-        };
+        let mut drops = counted_drops();
+        let mut add = |reason, counted| add_drops(&mut drops, reason, counted);
         for (_, record) in self.filters()? {
             for (rule, hits) in record.filter.rules.iter().zip(&record.hits) {
                 if rule.target == Target::Drop {

@@ -36,6 +36,7 @@ mod record;
 mod scrape;
 mod sources;
 
+use cnibpf_common::drop_stats::{DropCount, DropReason};
 use std::{collections::BTreeMap, net::IpAddr};
 
 use nftables::{batch::Batch, schema::NfListObject};
@@ -760,6 +761,35 @@ fn family_suffix(ipv4: bool) -> char {
 }
 
 /// The chains of an attachment: its record, its conditions, its filter (out, in).
+/// The drop reasons the nftables datapath counts, each at zero: what it reports lists every
+/// one, counted or not (what the kernel's own connection tracking and NAT drop is the
+/// kernel's to count).
+fn counted_drops() -> BTreeMap<DropReason, DropCount> {
+    [
+        DropReason::FilterRule,
+        DropReason::FilterDefault,
+        DropReason::SourceCheckAddress,
+        DropReason::SourceCheckArp,
+        DropReason::SourceCheckNeighbourAdvertisement,
+        DropReason::SourceCheckNotIp,
+        DropReason::LocalnetGuard,
+    ]
+    .into_iter()
+    .map(|reason| (reason, DropCount::default()))
+    .collect()
+}
+
+/// Adds (packets, bytes) to `reason`'s count in `drops`.
+fn add_drops(
+    drops: &mut BTreeMap<DropReason, DropCount>,
+    reason: DropReason,
+    (packets, bytes): (u64, u64),
+) {
+    let count = drops.entry(reason).or_default();
+    count.packets += packets;
+    count.bytes += bytes;
+}
+
 fn record_chain(owner: u64) -> String {
     format!("a_{owner:016x}")
 }

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use cnibpf_common::drop_stats::{DropCount, DropReason};
 
 use super::{
-    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack,
+    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, add_drops, conntrack, counted_drops,
     host::{self, DumpedRule, NFPROTO_INET, NFPROTO_NETDEV},
     parse_owner,
     record::Record,
@@ -169,23 +169,8 @@ fn drops(
     chains: &BTreeMap<&str, Vec<&DumpedRule>>,
     netdev: &[DumpedRule],
 ) -> Vec<(DropReason, DropCount)> {
-    let mut drops: BTreeMap<DropReason, DropCount> = [
-        DropReason::FilterRule,
-        DropReason::FilterDefault,
-        DropReason::SourceCheckAddress,
-        DropReason::SourceCheckArp,
-        DropReason::SourceCheckNeighbourAdvertisement,
-        DropReason::SourceCheckNotIp,
-        DropReason::LocalnetGuard,
-    ]
-    .into_iter()
-    .map(|reason| (reason, DropCount::default()))
-    .collect();
-    let mut add = |reason: DropReason, (packets, bytes): (u64, u64)| {
-        let count = drops.entry(reason).or_default();
-        count.packets += packets;
-        count.bytes += bytes;
-    };
+    let mut drops = counted_drops();
+    let mut add = |reason, counted| add_drops(&mut drops, reason, counted);
     for rule in rules.iter().filter(|rule| rule.target == Target::Drop) {
         let reason = match rule.index {
             Some(_) => DropReason::FilterRule,
