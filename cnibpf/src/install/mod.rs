@@ -102,7 +102,7 @@ impl Install {
         }
     }
 
-    /// The binary in place and the entry chained in, once.
+    /// The binary in place and cnibpf's conflist written, once.
     pub fn run(&self) -> Result<(), InstallError> {
         // What the network becomes is worked out first: a refused chain changes nothing.
         let node = self
@@ -150,8 +150,8 @@ impl Install {
         Ok(())
     }
 
-    /// Runs [`Self::run`], then keeps the entry chained in as the primary CNI rewrites its
-    /// file, and every `reclaim_every` removes the attachments of `pin_path` whose DEL never
+    /// Runs [`Self::run`], then renders cnibpf's conflist again as the primary CNI rewrites
+    /// its file, and every `reclaim_every` removes the attachments of `pin_path` whose DEL never
     /// came, until SIGTERM or SIGINT. `beside` runs first, once the binary is in place and
     /// SIGTERM and SIGINT are blocked for the threads it may start (the metrics endpoint's).
     pub fn run_and_watch(
@@ -343,10 +343,11 @@ impl Chaining {
     /// earlier release chained it into and removes own files of other networks: the runtime
     /// finds the own file first throughout.
     fn apply(self) -> Result<(), InstallError> {
-        for note in &self.notes {
-            log_line!("cnibpf install: note: {note}");
-        }
         if self.current.as_ref() != Some(&self.conflist) {
+            // Said with each write, not at each look of `--watch`.
+            for note in &self.notes {
+                log_line!("cnibpf install: note: {note}");
+            }
             write_atomically(&self.own, &self.conflist)?;
             // fail-closed: a value of the conflist, for the message.
             let network_name = self.conflist["name"].as_str().unwrap_or_default();

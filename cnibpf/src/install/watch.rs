@@ -1,4 +1,4 @@
-//! `cnibpf install --watch`: the entry kept in the network as the primary CNI rewrites or
+//! `cnibpf install --watch`: cnibpf's conflist rendered again as the primary CNI rewrites or
 //! replaces its file (inotify on the directory, so a file renamed over the old one is seen
 //! too), attachments whose DEL never came reclaimed on a period, until SIGTERM or SIGINT.
 
@@ -74,7 +74,7 @@ pub fn run(
         }
         let ready = |fd: &PollFd| fd.revents().is_some_and(|events| !events.is_empty());
         if ready(&fds[1]) {
-            say!("stopping: the entry stays chained in (cnibpf uninstall takes it out)");
+            say!("stopping: cnibpf's conflist stays (cnibpf uninstall takes it out)");
             return Ok(());
         }
         if ready(&fds[0]) {
