@@ -886,3 +886,28 @@ fn uninstall_purge_removes_everything_at_once_and_lists_it() {
     assert!(sim.holds_no_state() && !lock.exists());
     assert_eq!(node.files(), ["10-net.conflist"]);
 }
+
+/// A node whose nftables datapath is of a layout no cnibpf migrates (layout 1: a table without
+/// a comment, as 5da8470 wrote it) is told so by `install`, in one line, with what to do;
+/// the install itself goes on.
+#[test]
+fn install_says_when_the_nftables_datapath_cannot_be_migrated() {
+    let netns = cnibpf_tests::Netns::create("cbt-install-layout1");
+    let node = NodeDirs::new("layout1");
+    node.write("10-flannel.conflist", &flannel());
+    let install = |expect_note: bool| {
+        let mut command = netns.command(&[&cnibpf_binary().display().to_string()]);
+        command.args(node.args("install", &["--replace-portmap"]));
+        let output = command.output().expect("run cnibpf install");
+        assert!(output.status.success(), "{output:?}");
+        let said = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            said.contains("which no cnibpf migrates") && said.contains("drain the node"),
+            expect_note,
+            "{said}"
+        );
+    };
+    install(false);
+    netns.exec(&["nft", "add", "table", "inet", "cnibpf"]);
+    install(true);
+}

@@ -259,6 +259,7 @@ fn main() -> ExitCode {
                     entry,
                     replace_portmap,
                 };
+                install.report_unmigrated_datapath();
                 if load {
                     install.load_datapath();
                 }

@@ -24,7 +24,7 @@ use std::{
 use serde_json::{Map, Value};
 
 use self::chain::{Form, chain_in, chain_out, is_multus};
-use crate::output::{log_line, say};
+use crate::output::{log_line, say, with_causes};
 use crate::{
     backend::{BackendError, purge},
     config::{NetConf, PluginConfig},
@@ -99,6 +99,28 @@ impl Install {
                 path: path.to_owned(),
                 reason: error.to_string(),
             }),
+        }
+    }
+
+    /// Says, in one line, when the node's nftables datapath is of a layout no cnibpf
+    /// migrates: its pods keep working and their DELs drain it, but until the last is gone
+    /// every ADD is refused (106), so the node should be drained before this upgrade. A node
+    /// that cannot be asked is said so, without failing the install.
+    pub fn report_unmigrated_datapath(&self) {
+        match crate::backend::nftables::unmigrated_layout() {
+            Ok(None) => {}
+            Ok(Some(found)) => log_line!(
+                "cnibpf install: table inet cnibpf has layout {:?}, which no cnibpf migrates: until every pod it serves is deleted, this node refuses new pods (106); drain the node now, and its pods come back through this build (CHANGELOG.md)",
+                if found.is_empty() {
+                    "cnibpf layout 1"
+                } else {
+                    found.as_str()
+                }
+            ),
+            Err(error) => log_line!(
+                "cnibpf install: could not tell the layout of the nftables datapath: {}",
+                with_causes(&error)
+            ),
         }
     }
 

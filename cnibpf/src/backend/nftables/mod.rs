@@ -707,6 +707,16 @@ fn existing_table_comment() -> Result<Option<String>, BackendError> {
 
 /// Whether table `inet cnibpf` is at this build's layout: `Ok(())` when it is (or there is
 /// none: an ADD makes it so), else which layout it has.
+/// The layout of table `inet cnibpf` when it is one this build neither writes nor migrates
+/// (the first layout's comment is empty): its attachments drain, and no ADD is served until the
+/// last is gone.
+pub fn unmigrated_layout() -> Result<Option<String>, BackendError> {
+    Ok(match layout_of(existing_table_comment()?)? {
+        TableLayout::Other(found) => Some(found),
+        TableLayout::Absent | TableLayout::Current | TableLayout::Previous => None,
+    })
+}
+
 pub fn table_at_this_layout() -> Result<Result<(), String>, BackendError> {
     Ok(match layout_of(existing_table_comment()?)? {
         TableLayout::Absent | TableLayout::Current => Ok(()),
