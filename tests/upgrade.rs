@@ -1,9 +1,9 @@
 //! Live upgrade across datapath layouts, with a real older cnibpf: commit 5da8470 (eBPF layout
-//! 6, container interfaces hooked by cls_bpf filters; nftables table layout 1) and commit
-//! 8a7f4ca (nftables layout 2), built from this repository's history. A
-//! node upgrades while its pods run, and its connections, translations, filters and counters
-//! live on; DEL works across layouts in both directions; a migration killed at any point is
-//! completed by the next run.
+//! 6, container interfaces hooked by cls_bpf filters; nftables table layout 1), commit
+//! 8a7f4ca (nftables layout 2) and the latest release `releases.toml` lists, built from this
+//! repository's history. A node upgrades while its pods run, and its connections,
+//! translations, filters and counters live on; DEL works across layouts in both directions; a
+//! migration killed at any point is completed by the next run.
 //!
 //! One test, run in phases: the simulated hosts run the cnibpf binary installed at one path,
 //! replaced in place as an upgrade replaces it.
@@ -600,6 +600,53 @@ fn nftables_table_of_the_previous_layout_migrates(installed: &Installed, old: &P
     assert!(sim.holds_no_state(), "the last DEL removed the table");
 }
 
+/// The last commit `releases.toml` lists: the release a node most likely runs.
+fn latest_release() -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate lives in the workspace")
+        .join("releases.toml");
+    let releases = std::fs::read_to_string(&path)
+        .unwrap_or_else(|error| panic!("read {}: {error}", path.display()));
+    releases
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("commit = \""))
+        .filter_map(|rest| rest.strip_suffix('"'))
+        .next_back()
+        .unwrap_or_else(|| panic!("{} lists no release", path.display()))
+        .to_owned()
+}
+
+/// The latest release replaced by this build on a node with a live pod, on each backend: the
+/// pod's connections, flows and translations carry on, a new pod starts and is reached
+/// through its hostPort, CHECK passes on the old pod, and both pods' DELs leave nothing.
+fn the_latest_release_upgrades_live(installed: &Installed, old: &Path, new: &Path) {
+    for backend in [Backend::Ebpf, Backend::Nftables] {
+        installed.put(old);
+        let sim = SimHost::on(backend, "rel", pod_keys(backend.name()));
+        let pod = LivePod::start(&sim);
+        installed.put(new);
+        let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
+        pod.assert_translations(&sim, "after the upgrade");
+        sim.check(&pod.container).unwrap_or_else(|error| {
+            panic!("{}: CHECK of the release's pod: {error}", backend.name())
+        });
+        let _c2_server = TcpServer::start(&c2.netns, c2.socket(80), "c2");
+        assert_eq!(
+            tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
+            Ok("c2"),
+            "{}",
+            backend.name()
+        );
+        let c1 = pod.assert_carried_on(&format!("{}: across the upgrade", backend.name()));
+        for container in [&c1, &c2] {
+            sim.del(container)
+                .unwrap_or_else(|error| panic!("{}: DEL: {error}", backend.name()));
+        }
+        assert!(sim.holds_no_state(), "{}: nothing left", backend.name());
+    }
+}
+
 #[test]
 fn pods_live_on_across_layouts_and_del_works_both_ways() {
     let new = cnibpf_binary();
@@ -619,4 +666,5 @@ fn pods_live_on_across_layouts_and_del_works_both_ways() {
     nftables_table_of_the_previous_layout_migrates(&installed, &previous_nftables, &new);
     killed_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
     faulted_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
+    the_latest_release_upgrades_live(&installed, &history::cnibpf_of(&latest_release()), &new);
 }
