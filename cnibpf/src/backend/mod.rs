@@ -198,6 +198,14 @@ pub trait SourceChecking {
 pub trait Inspect {
     /// Every attachment this backend holds state for, on any network.
     fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError>;
+    /// Whether it holds state for attachment `owner`. A backend that can ask for one record
+    /// answers without reading them all (a DEL asks).
+    fn holds(&self, owner: u64) -> Result<bool, BackendError> {
+        Ok(self
+            .attachments()?
+            .iter()
+            .any(|record| record.owner == owner))
+    }
     /// Every installed port mapping with its owner.
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError>;
     /// Every attachment's masquerade, by owner.

@@ -605,10 +605,7 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
         let owner = attachment.owner_id();
         let mut held = false;
         for backend in &backends {
-            held |= backend
-                .attachments()?
-                .iter()
-                .any(|record| record.owner == owner);
+            held |= backend.holds(owner)?;
         }
         if !held {
             // Made while portmap was chained: its hostPorts are portmap's to remove.

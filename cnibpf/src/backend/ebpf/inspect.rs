@@ -12,7 +12,7 @@ use cnibpf_common::{
     filter_flow, filter_fragment,
     filter_hits::{self, DEFAULT_SLOT, RuleHits},
     filter_stats::FilterStats,
-    masq_flow, masq_fragment, masq_reply, nat_flow, nat_fragment,
+    masq_flow, masq_fragment, masq_reply, nat_flow, nat_fragment, owner as owner_map,
 };
 
 use super::{
@@ -46,6 +46,10 @@ impl Inspect for EbpfBackend {
             });
         }
         Ok(records)
+    }
+
+    fn holds(&self, owner: u64) -> Result<bool, BackendError> {
+        Ok(found(self.owners.get(&owner, 0), owner_map::MAP_NAME)?.is_some())
     }
 
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {

@@ -12,7 +12,7 @@ use nftables::{
 
 use super::{
     LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, add_drops, conntrack, counted_drops,
-    filter::filter_of, parse_owner, sources,
+    filter::filter_of, host, parse_owner, record_chain, sources,
 };
 use crate::{
     backend::{
@@ -49,6 +49,11 @@ impl Inspect for NftablesBackend {
             });
         }
         Ok(out)
+    }
+
+    /// One netlink question for the record's chain, not the whole table through `nft`.
+    fn holds(&self, owner: u64) -> Result<bool, BackendError> {
+        Ok(host::has_chain(&record_chain(owner))?)
     }
 
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
