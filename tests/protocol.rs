@@ -725,8 +725,10 @@ fn a_pin_path_outside_bpffs_is_error_102() {
         &dir.display().to_string(),
     ]);
     let inspect: Value = serde_json::from_slice(&inspect.stdout).expect("inspect prints JSON");
-    if let Some(lock) = inspect["lockFile"].as_str() {
-        let _ = std::fs::remove_file(lock);
+    for file in ["lockFile", "callStatsFile"] {
+        if let Some(path) = inspect[file].as_str() {
+            let _ = std::fs::remove_file(path);
+        }
     }
     assert!(sim.tcx_programs(UPLINK).is_empty());
     let _ = std::fs::remove_dir_all(&dir);
