@@ -330,6 +330,24 @@ fn every_bad_configuration_fails_cleanly() {
             "uplinks[0]: interface name \"name-longer-than-15\" is longer than 15 bytes",
         ),
         (
+            "maxFlows below its bound",
+            with(&sim, json!({ "maxFlows": 100 })),
+            7,
+            "maxFlows: must be between 1024 and 4194304, got 100",
+        ),
+        (
+            "maxAttachments as a string",
+            with(&sim, json!({ "maxAttachments": "4096" })),
+            7,
+            "maxAttachments: invalid type: string",
+        ),
+        (
+            "maxHostPorts above its bound",
+            with(&sim, json!({ "maxHostPorts": 1_000_000 })),
+            7,
+            "maxHostPorts: must be between 64 and 262144, got 1000000",
+        ),
+        (
             "relative pinPath",
             with(&sim, json!({ "pinPath": "relative/dir" })),
             7,

@@ -366,7 +366,7 @@ fn kustomize_renders_the_base_and_an_overlay() {
     let overlay = render("deploy/overlays/example");
     assert_eq!(
         overlay
-            .matches("image: registry.example.com/cnibpf:0.2.0")
+            .matches("image: registry.example.com/cnibpf:0.3.0")
             .count(),
         2,
         "both containers run the overlay's image: {overlay}"
@@ -458,4 +458,71 @@ fn the_image_is_built_for_amd64_and_arm64_and_the_arm64_binary_runs() {
         .collect();
     architectures.sort_unstable();
     assert_eq!(architectures, ["amd64", "arm64"], "{manifest:#}");
+}
+
+/// What the installer's pod is charged for beyond the maps: its own process, a few MiB.
+const INSTALLER_OWN: u64 = 8 << 20;
+
+/// The installer's memory request covers the maps `install --load` creates — the kernel charges
+/// them to its pod — at the default sizes (the base) and at the example overlay's, with room for
+/// its own few MiB: each datapath is loaded and measured here.
+#[test]
+fn the_memory_requests_cover_the_maps_the_installer_creates() {
+    let request = |path: &str| -> u64 {
+        let text = std::fs::read_to_string(repository().join(path)).expect("manifest");
+        let documents = text.split("\n---\n").map(|document| {
+            serde_yaml_ng::from_str::<Value>(document)
+                .unwrap_or_else(|error| panic!("{path}: YAML: {error}"))
+        });
+        let memory = documents
+            .filter(|document| document["kind"] == "DaemonSet")
+            .flat_map(|daemonset| {
+                daemonset["spec"]["template"]["spec"]["containers"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .find(|container| container["name"] == "install")
+            .and_then(|container| {
+                container["resources"]["requests"]["memory"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .unwrap_or_else(|| panic!("{path}: no memory request of the install container"));
+        let mebibytes: u64 = memory
+            .strip_suffix("Mi")
+            .and_then(|number| number.parse().ok())
+            .unwrap_or_else(|| panic!("{path}: memory {memory:?} is not in Mi"));
+        mebibytes << 20
+    };
+    let entry: Value = serde_json::from_str(
+        &std::fs::read_to_string(repository().join("deploy/overlays/example/entry.json"))
+            .expect("the overlay's entry"),
+    )
+    .expect("the overlay's entry is JSON");
+    let flows = entry["maxFlows"].to_string();
+    let sim = SimHost::new("dmem", json!({ "backend": "ebpf" }));
+    let pin_path = sim.pin_path.display().to_string();
+    for (case, sizes, request) in [
+        ("the base, default sizes", vec![], request(DAEMONSET)),
+        (
+            "the example overlay",
+            vec!["--max-flows", flows.as_str()],
+            request("deploy/overlays/example/memory.yaml"),
+        ),
+    ] {
+        let mut args = vec!["load", "--backend", "ebpf", "--pin-path", &pin_path];
+        args.extend(sizes);
+        let output = sim.cnibpf(&args);
+        assert!(output.status.success(), "{case}: load: {output:?}");
+        let locked = sim.inspect()["ebpfMaps"]["memlockBytes"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{case}: inspect shows no map memory"));
+        assert!(
+            locked + INSTALLER_OWN <= request,
+            "{case}: maps lock {} MiB, the request is {} MiB",
+            locked >> 20,
+            request >> 20
+        );
+    }
 }

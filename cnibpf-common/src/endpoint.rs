@@ -9,7 +9,7 @@
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "endpoints";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const MAX_ENTRIES: u32 = 4_096;
 
 /// `EndpointInfo::flags`: what this container sends goes through its veth's qdiscs and the
 /// host stack, and what is translated for it through that veth's egress, so that what sits on

@@ -11,7 +11,7 @@
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "filters";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const MAX_ENTRIES: u32 = 4_096;
 /// Rules one attachment may have.
 pub const MAX_RULES: usize = 256;
 

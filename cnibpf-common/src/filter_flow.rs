@@ -13,7 +13,7 @@
 use crate::{impl_pod, masq_flow};
 
 pub const MAP_NAME: &str = "filter_flows";
-pub const MAX_ENTRIES: u32 = 262_144;
+pub const MAX_ENTRIES: u32 = 65_536;
 
 /// [`FilterFlow::rule`] when the default verdict decided.
 pub const RULE_DEFAULT: u16 = u16::MAX;

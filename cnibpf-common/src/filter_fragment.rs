@@ -10,7 +10,7 @@
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "filter_fragments";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const MAX_ENTRIES: u32 = 4_096;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -10,7 +10,7 @@
 use crate::{filter::MAX_RULES, impl_pod};
 
 pub const MAP_NAME: &str = "filter_hits";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const MAX_ENTRIES: u32 = 4_096;
 /// Position of the default verdict's counters.
 pub const DEFAULT_SLOT: usize = MAX_RULES;
 

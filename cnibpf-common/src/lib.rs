@@ -5,6 +5,11 @@
 //! Addresses are stored as 16 bytes: an IPv4 address occupies the first four bytes, the rest is
 //! zero, and a `family` field says which it is. Ports are in host byte order, so that
 //! `bpftool map dump` shows them as people write them; the programs convert when they compare.
+//!
+//! A module's `MAX_ENTRIES` is the size the object declares. For the maps that grow with the
+//! node — flows, attachments, hostPorts — it is the default: the loader sizes them from the
+//! operator's `maxFlows`, `maxAttachments` and `maxHostPorts` (userspace
+//! `backend::ebpf::sizes`), so a pinned map may have another size.
 #![no_std]
 
 #[cfg(feature = "user")]

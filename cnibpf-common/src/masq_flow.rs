@@ -14,7 +14,7 @@
 use crate::{PROTO_TCP, PROTO_UDP, impl_pod};
 
 pub const MAP_NAME: &str = "masq_flows";
-pub const MAX_ENTRIES: u32 = 262_144;
+pub const MAX_ENTRIES: u32 = 65_536;
 
 /// [`MasqFlow::state`]: no reply seen yet.
 pub const STATE_OPENING: u8 = 0;

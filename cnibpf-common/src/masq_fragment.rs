@@ -11,7 +11,7 @@
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "masq_fragments";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const MAX_ENTRIES: u32 = 4_096;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

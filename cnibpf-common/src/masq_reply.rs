@@ -11,7 +11,7 @@
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "masq_replies";
-pub const MAX_ENTRIES: u32 = 262_144;
+pub const MAX_ENTRIES: u32 = 65_536;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

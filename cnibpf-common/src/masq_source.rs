@@ -9,7 +9,7 @@
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "masq_sources";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const MAX_ENTRIES: u32 = 8_192;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

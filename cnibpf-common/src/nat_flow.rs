@@ -11,7 +11,7 @@
 use crate::{PROTO_SCTP, PROTO_TCP, PROTO_UDP, impl_pod, masq_flow};
 
 pub const MAP_NAME: &str = "nat_flows";
-pub const MAX_ENTRIES: u32 = 262_144;
+pub const MAX_ENTRIES: u32 = 65_536;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -10,4 +10,4 @@
 //! translated. An LRU map; the plugin removes an attachment's entries on DEL and GC.
 
 pub const MAP_NAME: &str = "nat_fragments";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const MAX_ENTRIES: u32 = 4_096;

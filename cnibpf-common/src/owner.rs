@@ -9,7 +9,7 @@
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "owners";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const MAX_ENTRIES: u32 = 4_096;
 
 /// Longest network name or container id stored, in bytes (the rest is zero).
 pub const NAME_LEN: usize = 256;

@@ -8,7 +8,7 @@
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "owner_ports";
-pub const MAX_ENTRIES: u32 = 65_536;
+pub const MAX_ENTRIES: u32 = 16_384;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -12,7 +12,7 @@ use crate::impl_pod;
 
 pub const MAP_NAME: &str = "port_conditions";
 /// One entry per attachment and family at most.
-pub const MAX_ENTRIES: u32 = 32_768;
+pub const MAX_ENTRIES: u32 = 8_192;
 /// Terms per entry (all clauses together).
 pub const MAX_TERMS: usize = 16;
 

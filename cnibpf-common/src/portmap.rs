@@ -9,7 +9,7 @@
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "portmap";
-pub const MAX_ENTRIES: u32 = 65_536;
+pub const MAX_ENTRIES: u32 = 16_384;
 
 /// `PortMapValue::flags`: the attachment's `port_conditions` gate the mapping.
 pub const FLAG_CONDITIONED: u8 = 1;

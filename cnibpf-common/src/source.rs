@@ -17,7 +17,7 @@
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "sources";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const MAX_ENTRIES: u32 = 4_096;
 /// Addresses of each family one container may have checked.
 pub const MAX_ADDRESSES: usize = 8;
 

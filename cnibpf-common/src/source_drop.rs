@@ -8,7 +8,7 @@
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "source_drops";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const MAX_ENTRIES: u32 = 4_096;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

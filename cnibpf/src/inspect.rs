@@ -62,6 +62,11 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
             uplinks.push((backend.name(), uplink));
         }
     }
+    let memory = if flow_tables.iter().any(|(backend, _)| *backend == "ebpf") {
+        Some(backend::ebpf::memory(&pins)?)
+    } else {
+        None
+    };
     attachments.sort_by(|a, b| {
         let key = |shown: &Shown| {
             let attachment = &shown.record.attachment;
@@ -183,6 +188,16 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
             "counters": counters,
             "drops": drops,
             "flowTables": flow_tables,
+            "ebpfMaps": memory.as_ref().map(|memory| {
+                let mut sizes: serde_json::Map<String, serde_json::Value> = memory
+                    .capacity
+                    .keys()
+                    .map(|(key, size)| (key.to_owned(), json!(size)))
+                    .collect();
+                sizes.insert("maps".to_owned(), json!(memory.maps));
+                sizes.insert("memlockBytes".to_owned(), json!(memory.bytes));
+                sizes
+            }),
             "bypassedHostChains": bypassed.iter().map(|chain| json!({
                 "family": chain.family,
                 "table": chain.table,
@@ -335,6 +350,14 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
                 table.name, table.entries, table.capacity
             ));
         }
+    }
+    if let Some(memory) = &memory {
+        lines.push(format!(
+            "ebpf maps: {} locking {:.1} MiB, sized {}",
+            memory.maps,
+            memory.bytes as f64 / 1_048_576.0,
+            memory.capacity
+        ));
     }
     if !bypassed.is_empty() {
         let chains: Vec<String> = bypassed

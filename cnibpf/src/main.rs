@@ -51,6 +51,28 @@ static VERSION: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
+/// The eBPF datapath's map sizes (see README "Memory"); a size not given keeps what is loaded,
+/// the default for a datapath created new.
+#[derive(Debug, clap::Args)]
+struct CapacityArgs {
+    /// Connections each connection table tracks (`maxFlows`).
+    #[arg(long)]
+    max_flows: Option<u64>,
+    /// Attachments (pod interfaces) on the node (`maxAttachments`).
+    #[arg(long)]
+    max_attachments: Option<u64>,
+    /// Port mappings of all pods together (`maxHostPorts`).
+    #[arg(long)]
+    max_host_ports: Option<u64>,
+}
+
+impl CapacityArgs {
+    fn checked(&self) -> Result<model::Capacity, String> {
+        model::Capacity::parse(self.max_flows, self.max_attachments, self.max_host_ports)
+            .map_err(|(dimension, reason)| format!("--{}: {reason}", dimension.flag()))
+    }
+}
+
 #[derive(Debug, Parser)]
 #[command(
     version = VERSION.as_str(),
@@ -122,6 +144,9 @@ enum AdminCommand {
         /// `cnibpf metrics` does) for the entry's pinPath and backend.
         #[arg(long, requires = "watch")]
         listen: Option<SocketAddr>,
+        /// Written into cnibpf's entry (over the entry file's keys), and used by --load.
+        #[command(flatten)]
+        capacity: CapacityArgs,
     },
     /// Serve Prometheus metrics, /healthz and /readyz over HTTP until SIGTERM: the datapath's
     /// state and counters and the plugin's calls, read at each scrape.
@@ -169,6 +194,8 @@ enum AdminCommand {
         /// The backend, as the network's `backend` key names it.
         #[arg(long, default_value = "auto")]
         backend: String,
+        #[command(flatten)]
+        capacity: CapacityArgs,
     },
     /// Mount a bpffs where the datapath pins its state, unless one is mounted there: the
     /// DaemonSet's init container does, with the mount propagated to the host.
@@ -250,8 +277,16 @@ fn main() -> ExitCode {
             pin_path,
             load,
             listen,
+            capacity,
         } => {
-            let installed = install::Install::entry_from(entry.as_deref()).and_then(|entry| {
+            let installed = install::Install::entry_from(entry.as_deref()).and_then(|mut entry| {
+                for (key, size) in capacity
+                    .checked()
+                    .map_err(install::InstallError::Argument)?
+                    .keys()
+                {
+                    entry.insert(key.to_owned(), size.into());
+                }
                 let install = install::Install {
                     conf_dir,
                     bin_dir,
@@ -290,14 +325,19 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        AdminCommand::Load { pin_path, backend } => {
+        AdminCommand::Load {
+            pin_path,
+            backend,
+            capacity,
+        } => {
             let loaded = backend
                 .parse()
                 .map_err(|error: UnknownWord| {
                     format!("--backend: expected {}, got {backend:?}", error.expected)
                 })
-                .and_then(|choice| {
-                    preload::run(&pin_path, choice).map_err(|error| error.to_string())
+                .and_then(|choice| Ok((choice, capacity.checked()?)))
+                .and_then(|(choice, capacity)| {
+                    preload::run(&pin_path, choice, &capacity).map_err(|error| error.to_string())
                 });
             match loaded {
                 Ok(done) => {

@@ -62,6 +62,15 @@ impl PinLayout {
         self.programs_dir().join(name)
     }
 
+    /// Where a resize pins the new maps until they replace the old ones.
+    pub fn resize_dir(&self) -> PathBuf {
+        self.root.join("resize")
+    }
+
+    pub fn resized_map(&self, name: &str) -> PathBuf {
+        self.resize_dir().join(name)
+    }
+
     pub fn links_dir(&self) -> PathBuf {
         self.root.join("links")
     }

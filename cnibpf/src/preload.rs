@@ -12,16 +12,22 @@ use crate::{
     backend,
     cni::error::Error,
     lock::{InstanceLock, lock_timeout},
-    model::BackendChoice,
+    model::{BackendChoice, Capacity},
     paths::PinLayout,
 };
 
 /// Loads what `choice` will use under `pin_path`; what was done, for the operator.
-pub fn run(pin_path: &Path, choice: BackendChoice) -> Result<String, Error> {
+pub fn run(pin_path: &Path, choice: BackendChoice, capacity: &Capacity) -> Result<String, Error> {
     let pins = PinLayout::new(pin_path);
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
-    Ok(if backend::preload(choice, &pins)? {
-        format!("{}: eBPF datapath loaded and pinned", pin_path.display())
+    Ok(if backend::preload(choice, &pins, capacity)? {
+        let memory = backend::ebpf::memory(&pins)?;
+        format!(
+            "{}: eBPF datapath loaded and pinned ({}; its maps lock {:.1} MiB)",
+            pin_path.display(),
+            memory.capacity,
+            memory.bytes as f64 / 1_048_576.0
+        )
     } else {
         format!(
             "{}: the nftables backend will serve, nothing to load ahead",

@@ -13,6 +13,7 @@ pub mod faults;
 pub mod foreign;
 pub mod history;
 pub mod image;
+pub mod live;
 pub mod monitor;
 pub mod netns;
 pub mod observe;

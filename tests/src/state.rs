@@ -99,6 +99,15 @@ impl SimHost {
             .unwrap_or_else(|error| panic!("map {}: {error}", path.display()))
     }
 
+    /// The `max_entries` the kernel made the pinned map `name` with.
+    pub fn map_size(&self, name: &str) -> u32 {
+        let path = self.pin_path.join(name);
+        aya::maps::MapData::from_pin(&path)
+            .and_then(|data| data.info())
+            .unwrap_or_else(|error| panic!("size of pinned map {}: {error}", path.display()))
+            .max_entries()
+    }
+
     /// Runs the pinned program `program` once on `frame` as if it arrived on interface
     /// `ifindex` of the host namespace (`BPF_PROG_TEST_RUN`): its verdict and the frame as it
     /// left the program. `None` when the kernel refuses the run (a frame shorter than an

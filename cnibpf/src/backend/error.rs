@@ -101,6 +101,16 @@ pub enum BackendError {
         container_id: String,
         admitted: String,
     },
+    #[error(
+        "{key} {size} is too small for what the datapath holds now: map {map} would have {entries} entries and holds {held}; resize when fewer are live, or leave {key} out to keep the sizes loaded"
+    )]
+    CapacityTooSmall {
+        key: &'static str,
+        size: u32,
+        map: &'static str,
+        held: usize,
+        entries: u32,
+    },
     #[error("could not list the host's addresses")]
     HostAddresses(#[source] Box<crate::netlink::NetlinkError>),
     /// A question about an interface the kernel answered with an error (not "no such
@@ -135,7 +145,7 @@ impl BackendError {
             Self::UnreadableState { .. } => code::DATAPATH,
             Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
             Self::CheckFailed(_) => code::CHECK_FAILED,
-            Self::TooManySources { .. } => code::INVALID_CONFIG,
+            Self::TooManySources { .. } | Self::CapacityTooSmall { .. } => code::INVALID_CONFIG,
             Self::Bpffs { .. }
             | Self::Unpin { .. }
             | Self::Load(_)

@@ -377,18 +377,23 @@ pub struct UplinkAddresses {
 pub fn select(
     choice: BackendChoice,
     pins: &crate::paths::PinLayout,
+    capacity: &crate::model::Capacity,
 ) -> Result<Box<dyn Backend>, BackendError> {
     match choice {
         BackendChoice::Ebpf => {
             ebpf::EbpfBackend::probe()?;
             crate::phases::mark("probe");
-            Ok(Box::new(ebpf::EbpfBackend::load_for_changes(pins)?))
+            Ok(Box::new(ebpf::EbpfBackend::load_for_changes(
+                pins, capacity,
+            )?))
         }
         BackendChoice::Nftables => Ok(Box::new(nftables::NftablesBackend::open_for_changes()?)),
         BackendChoice::Auto => match ebpf::EbpfBackend::probe() {
             Ok(()) => {
                 crate::phases::mark("probe");
-                Ok(Box::new(ebpf::EbpfBackend::load_for_changes(pins)?))
+                Ok(Box::new(ebpf::EbpfBackend::load_for_changes(
+                    pins, capacity,
+                )?))
             }
             // Only a host that refuses BPF is served by nftables; a failure to ask fails.
             Err(ebpf_error @ BackendError::Unavailable { .. }) => {
@@ -411,6 +416,7 @@ pub fn select(
 pub fn preload(
     choice: BackendChoice,
     pins: &crate::paths::PinLayout,
+    capacity: &crate::model::Capacity,
 ) -> Result<bool, BackendError> {
     let ebpf = match choice {
         BackendChoice::Nftables => false,
@@ -425,7 +431,7 @@ pub fn preload(
         },
     };
     if ebpf {
-        ebpf::EbpfBackend::load(pins)?;
+        ebpf::EbpfBackend::load(pins, capacity)?;
     }
     Ok(ebpf)
 }

@@ -509,7 +509,7 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     let pins = PinLayout::new(&conf.plugin.pin_path);
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     phases::mark("lock");
-    let mut backend = backend::select(conf.plugin.backend, &pins)?;
+    let mut backend = backend::select(conf.plugin.backend, &pins, &conf.plugin.capacity)?;
     journal::backend(backend.name());
     phases::mark("backend");
     let owner = plan.attachment.owner_id();

@@ -47,6 +47,9 @@ pub struct NetConfInput {
     #[serde(rename = "logMaxSizeMB")]
     pub log_max_size_mb: Option<u64>,
     pub log_max_files: Option<u32>,
+    pub max_flows: Option<u64>,
+    pub max_attachments: Option<u64>,
+    pub max_host_ports: Option<u64>,
 
     // The reference portmap's own keys, and the bridge's, that a conflist may carry over.
     pub snat: Option<bool>,

@@ -29,7 +29,8 @@ use self::{
 use crate::{
     code,
     model::{
-        BackendChoice, FilterRule, HostPortAccess, PortMapping, Protocol, Target, UnknownWord,
+        BackendChoice, Capacity, FilterRule, HostPortAccess, PortMapping, Protocol, Target,
+        UnknownWord,
     },
     paths,
 };
@@ -130,6 +131,8 @@ pub struct PluginConfig {
     pub pin_path: PathBuf,
     pub cgroup_path: Option<PathBuf>,
     pub host_ports: HostPortAccess,
+    /// `maxFlows`, `maxAttachments`, `maxHostPorts`: the eBPF datapath's map sizes.
+    pub capacity: Capacity,
 }
 
 /// One entry of `cni.dev/valid-attachments` (GC).
@@ -352,6 +355,9 @@ impl PluginConfig {
             Some(text) => parse_word("backend", text)?,
         };
         let host_ports = host_port_access(&input)?;
+        let capacity =
+            Capacity::parse(input.max_flows, input.max_attachments, input.max_host_ports)
+                .map_err(|(dimension, reason)| ConfigError::invalid(dimension.key(), reason))?;
         let uplinks = match input.uplinks {
             None => None,
             Some(names) if names.is_empty() => {
@@ -395,6 +401,7 @@ impl PluginConfig {
                 .map(|path| absolute_path("cgroupPath", &path))
                 .transpose()?,
             host_ports,
+            capacity,
         })
     }
 }

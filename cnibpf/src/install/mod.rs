@@ -53,6 +53,8 @@ pub enum InstallError {
     Datapath(#[from] BackendError),
     #[error(transparent)]
     Lock(#[from] LockError),
+    #[error("{0}")]
+    Argument(String),
     #[error("the entry in {path}: {reason}")]
     Entry { path: PathBuf, reason: String },
     #[error("could not {action}")]
@@ -139,7 +141,8 @@ impl Install {
     /// not fatal: otherwise the node's first ADD loads it, and answers with the cause.
     pub fn load_datapath(&self) {
         let loaded = self.entry_config().and_then(|plugin| {
-            preload::run(&plugin.pin_path, plugin.backend).map_err(|error| error.to_string())
+            preload::run(&plugin.pin_path, plugin.backend, &plugin.capacity)
+                .map_err(|error| error.to_string())
         });
         match loaded {
             Ok(done) => say!("{done}"),

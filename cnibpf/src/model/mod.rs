@@ -4,6 +4,7 @@
 //! backends, inspect and monitor use them.
 
 pub mod attachment;
+pub mod capacity;
 pub mod conditions;
 pub mod filter;
 pub mod mapping;
@@ -12,6 +13,7 @@ pub mod sources;
 mod vocabulary;
 
 pub use attachment::{Attachment, Pod};
+pub use capacity::{Capacity, Dimension};
 pub use filter::{Filter, FilterRule};
 pub use mapping::{HostPortAccess, MappingError, PortMapping, ResolvedMapping, resolve_mappings};
 pub use masquerade::{ExcludeReason, Masquerade};

@@ -241,12 +241,10 @@ impl EbpfBackend {
         let sum = |field: fn(&cnibpf_common::masq_stats::MasqStats) -> u64| {
             per_cpu.iter().map(field).sum::<u64>()
         };
-        let flows = batch::entries(&self.masq_flows)
-            .map_err(read_error(masq_flow::MAP_NAME))?
-            .len() as u64;
+        let flows = fill(masq_flow::MAP_NAME, &self.masq_flows)?;
         Ok(vec![
-            ("masq_flows entries", flows),
-            ("masq_flows capacity", u64::from(masq_flow::MAX_ENTRIES)),
+            ("masq_flows entries", flows.entries),
+            ("masq_flows capacity", flows.capacity),
             ("flows created", sum(|stats| stats.flows_created)),
             ("port collisions", sum(|stats| stats.port_collisions)),
             ("ports exhausted", sum(|stats| stats.ports_exhausted)),

@@ -13,33 +13,44 @@
 //! 3. every entry of the old `owners` and `endpoints` is converted into the new ones;
 //! 4. every pinned link (uplinks, cgroup) moves to the new programs, atomically each, and every
 //!    container interface gets its tcx links before its old filters go;
-//! 5. the layout stamp says 7; `layout-6-maps/` goes.
+//! 5. the layout stamp says the current layout; `layout-6-maps/` goes.
 //!
-//! A run that finds `layout-6-maps/` resumes at 2; one that finds the stamp at 7 with
+//! A run that finds `layout-6-maps/` resumes at 2; one that finds the current stamp with
 //! `layout-6-maps/` still there only removes it.
+//!
+//! Layout 7 → 8: the same maps and types; the maps' sizes became the datapath's, set at load
+//! (`sizes`), which a build before 8 cannot reuse. The maps are kept at their sizes, this
+//! build's programs load beside them, the links move, the stamp says 8.
 
 use std::{fs, path::Path};
 
-use aya::maps::{Array, HashMap, Map, MapData};
+use aya::maps::{HashMap, Map, MapData};
 use cnibpf_common::{
     endpoint::{self, EndpointInfo},
-    layout::{self, LayoutInfo},
+    layout,
     owner::{self, IFNAME_LEN, NAME_LEN, OwnerInfo},
 };
 
 use super::{
     EbpfBackend, map_error,
-    pins::{load_object, object_id, relink, remove_tree},
+    pins::{load_object, relink, remove_tree, stamp},
+    sizes,
 };
 use crate::{
     backend::BackendError,
     journal,
+    model::Capacity,
     netlink::{self, TcFilterSlot},
     paths::PinLayout,
 };
 
-/// The layout this build migrates from.
+/// The oldest layout this build migrates from.
 pub const FROM: u32 = 6;
+
+/// The layout before the maps' sizes became the datapath's (set at load): its maps and
+/// programs are this layout's; a build that creates maps of other sizes than its own object
+/// declares must not meet them unwarned (an older build refuses to add to a newer layout).
+pub const UNSIZED: u32 = 7;
 
 /// Layout 6's `owners` value.
 #[repr(C)]
@@ -138,7 +149,7 @@ pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
     journal::note(journal::Change::Migrated(format!(
         "eBPF layout {FROM}: changed maps moved aside"
     )));
-    load_object(pins, false)?;
+    load_object(pins, &sizes::for_load(pins, &Capacity::default())?)?;
     journal::note(journal::Change::Migrated(
         "this build's programs and maps loaded".to_owned(),
     ));
@@ -160,23 +171,22 @@ pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
     fs::remove_dir_all(&aside).map_err(pin_error(format!("could not remove {}", aside.display())))
 }
 
+/// Migrates `pins` from layout 7: the same maps, kept at their sizes; this build's programs
+/// load beside them, every link moves to them, and the stamp says the current layout.
+pub fn from_7(pins: &PinLayout) -> Result<(), BackendError> {
+    load_object(pins, &sizes::for_load(pins, &Capacity::default())?)?;
+    relink(pins)?;
+    stamp(pins)?;
+    journal::note(journal::Change::Migrated(format!(
+        "eBPF layout {UNSIZED}: programs replaced, maps kept at their sizes, stamped layout {}",
+        layout::VERSION
+    )));
+    Ok(())
+}
+
 /// Removes what a migration that stamped the new layout left behind.
 pub fn finish(pins: &PinLayout) -> Result<(), BackendError> {
     remove_tree(&aside(pins))
-}
-
-fn stamp(pins: &PinLayout) -> Result<(), BackendError> {
-    let path = pins.map(layout::MAP_NAME);
-    let error = |source| BackendError::Map {
-        action: format!("could not stamp {}", path.display()),
-        source: Box::new(source),
-    };
-    let data = MapData::from_pin(&path).map_err(error)?;
-    let mut array: Array<MapData, LayoutInfo> =
-        Array::try_from(Map::from_map_data(data).map_err(error)?).map_err(error)?;
-    array
-        .set(0, &LayoutInfo::current(object_id()), 0)
-        .map_err(error)
 }
 
 fn open_old<K: aya::Pod, V: aya::Pod>(path: &Path) -> Result<HashMap<MapData, K, V>, BackendError> {

@@ -22,6 +22,7 @@ mod owner;
 mod pins;
 mod portmap;
 mod probe;
+mod sizes;
 mod sources;
 
 use std::{fs, io, net::IpAddr};
@@ -55,11 +56,12 @@ use cnibpf_common::{
 
 pub use self::migrate::FROM as MIGRATES_FROM;
 use self::pins::{
-    PinnedState, all_programs_pinned, check_layout, load_object, prepare_pin_dir, relink,
+    PinnedState, all_programs_pinned, check_layout, load_object, prepare_pin_dir, relink, stamp,
 };
 pub use self::pins::{mount_bpffs, remove_pinned};
+pub use self::sizes::memory;
 use super::{Access, Backend, BackendError};
-use crate::paths::PinLayout;
+use crate::{model::Capacity, paths::PinLayout};
 
 pub struct EbpfBackend {
     pins: PinLayout,
@@ -129,14 +131,15 @@ impl EbpfBackend {
     /// Opens the pinned state, loading and pinning the object first if it is not (all) there.
     /// Programs pinned by another build of the datapath are replaced, and every pinned link is
     /// switched to the new program atomically, so an upgrade takes effect without a packet
-    /// passing unhooked.
-    pub fn load(pins: &PinLayout) -> Result<Self, BackendError> {
+    /// passing unhooked. Maps are created at the sizes `capacity` asks (see `sizes`); pinned
+    /// ones are resized to a dimension it names, their entries carried over.
+    pub fn load(pins: &PinLayout, capacity: &Capacity) -> Result<Self, BackendError> {
         prepare_pin_dir(pins)?;
         let state = check_layout(pins)?;
-        match state {
+        let programs_current = match state {
             PinnedState::Older(found) => {
                 Self::migrate(pins, found)?;
-                return Self::open_maps(pins);
+                true
             }
             PinnedState::Newer(found) => {
                 return Err(BackendError::NewerState {
@@ -144,13 +147,25 @@ impl EbpfBackend {
                     found,
                 });
             }
-            PinnedState::Current => migrate::finish(pins)?,
-            PinnedState::Absent | PinnedState::OtherPrograms => {}
-        }
-        if state == PinnedState::Current && all_programs_pinned(pins)? {
+            PinnedState::Current => {
+                migrate::finish(pins)?;
+                sizes::resume(pins)?;
+                true
+            }
+            PinnedState::OtherPrograms => sizes::resume(pins)?,
+            PinnedState::Absent => false,
+        };
+        if state != PinnedState::Absent && sizes::resize(pins, capacity)? {
             return Self::open_maps(pins);
         }
-        if let Err(error) = load_object(pins, true).and_then(|()| relink(pins)) {
+        if programs_current && all_programs_pinned(pins)? {
+            return Self::open_maps(pins);
+        }
+        let loaded = sizes::for_load(pins, capacity)
+            .and_then(|sizes| load_object(pins, &sizes))
+            .and_then(|()| relink(pins))
+            .and_then(|()| stamp(pins));
+        if let Err(error) = loaded {
             // Nothing of an attachment lives there yet: leave no half-loaded maps behind.
             if state == PinnedState::Absent {
                 // fail-closed: unstamped state holds no attachment, and what a failed removal
@@ -165,8 +180,8 @@ impl EbpfBackend {
     /// [`Self::load`] for changes (ADD), which also brings `host_addrs` up to date: the
     /// datapath cannot ask the kernel which addresses are the host's, so each ADD tells it.
     /// (Not on DEL: an address dump lists every container interface's link-local address.)
-    pub fn load_for_changes(pins: &PinLayout) -> Result<Self, BackendError> {
-        let mut backend = Self::load(pins)?;
+    pub fn load_for_changes(pins: &PinLayout, capacity: &Capacity) -> Result<Self, BackendError> {
+        let mut backend = Self::load(pins, capacity)?;
         backend.sync_host_addresses()?;
         Ok(backend)
     }
@@ -191,7 +206,13 @@ impl EbpfBackend {
             }
             // What a migration that stamped the new layout left behind goes with the next run
             // that may change the state, whichever verb it is.
-            PinnedState::Current if access == Access::Changes => migrate::finish(pins)?,
+            PinnedState::Current if access == Access::Changes => {
+                migrate::finish(pins)?;
+                sizes::resume(pins)?;
+            }
+            PinnedState::OtherPrograms if access == Access::Changes => {
+                sizes::resume(pins)?;
+            }
             PinnedState::Current | PinnedState::OtherPrograms => {}
         }
         Self::open_maps(pins).map(Some)
@@ -209,13 +230,14 @@ impl EbpfBackend {
 
     /// Migrates state of layout `found` to this one, or says it cannot.
     fn migrate(pins: &PinLayout, found: u32) -> Result<(), BackendError> {
-        if found != migrate::FROM {
-            return Err(BackendError::OlderState {
+        match found {
+            migrate::FROM => migrate::from_6(pins),
+            migrate::UNSIZED => migrate::from_7(pins),
+            _ => Err(BackendError::OlderState {
                 path: pins.root().to_owned(),
                 found,
-            });
+            }),
         }
-        migrate::from_6(pins)
     }
 
     /// Whether the datapath pinned under `pins` is this build's, at this layout: `Ok(())`, or

@@ -358,18 +358,36 @@ pub(super) fn relink(pins: &PinLayout) -> Result<(), BackendError> {
     attach_tracepoint(pins, QDISC_WATCHER, QDISC_TRACEPOINT)
 }
 
+/// The size a map is to be loaded with, and whether it is a resize's new map (pinned in
+/// `resize/` until step 5).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct MapSize {
+    pub name: &'static str,
+    pub entries: u32,
+    pub resized: bool,
+}
+
 /// Loads the embedded object, reusing maps already pinned under `pins` and pinning new ones,
-/// then pins each program and finally stamps the layout map.
-pub(super) fn load_object(pins: &PinLayout, stamp: bool) -> Result<(), BackendError> {
+/// then pins each program (the caller moves the links to them, then [`stamp`]s). `sizes` gives each sized map's `max_entries` (a pinned map is reused only at its own size)
+/// and says which are a resize's new maps, created in `resize/`.
+pub(super) fn load_object(pins: &PinLayout, sizes: &[MapSize]) -> Result<(), BackendError> {
     let offsets = kernel_btf::device_offsets().map_err(|source| BackendError::Pin {
         action: "could not find the kernel's struct offsets the qdisc watcher reads".to_owned(),
         source: Box::new(source),
     })?;
-    let mut ebpf = EbpfLoader::new()
+    let mut loader = EbpfLoader::new();
+    loader
         .default_map_pin_directory(pins.root())
         .override_global("NET_DEVICE_IFINDEX", &offsets.ifindex, true)
         .override_global("NET_DEVICE_NAMESPACE", &offsets.namespace, true)
-        .override_global("NET_COOKIE", &offsets.namespace_cookie, true)
+        .override_global("NET_COOKIE", &offsets.namespace_cookie, true);
+    for size in sizes {
+        loader.map_max_entries(size.name, size.entries);
+        if size.resized {
+            loader.map_pin_path(size.name, pins.resized_map(size.name));
+        }
+    }
+    let mut ebpf = loader
         .load(OBJECT)
         .map_err(|error| BackendError::Load(Box::new(error)))?;
     phases::mark("object parse and maps");
@@ -402,16 +420,24 @@ pub(super) fn load_object(pins: &PinLayout, stamp: bool) -> Result<(), BackendEr
         settings::MAP_NAME,
         &Settings { host_netns_cookie },
     )?;
-    // Last: a layout stamp means everything before it is in place (a migration stamps when
-    // it has converted what the old maps held).
-    if stamp {
-        set_only_entry(
-            &mut ebpf,
-            layout::MAP_NAME,
-            &LayoutInfo::current(object_id()),
-        )?;
-    }
     Ok(())
+}
+
+/// Writes the layout stamp: the state is this layout's, with this build's programs, and every
+/// link runs them. Last of a load or a migration, so that a crash before it makes the next run
+/// do it all again.
+pub(super) fn stamp(pins: &PinLayout) -> Result<(), BackendError> {
+    let path = pins.map(layout::MAP_NAME);
+    let error = |source| BackendError::Map {
+        action: format!("could not stamp {}", path.display()),
+        source: Box::new(source),
+    };
+    let data = MapData::from_pin(&path).map_err(error)?;
+    let mut array: Array<MapData, LayoutInfo> =
+        Array::try_from(Map::from_map_data(data).map_err(error)?).map_err(error)?;
+    array
+        .set(0, &LayoutInfo::current(object_id()), 0)
+        .map_err(error)
 }
 
 /// Writes the single entry of the one-entry array map `name` of the loaded object.

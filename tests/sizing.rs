@@ -1,0 +1,228 @@
+//! The eBPF datapath's maps sized from the configuration (`maxFlows`, `maxAttachments`,
+//! `maxHostPorts`): a new datapath takes the sizes asked; a live one is resized — by `cnibpf
+//! load` or by an ADD whose network asks for other sizes — with its pods' connections,
+//! translations and counters carried over, and a resize killed at any point is completed by the
+//! next run; a size smaller than what the maps hold is refused and changes nothing.
+
+use std::{
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use cnibpf_common::{
+    masq_flow::{MasqFlow, STATE_ESTABLISHED},
+    nat_flow::NatFlowKey,
+};
+use cnibpf_tests::{
+    SimHost, chain,
+    live::{LivePod, pod_keys},
+    topology::{cnibpf_binary, port_mappings},
+    traffic::{TcpServer, tcp_request},
+};
+use serde_json::{Value, json};
+
+/// The maps of each dimension whose sizes the tests read (the first is the dimension's measure).
+const FLOW_MAPS: [&str; 4] = ["nat_flows", "masq_flows", "masq_replies", "filter_flows"];
+
+fn sized_keys(flows: u32, attachments: u32, host_ports: u32) -> Value {
+    let mut keys = pod_keys("ebpf");
+    keys["maxFlows"] = json!(flows);
+    keys["maxAttachments"] = json!(attachments);
+    keys["maxHostPorts"] = json!(host_ports);
+    keys
+}
+
+fn assert_sizes(sim: &SimHost, flows: u32, attachments: u32, host_ports: u32, when: &str) {
+    for map in FLOW_MAPS {
+        assert_eq!(sim.map_size(map), flows, "{when}: {map}");
+    }
+    assert_eq!(sim.map_size("nat_fragments"), flows / 16, "{when}");
+    assert_eq!(sim.map_size("sock_rev"), flows / 4, "{when}");
+    assert_eq!(sim.map_size("owners"), attachments, "{when}");
+    assert_eq!(sim.map_size("masq_sources"), attachments * 2, "{when}");
+    assert_eq!(sim.map_size("portmap"), host_ports, "{when}");
+    assert_eq!(sim.map_size("port_claims"), host_ports, "{when}");
+    assert!(
+        !sim.pin_path.join("resize").exists(),
+        "{when}: no resize left half done"
+    );
+}
+
+/// `cnibpf load` with `args` in the simulated host.
+fn load(sim: &SimHost, args: &[&str]) -> std::process::Output {
+    let pin_path = sim.pin_path.display().to_string();
+    let mut all = vec!["load", "--backend", "ebpf", "--pin-path", &pin_path];
+    all.extend_from_slice(args);
+    sim.cnibpf(&all)
+}
+
+#[test]
+fn a_live_datapath_is_resized_with_its_flows_translations_and_counters() {
+    let sim = SimHost::new("sz", sized_keys(4_096, 256, 1_024));
+    let pod = LivePod::start(&sim);
+    assert_sizes(&sim, 4_096, 256, 1_024, "created by the first ADD");
+    let inspect = sim.inspect();
+    assert_eq!(
+        inspect["ebpfMaps"]["maxFlows"], 4_096,
+        "inspect: {inspect:#}"
+    );
+    let flows = sim.flow_counts();
+    let dropped = sim.filter_rule_packets(0);
+    assert!(dropped > 0, "the filter counted its drops");
+
+    // Grown by `cnibpf load` (what `install --load --max-flows` runs), attachments kept.
+    let output = load(&sim, &["--max-flows", "131072", "--max-host-ports", "2048"]);
+    assert!(output.status.success(), "load: {output:?}");
+    let said = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        said.contains("maxFlows 131072, maxAttachments 256, maxHostPorts 2048"),
+        "{said}"
+    );
+    assert_sizes(&sim, 131_072, 256, 2_048, "after load --max-flows");
+    let carried = sim.flow_counts();
+    for (before, after) in flows.iter().zip(carried) {
+        assert!(
+            after >= *before,
+            "flows carried over: {flows:?} -> {carried:?}"
+        );
+    }
+    assert!(
+        sim.filter_rule_packets(0) >= dropped,
+        "counters carried over"
+    );
+    pod.assert_translations(&sim, "after the resize");
+
+    // Back to the network's own sizes with its next ADD, which also gets its hostPort.
+    let second = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
+    assert_sizes(
+        &sim,
+        4_096,
+        256,
+        1_024,
+        "after an ADD of the network's sizes",
+    );
+    let _server = TcpServer::start(&second.netns, second.socket(80), "c2");
+    assert_eq!(
+        tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
+        Ok("c2")
+    );
+    pod.assert_translations(&sim, "after the ADD's resize");
+    let container = pod.assert_carried_on("across two resizes");
+    sim.check(&container)
+        .unwrap_or_else(|error| panic!("CHECK after the resizes: {error}"));
+}
+
+/// `cnibpf load --max-flows`, killed with SIGKILL at ever later points until a run completes;
+/// the pod's traffic flows all along.
+#[test]
+fn killed_resizes_converge() {
+    let sim = SimHost::new("szk", sized_keys(4_096, 256, 1_024));
+    let pod = LivePod::start(&sim);
+    let pin_path = sim.pin_path.display().to_string();
+    let run = |flows: &str, delay: Duration| {
+        let mut process = Command::new(cnibpf_binary());
+        process.args([
+            "load",
+            "--backend",
+            "ebpf",
+            "--pin-path",
+            &pin_path,
+            "--max-flows",
+            flows,
+        ]);
+        chain::enter_netns_on_exec(&mut process, &sim.host.path());
+        let mut child = process.spawn().expect("run cnibpf load");
+        std::thread::sleep(delay);
+        // fail-closed: a run that finished before the kill is what the loop looks for.
+        let _ = child.kill();
+        child.wait().expect("wait for cnibpf load")
+    };
+    let started = Instant::now();
+    let (mut killed, mut interrupted) = (0, 0);
+    let mut completed = false;
+    // Delays growing by 12% a step (1 ms … 1 s by step 61): kills land all through a resize.
+    for step in 0..100 {
+        let delay = Duration::from_secs_f64(1.12_f64.powi(step) / 1000.0);
+        if run("262144", delay).code() == Some(0) {
+            completed = true;
+            break;
+        }
+        killed += 1;
+        interrupted += usize::from(sim.pin_path.join("resize").exists());
+    }
+    assert!(completed, "no run completed in {killed} tries");
+    assert!(killed >= 10, "only {killed} runs were killed");
+    assert!(
+        interrupted >= 3,
+        "only {interrupted} kills interrupted a resize"
+    );
+    eprintln!(
+        "{killed} resizes killed ({interrupted} half done); {:.1}s in all",
+        started.elapsed().as_secs_f64()
+    );
+    assert_sizes(&sim, 262_144, 256, 1_024, "after the killed resizes");
+    pod.assert_translations(&sim, "after the killed resizes");
+    pod.assert_carried_on("across the killed resizes");
+}
+
+#[test]
+fn a_size_below_what_the_maps_hold_is_refused_and_changes_nothing() {
+    let sim = SimHost::new("szs", sized_keys(4_096, 256, 1_024));
+    let _container = sim.container("c1", Value::Null);
+    // Live masquerade state for 2,000 connections: more than 1,024 flows hold.
+    let mut map = sim.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
+    for index in 0..2_000_u32 {
+        let key = NatFlowKey {
+            src_addr: [
+                10,
+                99,
+                (index >> 8) as u8,
+                index as u8,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+            ],
+            dst_addr: [192, 0, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            src_port: 40_000,
+            dst_port: 80,
+            protocol: 6,
+            family: 2,
+            _pad: [0; 2],
+        };
+        let flow = MasqFlow {
+            last_seen_ns: u64::MAX / 2,
+            state: STATE_ESTABLISHED,
+            ..Default::default()
+        };
+        map.insert(&key, &flow, 0).expect("fill masq_flows");
+    }
+    let output = load(&sim, &["--max-flows", "1024"]);
+    assert!(
+        !output.status.success(),
+        "a shrink below the live flows: {output:?}"
+    );
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        said.contains("maxFlows 1024 is too small")
+            && said.contains("map masq_flows would have 1024 entries and holds 2000"),
+        "{said}"
+    );
+    assert_sizes(&sim, 4_096, 256, 1_024, "after the refused shrink");
+    let output = load(&sim, &["--max-flows", "100"]);
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr)
+            .contains("--max-flows: must be between 1024 and 4194304, got 100"),
+        "{output:?}"
+    );
+    assert_sizes(&sim, 4_096, 256, 1_024, "after the refused size");
+}
