@@ -1,6 +1,6 @@
 //! Live upgrade across datapath layouts, with a real older cnibpf: commit 5da8470 (eBPF layout
 //! 6, container interfaces hooked by cls_bpf filters; nftables table layout 1), commit
-//! 8a7f4ca (nftables layout 2) and the latest release `releases.toml` lists, built from this
+//! 8a7f4ca (nftables layout 2) and every later release `releases.toml` lists, built from this
 //! repository's history. A node upgrades while its pods run, and its connections,
 //! translations, filters and counters live on; DEL works across layouts in both directions; a
 //! migration killed at any point is completed by the next run.
@@ -9,7 +9,6 @@
 //! replaced in place as an upgrade replaces it.
 
 use std::{
-    net::SocketAddr,
     path::{Path, PathBuf},
     process::Command,
     time::{Duration, Instant},
@@ -17,14 +16,12 @@ use std::{
 
 use cnibpf_common::layout::{LayoutInfo, MAGIC};
 use cnibpf_tests::{
-    Container, SimHost, chain, eventually, faults, history,
-    topology::{Backend, OUTSIDE_ADDR, cnibpf_binary, port_mappings},
-    traffic::{
-        Conversation, StreamEchoServer, TcpServer, UdpCounter, UdpSender, UdpServer, tcp_request,
-        udp_exchange_from,
-    },
+    Container, SimHost, chain, faults, history,
+    live::{LivePod, pod_keys},
+    topology::{Backend, cnibpf_binary, port_mappings},
+    traffic::{Conversation, TcpServer, tcp_request},
 };
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// The last commit of layout 6.
 const LAYOUT_6: &str = "5da8470";
@@ -56,122 +53,6 @@ impl Installed {
         });
         std::fs::rename(&staged, &self.path)
             .unwrap_or_else(|error| panic!("install {}: {error}", self.path.display()));
-    }
-}
-
-/// What a pod of the older cnibpf has going when the node upgrades: a hostPort TCP connection
-/// from outside, a masqueraded TCP connection and UDP flow to outside, a stream of datagrams
-/// to a UDP hostPort, and a port its filter drops.
-struct LivePod {
-    container: Container,
-    inbound: Conversation,
-    outbound: Conversation,
-    stream: UdpSender,
-    received: UdpCounter,
-    outside_udp: UdpServer,
-    _servers: (StreamEchoServer, StreamEchoServer, UdpServer, TcpServer),
-}
-
-const POD_KEYS: fn() -> Value = || pod_keys("ebpf");
-
-fn pod_keys(backend: &str) -> Value {
-    json!({ "backend": backend, "ipMasq": true, "filter": [
-        { "index": 1, "direction": "ingress", "proto": "tcp", "dport": 81, "target": "DROP" },
-    ]})
-}
-const OUTSIDE_TCP: u16 = 7000;
-const OUTSIDE_UDP: u16 = 7001;
-/// The source port of the pod's masqueraded UDP flow and of the outside's UDP hostPort client.
-const UDP_SOURCE: u16 = 40_053;
-
-impl LivePod {
-    fn start(sim: &SimHost) -> Self {
-        sim.route_outside_to_containers();
-        let container = sim.container(
-            "c1",
-            port_mappings(&[(8080, 80, "tcp"), (5353, 53, "udp"), (5354, 54, "udp")]),
-        );
-        let outside = |port| SocketAddr::new(OUTSIDE_ADDR.into(), port);
-        let servers = (
-            StreamEchoServer::start(&container.netns, container.socket(80)),
-            StreamEchoServer::start(&sim.outside, outside(OUTSIDE_TCP)),
-            UdpServer::start(&container.netns, container.socket(53), "c1"),
-            TcpServer::start(&container.netns, container.socket(81), "c1"),
-        );
-        let outside_udp = UdpServer::start(&sim.outside, outside(OUTSIDE_UDP), "outside");
-        let received = UdpCounter::start(&container.netns, container.socket(54));
-        let mut inbound = Conversation::open(&sim.outside, sim.uplink_target(8080))
-            .unwrap_or_else(|error| panic!("connect to hostPort 8080: {error}"));
-        inbound
-            .exchange(b"before", WAIT)
-            .unwrap_or_else(|error| panic!("hostPort exchange: {error}"));
-        let mut outbound = Conversation::open(&container.netns, outside(OUTSIDE_TCP))
-            .unwrap_or_else(|error| panic!("masqueraded connect: {error}"));
-        outbound
-            .exchange(b"before", WAIT)
-            .unwrap_or_else(|error| panic!("masqueraded exchange: {error}"));
-        let stream = UdpSender::start(
-            &sim.outside,
-            vec![sim.uplink_target(5354)],
-            Duration::from_millis(2),
-        );
-        let pod = Self {
-            container,
-            inbound,
-            outbound,
-            stream,
-            received,
-            outside_udp,
-            _servers: servers,
-        };
-        pod.assert_translations(sim, "before");
-        pod
-    }
-
-    /// The UDP flows both ways keep their translation: replies from the hostPort, and the
-    /// pod's datagrams leaving from the address and port they left from before.
-    fn assert_translations(&self, sim: &SimHost, when: &str) {
-        let hostport = sim.uplink_target(5353);
-        let (answer, from) = sim
-            .outside
-            .run(move || udp_exchange_from(UDP_SOURCE, hostport, WAIT))
-            .unwrap_or_else(|error| panic!("{when}: UDP hostPort exchange: {error}"));
-        assert_eq!((answer.as_str(), from), ("c1", hostport), "{when}");
-        let target = SocketAddr::new(OUTSIDE_ADDR.into(), OUTSIDE_UDP);
-        let (answer, from) = self
-            .container
-            .netns
-            .run(move || udp_exchange_from(UDP_SOURCE, target, WAIT))
-            .unwrap_or_else(|error| panic!("{when}: masqueraded UDP exchange: {error}"));
-        assert_eq!((answer.as_str(), from), ("outside", target), "{when}");
-        let peers = self.outside_udp.peers();
-        assert!(
-            peers.iter().all(|peer| *peer == peers[0])
-                && peers[0].ip() == sim.uplink_target(0).ip(),
-            "{when}: the masqueraded flow keeps one translation: {peers:?}"
-        );
-        assert!(
-            tcp_request(&sim.outside, self.container.socket(81)).is_err(),
-            "{when}: the filter drops tcp/81"
-        );
-    }
-
-    /// Both TCP connections carry on, and not one datagram of the stream was lost; the pod,
-    /// for what follows.
-    fn assert_carried_on(mut self, when: &str) -> Container {
-        self.inbound
-            .exchange(b"after", WAIT)
-            .unwrap_or_else(|error| panic!("{when}: the hostPort connection broke: {error}"));
-        self.outbound
-            .exchange(b"after", WAIT)
-            .unwrap_or_else(|error| panic!("{when}: the masqueraded connection broke: {error}"));
-        let sent = self.stream.stop();
-        assert!(
-            eventually(WAIT, || self.received.received() == sent),
-            "{when}: {} of {sent} datagrams to the UDP hostPort arrived",
-            self.received.received()
-        );
-        self.container
     }
 }
 
@@ -231,7 +112,7 @@ fn endpoint_links(sim: &SimHost) -> usize {
 /// and the last DEL leaves the node to the older build.
 fn upgrade_then_downgrade(installed: &Installed, old: &Path, new: &Path) {
     installed.put(old);
-    let sim = SimHost::new("upg", POD_KEYS());
+    let sim = SimHost::new("upg", pod_keys("ebpf"));
     let pod = LivePod::start(&sim);
     assert_eq!(sim.layout_version(), 6, "the older cnibpf made layout 6");
     let hits = sim.filter_rule_packets(0);
@@ -600,50 +481,55 @@ fn nftables_table_of_the_previous_layout_migrates(installed: &Installed, old: &P
     assert!(sim.holds_no_state(), "the last DEL removed the table");
 }
 
-/// The last commit `releases.toml` lists: the release a node most likely runs.
-fn latest_release() -> String {
+/// Every commit `releases.toml` lists, oldest first.
+fn releases() -> Vec<String> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("the tests crate lives in the workspace")
         .join("releases.toml");
-    let releases = std::fs::read_to_string(&path)
-        .unwrap_or_else(|error| panic!("read {}: {error}", path.display()));
-    releases
+    let releases: Vec<String> = std::fs::read_to_string(&path)
+        .unwrap_or_else(|error| panic!("read {}: {error}", path.display()))
         .lines()
         .filter_map(|line| line.trim().strip_prefix("commit = \""))
         .filter_map(|rest| rest.strip_suffix('"'))
-        .next_back()
-        .unwrap_or_else(|| panic!("{} lists no release", path.display()))
-        .to_owned()
+        .map(str::to_owned)
+        .collect();
+    assert!(
+        releases.first().map(String::as_str) == Some(LAYOUT_6),
+        "{} starts with {LAYOUT_6}: {releases:?}",
+        path.display()
+    );
+    releases
 }
 
-/// The latest release replaced by this build on a node with a live pod, on each backend: the
-/// pod's connections, flows and translations carry on, a new pod starts and is reached
-/// through its hostPort, CHECK passes on the old pod, and both pods' DELs leave nothing.
-fn the_latest_release_upgrades_live(installed: &Installed, old: &Path, new: &Path) {
+/// A release replaced by this build on a node with a live pod, on each backend: the pod's
+/// connections, flows and translations carry on, a new pod starts and is reached through its
+/// hostPort, CHECK passes on the old pod, and both pods' DELs leave nothing.
+fn a_release_upgrades_live(installed: &Installed, release: &str, new: &Path) {
+    let old = history::cnibpf_of(release);
     for backend in [Backend::Ebpf, Backend::Nftables] {
-        installed.put(old);
+        let case = format!("{release} on {}", backend.name());
+        eprintln!("upgrading {case} live");
+        installed.put(&old);
         let sim = SimHost::on(backend, "rel", pod_keys(backend.name()));
         let pod = LivePod::start(&sim);
         installed.put(new);
         let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
-        pod.assert_translations(&sim, "after the upgrade");
-        sim.check(&pod.container).unwrap_or_else(|error| {
-            panic!("{}: CHECK of the release's pod: {error}", backend.name())
-        });
+        pod.assert_translations(&sim, &format!("{case}: after the upgrade"));
+        sim.check(&pod.container)
+            .unwrap_or_else(|error| panic!("{case}: CHECK of the release's pod: {error}"));
         let _c2_server = TcpServer::start(&c2.netns, c2.socket(80), "c2");
         assert_eq!(
             tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
             Ok("c2"),
-            "{}",
-            backend.name()
+            "{case}"
         );
-        let c1 = pod.assert_carried_on(&format!("{}: across the upgrade", backend.name()));
+        let c1 = pod.assert_carried_on(&format!("{case}: across the upgrade"));
         for container in [&c1, &c2] {
             sim.del(container)
-                .unwrap_or_else(|error| panic!("{}: DEL: {error}", backend.name()));
+                .unwrap_or_else(|error| panic!("{case}: DEL: {error}"));
         }
-        assert!(sim.holds_no_state(), "{}: nothing left", backend.name());
+        assert!(sim.holds_no_state(), "{case}: nothing left");
     }
 }
 
@@ -666,5 +552,9 @@ fn pods_live_on_across_layouts_and_del_works_both_ways() {
     nftables_table_of_the_previous_layout_migrates(&installed, &previous_nftables, &new);
     killed_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
     faulted_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
-    the_latest_release_upgrades_live(&installed, &history::cnibpf_of(&latest_release()), &new);
+    // Every later release, the same way (5da8470's nftables table is drained above: no build
+    // migrates its layout).
+    for release in &releases()[1..] {
+        a_release_upgrades_live(&installed, release, &new);
+    }
 }
