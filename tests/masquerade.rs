@@ -503,42 +503,9 @@ fn a_full_table_keeps_live_flows_lets_new_ones_through_and_shows_the_pressure() 
         .run(move || std::net::TcpStream::connect_timeout(&target, CLIENT_TIMEOUT))
         .expect("connect");
     // Fill the table with other flows, as a busy host would.
-    let mut map = host.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
     let capacity = cnibpf_common::masq_flow::MAX_ENTRIES;
-    for index in 0..capacity {
-        let key = NatFlowKey {
-            src_addr: [
-                10,
-                99,
-                (index >> 8) as u8,
-                index as u8,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-            ],
-            dst_addr: [192, 0, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-            src_port: (index >> 16) as u16 + 1,
-            dst_port: 80,
-            protocol: 6,
-            family: 2,
-            _pad: [0; 2],
-        };
-        let flow = MasqFlow {
-            last_seen_ns: u64::MAX / 2,
-            state: STATE_ESTABLISHED,
-            ..Default::default()
-        };
-        map.insert(&key, &flow, 0).expect("fill masq_flows");
-    }
+    host.fill_masq_flows(capacity);
+    let mut map = host.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
     // The LRU keeps entries in use, so the live connection survived the filling; evict its
     // state as more pressure eventually would: its next packet rebuilds it (counted), and the
     // connection carries on.

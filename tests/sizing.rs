@@ -4,17 +4,10 @@
 //! translations and counters carried over, and a resize killed at any point is completed by the
 //! next run; a size smaller than what the maps hold is refused and changes nothing.
 
-use std::{
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::process::Command;
 
-use cnibpf_common::{
-    masq_flow::{MasqFlow, STATE_ESTABLISHED},
-    nat_flow::NatFlowKey,
-};
 use cnibpf_tests::{
-    SimHost, chain,
+    SimHost, chain, faults,
     live::{LivePod, pod_keys},
     topology::{cnibpf_binary, port_mappings},
     traffic::{TcpServer, tcp_request},
@@ -119,46 +112,23 @@ fn killed_resizes_converge() {
     let sim = SimHost::new("szk", sized_keys(4_096, 256, 1_024));
     let pod = LivePod::start(&sim);
     let pin_path = sim.pin_path.display().to_string();
-    let run = |flows: &str, delay: Duration| {
-        let mut process = Command::new(cnibpf_binary());
-        process.args([
-            "load",
-            "--backend",
-            "ebpf",
-            "--pin-path",
-            &pin_path,
-            "--max-flows",
-            flows,
-        ]);
-        chain::enter_netns_on_exec(&mut process, &sim.host.path());
-        let mut child = process.spawn().expect("run cnibpf load");
-        std::thread::sleep(delay);
-        // fail-closed: a run that finished before the kill is what the loop looks for.
-        let _ = child.kill();
-        child.wait().expect("wait for cnibpf load")
-    };
-    let started = Instant::now();
-    let (mut killed, mut interrupted) = (0, 0);
-    let mut completed = false;
-    // Delays growing by 12% a step (1 ms … 1 s by step 61): kills land all through a resize.
-    for step in 0..100 {
-        let delay = Duration::from_secs_f64(1.12_f64.powi(step) / 1000.0);
-        if run("262144", delay).code() == Some(0) {
-            completed = true;
-            break;
-        }
-        killed += 1;
-        interrupted += usize::from(sim.pin_path.join("resize").exists());
-    }
-    assert!(completed, "no run completed in {killed} tries");
-    assert!(killed >= 10, "only {killed} runs were killed");
-    assert!(
-        interrupted >= 3,
-        "only {interrupted} kills interrupted a resize"
-    );
-    eprintln!(
-        "{killed} resizes killed ({interrupted} half done); {:.1}s in all",
-        started.elapsed().as_secs_f64()
+    faults::killed_until_complete(
+        "resize",
+        || {
+            let mut process = Command::new(cnibpf_binary());
+            process.args([
+                "load",
+                "--backend",
+                "ebpf",
+                "--pin-path",
+                &pin_path,
+                "--max-flows",
+                "262144",
+            ]);
+            chain::enter_netns_on_exec(&mut process, &sim.host.path());
+            process
+        },
+        || sim.pin_path.join("resize").exists(),
     );
     assert_sizes(&sim, 262_144, 256, 1_024, "after the killed resizes");
     pod.assert_translations(&sim, "after the killed resizes");
@@ -170,41 +140,7 @@ fn a_size_below_what_the_maps_hold_is_refused_and_changes_nothing() {
     let sim = SimHost::new("szs", sized_keys(4_096, 256, 1_024));
     let _container = sim.container("c1", Value::Null);
     // Live masquerade state for 2,000 connections: more than 1,024 flows hold.
-    let mut map = sim.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
-    for index in 0..2_000_u32 {
-        let key = NatFlowKey {
-            src_addr: [
-                10,
-                99,
-                (index >> 8) as u8,
-                index as u8,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-            ],
-            dst_addr: [192, 0, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-            src_port: 40_000,
-            dst_port: 80,
-            protocol: 6,
-            family: 2,
-            _pad: [0; 2],
-        };
-        let flow = MasqFlow {
-            last_seen_ns: u64::MAX / 2,
-            state: STATE_ESTABLISHED,
-            ..Default::default()
-        };
-        map.insert(&key, &flow, 0).expect("fill masq_flows");
-    }
+    sim.fill_masq_flows(2_000);
     let output = load(&sim, &["--max-flows", "1024"]);
     assert!(
         !output.status.success(),

@@ -11,7 +11,7 @@
 use std::{
     path::{Path, PathBuf},
     process::Command,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use cnibpf_common::layout::{LayoutInfo, MAGIC};
@@ -212,45 +212,15 @@ fn killed_migrations_converge(installed: &Installed, old: &Path, new: &Path, bac
     );
     let pod = LivePod::start(&sim);
     let pin_path = sim.pin_path.display().to_string();
-    let run = |delay: Option<Duration>| {
-        let mut process = Command::new(new);
-        process.args(["gc", "--stale", "--pin-path", &pin_path]);
-        chain::enter_netns_on_exec(&mut process, &sim.host.path());
-        let mut child = process.spawn().expect("run cnibpf gc");
-        if let Some(delay) = delay {
-            std::thread::sleep(delay);
-            let _ = child.kill();
-        }
-        child.wait().expect("wait for cnibpf gc")
-    };
-    // Delays growing by 12% a step (1 ms, 1.1 ms, … 1 s by step 61): kills land all through
-    // a migration of any length, most of them early, where the steps are short.
-    let started = Instant::now();
-    let mut killed = 0;
-    let mut completed_after = None;
-    // Kills that left a migration half done.
-    let mut interrupted = 0;
-    for step in 0..100 {
-        let delay = Duration::from_secs_f64(1.12_f64.powi(step) / 1000.0);
-        let run_started = Instant::now();
-        if run(Some(delay)).code() == Some(0) {
-            completed_after = Some(run_started.elapsed());
-            break;
-        }
-        killed += 1;
-        interrupted += usize::from(migration_state(&sim, backend).0);
-    }
-    let completed_after =
-        completed_after.unwrap_or_else(|| panic!("no run completed in {killed} tries"));
-    assert!(killed >= 10, "only {killed} runs were killed");
-    assert!(
-        interrupted >= 3,
-        "only {interrupted} kills interrupted a migration"
-    );
-    eprintln!(
-        "{backend:?}: {killed} migrations killed ({interrupted} half done), the next one completed in {} ms; {:.1}s in all",
-        completed_after.as_millis(),
-        started.elapsed().as_secs_f64()
+    faults::killed_until_complete(
+        &format!("{backend:?} migration"),
+        || {
+            let mut process = Command::new(new);
+            process.args(["gc", "--stale", "--pin-path", &pin_path]);
+            chain::enter_netns_on_exec(&mut process, &sim.host.path());
+            process
+        },
+        || migration_state(&sim, backend).0,
     );
     assert_eq!(migration_state(&sim, backend), (false, true), "migrated");
     if backend == Backend::Ebpf {

@@ -292,6 +292,49 @@ pub fn assert_admin_answer(output: &Output, command: &str, context: &str) -> boo
     }
 }
 
+/// Runs `command` (a step of pinned state that must converge: a migration, a resize) killed
+/// with SIGKILL at ever later points — delays growing by 12 % a run, 1 ms … 1 s by the 61st,
+/// so that kills land all through it, most of them early, where the steps are short — until
+/// a run completes. At least 10 runs must have been killed and at least 3 of the kills must
+/// have left the work `half_done`, or the test proved nothing.
+pub fn killed_until_complete(
+    what: &str,
+    mut command: impl FnMut() -> Command,
+    half_done: impl Fn() -> bool,
+) {
+    let started = std::time::Instant::now();
+    let (mut killed, mut interrupted) = (0, 0);
+    for step in 0..100 {
+        let delay = std::time::Duration::from_secs_f64(1.12_f64.powi(step) / 1000.0);
+        let run_started = std::time::Instant::now();
+        let mut child = command()
+            .spawn()
+            .unwrap_or_else(|error| panic!("{what}: spawn: {error}"));
+        std::thread::sleep(delay);
+        // fail-closed: a run that finished before the kill is what the loop looks for.
+        let _ = child.kill();
+        let status = child
+            .wait()
+            .unwrap_or_else(|error| panic!("{what}: wait: {error}"));
+        if status.code() == Some(0) {
+            assert!(killed >= 10, "{what}: only {killed} runs were killed");
+            assert!(
+                interrupted >= 3,
+                "{what}: only {interrupted} kills left it half done"
+            );
+            eprintln!(
+                "{what}: {killed} runs killed ({interrupted} half done), the next one completed in {} ms; {:.1}s in all",
+                run_started.elapsed().as_millis(),
+                started.elapsed().as_secs_f64()
+            );
+            return;
+        }
+        killed += 1;
+        interrupted += usize::from(half_done());
+    }
+    panic!("{what}: no run completed in {killed} tries");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -175,6 +175,34 @@ impl SimHost {
             .collect()
     }
 
+    /// Writes `count` established masquerade flows of made-up containers into `masq_flows`, as
+    /// a busy host's connections would fill it (they never expire: last seen far ahead).
+    pub fn fill_masq_flows(&self, count: u32) {
+        let mut map = self.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
+        for index in 0..count {
+            let mut src_addr = [0; 16];
+            src_addr[..4].copy_from_slice(&[10, 99, (index >> 8) as u8, index as u8]);
+            let mut dst_addr = [0; 16];
+            dst_addr[..4].copy_from_slice(&[192, 0, 2, 1]);
+            let key = NatFlowKey {
+                src_addr,
+                dst_addr,
+                src_port: (index >> 16) as u16 + 1,
+                dst_port: 80,
+                protocol: 6,
+                family: 2,
+                _pad: [0; 2],
+            };
+            let flow = MasqFlow {
+                last_seen_ns: u64::MAX / 2,
+                state: cnibpf_common::masq_flow::STATE_ESTABLISHED,
+                ..MasqFlow::default()
+            };
+            map.insert(&key, &flow, 0)
+                .unwrap_or_else(|error| panic!("fill masq_flows, entry {index}: {error}"));
+        }
+    }
+
     /// Packets the filter rule at `position` decided, summed over attachments and CPUs
     /// (`filter_hits` read with this build's types).
     pub fn filter_rule_packets(&self, position: usize) -> u64 {

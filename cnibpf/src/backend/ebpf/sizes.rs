@@ -347,9 +347,15 @@ fn open<T: TryFrom<Map, Error = MapError>>(path: &Path) -> Result<T, BackendErro
     T::try_from(Map::from_map_data(data).map_err(error)?).map_err(error)
 }
 
-/// Whether a failed insert only met an entry already there (`BPF_NOEXIST`).
-fn already_there(error: &MapError) -> bool {
-    matches!(error, MapError::SyscallError(call) if call.io_error.raw_os_error() == Some(libc::EEXIST))
+/// An insert with `BPF_NOEXIST` into the map at `to`: meeting an entry already there (the new
+/// programs wrote it, or a resumed run copied it) is no failure.
+fn unless_there(inserted: Result<(), MapError>, to: &Path) -> Result<(), BackendError> {
+    match inserted {
+        Err(MapError::SyscallError(call)) if call.io_error.raw_os_error() == Some(libc::EEXIST) => {
+            Ok(())
+        }
+        other => other.map_err(map_error(&format!("could not write map {}", to.display()))),
+    }
 }
 
 /// `BPF_NOEXIST`: an insert that leaves an existing entry alone.
@@ -376,15 +382,7 @@ fn copy_hash<K: Pod + Default, V: Pod + Default>(
         source: Box::new(source),
     })?;
     for (key, value) in entries {
-        match new.insert(&key, &value, NO_EXIST) {
-            Ok(()) => {}
-            Err(error) if already_there(&error) => {}
-            Err(error) => {
-                return Err(map_error(&format!("could not write map {}", to.display()))(
-                    error,
-                ));
-            }
-        }
+        unless_there(new.insert(&key, &value, NO_EXIST), to)?;
     }
     Ok(())
 }
@@ -405,15 +403,7 @@ fn copy_per_cpu<K: Pod, V: Pod>(from: &Path, to: &Path) -> Result<(), BackendErr
     for entry in old.iter() {
         let (key, values) =
             entry.map_err(map_error(&format!("could not read map {}", from.display())))?;
-        match new.insert(&key, values, NO_EXIST) {
-            Ok(()) => {}
-            Err(error) if already_there(&error) => {}
-            Err(error) => {
-                return Err(map_error(&format!("could not write map {}", to.display()))(
-                    error,
-                ));
-            }
-        }
+        unless_there(new.insert(&key, values, NO_EXIST), to)?;
     }
     Ok(())
 }
