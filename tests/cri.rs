@@ -12,6 +12,7 @@ use std::{
 
 use cnibpf_tests::{
     SimHost,
+    assertions::assert_uninstalled,
     cri::{Containerd, Cri, Pod, host_port},
     eventually, for_both_backends,
     image::PAGE,
@@ -279,43 +280,13 @@ struct Installed {
 
 impl Installed {
     fn start(sim: &SimHost) -> Self {
-        let conflist = sim.chain.conflist().clone();
-        let mut entry = conflist["plugins"][1].clone();
-        if let Some(entry) = entry.as_object_mut() {
-            entry.remove("type");
-        }
-        let primary = json!({
-            "cniVersion": conflist["cniVersion"],
-            "name": conflist["name"],
-            "plugins": [
-                conflist["plugins"][0],
-                { "type": "portmap", "snat": true, "capabilities": { "portMappings": true } },
-            ],
-        });
         let primary_file = format!("10-{}.conflist", sim.network());
         let dirs = std::sync::Mutex::new(None);
         let containerd = Containerd::start_with(sim, |conf_dir, bin_dir| {
-            std::fs::write(
-                conf_dir.join(&primary_file),
-                serde_json::to_string_pretty(&primary).expect("JSON"),
-            )
-            .expect("write the primary network");
-            let entry_file = sim.work_dir.join("entry.json");
-            std::fs::write(&entry_file, entry.to_string()).expect("write the entry");
-            let installed = sim.cnibpf(&[
-                "install",
-                "--conf-dir",
-                &conf_dir.display().to_string(),
-                "--bin-dir",
-                &bin_dir.display().to_string(),
-                "--entry",
-                &entry_file.display().to_string(),
-                "--replace-portmap",
-            ]);
-            assert!(installed.status.success(), "cnibpf install: {installed:?}");
-            *dirs.lock().expect("dirs") = Some((conf_dir.to_owned(), bin_dir.to_owned()));
+            let primary = sim.install_over_portmap(conf_dir, bin_dir);
+            *dirs.lock().expect("dirs") = Some((conf_dir.to_owned(), bin_dir.to_owned(), primary));
         });
-        let (conf_dir, bin_dir) = dirs
+        let (conf_dir, bin_dir, primary) = dirs
             .into_inner()
             .expect("dirs")
             .expect("containerd configured");
@@ -440,47 +411,7 @@ fn uninstall_with_a_pod_running_leaves_nothing_once_it_is_removed() {
         .unwrap_or_else(|status| panic!("StopPodSandbox: {status}"));
     cri.remove_pod(&web.id)
         .unwrap_or_else(|status| panic!("RemovePodSandbox: {status}"));
-    let stats = cnibpf_tests::topology::call_stats_file(&sim.pin_path);
-    let lock = stats.with_extension("lock");
-    let left: Vec<String> = [
-        sim.pin_path.clone(),
-        stats,
-        lock,
-        conf_dir.join(own_file),
-        bin_dir.join("cnibpf"),
-    ]
-    .into_iter()
-    .filter(|path| path.symlink_metadata().is_ok())
-    .map(|path| path.display().to_string())
-    .collect();
-    assert!(left.is_empty(), "left on the node: {left:?}");
-    let hooks = sim.host.exec(&[
-        "bpftool",
-        "net",
-        "show",
-        "dev",
-        cnibpf_tests::topology::UPLINK,
-    ]);
-    assert!(
-        !hooks.contains("uplink_"),
-        "no cnibpf program on the uplink: {hooks}"
-    );
-    let socket_hooks = sim.host.exec(&[
-        "bpftool",
-        "cgroup",
-        "show",
-        &sim.cgroup.display().to_string(),
-    ]);
-    assert!(
-        socket_hooks.trim().is_empty(),
-        "no socket hook on the instance's cgroup: {socket_hooks}"
-    );
-    let log = call_log(&sim.call_log());
-    assert!(
-        log.iter()
-            .any(|line| line["verb"] == "DEL" && line["uninstalled"].is_string()),
-        "the last DEL says what it removed: {log:#?}"
-    );
+    assert_uninstalled(&sim, &conf_dir.join(own_file), &bin_dir.join("cnibpf"));
 
     cri.stop_pod(&late.id)
         .unwrap_or_else(|status| panic!("StopPodSandbox: {status}\n{}", containerd.log()));

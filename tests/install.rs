@@ -18,6 +18,7 @@ use std::{
 };
 
 use cnibpf_tests::{
+    assertions::assert_uninstalled,
     chain::{Attachment, Chain, plugin_command, run_with_stdin},
     eventually,
     topology::{SimHost, cni_path, cnibpf_binary, port_mappings},
@@ -885,6 +886,57 @@ fn uninstall_purge_removes_everything_at_once_and_lists_it() {
     );
     assert!(sim.holds_no_state() && !lock.exists());
     assert_eq!(node.files(), ["10-net.conflist"]);
+}
+
+/// `uninstall` with a pod running leaves the instance's release file, which the pod's DEL
+/// finds even when its runtime passes the configuration cached at ADD (cnibpf's ordinary
+/// entry, as CRI-O and podman do): that DEL takes everything. An `install` in between calls
+/// the release off: the DEL then leaves cnibpf in place.
+#[test]
+fn a_cached_configurations_del_finishes_an_uninstall_and_an_install_calls_it_off() {
+    let sim = SimHost::new("unc", json!({ "ipMasq": true }));
+    let node = NodeDirs::new("cached");
+    let primary = json!({ "cniVersion": "1.0.0", "name": sim.network(),
+        "plugins": [sim.chain.conflist()["plugins"][0]] });
+    node.write("10-net.conflist", &primary);
+    let entry = node.root.join("sim-entry.json");
+    std::fs::write(
+        &entry,
+        json!({ "pinPath": sim.pin_path, "logFile": sim.call_log() }).to_string(),
+    )
+    .expect("entry");
+    let entry = entry.display().to_string();
+    let run = |extra: &[&str]| {
+        let args = node.args(extra[0], &extra[1..]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let output = sim.cnibpf(&args);
+        assert!(output.status.success(), "cnibpf {extra:?}: {output:?}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let release = cnibpf_tests::topology::call_stats_file(&sim.pin_path).with_extension("release");
+    let own_file = node.conf_dir().join("10-net.cnibpf.conflist");
+    let binary = node.bin_dir().join("cnibpf");
+
+    run(&["install", "--entry", &entry]);
+    let kept = sim.container("kept", port_mappings(&[(18096, 80, "tcp")]));
+    run(&["uninstall"]);
+    assert!(release.exists(), "uninstall left the release file");
+    let called_off = run(&["install", "--entry", &entry]);
+    assert!(called_off.contains("called off"), "{called_off}");
+    assert!(!release.exists(), "install removed the release file");
+    sim.del(&kept)
+        .unwrap_or_else(|error| panic!("DEL with the cached entry: {error}"));
+    assert!(
+        own_file.exists() && binary.exists(),
+        "a DEL after the new install leaves cnibpf's conflist and binary"
+    );
+
+    let gone = sim.container("gone", port_mappings(&[(18097, 80, "tcp")]));
+    run(&["uninstall"]);
+    assert!(release.exists() && own_file.exists() && binary.exists());
+    sim.del(&gone)
+        .unwrap_or_else(|error| panic!("DEL with the cached entry: {error}"));
+    assert_uninstalled(&sim, &own_file, &binary);
 }
 
 /// A node whose nftables datapath is of a layout no cnibpf migrates (layout 1: a table without

@@ -108,6 +108,14 @@ impl PinLayout {
         Path::new(LOCK_DIR).join(format!("{}.calls", self.lock_name()))
     }
 
+    /// Written by `cnibpf uninstall` while the instance still serves pods: the conflist and
+    /// binary the DEL that releases the last attachment removes. A DEL that comes with the
+    /// configuration the runtime cached at ADD (CRI-O, podman: cnibpf's entry as it was, not
+    /// in release-only mode) finds the instance being taken off here.
+    pub fn release_file(&self) -> PathBuf {
+        Path::new(LOCK_DIR).join(format!("{}.release", self.lock_name()))
+    }
+
     /// The lock file `cnibpf monitor` holds while it follows the instance's drop events: a
     /// ring buffer has one read position, so a second reader would take events from the first.
     pub fn monitor_lock_file(&self) -> PathBuf {

@@ -4,7 +4,7 @@
 //! Containers and mounts it leaves are removed on drop.
 
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Command, Output},
 };
 
@@ -20,18 +20,27 @@ pub struct Podman {
 
 impl Podman {
     pub fn new(sim: &SimHost) -> Self {
+        Self::with_networks(sim, |conf_dir, bin_dir| {
+            cri::cni_bin_dir(bin_dir, &["bridge", "host-local", "cnibpf"]);
+            std::fs::write(
+                conf_dir.join(format!("{}.conflist", sim.network())),
+                serde_json::to_string_pretty(sim.chain.conflist()).expect("conflist"),
+            )
+            .expect("write the conflist");
+        })
+    }
+
+    /// podman whose CNI conf and bin dirs `setup` fills (both exist, empty) before anything
+    /// runs; its containers join the network named as `sim`'s.
+    pub fn with_networks(sim: &SimHost, setup: impl FnOnce(&Path, &Path)) -> Self {
         let base = sim.work_dir.join("podman");
         let _ = std::fs::remove_dir_all(&base);
-        for dir in ["root", "runroot", "runc", "tmp", "events", "conf", "rootfs"] {
+        for dir in [
+            "root", "runroot", "runc", "tmp", "events", "conf", "rootfs", "bin",
+        ] {
             std::fs::create_dir_all(base.join(dir)).expect("podman dir");
         }
-        cri::cni_bin_dir(&base.join("bin"), &["bridge", "host-local", "cnibpf"]);
-        std::fs::write(
-            base.join("conf")
-                .join(format!("{}.conflist", sim.network())),
-            serde_json::to_string_pretty(sim.chain.conflist()).expect("conflist"),
-        )
-        .expect("write the conflist");
+        setup(&base.join("conf"), &base.join("bin"));
         image::write_rootfs(&base.join("rootfs"));
         let b = base.display();
         std::fs::write(
@@ -77,6 +86,16 @@ image_copy_tmp_dir = "{b}/tmp"
             network: sim.network(),
             cgroup_parent: format!("/cnibpf-test-{}-podman", sim.id),
         }
+    }
+
+    /// The CNI configuration dir podman reads.
+    pub fn conf_dir(&self) -> PathBuf {
+        self.base.join("conf")
+    }
+
+    /// The CNI plugin dir podman runs plugins from.
+    pub fn bin_dir(&self) -> PathBuf {
+        self.base.join("bin")
     }
 
     /// The variables that point podman at this instance's configuration and storage, for a
@@ -152,7 +171,7 @@ image_copy_tmp_dir = "{b}/tmp"
             "podman inspect {name}: {}",
             String::from_utf8_lossy(&output.stderr)
         );
-        Netns::at(std::path::Path::new(&path))
+        Netns::at(Path::new(&path))
     }
 }
 

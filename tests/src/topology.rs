@@ -453,6 +453,46 @@ impl SimHost {
         self.chain.check(&container.attachment)
     }
 
+    /// The network a cluster had before cnibpf: this host's interface plugin with the
+    /// reference portmap after it (containerd's own example configuration has that shape),
+    /// written to `10-<network>.conflist` in `conf_dir`; then `cnibpf install --replace-portmap`
+    /// chains cnibpf, with this host's keys, into a file of its own there and puts its binary
+    /// in `bin_dir`. The primary network, as written.
+    pub fn install_over_portmap(&self, conf_dir: &Path, bin_dir: &Path) -> Value {
+        let conflist = self.chain.conflist().clone();
+        let mut entry = conflist["plugins"][1].clone();
+        if let Some(entry) = entry.as_object_mut() {
+            entry.remove("type");
+        }
+        let primary = serde_json::json!({
+            "cniVersion": conflist["cniVersion"],
+            "name": conflist["name"],
+            "plugins": [
+                conflist["plugins"][0],
+                { "type": "portmap", "snat": true, "capabilities": { "portMappings": true } },
+            ],
+        });
+        std::fs::write(
+            conf_dir.join(format!("10-{}.conflist", self.network())),
+            serde_json::to_string_pretty(&primary).expect("JSON"),
+        )
+        .expect("write the primary network");
+        let entry_file = self.work_dir.join("entry.json");
+        std::fs::write(&entry_file, entry.to_string()).expect("write the entry");
+        let installed = self.cnibpf(&[
+            "install",
+            "--conf-dir",
+            &conf_dir.display().to_string(),
+            "--bin-dir",
+            &bin_dir.display().to_string(),
+            "--entry",
+            &entry_file.display().to_string(),
+            "--replace-portmap",
+        ]);
+        assert!(installed.status.success(), "cnibpf install: {installed:?}");
+        primary
+    }
+
     /// Runs `cnibpf` with `args` in the host namespace (for `inspect`).
     pub fn cnibpf(&self, args: &[&str]) -> std::process::Output {
         self.cnibpf_command(args).output().expect("run cnibpf")

@@ -71,6 +71,9 @@ pub enum BackendError {
         cnibpf_common::layout::VERSION
     )]
     NewerState { path: PathBuf, found: u32 },
+    /// The instance's release file (`cnibpf uninstall`'s) holds something cnibpf cannot read.
+    #[error("{path} is not a release file cnibpf uninstall wrote")]
+    ForeignReleaseFile { path: PathBuf },
     #[error("{path} holds no cnibpf state ({reason}); choose another pinPath")]
     ForeignState { path: PathBuf, reason: String },
     #[error("could not read the pinned state in {path}{}", permission_hint(source))]
@@ -142,7 +145,7 @@ impl BackendError {
             Self::OlderState { .. } | Self::NewerState { .. } | Self::ForeignState { .. } => {
                 code::INCOMPATIBLE_STATE
             }
-            Self::UnreadableState { .. } => code::DATAPATH,
+            Self::UnreadableState { .. } | Self::ForeignReleaseFile { .. } => code::DATAPATH,
             Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
             Self::CheckFailed(_) => code::CHECK_FAILED,
             Self::TooManySources { .. } | Self::CapacityTooSmall { .. } => code::INVALID_CONFIG,

@@ -54,6 +54,7 @@ pub fn purge(pins: &PinLayout) -> Result<Vec<String>, BackendError> {
     for file in [
         pins.call_stats_file(),
         pins.monitor_lock_file(),
+        pins.release_file(),
         pins.lock_file(),
     ] {
         if remove_file(&file)? {

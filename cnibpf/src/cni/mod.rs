@@ -253,9 +253,13 @@ fn dispatch(command: Command, stdin: &[u8]) -> Result<Option<String>, Error> {
     }
     match command {
         Command::Add => add(&env, stdin).map(Some),
-        Command::Del => del(&env, stdin).map(|()| None),
+        Command::Del => del(&env, stdin)
+            .and_then(|()| release::if_uninstalled(&env, stdin, command))
+            .map(|()| None),
         Command::Check => check(&env, stdin).map(|()| None),
-        Command::Gc => gc(stdin).map(|()| None),
+        Command::Gc => gc(stdin)
+            .and_then(|()| release::if_uninstalled(&env, stdin, command))
+            .map(|()| None),
         Command::Status => status(stdin).map(|()| None),
         Command::Version => unreachable!("handled above"),
     }

@@ -273,6 +273,16 @@ pub struct ReleaseOnly {
 }
 
 impl ReleaseOnly {
+    /// As the instance's release file (`PinLayout::release_file`) holds it: the same object
+    /// as the entry's `releaseOnly` key.
+    pub fn to_release_file(&self) -> Value {
+        let path = |path: &Option<PathBuf>| {
+            path.as_ref()
+                .map(|path| Value::from(path.display().to_string()))
+        };
+        serde_json::json!({ "releaseOnly": { "file": path(&self.file), "binary": path(&self.binary) } })
+    }
+
     /// Read from any configuration, even one a verb refuses: `None` unless it holds
     /// `releaseOnly` as an object.
     pub fn of_stdin(bytes: &[u8]) -> Option<Self> {

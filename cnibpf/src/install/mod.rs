@@ -27,7 +27,7 @@ use self::chain::{Form, chain_in, chain_out, is_multus};
 use crate::output::{log_line, say, with_causes};
 use crate::{
     backend::{BackendError, purge},
-    config::{NetConf, PluginConfig},
+    config::{NetConf, PluginConfig, ReleaseOnly},
     lock::{InstanceLock, LockError, lock_timeout},
     paths::{DEFAULT_PIN_PATH, OWN_CONFLIST_SUFFIX, PLUGIN_NAME, PinLayout, is_own_conflist},
     preload,
@@ -134,7 +134,35 @@ impl Install {
             .ok_or_else(|| InstallError::NoNetwork(self.conf_dir.clone()))?;
         let chaining = self.chaining(node)?;
         self.install_binary()?;
+        self.cancel_release()?;
         chaining.apply()
+    }
+
+    /// An uninstall that left the instance to be removed by its last DEL is called off: cnibpf
+    /// serves the node again, and that DEL must leave it be.
+    fn cancel_release(&self) -> Result<(), InstallError> {
+        let pins = PinLayout::new(
+            self.entry
+                .get("pinPath")
+                .and_then(Value::as_str)
+                // fail-closed: a value of the entry: none is the default pinPath.
+                .unwrap_or(DEFAULT_PIN_PATH),
+        );
+        let release = pins.release_file();
+        if !release
+            .try_exists()
+            .map_err(io_error(format!("look for {}", release.display())))?
+        {
+            return Ok(());
+        }
+        let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
+        if purge::remove_file(&release)? {
+            say!(
+                "{}: the uninstall still waiting for its pods' DELs is called off",
+                pins.root().display()
+            );
+        }
+        Ok(())
     }
 
     /// Loads the datapath of the entry's backend and pinPath (see `crate::preload`). Reported,
@@ -476,6 +504,13 @@ fn release_or_remove(path: &Path, binary: &Path, purge: bool) -> Result<bool, In
     );
     let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
     if !purge && purge::holds_attachments(&pins)? {
+        // For the runtimes that DEL with the configuration cached at ADD, which still names
+        // cnibpf's entry as it was.
+        let release = ReleaseOnly {
+            file: Some(path.to_owned()),
+            binary: Some(binary.to_owned()),
+        };
+        write_atomically(&pins.release_file(), &release.to_release_file())?;
         let released = release_only(&network, &entry, path, binary);
         if released != network {
             write_atomically(path, &released)?;
