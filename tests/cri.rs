@@ -164,7 +164,7 @@ fn a_pod_with_host_ports_through_containerd(backend: Backend) {
     ];
     for target in local {
         let outcome = sim.host_client("http", target);
-        // nftables translates 127.0.0.1 (as the reference portmap), never [::1] (see README:
+        // nftables translates 127.0.0.1 (as the reference portmap), never [::1] (see docs/datapath.md:
         // backend differences).
         if backend == Backend::Nftables && target.ip().is_ipv6() && target.ip().is_loopback() {
             assert!(outcome.is_err(), "nftables: {target}: {outcome:?}");

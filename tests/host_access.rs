@@ -30,7 +30,7 @@ fn host_processes_reach_host_ports_by_every_local_address(backend: Backend) {
         };
         for address in addresses {
             let target = SocketAddr::new(address, 8080);
-            // [::1] needs the socket hooks: nftables cannot translate it (README); 127.0.0.1 it
+            // [::1] needs the socket hooks: nftables cannot translate it (docs/datapath.md); 127.0.0.1 it
             // does, as the reference portmap.
             if backend == Backend::Nftables && address.is_ipv6() && address.is_loopback() {
                 let outcome = sim.host_client("tcp", target);

@@ -206,7 +206,7 @@ fn hairpin_reaches_the_container_itself_and_its_neighbour_without_netfilter_help
         }
         let own = c1.at(family, 0).ip();
         // The eBPF datapath hands the reply back itself; nftables masquerades hairpin traffic
-        // to the gateway, so that the reply returns through the host (see README).
+        // to the gateway, so that the reply returns through the host (see docs/datapath.md).
         let neighbour = match (backend, family) {
             (Backend::Ebpf, _) => c2.at(family, 0).ip(),
             (Backend::Nftables, Family::V4) => GATEWAY.into(),

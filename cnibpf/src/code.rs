@@ -1,4 +1,4 @@
-//! CNI error codes: the spec's, and the plugin-specific ones README.md documents.
+//! CNI error codes: the spec's, and the plugin-specific ones docs/configuration.md documents.
 
 pub const INCOMPATIBLE_VERSION: u32 = 1;
 pub const INVALID_ENV: u32 = 4;

@@ -51,7 +51,7 @@ static VERSION: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// The eBPF datapath's map sizes (see README "Memory"); a size not given keeps what is loaded,
+/// The eBPF datapath's map sizes (see docs/kubernetes.md, "Memory"); a size not given keeps what is loaded,
 /// the default for a datapath created new.
 #[derive(Debug, clap::Args)]
 struct CapacityArgs {

@@ -65,7 +65,7 @@ pub fn run() -> Result<()> {
     }
     if !unreviewed.is_empty() {
         bail!(
-            "{} place(s) may read an error as a value without saying why; propagate the error, or add a `// {MARKER} <why>` comment (see README, Failure semantics):\n  {}",
+            "{} place(s) may read an error as a value without saying why; propagate the error, or add a `// {MARKER} <why>` comment (see docs/configuration.md, Failure semantics):\n  {}",
             unreviewed.len(),
             unreviewed.join("\n  ")
         );

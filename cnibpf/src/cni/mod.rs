@@ -672,7 +672,7 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     journal::backend(backend.name());
     backend.check_endpoint(&plan.endpoint)?;
     backend.check_port_mappings(&plan.endpoint, &plan.mappings)?;
-    // CHECK is how an operator makes a changed uplink address take effect (see README).
+    // CHECK is how an operator makes a changed uplink address take effect (see docs/datapath.md).
     backend.refresh_uplinks(&plan.endpoint.uplinks)?;
     backend.check_masquerade(&plan.endpoint, plan.masquerade.as_ref())?;
     backend.check_filter(&plan.endpoint, plan.filter.as_ref())?;

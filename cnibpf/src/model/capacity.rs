@@ -37,7 +37,7 @@ impl Dimension {
     }
 
     /// The size of a datapath created without a setting: one that fits a small node (the
-    /// maps at these sizes lock about 50 MiB, see README "Memory").
+    /// maps at these sizes lock about 50 MiB, see docs/kubernetes.md, "Memory").
     pub fn default_size(self) -> u32 {
         match self {
             Self::Flows => 65_536,
