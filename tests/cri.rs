@@ -367,18 +367,7 @@ fn uninstall_with_a_pod_running_leaves_nothing_once_it_is_removed() {
     let web = serving_pod(&mut cri, containerd, "web", 18080);
     assert_eq!(pods_of(&sim), ["shop/web"], "cnibpf serves the pod");
 
-    let uninstalled = sim.cnibpf(&[
-        "uninstall",
-        "--conf-dir",
-        &conf_dir.display().to_string(),
-        "--bin-dir",
-        &bin_dir.display().to_string(),
-    ]);
-    let said = String::from_utf8_lossy(&uninstalled.stdout);
-    assert!(
-        uninstalled.status.success() && said.contains("release-only"),
-        "cnibpf uninstall: {uninstalled:?}"
-    );
+    sim.uninstall_with_pods_running(conf_dir, bin_dir);
     let released = installed.read(own_file);
     assert_eq!(
         types(&released),

@@ -178,6 +178,9 @@ struct SharedMount {
 
 impl SharedMount {
     fn new(path: &Path) -> Self {
+        // What an interrupted earlier run left would be bound over again, and with shared
+        // propagation every bind doubles the mounts there.
+        assert!(Self::unmount_all(path), "{} stays mounted", path.display());
         for args in [
             vec!["--bind", &*path.to_string_lossy(), &*path.to_string_lossy()],
             vec!["--make-rshared", &*path.to_string_lossy()],
@@ -194,12 +197,38 @@ impl SharedMount {
     }
 }
 
+impl SharedMount {
+    /// Every mount at `path`: made private first (unmounting a shared mount leaves the copies
+    /// propagation made to its peers), then detached until nothing is mounted there. Whether
+    /// that was reached.
+    fn unmount_all(path: &Path) -> bool {
+        for _ in 0..64 {
+            let mounted = std::process::Command::new("mountpoint")
+                .arg("-q")
+                .arg(path)
+                .status()
+                .is_ok_and(|status| status.success());
+            if !mounted {
+                return true;
+            }
+            let _ = std::process::Command::new("mount")
+                .arg("--make-rprivate")
+                .arg(path)
+                .status();
+            let _ = std::process::Command::new("umount")
+                .args(["--recursive", "--lazy"])
+                .arg(path)
+                .status();
+        }
+        false
+    }
+}
+
 impl Drop for SharedMount {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg("--recursive")
-            .arg(&self.path)
-            .status();
+        if !Self::unmount_all(&self.path) {
+            eprintln!("{} stays mounted", self.path.display());
+        }
     }
 }
 

@@ -53,6 +53,32 @@ impl NodeDirs {
         Self { root, pin_path }
     }
 
+    /// A node whose primary network is `sim`'s interface plugin alone, and an entry file naming
+    /// `sim`'s pinPath and call log (its path, second).
+    fn under(sim: &SimHost, name: &str) -> (Self, String) {
+        let node = Self::new(name);
+        let primary = json!({ "cniVersion": "1.0.0", "name": sim.network(),
+            "plugins": [sim.chain.conflist()["plugins"][0]] });
+        node.write("10-net.conflist", &primary);
+        let entry = node.root.join("sim-entry.json");
+        std::fs::write(
+            &entry,
+            json!({ "pinPath": sim.pin_path, "logFile": sim.call_log() }).to_string(),
+        )
+        .expect("entry");
+        (node, entry.display().to_string())
+    }
+
+    /// `cnibpf <extra>` with this node's dirs in `sim`'s host namespace, as the DaemonSets run
+    /// (host network); it must succeed: what it said.
+    fn run_in(&self, sim: &SimHost, extra: &[&str]) -> String {
+        let args = self.args(extra[0], &extra[1..]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let output = sim.cnibpf(&args);
+        assert!(output.status.success(), "cnibpf {extra:?}: {output:?}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
     /// An entry file with `keys` and this node's pinPath.
     fn entry(&self, keys: &Value) -> String {
         let mut entry = keys.clone();
@@ -834,25 +860,8 @@ fn a_pod_portmap_made_before_the_install_is_deleted_by_portmap_through_cnibpfs_e
 fn uninstall_purge_removes_everything_at_once_and_lists_it() {
     let sim = SimHost::new("unp", json!({ "ipMasq": true }));
     let served = sim.container("a", port_mappings(&[(18095, 80, "tcp")]));
-    let node = NodeDirs::new("purge");
-    let primary = json!({ "cniVersion": "1.0.0", "name": sim.network(),
-        "plugins": [sim.chain.conflist()["plugins"][0]] });
-    node.write("10-net.conflist", &primary);
-    let entry = node.root.join("sim-entry.json");
-    std::fs::write(
-        &entry,
-        json!({ "pinPath": sim.pin_path, "logFile": sim.call_log() }).to_string(),
-    )
-    .expect("entry");
-    // In the simulated host's namespace, as the DaemonSets run (host network).
-    let run = |extra: &[&str]| {
-        let args = node.args(extra[0], &extra[1..]);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let output = sim.cnibpf(&args);
-        assert!(output.status.success(), "cnibpf {extra:?}: {output:?}");
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    };
-    let entry = entry.display().to_string();
+    let (node, entry) = NodeDirs::under(&sim, "purge");
+    let run = |extra: &[&str]| node.run_in(&sim, extra);
     run(&["install", "--entry", &entry]);
     assert!(sim.pin_path.exists(), "the container's datapath");
     let stats = cnibpf_tests::topology::call_stats_file(&sim.pin_path);
@@ -895,24 +904,8 @@ fn uninstall_purge_removes_everything_at_once_and_lists_it() {
 #[test]
 fn a_cached_configurations_del_finishes_an_uninstall_and_an_install_calls_it_off() {
     let sim = SimHost::new("unc", json!({ "ipMasq": true }));
-    let node = NodeDirs::new("cached");
-    let primary = json!({ "cniVersion": "1.0.0", "name": sim.network(),
-        "plugins": [sim.chain.conflist()["plugins"][0]] });
-    node.write("10-net.conflist", &primary);
-    let entry = node.root.join("sim-entry.json");
-    std::fs::write(
-        &entry,
-        json!({ "pinPath": sim.pin_path, "logFile": sim.call_log() }).to_string(),
-    )
-    .expect("entry");
-    let entry = entry.display().to_string();
-    let run = |extra: &[&str]| {
-        let args = node.args(extra[0], &extra[1..]);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let output = sim.cnibpf(&args);
-        assert!(output.status.success(), "cnibpf {extra:?}: {output:?}");
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    };
+    let (node, entry) = NodeDirs::under(&sim, "cached");
+    let run = |extra: &[&str]| node.run_in(&sim, extra);
     let release = cnibpf_tests::topology::call_stats_file(&sim.pin_path).with_extension("release");
     let own_file = node.conf_dir().join("10-net.cnibpf.conflist");
     let binary = node.bin_dir().join("cnibpf");

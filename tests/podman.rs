@@ -100,18 +100,7 @@ fn uninstall_with_a_container_running_leaves_nothing_once_it_is_removed() {
     let attachments = |sim: &SimHost| sim.inspect()["attachments"].as_array().map(Vec::len);
     assert_eq!(attachments(&sim), Some(1), "cnibpf serves web");
 
-    let uninstalled = sim.cnibpf(&[
-        "uninstall",
-        "--conf-dir",
-        &conf_dir.display().to_string(),
-        "--bin-dir",
-        &bin_dir.display().to_string(),
-    ]);
-    assert!(
-        uninstalled.status.success()
-            && String::from_utf8_lossy(&uninstalled.stdout).contains("release-only"),
-        "cnibpf uninstall: {uninstalled:?}"
-    );
+    sim.uninstall_with_pods_running(&conf_dir, &bin_dir);
 
     let late = podman.start("late", &["18081:80"], &httpd);
     assert_eq!(

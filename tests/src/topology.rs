@@ -493,6 +493,23 @@ impl SimHost {
         primary
     }
 
+    /// `cnibpf uninstall` of the node dirs `conf_dir` and `bin_dir` while a pod cnibpf set up
+    /// runs: it must leave cnibpf's conflist in release-only mode.
+    pub fn uninstall_with_pods_running(&self, conf_dir: &Path, bin_dir: &Path) {
+        let uninstalled = self.cnibpf(&[
+            "uninstall",
+            "--conf-dir",
+            &conf_dir.display().to_string(),
+            "--bin-dir",
+            &bin_dir.display().to_string(),
+        ]);
+        assert!(
+            uninstalled.status.success()
+                && String::from_utf8_lossy(&uninstalled.stdout).contains("release-only"),
+            "cnibpf uninstall: {uninstalled:?}"
+        );
+    }
+
     /// Runs `cnibpf` with `args` in the host namespace (for `inspect`).
     pub fn cnibpf(&self, args: &[&str]) -> std::process::Output {
         self.cnibpf_command(args).output().expect("run cnibpf")
