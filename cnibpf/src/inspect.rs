@@ -78,8 +78,8 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
         };
         key(a).cmp(&key(b))
     });
-    // The eBPF datapath hands what it translates past the host's own chains (docs/datapath.md: the
-    // host's firewall); a user whose rules would judge that traffic should know.
+    // The eBPF datapath hands what it translates past the host's own chains (docs/datapath.md:
+    // the host's firewall); a user whose rules would judge that traffic should know.
     let bypassed = if attachments.iter().any(|shown| shown.backend == "ebpf") {
         nftables::firewall_chains().map_err(BackendError::from)?
     } else {

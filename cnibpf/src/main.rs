@@ -51,8 +51,8 @@ static VERSION: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-/// The eBPF datapath's map sizes (see docs/kubernetes.md, "Memory"); a size not given keeps what is loaded,
-/// the default for a datapath created new.
+/// The eBPF datapath's map sizes (see docs/kubernetes.md, "Memory"); a size not given keeps
+/// what is loaded, the default for a datapath created new.
 #[derive(Debug, clap::Args)]
 struct CapacityArgs {
     /// Connections each connection table tracks (`maxFlows`).

@@ -1,10 +1,15 @@
 //! An instance taken off the node whole: what `cnibpf uninstall --purge` does at once, and
 //! what the last DEL in release-only mode does once no pod is left (see `install`).
 
-use std::{fs, io, path::Path};
+use std::{
+    fs, io,
+    path::{Path, PathBuf},
+};
+
+use serde::{Deserialize, Serialize};
 
 use super::{Access, BackendError, ebpf, existing, remove_attachment};
-use crate::paths::PinLayout;
+use crate::{config::ReleaseOnly, paths::PinLayout};
 
 /// Whether a backend holds any attachment of the instance at `pins` (for nftables, of any
 /// network: its table is one for the host). A state that cannot be read is an error, never
@@ -73,5 +78,79 @@ pub fn remove_file(path: &Path) -> Result<bool, BackendError> {
             path: path.to_owned(),
             source,
         }),
+    }
+}
+
+/// A pod made while cnibpf waited for its last DEL: its runtime may DEL it through cnibpf's
+/// binary (the configuration it cached names cnibpf's release-only entry).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PassThrough {
+    pub container_id: String,
+    pub ifname: String,
+    pub netns: Option<PathBuf>,
+}
+
+impl PassThrough {
+    /// Whether the pod still lives: its network namespace is there (one that cannot be looked
+    /// at counts as there; a pod without one is gone).
+    pub fn lives(&self) -> bool {
+        self.netns
+            .as_ref()
+            // fail-closed: an error looking counts as there; the binary then stays.
+            .is_some_and(|netns| netns.try_exists().unwrap_or(true))
+    }
+}
+
+/// The instance's release file (`PinLayout::release_file`): written by `cnibpf uninstall` while
+/// pods cnibpf set up remain, kept by the plugin's calls in release-only mode, removed with
+/// the instance.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Pending {
+    /// The conflist and binary the last DEL removes.
+    pub release_only: ReleaseOnly,
+    /// The pods made in release-only mode that may still DEL through the binary.
+    #[serde(default)]
+    pub pass_through: Vec<PassThrough>,
+    /// The datapath is gone; the binary waits for the pass-through pods' DELs.
+    #[serde(default)]
+    pub binary_kept: bool,
+}
+
+impl Pending {
+    pub fn of(release_only: &ReleaseOnly) -> Self {
+        Self {
+            release_only: release_only.clone(),
+            ..Self::default()
+        }
+    }
+
+    /// The release file of `pins`, `None` when there is none.
+    pub fn read(pins: &PinLayout) -> Result<Option<Self>, BackendError> {
+        let path = pins.release_file();
+        let bytes = match fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(BackendError::UnreadableState { path, source }),
+        };
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|_| BackendError::ForeignReleaseFile { path })
+    }
+
+    /// Writes the release file of `pins` whole (a reader meets the old one or this one).
+    pub fn write(&self, pins: &PinLayout) -> Result<(), BackendError> {
+        let path = pins.release_file();
+        let staged = path.with_extension("release-new");
+        let error = |source: io::Error| BackendError::Pin {
+            action: format!("could not write {}", path.display()),
+            source: Box::new(source),
+        };
+        let text = serde_json::to_vec(self)
+            .map_err(|error| error.into())
+            .map_err(error)?;
+        fs::write(&staged, text).map_err(error)?;
+        fs::rename(&staged, &path).map_err(error)
     }
 }

@@ -15,13 +15,9 @@
 //! attachment's DEL came with a cached ordinary entry, the binary stays until the last of
 //! those pods is gone.
 
-use std::{io, path::PathBuf};
-
-use serde::{Deserialize, Serialize};
-
 use super::{Command, Env, error::Error};
 use crate::{
-    backend::{BackendError, purge},
+    backend::purge::{self, PassThrough, Pending},
     config::{CleanupConf, NetConf, ReleaseOnly},
     journal,
     lock::{InstanceLock, lock_timeout},
@@ -91,92 +87,7 @@ pub fn if_uninstalled(env: &Env, stdin: &[u8], command: Command) -> Result<(), E
         },
         _ => Change::Collected,
     };
-    settle(stdin, &pending.release_only(), change)
-}
-
-/// A pod made while cnibpf waited for its last DEL: its runtime may DEL it through cnibpf's
-/// binary (the configuration it cached names cnibpf's release-only entry).
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "camelCase")]
-struct PassThrough {
-    container_id: String,
-    ifname: String,
-    netns: Option<PathBuf>,
-}
-
-impl PassThrough {
-    /// Whether the pod still lives: its network namespace is there (one that cannot be looked
-    /// at counts as there; a pod without one is gone).
-    fn lives(&self) -> bool {
-        self.netns
-            .as_ref()
-            // fail-closed: an error looking counts as there; the binary then stays.
-            .is_some_and(|netns| netns.try_exists().unwrap_or(true))
-    }
-}
-
-/// The instance's release file.
-#[derive(Clone, Debug, Default, Deserialize, Serialize)]
-#[serde(rename_all = "camelCase")]
-struct Pending {
-    release_only: PendingFiles,
-    #[serde(default)]
-    pass_through: Vec<PassThrough>,
-    /// The datapath is gone; the binary waits for the pass-through pods' DELs.
-    #[serde(default)]
-    binary_kept: bool,
-}
-
-#[derive(Clone, Debug, Default, Deserialize, Serialize)]
-struct PendingFiles {
-    file: Option<PathBuf>,
-    binary: Option<PathBuf>,
-}
-
-impl Pending {
-    fn of(release: &ReleaseOnly) -> Self {
-        Self {
-            release_only: PendingFiles {
-                file: release.file.clone(),
-                binary: release.binary.clone(),
-            },
-            ..Self::default()
-        }
-    }
-
-    fn release_only(&self) -> ReleaseOnly {
-        ReleaseOnly {
-            file: self.release_only.file.clone(),
-            binary: self.release_only.binary.clone(),
-        }
-    }
-
-    /// The release file of `pins`, `None` when there is none.
-    fn read(pins: &PinLayout) -> Result<Option<Self>, BackendError> {
-        let path = pins.release_file();
-        let bytes = match std::fs::read(&path) {
-            Ok(bytes) => bytes,
-            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => return Err(BackendError::UnreadableState { path, source }),
-        };
-        serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|_| BackendError::ForeignReleaseFile { path })
-    }
-
-    fn write(&self, pins: &PinLayout) -> Result<(), BackendError> {
-        let path = pins.release_file();
-        let staged = path.with_extension("release-new");
-        let error = |source| BackendError::Unpin {
-            path: path.clone(),
-            source,
-        };
-        let text = serde_json::to_vec(self)
-            .map_err(|error| error.into())
-            .map_err(error)?;
-        std::fs::write(&staged, text).map_err(error)?;
-        std::fs::rename(&staged, &path).map_err(error)
-    }
+    settle(stdin, &pending.release_only, change)
 }
 
 /// What a call in release-only mode (or through a cached ordinary entry) did.
@@ -229,7 +140,7 @@ fn settle(stdin: &[u8], release: &ReleaseOnly, change: Change) -> Result<(), Err
         return Ok(pending.write(&pins)?);
     }
     let mut removed = purge::purge(&pins)?;
-    let release = pending.release_only();
+    let release = pending.release_only.clone();
     let conflist = release.file.as_deref().filter(|path| is_own_conflist(path));
     if let Some(path) = conflist
         && purge::remove_file(path)?

@@ -266,23 +266,13 @@ impl CleanupConf {
 /// set up remain. ADD passes the previous result on and CHECK accepts (new pods are the
 /// restored network's); DEL and GC release as ever, and once no attachment is left the
 /// instance is removed whole, with `file` (the conflist) and `binary`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 pub struct ReleaseOnly {
     pub file: Option<PathBuf>,
     pub binary: Option<PathBuf>,
 }
 
 impl ReleaseOnly {
-    /// As the instance's release file (`PinLayout::release_file`) holds it: the same object
-    /// as the entry's `releaseOnly` key.
-    pub fn to_release_file(&self) -> Value {
-        let path = |path: &Option<PathBuf>| {
-            path.as_ref()
-                .map(|path| Value::from(path.display().to_string()))
-        };
-        serde_json::json!({ "releaseOnly": { "file": path(&self.file), "binary": path(&self.binary) } })
-    }
-
     /// Read from any configuration, even one a verb refuses: `None` unless it holds
     /// `releaseOnly` as an object.
     pub fn of_stdin(bytes: &[u8]) -> Option<Self> {

@@ -506,11 +506,11 @@ fn release_or_remove(path: &Path, binary: &Path, purge: bool) -> Result<bool, In
     if !purge && purge::holds_attachments(&pins)? {
         // For the runtimes that DEL with the configuration cached at ADD, which still names
         // cnibpf's entry as it was.
-        let release = ReleaseOnly {
+        purge::Pending::of(&ReleaseOnly {
             file: Some(path.to_owned()),
             binary: Some(binary.to_owned()),
-        };
-        write_atomically(&pins.release_file(), &release.to_release_file())?;
+        })
+        .write(&pins)?;
         let released = release_only(&network, &entry, path, binary);
         if released != network {
             write_atomically(path, &released)?;

@@ -368,8 +368,9 @@ pub(super) struct MapSize {
 }
 
 /// Loads the embedded object, reusing maps already pinned under `pins` and pinning new ones,
-/// then pins each program (the caller moves the links to them, then [`stamp`]s). `sizes` gives each sized map's `max_entries` (a pinned map is reused only at its own size)
-/// and says which are a resize's new maps, created in `resize/`.
+/// then pins each program (the caller moves the links to them, then [`stamp`]s). `sizes` gives
+/// each sized map's `max_entries` (a pinned map is reused only at its own size) and says which
+/// are a resize's new maps, created in `resize/`.
 pub(super) fn load_object(pins: &PinLayout, sizes: &[MapSize]) -> Result<(), BackendError> {
     let offsets = kernel_btf::device_offsets().map_err(|source| BackendError::Pin {
         action: "could not find the kernel's struct offsets the qdisc watcher reads".to_owned(),

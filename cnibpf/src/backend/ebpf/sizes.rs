@@ -135,16 +135,19 @@ const SIZED_MAPS: [SizedMap; 19] = [
     sized!(port_claim, HostPorts, Scale::Times(1), hash<PortClaimKey, PortClaim>),
 ];
 
+/// The map a dimension is measured by: its first, which holds one entry per unit.
+fn measure(dimension: Dimension) -> &'static SizedMap {
+    SIZED_MAPS
+        .iter()
+        .find(|map| map.dimension == dimension && map.scale == Scale::Times(1))
+        .expect("every dimension has a map of scale 1 (see SIZED_MAPS)")
+}
+
 /// The dimension's size a datapath created with `capacity` has.
 fn dimension_size(capacity: &Capacity, dimension: Dimension, pinned: &Pinned) -> u32 {
     capacity
         .get(dimension)
-        .or_else(|| {
-            let measure = SIZED_MAPS
-                .iter()
-                .find(|map| map.dimension == dimension && map.scale == Scale::Times(1))?;
-            pinned.size(measure.name)
-        })
+        .or_else(|| pinned.size(measure(dimension).name))
         // fail-closed: Options of sizes already read; neither asked nor pinned is the default.
         .unwrap_or_else(|| dimension.default_size())
 }
@@ -437,18 +440,12 @@ pub fn memory(pins: &PinLayout) -> Result<Memory, BackendError> {
         source,
     };
     let pinned = read_pinned(pins)?;
-    let mut capacity = Capacity::default();
-    for dimension in Dimension::ALL {
-        let size = SIZED_MAPS
-            .iter()
-            .find(|map| map.dimension == dimension && map.scale == Scale::Times(1))
-            .and_then(|measure| pinned.size(measure.name));
-        match dimension {
-            Dimension::Flows => capacity.flows = size,
-            Dimension::Attachments => capacity.attachments = size,
-            Dimension::HostPorts => capacity.host_ports = size,
-        }
-    }
+    let size = |dimension| pinned.size(measure(dimension).name);
+    let capacity = Capacity {
+        flows: size(Dimension::Flows),
+        attachments: size(Dimension::Attachments),
+        host_ports: size(Dimension::HostPorts),
+    };
     let (mut maps, mut bytes) = (0, 0);
     for entry in fs::read_dir(root).map_err(read_error)? {
         let entry = entry.map_err(read_error)?;
@@ -499,6 +496,13 @@ mod tests {
                 })
                 .collect(),
         )
+    }
+
+    #[test]
+    fn every_dimension_has_its_measure() {
+        for dimension in Dimension::ALL {
+            assert_eq!(measure(dimension).dimension, dimension);
+        }
     }
 
     #[test]
