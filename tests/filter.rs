@@ -14,7 +14,7 @@ use cnibpf_tests::{
     traffic::{
         CLIENT_TIMEOUT, Conversation, StreamEchoServer, TcpServer, UdpCounter, UdpSender,
         UdpServer, kernel_has_sctp, ping, sctp_request, tcp_exchange, tcp_request, udp_error,
-        udp_exchange_from, udp_exchange_with, udp_request, unanswered,
+        udp_exchange_from, udp_exchange_with, udp_request, unanswered, uninterrupted,
     },
 };
 use serde_json::{Value, json};
@@ -672,11 +672,13 @@ fn replies_after_a_rule_change_drops_the_connection(backend: Backend) {
     let outside = SocketAddr::from((OUTSIDE_ADDR, 7100));
     let mut buffer = [0u8; 64];
     client.send_to(b"first", outside).expect("send");
-    let (_, peer) = server
-        .recv_from(&mut buffer)
-        .expect("the first datagram arrives");
+    let (_, peer) =
+        uninterrupted(|| server.recv_from(&mut buffer)).expect("the first datagram arrives");
     server.send_to(b"reply", peer).expect("reply");
-    assert!(client.recv(&mut buffer).is_ok(), "a reply passes");
+    assert!(
+        uninterrupted(|| client.recv(&mut buffer)).is_ok(),
+        "a reply passes"
+    );
     host.readd_with(
         &container,
         json!({ "filterDefault": "DROP", "filter": [
@@ -692,15 +694,13 @@ fn replies_after_a_rule_change_drops_the_connection(backend: Backend) {
         .expect("timeout");
     assert!(
         dropped(
-            server
-                .recv_from(&mut buffer)
-                .map_err(|error| error.to_string()),
+            uninterrupted(|| server.recv_from(&mut buffer)).map_err(|error| error.to_string()),
             "the connection's datagram"
         ),
         "the connection's packet is dropped"
     );
     server.send_to(b"late reply", peer).expect("reply");
-    let late = client.recv(&mut buffer).is_ok();
+    let late = uninterrupted(|| client.recv(&mut buffer)).is_ok();
     match backend {
         Backend::Ebpf => assert!(!late, "replies of a dropped connection are dropped too"),
         Backend::Nftables => assert!(late, "conntrack still lets the reply through"),

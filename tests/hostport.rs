@@ -15,7 +15,7 @@ use cnibpf_tests::{
     topology::{BRIDGE, Backend, Family, GATEWAY, GATEWAY6, UPLINK, port_mappings},
     traffic::{
         CLIENT_TIMEOUT, TcpServer, UdpServer, kernel_has_sctp, tcp_request, udp_exchange_with,
-        udp_request,
+        udp_request, uninterrupted,
     },
 };
 use serde_json::json;
@@ -359,8 +359,7 @@ fn a_client_that_switches_from_the_host_port_to_the_container_address_is_not_rew
         let mut buffer = [0u8; 64];
         let mut ask = |target| {
             socket.send_to(b"ping", target).expect("send");
-            socket
-                .recv_from(&mut buffer)
+            uninterrupted(|| socket.recv_from(&mut buffer))
                 .map(|(_, from)| from)
                 .map_err(|error| error.to_string())
         };

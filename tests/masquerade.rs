@@ -21,7 +21,7 @@ use cnibpf_tests::{
     traffic::{
         CLIENT_TIMEOUT, Conversation, EchoServer, SinkServer, StreamEchoServer, TcpServer,
         UdpServer, any_address_for, ping, reset_on_close, tcp_exchange, tcp_request, tcp_upload,
-        udp_error, udp_exchange_from, udp_exchange_with, udp_request,
+        udp_error, udp_exchange_from, udp_exchange_with, udp_request, uninterrupted,
     },
 };
 use serde_json::{Value, json};
@@ -106,16 +106,6 @@ fn source_ports_are_kept_when_free_and_a_collision_picks_another(backend: Backen
     }
 }
 
-/// A datagram on `socket`; a signal to the test process interrupts no wait.
-fn receive(socket: &std::net::UdpSocket, buffer: &mut [u8]) -> std::io::Result<usize> {
-    loop {
-        match socket.recv(buffer) {
-            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
-            received => return received,
-        }
-    }
-}
-
 fn a_port_a_host_socket_holds_is_not_taken_for_a_container(backend: Backend) {
     let host = masquerading(backend, "mq-hsock");
     let container = host.container("c1", Value::Null);
@@ -136,7 +126,7 @@ fn a_port_a_host_socket_holds_is_not_taken_for_a_container(backend: Backend) {
         if backend == Backend::Nftables {
             host_socket.send(b"ping").expect("host send");
             let mut buffer = [0u8; 64];
-            let length = receive(&host_socket, &mut buffer).expect("host reply");
+            let length = uninterrupted(|| host_socket.recv(&mut buffer)).expect("host reply");
             assert_eq!(&buffer[..length], b"hello");
         }
         // ... when a container uses the same source port towards the same server.
@@ -147,7 +137,7 @@ fn a_port_a_host_socket_holds_is_not_taken_for_a_container(backend: Backend) {
         assert_eq!(answer, "hello");
         host_socket.send(b"ping").expect("host send");
         let mut buffer = [0u8; 64];
-        let length = receive(&host_socket, &mut buffer).unwrap_or_else(|error| {
+        let length = uninterrupted(|| host_socket.recv(&mut buffer)).unwrap_or_else(|error| {
             panic!("{family:?}: the host socket's reply was taken: {error}")
         });
         assert_eq!(&buffer[..length], b"hello");
@@ -955,7 +945,7 @@ fn a_datagram_too_big_for_the_uplink_goes_through_the_stack_between_small_ones(b
     let mut sizes = Vec::new();
     let mut buffer = [0u8; 2048];
     while sizes.len() < 2 * PAIRS {
-        match server.recv_from(&mut buffer) {
+        match uninterrupted(|| server.recv_from(&mut buffer)) {
             Ok((size, from)) => {
                 assert_eq!(from.ip(), uplink_address(Family::V4), "masqueraded");
                 sizes.push(size);

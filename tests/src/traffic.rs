@@ -49,6 +49,19 @@ impl TcpServer {
     }
 }
 
+/// Runs a blocking socket call again when a signal or a stop interrupted it. A socket with
+/// a receive timeout returns EINTR after any stop and continue of the process (signal(7)),
+/// even where no handler runs; that is neither an answer nor a timeout, so it never reaches a
+/// test's judgement of one.
+pub fn uninterrupted<T>(mut call: impl FnMut() -> std::io::Result<T>) -> std::io::Result<T> {
+    loop {
+        match call() {
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            outcome => return outcome,
+        }
+    }
+}
+
 /// Whether a request's error (as the helpers here report it) means no answer came in time —
 /// the connect, or the read of the answer, timed out — rather than an answer that refused the
 /// request (a reset, an ICMP error), which a test of a drop must not take for one.
@@ -512,9 +525,8 @@ pub fn udp_exchange_with(
         .send_to(payload, target)
         .map_err(|error| error.to_string())?;
     let mut buffer = vec![0u8; 65_536];
-    let (length, from) = socket
-        .recv_from(&mut buffer)
-        .map_err(|error| error.to_string())?;
+    let (length, from) =
+        uninterrupted(|| socket.recv_from(&mut buffer)).map_err(|error| error.to_string())?;
     Ok((
         String::from_utf8_lossy(&buffer[..length]).into_owned(),
         from,
@@ -532,7 +544,7 @@ pub fn udp_error(netns: &Netns, target: SocketAddr) -> std::io::ErrorKind {
             .expect("timeout");
         socket.send(b"ping").expect("send");
         let mut buffer = [0u8; 64];
-        match socket.recv(&mut buffer) {
+        match uninterrupted(|| socket.recv(&mut buffer)) {
             Ok(_) => std::io::ErrorKind::Other,
             Err(error) => error.kind(),
         }
