@@ -17,8 +17,7 @@ use super::hand_over;
 use crate::{
     filter, maps, masquerade,
     packet::{
-        DROP, DatapathError, Flow, Fragment, NEXT, NOT_MINE, TO_CONTAINER, ifindex,
-        take_translated_mark, zeroed,
+        Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, take_translated_mark, zeroed,
     },
     portmap, sources,
 };
@@ -53,50 +52,51 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     // on from here; `uplink_egress` translates it on its way out.
     if flags & (FLAG_VIA_STACK | FLAG_HOST_FIREWALL) != 0 {
         // Only translated replies and hairpin traffic: `uplink_egress` masquerades the rest.
-        let verdict = translated(ctx, &mut flow, true);
-        return Ok(if verdict == NOT_MINE { NEXT } else { verdict });
+        return Ok(translated(ctx, &mut flow, true).tc_verdict());
     }
-    let verdict = masquerade::established(ctx, &mut flow, flags, owner);
-    if verdict != NOT_MINE {
-        return Ok(verdict);
+    let answer = masquerade::established(ctx, &mut flow, flags, owner);
+    if answer != Answer::NOT_MINE {
+        return Ok(answer.tc_verdict());
     }
-    let verdict = translated(ctx, &mut flow, false);
-    if verdict != NOT_MINE {
-        return Ok(verdict);
+    let answer = translated(ctx, &mut flow, false);
+    if answer != Answer::NOT_MINE {
+        return Ok(answer.tc_verdict());
     }
     masquerade::from_container(ctx, &mut flow)
 }
 
 /// A reply of a translated flow (or a fragment of one), or hairpin traffic to a hostPort:
 /// translated, and handed to the container it is for, sent on, or left to the stack;
-/// `NOT_MINE` when it is neither. Not
-/// inlined: its frame must not sit under masquerade's.
+/// [`Answer::NOT_MINE`] when it is neither. Not inlined: its frame must not sit under
+/// masquerade's.
 #[inline(never)]
-fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> i32 {
+fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> Answer {
     let mut slot = MaybeUninit::uninit();
     let target = zeroed(&mut slot);
     match portmap::translate_reply(ctx, flow, via_stack, target) {
-        TO_CONTAINER => {
-            return hand_over(ctx, Some(flow), target, false)
-                .unwrap_or_else(|error| error.verdict(ctx));
+        Answer::TO_CONTAINER => {
+            return Answer::verdict(
+                hand_over(ctx, Some(flow), target, false)
+                    .unwrap_or_else(|error| error.verdict(ctx)),
+            );
         }
-        NOT_MINE => {}
-        verdict => return verdict,
+        Answer::NOT_MINE => {}
+        answer => return answer,
     }
     // Hairpin traffic is translated whole only (nothing would follow a first fragment).
     if flow.fragment != Fragment::Whole {
-        return NOT_MINE;
+        return Answer::NOT_MINE;
     }
     match portmap::translate_hairpin(ctx, flow, via_stack, target) {
-        TO_CONTAINER => {
+        Answer::TO_CONTAINER => {
             let verdict = hand_over(ctx, Some(flow), target, false)
                 .unwrap_or_else(|error| error.verdict(ctx));
             if verdict != DROP {
                 portmap::remember_translation(flow);
             }
-            verdict
+            Answer::verdict(verdict)
         }
-        verdict => verdict,
+        answer => answer,
     }
 }
 

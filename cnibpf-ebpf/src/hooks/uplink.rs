@@ -14,8 +14,8 @@ use super::hand_over;
 use crate::{
     maps, masquerade,
     packet::{
-        DROP, DatapathError, Flow, Fragment, NEXT, NOT_MINE, SourceAddress, TO_CONTAINER,
-        from_local_socket, ifindex, source_address, zeroed,
+        Answer, DROP, DatapathError, Flow, Fragment, NEXT, SourceAddress, from_local_socket,
+        ifindex, source_address, zeroed,
     },
     portmap,
 };
@@ -38,11 +38,10 @@ fn icmp_error(ctx: &TcContext) -> i32 {
     let mut slot = MaybeUninit::uninit();
     let container = zeroed(&mut slot);
     match masquerade::translate_icmp_error(ctx, container) {
-        TO_CONTAINER => {
+        Answer::TO_CONTAINER => {
             hand_over(ctx, None, container, true).unwrap_or_else(|error| error.verdict(ctx))
         }
-        NOT_MINE => NEXT,
-        verdict => verdict,
+        answer => answer.tc_verdict(),
     }
 }
 
@@ -57,28 +56,26 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
     let container = zeroed(&mut slot);
     if flow.fragment == Fragment::Later {
         return match masquerade::translate_later_fragment(ctx, flow, container) {
-            TO_CONTAINER => hand_over(ctx, Some(flow), container, true),
-            NOT_MINE => Ok(NEXT),
-            verdict => Ok(verdict),
+            Answer::TO_CONTAINER => hand_over(ctx, Some(flow), container, true),
+            answer => Ok(answer.tc_verdict()),
         };
     }
     if let Some(entry) = masquerade::lookup_reply(flow) {
         // SAFETY: points into `masq_replies`; see `masquerade::translate_reply`.
         return match masquerade::translate_reply(ctx, flow, unsafe { &*entry }, container) {
-            TO_CONTAINER => hand_over(ctx, Some(flow), container, true),
-            verdict => Ok(verdict),
+            Answer::TO_CONTAINER => hand_over(ctx, Some(flow), container, true),
+            answer => Ok(answer.tc_verdict()),
         };
     }
     match portmap::translate_from_outside(ctx, flow, container)? {
-        TO_CONTAINER => {
+        Answer::TO_CONTAINER => {
             let verdict = hand_over(ctx, Some(flow), container, true)?;
             if verdict != DROP {
                 portmap::remember_translation(flow);
             }
             Ok(verdict)
         }
-        NOT_MINE => Ok(NEXT),
-        verdict => Ok(verdict),
+        answer => Ok(answer.tc_verdict()),
     }
 }
 
@@ -94,8 +91,8 @@ fn try_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
         return Ok(NEXT);
     };
     match portmap::translate_routed_reply(ctx, &mut flow)? {
-        NOT_MINE => Ok(masquerade::uplink_egress(ctx, &mut flow)),
-        verdict => Ok(verdict),
+        Answer::NOT_MINE => Ok(masquerade::uplink_egress(ctx, &mut flow)),
+        answer => Ok(answer.tc_verdict()),
     }
 }
 

@@ -6,9 +6,6 @@
     reason = "each map static's name is the map's pin name"
 )]
 
-pub mod next_hop;
-pub mod scratch;
-
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
@@ -45,8 +42,6 @@ use cnibpf_common::{
     source_drop::{self, SourceDrops},
     uplink::{self, UplinkInfo},
 };
-use next_hop::{NEXT_HOP_SLOTS, NextHop};
-use scratch::{IcmpError, MasqueradedSource, PortSearch, Subject, Translation};
 
 /// Map names are the pin names users pass to bpftool, so they are lowercase like the files.
 #[btf_map(pin_by_name)]
@@ -190,68 +185,6 @@ pub static drop_event_budget: PerCpuArray<
     DropEventBudget,
     { drop_event_budget::MAX_ENTRIES as usize },
 > = PerCpuArray::new();
-
-/// Scratch space of the masquerade port search (see `masquerade::claim_port`); private to
-/// each loaded object, not pinned.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's name, like the pinned ones"
-)]
-#[btf_map]
-pub static port_search: PerCpuArray<PortSearch, 1> = PerCpuArray::new();
-
-/// Scratch space of the filter (see `filter::Subject`); private to each loaded object, not
-/// pinned.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's name, like the pinned ones"
-)]
-#[btf_map]
-pub static filter_scratch: PerCpuArray<Subject, 1> = PerCpuArray::new();
-
-/// Scratch space of hostPort translation (see `portmap::Translation`); private to each loaded
-/// object, not pinned.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's name, like the pinned ones"
-)]
-#[btf_map]
-pub static translation_scratch: PerCpuArray<Translation, 1> = PerCpuArray::new();
-
-/// Scratch space of ICMP error translation (see `masquerade::IcmpError`); private to each
-/// loaded object, not pinned.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's name, like the pinned ones"
-)]
-#[btf_map]
-pub static icmp_error_scratch: PerCpuArray<IcmpError, 1> = PerCpuArray::new();
-
-/// What masquerade found of the packet's source (see `MasqueradedSource`); private to
-/// each loaded object, not pinned.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's name, like the pinned ones"
-)]
-#[btf_map]
-pub static masquerade_scratch: PerCpuArray<MasqueradedSource, 1> = PerCpuArray::new();
-
-/// The source address the FIB chose for the packet at hand (see `packet::route`); private to
-/// each loaded object, not pinned.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's name, like the pinned ones"
-)]
-#[btf_map]
-pub static route_source: PerCpuArray<[u8; 16], 1> = PerCpuArray::new();
-
-/// The FIB's recent answers (see `route`); private to each loaded object, not pinned.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's name, like the pinned ones"
-)]
-#[btf_map]
-pub static next_hops: PerCpuArray<NextHop, { NEXT_HOP_SLOTS as usize }> = PerCpuArray::new();
 
 /// Userspace-only bookkeeping, declared here so that it is created and pinned with the rest.
 #[btf_map(pin_by_name)]

@@ -1,117 +1,12 @@
-//! ICMP errors about masqueraded packets: reading the error and the packet it quotes, and
-//! translating both back to the container's side with every checksum they touch.
+//! ICMP errors about masqueraded packets (read by `packet::icmp`): translating the error and
+//! the packet it quotes back to the container's side with every checksum they touch.
 
 use aya_ebpf::{helpers::bpf_csum_diff, programs::TcContext};
-use cnibpf_common::{FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP};
+use cnibpf_common::{FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_UDP};
 
-use crate::{
-    maps::scratch::IcmpError,
-    packet::{
-        DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN, csum_diff, load_anywhere, widen,
-    },
-};
-
-const ICMP_HLEN: usize = 8;
+use crate::packet::{DatapathError, ETH_HLEN, csum_diff, icmp::IcmpError, load_anywhere};
 
 impl IcmpError {
-    /// Reads the packet into `self`; `false` when it is not such an error.
-    #[inline(never)]
-    pub fn parse(&mut self, ctx: &TcContext) -> Result<bool, DatapathError> {
-        let ethertype: u16 = load_anywhere(ctx, 12)?;
-        let (family, icmp_off, protocol, daddr) = if ethertype == ETH_P_IP.to_be() {
-            let version_ihl: u8 = load_anywhere(ctx, ETH_HLEN)?;
-            let fragment: u16 = load_anywhere(ctx, ETH_HLEN + 6)?;
-            if version_ihl >> 4 != 4 || u16::from_be(fragment) & 0x3fff != 0 {
-                return Ok(false);
-            }
-            let daddr: [u8; 4] = load_anywhere(ctx, ETH_HLEN + 16)?;
-            (
-                FAMILY_IPV4,
-                ETH_HLEN + usize::from(version_ihl & 0x0f) * 4,
-                load_anywhere::<u8>(ctx, ETH_HLEN + 9)?,
-                widen(daddr),
-            )
-        } else if ethertype == ETH_P_IPV6.to_be() {
-            (
-                cnibpf_common::FAMILY_IPV6,
-                ETH_HLEN + IPV6_HLEN,
-                load_anywhere::<u8>(ctx, ETH_HLEN + 6)?,
-                load_anywhere::<[u8; 16]>(ctx, ETH_HLEN + 24)?,
-            )
-        } else {
-            return Ok(false);
-        };
-        let icmp_type: u8 = load_anywhere(ctx, icmp_off)?;
-        let is_error = match protocol {
-            // Destination unreachable (incl. fragmentation needed), time exceeded, parameter
-            // problem.
-            PROTO_ICMP => matches!(icmp_type, 3 | 11 | 12),
-            // Destination unreachable, packet too big, time exceeded, parameter problem.
-            PROTO_ICMPV6 => matches!(icmp_type, 1..=4),
-            _ => false,
-        };
-        if !is_error {
-            return Ok(false);
-        }
-        let inner_off = icmp_off + ICMP_HLEN;
-        let (inner_protocol, inner_l4_off, inner_saddr, inner_daddr) = if family == FAMILY_IPV4 {
-            let version_ihl: u8 = load_anywhere(ctx, inner_off)?;
-            let saddr: [u8; 4] = load_anywhere(ctx, inner_off + 12)?;
-            let daddr: [u8; 4] = load_anywhere(ctx, inner_off + 16)?;
-            (
-                load_anywhere::<u8>(ctx, inner_off + 9)?,
-                inner_off + usize::from(version_ihl & 0x0f) * 4,
-                widen(saddr),
-                widen(daddr),
-            )
-        } else {
-            (
-                load_anywhere::<u8>(ctx, inner_off + 6)?,
-                inner_off + IPV6_HLEN,
-                load_anywhere::<[u8; 16]>(ctx, inner_off + 8)?,
-                load_anywhere::<[u8; 16]>(ctx, inner_off + 24)?,
-            )
-        };
-        let (inner_sport, inner_dport) = match inner_protocol {
-            PROTO_TCP | PROTO_UDP => (
-                load_anywhere::<u16>(ctx, inner_l4_off)?,
-                load_anywhere::<u16>(ctx, inner_l4_off + 2)?,
-            ),
-            // Only a quoted echo request: its identifier is what was translated.
-            PROTO_ICMP | PROTO_ICMPV6 => {
-                let quoted_type: u8 = load_anywhere(ctx, inner_l4_off)?;
-                if quoted_type != 8 && quoted_type != 128 {
-                    return Ok(false);
-                }
-                (load_anywhere::<u16>(ctx, inner_l4_off + 4)?, 0)
-            }
-            _ => return Ok(false),
-        };
-        *self = Self {
-            family,
-            icmp_off,
-            inner_off,
-            inner_l4_off,
-            inner_protocol,
-            daddr,
-            inner_saddr,
-            inner_daddr,
-            inner_sport,
-            inner_dport,
-        };
-        Ok(true)
-    }
-
-    /// Offset of the quoted L4 checksum, and whether it covers the quoted addresses.
-    fn inner_csum(&self) -> (usize, bool) {
-        match self.inner_protocol {
-            PROTO_TCP => (self.inner_l4_off + 16, true),
-            PROTO_UDP => (self.inner_l4_off + 6, true),
-            PROTO_ICMPV6 => (self.inner_l4_off + 2, true),
-            _ => (self.inner_l4_off + 2, false),
-        }
-    }
-
     /// Rewrites the quoted source to `addr`:`port` and the error's destination to `addr`, and
     /// every checksum these touch: the quoted IP and L4 headers', and the error's own (which
     /// covers the whole quote, and for ICMPv6 the destination too).

@@ -13,23 +13,13 @@
 //! plugin's DEL and GC sweep expired entries away, and the LRU maps evict the least recently
 //! used entries when full.
 
-use aya_ebpf::{
-    EbpfContext as _,
-    bindings::{BPF_ANY, BPF_CSUM_LEVEL_RESET, BPF_F_CURRENT_NETNS, BPF_NOEXIST, bpf_sock_tuple},
-    cty::c_void,
-    helpers::{
-        bpf_csum_level, bpf_get_prandom_u32, bpf_loop, bpf_sk_lookup_udp, bpf_sk_release,
-        bpf_skc_lookup_tcp,
-    },
-    programs::TcContext,
-};
+use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
-    FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    FAMILY_IPV4, PROTO_TCP,
     drop_stats::DropReason,
     endpoint::{FLAG_MASQUERADED, FLAG_UNMASQUERADED},
     masq_exclude::{MasqExcludeKey, OWNER_FAMILY_BITS},
     masq_flow::{MasqFlow, STATE_ESTABLISHED, STATE_OPENING},
-    masq_reply::MasqReply,
     masq_source::{MasqSource, MasqSourceKey},
     masq_stats::MasqStats,
     nat_flow::NatFlowKey,
@@ -37,24 +27,45 @@ use cnibpf_common::{
 };
 
 mod icmp;
+mod ports;
+mod replies;
+
+pub use replies::{lookup_reply, translate_icmp_error, translate_later_fragment, translate_reply};
 
 use crate::{
     clock,
-    conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
-    drops,
-    maps::{
-        self,
-        scratch::{SOURCE_FOUND, SOURCE_NOT_LOOKED_UP, SOURCE_NOT_MASQUERADED},
-    },
-    packet::{
-        DROP, DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, TO_CONTAINER, ifindex,
-        or_verdict, widen, words,
-    },
-    route::{Route, forward, route},
+    conntrack::{self, SIDE_ORIGIN},
+    drops, maps,
+    packet::{Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, or_verdict, widen},
+    route::{Route, forward, route, route_source},
 };
+use ports::{claim_port, host_socket_holds};
 
-/// Candidate ports tried before a new flow is given up (the first is its own source port).
-const PORT_ATTEMPTS: u32 = 24;
+/// What `masquerade::established` found of a container packet's source, for
+/// `masquerade::from_container`, which runs after the hostPort checks ([`masquerade_scratch`]):
+/// carried by the hook, the answer would make the verifier walk those checks once for each.
+pub struct MasqueradedSource {
+    /// The `masq_sources` entry of the source address, when `found` is [`SOURCE_FOUND`].
+    pub source: MasqSource,
+    /// `SOURCE_*`.
+    pub found: u32,
+}
+
+/// [`MasqueradedSource::found`]: the source is not masqueraded through the interface at hand.
+pub const SOURCE_NOT_MASQUERADED: u32 = 0;
+/// It is, as `source` says.
+pub const SOURCE_FOUND: u32 = 1;
+/// The endpoint's record says its traffic is masqueraded, and `masq_sources` was not asked.
+pub const SOURCE_NOT_LOOKED_UP: u32 = 2;
+
+/// What masquerade found of the packet's source (see [`MasqueradedSource`]); private to each
+/// loaded object, not pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static masquerade_scratch: PerCpuArray<MasqueradedSource, 1> = PerCpuArray::new();
 
 /// A container's packet at its host-side veth that `established` did not send on, nor the
 /// hostPort checks: masqueraded and sent out of the uplink the FIB chooses when its source is
@@ -62,7 +73,7 @@ const PORT_ATTEMPTS: u32 = 24;
 /// it calls): the verifier caps the stack of a whole call chain at 512 bytes.
 #[inline(never)]
 pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
-    let Some(found) = maps::masquerade_scratch.get_ptr(0) else {
+    let Some(found) = masquerade_scratch.get_ptr(0) else {
         return Ok(NEXT);
     };
     // SAFETY: this CPU's slot, written by `established` for this very packet.
@@ -129,15 +140,15 @@ fn is_live(flow: &Flow, owner: u64) -> bool {
 /// `from_container`, which checked the source against it); one of an older build says
 /// neither, and the source is looked up.
 #[inline(never)]
-pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> i32 {
-    let Some(found) = maps::masquerade_scratch.get_ptr_mut(0) else {
-        return NOT_MINE;
+pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> Answer {
+    let Some(found) = masquerade_scratch.get_ptr_mut(0) else {
+        return Answer::NOT_MINE;
     };
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
     let found = unsafe { &mut *found };
     found.found = SOURCE_NOT_MASQUERADED;
     if flags & FLAG_UNMASQUERADED != 0 {
-        return NOT_MINE;
+        return Answer::NOT_MINE;
     }
     let owner = if flags & FLAG_MASQUERADED != 0 {
         found.found = SOURCE_NOT_LOOKED_UP;
@@ -148,14 +159,14 @@ pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> 
                 (found.source, found.found) = (source, SOURCE_FOUND);
                 source.owner
             }
-            None => return NOT_MINE,
+            None => return Answer::NOT_MINE,
         }
     };
     if flow.fragment != Fragment::Whole {
-        return NOT_MINE;
+        return Answer::NOT_MINE;
     }
     let Some(state) = maps::masq_flows.get_ptr_mut(&flow_key(flow)) else {
-        return NOT_MINE;
+        return Answer::NOT_MINE;
     };
     // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
     let state = unsafe { &mut *state };
@@ -165,29 +176,29 @@ pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> 
     // on the tuple, or expired state: the full path.
     if state.owner != owner || conntrack::is_opening(flags) || state.is_expired(flow.protocol, now)
     {
-        return NOT_MINE;
+        return Answer::NOT_MINE;
     }
     let next_hop = route(ctx, flow, true);
     let uplink_ifindex = match next_hop {
         Route::Neighbour { ifindex, .. } | Route::Unresolved { ifindex } => ifindex,
-        Route::Other => return NOT_MINE,
+        Route::Other => return Answer::NOT_MINE,
     };
-    let routed_from_nat_addr = maps::route_source
+    let routed_from_nat_addr = route_source
         .get_ptr(0)
         // SAFETY: this CPU's slot, written by the lookup just made.
         .is_some_and(|source| unsafe { *source } == state.nat_addr);
     if uplink_ifindex != state.uplink_ifindex || !routed_from_nat_addr {
-        return NOT_MINE;
+        return Answer::NOT_MINE;
     }
     let (nat_addr, nat_port) = (state.nat_addr, state.nat_port);
     if !or_verdict!(
         ctx,
         flow.rewrite_forwarded_source(ctx, &nat_addr, nat_port.to_be())
     ) {
-        return NEXT;
+        return Answer::NEXT;
     }
     conntrack::advance(state, flow.protocol, flags, SIDE_ORIGIN, now);
-    or_verdict!(ctx, forward(ctx, &next_hop)).unwrap_or(NEXT)
+    Answer::verdict(or_verdict!(ctx, forward(ctx, &next_hop)).unwrap_or(NEXT))
 }
 
 /// A packet the host stack sends out of an uplink: masqueraded when it comes from a container
@@ -219,116 +230,6 @@ fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathEr
     Ok(NEXT)
 }
 
-/// The `masq_replies` entry of a packet (a whole datagram or a first fragment) that is a reply
-/// to a masqueraded flow. The pointer is into the map; see `reply`.
-#[inline(always)]
-pub fn lookup_reply(flow: &Flow) -> Option<*const MasqReply> {
-    maps::masq_replies.get_ptr(&flow_key(flow))
-}
-
-/// A reply to a masqueraded flow at the uplink's ingress, translated back towards its container
-/// (`TO_CONTAINER`, `container` filled in), or `NEXT` when the flow's state has expired;
-/// `entry` is its `masq_replies` entry (`lookup_reply`). An LRU map may recycle an entry under
-/// a reader; the worst that does is misdirect the packet at hand.
-#[inline(never)]
-pub fn translate_reply(
-    ctx: &TcContext,
-    flow: &mut Flow,
-    entry: &MasqReply,
-    container: &mut Handover,
-) -> i32 {
-    try_translate_reply(ctx, flow, entry, container).unwrap_or_else(|error| error.verdict(ctx))
-}
-
-fn try_translate_reply(
-    ctx: &TcContext,
-    flow: &mut Flow,
-    entry: &MasqReply,
-    container: &mut Handover,
-) -> Result<i32, DatapathError> {
-    if !track_reply(ctx, flow, entry)? {
-        let _ = maps::masq_replies.remove(&flow_key(flow));
-        return Ok(NEXT);
-    }
-    if flow.fragment == Fragment::First {
-        let _ = maps::masq_fragments.insert(&flow.fragment_key(), entry, u64::from(BPF_ANY));
-    }
-    flow.rewrite_destination(ctx, &entry.container_addr, entry.container_port.to_be())?;
-    hand_over_to(entry, container);
-    Ok(TO_CONTAINER)
-}
-
-/// A later fragment of a reply, translated towards where its first fragment went
-/// (`TO_CONTAINER`), or `NOT_MINE`.
-#[inline(never)]
-pub fn translate_later_fragment(ctx: &TcContext, flow: &mut Flow, container: &mut Handover) -> i32 {
-    try_translate_later_fragment(ctx, flow, container).unwrap_or_else(|error| error.verdict(ctx))
-}
-
-fn try_translate_later_fragment(
-    ctx: &TcContext,
-    flow: &mut Flow,
-    container: &mut Handover,
-) -> Result<i32, DatapathError> {
-    let Some(reply) = maps::masq_fragments.get_ptr(&flow.fragment_key()) else {
-        return Ok(NOT_MINE);
-    };
-    // SAFETY: points into `masq_fragments`; see `try_translate_reply` on reading LRU entries.
-    let reply = unsafe { &*reply };
-    flow.rewrite_destination(ctx, &reply.container_addr, flow.dport)?;
-    hand_over_to(reply, container);
-    Ok(TO_CONTAINER)
-}
-
-/// Where a reply goes: the container of its `masq_replies` entry.
-fn hand_over_to(reply: &MasqReply, container: &mut Handover) {
-    container.host_ifindex = reply.host_ifindex;
-    container.container_mac = reply.container_mac;
-    container.gateway_mac = reply.gateway_mac;
-}
-
-/// Moves the state of the flow a reply belongs to on; `false` when that state has expired
-/// (it is removed, and the reply is not translated).
-#[inline(never)]
-fn track_reply(ctx: &TcContext, flow: &Flow, reply: &MasqReply) -> Result<bool, DatapathError> {
-    let forward_key = NatFlowKey {
-        src_addr: reply.container_addr,
-        dst_addr: flow.saddr,
-        src_port: reply.container_port,
-        dst_port: u16::from_be(flow.sport),
-        protocol: flow.protocol,
-        family: flow.family,
-        _pad: [0; 2],
-    };
-    let now = clock::now_ns();
-    let flags = flow.tcp_flags(ctx)?;
-    let Some(state) = maps::masq_flows.get_ptr_mut(&forward_key) else {
-        // Evicted under pressure while its reverse entry survived: rebuild it, the reply
-        // proves the flow alive.
-        count(|stats| &mut stats.state_lost);
-        let state = MasqFlow {
-            nat_addr: flow.daddr,
-            owner: reply.owner,
-            last_seen_ns: now,
-            uplink_ifindex: ifindex(ctx),
-            nat_port: u16::from_be(flow.dport),
-            state: STATE_ESTABLISHED,
-            fin: 0,
-        };
-        let _ = maps::masq_flows.insert(&forward_key, &state, u64::from(BPF_ANY));
-        return Ok(true);
-    };
-    // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
-    let state = unsafe { &mut *state };
-    if state.is_expired(flow.protocol, now) {
-        count(|stats| &mut stats.expired);
-        let _ = maps::masq_flows.remove(&forward_key);
-        return Ok(false);
-    }
-    conntrack::advance(state, flow.protocol, flags, SIDE_REPLY, now);
-    Ok(true)
-}
-
 /// What `masquerade` translates a packet with.
 struct Plan {
     source: MasqSource,
@@ -355,7 +256,7 @@ impl Plan {
             return Ok(None);
         };
         let chosen = if routed {
-            maps::route_source.get_ptr(0)
+            route_source.get_ptr(0)
         } else {
             None
         };
@@ -432,52 +333,6 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
     Ok(true)
 }
 
-/// Whether a socket of the host holds the flow's own source port on the masquerade address
-/// for its remote address and port (a connection, or a listener or unconnected socket on the
-/// port): its replies would be taken for the container's. The masquerade state knows only
-/// masqueraded flows; the host's own connections are the kernel's.
-#[inline(never)]
-fn host_socket_holds(ctx: &TcContext, flow: &Flow, nat_addr: &[u8; 16]) -> bool {
-    if flow.protocol != PROTO_TCP && flow.protocol != PROTO_UDP {
-        return false;
-    }
-    // SAFETY: bpf_sock_tuple is plain old data; all-zero is a valid value.
-    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    // The tuple as a reply would carry it: from the remote side to the masquerade address.
-    let size = if flow.family == FAMILY_IPV4 {
-        tuple.__bindgen_anon_1.ipv4.saddr =
-            u32::from_ne_bytes([flow.daddr[0], flow.daddr[1], flow.daddr[2], flow.daddr[3]]);
-        tuple.__bindgen_anon_1.ipv4.daddr =
-            u32::from_ne_bytes([nat_addr[0], nat_addr[1], nat_addr[2], nat_addr[3]]);
-        tuple.__bindgen_anon_1.ipv4.sport = flow.dport;
-        tuple.__bindgen_anon_1.ipv4.dport = flow.sport;
-        12
-    } else {
-        tuple.__bindgen_anon_1.ipv6.saddr = words(&flow.daddr);
-        tuple.__bindgen_anon_1.ipv6.daddr = words(nat_addr);
-        tuple.__bindgen_anon_1.ipv6.sport = flow.dport;
-        tuple.__bindgen_anon_1.ipv6.dport = flow.sport;
-        36
-    };
-    let skb = ctx.as_ptr();
-    let netns = BPF_F_CURRENT_NETNS as u64;
-    // SAFETY: skb is this program's context and tuple a correctly sized, initialised struct;
-    // a socket found is released below.
-    let socket = unsafe {
-        if flow.protocol == PROTO_TCP {
-            bpf_skc_lookup_tcp(skb, &raw mut tuple, size, netns, 0)
-        } else {
-            bpf_sk_lookup_udp(skb, &raw mut tuple, size, netns, 0)
-        }
-    };
-    if socket.is_null() {
-        return false;
-    }
-    // SAFETY: a socket the lookup returned, released exactly once.
-    unsafe { bpf_sk_release(socket.cast()) };
-    true
-}
-
 /// Records a new flow whose port `claim_port` claimed. Called after `claim_port` rather than
 /// from it, so that their stack frames are not stacked on each other.
 #[inline(never)]
@@ -499,144 +354,6 @@ fn record_flow(flow: &Flow, plan: &Plan, nat_port: u16, now: u64, opens: bool) {
     };
     let _ = maps::masq_flows.insert(&flow_key(flow), &state, u64::from(BPF_ANY));
     count(|stats| &mut stats.flows_created);
-}
-
-/// Finds and claims a free masquerade port for a new flow in at most `PORT_ATTEMPTS` tries:
-/// its own source port when free, else random ones of the same class, as the kernel's NAT
-/// does.
-///
-/// The search state lives in the per-CPU `port_search` map: on the stack it would push the
-/// call chain past the verifier's 512 bytes.
-#[inline(never)]
-fn claim_port(flow: &Flow, plan: &Plan, keep_own_port: bool) -> Option<u16> {
-    let search = maps::port_search.get_ptr_mut(0)?;
-    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
-    let search = unsafe { &mut *search };
-    let original = u16::from_be(flow.sport);
-    let (low, span) = port_range(flow.protocol, original);
-    search.reverse = NatFlowKey {
-        src_addr: flow.daddr,
-        dst_addr: plan.nat_addr,
-        src_port: u16::from_be(flow.dport),
-        // Port 0 is never claimed: the search goes straight to random ports.
-        dst_port: if keep_own_port { original } else { 0 },
-        protocol: flow.protocol,
-        family: flow.family,
-        _pad: [0; 2],
-    };
-    search.reply = MasqReply {
-        container_addr: flow.saddr,
-        owner: plan.source.owner,
-        host_ifindex: plan.source.host_ifindex,
-        container_port: original,
-        _pad: [0; 2],
-        container_mac: plan.source.container_mac,
-        gateway_mac: plan.source.gateway_mac,
-        _pad2: [0; 4],
-    };
-    search.span = span;
-    search.low = low;
-    search.claimed = 0;
-    // bpf_loop: the verifier checks the callback once instead of every iteration.
-    // SAFETY: the callback has the signature bpf_loop expects and takes no context.
-    unsafe {
-        bpf_loop(
-            PORT_ATTEMPTS,
-            try_port as *mut c_void,
-            core::ptr::null_mut(),
-            0,
-        )
-    };
-    (search.claimed != 0).then_some(search.reverse.dst_port)
-}
-
-/// One attempt of the port search (`bpf_loop` callback): the flow's own port first, then
-/// random ones; returns 1 to stop.
-extern "C" fn try_port(attempt: u64, _context: *mut c_void) -> i64 {
-    let Some(search) = maps::port_search.get_ptr_mut(0) else {
-        return 1;
-    };
-    // SAFETY: this CPU's slot, filled by `claim_port` before the loop.
-    let search = unsafe { &mut *search };
-    if attempt > 0 {
-        // SAFETY: bpf_get_prandom_u32 has no preconditions.
-        let random = unsafe { bpf_get_prandom_u32() };
-        let offset = random.checked_rem(search.span).unwrap_or(0);
-        search.reverse.dst_port = search.low.wrapping_add(offset as u16);
-    }
-    if claim(&search.reverse, &search.reply) {
-        search.claimed = 1;
-        return 1;
-    }
-    count(|stats| &mut stats.port_collisions);
-    0
-}
-
-/// Takes the reply tuple `reverse` for the flow: free, or held by this very flow or by one
-/// whose state is gone or expired. A hostPort of the masquerade address is never taken.
-fn claim(reverse: &NatFlowKey, reply: &MasqReply) -> bool {
-    if reverse.dst_port == 0
-        || maps::is_host_port(
-            &reverse.dst_addr,
-            reverse.dst_port,
-            reverse.protocol,
-            reverse.family,
-        )
-    {
-        return false;
-    }
-    if maps::masq_replies
-        .insert(reverse, reply, u64::from(BPF_NOEXIST))
-        .is_ok()
-    {
-        return true;
-    }
-    let Some(holder) = maps::masq_replies.get_ptr(reverse) else {
-        return maps::masq_replies
-            .insert(reverse, reply, u64::from(BPF_NOEXIST))
-            .is_ok();
-    };
-    // SAFETY: points into `masq_replies`, read at once.
-    let holder = unsafe { &*holder };
-    let reusable = if holder.container_addr == reply.container_addr
-        && holder.container_port == reply.container_port
-    {
-        true
-    } else {
-        let holder_key = NatFlowKey {
-            src_addr: holder.container_addr,
-            dst_addr: reverse.src_addr,
-            src_port: holder.container_port,
-            dst_port: reverse.src_port,
-            protocol: reverse.protocol,
-            family: reverse.family,
-            _pad: [0; 2],
-        };
-        let now = clock::now_ns();
-        match maps::masq_flows.get_ptr(&holder_key) {
-            // SAFETY: points into `masq_flows`, read at once.
-            Some(state) => unsafe { &*state }.is_expired(reverse.protocol, now),
-            None => true,
-        }
-    };
-    reusable
-        && maps::masq_replies
-            .insert(reverse, reply, u64::from(BPF_ANY))
-            .is_ok()
-}
-
-/// The first port and the number of ports a new flow's port is chosen from: the class of its
-/// own (below 512, below 1024, the rest), any identifier for ICMP echo.
-fn port_range(protocol: u8, original: u16) -> (u16, u32) {
-    if protocol == PROTO_ICMP || protocol == PROTO_ICMPV6 {
-        (1, 65_535)
-    } else if original < 512 {
-        (1, 511)
-    } else if original < 1024 {
-        (600, 424)
-    } else {
-        (1024, 64_512)
-    }
 }
 
 fn masqueraded_source(flow: &Flow) -> Option<MasqSource> {
@@ -716,49 +433,4 @@ fn count(field: impl FnOnce(&mut MasqStats) -> &mut u64) {
         // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
         *field(unsafe { &mut *stats }) += 1;
     }
-}
-
-/// ICMP errors (destination unreachable, packet too big, time exceeded, parameter problem)
-/// about a masqueraded packet, at the uplink's ingress: the quoted packet's source and the
-/// error's destination become the container's again (`TO_CONTAINER`, `container` filled in),
-/// so that "port unreachable" and path MTU discovery work through the NAT; `NOT_MINE` for
-/// anything else.
-#[inline(never)]
-pub fn translate_icmp_error(ctx: &TcContext, container: &mut Handover) -> i32 {
-    try_translate_icmp_error(ctx, container).unwrap_or_else(|error| error.verdict(ctx))
-}
-
-fn try_translate_icmp_error(
-    ctx: &TcContext,
-    container: &mut Handover,
-) -> Result<i32, DatapathError> {
-    let Some(error) = maps::icmp_error_scratch.get_ptr_mut(0) else {
-        return Ok(NOT_MINE);
-    };
-    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
-    let error = unsafe { &mut *error };
-    if !error.parse(ctx)? {
-        return Ok(NOT_MINE);
-    }
-    let key = NatFlowKey {
-        src_addr: error.inner_daddr,
-        dst_addr: error.inner_saddr,
-        src_port: u16::from_be(error.inner_dport),
-        dst_port: u16::from_be(error.inner_sport),
-        protocol: error.inner_protocol,
-        family: error.family,
-        _pad: [0; 2],
-    };
-    let Some(reply) = maps::masq_replies.get_ptr(&key) else {
-        return Ok(NOT_MINE);
-    };
-    // SAFETY: points into `masq_replies`, read before the next map operation.
-    let reply = unsafe { &*reply };
-    error.translate(ctx, &reply.container_addr, reply.container_port.to_be())?;
-    // The checksums are right; the hardware's verdict on the original packet no longer is.
-    // SAFETY: the context pointer is this program's __sk_buff.
-    unsafe { bpf_csum_level(ctx.as_ptr().cast(), u64::from(BPF_CSUM_LEVEL_RESET)) };
-    count(|stats| &mut stats.icmp_errors);
-    hand_over_to(reply, container);
-    Ok(TO_CONTAINER)
 }

@@ -14,7 +14,7 @@
 
 mod conditions;
 
-use aya_ebpf::{bindings::BPF_ANY, programs::TcContext};
+use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
     endpoint::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
@@ -24,38 +24,65 @@ use cnibpf_common::{
 };
 
 use crate::{
-    clock,
-    maps::{self, scratch::Translation},
+    clock, maps,
     packet::{
-        DatapathError, Flow, Fragment, Handover, NEXT, NOT_MINE, TO_CONTAINER, clear_address,
-        ifindex, mark_translated, or_verdict,
+        Answer, DatapathError, Flow, Fragment, Handover, NEXT, clear_address, ifindex,
+        mark_translated, or_verdict,
     },
     route::{Route, forward, is_local, route},
 };
+
+/// How a flow translated to a hostPort was addressed (in [`translation_scratch`]), kept
+/// between its translation and the record of the flow, which waits until the packet was handed over (a dropped packet leaves no
+/// state).
+pub struct Translation {
+    /// The attachment owning the mapping.
+    pub owner: u64,
+    /// The hostIP the client sent to.
+    pub original_addr: [u8; 16],
+    /// The client's own address.
+    pub client_addr: [u8; 16],
+    /// The hostPort, network byte order.
+    pub original_port: u16,
+    /// The client's own port, network byte order.
+    pub client_port: u16,
+    /// For hairpin traffic, the client container's host-side veth; zero: replies are routed.
+    pub reply_ifindex: u32,
+    pub client_mac: [u8; 6],
+    pub gateway_mac: [u8; 6],
+}
+/// Scratch space of a hostPort translation (see [`Translation`]); private to each loaded
+/// object, not pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static translation_scratch: PerCpuArray<Translation, 1> = PerCpuArray::new();
 
 /// How often a flow's `last_seen_ns` is refreshed: writing it on every packet would turn each
 /// packet's lookup into a write that bounces the cache line between CPUs.
 const FLOW_REFRESH_NS: u64 = 1_000_000_000;
 
 /// A packet from outside, at an uplink: translated towards the container behind its hostPort
-/// (`TO_CONTAINER`, `container` filled in), or `NOT_MINE`. Its flow is recorded by
+/// (`Answer::TO_CONTAINER`, `container` filled in), or `Answer::NOT_MINE`. Its flow is recorded by
 /// [`remember_translation`] once the packet was handed over.
 #[inline(never)]
 pub fn translate_from_outside(
     ctx: &TcContext,
     flow: &mut Flow,
     container: &mut Handover,
-) -> Result<i32, DatapathError> {
+) -> Result<Answer, DatapathError> {
     let Some(mapping) = lookup_mapping(ctx, flow) else {
-        return Ok(NOT_MINE);
+        return Ok(Answer::NOT_MINE);
     };
     // SAFETY: mapping points into portmap and is read at once; see `lookup_mapping`.
     let mapping = unsafe { &*mapping };
     if !admit(mapping, &flow.saddr, &flow.daddr, ifindex(ctx), flow.family) {
-        return Ok(NOT_MINE);
+        return Ok(Answer::NOT_MINE);
     }
     if begin_translation(flow, mapping.owner, 0).is_none() {
-        return Ok(NOT_MINE);
+        return Ok(Answer::NOT_MINE);
     }
     if flow.fragment == Fragment::First {
         // Where the later fragments go, found by the datagram as it arrives.
@@ -73,12 +100,12 @@ pub fn translate_from_outside(
     }
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
     hand_to(container, mapping);
-    Ok(TO_CONTAINER)
+    Ok(Answer::TO_CONTAINER)
 }
 
 /// Hairpin traffic: a container's packet to a hostPort of this host, translated towards the
-/// target container (`TO_CONTAINER`, `target` filled in; recorded by [`remember_translation`]
-/// once handed over), or `NOT_MINE`. A container whose traffic is shaped (`via_stack`) sends it
+/// target container (`Answer::TO_CONTAINER`, `target` filled in; recorded by [`remember_translation`]
+/// once handed over), or `Answer::NOT_MINE`. A container whose traffic is shaped (`via_stack`) sends it
 /// on through the host stack instead (`NEXT`), already translated and recorded — unless it
 /// reaches itself: its source is then the gateway, an address the stack would not forward.
 #[inline(never)]
@@ -87,8 +114,8 @@ pub fn translate_hairpin(
     flow: &mut Flow,
     via_stack: bool,
     target: &mut Handover,
-) -> i32 {
-    try_translate_hairpin(ctx, flow, via_stack, target).unwrap_or_else(|error| error.verdict(ctx))
+) -> Answer {
+    try_translate_hairpin(ctx, flow, via_stack, target).unwrap_or_else(|error| error.answer(ctx))
 }
 
 #[inline(always)]
@@ -97,13 +124,13 @@ fn try_translate_hairpin(
     flow: &mut Flow,
     via_stack: bool,
     target: &mut Handover,
-) -> Result<i32, DatapathError> {
+) -> Result<Answer, DatapathError> {
     let Some(mapping) = lookup_mapping(ctx, flow) else {
-        return Ok(NOT_MINE);
+        return Ok(Answer::NOT_MINE);
     };
     let ifindex = ifindex(ctx);
     let Some(client) = maps::endpoints.get_ptr(&ifindex) else {
-        return Ok(NEXT);
+        return Ok(Answer::NEXT);
     };
     // SAFETY: both point into maps and are read right away; see `lookup_mapping`.
     let (mapping, client) = unsafe { (&*mapping, &*client) };
@@ -114,10 +141,10 @@ fn try_translate_hairpin(
         client.gateway_ifindex,
         flow.family,
     ) {
-        return Ok(NEXT);
+        return Ok(Answer::NEXT);
     }
     let Some(translation) = begin_translation(flow, mapping.owner, ifindex) else {
-        return Ok(NEXT);
+        return Ok(Answer::NEXT);
     };
     translation.client_mac = client.container_mac;
     translation.gateway_mac = client.gateway_mac;
@@ -127,7 +154,7 @@ fn try_translate_hairpin(
     let source = if to_itself && client.flags & FLAG_NO_HAIRPIN_SNAT == 0 {
         match gateway(client, flow.family) {
             Some(gateway) => gateway,
-            None => return Ok(NEXT),
+            None => return Ok(Answer::NEXT),
         }
     } else {
         flow.saddr
@@ -137,16 +164,16 @@ fn try_translate_hairpin(
     if via_stack && !to_itself {
         remember_translation(flow);
         mark_translated(ctx);
-        return Ok(NEXT);
+        return Ok(Answer::NEXT);
     }
     hand_to(target, mapping);
-    Ok(TO_CONTAINER)
+    Ok(Answer::TO_CONTAINER)
 }
 
 /// A container's reply to a translated flow, translated back: towards the client container of a
-/// hairpin flow (`TO_CONTAINER`, `client` filled in), sent on to its next hop from the FIB, or
+/// hairpin flow (`Answer::TO_CONTAINER`, `client` filled in), sent on to its next hop from the FIB, or
 /// left to the host stack untranslated (`NEXT`: `uplink_egress` translates it on its way out;
-/// always so from a container whose traffic is shaped, `via_stack`); `NOT_MINE` when the packet
+/// always so from a container whose traffic is shaped, `via_stack`); `Answer::NOT_MINE` when the packet
 /// is no such reply. Not inlined: the verifier caps the stack of a call chain at 512 bytes.
 #[inline(never)]
 pub fn translate_reply(
@@ -154,9 +181,9 @@ pub fn translate_reply(
     flow: &mut Flow,
     via_stack: bool,
     client: &mut Handover,
-) -> i32 {
+) -> Answer {
     let Some(entry) = reverse_of(flow) else {
-        return NOT_MINE;
+        return Answer::NOT_MINE;
     };
     // SAFETY: entry points into nat_flows or nat_fragments; it is copied out field by field
     // before any rewrite.
@@ -187,10 +214,10 @@ pub fn translate_reply(
         // the host stack (it would be dropped as martian).
         or_verdict!(ctx, flow.rewrite_source(ctx, &orig_addr, orig_port));
         or_verdict!(ctx, flow.rewrite_destination(ctx, &peer_addr, peer_port));
-        return TO_CONTAINER;
+        return Answer::TO_CONTAINER;
     }
     if via_stack {
-        return NEXT;
+        return Answer::NEXT;
     }
     // Routed as it will leave, from the hostPort's address; the packet is not written before
     // the route is known.
@@ -207,17 +234,17 @@ pub fn translate_reply(
             flow.rewrite_forwarded_source(ctx, &orig_addr, orig_port)
         )
     {
-        return NEXT;
+        return Answer::NEXT;
     }
-    or_verdict!(ctx, forward(ctx, &next_hop)).unwrap_or(NEXT)
+    Answer::verdict(or_verdict!(ctx, forward(ctx, &next_hop)).unwrap_or(NEXT))
 }
 
 /// A reply the host stack routed out of an uplink untranslated (when the container's hook did
 /// not route it itself): it gets the hostPort address back as its source (`NEXT`), or
-/// `NOT_MINE`.
-pub fn translate_routed_reply(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
+/// `Answer::NOT_MINE`.
+pub fn translate_routed_reply(ctx: &TcContext, flow: &mut Flow) -> Result<Answer, DatapathError> {
     let Some(entry) = reverse_of(flow) else {
-        return Ok(NOT_MINE);
+        return Ok(Answer::NOT_MINE);
     };
     // SAFETY: entry points into nat_flows or nat_fragments; the fields are copied out before
     // any rewrite.
@@ -228,7 +255,7 @@ pub fn translate_routed_reply(ctx: &TcContext, flow: &mut Flow) -> Result<i32, D
         orig_port
     };
     flow.rewrite_source(ctx, &orig_addr, port)?;
-    Ok(NEXT)
+    Ok(Answer::NEXT)
 }
 
 /// The translation a container's packet reverses: its flow's `nat_flows` entry (refreshed at
@@ -297,7 +324,7 @@ pub fn forget_stale_translation(ctx: &TcContext, flow: &Flow) {
 /// it records changed.
 #[inline(never)]
 pub fn remember_translation(flow: &Flow) {
-    let Some(translation) = maps::translation_scratch.get_ptr(0) else {
+    let Some(translation) = translation_scratch.get_ptr(0) else {
         return;
     };
     // SAFETY: this CPU's slot, filled by the translation of this very packet.
@@ -414,7 +441,7 @@ fn begin_translation(
     owner: u64,
     reply_ifindex: u32,
 ) -> Option<&'static mut Translation> {
-    let translation = maps::translation_scratch.get_ptr_mut(0)?;
+    let translation = translation_scratch.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
     let translation = unsafe { &mut *translation };
     translation.owner = owner;

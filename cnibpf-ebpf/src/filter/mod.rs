@@ -13,14 +13,13 @@
 //! of rules; replies pass while it allows. ICMP errors about a tracked connection pass with it;
 //! link-local control traffic (ARP, IPv6 neighbour discovery, MLD, IGMP) always passes.
 
-use aya_ebpf::{bindings::BPF_ANY, cty::c_void, helpers::bpf_loop, programs::TcContext};
+mod other;
+mod rules;
+
+use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
-    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6,
     drop_stats::DropReason,
-    filter::{
-        CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS, FilterRule, FilterSet, MAX_RULES,
-        TARGET_ALLOW,
-    },
+    filter::{DIRECTION_EGRESS, FilterSet, TARGET_ALLOW},
     filter_flow::{FilterFlow, FilterFlowKey, RULE_DEFAULT},
     filter_fragment::FilterFragmentKey,
     filter_hits::DEFAULT_SLOT,
@@ -31,13 +30,12 @@ use cnibpf_common::{
 use crate::{
     clock,
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
-    drops,
-    maps::{self, scratch::Subject},
-    packet::{
-        DROP, DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Flow, Fragment, IPV6_HLEN, NEXT,
-        load_anywhere, widen, words,
-    },
+    drops, maps,
+    packet::{DROP, Flow, Fragment, NEXT, words},
 };
+
+pub use other::allows_other;
+use rules::{evaluate, rule_at, target};
 
 /// The TC verdict of a filter decision.
 pub fn verdict(allowed: bool) -> i32 {
@@ -46,8 +44,42 @@ pub fn verdict(allowed: bool) -> i32 {
 
 /// IGMP: IPv4's multicast membership, link-local control like MLD.
 const PROTO_IGMP: u8 = 2;
+
 /// IPv6 Hop-by-Hop options header (MLD messages carry one, with the router alert).
 const IPV6_HOP_BY_HOP: u8 = 0;
+
+/// The filter's view of the packet at hand, and the state of its rule search. Kept in
+/// [`filter_scratch`]: on the stack it would push call chains past the verifier's
+/// 512 bytes. One packet is judged at a time per CPU.
+#[repr(C)]
+pub struct Subject {
+    /// The packet's connection, the container's side first.
+    pub key: FilterFlowKey,
+    /// Source and destination as the rules name them, as 32-bit words.
+    pub source: [u32; 4],
+    pub destination: [u32; 4],
+    pub now: u64,
+    pub bytes: u32,
+    /// Host byte order.
+    pub source_port: u16,
+    pub destination_port: u16,
+    /// `DIRECTION_*` of the packet.
+    pub direction: u8,
+    /// TCP flags, zero for other protocols.
+    pub flags: u8,
+    /// Answers of the rule search: the first rule matching a connection's first packet and
+    /// its later ones (positions, `RULE_DEFAULT` when none).
+    pub new: u16,
+    pub established: u16,
+}
+
+/// Scratch space of the filter (see [`Subject`]); private to each loaded object, not pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static filter_scratch: PerCpuArray<Subject, 1> = PerCpuArray::new();
 
 impl Subject {
     /// The packet's source and destination addresses, from its connection's key.
@@ -90,7 +122,7 @@ impl Packet {
 /// This CPU's [`Subject`], filled for `packet` on `ifindex` travelling `direction`.
 #[inline(never)]
 fn subject(ctx: &TcContext, packet: &Packet, ifindex: u32, direction: u8) -> *mut Subject {
-    let Some(subject) = maps::filter_scratch.get_ptr_mut(0) else {
+    let Some(subject) = filter_scratch.get_ptr_mut(0) else {
         return core::ptr::null_mut();
     };
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
@@ -177,6 +209,7 @@ fn decide(subject: &mut Subject, set: &FilterSet) -> bool {
 
 /// [`tracked`]'s answers besides "dropped by the rule at this position".
 const ALLOWED: u32 = 0x1_0000;
+
 const UNTRACKED: u32 = 0x1_0001;
 
 /// A packet of a tracked connection: a reply passes while the connection's latest packet the
@@ -255,159 +288,6 @@ fn opens_connection(subject: &mut Subject, set: &FilterSet) -> bool {
     true
 }
 
-/// Whether a packet without ports or state — an ICMP error, ICMP other than echo, another
-/// protocol — passes the filter of the attachment on `ifindex`: link-local control always,
-/// an ICMP error about a connection whose packets are allowed with it, anything else by the
-/// rules as a first packet (ports zero), without creating state.
-#[inline(never)]
-pub fn allows_other(ctx: &TcContext, ifindex: u32, direction: u8) -> bool {
-    let Some(set) = maps::filters.get_ptr(&ifindex) else {
-        return true;
-    };
-    // SAFETY: see `allows`.
-    let set = unsafe { &*set };
-    let subject = match classify(ctx, ifindex, direction) {
-        JUDGED => maps::filter_scratch.get_ptr_mut(0),
-        ICMP_JUDGED if error_of_allowed_connection(ctx, ifindex, direction) => return true,
-        ICMP_JUDGED => maps::filter_scratch.get_ptr_mut(0),
-        PASSES => return true,
-        _ => {
-            drops::record_unread(ctx, DropReason::FilterUnreadable, ifindex);
-            return false;
-        }
-    };
-    let Some(subject) = subject else {
-        drops::record_unread(ctx, DropReason::FilterUnreadable, ifindex);
-        return false;
-    };
-    // SAFETY: this CPU's scratch, filled by `classify`.
-    let subject = unsafe { &mut *subject };
-    evaluate(subject, set);
-    count_hit(subject, subject.new);
-    if target(set, subject.new) == TARGET_ALLOW {
-        return true;
-    }
-    report(subject, set, subject.new);
-    false
-}
-
-/// [`classify`]'s answers: the packet always passes, it is to be judged by the rules (an
-/// ICMP packet maybe by its connection first), or it could not be read.
-const PASSES: u32 = 0;
-const JUDGED: u32 = 1;
-const ICMP_JUDGED: u32 = 2;
-const MALFORMED: u32 = 3;
-
-/// Reads a packet without ports into this CPU's [`Subject`]. Anything but IP, and
-/// link-local control, passes. Not inlined: it must not share a stack frame with
-/// `error_of_allowed_connection`'s callees.
-#[inline(never)]
-fn classify(ctx: &TcContext, ifindex: u32, direction: u8) -> u32 {
-    match read_other(ctx) {
-        Ok(Some(packet)) => {
-            if subject(ctx, &packet, ifindex, direction).is_null() {
-                MALFORMED
-            } else if matches!(packet.protocol, PROTO_ICMP | PROTO_ICMPV6) {
-                ICMP_JUDGED
-            } else {
-                JUDGED
-            }
-        }
-        Ok(None) => PASSES,
-        Err(_) => MALFORMED,
-    }
-}
-
-#[inline(always)]
-fn read_other(ctx: &TcContext) -> Result<Option<Packet>, DatapathError> {
-    let ethertype: u16 = load_anywhere(ctx, 12)?;
-    let (family, protocol, source, destination) = if ethertype == ETH_P_IP.to_be() {
-        let protocol: u8 = load_anywhere(ctx, ETH_HLEN + 9)?;
-        if protocol == PROTO_IGMP {
-            return Ok(None);
-        }
-        let source: [u8; 4] = load_anywhere(ctx, ETH_HLEN + 12)?;
-        let destination: [u8; 4] = load_anywhere(ctx, ETH_HLEN + 16)?;
-        (FAMILY_IPV4, protocol, widen(source), widen(destination))
-    } else if ethertype == ETH_P_IPV6.to_be() {
-        let mut protocol: u8 = load_anywhere(ctx, ETH_HLEN + 6)?;
-        let mut l4_off = ETH_HLEN + IPV6_HLEN;
-        if protocol == IPV6_HOP_BY_HOP {
-            let header: [u8; 2] = load_anywhere(ctx, l4_off)?;
-            protocol = header[0];
-            l4_off += (usize::from(header[1]) + 1) * 8;
-        }
-        if protocol == PROTO_ICMPV6 {
-            let icmp_type: u8 = load_anywhere(ctx, l4_off)?;
-            // MLD (130-132, 143), router and neighbour discovery, redirect (133-137).
-            if matches!(icmp_type, 130..=137 | 143) {
-                return Ok(None);
-            }
-        }
-        (
-            FAMILY_IPV6,
-            protocol,
-            load_anywhere::<[u8; 16]>(ctx, ETH_HLEN + 8)?,
-            load_anywhere::<[u8; 16]>(ctx, ETH_HLEN + 24)?,
-        )
-    } else {
-        return Ok(None);
-    };
-    Ok(Some(Packet {
-        family,
-        protocol,
-        flags: 0,
-        source,
-        destination,
-        source_port: 0,
-        destination_port: 0,
-    }))
-}
-
-/// Whether the packet is an ICMP error about a live connection of the attachment whose
-/// packets are allowed (the quoted packet is one of the connection's).
-#[inline(never)]
-fn error_of_allowed_connection(ctx: &TcContext, ifindex: u32, direction: u8) -> bool {
-    let Some(error) = maps::icmp_error_scratch.get_ptr_mut(0) else {
-        return false;
-    };
-    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
-    let error = unsafe { &mut *error };
-    if !matches!(error.parse(ctx), Ok(true)) {
-        return false;
-    }
-    // The quoted packet was sent by the container when the error travels towards it, and
-    // to it when the container reports the error.
-    let (container, remote) = if direction == DIRECTION_EGRESS {
-        (
-            (error.inner_daddr, error.inner_dport),
-            (error.inner_saddr, error.inner_sport),
-        )
-    } else {
-        (
-            (error.inner_saddr, error.inner_sport),
-            (error.inner_daddr, error.inner_dport),
-        )
-    };
-    let key = FilterFlowKey {
-        container_addr: container.0,
-        remote_addr: remote.0,
-        ifindex,
-        container_port: u16::from_be(container.1),
-        remote_port: u16::from_be(remote.1),
-        protocol: error.inner_protocol,
-        family: error.family,
-        _pad: [0; 2],
-    };
-    let Some(entry) = maps::filter_flows.get_ptr(&key) else {
-        return false;
-    };
-    // SAFETY: points into `filter_flows`, read at once.
-    let entry = unsafe { &*entry };
-    let now = clock::now_ns();
-    entry.last_verdict == TARGET_ALLOW && !entry.is_expired(key.protocol, now)
-}
-
 /// A later fragment passes when its datagram's first fragment did (it carries no ports for
 /// the rules, nor for finding the connection).
 #[inline(never)]
@@ -440,105 +320,6 @@ fn fragment_key(flow: &Flow, ifindex: u32) -> FilterFragmentKey {
         family: flow.family,
         _pad: [0; 6],
     }
-}
-
-/// The `bpf_loop` context of [`evaluate`] (which must be on the stack): the rules and the
-/// packet.
-#[repr(C)]
-struct RuleSearch {
-    set: *const FilterSet,
-    subject: *mut Subject,
-}
-
-/// One pass over the rules in order, stopping once the first matches for both a first and a
-/// later packet are known; the answers are left in `subject.new` / `subject.established`.
-#[inline(never)]
-fn evaluate(subject: &mut Subject, set: &FilterSet) {
-    subject.new = RULE_DEFAULT;
-    subject.established = RULE_DEFAULT;
-    let mut search = RuleSearch {
-        set,
-        subject: core::ptr::from_mut(subject),
-    };
-    // bpf_loop: the verifier checks the callback once instead of every rule.
-    // SAFETY: the callback has the signature bpf_loop expects; its context is `search`, which
-    // outlives the call.
-    unsafe {
-        bpf_loop(
-            set.rule_count.min(MAX_RULES as u32),
-            match_rule as *mut c_void,
-            (&raw mut search).cast(),
-            0,
-        )
-    };
-}
-
-/// One rule of [`evaluate`] (`bpf_loop` callback); returns 1 to stop.
-extern "C" fn match_rule(position: u64, context: *mut c_void) -> i64 {
-    // SAFETY: `evaluate` passes its `RuleSearch`, alive for the whole loop; `set` is the
-    // `filters` element and `subject` this CPU's scratch, both valid for the program run.
-    let (set, subject) = unsafe {
-        let search = &*context.cast::<RuleSearch>();
-        (&*search.set, &mut *search.subject)
-    };
-    let Some(rule) = usize::try_from(position)
-        .ok()
-        .and_then(|position| rule_at(set, position))
-    else {
-        return 1;
-    };
-    let matches = rule.direction & subject.direction != 0
-        && (rule.family == 0 || rule.family == subject.key.family)
-        && (rule.protocol == 0 || rule.protocol == subject.key.protocol)
-        && masked_equal(&subject.source, &rule.src_mask, &rule.src_addr)
-        && masked_equal(&subject.destination, &rule.dst_mask, &rule.dst_addr)
-        && (rule.sport_low..=rule.sport_high).contains(&subject.source_port)
-        && (rule.dport_low..=rule.dport_high).contains(&subject.destination_port);
-    if !matches {
-        return 0;
-    }
-    let position = position as u16;
-    if subject.new == RULE_DEFAULT && rule.connstate & CONNSTATE_NEW != 0 {
-        subject.new = position;
-    }
-    if subject.established == RULE_DEFAULT && rule.connstate & CONNSTATE_ESTABLISHED != 0 {
-        subject.established = position;
-    }
-    i64::from(subject.new != RULE_DEFAULT && subject.established != RULE_DEFAULT)
-}
-
-/// Whether `addr` masked with `mask` equals `expected` (already masked).
-#[inline(always)]
-fn masked_equal(addr: &[u32; 4], mask: &[u8; 16], expected: &[u8; 16]) -> bool {
-    // SAFETY: rule addresses and masks are 16-byte fields at multiples of four bytes into
-    // `FilterRule`, which has the alignment of its `u32` fields: read as words, they are
-    // aligned (byte-wise reads would cost 32 loads a rule).
-    let (mask, expected) = unsafe {
-        (
-            mask.as_ptr().cast::<[u32; 4]>().read(),
-            expected.as_ptr().cast::<[u32; 4]>().read(),
-        )
-    };
-    addr[0] & mask[0] == expected[0]
-        && addr[1] & mask[1] == expected[1]
-        && addr[2] & mask[2] == expected[2]
-        && addr[3] & mask[3] == expected[3]
-}
-
-/// The rule at `position`; `None` past the rules (`RULE_DEFAULT` is).
-#[inline(always)]
-fn rule_at(set: &FilterSet, position: usize) -> Option<&FilterRule> {
-    if position >= MAX_RULES {
-        return None;
-    }
-    // Through black_box past the check: LLVM would otherwise compute the rule's address
-    // before the check, from a register the verifier has not bounded yet.
-    set.rules.get(core::hint::black_box(position))
-}
-
-/// The target of the rule at `position`, or the default.
-fn target(set: &FilterSet, position: u16) -> u8 {
-    rule_at(set, usize::from(position)).map_or(set.default_target, |rule| rule.target)
 }
 
 /// Counts the packet on the rule at `position` (or the default) of the attachment.

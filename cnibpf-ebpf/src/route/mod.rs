@@ -17,19 +17,38 @@ use aya_ebpf::{
         BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS,
         BPF_FIB_LOOKUP_SRC, bpf_check_mtu_flags, bpf_fib_lookup,
     },
+    btf_maps::PerCpuArray,
     helpers::{bpf_check_mtu, bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    macros::btf_map,
     programs::TcContext,
 };
 use cnibpf_common::FAMILY_IPV4;
 
+mod next_hop;
+
+use next_hop::{NEXT_HOP_SLOTS, NEXT_HOP_SLOTS_LOG2, NextHop};
+
 use crate::{
     clock,
-    maps::{
-        self,
-        next_hop::{NEXT_HOP_SLOTS_LOG2, NextHop},
-    },
     packet::{DatapathError, Flow, ifindex, set_macs, unwords, widen, words},
 };
+
+/// The source address the FIB chose for the packet at hand (see [`route`]); private to
+/// each loaded object, not pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static route_source: PerCpuArray<[u8; 16], 1> = PerCpuArray::new();
+
+/// The FIB's recent answers (see [`next_hop`]); private to each loaded object, not pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static next_hops: PerCpuArray<NextHop, { NEXT_HOP_SLOTS as usize }> = PerCpuArray::new();
 
 /// What the FIB says about a packet's destination.
 pub enum Route {
@@ -72,7 +91,7 @@ pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
         },
         _ => return Route::Other,
     };
-    if choose_source && let Some(slot) = maps::route_source.get_ptr_mut(0) {
+    if choose_source && let Some(slot) = route_source.get_ptr_mut(0) {
         // Copied as two words: LLVM makes a copy between two map values a call to a
         // byte-at-a-time `memmove` on this target.
         // SAFETY: the slot is this CPU's, written and read within one program run; both are
@@ -129,7 +148,7 @@ pub fn is_local(ctx: &TcContext, flow: &Flow) -> bool {
 fn next_hop(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Option<*mut NextHop> {
     let ifindex = ifindex(ctx);
     let choose_source = u8::from(choose_source);
-    let hop = maps::next_hops.get_ptr_mut(slot(flow, ifindex))?;
+    let hop = next_hops.get_ptr_mut(slot(flow, ifindex))?;
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
     let kept = unsafe { &*hop };
     let now = clock::now_ns();

@@ -1,0 +1,181 @@
+//! Replies to masqueraded flows, their later fragments and ICMP errors about them, at an
+//! uplink's ingress: translated back towards their container for the hook to hand over.
+
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::{BPF_ANY, BPF_CSUM_LEVEL_RESET},
+    helpers::bpf_csum_level,
+    programs::TcContext,
+};
+use cnibpf_common::{
+    masq_flow::{MasqFlow, STATE_ESTABLISHED},
+    masq_reply::MasqReply,
+    nat_flow::NatFlowKey,
+};
+
+use super::{count, flow_key};
+use crate::{
+    clock,
+    conntrack::{self, SIDE_REPLY},
+    maps,
+    packet::{Answer, DatapathError, Flow, Fragment, Handover, icmp::icmp_error_scratch, ifindex},
+};
+
+/// The `masq_replies` entry of a packet (a whole datagram or a first fragment) that is a reply
+/// to a masqueraded flow. The pointer is into the map; see `reply`.
+#[inline(always)]
+pub fn lookup_reply(flow: &Flow) -> Option<*const MasqReply> {
+    maps::masq_replies.get_ptr(&flow_key(flow))
+}
+
+/// A reply to a masqueraded flow at the uplink's ingress, translated back towards its container
+/// (`TO_CONTAINER`, `container` filled in), or `NEXT` when the flow's state has expired;
+/// `entry` is its `masq_replies` entry (`lookup_reply`). An LRU map may recycle an entry under
+/// a reader; the worst that does is misdirect the packet at hand.
+#[inline(never)]
+pub fn translate_reply(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    entry: &MasqReply,
+    container: &mut Handover,
+) -> Answer {
+    try_translate_reply(ctx, flow, entry, container).unwrap_or_else(|error| error.answer(ctx))
+}
+
+fn try_translate_reply(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    entry: &MasqReply,
+    container: &mut Handover,
+) -> Result<Answer, DatapathError> {
+    if !track_reply(ctx, flow, entry)? {
+        let _ = maps::masq_replies.remove(&flow_key(flow));
+        return Ok(Answer::NEXT);
+    }
+    if flow.fragment == Fragment::First {
+        let _ = maps::masq_fragments.insert(&flow.fragment_key(), entry, u64::from(BPF_ANY));
+    }
+    flow.rewrite_destination(ctx, &entry.container_addr, entry.container_port.to_be())?;
+    hand_over_to(entry, container);
+    Ok(Answer::TO_CONTAINER)
+}
+
+/// A later fragment of a reply, translated towards where its first fragment went
+/// (`TO_CONTAINER`), or `NOT_MINE`.
+#[inline(never)]
+pub fn translate_later_fragment(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    container: &mut Handover,
+) -> Answer {
+    try_translate_later_fragment(ctx, flow, container).unwrap_or_else(|error| error.answer(ctx))
+}
+
+fn try_translate_later_fragment(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    container: &mut Handover,
+) -> Result<Answer, DatapathError> {
+    let Some(reply) = maps::masq_fragments.get_ptr(&flow.fragment_key()) else {
+        return Ok(Answer::NOT_MINE);
+    };
+    // SAFETY: points into `masq_fragments`; see `try_translate_reply` on reading LRU entries.
+    let reply = unsafe { &*reply };
+    flow.rewrite_destination(ctx, &reply.container_addr, flow.dport)?;
+    hand_over_to(reply, container);
+    Ok(Answer::TO_CONTAINER)
+}
+
+/// Where a reply goes: the container of its `masq_replies` entry.
+fn hand_over_to(reply: &MasqReply, container: &mut Handover) {
+    container.host_ifindex = reply.host_ifindex;
+    container.container_mac = reply.container_mac;
+    container.gateway_mac = reply.gateway_mac;
+}
+
+/// Moves the state of the flow a reply belongs to on; `false` when that state has expired
+/// (it is removed, and the reply is not translated).
+#[inline(never)]
+fn track_reply(ctx: &TcContext, flow: &Flow, reply: &MasqReply) -> Result<bool, DatapathError> {
+    let forward_key = NatFlowKey {
+        src_addr: reply.container_addr,
+        dst_addr: flow.saddr,
+        src_port: reply.container_port,
+        dst_port: u16::from_be(flow.sport),
+        protocol: flow.protocol,
+        family: flow.family,
+        _pad: [0; 2],
+    };
+    let now = clock::now_ns();
+    let flags = flow.tcp_flags(ctx)?;
+    let Some(state) = maps::masq_flows.get_ptr_mut(&forward_key) else {
+        // Evicted under pressure while its reverse entry survived: rebuild it, the reply
+        // proves the flow alive.
+        count(|stats| &mut stats.state_lost);
+        let state = MasqFlow {
+            nat_addr: flow.daddr,
+            owner: reply.owner,
+            last_seen_ns: now,
+            uplink_ifindex: ifindex(ctx),
+            nat_port: u16::from_be(flow.dport),
+            state: STATE_ESTABLISHED,
+            fin: 0,
+        };
+        let _ = maps::masq_flows.insert(&forward_key, &state, u64::from(BPF_ANY));
+        return Ok(true);
+    };
+    // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
+    let state = unsafe { &mut *state };
+    if state.is_expired(flow.protocol, now) {
+        count(|stats| &mut stats.expired);
+        let _ = maps::masq_flows.remove(&forward_key);
+        return Ok(false);
+    }
+    conntrack::advance(state, flow.protocol, flags, SIDE_REPLY, now);
+    Ok(true)
+}
+
+/// ICMP errors (destination unreachable, packet too big, time exceeded, parameter problem)
+/// about a masqueraded packet, at the uplink's ingress: the quoted packet's source and the
+/// error's destination become the container's again (`TO_CONTAINER`, `container` filled in),
+/// so that "port unreachable" and path MTU discovery work through the NAT; `NOT_MINE` for
+/// anything else.
+#[inline(never)]
+pub fn translate_icmp_error(ctx: &TcContext, container: &mut Handover) -> Answer {
+    try_translate_icmp_error(ctx, container).unwrap_or_else(|error| error.answer(ctx))
+}
+
+fn try_translate_icmp_error(
+    ctx: &TcContext,
+    container: &mut Handover,
+) -> Result<Answer, DatapathError> {
+    let Some(error) = icmp_error_scratch.get_ptr_mut(0) else {
+        return Ok(Answer::NOT_MINE);
+    };
+    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
+    let error = unsafe { &mut *error };
+    if !error.parse(ctx)? {
+        return Ok(Answer::NOT_MINE);
+    }
+    let key = NatFlowKey {
+        src_addr: error.inner_daddr,
+        dst_addr: error.inner_saddr,
+        src_port: u16::from_be(error.inner_dport),
+        dst_port: u16::from_be(error.inner_sport),
+        protocol: error.inner_protocol,
+        family: error.family,
+        _pad: [0; 2],
+    };
+    let Some(reply) = maps::masq_replies.get_ptr(&key) else {
+        return Ok(Answer::NOT_MINE);
+    };
+    // SAFETY: points into `masq_replies`, read before the next map operation.
+    let reply = unsafe { &*reply };
+    error.translate(ctx, &reply.container_addr, reply.container_port.to_be())?;
+    // The checksums are right; the hardware's verdict on the original packet no longer is.
+    // SAFETY: the context pointer is this program's __sk_buff.
+    unsafe { bpf_csum_level(ctx.as_ptr().cast(), u64::from(BPF_CSUM_LEVEL_RESET)) };
+    count(|stats| &mut stats.icmp_errors);
+    hand_over_to(reply, container);
+    Ok(Answer::TO_CONTAINER)
+}

@@ -1,0 +1,102 @@
+//! Packets as TC programs see them (offsets from the Ethernet header): reading their fields,
+//! [`parse`] (one parser for every feature, ICMP error quotes included), [`rewrite`] (addresses,
+//! ports, TTL and every checksum they touch), [`verdict`] (what a feature answers its hook and
+//! what the hook answers the kernel), [`skb`] (marks, redirects, MAC addresses) and
+//! [`address`] (the 16-byte map form of addresses). Addresses are kept as the 16-byte map form
+//! (IPv4 in the first four bytes), ports in network byte order as on the wire.
+
+pub mod address;
+pub mod icmp;
+pub mod parse;
+pub mod rewrite;
+pub mod skb;
+pub mod verdict;
+
+use core::mem::MaybeUninit;
+
+use aya_ebpf::programs::TcContext;
+
+pub use address::{clear_address, unwords, widen, words};
+pub use parse::{Flow, Fragment, SourceAddress, extension_headers, source_address};
+pub use rewrite::csum_diff;
+pub use skb::{
+    from_local_socket, ifindex, mark_translated, redirect_to_peer, set_macs, take_translated_mark,
+};
+pub(crate) use verdict::or_verdict;
+pub use verdict::{Answer, DROP, DatapathError, Handover, NEXT};
+
+pub const ETH_HLEN: usize = 14;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
+const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
+pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
+pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
+pub const IPV6_HLEN: usize = 40;
+pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
+pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+/// Enough of any L4 header for ports and checksum, pulled into the linear area up front.
+const L4_PULL: usize = 20;
+/// The largest offset read directly at a variable position: the verifier must see a bound
+/// (IPv4 options and the IPv6 extension headers walked end well before it).
+const MAX_DIRECT_OFFSET: usize = 512;
+
+/// `slot` zeroed in place (see [`zero`]), for a value of integers and byte arrays only.
+#[inline(always)]
+pub fn zeroed<T: Zeroable>(slot: &mut MaybeUninit<T>) -> &mut T {
+    // SAFETY: all of `slot` is zeroed, a valid value of a `Zeroable` type.
+    unsafe {
+        zero(slot.as_mut_ptr().cast(), size_of::<T>());
+        slot.assume_init_mut()
+    }
+}
+
+/// Types whose all-zero bytes are a valid value.
+///
+/// # Safety
+/// Only for types made of integers and arrays of them.
+pub unsafe trait Zeroable {}
+
+/// Brings the first `length` bytes into the linear area, where direct reads can see them —
+/// only when they are not there already: pulling also makes a cloned packet (every TCP
+/// segment a container sends is one) writable, which copies its headers even when nothing is
+/// rewritten. A packet shorter than `length` stays as it is; reads check their own bounds.
+fn ensure_linear(ctx: &TcContext, length: usize) {
+    if ctx.data() + length > ctx.data_end() {
+        let _ = ctx.pull_data(length as u32);
+    }
+}
+
+/// Reads a packet field with `bpf_skb_load_bytes`, wherever it lies (the linear area or not)
+/// and whatever bounds the verifier knows of `offset`.
+pub fn load_anywhere<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
+    ctx.load(offset).map_err(|_| DatapathError::Truncated)
+}
+
+/// Reads a packet field from the linear area, checked against its end.
+pub fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
+    let start = ctx.data();
+    if start + offset + size_of::<T>() > ctx.data_end() {
+        return Err(DatapathError::Truncated);
+    }
+    // SAFETY: the range was checked against data_end just above; unaligned reads are how
+    // packet fields are read.
+    Ok(unsafe { ((start + offset) as *const T).read_unaligned() })
+}
+
+/// Zeroes `len` bytes at `at` a byte at a time, volatile: on this target LLVM turns any zeroing
+/// it sees (a zero array, a derived `Default`) into a call of compiler-builtins' `memset`,
+/// a loop of its own, per packet.
+///
+/// # Safety
+/// `at..at + len` must be writable.
+#[inline(always)]
+unsafe fn zero(at: *mut u8, len: usize) {
+    for index in 0..len {
+        // SAFETY: within the range the caller vouches for.
+        unsafe { at.add(index).write_volatile(0) };
+    }
+}

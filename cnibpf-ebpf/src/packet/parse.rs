@@ -1,0 +1,335 @@
+//! Reading a packet into a [`Flow`]: TCP, UDP, SCTP and ICMP echo over IPv4 and IPv6, whole
+//! or fragmented. An ICMP echo's identifier plays the port of the side that chose it: the
+//! source port of a request, the destination port of a reply, so that a reply's tuple is the
+//! request's reversed.
+
+use aya_ebpf::programs::TcContext;
+use cnibpf_common::{
+    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    masq_fragment::FragmentKey,
+};
+
+use super::{
+    DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF,
+    IPV6_HLEN, IPV6_SADDR_OFF, L4_PULL, MAX_DIRECT_OFFSET, TCP_ACK, TCP_SYN, address::widen_fast,
+    ensure_linear, load, load_anywhere,
+};
+
+const IPV4_FRAGMENT_OFFSET_MASK: u16 = 0x1fff;
+const IPV4_MORE_FRAGMENTS: u16 = 0x2000;
+const ICMP_ECHO_REPLY: u8 = 0;
+const ICMP_ECHO_REQUEST: u8 = 8;
+const ICMPV6_ECHO_REQUEST: u8 = 128;
+const ICMPV6_ECHO_REPLY: u8 = 129;
+
+/// A TCP, UDP, SCTP or ICMP echo packet over IPv4 or IPv6 (no extension headers but a
+/// fragment header).
+#[derive(Clone, Copy)]
+pub struct Flow {
+    pub family: u8,
+    pub protocol: u8,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    /// Network byte order; zero in a later fragment.
+    pub sport: u16,
+    /// Network byte order; zero in a later fragment.
+    pub dport: u16,
+    pub fragment: Fragment,
+    /// The datagram's identification (IPv4's 16 bits or the IPv6 fragment header's 32) as on
+    /// the wire; zero for a whole datagram.
+    pub fragment_id: u32,
+    pub(super) l4_off: usize,
+}
+
+/// Where a packet stands in its datagram.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Fragment {
+    Whole,
+    /// The first fragment, which carries the L4 header.
+    First,
+    /// A later fragment: no L4 header, so no ports; only addresses can be rewritten.
+    Later,
+}
+
+/// The IPv6 fragment header's next-header value.
+const IPV6_FRAGMENT_HEADER: u8 = 44;
+const IPV6_FRAGMENT_HLEN: usize = 8;
+
+/// IPv6 extension headers a translation may pass: hop-by-hop options, destination options, a
+/// routing header with no segments left (the destination is final), and a fragment header.
+const IPV6_HOP_BY_HOP: u8 = 0;
+const IPV6_ROUTING: u8 = 43;
+const IPV6_DESTINATION_OPTIONS: u8 = 60;
+/// How many extension headers are walked: a packet with more is left alone.
+const MAX_EXTENSION_HEADERS: usize = 4;
+
+/// Walks an IPv6 packet's extension headers to its transport header: (protocol, its offset,
+/// where the packet stands in its datagram, the fragment identification); `None` for a
+/// routing header with segments left (its destination is not the final one), or more headers
+/// than are walked. Read with `bpf_skb_load_bytes`: the headers need not be linear, and the
+/// offsets grow with each.
+#[inline(always)]
+pub fn extension_headers(
+    ctx: &TcContext,
+) -> Result<Option<(u8, usize, Fragment, u32)>, DatapathError> {
+    let mut next_header: u8 = load_anywhere(ctx, ETH_HLEN + 6)?;
+    let mut offset = ETH_HLEN + IPV6_HLEN;
+    let mut fragment = Fragment::Whole;
+    let mut fragment_id = 0;
+    for _ in 0..MAX_EXTENSION_HEADERS {
+        match next_header {
+            IPV6_HOP_BY_HOP | IPV6_DESTINATION_OPTIONS | IPV6_ROUTING => {
+                // Next header, length in 8-byte units beyond the first 8; a routing header's
+                // type and segments left.
+                let header: [u8; 4] = load_anywhere(ctx, offset)?;
+                if next_header == IPV6_ROUTING && header[3] != 0 {
+                    return Ok(None);
+                }
+                next_header = header[0];
+                offset += (usize::from(header[1]) + 1) * 8;
+            }
+            IPV6_FRAGMENT_HEADER => {
+                let header: [u8; 8] = load_anywhere(ctx, offset)?;
+                let offset_and_more = u16::from_be_bytes([header[2], header[3]]);
+                fragment = if offset_and_more >> 3 != 0 {
+                    Fragment::Later
+                } else if offset_and_more & 1 != 0 {
+                    Fragment::First
+                } else {
+                    Fragment::Whole
+                };
+                fragment_id = u32::from_ne_bytes([header[4], header[5], header[6], header[7]]);
+                next_header = header[0];
+                offset += IPV6_FRAGMENT_HLEN;
+            }
+            _ => return Ok(Some((next_header, offset, fragment, fragment_id))),
+        }
+    }
+    Ok(None)
+}
+
+impl Flow {
+    /// A whole datagram, a first fragment (with ports) or a later fragment (without) of TCP,
+    /// UDP, SCTP or ICMP echo; `None` for anything else.
+    pub fn parse(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
+        ensure_linear(ctx, ETH_HLEN);
+        let ethertype: u16 = load(ctx, 12)?;
+        if ethertype == ETH_P_IP.to_be() {
+            Self::parse_ipv4(ctx)
+        } else if ethertype == ETH_P_IPV6.to_be() {
+            Self::parse_ipv6(ctx)
+        } else {
+            Ok(None)
+        }
+    }
+
+    #[inline(always)]
+    fn parse_ipv4(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
+        let version_ihl: u8 = load(ctx, ETH_HLEN)?;
+        let header_len = usize::from(version_ihl & 0x0f) * 4;
+        if version_ihl >> 4 != 4 || header_len < 20 {
+            return Ok(None);
+        }
+        // A datagram that claims more than arrived is the stack's to drop, not ours to
+        // translate (0: a segmentation offload's, whose length the stack fixes).
+        let total = usize::from(u16::from_be(load::<u16>(ctx, ETH_HLEN + 2)?));
+        if total != 0 && (total < header_len || (ctx.len() as usize) < ETH_HLEN + total) {
+            return Ok(None);
+        }
+        // Identification and flags/offset, read together.
+        let id_and_fragment: [u8; 4] = load(ctx, ETH_HLEN + 4)?;
+        let fragment_bits = u16::from_be_bytes([id_and_fragment[2], id_and_fragment[3]]);
+        let fragment = if fragment_bits & IPV4_FRAGMENT_OFFSET_MASK != 0 {
+            Fragment::Later
+        } else if fragment_bits & IPV4_MORE_FRAGMENTS != 0 {
+            Fragment::First
+        } else {
+            Fragment::Whole
+        };
+        ensure_linear(ctx, ETH_HLEN + header_len + L4_PULL);
+        let protocol: u8 = load(ctx, ETH_HLEN + 9)?;
+        let l4_off = ETH_HLEN + header_len;
+        let (translated, sport, dport) = ports(ctx, protocol, l4_off, fragment)?;
+        if !translated {
+            return Ok(None);
+        }
+        let saddr: [u8; 4] = load(ctx, IPV4_SADDR_OFF)?;
+        let daddr: [u8; 4] = load(ctx, IPV4_DADDR_OFF)?;
+        Ok(Some(Self {
+            family: FAMILY_IPV4,
+            protocol,
+            saddr: widen_fast(saddr),
+            daddr: widen_fast(daddr),
+            sport,
+            dport,
+            fragment,
+            fragment_id: if fragment == Fragment::Whole {
+                0
+            } else {
+                u32::from(u16::from_ne_bytes([id_and_fragment[0], id_and_fragment[1]]))
+            },
+            l4_off,
+        }))
+    }
+
+    #[inline(always)]
+    fn parse_ipv6(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
+        let version: u8 = load(ctx, ETH_HLEN)?;
+        if version >> 4 != 6 {
+            return Ok(None);
+        }
+        let payload = usize::from(u16::from_be(load::<u16>(ctx, ETH_HLEN + 4)?));
+        if payload != 0 && (ctx.len() as usize) < ETH_HLEN + IPV6_HLEN + payload {
+            return Ok(None);
+        }
+        let (protocol, l4_off, fragment, fragment_id) = match extension_headers(ctx)? {
+            Some(walked) => walked,
+            None => return Ok(None),
+        };
+        ensure_linear(ctx, l4_off + L4_PULL);
+        let (translated, sport, dport) = ports(ctx, protocol, l4_off, fragment)?;
+        if !translated {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            family: FAMILY_IPV6,
+            protocol,
+            saddr: load(ctx, IPV6_SADDR_OFF)?,
+            daddr: load(ctx, IPV6_DADDR_OFF)?,
+            sport,
+            dport,
+            fragment,
+            fragment_id,
+            l4_off,
+        }))
+    }
+
+    /// The key of the datagram this packet is a fragment of (`masq_fragments`,
+    /// `nat_fragments`).
+    pub fn fragment_key(&self) -> FragmentKey {
+        FragmentKey {
+            src_addr: self.saddr,
+            dst_addr: self.daddr,
+            id: self.fragment_id,
+            protocol: self.protocol,
+            family: self.family,
+            _pad: [0; 2],
+        }
+    }
+
+    /// Whether a TCP packet opens a connection (SYN without ACK).
+    pub fn is_tcp_syn(&self, ctx: &TcContext) -> Result<bool, DatapathError> {
+        let flags = self.tcp_flags(ctx)?;
+        Ok(flags & TCP_SYN != 0 && flags & TCP_ACK == 0)
+    }
+
+    /// The TCP flags byte (zero for other protocols): read directly where parsing left the
+    /// header (the linear area), else with `bpf_skb_load_bytes`. A `Flow` passed between
+    /// functions loses the verifier's bounds on `l4_off`: the offset is bounded again here.
+    /// Not inlined: its two ways of reading would double the paths the verifier walks after
+    /// each caller's read.
+    #[inline(never)]
+    pub fn tcp_flags(&self, ctx: &TcContext) -> Result<u8, DatapathError> {
+        if self.protocol != PROTO_TCP || self.fragment == Fragment::Later {
+            return Ok(0);
+        }
+        // The data offset byte too: for a one-byte read LLVM turns the bounds check into a
+        // comparison the verifier takes as one byte short.
+        let offset = self.l4_off + 12;
+        if offset < MAX_DIRECT_OFFSET
+            && let Ok([_, flags]) = load::<[u8; 2]>(ctx, offset)
+        {
+            return Ok(flags);
+        }
+        load_anywhere(ctx, offset + 1)
+    }
+}
+
+fn is_translated_protocol(protocol: u8) -> bool {
+    matches!(
+        protocol,
+        PROTO_TCP | PROTO_UDP | PROTO_SCTP | PROTO_ICMP | PROTO_ICMPV6
+    )
+}
+
+/// The ports of a TCP, UDP or SCTP header at `l4_off`, or an ICMP echo's identifier in the
+/// place of the side that chose it (zeros in a later fragment, which has no L4 header), after
+/// `true`; `false` for any other packet. Inlined: as a BPF call, LLVM packs the return value
+/// from a register the verifier sees uninitialised. Not an `Option` either: LLVM fills the
+/// unused bits of a `None` from whatever register is at hand, a packet pointer among them,
+/// which the verifier refuses to mask.
+#[inline(always)]
+fn ports(
+    ctx: &TcContext,
+    protocol: u8,
+    l4_off: usize,
+    fragment: Fragment,
+) -> Result<(bool, u16, u16), DatapathError> {
+    const NONE: (bool, u16, u16) = (false, 0, 0);
+    if fragment == Fragment::Later {
+        return Ok((is_translated_protocol(protocol), 0, 0));
+    }
+    match protocol {
+        // The whole transport header must be there, not only its ports: a cut one is the
+        // stack's to drop.
+        PROTO_TCP => {
+            let header: [u8; 20] = load(ctx, l4_off)?;
+            Ok(header_ports(&header))
+        }
+        PROTO_UDP => {
+            let header: [u8; 8] = load(ctx, l4_off)?;
+            Ok(header_ports(&header))
+        }
+        PROTO_SCTP => {
+            let header: [u8; 12] = load(ctx, l4_off)?;
+            Ok(header_ports(&header))
+        }
+        PROTO_ICMP | PROTO_ICMPV6 => {
+            // One read of the whole echo header: LLVM merges separate bounds checks into one
+            // the verifier cannot follow.
+            let header: [u8; 8] = load(ctx, l4_off)?;
+            let icmp_type = header[0];
+            let identifier = u16::from_ne_bytes([header[4], header[5]]);
+            Ok(match (protocol, icmp_type) {
+                (PROTO_ICMP, ICMP_ECHO_REQUEST) | (PROTO_ICMPV6, ICMPV6_ECHO_REQUEST) => {
+                    (true, identifier, 0)
+                }
+                (PROTO_ICMP, ICMP_ECHO_REPLY) | (PROTO_ICMPV6, ICMPV6_ECHO_REPLY) => {
+                    (true, 0, identifier)
+                }
+                _ => NONE,
+            })
+        }
+        _ => Ok(NONE),
+    }
+}
+
+/// The ports at the start of a transport header, in network byte order, after `true`.
+#[inline(always)]
+fn header_ports(header: &[u8]) -> (bool, u16, u16) {
+    (
+        true,
+        u16::from_ne_bytes([header[0], header[1]]),
+        u16::from_ne_bytes([header[2], header[3]]),
+    )
+}
+
+/// A packet's source address, read from its linear headers.
+pub enum SourceAddress {
+    V4([u8; 4]),
+    V6([u8; 16]),
+}
+
+/// The packet's source address when its IP header is in the linear area (nothing is pulled:
+/// the caller falls back to parsing otherwise); `None` for anything else.
+#[inline(always)]
+pub fn source_address(ctx: &TcContext) -> Option<SourceAddress> {
+    let ethertype: u16 = load(ctx, 12).ok()?;
+    if ethertype == ETH_P_IP.to_be() {
+        return load(ctx, IPV4_SADDR_OFF).ok().map(SourceAddress::V4);
+    }
+    if ethertype == ETH_P_IPV6.to_be() {
+        return load(ctx, IPV6_SADDR_OFF).ok().map(SourceAddress::V6);
+    }
+    None
+}
