@@ -8,7 +8,7 @@
 //! unfiltered (no rules, default ALLOW): an attachment without an entry is not filtered at all.
 //! Read by every program that delivers a packet to or takes one from a container.
 
-use crate::impl_pod;
+use crate::{filter_flow::RULE_DEFAULT, impl_pod};
 
 pub const MAP_NAME: &str = "filters";
 pub const MAX_ENTRIES: u32 = 4_096;
@@ -95,4 +95,256 @@ impl Default for FilterSet {
     }
 }
 
+/// A packet as the rules read it: addresses as the 32-bit words of their 16-byte form (in
+/// memory order, as the programs load them), ports in host byte order.
+#[derive(Debug)]
+pub struct RulePacket<'a> {
+    /// `DIRECTION_*` of the packet.
+    pub direction: u8,
+    pub family: u8,
+    pub protocol: u8,
+    pub source: &'a [u32; 4],
+    pub destination: &'a [u32; 4],
+    pub source_port: u16,
+    pub destination_port: u16,
+}
+
+impl FilterRule {
+    /// Whether the rule matches `packet`, whatever the state of its connection.
+    #[inline(always)]
+    pub fn matches(&self, packet: &RulePacket<'_>) -> bool {
+        self.direction & packet.direction != 0
+            && (self.family == 0 || self.family == packet.family)
+            && (self.protocol == 0 || self.protocol == packet.protocol)
+            // SAFETY: fields of a `FilterRule`, aligned as asserted below.
+            && unsafe { masked_equal(packet.source, &self.src_mask, &self.src_addr) }
+            // SAFETY: as above.
+            && unsafe { masked_equal(packet.destination, &self.dst_mask, &self.dst_addr) }
+            && (self.sport_low..=self.sport_high).contains(&packet.source_port)
+            && (self.dport_low..=self.dport_high).contains(&packet.destination_port)
+    }
+}
+
+/// Whether `addr` masked with `mask` equals `expected` (stored masked): four word compares.
+///
+/// # Safety
+/// `mask` and `expected` must be 4-byte aligned: fields of a [`FilterRule`].
+#[inline(always)]
+unsafe fn masked_equal(addr: &[u32; 4], mask: &[u8; 16], expected: &[u8; 16]) -> bool {
+    // SAFETY: 16 readable bytes each, aligned for u32 as the caller vouches. Word loads: byte
+    // reads would cost the programs 32 loads a rule.
+    let (mask, expected) = unsafe {
+        (
+            mask.as_ptr().cast::<[u32; 4]>().read(),
+            expected.as_ptr().cast::<[u32; 4]>().read(),
+        )
+    };
+    addr[0] & mask[0] == expected[0]
+        && addr[1] & mask[1] == expected[1]
+        && addr[2] & mask[2] == expected[2]
+        && addr[3] & mask[3] == expected[3]
+}
+
+// A rule's addresses and masks can be read as words (see `masked_equal`).
+const _: () = assert!(
+    align_of::<FilterRule>() == 4
+        && core::mem::offset_of!(FilterRule, src_addr) % 4 == 0
+        && core::mem::offset_of!(FilterRule, src_mask) % 4 == 0
+        && core::mem::offset_of!(FilterRule, dst_addr) % 4 == 0
+        && core::mem::offset_of!(FilterRule, dst_mask) % 4 == 0
+);
+
+/// The answers of one pass over an attachment's rules: the position of the first rule
+/// matching a connection's first packet (`connstate: new`) and of the first matching its
+/// later ones (`established`), [`RULE_DEFAULT`] while none has.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FirstMatches {
+    pub new: u16,
+    pub established: u16,
+}
+
+impl FirstMatches {
+    pub const NONE: Self = Self {
+        new: RULE_DEFAULT,
+        established: RULE_DEFAULT,
+    };
+
+    /// Takes the matching rule at `position` with its `connstate` bits; `true` once both
+    /// answers are known and the search can stop.
+    #[inline(always)]
+    pub fn record(&mut self, position: u16, connstate: u8) -> bool {
+        if self.new == RULE_DEFAULT && connstate & CONNSTATE_NEW != 0 {
+            self.new = position;
+        }
+        if self.established == RULE_DEFAULT && connstate & CONNSTATE_ESTABLISHED != 0 {
+            self.established = position;
+        }
+        self.new != RULE_DEFAULT && self.established != RULE_DEFAULT
+    }
+}
+
 impl_pod!(FilterRule, FilterSet);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{FAMILY_IPV4, FAMILY_IPV6, PROTO_TCP, PROTO_UDP};
+
+    /// `addr` masked to `prefix` bits, and the mask, as the plugin stores a rule's address.
+    fn prefix(addr: [u8; 16], prefix: u32) -> ([u8; 16], [u8; 16]) {
+        let mask = u128::MAX
+            .checked_shl(128 - prefix)
+            .unwrap_or(0)
+            .to_be_bytes();
+        let mut masked = addr;
+        for (byte, mask) in masked.iter_mut().zip(mask) {
+            *byte &= mask;
+        }
+        (masked, mask)
+    }
+
+    fn v4(octets: [u8; 4]) -> [u8; 16] {
+        let mut addr = [0; 16];
+        addr[..4].copy_from_slice(&octets);
+        addr
+    }
+
+    /// The words the programs read of an address.
+    fn read(addr: [u8; 16]) -> [u32; 4] {
+        [0, 4, 8, 12]
+            .map(|at| u32::from_ne_bytes([addr[at], addr[at + 1], addr[at + 2], addr[at + 3]]))
+    }
+
+    fn any_rule() -> FilterRule {
+        FilterRule {
+            sport_high: u16::MAX,
+            dport_high: u16::MAX,
+            direction: DIRECTION_INGRESS | DIRECTION_EGRESS,
+            connstate: CONNSTATE_NEW | CONNSTATE_ESTABLISHED,
+            target: TARGET_DROP,
+            src_prefix: NO_PREFIX,
+            dst_prefix: NO_PREFIX,
+            ..FilterRule::default()
+        }
+    }
+
+    fn tcp(
+        source: [u8; 16],
+        destination: [u8; 16],
+        ports: (u16, u16),
+    ) -> impl Fn(&FilterRule) -> bool {
+        move |rule| {
+            rule.matches(&RulePacket {
+                direction: DIRECTION_EGRESS,
+                family: FAMILY_IPV4,
+                protocol: PROTO_TCP,
+                source: &read(source),
+                destination: &read(destination),
+                source_port: ports.0,
+                destination_port: ports.1,
+            })
+        }
+    }
+
+    #[test]
+    fn a_rule_naming_nothing_matches_every_packet_of_its_directions() {
+        let packet = tcp(v4([10, 0, 0, 2]), v4([203, 0, 113, 9]), (40_000, 443));
+        assert!(packet(&any_rule()));
+        let ingress_only = FilterRule {
+            direction: DIRECTION_INGRESS,
+            ..any_rule()
+        };
+        assert!(!packet(&ingress_only));
+    }
+
+    #[test]
+    fn prefixes_match_the_addresses_inside_them_only() {
+        let (src_addr, src_mask) = prefix(v4([10, 22, 0, 0]), 16);
+        let rule = FilterRule {
+            src_addr,
+            src_mask,
+            src_prefix: 16,
+            ..any_rule()
+        };
+        let to_web = |source| tcp(source, v4([203, 0, 113, 9]), (40_000, 443))(&rule);
+        assert!(to_web(v4([10, 22, 0, 5])));
+        assert!(to_web(v4([10, 22, 255, 255])));
+        assert!(!to_web(v4([10, 23, 0, 5])));
+        assert!(!to_web(v4([11, 22, 0, 5])));
+        let (dst_addr, dst_mask) = prefix(v4([203, 0, 113, 9]), 32);
+        let host = FilterRule {
+            dst_addr,
+            dst_mask,
+            dst_prefix: 32,
+            ..any_rule()
+        };
+        assert!(tcp(v4([1, 1, 1, 1]), v4([203, 0, 113, 9]), (1, 2))(&host));
+        assert!(!tcp(v4([1, 1, 1, 1]), v4([203, 0, 113, 8]), (1, 2))(&host));
+        let (zero, everything) = prefix(v4([0, 0, 0, 0]), 0);
+        let all = FilterRule {
+            src_addr: zero,
+            src_mask: everything,
+            ..any_rule()
+        };
+        assert!(tcp(v4([192, 0, 2, 1]), v4([1, 2, 3, 4]), (1, 2))(&all));
+    }
+
+    #[test]
+    fn port_ranges_include_both_ends() {
+        let rule = FilterRule {
+            dport_low: 8000,
+            dport_high: 8080,
+            sport_low: 1024,
+            ..any_rule()
+        };
+        let to = |sport, dport| tcp(v4([10, 0, 0, 2]), v4([10, 0, 0, 3]), (sport, dport))(&rule);
+        assert!(to(1024, 8000) && to(65_535, 8080) && to(5000, 8040));
+        assert!(!to(1024, 7999) && !to(1024, 8081) && !to(1023, 8000));
+    }
+
+    #[test]
+    fn family_and_protocol_zero_match_any() {
+        let packet = |family, protocol, rule: &FilterRule| {
+            let addr = read([0xfd; 16]);
+            rule.matches(&RulePacket {
+                direction: DIRECTION_INGRESS,
+                family,
+                protocol,
+                source: &addr,
+                destination: &addr,
+                source_port: 53,
+                destination_port: 53,
+            })
+        };
+        let any = any_rule();
+        assert!(packet(FAMILY_IPV6, PROTO_UDP, &any) && packet(FAMILY_IPV4, PROTO_TCP, &any));
+        let udp6 = FilterRule {
+            family: FAMILY_IPV6,
+            protocol: PROTO_UDP,
+            ..any_rule()
+        };
+        assert!(packet(FAMILY_IPV6, PROTO_UDP, &udp6));
+        assert!(!packet(FAMILY_IPV4, PROTO_UDP, &udp6));
+        assert!(!packet(FAMILY_IPV6, PROTO_TCP, &udp6));
+    }
+
+    #[test]
+    fn the_search_keeps_the_first_match_of_each_connection_state() {
+        let mut answers = FirstMatches::NONE;
+        assert!(!answers.record(3, CONNSTATE_ESTABLISHED));
+        assert!(!answers.record(4, CONNSTATE_ESTABLISHED));
+        assert_eq!(answers.established, 3);
+        assert_eq!(answers.new, RULE_DEFAULT);
+        assert!(answers.record(7, CONNSTATE_NEW | CONNSTATE_ESTABLISHED));
+        assert_eq!(
+            answers,
+            FirstMatches {
+                new: 7,
+                established: 3
+            }
+        );
+        let mut both = FirstMatches::NONE;
+        assert!(both.record(0, CONNSTATE_NEW | CONNSTATE_ESTABLISHED));
+    }
+}

@@ -27,8 +27,14 @@ pub const fn replace4(checksum: u16, old: [u8; 4], new: [u8; 4]) -> u16 {
     )
 }
 
+/// The ones' complement sum of two 32-bit partial sums (the end-around carry added back).
+pub const fn add(a: u32, b: u32) -> u32 {
+    let (sum, carry) = a.overflowing_add(b);
+    sum.wrapping_add(carry as u32)
+}
+
 /// A 32-bit ones' complement sum folded to 16 bits (twice: the first fold can carry).
-const fn fold(sum: u32) -> u16 {
+pub const fn fold(sum: u32) -> u16 {
     let once = (sum & 0xffff) + (sum >> 16);
     ((once & 0xffff) + (once >> 16)) as u16
 }
@@ -36,6 +42,25 @@ const fn fold(sum: u32) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn partial_sums_add_and_fold_as_ones_complement() {
+        assert_eq!(add(1, 2), 3);
+        // The carry out of bit 31 comes back in at bit 0.
+        assert_eq!(add(0xffff_ffff, 1), 1);
+        assert_eq!(add(0x8000_0000, 0x8000_0001), 2);
+        assert_eq!(fold(0x0001_fffe), 0xffff);
+        assert_eq!(fold(0xffff_ffff), 0xffff);
+        assert_eq!(fold(0x1234), 0x1234);
+        // Folding a sum of words gives the sum a 16-bit accumulator would.
+        let words = [0xffffu32, 0xffff, 0x0002];
+        let wide = words.iter().fold(0, |sum, word| add(sum, *word));
+        let narrow = words.iter().fold(0u16, |sum, word| {
+            let (total, carry) = sum.overflowing_add(*word as u16);
+            total + u16::from(carry)
+        });
+        assert_eq!(fold(wide), narrow);
+    }
 
     /// The checksum of `bytes` computed whole, as a sender does.
     fn checksum(bytes: &[u8]) -> u16 {

@@ -36,6 +36,7 @@ pub mod nat_flow;
 pub mod nat_fragment;
 pub mod owner;
 pub mod owner_port;
+pub mod packet;
 pub mod port_claim;
 pub mod port_condition;
 pub mod portmap;

@@ -19,7 +19,7 @@ mod rules;
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     drop_stats::DropReason,
-    filter::{DIRECTION_EGRESS, FilterSet, TARGET_ALLOW},
+    filter::{DIRECTION_EGRESS, FilterSet, FirstMatches, TARGET_ALLOW},
     filter_flow::{FilterFlow, FilterFlowKey, RULE_DEFAULT},
     filter_fragment::FilterFragmentKey,
     filter_hits::DEFAULT_SLOT,
@@ -68,9 +68,8 @@ pub struct Subject {
     /// TCP flags, zero for other protocols.
     pub flags: u8,
     /// Answers of the rule search: the first rule matching a connection's first packet and
-    /// its later ones (positions, `RULE_DEFAULT` when none).
-    pub new: u16,
-    pub established: u16,
+    /// its later ones.
+    pub answers: FirstMatches,
 }
 
 /// Scratch space of the filter (see [`Subject`]); private to each loaded object, not pinned.
@@ -244,8 +243,8 @@ fn tracked(subject: &mut Subject, set: &FilterSet) -> u32 {
     }
     if entry.generation != set.generation {
         evaluate(subject, set);
-        entry.rule = subject.established;
-        entry.verdict = target(set, subject.established);
+        entry.rule = subject.answers.established;
+        entry.verdict = target(set, subject.answers.established);
         entry.generation = set.generation;
     }
     conntrack::advance(entry, protocol, subject.flags, SIDE_ORIGIN, subject.now);
@@ -264,18 +263,18 @@ fn tracked(subject: &mut Subject, set: &FilterSet) -> u32 {
 #[inline(never)]
 fn opens_connection(subject: &mut Subject, set: &FilterSet) -> bool {
     evaluate(subject, set);
-    count_hit(subject, subject.new);
-    if target(set, subject.new) != TARGET_ALLOW {
-        report(subject, set, subject.new);
+    count_hit(subject, subject.answers.new);
+    if target(set, subject.answers.new) != TARGET_ALLOW {
+        report(subject, set, subject.answers.new);
         return false;
     }
     let entry = FilterFlow {
         owner: set.owner,
         generation: set.generation,
         last_seen_ns: subject.now,
-        rule: subject.established,
+        rule: subject.answers.established,
         origin: subject.direction,
-        verdict: target(set, subject.established),
+        verdict: target(set, subject.answers.established),
         state: STATE_OPENING,
         fin: 0,
         last_verdict: TARGET_ALLOW,

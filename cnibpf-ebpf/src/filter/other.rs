@@ -7,6 +7,7 @@ use cnibpf_common::{
     drop_stats::DropReason,
     filter::{DIRECTION_EGRESS, TARGET_ALLOW},
     filter_flow::FilterFlowKey,
+    packet::is_icmpv6_link_control,
 };
 
 use super::{
@@ -49,22 +50,19 @@ pub fn allows_other(ctx: &TcContext, ifindex: u32, direction: u8) -> bool {
     // SAFETY: this CPU's scratch, filled by `classify`.
     let subject = unsafe { &mut *subject };
     evaluate(subject, set);
-    count_hit(subject, subject.new);
-    if target(set, subject.new) == TARGET_ALLOW {
+    count_hit(subject, subject.answers.new);
+    if target(set, subject.answers.new) == TARGET_ALLOW {
         return true;
     }
-    report(subject, set, subject.new);
+    report(subject, set, subject.answers.new);
     false
 }
 
 /// [`classify`]'s answers: the packet always passes, it is to be judged by the rules (an
 /// ICMP packet maybe by its connection first), or it could not be read.
 const PASSES: u32 = 0;
-
 const JUDGED: u32 = 1;
-
 const ICMP_JUDGED: u32 = 2;
-
 const MALFORMED: u32 = 3;
 
 /// Reads a packet without ports into this CPU's [`Subject`]. Anything but IP, and
@@ -108,8 +106,7 @@ fn read_other(ctx: &TcContext) -> Result<Option<Packet>, DatapathError> {
         }
         if protocol == PROTO_ICMPV6 {
             let icmp_type: u8 = load_anywhere(ctx, l4_off)?;
-            // MLD (130-132, 143), router and neighbour discovery, redirect (133-137).
-            if matches!(icmp_type, 130..=137 | 143) {
+            if is_icmpv6_link_control(icmp_type) {
                 return Ok(None);
             }
         }

@@ -1,10 +1,7 @@
 //! The rule search: one pass over an attachment's rules in order, `bpf_loop` driven.
 
 use aya_ebpf::{cty::c_void, helpers::bpf_loop};
-use cnibpf_common::{
-    filter::{CONNSTATE_ESTABLISHED, CONNSTATE_NEW, FilterRule, FilterSet, MAX_RULES},
-    filter_flow::RULE_DEFAULT,
-};
+use cnibpf_common::filter::{FilterRule, FilterSet, FirstMatches, MAX_RULES, RulePacket};
 
 use super::Subject;
 
@@ -17,11 +14,10 @@ struct RuleSearch {
 }
 
 /// One pass over the rules in order, stopping once the first matches for both a first and a
-/// later packet are known; the answers are left in `subject.new` / `subject.established`.
+/// later packet are known; the answers are left in `subject.answers`.
 #[inline(never)]
 pub(super) fn evaluate(subject: &mut Subject, set: &FilterSet) {
-    subject.new = RULE_DEFAULT;
-    subject.established = RULE_DEFAULT;
+    subject.answers = FirstMatches::NONE;
     let mut search = RuleSearch {
         set,
         subject: core::ptr::from_mut(subject),
@@ -53,42 +49,19 @@ extern "C" fn match_rule(position: u64, context: *mut c_void) -> i64 {
     else {
         return 1;
     };
-    let matches = rule.direction & subject.direction != 0
-        && (rule.family == 0 || rule.family == subject.key.family)
-        && (rule.protocol == 0 || rule.protocol == subject.key.protocol)
-        && masked_equal(&subject.source, &rule.src_mask, &rule.src_addr)
-        && masked_equal(&subject.destination, &rule.dst_mask, &rule.dst_addr)
-        && (rule.sport_low..=rule.sport_high).contains(&subject.source_port)
-        && (rule.dport_low..=rule.dport_high).contains(&subject.destination_port);
-    if !matches {
+    let packet = RulePacket {
+        direction: subject.direction,
+        family: subject.key.family,
+        protocol: subject.key.protocol,
+        source: &subject.source,
+        destination: &subject.destination,
+        source_port: subject.source_port,
+        destination_port: subject.destination_port,
+    };
+    if !rule.matches(&packet) {
         return 0;
     }
-    let position = position as u16;
-    if subject.new == RULE_DEFAULT && rule.connstate & CONNSTATE_NEW != 0 {
-        subject.new = position;
-    }
-    if subject.established == RULE_DEFAULT && rule.connstate & CONNSTATE_ESTABLISHED != 0 {
-        subject.established = position;
-    }
-    i64::from(subject.new != RULE_DEFAULT && subject.established != RULE_DEFAULT)
-}
-
-/// Whether `addr` masked with `mask` equals `expected` (already masked).
-#[inline(always)]
-fn masked_equal(addr: &[u32; 4], mask: &[u8; 16], expected: &[u8; 16]) -> bool {
-    // SAFETY: rule addresses and masks are 16-byte fields at multiples of four bytes into
-    // `FilterRule`, which has the alignment of its `u32` fields: read as words, they are
-    // aligned (byte-wise reads would cost 32 loads a rule).
-    let (mask, expected) = unsafe {
-        (
-            mask.as_ptr().cast::<[u32; 4]>().read(),
-            expected.as_ptr().cast::<[u32; 4]>().read(),
-        )
-    };
-    addr[0] & mask[0] == expected[0]
-        && addr[1] & mask[1] == expected[1]
-        && addr[2] & mask[2] == expected[2]
-        && addr[3] & mask[3] == expected[3]
+    i64::from(subject.answers.record(position as u16, rule.connstate))
 }
 
 /// The rule at `position`; `None` past the rules (`RULE_DEFAULT` is).

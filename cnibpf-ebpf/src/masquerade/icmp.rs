@@ -2,7 +2,7 @@
 //! the packet it quotes back to the container's side with every checksum they touch.
 
 use aya_ebpf::{helpers::bpf_csum_diff, programs::TcContext};
-use cnibpf_common::{FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_UDP};
+use cnibpf_common::{FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_UDP, internet_checksum};
 
 use crate::packet::{DatapathError, ETH_HLEN, csum_diff, icmp::IcmpError, load_anywhere};
 
@@ -30,11 +30,11 @@ impl IcmpError {
         if inner_csum_present {
             let old: u16 = load_anywhere(ctx, inner_csum)?;
             let diff = if inner_covers_addresses {
-                csum_add(address_diff, port_diff)
+                internet_checksum::add(address_diff, port_diff)
             } else {
                 port_diff
             };
-            ctx.l4_csum_replace(inner_csum, 0, u64::from(fold(diff)), 0)
+            ctx.l4_csum_replace(inner_csum, 0, u64::from(internet_checksum::fold(diff)), 0)
                 .map_err(failed)?;
             let new: u16 = load_anywhere(ctx, inner_csum)?;
             ctx.l4_csum_replace(outer_csum, u64::from(old), u64::from(new), 2)
@@ -76,13 +76,18 @@ impl IcmpError {
             ctx.store(ETH_HLEN + 16, &new_addr, 0).map_err(failed)?;
         } else {
             ctx.store(self.inner_off + 8, addr, 0).map_err(failed)?;
-            ctx.l4_csum_replace(outer_csum, 0, u64::from(fold(address_diff)), 0)
-                .map_err(failed)?;
+            ctx.l4_csum_replace(
+                outer_csum,
+                0,
+                u64::from(internet_checksum::fold(address_diff)),
+                0,
+            )
+            .map_err(failed)?;
             let daddr_diff = csum_diff(&self.daddr, addr)?;
             ctx.l4_csum_replace(
                 outer_csum,
                 0,
-                u64::from(fold(daddr_diff)),
+                u64::from(internet_checksum::fold(daddr_diff)),
                 u64::from(aya_ebpf::bindings::BPF_F_PSEUDO_HDR),
             )
             .map_err(failed)?;
@@ -99,16 +104,4 @@ fn csum_diff_u16(old: u16, new: u16) -> Result<u32, DatapathError> {
     // SAFETY: both buffers are 4 bytes on this program's stack.
     let diff = unsafe { bpf_csum_diff(from.as_mut_ptr().cast(), 4, to.as_mut_ptr().cast(), 4, 0) };
     u32::try_from(diff).map_err(|_| DatapathError::RewriteFailed)
-}
-
-/// Ones'-complement addition of two 32-bit partial sums.
-fn csum_add(a: u32, b: u32) -> u32 {
-    let (sum, carry) = a.overflowing_add(b);
-    sum.wrapping_add(u32::from(carry))
-}
-
-/// Folds a 32-bit ones'-complement sum to 16 bits, in the form `bpf_l4_csum_replace` adds.
-fn fold(sum: u32) -> u32 {
-    let sum = (sum & 0xffff) + (sum >> 16);
-    (sum & 0xffff) + (sum >> 16)
 }

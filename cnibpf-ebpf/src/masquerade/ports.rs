@@ -13,8 +13,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use cnibpf_common::{
-    FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, masq_reply::MasqReply,
-    nat_flow::NatFlowKey,
+    FAMILY_IPV4, PROTO_TCP, PROTO_UDP, masq_reply::MasqReply, nat_flow::NatFlowKey,
+    packet::masquerade_port_range,
 };
 
 use super::{Plan, count};
@@ -105,7 +105,7 @@ pub(super) fn claim_port(flow: &Flow, plan: &Plan, keep_own_port: bool) -> Optio
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
     let search = unsafe { &mut *search };
     let original = u16::from_be(flow.sport);
-    let (low, span) = port_range(flow.protocol, original);
+    let (low, span) = masquerade_port_range(flow.protocol, original);
     search.reverse = NatFlowKey {
         src_addr: flow.daddr,
         dst_addr: plan.nat_addr,
@@ -215,18 +215,4 @@ fn claim(reverse: &NatFlowKey, reply: &MasqReply) -> bool {
         && maps::masq_replies
             .insert(reverse, reply, u64::from(BPF_ANY))
             .is_ok()
-}
-
-/// The first port and the number of ports a new flow's port is chosen from: the class of its
-/// own (below 512, below 1024, the rest), any identifier for ICMP echo.
-fn port_range(protocol: u8, original: u16) -> (u16, u32) {
-    if protocol == PROTO_ICMP || protocol == PROTO_ICMPV6 {
-        (1, 65_535)
-    } else if original < 512 {
-        (1, 511)
-    } else if original < 1024 {
-        (600, 424)
-    } else {
-        (1024, 64_512)
-    }
 }

@@ -3,7 +3,10 @@
 //! they quote (`filter`).
 
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
-use cnibpf_common::{FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP};
+use cnibpf_common::{
+    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    packet::{Fragment, is_echo_request, is_icmp_error},
+};
 
 use super::{DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN, load_anywhere, widen};
 
@@ -46,7 +49,8 @@ impl IcmpError {
         let (family, icmp_off, protocol, daddr) = if ethertype == ETH_P_IP.to_be() {
             let version_ihl: u8 = load_anywhere(ctx, ETH_HLEN)?;
             let fragment: u16 = load_anywhere(ctx, ETH_HLEN + 6)?;
-            if version_ihl >> 4 != 4 || u16::from_be(fragment) & 0x3fff != 0 {
+            if version_ihl >> 4 != 4 || Fragment::of_ipv4(u16::from_be(fragment)) != Fragment::Whole
+            {
                 return Ok(false);
             }
             let daddr: [u8; 4] = load_anywhere(ctx, ETH_HLEN + 16)?;
@@ -67,15 +71,7 @@ impl IcmpError {
             return Ok(false);
         };
         let icmp_type: u8 = load_anywhere(ctx, icmp_off)?;
-        let is_error = match protocol {
-            // Destination unreachable (incl. fragmentation needed), time exceeded, parameter
-            // problem.
-            PROTO_ICMP => matches!(icmp_type, 3 | 11 | 12),
-            // Destination unreachable, packet too big, time exceeded, parameter problem.
-            PROTO_ICMPV6 => matches!(icmp_type, 1..=4),
-            _ => false,
-        };
-        if !is_error {
+        if !is_icmp_error(protocol, icmp_type) {
             return Ok(false);
         }
         let inner_off = icmp_off + ICMP_HLEN;
@@ -105,7 +101,7 @@ impl IcmpError {
             // Only a quoted echo request: its identifier is what was translated.
             PROTO_ICMP | PROTO_ICMPV6 => {
                 let quoted_type: u8 = load_anywhere(ctx, inner_l4_off)?;
-                if quoted_type != 8 && quoted_type != 128 {
+                if !is_echo_request(inner_protocol, quoted_type) {
                     return Ok(false);
                 }
                 (load_anywhere::<u16>(ctx, inner_l4_off + 4)?, 0)

@@ -17,7 +17,8 @@ use core::mem::MaybeUninit;
 use aya_ebpf::programs::TcContext;
 
 pub use address::{clear_address, unwords, widen, words};
-pub use parse::{Flow, Fragment, SourceAddress, extension_headers, source_address};
+pub use cnibpf_common::packet::Fragment;
+pub use parse::{Flow, SourceAddress, extension_headers, source_address};
 pub use rewrite::csum_diff;
 pub use skb::{
     from_local_socket, ifindex, mark_translated, redirect_to_peer, set_macs, take_translated_mark,

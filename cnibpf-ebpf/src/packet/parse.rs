@@ -7,6 +7,7 @@ use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
     masq_fragment::FragmentKey,
+    packet::{Fragment, is_echo_reply, is_echo_request},
 };
 
 use super::{
@@ -14,13 +15,6 @@ use super::{
     IPV6_HLEN, IPV6_SADDR_OFF, L4_PULL, MAX_DIRECT_OFFSET, TCP_ACK, TCP_SYN, address::widen_fast,
     ensure_linear, load, load_anywhere,
 };
-
-const IPV4_FRAGMENT_OFFSET_MASK: u16 = 0x1fff;
-const IPV4_MORE_FRAGMENTS: u16 = 0x2000;
-const ICMP_ECHO_REPLY: u8 = 0;
-const ICMP_ECHO_REQUEST: u8 = 8;
-const ICMPV6_ECHO_REQUEST: u8 = 128;
-const ICMPV6_ECHO_REPLY: u8 = 129;
 
 /// A TCP, UDP, SCTP or ICMP echo packet over IPv4 or IPv6 (no extension headers but a
 /// fragment header).
@@ -39,16 +33,6 @@ pub struct Flow {
     /// the wire; zero for a whole datagram.
     pub fragment_id: u32,
     pub(super) l4_off: usize,
-}
-
-/// Where a packet stands in its datagram.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Fragment {
-    Whole,
-    /// The first fragment, which carries the L4 header.
-    First,
-    /// A later fragment: no L4 header, so no ports; only addresses can be rewritten.
-    Later,
 }
 
 /// The IPv6 fragment header's next-header value.
@@ -90,14 +74,7 @@ pub fn extension_headers(
             }
             IPV6_FRAGMENT_HEADER => {
                 let header: [u8; 8] = load_anywhere(ctx, offset)?;
-                let offset_and_more = u16::from_be_bytes([header[2], header[3]]);
-                fragment = if offset_and_more >> 3 != 0 {
-                    Fragment::Later
-                } else if offset_and_more & 1 != 0 {
-                    Fragment::First
-                } else {
-                    Fragment::Whole
-                };
+                fragment = Fragment::of_ipv6(u16::from_be_bytes([header[2], header[3]]));
                 fragment_id = u32::from_ne_bytes([header[4], header[5], header[6], header[7]]);
                 next_header = header[0];
                 offset += IPV6_FRAGMENT_HLEN;
@@ -139,13 +116,7 @@ impl Flow {
         // Identification and flags/offset, read together.
         let id_and_fragment: [u8; 4] = load(ctx, ETH_HLEN + 4)?;
         let fragment_bits = u16::from_be_bytes([id_and_fragment[2], id_and_fragment[3]]);
-        let fragment = if fragment_bits & IPV4_FRAGMENT_OFFSET_MASK != 0 {
-            Fragment::Later
-        } else if fragment_bits & IPV4_MORE_FRAGMENTS != 0 {
-            Fragment::First
-        } else {
-            Fragment::Whole
-        };
+        let fragment = Fragment::of_ipv4(fragment_bits);
         ensure_linear(ctx, ETH_HLEN + header_len + L4_PULL);
         let protocol: u8 = load(ctx, ETH_HLEN + 9)?;
         let l4_off = ETH_HLEN + header_len;
@@ -290,14 +261,12 @@ fn ports(
             let header: [u8; 8] = load(ctx, l4_off)?;
             let icmp_type = header[0];
             let identifier = u16::from_ne_bytes([header[4], header[5]]);
-            Ok(match (protocol, icmp_type) {
-                (PROTO_ICMP, ICMP_ECHO_REQUEST) | (PROTO_ICMPV6, ICMPV6_ECHO_REQUEST) => {
-                    (true, identifier, 0)
-                }
-                (PROTO_ICMP, ICMP_ECHO_REPLY) | (PROTO_ICMPV6, ICMPV6_ECHO_REPLY) => {
-                    (true, 0, identifier)
-                }
-                _ => NONE,
+            Ok(if is_echo_request(protocol, icmp_type) {
+                (true, identifier, 0)
+            } else if is_echo_reply(protocol, icmp_type) {
+                (true, 0, identifier)
+            } else {
+                NONE
             })
         }
         _ => Ok(NONE),
