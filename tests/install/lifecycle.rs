@@ -1,0 +1,258 @@
+//! Upgrades and back-out: the binary replaced while it runs, portmap's pods deleted through
+//! cnibpf's entry, `uninstall --purge`, uninstalls finished by cached configurations, an
+//! nftables datapath that cannot be migrated.
+
+use super::*;
+
+#[test]
+fn an_upgrade_replaces_the_binary_while_the_old_one_runs() {
+    let node = NodeDirs::new("upgrade");
+    node.write("10-flannel.conflist", &flannel());
+    // The "old release": the same program with a byte more, running from the bin dir.
+    let old = node.bin_dir().join("cnibpf");
+    let mut content = std::fs::read(cnibpf_binary()).expect("cnibpf");
+    content.push(0);
+    std::fs::write(&old, &content).expect("the old binary");
+    std::fs::set_permissions(&old, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    // A process another test forks while the file was open for writing holds it open until
+    // it execs: the kernel answers "text file busy" until then.
+    let mut attempts = 0;
+    let running = loop {
+        let spawned = Command::new(&old)
+            .args(node.args("install", &["--watch", "--replace-portmap"]))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        match spawned {
+            Err(error)
+                if error.kind() == std::io::ErrorKind::ExecutableFileBusy && attempts < 100 =>
+            {
+                attempts += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            spawned => break spawned.expect("run the old binary"),
+        }
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || node
+            .read_if_there("10-flannel.cnibpf.conflist")
+            .is_some_and(|chained| types(&chained) == ["flannel", "cnibpf"])),
+        "the old release chained itself in"
+    );
+    let output = node.succeed("install", &["--replace-portmap"]);
+    assert!(output.contains("installed"), "{output}");
+    assert_eq!(
+        std::fs::read(&old).expect("the new binary"),
+        std::fs::read(cnibpf_binary()).expect("cnibpf"),
+        "the new release is in place"
+    );
+    terminate(running);
+}
+
+/// The iptables state of the simulated host's nat table (`iptables-save`, or the legacy
+/// one).
+fn nat_rules(sim: &SimHost, save: &str) -> String {
+    sim.host.exec(&[save, "-t", "nat"])
+}
+
+/// A pod the reference portmap set up before `install --replace-portmap` (its hostPort in
+/// portmap's iptables chains) is deleted through cnibpf's entry: cnibpf holds nothing of it
+/// and hands the DEL to portmap, which removes its chains — with iptables over nf_tables
+/// (Debian's default) and with legacy iptables. A pod cnibpf set up afterwards is deleted by
+/// cnibpf, and its repeated DELs (which containerd sends) succeed.
+#[test]
+fn a_pod_portmap_made_before_the_install_is_deleted_by_portmap_through_cnibpfs_entry() {
+    for (iptables, save) in [
+        ("iptables-nft", "iptables-nft-save"),
+        ("iptables-legacy", "iptables-legacy-save"),
+    ] {
+        let sim = SimHost::with_reference_portmap(&format!("pmd-{}", &iptables[9..]));
+        // portmap runs the `iptables` it finds first on PATH.
+        let tools = sim.work_dir.join("iptables");
+        std::fs::create_dir_all(&tools).expect("tools dir");
+        for (name, target) in [
+            ("iptables", iptables),
+            ("ip6tables", &iptables.replace("ip", "ip6")),
+        ] {
+            std::os::unix::fs::symlink(format!("/usr/sbin/{target}"), tools.join(name))
+                .expect("link iptables");
+        }
+        let path = format!(
+            "{}:{}",
+            tools.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        sim.chain.set_environment(&[("PATH", &path)]);
+        let made_by_portmap = sim
+            .add_container("old", port_mappings(&[(18090, 80, "tcp")]))
+            .unwrap_or_else(|error| panic!("{iptables}: ADD through portmap: {error}"));
+        let container_id = made_by_portmap.attachment.container_id.clone();
+        let before = nat_rules(&sim, save);
+        assert!(
+            before.contains(&container_id) && before.contains("CNI-DN-"),
+            "{iptables}: portmap's chains of the pod:\n{before}"
+        );
+
+        let node = NodeDirs::new(&format!("pmd-{}", &iptables[9..]));
+        node.write("10-net.conflist", sim.chain.conflist());
+        let entry = node.root.join("entry.json");
+        std::fs::write(
+            &entry,
+            json!({ "pinPath": sim.pin_path, "logFile": sim.call_log() }).to_string(),
+        )
+        .expect("entry");
+        node.succeed(
+            "install",
+            &["--entry", &entry.display().to_string(), "--replace-portmap"],
+        );
+        let own = node.read("10-net.cnibpf.conflist");
+        assert_eq!(types(&own), ["bridge", "cnibpf"], "{own:#}");
+        let through_cnibpf = Chain::new(own, &cni_path(), &sim.host.path());
+        through_cnibpf.remember(&made_by_portmap.attachment, &made_by_portmap.result);
+        let del = |attachment: &Attachment| {
+            let cnibpf = &through_cnibpf.conflist()["plugins"][1];
+            let config = through_cnibpf.plugin_config(
+                cnibpf,
+                "1.0.0",
+                Some(&made_by_portmap.result),
+                &attachment.capability_args,
+            );
+            let mut process = plugin_command(
+                &cni_path(),
+                &sim.host.path(),
+                "cnibpf",
+                "DEL",
+                Some(attachment),
+            );
+            process.env("PATH", &path);
+            run_with_stdin(process, "cnibpf", "DEL", &config.to_string())
+        };
+        let deleted = del(&made_by_portmap.attachment);
+        assert_eq!(
+            deleted.exit_code, 0,
+            "{iptables}: DEL through cnibpf: {deleted:?}"
+        );
+        let after = nat_rules(&sim, save);
+        assert!(
+            !after.contains(&container_id),
+            "{iptables}: nothing of portmap's for the pod remains:\n{after}"
+        );
+        let logged = std::fs::read_to_string(sim.call_log()).expect("the call log");
+        assert!(
+            logged.lines().any(|line| line.contains(&container_id)
+                && line.contains("\"DEL\"")
+                && line.contains("portmap")),
+            "{iptables}: the DEL's log line names portmap:\n{logged}"
+        );
+        let again = del(&made_by_portmap.attachment);
+        assert_eq!(again.exit_code, 0, "{iptables}: a repeated DEL: {again:?}");
+        sim.del(&made_by_portmap)
+            .unwrap_or_else(|error| panic!("{iptables}: the bridge's DEL: {error}"));
+    }
+}
+
+/// `uninstall --purge` with pods running: every attachment's state, the datapath, the lock
+/// and statistics files, cnibpf's conflist and binary go at once, each listed; the pods'
+/// hostPorts stop answering. Without `--purge`, with no pod left, the same goes (the
+/// datapath `install --load` loaded ahead included).
+#[test]
+fn uninstall_purge_removes_everything_at_once_and_lists_it() {
+    let sim = SimHost::new("unp", json!({ "ipMasq": true }));
+    let served = sim.container("a", port_mappings(&[(18095, 80, "tcp")]));
+    let (node, entry) = NodeDirs::under(&sim, "purge");
+    let run = |extra: &[&str]| node.run_in(&sim, extra);
+    run(&["install", "--entry", &entry]);
+    assert!(sim.pin_path.exists(), "the container's datapath");
+    let stats = cnibpf_tests::topology::call_stats_file(&sim.pin_path);
+    let lock = stats.with_extension("lock");
+    let purged = run(&["uninstall", "--purge"]);
+    for removed in [
+        served.attachment.container_id.clone(),
+        format!("eBPF datapath {}", sim.pin_path.display()),
+        lock.display().to_string(),
+        "10-net.cnibpf.conflist".to_owned(),
+        "bin/cnibpf".to_owned(),
+    ] {
+        assert!(purged.contains(&removed), "lists {removed}: {purged}");
+    }
+    assert!(sim.holds_no_state(), "no datapath left");
+    assert!(!lock.exists() && !stats.exists(), "no instance file left");
+    assert_eq!(node.files(), ["10-net.conflist"]);
+    assert!(!node.bin_dir().join("cnibpf").exists());
+    assert!(
+        sim.installed_host_ports().is_empty(),
+        "the purged pod's hostPort is gone"
+    );
+
+    // Loaded ahead, no pod: a plain uninstall takes it all.
+    run(&["install", "--entry", &entry, "--load"]);
+    assert!(sim.pin_path.exists(), "loaded ahead of the first pod");
+    let removed = run(&["uninstall"]);
+    assert!(
+        removed.contains(&format!("eBPF datapath {}", sim.pin_path.display())),
+        "{removed}"
+    );
+    assert!(sim.holds_no_state() && !lock.exists());
+    assert_eq!(node.files(), ["10-net.conflist"]);
+}
+
+/// `uninstall` with a pod running leaves the instance's release file, which the pod's DEL
+/// finds even when its runtime passes the configuration cached at ADD (cnibpf's ordinary
+/// entry, as CRI-O and podman do): that DEL takes everything. An `install` in between calls
+/// the release off: the DEL then leaves cnibpf in place.
+#[test]
+fn a_cached_configurations_del_finishes_an_uninstall_and_an_install_calls_it_off() {
+    let sim = SimHost::new("unc", json!({ "ipMasq": true }));
+    let (node, entry) = NodeDirs::under(&sim, "cached");
+    let run = |extra: &[&str]| node.run_in(&sim, extra);
+    let release = cnibpf_tests::topology::call_stats_file(&sim.pin_path).with_extension("release");
+    let own_file = node.conf_dir().join("10-net.cnibpf.conflist");
+    let binary = node.bin_dir().join("cnibpf");
+
+    run(&["install", "--entry", &entry]);
+    let kept = sim.container("kept", port_mappings(&[(18096, 80, "tcp")]));
+    run(&["uninstall"]);
+    assert!(release.exists(), "uninstall left the release file");
+    let called_off = run(&["install", "--entry", &entry]);
+    assert!(called_off.contains("called off"), "{called_off}");
+    assert!(!release.exists(), "install removed the release file");
+    sim.del(&kept)
+        .unwrap_or_else(|error| panic!("DEL with the cached entry: {error}"));
+    assert!(
+        own_file.exists() && binary.exists(),
+        "a DEL after the new install leaves cnibpf's conflist and binary"
+    );
+
+    let gone = sim.container("gone", port_mappings(&[(18097, 80, "tcp")]));
+    run(&["uninstall"]);
+    assert!(release.exists() && own_file.exists() && binary.exists());
+    sim.del(&gone)
+        .unwrap_or_else(|error| panic!("DEL with the cached entry: {error}"));
+    assert_uninstalled(&sim, &own_file, &binary);
+}
+
+/// A node whose nftables datapath is of a layout no cnibpf migrates (layout 1: a table without
+/// a comment, as 5da8470 wrote it) is told so by `install`, in one line, with what to do;
+/// the install itself goes on.
+#[test]
+fn install_says_when_the_nftables_datapath_cannot_be_migrated() {
+    let netns = cnibpf_tests::Netns::create("cbt-install-layout1");
+    let node = NodeDirs::new("layout1");
+    node.write("10-flannel.conflist", &flannel());
+    let install = |expect_note: bool| {
+        let mut command = netns.command(&[&cnibpf_binary().display().to_string()]);
+        command.args(node.args("install", &["--replace-portmap"]));
+        let output = command.output().expect("run cnibpf install");
+        assert!(output.status.success(), "{output:?}");
+        let said = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            said.contains("which no cnibpf migrates") && said.contains("drain the node"),
+            expect_note,
+            "{said}"
+        );
+    };
+    install(false);
+    netns.exec(&["nft", "add", "table", "inet", "cnibpf"]);
+    install(true);
+}
