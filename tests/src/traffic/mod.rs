@@ -1,6 +1,6 @@
 //! Real traffic: servers that record who they saw, clients that report what they got.
 //!
-//! One module per protocol ([`tcp`], [`udp`], [`sctp`]), every server on the one
+//! One module per protocol (`tcp`, `udp`, `sctp`), every server on the one
 //! `Background` thread type defined here; all of them are re-exported here, where tests look.
 
 use std::{
