@@ -7,8 +7,11 @@
 
 use std::{io, net::IpAddr, ops::ControlFlow};
 
+use super::NftablesError;
 use crate::{
+    backend::BackendError,
     model::ResolvedMapping,
+    netlink,
     nfnetlink::{Connection, Request, attribute, attributes},
     paths,
 };
@@ -143,6 +146,31 @@ fn destination_of(tuple: &[u8]) -> Option<Destination> {
         protocol,
         port,
     })
+}
+
+/// Removes the kernel's tracked connections to the hostPorts of `changed`.
+pub(super) fn forget_connections(changed: &[ResolvedMapping]) -> Result<(), BackendError> {
+    if changed.is_empty() || !tracking_any().map_err(NftablesError::Conntrack)? {
+        return Ok(());
+    }
+    let addresses = host_addresses()?;
+    forget(changed, &addresses)
+        .map(drop)
+        .map_err(|error| NftablesError::Conntrack(error).into())
+}
+
+/// The host's addresses, loopback included: where a wildcard hostPort's connections went.
+pub(super) fn host_addresses() -> Result<Vec<IpAddr>, BackendError> {
+    let mut addresses: Vec<IpAddr> = netlink::addresses()
+        .map_err(|source| BackendError::HostAddresses(Box::new(source)))?
+        .into_iter()
+        .map(|(_, addr)| addr)
+        .collect();
+    addresses.extend([
+        IpAddr::from([127, 0, 0, 1]),
+        IpAddr::from(std::net::Ipv6Addr::LOCALHOST),
+    ]);
+    Ok(addresses)
 }
 
 #[cfg(test)]

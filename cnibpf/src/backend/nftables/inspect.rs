@@ -11,8 +11,11 @@ use nftables::{
 };
 
 use super::{
-    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, add_drops, conntrack, counted_drops,
-    filter::filter_of, host, parse_owner, record_chain, sources,
+    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack,
+    filter::filter_of,
+    host, parse_owner, record_chain,
+    scrape::{add_drops, counted_drops},
+    sources,
 };
 use crate::{
     backend::{

@@ -23,30 +23,44 @@
 mod conntrack;
 mod elements;
 mod endpoint;
+mod error;
 mod filter;
 mod host;
 mod inspect;
 mod listing;
 mod masquerade;
 mod migrate;
+mod names;
 mod nft;
 mod other_layout;
 mod portmap;
 mod record;
 mod scrape;
+mod skeleton;
 mod sources;
 
-use cnibpf_common::drop_stats::{DropCount, DropReason};
-use std::{collections::BTreeMap, net::IpAddr};
+use std::collections::BTreeMap;
 
 use nftables::{batch::Batch, schema::NfListObject};
 
-pub use self::host::firewall_chains;
-use self::{listing::Listing, record::Record};
+use self::{
+    conntrack::forget_connections,
+    listing::Listing,
+    names::{
+        conditions_chain, family_suffix, filter_chains, nat_chain, owner_comment, parse_owner,
+        record_chain,
+    },
+    record::Record,
+    skeleton::{
+        HOOK_RULES, LAYOUT_3_OBJECTS, LOCALNET_GUARD, LOCALNET_GUARD_CHAIN, LOCALNET_GUARD_COMMENT,
+        SKELETON, TableLayout, layout_of,
+    },
+};
+pub use self::{error::NftablesError, host::firewall_chains};
 use super::{Access, Backend, BackendError};
 use crate::{
     journal,
-    model::{Attachment, Filter, HostPortAccess, Protocol, ResolvedMapping, SourceCheck},
+    model::{Filter, HostPortAccess, Protocol, ResolvedMapping, SourceCheck},
     netlink,
 };
 
@@ -54,182 +68,6 @@ use crate::{
 const COMMENT_MAX: usize = 127;
 /// The table's comment, naming the layout this build writes.
 const LAYOUT: &str = "cnibpf layout 3";
-
-#[derive(Debug, thiserror::Error)]
-pub enum NftablesError {
-    #[error("could not run nft")]
-    Run(#[source] std::io::Error),
-    #[error("nft refused the change: {0}")]
-    Refused(String),
-    #[error("could not read the table from nft: {0}")]
-    Listing(String),
-    #[error("could not encode the nft batch: {0}")]
-    Encode(String),
-    #[error(
-        "{0} is too long for the nftables backend, which keeps owners in comments of at most {COMMENT_MAX} bytes"
-    )]
-    OwnerTooLong(String),
-    #[error("the record of {owner} in chain {chain} is unreadable")]
-    Record {
-        owner: String,
-        chain: String,
-        #[source]
-        source: record::RecordError,
-    },
-    #[error("a rule of chain {chain} is unreadable: {reason}")]
-    Rule { chain: String, reason: String },
-    #[error(
-        "table inet cnibpf has another layout ({}) than this cnibpf writes (\"{LAYOUT}\"): it adds no attachment to it, but DEL and GC remove its attachments, and once none is left it starts afresh",
-        if .found.is_empty() { "\"cnibpf layout 1\", uncommented" } else { .found.as_str() }
-    )]
-    Layout { found: String },
-    #[error(
-        "table inet cnibpf has layout \"{}\", older than this cnibpf's (\"{LAYOUT}\"): ADD, DEL and GC migrate it in place",
-        migrate::PREVIOUS
-    )]
-    Older,
-    #[error("could not ask the kernel about table inet cnibpf")]
-    Netlink(#[source] std::io::Error),
-    #[error(
-        "the table is gone, but switching off what cnibpf switched on failed (switch it off by hand): {0}"
-    )]
-    Restore(String),
-    #[error("could not remove the tracked connections of changed hostPorts")]
-    Conntrack(#[source] std::io::Error),
-    #[error("could not read how full the kernel's connection tracking table is")]
-    ConntrackFill(#[source] std::io::Error),
-    #[error("could not {action}")]
-    HostSetting {
-        action: String,
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-/// The fixed part of the table. Chains: `hostports`, run from prerouting and from output (host
-/// processes), hands conditioned hostPorts to their attachment's `c_` chain and everything else
-/// to `hostports_dnat` (DNAT by exact hostIP, then by port for any local address, 127.0.0.1
-/// included for host processes; `localnet_guard` drops what arrives from elsewhere for
-/// 127.0.0.0/8, as kube-proxy does against CVE-2020-8558); `postrouting` masquerades host
-/// processes reaching a hostPort through 127.0.0.1 and hands DNATed traffic (by destination)
-/// and traffic leaving by an uplink (by source) to the container's `n_` chain, which
-/// masquerades hairpin traffic (a container reaching a container of its own subnet through a
-/// hostPort) and its masqueraded traffic; `forward`, `input` and `local_out` let what passes
-/// every filter through (replies, related errors, IPv6 neighbour and listener control,
-/// `icmpv6_control`) and hand the rest of a container's traffic to its filter chains.
-/// Sets `filtered_bridges` and `localnet_interfaces` name the interfaces whose settings cnibpf
-/// switched on, to switch them off with the table.
-const SKELETON: &str = r#"
-add table inet cnibpf { comment "cnibpf layout 3"; }
-add set inet cnibpf attachments { type ifname; }
-add set inet cnibpf uplinks { type ifname; }
-add set inet cnibpf filtered_bridges { type ifname; }
-add set inet cnibpf localnet_interfaces { type ifname; }
-add map inet cnibpf hostports4 { type ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service; }
-add map inet cnibpf hostports4_any { type inet_proto . inet_service : ipv4_addr . inet_service; }
-add map inet cnibpf hostports6 { type ipv6_addr . inet_proto . inet_service : ipv6_addr . inet_service; }
-add map inet cnibpf hostports6_any { type inet_proto . inet_service : ipv6_addr . inet_service; }
-add set inet cnibpf specific_ports4 { type inet_proto . inet_service; }
-add set inet cnibpf specific_ports6 { type inet_proto . inet_service; }
-add map inet cnibpf conditions4 { type ipv4_addr . inet_proto . inet_service : verdict; }
-add map inet cnibpf conditions4_any { type inet_proto . inet_service : verdict; }
-add map inet cnibpf conditions6 { type ipv6_addr . inet_proto . inet_service : verdict; }
-add map inet cnibpf conditions6_any { type inet_proto . inet_service : verdict; }
-add map inet cnibpf filter_out4 { type ipv4_addr : verdict; }
-add map inet cnibpf filter_in4 { type ipv4_addr : verdict; }
-add map inet cnibpf filter_out6 { type ipv6_addr : verdict; }
-add map inet cnibpf filter_in6 { type ipv6_addr : verdict; }
-add chain inet cnibpf hostports
-add chain inet cnibpf hostports_dnat
-add chain inet cnibpf localnet_guard { type filter hook prerouting priority raw; policy accept; }
-add chain inet cnibpf prerouting { type nat hook prerouting priority dstnat; policy accept; }
-add chain inet cnibpf output { type nat hook output priority -100; policy accept; }
-add chain inet cnibpf postrouting { type nat hook postrouting priority srcnat; policy accept; }
-add chain inet cnibpf forward { type filter hook forward priority filter; policy accept; }
-add chain inet cnibpf input { type filter hook input priority filter; policy accept; }
-add chain inet cnibpf local_out { type filter hook output priority filter; policy accept; }
-add rule inet cnibpf hostports ip daddr . meta l4proto . th dport vmap @conditions4
-add rule inet cnibpf hostports fib daddr type local meta l4proto . th dport vmap @conditions4_any
-add rule inet cnibpf hostports ip6 daddr . meta l4proto . th dport vmap @conditions6
-add rule inet cnibpf hostports ip6 daddr != ::1 fib daddr type local meta l4proto . th dport vmap @conditions6_any
-add rule inet cnibpf hostports goto hostports_dnat
-add rule inet cnibpf hostports_dnat meta l4proto { tcp, udp, sctp } dnat ip to ip daddr . meta l4proto . th dport map @hostports4
-add rule inet cnibpf hostports_dnat fib daddr type local meta l4proto { tcp, udp, sctp } dnat ip to meta l4proto . th dport map @hostports4_any
-add rule inet cnibpf hostports_dnat meta l4proto { tcp, udp, sctp } dnat ip6 to ip6 daddr . meta l4proto . th dport map @hostports6
-add rule inet cnibpf hostports_dnat ip6 daddr != ::1 fib daddr type local meta l4proto { tcp, udp, sctp } dnat ip6 to meta l4proto . th dport map @hostports6_any
-add rule inet cnibpf prerouting jump hostports
-add rule inet cnibpf output jump hostports
-"#;
-
-/// The rule of chain `localnet_guard`, counted. Tables made before it was counted hold it
-/// without the counter and comment: the first ADD that meets one replaces it.
-const LOCALNET_GUARD: &str = r#"
-flush chain inet cnibpf localnet_guard
-add rule inet cnibpf localnet_guard iifname != "lo" ip daddr 127.0.0.0/8 counter drop comment "drop reason localnet_guard"
-"#;
-const LOCALNET_GUARD_COMMENT: &str = "drop reason localnet_guard";
-const LOCALNET_GUARD_CHAIN: &str = "localnet_guard";
-
-/// The shared objects layout 3 added to layout 2's (see `migrate`).
-const LAYOUT_3_OBJECTS: &str = r#"
-add map inet cnibpf nat4 { type ipv4_addr : verdict; }
-add map inet cnibpf nat6 { type ipv6_addr : verdict; }
-add set inet cnibpf icmpv6_control { type icmpv6_type; elements = { nd-router-solicit, nd-router-advert, nd-neighbor-solicit, nd-neighbor-advert, nd-redirect, mld-listener-query, mld-listener-report, mld-listener-done, mld2-listener-report }; }
-"#;
-
-/// The rules of the hook chains `postrouting`, `forward`, `input` and `local_out` (the chains
-/// layout 3 rewrote, see `migrate`).
-const HOOK_RULES: &str = r#"
-add rule inet cnibpf postrouting ip saddr 127.0.0.0/8 ct status dnat masquerade
-add rule inet cnibpf postrouting ct status dnat ip daddr vmap @nat4
-add rule inet cnibpf postrouting ct status dnat ip6 daddr vmap @nat6
-add rule inet cnibpf postrouting oifname @uplinks ip saddr vmap @nat4
-add rule inet cnibpf postrouting oifname @uplinks ip6 saddr vmap @nat6
-add rule inet cnibpf forward ct direction reply accept
-add rule inet cnibpf forward ct state related accept
-add rule inet cnibpf forward icmpv6 type @icmpv6_control accept
-add rule inet cnibpf input ct direction reply accept
-add rule inet cnibpf input ct state related accept
-add rule inet cnibpf input icmpv6 type @icmpv6_control accept
-add rule inet cnibpf local_out ct direction reply accept
-add rule inet cnibpf local_out ct state related accept
-add rule inet cnibpf local_out icmpv6 type @icmpv6_control accept
-add rule inet cnibpf forward ip saddr vmap @filter_out4
-add rule inet cnibpf forward ip daddr vmap @filter_in4
-add rule inet cnibpf forward ip6 saddr vmap @filter_out6
-add rule inet cnibpf forward ip6 daddr vmap @filter_in6
-add rule inet cnibpf input ip saddr vmap @filter_out4
-add rule inet cnibpf input ip6 saddr vmap @filter_out6
-add rule inet cnibpf local_out ip daddr vmap @filter_in4
-add rule inet cnibpf local_out ip6 daddr vmap @filter_in6
-"#;
-
-/// What table `inet cnibpf` is to this build.
-enum TableLayout {
-    Absent,
-    /// This build's layout: created so, or migrated (marked by chain `layout_3`).
-    Current,
-    /// The layout this build migrates from.
-    Previous,
-    /// Any other: its comment (empty for layout 1, which had none).
-    Other(String),
-}
-
-/// The layout of the table whose comment (`None`: no table) is `comment`.
-fn layout_of(comment: Option<String>) -> Result<TableLayout, NftablesError> {
-    Ok(match comment {
-        None => TableLayout::Absent,
-        Some(comment) if comment == LAYOUT => TableLayout::Current,
-        Some(comment) if comment == migrate::PREVIOUS => {
-            if host::has_chain(migrate::MARKER)? {
-                TableLayout::Current
-            } else {
-                TableLayout::Previous
-            }
-        }
-        Some(comment) => TableLayout::Other(comment),
-    })
-}
 
 /// What one operation changes of one attachment.
 #[derive(Clone, Debug, Default)]
@@ -684,17 +522,6 @@ impl Backend for NftablesBackend {
     }
 }
 
-/// Removes the kernel's tracked connections to the hostPorts of `changed`.
-fn forget_connections(changed: &[ResolvedMapping]) -> Result<(), BackendError> {
-    if changed.is_empty() || !conntrack::tracking_any().map_err(NftablesError::Conntrack)? {
-        return Ok(());
-    }
-    let addresses = host_addresses()?;
-    conntrack::forget(changed, &addresses)
-        .map(drop)
-        .map_err(|error| NftablesError::Conntrack(error).into())
-}
-
 /// The table's comment, `None` when there is no table — or no nf_tables in this kernel at all,
 /// where nothing of ours can be. Any other failure to ask is an error.
 fn existing_table_comment() -> Result<Option<String>, BackendError> {
@@ -732,104 +559,3 @@ pub fn table_at_this_layout() -> Result<Result<(), String>, BackendError> {
 
 /// The layout comment this build writes on table `inet cnibpf`.
 pub const TABLE_LAYOUT: &str = LAYOUT;
-
-/// The host's addresses, loopback included: where a wildcard hostPort's connections went.
-fn host_addresses() -> Result<Vec<IpAddr>, BackendError> {
-    let mut addresses: Vec<IpAddr> = netlink::addresses()
-        .map_err(|source| BackendError::HostAddresses(Box::new(source)))?
-        .into_iter()
-        .map(|(_, addr)| addr)
-        .collect();
-    addresses.extend([
-        IpAddr::from([127, 0, 0, 1]),
-        IpAddr::from(std::net::Ipv6Addr::LOCALHOST),
-    ]);
-    Ok(addresses)
-}
-
-/// The text form of an attachment kept in comments; refused when it does not fit one.
-fn owner_comment(attachment: &Attachment) -> Result<String, NftablesError> {
-    let text = format!(
-        "{}/{}/{}",
-        attachment.network, attachment.ifname, attachment.container_id
-    );
-    if text.len() > COMMENT_MAX {
-        return Err(NftablesError::OwnerTooLong(text));
-    }
-    Ok(text)
-}
-
-fn parse_owner(comment: &str) -> Option<Attachment> {
-    let mut parts = comment.splitn(3, '/');
-    let (network, ifname, container_id) = (parts.next()?, parts.next()?, parts.next()?);
-    Some(Attachment::new(network, container_id, ifname))
-}
-
-/// The suffix of an address's family in set names: `4` or `6`.
-fn family_suffix(ipv4: bool) -> char {
-    if ipv4 { '4' } else { '6' }
-}
-
-/// The chains of an attachment: its record, its conditions, its filter (out, in).
-/// The drop reasons the nftables datapath counts, each at zero: what it reports lists every
-/// one, counted or not (what the kernel's own connection tracking and NAT drop is the
-/// kernel's to count).
-fn counted_drops() -> BTreeMap<DropReason, DropCount> {
-    [
-        DropReason::FilterRule,
-        DropReason::FilterDefault,
-        DropReason::SourceCheckAddress,
-        DropReason::SourceCheckArp,
-        DropReason::SourceCheckNeighbourAdvertisement,
-        DropReason::SourceCheckNotIp,
-        DropReason::LocalnetGuard,
-    ]
-    .into_iter()
-    .map(|reason| (reason, DropCount::default()))
-    .collect()
-}
-
-/// Adds (packets, bytes) to `reason`'s count in `drops`.
-fn add_drops(
-    drops: &mut BTreeMap<DropReason, DropCount>,
-    reason: DropReason,
-    (packets, bytes): (u64, u64),
-) {
-    let count = drops.entry(reason).or_default();
-    count.packets += packets;
-    count.bytes += bytes;
-}
-
-fn record_chain(owner: u64) -> String {
-    format!("a_{owner:016x}")
-}
-
-fn conditions_chain(owner: u64) -> String {
-    format!("c_{owner:016x}")
-}
-
-fn nat_chain(owner: u64) -> String {
-    format!("n_{owner:016x}")
-}
-
-fn filter_chains(owner: u64) -> [String; 2] {
-    [format!("f_{owner:016x}_out"), format!("f_{owner:016x}_in")]
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn owners_round_trip_through_comments_and_long_ones_are_refused() {
-        let attachment = Attachment::new("net-a", "0123456789abcdef", "eth0");
-        let comment = owner_comment(&attachment).expect("fits");
-        assert_eq!(comment, "net-a/eth0/0123456789abcdef");
-        assert_eq!(parse_owner(&comment), Some(attachment));
-        let long = Attachment::new(&"n".repeat(100), &"c".repeat(64), "eth0");
-        assert!(matches!(
-            owner_comment(&long),
-            Err(NftablesError::OwnerTooLong(_))
-        ));
-    }
-}

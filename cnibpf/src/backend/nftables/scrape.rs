@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use cnibpf_common::drop_stats::{DropCount, DropReason};
 
 use super::{
-    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, add_drops, conntrack, counted_drops,
+    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack,
     host::{self, DumpedRule, NFPROTO_INET, NFPROTO_NETDEV},
     parse_owner,
     record::Record,
@@ -208,6 +208,35 @@ fn source_check_reason(rule: &DumpedRule) -> DropReason {
     } else {
         DropReason::SourceCheckAddress
     }
+}
+
+/// The drop reasons the nftables datapath counts, each at zero: what it reports lists every
+/// one, counted or not (what the kernel's own connection tracking and NAT drop is the
+/// kernel's to count).
+pub(super) fn counted_drops() -> BTreeMap<DropReason, DropCount> {
+    [
+        DropReason::FilterRule,
+        DropReason::FilterDefault,
+        DropReason::SourceCheckAddress,
+        DropReason::SourceCheckArp,
+        DropReason::SourceCheckNeighbourAdvertisement,
+        DropReason::SourceCheckNotIp,
+        DropReason::LocalnetGuard,
+    ]
+    .into_iter()
+    .map(|reason| (reason, DropCount::default()))
+    .collect()
+}
+
+/// Adds (packets, bytes) to `reason`'s count in `drops`.
+pub(super) fn add_drops(
+    drops: &mut BTreeMap<DropReason, DropCount>,
+    reason: DropReason,
+    (packets, bytes): (u64, u64),
+) {
+    let count = drops.entry(reason).or_default();
+    count.packets += packets;
+    count.bytes += bytes;
 }
 
 #[cfg(test)]
