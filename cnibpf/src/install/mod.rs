@@ -11,25 +11,32 @@
 //! and renamed over the old one, which a running process keeps as it was.
 
 mod chain;
+mod files;
+mod uninstall;
 mod watch;
 
 use std::{
-    fs,
-    io::{self, Write as _},
-    os::unix::fs::PermissionsExt as _,
+    fs, io,
     path::{Path, PathBuf},
     time::Duration,
 };
 
 use serde_json::{Map, Value};
 
-use self::chain::{Form, chain_in, chain_out, is_multus};
+pub use self::uninstall::uninstall;
+use self::{
+    chain::{Form, chain_in, chain_out, is_multus},
+    files::{
+        NetworkFile, candidates, install_binary, networks, own_file_of, read_network, remove,
+        write_atomically,
+    },
+};
 use crate::output::{log_line, say, with_causes};
 use crate::{
     backend::{BackendError, purge},
-    config::{NetConf, PluginConfig, ReleaseOnly},
+    config::{NetConf, PluginConfig},
     lock::{InstanceLock, LockError, lock_timeout},
-    paths::{DEFAULT_PIN_PATH, OWN_CONFLIST_SUFFIX, PLUGIN_NAME, PinLayout, is_own_conflist},
+    paths::{DEFAULT_PIN_PATH, PLUGIN_NAME, PinLayout, is_own_conflist},
     preload,
 };
 
@@ -433,130 +440,6 @@ impl Chaining {
     }
 }
 
-/// `cnibpf uninstall`: cnibpf out of `conf_dir` and `bin_dir`, and its datapath off the node.
-/// Each of cnibpf's own conflists goes with the instance its entry names when no attachment
-/// of that instance is left (or with `purge`, which removes the attachments too). While pods
-/// cnibpf set up remain, the file becomes the restored network with cnibpf in release-only
-/// mode after it, and the binary stays: new pods are the restored network's, the old pods'
-/// DELs still reach cnibpf, and the last one removes what is left (see `cni::release`). A
-/// network an earlier release chained cnibpf into in place is restored.
-pub fn uninstall(conf_dir: &Path, bin_dir: &Path, purge: bool) -> Result<(), InstallError> {
-    let binary = bin_dir.join(PLUGIN_NAME);
-    let mut binary_needed = false;
-    for path in candidates(conf_dir)? {
-        if is_own_conflist(&path) {
-            binary_needed |= release_or_remove(&path, &binary, purge)?;
-            continue;
-        }
-        let Some((value, _)) = read_network(&path)? else {
-            continue;
-        };
-        let Some((restored, converted_from)) = chain_out(&value) else {
-            continue;
-        };
-        match converted_from {
-            Some(file_name) => {
-                let single = conf_dir.join(file_name);
-                write_atomically(&single, &restored)?;
-                remove(&path)?;
-                say!(
-                    "took cnibpf out of {}: restored {}",
-                    path.display(),
-                    single.display()
-                );
-            }
-            None => {
-                write_atomically(&path, &restored)?;
-                say!("took cnibpf out of {}", path.display());
-            }
-        }
-    }
-    if !binary_needed && remove(&binary)? {
-        say!("removed {}", binary.display());
-    }
-    Ok(())
-}
-
-/// cnibpf's own conflist at `path`: removed, with the instance its entry names, when that
-/// instance holds no attachment (or `purge`); else rewritten into release-only mode. Whether
-/// the binary must stay for the DELs to come.
-fn release_or_remove(path: &Path, binary: &Path, purge: bool) -> Result<bool, InstallError> {
-    let entry = read_network(path)?.and_then(|(value, _)| {
-        let entry = value["plugins"]
-            .as_array()?
-            .iter()
-            .find(|plugin| plugin["type"] == PLUGIN_NAME)?
-            .clone();
-        Some((value, entry))
-    });
-    let Some((network, entry)) = entry else {
-        // Not a chain with cnibpf in it (any more): nothing reaches cnibpf through it.
-        if remove(path)? {
-            say!("removed {}", path.display());
-        }
-        return Ok(false);
-    };
-    let pins = PinLayout::new(
-        entry["pinPath"]
-            .as_str()
-            // fail-closed: a value of the entry: none is the default pinPath.
-            .unwrap_or(DEFAULT_PIN_PATH),
-    );
-    let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
-    if !purge && purge::holds_attachments(&pins)? {
-        // For the runtimes that DEL with the configuration cached at ADD, which still names
-        // cnibpf's entry as it was.
-        purge::Pending::of(&ReleaseOnly {
-            file: Some(path.to_owned()),
-            binary: Some(binary.to_owned()),
-        })
-        .write(&pins)?;
-        let released = release_only(&network, &entry, path, binary);
-        if released != network {
-            write_atomically(path, &released)?;
-            say!(
-                "{}: cnibpf in release-only mode: new pods are made by the network as it was; the DELs of the pods cnibpf set up still reach it, and the last one removes cnibpf's datapath, this file and {} (cnibpf uninstall --purge removes them now)",
-                path.display(),
-                binary.display()
-            );
-        }
-        return Ok(true);
-    }
-    for removed in purge::purge(&pins)? {
-        say!("removed {removed}");
-    }
-    if remove(path)? {
-        say!("removed {}", path.display());
-    }
-    Ok(false)
-}
-
-/// `network` (cnibpf's own file) as the network it was made from, with cnibpf's entry after
-/// it in release-only mode: the keys a DEL reads, and the files the last one removes.
-fn release_only(network: &Value, entry: &Value, path: &Path, binary: &Path) -> Value {
-    let (mut restored, _) = chain_out(network)
-        // fail-closed: an Option of the JSON: a network holding no cnibpf stays as it is.
-        .unwrap_or_else(|| (network.clone(), None));
-    let mut release = Map::new();
-    release.insert("type".to_owned(), Value::from(PLUGIN_NAME));
-    for key in ["pinPath", "logFile", "logMaxSizeMB", "logMaxFiles"] {
-        if let Some(value) = entry.get(key) {
-            release.insert(key.to_owned(), value.clone());
-        }
-    }
-    release.insert(
-        "releaseOnly".to_owned(),
-        serde_json::json!({
-            "file": path.display().to_string(),
-            "binary": binary.display().to_string(),
-        }),
-    );
-    if let Some(plugins) = restored["plugins"].as_array_mut() {
-        plugins.push(Value::Object(release));
-    }
-    restored
-}
-
 /// Whether the network the runtime uses — the first file of `conf_dir` that parses, or the
 /// network named `network` — chains cnibpf: `Ok(())`, or what the runtime uses instead. When
 /// that is Multus, its cluster network is looked at: inline (thin), or the first file after
@@ -600,144 +483,4 @@ pub fn chained(conf_dir: &Path, network: Option<&str>) -> Result<Result<(), Stri
         "the network the runtime uses ({}) does not chain cnibpf",
         file.path.display()
     )))
-}
-
-/// A network configuration file as a runtime would read it.
-struct NetworkFile {
-    path: PathBuf,
-    value: Value,
-    form: Form,
-}
-
-impl NetworkFile {
-    fn file_name(&self) -> String {
-        self.path
-            .file_name()
-            .map(|name| name.to_string_lossy().into_owned())
-            // fail-closed: an Option of the path: a conf file always has a name.
-            .unwrap_or_default()
-    }
-}
-
-/// The network configurations of `dir` in the order runtimes consider them (libcni's: file
-/// names sorted, `.conf`, `.conflist` and `.json` only), those that do not parse left out as
-/// kubelet and CRI-O leave them out.
-fn networks(dir: &Path) -> Result<Vec<NetworkFile>, InstallError> {
-    let mut networks = Vec::new();
-    for path in candidates(dir)? {
-        if let Some((value, form)) = read_network(&path)? {
-            networks.push(NetworkFile { path, value, form });
-        }
-    }
-    Ok(networks)
-}
-
-/// The files of `dir` a runtime considers, sorted.
-fn candidates(dir: &Path) -> Result<Vec<PathBuf>, InstallError> {
-    let entries = match fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(error) => return Err(io_error(format!("read {}", dir.display()))(error)),
-    };
-    let mut paths = Vec::new();
-    for entry in entries {
-        let path = entry
-            .map_err(io_error(format!("read {}", dir.display())))?
-            .path();
-        let considered = path.extension().is_some_and(|extension| {
-            ["conf", "conflist", "json"].contains(&&*extension.to_string_lossy())
-        });
-        if considered {
-            paths.push(path);
-        }
-    }
-    paths.sort();
-    Ok(paths)
-}
-
-/// The network in the file at `path`; `None` when it is gone or does not parse as one (a
-/// runtime skips it too). A file that cannot be read is an error: skipping it would make the
-/// next file the primary network.
-fn read_network(path: &Path) -> Result<Option<(Value, Form)>, InstallError> {
-    let bytes = match fs::read(path) {
-        Ok(bytes) => bytes,
-        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(error) => return Err(io_error(format!("read {}", path.display()))(error)),
-    };
-    // fail-closed: a file that is not JSON is no network, as runtimes read it.
-    let Ok(value) = serde_json::from_slice::<Value>(&bytes) else {
-        return Ok(None);
-    };
-    Ok(Form::of(&value).map(|form| (value, form)))
-}
-
-/// Copies `binary` to `<bin_dir>/cnibpf` unless an identical file is there; whether it did.
-fn install_binary(binary: &Path, bin_dir: &Path) -> Result<bool, InstallError> {
-    let target = bin_dir.join(PLUGIN_NAME);
-    let content = fs::read(binary).map_err(io_error(format!("read {}", binary.display())))?;
-    // fail-closed: one that cannot be read is written anew, which is never wrong.
-    if fs::read(&target).is_ok_and(|installed| installed == content) {
-        return Ok(false);
-    }
-    fs::create_dir_all(bin_dir).map_err(io_error(format!("create {}", bin_dir.display())))?;
-    replace_file(&target, &content, 0o755)?;
-    Ok(true)
-}
-
-/// Writes `value` to `path` as indented JSON, atomically.
-fn write_atomically(path: &Path, value: &Value) -> Result<(), InstallError> {
-    let mut text = serde_json::to_vec_pretty(value).map_err(|error| InstallError::Io {
-        action: format!("encode {}", path.display()),
-        source: error.into(),
-    })?;
-    text.push(b'\n');
-    replace_file(path, &text, 0o644)
-}
-
-/// Puts `content` at `path` by renaming a synced temporary file of the same directory over
-/// it: a reader sees the old file or the new one, whole; a process running the old one keeps
-/// it.
-fn replace_file(path: &Path, content: &[u8], mode: u32) -> Result<(), InstallError> {
-    // fail-closed: an Option of the path, not an error.
-    let directory = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|name| name.to_string_lossy().into_owned())
-        // fail-closed: an Option of the path, as above.
-        .unwrap_or_default();
-    let temporary = directory.join(format!(".{name}.{}.tmp", std::process::id()));
-    let written = (|| {
-        let mut file = fs::File::create(&temporary)?;
-        file.write_all(content)?;
-        file.set_permissions(fs::Permissions::from_mode(mode))?;
-        file.sync_all()?;
-        fs::rename(&temporary, path)?;
-        fs::File::open(directory)?.sync_all()
-    })();
-    // fail-closed: the write's own error is the one reported; a temporary left behind is a
-    // dot file, which runtimes ignore.
-    if written.is_err() {
-        // fail-closed: as above.
-        let _ = fs::remove_file(&temporary);
-    }
-    written.map_err(io_error(format!("write {}", path.display())))
-}
-
-/// Removes the file at `path`; whether there was one.
-fn remove(path: &Path) -> Result<bool, InstallError> {
-    match fs::remove_file(path) {
-        Ok(()) => Ok(true),
-        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(error) => Err(io_error(format!("remove {}", path.display()))(error)),
-    }
-}
-
-/// cnibpf's own file for the network of `source` (see [`OWN_CONFLIST_SUFFIX`]).
-fn own_file_of(source: &Path) -> PathBuf {
-    let stem = source
-        .file_stem()
-        .map(|stem| stem.to_string_lossy().into_owned())
-        // fail-closed: an Option of the path: a conf file always has a name.
-        .unwrap_or_default();
-    source.with_file_name(format!("{stem}{OWN_CONFLIST_SUFFIX}"))
 }
