@@ -10,6 +10,7 @@ use crate::{
         nftables,
     },
     cni::error::Error,
+    instance::Instance,
     model::{ResolvedMapping, masquerade::ReasonText},
     paths::PinLayout,
 };
@@ -21,7 +22,8 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
     let mut drops = Vec::new();
     let mut flow_tables = Vec::new();
     let mut uplinks = Vec::new();
-    for backend in backend::existing(&pins, backend::Access::ReadOnly)? {
+    let instance = Instance::to_read(&pins)?;
+    for backend in instance.backends() {
         let mappings = backend.port_mappings()?;
         let masquerades = backend.masquerades()?;
         let filters = backend.filters()?;

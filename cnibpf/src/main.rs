@@ -10,6 +10,7 @@ mod config;
 mod fuzz;
 mod inspect;
 mod install;
+mod instance;
 mod journal;
 mod lock;
 mod metrics;

@@ -4,8 +4,8 @@ use serde::Serialize;
 
 use super::{EnvError, delegate::DelegateError};
 use crate::{
-    backend::BackendError, code, config::ConfigError, lock::LockError, model::MappingError,
-    netlink::NetlinkError,
+    backend::BackendError, code, config::ConfigError, instance::InstanceError, lock::LockError,
+    model::MappingError, netlink::NetlinkError,
 };
 
 /// An error as the CNI spec prints it on stdout.
@@ -41,6 +41,15 @@ pub enum Error {
     Stdin(#[source] std::io::Error),
     #[error("could not write the result to stdout")]
     Output(#[source] std::io::Error),
+}
+
+impl From<InstanceError> for Error {
+    fn from(error: InstanceError) -> Self {
+        match error {
+            InstanceError::Lock(error) => Self::Lock(error),
+            InstanceError::Backend(error) => Self::Backend(error),
+        }
+    }
 }
 
 impl Error {

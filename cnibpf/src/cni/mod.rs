@@ -4,34 +4,24 @@ pub mod args;
 mod delegate;
 pub mod error;
 mod link;
+mod plan;
 mod release;
 pub mod result;
 
-use std::{
-    collections::BTreeSet,
-    io::Read as _,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    path::PathBuf,
-    time::Instant,
-};
+use std::{collections::BTreeSet, io::Read as _, path::PathBuf, time::Instant};
 
-use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde_json::{Value, json};
 
 use crate::{
-    backend::{self, Access, BackendError, Endpoint},
+    backend::BackendError,
     call_log, call_stats,
     config::{
         CleanupConf, CniVersion, ConfigError, NetConf, Recording, ReleaseOnly, SUPPORTED_VERSIONS,
         ifname_problem,
     },
+    instance::{Instance, Serving},
     journal,
-    lock::{InstanceLock, lock_timeout},
-    model::{
-        Attachment, ExcludeReason, Filter, HostPortAccess, Masquerade, ResolvedMapping,
-        SourceCheck, Target, conditions::Subject, resolve_mappings,
-    },
-    netlink::{self, Link},
+    model::Attachment,
     output::log_line,
     paths::PinLayout,
     phases,
@@ -39,7 +29,7 @@ use crate::{
 use args::{ArgsError, CniArgs};
 use error::Error;
 use link::HostInterfaceError;
-use result::PrevResult;
+use plan::plan;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EnvError {
@@ -270,228 +260,6 @@ fn version_output(stdin: &[u8]) -> String {
         .to_string()
 }
 
-/// Everything ADD and CHECK derive from the config and the host before taking the lock.
-struct Plan {
-    attachment: Attachment,
-    endpoint: Endpoint,
-    mappings: Vec<ResolvedMapping>,
-    masquerade: Option<Masquerade>,
-    /// `None`: the attachment is not filtered (no rules, default ALLOW).
-    filter: Option<Filter>,
-    /// `None`: `sourceCheck: false`.
-    source_check: Option<SourceCheck>,
-}
-
-fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Plan, Error> {
-    let prev = PrevResult::parse(prev_result, &env.ifname)?;
-    let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
-    let mappings = resolve_mappings(&conf.port_mappings, &prev.container_addresses)?;
-    let masquerade = masquerade_plan(conf, &prev)?;
-    if conf.plugin.source_check {
-        // Refused before anything is read in the container's namespace.
-        source_check_plan(&prev, Vec::new())?;
-    }
-    let condition_interfaces = condition_interfaces(&conf.plugin.host_ports)?;
-    let netns = env.netns.clone().ok_or(EnvError::Missing("CNI_NETNS"))?;
-    match netns.try_exists() {
-        Ok(true) => {}
-        Ok(false) => return Err(EnvError::Netns(netns.display().to_string()).into()),
-        Err(source) => {
-            return Err(EnvError::NetnsUnreadable {
-                path: netns.display().to_string(),
-                source,
-            }
-            .into());
-        }
-    }
-    let link = link::find_container_link(&prev, &netns, &env.ifname).map_err(EnvError::from)?;
-    let uplinks = resolve_uplinks(conf)?;
-    let cgroup = match &conf.plugin.cgroup_path {
-        Some(path) => path.clone(),
-        None => crate::paths::cgroup2_root()
-            .map_err(EnvError::Mounts)?
-            .ok_or_else(|| ConfigError::Invalid {
-                key: "cgroupPath".to_owned(),
-                reason: "no cgroup v2 hierarchy is mounted: mount one or name a cgroupPath"
-                    .to_owned(),
-            })?,
-    };
-    if !cgroup.is_dir() {
-        return Err(ConfigError::Invalid {
-            key: "cgroupPath".to_owned(),
-            reason: format!("{} is not a directory", cgroup.display()),
-        }
-        .into());
-    }
-    let (source_check, may_have_siblings) = if conf.plugin.source_check {
-        let link_locals = link::container_link_locals(&netns, &env.ifname, link.container_mac)
-            .map_err(EnvError::from)?;
-        let siblings = link::has_other_veths(&netns, &env.ifname).map_err(EnvError::from)?;
-        (Some(source_check_plan(&prev, link_locals)?), siblings)
-    } else {
-        (None, false)
-    };
-    // fail-closed: an Option of the interface; without a bridge the interface is the gateway.
-    let gateway_ifindex = link.host.master.unwrap_or(link.host.index);
-    // Shaping on the host-side veth (the `bandwidth` plugin chained before cnibpf), or asked
-    // for in runtimeConfig (chained after it, when cnibpf declares the capability too).
-    let shaped = conf.shaped
-        || !netlink::added_qdiscs(link.host.index)
-            .map_err(|error| Error::from(EnvError::HostInterface(error.into())))?
-            .is_empty();
-    if (!mappings.is_empty() || conf.plugin.ip_masq) && uplinks.is_empty() {
-        return Err(ConfigError::Invalid {
-            key: "uplinks".to_owned(),
-            reason: "port mappings and ipMasq need an uplink, and the host has no default route: name the uplinks"
-                .to_owned(),
-        }
-        .into());
-    }
-    let filter = (!conf.plugin.filter.is_empty() || conf.plugin.filter_default == Target::Drop)
-        .then(|| Filter {
-            rules: conf.plugin.filter.clone(),
-            default: conf.plugin.filter_default,
-        });
-    Ok(Plan {
-        endpoint: Endpoint {
-            attachment: attachment.clone(),
-            host: link.host,
-            uplinks,
-            container_mac: link.container_mac,
-            gateway_mac: link.gateway_mac,
-            gateway_v4: prev.gateways.iter().find_map(|gateway| match gateway {
-                IpAddr::V4(gateway) => Some(*gateway),
-                IpAddr::V6(_) => None,
-            }),
-            gateway_v6: prev.gateways.iter().find_map(|gateway| match gateway {
-                IpAddr::V6(gateway) => Some(*gateway),
-                IpAddr::V4(_) => None,
-            }),
-            cgroup,
-            container_networks: prev.container_addresses.clone(),
-            pod: env.args.pod.clone(),
-            shaped,
-            host_firewall: conf.plugin.host_firewall,
-            filtered: filter.is_some(),
-            may_have_siblings,
-            masqueraded: masquerade.is_some(),
-            gateway_ifindex,
-            host_ports: conf.plugin.host_ports.clone(),
-            condition_interfaces,
-        },
-        attachment,
-        mappings,
-        masquerade,
-        filter,
-        source_check,
-    })
-}
-
-/// The addresses the container may send from: prevResult's for CNI_IFNAME and its interface's
-/// IPv6 link-local ones, at most as many of a family as the datapath checks.
-fn source_check_plan(
-    prev: &PrevResult,
-    link_locals: Vec<Ipv6Addr>,
-) -> Result<SourceCheck, ConfigError> {
-    let check = SourceCheck::new(
-        prev.container_addresses
-            .iter()
-            .map(IpNet::addr)
-            .chain(link_locals.into_iter().map(IpAddr::V6)),
-    );
-    for (family, is_family) in [
-        ("IPv4", IpAddr::is_ipv4 as fn(&IpAddr) -> bool),
-        ("IPv6", IpAddr::is_ipv6),
-    ] {
-        let count = check
-            .addresses
-            .iter()
-            .filter(|address| is_family(address))
-            .count();
-        if count > cnibpf_common::source::MAX_ADDRESSES {
-            return Err(ConfigError::Invalid {
-                key: "sourceCheck".to_owned(),
-                reason: format!(
-                    "the container has {count} {family} addresses ({check}), and at most {} of a family are checked: set sourceCheck to false for it",
-                    cnibpf_common::source::MAX_ADDRESSES
-                ),
-            });
-        }
-    }
-    Ok(check)
-}
-
-/// The indexes of the interfaces hostPort conditions name; one that does not exist is an error
-/// (103): its index could not be matched, and a negated condition would open the port to it.
-fn condition_interfaces(access: &HostPortAccess) -> Result<Vec<(String, u32)>, Error> {
-    let mut interfaces: Vec<(String, u32)> = Vec::new();
-    for condition in access.conditions_v4.iter().chain(&access.conditions_v6) {
-        if let Subject::InInterface(name) = &condition.subject
-            && !interfaces.iter().any(|(known, _)| known == name)
-        {
-            interfaces.push((name.clone(), netlink::link_by_name(name)?.index));
-        }
-    }
-    Ok(interfaces)
-}
-
-/// The masquerade `ipMasq` asks for: the container's addresses, never towards their own
-/// subnets, multicast or `ipMasqExclude`.
-fn masquerade_plan(conf: &NetConf, prev: &PrevResult) -> Result<Option<Masquerade>, ConfigError> {
-    if !conf.plugin.ip_masq {
-        return Ok(None);
-    }
-    if prev.container_addresses.is_empty() {
-        return Err(ConfigError::Invalid {
-            key: "ipMasq".to_owned(),
-            reason: "needs the container's addresses, and prevResult has none for CNI_IFNAME"
-                .to_owned(),
-        });
-    }
-    let multicast: [IpNet; 2] = [
-        IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(224, 0, 0, 0), 4)),
-        IpNet::V6(Ipv6Net::new_assert(
-            Ipv6Addr::new(0xff00, 0, 0, 0, 0, 0, 0, 0),
-            8,
-        )),
-    ];
-    let mut excludes: Vec<(IpNet, ExcludeReason)> = Vec::new();
-    let candidates = prev
-        .container_addresses
-        .iter()
-        .map(|net| (net.trunc(), ExcludeReason::OwnSubnet))
-        .chain(multicast.map(|net| (net, ExcludeReason::Multicast)))
-        .chain(
-            conf.plugin
-                .ip_masq_exclude
-                .iter()
-                .map(|net| (net.trunc(), ExcludeReason::Configured)),
-        );
-    for (net, reason) in candidates {
-        if !excludes.iter().any(|(held, _)| *held == net) {
-            excludes.push((net, reason));
-        }
-    }
-    Ok(Some(Masquerade {
-        sources: prev.container_addresses.iter().map(IpNet::addr).collect(),
-        excludes,
-    }))
-}
-
-/// The configured uplinks, or the devices of the default routes.
-fn resolve_uplinks(conf: &NetConf) -> Result<Vec<Link>, Error> {
-    match &conf.plugin.uplinks {
-        Some(names) => names
-            .iter()
-            .map(|name| netlink::link_by_name(name).map_err(Error::from))
-            .collect(),
-        None => netlink::default_route_links()?
-            .into_iter()
-            .map(|index| netlink::link_by_index(index).map_err(Error::from))
-            .collect(),
-    }
-}
-
 /// An ADD's configuration, its previous result, and that result as this ADD answers it (in
 /// the configuration's version).
 fn decode_add(stdin: &[u8]) -> Result<(NetConf, Value, Value), Error> {
@@ -511,85 +279,7 @@ fn add(env: &Env, stdin: &[u8]) -> Result<String, Error> {
     let plan = plan(env, &conf, &prev_result)?;
     phases::mark("plan");
     let pins = PinLayout::new(&conf.plugin.pin_path);
-    let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
-    phases::mark("lock");
-    let mut backend = backend::select(conf.plugin.backend, &pins, &conf.plugin.capacity)?;
-    journal::backend(backend.name());
-    phases::mark("backend");
-    let owner = plan.attachment.owner_id();
-    let mut others = backend::existing_except(&pins, Some(backend.name()), Access::Changes)?;
-    // A hostPort may be held by an attachment of either backend: the other's are checked
-    // here, the serving backend's own refuses in setup_port_mappings, atomically with claiming.
-    for other in &mut others {
-        backend::refuse_held_host_ports(other.as_mut(), owner, &plan.mappings)?;
-        // What it reclaimed from attachments whose interface is gone.
-        other.commit()?;
-    }
-    // The filter and the source check go first: once the datapath is hooked onto the
-    // interface, no packet may pass unfiltered or unchecked.
-    phases::mark("other backends");
-    let marked = |name| {
-        move |()| {
-            phases::mark(name);
-            Ok(())
-        }
-    };
-    let applied = backend
-        .setup_filter(&plan.endpoint, plan.filter.as_ref())
-        .and_then(marked("filter"))
-        .and_then(|()| backend.setup_source_check(&plan.endpoint, plan.source_check.as_ref()))
-        .and_then(marked("source check"))
-        .and_then(|()| backend.setup_endpoint(&plan.endpoint))
-        .and_then(marked("endpoint"))
-        .and_then(|()| backend.refresh_uplinks(&plan.endpoint.uplinks))
-        .and_then(marked("uplinks"))
-        .and_then(|()| backend.setup_port_mappings(&plan.endpoint, &plan.mappings))
-        .and_then(marked("port mappings"))
-        .and_then(|()| backend.setup_masquerade(&plan.endpoint, plan.masquerade.as_ref()))
-        .and_then(marked("masquerade"))
-        .and_then(|()| backend.commit())
-        .and_then(marked("commit"));
-    if let Err(error) = applied {
-        // Undo: an attachment is either complete or absent. (The filter is found by its
-        // interface: the attachment may not be recorded yet; the source check by its owner.)
-        let undone = BackendError::collect(
-            [
-                (
-                    "remove",
-                    backend::remove_attachment(backend.as_mut(), owner),
-                ),
-                ("unfilter", backend.setup_filter(&plan.endpoint, None)),
-                ("commit", backend.commit()),
-            ]
-            .into_iter()
-            .filter_map(|(step, outcome)| outcome.err().map(|error| (step, error)))
-            .collect(),
-        );
-        return Err(match undone {
-            Ok(()) => error,
-            Err(undo) => BackendError::UndoFailed {
-                failed: Box::new(error),
-                undo: Box::new(undo),
-            },
-        }
-        .into());
-    }
-    for mapping in &plan.mappings {
-        journal::note(journal::Change::HostPortHeld(mapping.to_string()));
-    }
-    // A re-ADD served by the other backend (the host gained or lost BPF, or `backend` changed)
-    // moves the attachment: what the previous backend holds of it goes, once the new one
-    // serves it.
-    for other in &mut others {
-        if other
-            .attachments()?
-            .iter()
-            .any(|record| record.owner == owner)
-        {
-            backend::remove_attachment(other.as_mut(), owner)?;
-            other.commit()?;
-        }
-    }
+    Serving::open(&pins, conf.plugin.backend, &conf.plugin.capacity)?.add(&plan)?;
     Ok(output.to_string())
 }
 
@@ -597,42 +287,18 @@ fn del(env: &Env, stdin: &[u8]) -> Result<(), Error> {
     let conf = CleanupConf::parse(stdin)?;
     journal::network(&conf.name);
     phases::mark("decode");
-    let attachment = Attachment::new(&conf.name, &env.container_id, &env.ifname);
-    let pins = PinLayout::new(&conf.pin_path);
-    let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
-    phases::mark("lock");
-    // Each backend is cleaned up even when another fails, and every failure is reported.
-    let mut failures = Vec::new();
-    let backends = backend::existing(&pins, Access::Changes)?;
-    phases::mark("backend");
-    if let Some(portmap) = &conf.replaced_portmap {
-        let owner = attachment.owner_id();
-        let mut held = false;
-        for backend in &backends {
-            held |= backend.holds(owner)?;
-        }
-        if !held {
-            // Made while portmap was chained: its hostPorts are portmap's to remove.
-            journal::backend("portmap");
-            delegate::portmap_del(portmap)?;
-            phases::mark("portmap");
-            return Ok(());
-        }
+    let owner = Attachment::new(&conf.name, &env.container_id, &env.ifname).owner_id();
+    let mut instance = Instance::to_change(&PinLayout::new(&conf.pin_path))?;
+    if let Some(portmap) = &conf.replaced_portmap
+        && !instance.holds(owner)?
+    {
+        // Made while portmap was chained: its hostPorts are portmap's to remove.
+        journal::backend("portmap");
+        delegate::portmap_del(portmap)?;
+        phases::mark("portmap");
+        return Ok(());
     }
-    for mut backend in backends {
-        journal::backend(backend.name());
-        let removed = backend::remove_attachment(backend.as_mut(), attachment.owner_id());
-        phases::mark("remove");
-        let committed = backend.commit();
-        phases::mark("commit");
-        failures.extend(
-            [removed, committed]
-                .into_iter()
-                .filter_map(Result::err)
-                .map(|error| (backend.name(), error)),
-        );
-    }
-    Ok(BackendError::collect(failures)?)
+    Ok(instance.remove(owner)?)
 }
 
 fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
@@ -645,40 +311,7 @@ fn check(env: &Env, stdin: &[u8]) -> Result<(), Error> {
         .ok_or(ConfigError::MissingPrevResult)?;
     let plan = plan(env, &conf, &prev_result)?;
     let pins = PinLayout::new(&conf.plugin.pin_path);
-    let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
-    // The backend that serves the attachment, whichever the configuration asks for now.
-    let owner = plan.attachment.owner_id();
-    let mut backends = backend::existing(&pins, Access::Changes)?;
-    let mut serving = None;
-    for (position, backend) in backends.iter().enumerate() {
-        if backend
-            .attachments()?
-            .iter()
-            .any(|record| record.owner == owner)
-        {
-            serving = Some(position);
-            break;
-        }
-    }
-    let Some(backend) = serving.and_then(|position| backends.get_mut(position)) else {
-        // fail-closed: no backend holds it; the error below says so.
-        return Err(BackendError::CheckFailed(format!(
-            "no backend holds state for {} (pinPath {}, table inet cnibpf)",
-            plan.attachment,
-            pins.root().display()
-        ))
-        .into());
-    };
-    journal::backend(backend.name());
-    backend.check_endpoint(&plan.endpoint)?;
-    backend.check_port_mappings(&plan.endpoint, &plan.mappings)?;
-    // CHECK is how an operator makes a changed uplink address take effect (see docs/datapath.md).
-    backend.refresh_uplinks(&plan.endpoint.uplinks)?;
-    backend.check_masquerade(&plan.endpoint, plan.masquerade.as_ref())?;
-    backend.check_filter(&plan.endpoint, plan.filter.as_ref())?;
-    backend.check_source_check(&plan.endpoint, plan.source_check.as_ref())?;
-    backend.commit()?;
-    Ok(())
+    Ok(Instance::to_change(&pins)?.check(&plan, &pins)?)
 }
 
 fn gc(stdin: &[u8]) -> Result<(), Error> {
@@ -698,53 +331,24 @@ fn gc(stdin: &[u8]) -> Result<(), Error> {
         .iter()
         .map(|entry| (entry.container_id.clone(), entry.ifname.clone()))
         .collect();
-    let pins = PinLayout::new(&conf.plugin.pin_path);
-    let _lock = InstanceLock::acquire(&pins.lock_file(), lock_timeout())?;
-    // One attachment or backend that cannot be cleaned up does not keep GC from the others.
-    let mut failures = Vec::new();
-    for mut backend in backend::existing(&pins, Access::Changes)? {
-        journal::backend(backend.name());
-        let records = match backend.attachments() {
-            Ok(records) => records,
-            Err(error) => {
-                failures.push((backend.name(), error));
-                continue;
-            }
-        };
-        let stale: Vec<_> = records
-            .into_iter()
-            .filter(|record| {
-                record.attachment.network == conf.name
-                    && !valid.contains(&(
-                        record.attachment.container_id.clone(),
-                        record.attachment.ifname.clone(),
-                    ))
-            })
-            .collect();
-        let mut outcomes: Vec<Result<(), BackendError>> = stale
-            .into_iter()
-            .map(|record| {
-                backend::remove_attachment(backend.as_mut(), record.owner).map(|()| {
-                    journal::note(journal::Change::Removed(record.attachment.to_string()));
-                })
-            })
-            .collect();
-        outcomes.push(backend.sweep_expired());
-        outcomes.push(backend.commit());
-        failures.extend(
-            outcomes
-                .into_iter()
-                .filter_map(Result::err)
-                .map(|error| (backend.name(), error)),
-        );
+    let collected =
+        Instance::to_change(&PinLayout::new(&conf.plugin.pin_path))?.collect(|record| {
+            Ok(record.attachment.network == conf.name
+                && !valid.contains(&(
+                    record.attachment.container_id.clone(),
+                    record.attachment.ifname.clone(),
+                )))
+        });
+    for (_, record) in &collected.removed {
+        journal::note(journal::Change::Removed(record.attachment.to_string()));
     }
-    Ok(BackendError::collect(failures)?)
+    Ok(BackendError::collect(collected.failures)?)
 }
 
 fn status(stdin: &[u8]) -> Result<(), Error> {
     let conf = NetConf::parse(stdin)?;
     journal::network(&conf.name);
     conf.require_version("STATUS")?;
-    backend::any_available()
+    crate::backend::any_available()
         .map_err(|error| Error::Unavailable(format!("no backend can work on this host: {error}")))
 }
