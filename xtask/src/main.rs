@@ -285,6 +285,7 @@ fn lint() -> Result<()> {
         "clippy (eBPF)",
     )?;
     modules::run(false)?;
+    modules::check_lengths()?;
     fail_closed::run()
 }
 

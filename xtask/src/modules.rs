@@ -1,6 +1,6 @@
 //! `cargo xtask modules`: the module graph of the eBPF and userspace crates, read from their
 //! `use` statements and `crate::`/`super::` paths, with a check that no module depends on one
-//! that depends back on it. Edges join siblings (the children of the nearest common ancestor):
+//! that depends back on it; and the length check of `cargo xtask lint`. Edges join siblings (the children of the nearest common ancestor):
 //! a module using its parent or its own child is containment, not a dependency.
 
 use std::{
@@ -82,6 +82,43 @@ fn graph_of(root: &Path) -> Result<BTreeMap<ModulePath, BTreeSet<ModulePath>>> {
         graph.entry(module).or_default();
     }
     Ok(graph)
+}
+
+/// The longest a source file may grow: past it, a file holds more than one concern and is
+/// split by them (a module directory).
+const MAX_FILE_LINES: usize = 600;
+
+/// Fails on a source file of the workspace longer than [`MAX_FILE_LINES`].
+pub fn check_lengths() -> Result<()> {
+    let root = crate::workspace_root();
+    let mut long = Vec::new();
+    for dir in [
+        "cnibpf/src",
+        "cnibpf-ebpf/src",
+        "cnibpf-common/src",
+        "xtask/src",
+        "tests",
+    ] {
+        for file in rust_files(&root.join(dir))? {
+            let text = fs::read_to_string(&file).with_context(|| format!("{}", file.display()))?;
+            let lines = text.lines().count();
+            if lines > MAX_FILE_LINES {
+                let relative = file
+                    .strip_prefix(&root)
+                    .unwrap_or(&file)
+                    .display()
+                    .to_string();
+                long.push(format!("{relative}: {lines} lines"));
+            }
+        }
+    }
+    if !long.is_empty() {
+        bail!(
+            "source files over {MAX_FILE_LINES} lines; split each by its concerns:\n  {}",
+            long.join("\n  ")
+        );
+    }
+    Ok(())
 }
 
 pub fn rust_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
