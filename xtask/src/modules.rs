@@ -1,7 +1,8 @@
 //! `cargo xtask modules`: the module graph of the eBPF and userspace crates, read from their
 //! `use` statements and `crate::`/`super::` paths, with a check that no module depends on one
-//! that depends back on it; and the length check of `cargo xtask lint`. Edges join siblings (the children of the nearest common ancestor):
-//! a module using its parent or its own child is containment, not a dependency.
+//! that depends back on it. Edges join siblings (the children of the nearest common ancestor):
+//! a module using its parent or its own child is containment, not a dependency. Also the
+//! length check of `cargo xtask lint`.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
