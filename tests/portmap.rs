@@ -12,7 +12,7 @@ use cnibpf_tests::{
     topology::{Backend, HOST_UPLINK_ADDR, OUTSIDE_ADDR, UPLINK, port_mappings},
     traffic::{TcpServer, UdpServer, tcp_request, udp_request},
 };
-use serde_json::json;
+use serde_json::{Value, json};
 
 fn expect_answer(sim: &SimHost, port: u16, expected: &str) {
     let answer = tcp_request(&sim.outside, sim.uplink_target(port))
@@ -245,6 +245,48 @@ fn traffic_routed_through_the_host_is_not_captured_by_a_wildcard_host_port(backe
         "a packet for {}:8080 was translated as if it were for the host: {routed:?}",
         c1.address
     );
+}
+
+/// A container with neither hostPorts nor a filter is hooked on what it sends only: nothing it
+/// receives needs a program there, and each tcx link costs its ADD a grace period. A re-ADD
+/// that gives it a filter hooks what it receives, one that takes the filter away unhooks it
+/// again; CHECK agrees with either set, and the filter takes effect and goes with the hook.
+#[test]
+fn only_the_hooks_a_container_needs_are_attached() {
+    let sim = SimHost::new("pm-hooks", json!({}));
+    sim.route_outside_to_containers();
+    let plain = sim.container("c1", Value::Null);
+    let veth = sim.host_interface(&plain);
+    assert_eq!(sim.tcx_programs(&veth), ["from_container"]);
+    sim.check(&plain)
+        .unwrap_or_else(|error| panic!("CHECK of a container hooked on one side: {error}"));
+    let mapped = sim.container("c2", port_mappings(&[(8080, 80, "tcp")]));
+    assert_eq!(
+        sim.tcx_programs(&sim.host_interface(&mapped)),
+        ["from_container", "to_container"],
+        "a container with hostPorts is hooked on both sides"
+    );
+    sim.check(&mapped)
+        .unwrap_or_else(|error| panic!("CHECK of a container hooked on both sides: {error}"));
+    let _server = TcpServer::start(&plain.netns, plain.socket(81), "c1");
+    let request = || tcp_request(&sim.outside, plain.socket(81));
+    assert_eq!(request().as_deref(), Ok("c1"), "routed to the container");
+    let filtered = json!({ "filter": [
+        { "index": 1, "direction": "ingress", "proto": "tcp", "dport": 81, "target": "DROP" },
+    ]});
+    sim.readd_with(&plain, filtered)
+        .unwrap_or_else(|error| panic!("re-ADD with a filter: {error}"));
+    assert_eq!(sim.tcx_programs(&veth), ["from_container", "to_container"]);
+    assert!(
+        request().is_err(),
+        "the ingress rule drops what is routed to it"
+    );
+    sim.readd_with(&plain, json!({}))
+        .unwrap_or_else(|error| panic!("re-ADD without the filter: {error}"));
+    assert_eq!(sim.tcx_programs(&veth), ["from_container"]);
+    sim.check(&plain)
+        .unwrap_or_else(|error| panic!("CHECK without the filter: {error}"));
+    assert_eq!(request().as_deref(), Ok("c1"), "unfiltered again");
 }
 
 #[test]

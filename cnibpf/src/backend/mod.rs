@@ -54,6 +54,8 @@ pub struct Endpoint {
     pub host_firewall: bool,
     /// The attachment has a filter (rules, or a default that drops).
     pub filtered: bool,
+    /// The attachment has hostPorts: flows translated to the container are tracked.
+    pub host_ports_mapped: bool,
     /// The container has other veths than this attachment's: it may be attached more than
     /// once, and its source checks admit each other's addresses (false: no sibling to look
     /// for).

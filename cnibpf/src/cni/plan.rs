@@ -109,6 +109,7 @@ pub(super) fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Pla
             shaped,
             host_firewall: conf.plugin.host_firewall,
             filtered: filter.is_some(),
+            host_ports_mapped: !mappings.is_empty(),
             may_have_siblings,
             masqueraded: masquerade.is_some(),
             gateway_ifindex,

@@ -236,13 +236,24 @@ impl EbpfBackend {
         Ok(())
     }
 
-    /// Attaches (or finds attached) the hooks of `owner`'s host-side interface `ifindex`.
-    pub(super) fn hook_endpoint(&self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
+    /// Attaches (or finds attached) the hooks of `owner`'s host-side interface `ifindex`:
+    /// `from_container` always, `to_container` only when the container `receives` through
+    /// it (see [`receives_through_hook`]); a `to_container` link it no longer needs goes.
+    pub(super) fn hook_endpoint(
+        &self,
+        owner: u64,
+        ifindex: u32,
+        receives: bool,
+    ) -> Result<(), BackendError> {
         let link_pins = self.endpoint_link_pins(owner);
-        for hook in Self::endpoint_hooks(&link_pins) {
-            self.attach(ifindex, &hook)?;
+        let [from, to] = Self::endpoint_hooks(&link_pins);
+        self.attach(ifindex, &from)?;
+        if receives {
+            self.attach(ifindex, &to)
+        } else {
+            // Unpinning detaches.
+            remove_pin(to.link_pin)
         }
-        Ok(())
     }
 
     /// Removes the `endpoints` entry of `ifindex` if `owner` still holds it (an interface index
@@ -286,7 +297,8 @@ impl EbpfBackend {
     /// The hooks of a container's host-side interface: what it sends (tcx ingress) and what
     /// it receives (tcx egress). A tcx attachment waits out an RCU grace period under the
     /// RTNL lock (10-25 ms each here); the price of sharing the interface with other programs
-    /// and qdiscs, paid once per ADD, and not at all by a repeated ADD that finds them in place.
+    /// and qdiscs, paid by an ADD for each hook its container needs, and not at all by a
+    /// repeated ADD that finds them in place.
     fn endpoint_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
         hook_pair([FROM_CONTAINER, TO_CONTAINER], link_pins)
     }
@@ -329,7 +341,7 @@ impl Endpoints for EbpfBackend {
         self.endpoints
             .insert(&endpoint.host.index, &endpoint_info(endpoint), 0)
             .map_err(map_error("could not write map endpoints"))?;
-        self.hook_endpoint(owner, endpoint.host.index)?;
+        self.hook_endpoint(owner, endpoint.host.index, receives_through_hook(endpoint))?;
         for uplink in &endpoint.uplinks {
             let uplink_pins = self.uplink_link_pins(&uplink.name);
             for hook in Self::uplink_hooks(&uplink_pins) {
@@ -379,8 +391,10 @@ impl Endpoints for EbpfBackend {
             }
         }
         let link_pins = self.endpoint_link_pins(owner);
-        for hook in Self::endpoint_hooks(&link_pins) {
-            self.check_attached(endpoint.host.index, &endpoint.host.name, &hook)?;
+        let [from, to] = Self::endpoint_hooks(&link_pins);
+        self.check_attached(endpoint.host.index, &endpoint.host.name, &from)?;
+        if receives_through_hook(endpoint) {
+            self.check_attached(endpoint.host.index, &endpoint.host.name, &to)?;
         }
         for uplink in &endpoint.uplinks {
             let uplink_pins = self.uplink_link_pins(&uplink.name);
@@ -407,6 +421,15 @@ impl Endpoints for EbpfBackend {
         }
         Ok(())
     }
+}
+
+/// Whether a container's packets from the bridge or the host stack must pass `to_container`:
+/// a filter judges them, or flows to its hostPorts are tracked (a direct connection reusing
+/// one's tuple must find that translation forgotten, or its replies would be rewritten).
+/// Without either the hook would look at every packet for nothing. Everything cnibpf hands
+/// to a container itself is judged where it is handed over.
+fn receives_through_hook(endpoint: &Endpoint) -> bool {
+    endpoint.filtered || endpoint.host_ports_mapped
 }
 
 /// Whether the `endpoints` record `found` is `wanted`, or is it as a cnibpf made it that

@@ -262,7 +262,9 @@ impl EbpfBackend {
                 // Gone with its pod: DEL or a reclaim removes the rest.
                 continue;
             }
-            self.hook_endpoint(owner, info.host_ifindex)?;
+            // Both hooks, as the layout it comes from had them: the next ADD of the
+            // container drops one it does not need.
+            self.hook_endpoint(owner, info.host_ifindex, true)?;
             unhook_legacy(info.host_ifindex).map_err(|source| BackendError::Pin {
                 action: format!(
                     "could not remove the old filters of interface {}",

@@ -47,6 +47,10 @@ pub(super) fn plugin_time(
         let args = json!({ "portMappings": [{ "hostPort": 30_000 + n, "containerPort": 80, "protocol": "tcp" }] });
         invoke_attachment(sim, netns_of(n), plugin_type, command, n, &args)
     };
+    // The common pod: no hostPorts, no filter (cnibpf hooks only what it sends).
+    let invoke_plain = |command: &str, n: usize| -> Result<Timed> {
+        invoke_attachment(sim, netns_of(n), plugin_type, command, n, &json!({}))
+    };
 
     let mut rows = Vec::new();
     let version: Vec<f64> = (0..TIMED_CYCLES)
@@ -108,6 +112,17 @@ pub(super) fn plugin_time(
                 baseline: None,
             });
         }
+    }
+    if plugin_type == "cnibpf" {
+        progress.step(&format!(
+            "{TIMED_CYCLES} timed ADD/DEL cycles of a pod without hostPorts at {max} attachments"
+        ));
+        rows.extend(add_del_rows(
+            &format!("{label}, a pod without hostPorts, {max} existing attachments"),
+            TIMED_CYCLES,
+            |command| invoke_plain(command, probe),
+            Some(("VERSION".to_owned(), exec_floor)),
+        )?);
     }
     Ok(rows)
 }
