@@ -27,12 +27,21 @@ impl EbpfBackend {
             let key = conditions_key(owner, ipv4);
             let conditions = endpoint.host_ports.conditions(ipv4);
             if conditions.is_empty() {
-                remove_entry(&mut self.port_conditions, &key, port_condition::MAP_NAME)?;
+                remove_entry(
+                    &mut self.port_mapping.port_conditions,
+                    &key,
+                    port_condition::MAP_NAME,
+                )?;
                 continue;
             }
             let value = encode(conditions, &endpoint.condition_interfaces);
-            if found(self.port_conditions.get(&key, 0), port_condition::MAP_NAME)? != Some(value) {
-                self.port_conditions
+            if found(
+                self.port_mapping.port_conditions.get(&key, 0),
+                port_condition::MAP_NAME,
+            )? != Some(value)
+            {
+                self.port_mapping
+                    .port_conditions
                     .insert(&key, &value, 0)
                     .map_err(map_error("could not write map port_conditions"))?;
             }
@@ -43,7 +52,7 @@ impl EbpfBackend {
     pub(super) fn remove_port_conditions(&mut self, owner: u64) -> Result<(), BackendError> {
         for ipv4 in [true, false] {
             remove_entry(
-                &mut self.port_conditions,
+                &mut self.port_mapping.port_conditions,
                 &conditions_key(owner, ipv4),
                 port_condition::MAP_NAME,
             )?;
@@ -59,7 +68,11 @@ impl EbpfBackend {
             let wanted = (!conditions.is_empty())
                 .then(|| encode(conditions, &endpoint.condition_interfaces));
             let key = conditions_key(owner, ipv4);
-            if found(self.port_conditions.get(&key, 0), port_condition::MAP_NAME)? != wanted {
+            if found(
+                self.port_mapping.port_conditions.get(&key, 0),
+                port_condition::MAP_NAME,
+            )? != wanted
+            {
                 return Err(BackendError::CheckFailed(format!(
                     "the IPv{} hostPort conditions of {} are missing or differ",
                     if ipv4 { 4 } else { 6 },

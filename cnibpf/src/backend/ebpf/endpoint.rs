@@ -8,30 +8,73 @@ use std::{
     path::Path,
 };
 
-use aya::programs::{
-    CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, links::FdLink,
-    tc::TcAttach,
+use aya::{
+    maps::{HashMap, MapData},
+    programs::{
+        CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, links::FdLink,
+        tc::TcAttach,
+    },
 };
 use cnibpf_common::{
     addr,
     endpoint::{self, EndpointInfo},
     host_addr::{self, HostAddrKey},
-    owner,
+    owner::{self, OwnerInfo},
 };
 
 use super::{
-    EbpfBackend, found, map_error,
+    EbpfBackend, batch, found, map_error, open_pinned,
     owner::{attachment_of, owner_info, read_name},
     pins::{
         FROM_CONTAINER, QDISC_TRACEPOINT, QDISC_WATCHER, SOCK_PROGRAMS, TO_CONTAINER,
         UPLINK_EGRESS, UPLINK_INGRESS, attach_tracepoint, remove_pin, remove_tree,
     },
-    remove_entry,
+    read_error, remove_entry,
 };
 use crate::{
     backend::{BackendError, Endpoint, Endpoints, is_link_local},
-    netlink, phases,
+    netlink,
+    paths::PinLayout,
+    phases,
 };
+
+/// The maps of attachments and their interfaces: `owners`, `endpoints`, `host_addrs`.
+pub(super) struct EndpointMaps {
+    pub(super) owners: HashMap<MapData, u64, OwnerInfo>,
+    pub(super) endpoints: HashMap<MapData, u32, EndpointInfo>,
+    pub(super) host_addrs: HashMap<MapData, HostAddrKey, u32>,
+}
+
+impl EndpointMaps {
+    pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
+        Ok(Self {
+            owners: open_pinned(pins, owner::MAP_NAME)?,
+            endpoints: open_pinned(pins, endpoint::MAP_NAME)?,
+            host_addrs: open_pinned(pins, host_addr::MAP_NAME)?,
+        })
+    }
+
+    /// The `owners` record of attachment `owner`; `None` when the kernel has none.
+    pub(super) fn owner(&self, owner: u64) -> Result<Option<OwnerInfo>, BackendError> {
+        found(self.owners.get(&owner, 0), owner::MAP_NAME)
+    }
+
+    /// Writes the `owners` record of attachment `owner`.
+    pub(super) fn record_owner(
+        &mut self,
+        owner: u64,
+        info: &OwnerInfo,
+    ) -> Result<(), BackendError> {
+        self.owners
+            .insert(&owner, info, 0)
+            .map_err(map_error("could not write map owners"))
+    }
+
+    /// Every attachment's `owners` record.
+    pub(super) fn owner_records(&self) -> Result<Vec<(u64, OwnerInfo)>, BackendError> {
+        batch::entries(&self.owners).map_err(read_error(owner::MAP_NAME))
+    }
+}
 
 /// One tcx hook: the program and where its link is pinned.
 struct Hook<'a> {
@@ -217,18 +260,19 @@ impl EbpfBackend {
             })
             .collect();
         let mut stale = Vec::new();
-        for key in self.host_addrs.keys() {
+        for key in self.endpoint.host_addrs.keys() {
             let key = key.map_err(map_error("could not read map host_addrs"))?;
             if !current.iter().any(|(wanted, _)| *wanted == key) {
                 stale.push(key);
             }
         }
         for key in stale {
-            remove_entry(&mut self.host_addrs, &key, host_addr::MAP_NAME)?;
+            remove_entry(&mut self.endpoint.host_addrs, &key, host_addr::MAP_NAME)?;
         }
         for (key, ifindex) in current {
-            if found(self.host_addrs.get(&key, 0), host_addr::MAP_NAME)? != Some(ifindex) {
-                self.host_addrs
+            if found(self.endpoint.host_addrs.get(&key, 0), host_addr::MAP_NAME)? != Some(ifindex) {
+                self.endpoint
+                    .host_addrs
                     .insert(&key, &ifindex, 0)
                     .map_err(map_error("could not write map host_addrs"))?;
             }
@@ -263,10 +307,10 @@ impl EbpfBackend {
         for link_pin in self.endpoint_link_pins(owner) {
             remove_pin(&link_pin)?;
         }
-        match found(self.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? {
+        match found(self.endpoint.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? {
             Some(info) if info.owner == owner => {
                 self.remove_filter(owner, ifindex)?;
-                remove_entry(&mut self.endpoints, &ifindex, endpoint::MAP_NAME)
+                remove_entry(&mut self.endpoint.endpoints, &ifindex, endpoint::MAP_NAME)
             }
             _ => Ok(()),
         }
@@ -276,10 +320,11 @@ impl EbpfBackend {
     /// that the datapath looks for the rules about to be added from the first packet on
     /// (clearing a hint is always safe; `setup_endpoint` writes the whole record again).
     pub(super) fn expect_filter(&mut self, ifindex: u32) -> Result<(), BackendError> {
-        match found(self.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? {
+        match found(self.endpoint.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? {
             Some(mut info) if info.flags & endpoint::FLAG_UNFILTERED != 0 => {
                 info.flags &= !endpoint::FLAG_UNFILTERED;
-                self.endpoints
+                self.endpoint
+                    .endpoints
                     .insert(&ifindex, &info, 0)
                     .map_err(map_error("could not write map endpoints"))
             }
@@ -306,7 +351,7 @@ impl EbpfBackend {
     /// Removes everything shared once no attachment is left, so that a host without
     /// containers carries no cnibpf programs on its uplinks.
     fn teardown_shared_if_unused(&mut self) -> Result<(), BackendError> {
-        match self.owners.keys().next() {
+        match self.endpoint.owners.keys().next() {
             None => remove_tree(self.pins.root()),
             Some(Ok(_)) => Ok(()),
             Some(Err(source)) => Err(map_error("could not read map owners")(source)),
@@ -317,7 +362,7 @@ impl EbpfBackend {
 impl Endpoints for EbpfBackend {
     fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let existing = found(self.owners.get(&owner, 0), owner::MAP_NAME)?;
+        let existing = found(self.endpoint.owners.get(&owner, 0), owner::MAP_NAME)?;
         if let Some(existing) = existing {
             let holder = attachment_of(&existing);
             if holder != endpoint.attachment {
@@ -335,10 +380,12 @@ impl Endpoints for EbpfBackend {
         if let Some(existing) = existing {
             info.port_count = existing.port_count;
         }
-        self.owners
+        self.endpoint
+            .owners
             .insert(&owner, &info, 0)
             .map_err(map_error("could not record the attachment in map owners"))?;
-        self.endpoints
+        self.endpoint
+            .endpoints
             .insert(&endpoint.host.index, &endpoint_info(endpoint), 0)
             .map_err(map_error("could not write map endpoints"))?;
         self.hook_endpoint(owner, endpoint.host.index, receives_through_hook(endpoint))?;
@@ -353,21 +400,22 @@ impl Endpoints for EbpfBackend {
     }
 
     fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
-        if let Some(info) = found(self.owners.get(&owner, 0), owner::MAP_NAME)? {
+        if let Some(info) = found(self.endpoint.owners.get(&owner, 0), owner::MAP_NAME)? {
             self.forget_endpoint(owner, info.host_ifindex)?;
         }
-        remove_entry(&mut self.owners, &owner, owner::MAP_NAME)?;
+        remove_entry(&mut self.endpoint.owners, &owner, owner::MAP_NAME)?;
         self.teardown_shared_if_unused()
     }
 
     fn check_endpoint(&self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let info = found(self.owners.get(&owner, 0), owner::MAP_NAME)?.ok_or_else(|| {
-            BackendError::CheckFailed(format!(
-                "{} is not recorded in map owners",
-                endpoint.attachment
-            ))
-        })?;
+        let info =
+            found(self.endpoint.owners.get(&owner, 0), owner::MAP_NAME)?.ok_or_else(|| {
+                BackendError::CheckFailed(format!(
+                    "{} is not recorded in map owners",
+                    endpoint.attachment
+                ))
+            })?;
         if info.host_ifindex != endpoint.host.index {
             return Err(BackendError::CheckFailed(format!(
                 "{} was attached to interface {} (index {}), its host interface is now {} (index {})",
@@ -379,7 +427,7 @@ impl Endpoints for EbpfBackend {
             )));
         }
         match found(
-            self.endpoints.get(&endpoint.host.index, 0),
+            self.endpoint.endpoints.get(&endpoint.host.index, 0),
             endpoint::MAP_NAME,
         )? {
             Some(record) if is_current(&record, &endpoint_info(endpoint)) => {}

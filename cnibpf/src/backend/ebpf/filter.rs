@@ -5,27 +5,54 @@
 
 use std::net::IpAddr;
 
-use aya::maps::PerCpuValues;
+use aya::maps::{HashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, addr,
     filter::{
         self, CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS, DIRECTION_INGRESS,
         FilterRule as StoredRule, FilterSet, MAX_RULES, NO_PREFIX, TARGET_ALLOW, TARGET_DROP,
     },
-    filter_flow, filter_fragment,
+    filter_flow::{self, FilterFlow, FilterFlowKey},
+    filter_fragment::{self, FilterFragmentKey},
     filter_hits::{self, FilterHits},
-    owner as owner_map,
+    filter_stats::{self, FilterStats},
 };
 use ipnet::IpNet;
 
 use super::{
-    EbpfBackend, batch, found, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
-    removed,
+    EbpfBackend, batch, found, map_error, monotonic_now_ns, open_pinned, read_error, remove_entry,
+    remove_where, removed,
 };
 use crate::{
     backend::{BackendError, Endpoint, Filtering},
     model::{ConnState, Direction, Filter, FilterRule, PortRange, RuleProtocol, Target},
+    paths::PinLayout,
 };
+
+/// The maps of the filter: the rule sets, their counters, the connections it tracks and their
+/// fragments, its statistics.
+pub(super) struct FilterMaps {
+    pub(super) filters: HashMap<MapData, u32, FilterSet>,
+    pub(super) filter_hits: PerCpuHashMap<MapData, u32, FilterHits>,
+    pub(super) filter_flows: HashMap<MapData, FilterFlowKey, FilterFlow>,
+    pub(super) filter_fragments: HashMap<MapData, FilterFragmentKey, u64>,
+    pub(super) filter_stats: PerCpuArray<MapData, FilterStats>,
+    /// Whether this invocation already removed the expired entries of `filter_flows`.
+    pub(super) flows_swept: bool,
+}
+
+impl FilterMaps {
+    pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
+        Ok(Self {
+            filters: open_pinned(pins, filter::MAP_NAME)?,
+            filter_hits: open_pinned(pins, filter_hits::MAP_NAME)?,
+            filter_flows: open_pinned(pins, filter_flow::MAP_NAME)?,
+            filter_fragments: open_pinned(pins, filter_fragment::MAP_NAME)?,
+            filter_stats: open_pinned(pins, filter_stats::MAP_NAME)?,
+            flows_swept: false,
+        })
+    }
+}
 
 impl Filtering for EbpfBackend {
     fn setup_filter(
@@ -39,9 +66,13 @@ impl Filtering for EbpfBackend {
             return self.remove_filter(owner, ifindex);
         };
         let wanted = stored_set(owner, filter);
-        let current = found(self.filters.get(&ifindex, 0), filter::MAP_NAME)?;
+        let current = found(self.filter.filters.get(&ifindex, 0), filter::MAP_NAME)?;
         if current.is_some_and(|current| same_rules(&current, &wanted))
-            && found(self.filter_hits.get(&ifindex, 0), filter_hits::MAP_NAME)?.is_some()
+            && found(
+                self.filter.filter_hits.get(&ifindex, 0),
+                filter_hits::MAP_NAME,
+            )?
+            .is_some()
         {
             return Ok(());
         }
@@ -57,16 +88,18 @@ impl Filtering for EbpfBackend {
                 name: filter_hits::MAP_NAME,
                 source,
             })?;
-        self.filter_hits
+        self.filter
+            .filter_hits
             .insert(&ifindex, zeroed, 0)
             .map_err(map_error("could not write map filter_hits"))?;
-        self.filters
+        self.filter
+            .filters
             .insert(&ifindex, &wanted, 0)
             .map_err(map_error("could not write map filters"))
     }
 
     fn teardown_filter(&mut self, owner: u64) -> Result<(), BackendError> {
-        match found(self.owners.get(&owner, 0), owner_map::MAP_NAME)? {
+        match self.endpoint.owner(owner)? {
             Some(info) => self.remove_filter(owner, info.host_ifindex),
             None => Ok(()),
         }
@@ -78,7 +111,10 @@ impl Filtering for EbpfBackend {
         filter: Option<&Filter>,
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let current = found(self.filters.get(&endpoint.host.index, 0), filter::MAP_NAME)?;
+        let current = found(
+            self.filter.filters.get(&endpoint.host.index, 0),
+            filter::MAP_NAME,
+        )?;
         match (filter, current) {
             (None, None) => Ok(()),
             (None, Some(_)) => Err(BackendError::CheckFailed(format!(
@@ -96,7 +132,7 @@ impl Filtering for EbpfBackend {
                         endpoint.attachment
                     )));
                 }
-                let hits = self.filter_hits.get(&endpoint.host.index, 0);
+                let hits = self.filter.filter_hits.get(&endpoint.host.index, 0);
                 if found(hits, filter_hits::MAP_NAME)?.is_none() {
                     return Err(BackendError::CheckFailed(format!(
                         "the rule counters of {} are missing from map filter_hits",
@@ -113,7 +149,7 @@ impl EbpfBackend {
     /// Removes the attachment's filter (if the element on `ifindex` is still its own) and its
     /// connections' state; expired state of others goes in the same pass.
     pub(super) fn remove_filter(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
-        let Some(current) = found(self.filters.get(&ifindex, 0), filter::MAP_NAME)? else {
+        let Some(current) = found(self.filter.filters.get(&ifindex, 0), filter::MAP_NAME)? else {
             // Never filtered (or already cleaned up): it tracked no connections either, so
             // the scans of the flow tables are skipped.
             return Ok(());
@@ -121,8 +157,11 @@ impl EbpfBackend {
         if current.owner != owner {
             return Ok(());
         }
-        remove_entry(&mut self.filters, &ifindex, filter::MAP_NAME)?;
-        removed(self.filter_hits.remove(&ifindex), filter_hits::MAP_NAME)?;
+        remove_entry(&mut self.filter.filters, &ifindex, filter::MAP_NAME)?;
+        removed(
+            self.filter.filter_hits.remove(&ifindex),
+            filter_hits::MAP_NAME,
+        )?;
         self.remove_filter_flows(|flow_owner| flow_owner == owner)
     }
 
@@ -131,15 +170,15 @@ impl EbpfBackend {
     fn remove_filter_flows(&mut self, stale: impl Fn(u64) -> bool) -> Result<(), BackendError> {
         let now = monotonic_now_ns();
         let flows =
-            batch::entries(&self.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
+            batch::entries(&self.filter.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
         for (key, flow) in flows {
             if stale(flow.owner) || flow.is_expired(key.protocol, now) {
-                remove_entry(&mut self.filter_flows, &key, filter_flow::MAP_NAME)?;
+                remove_entry(&mut self.filter.filter_flows, &key, filter_flow::MAP_NAME)?;
             }
         }
-        self.filter_flows_swept = true;
+        self.filter.flows_swept = true;
         remove_where(
-            &mut self.filter_fragments,
+            &mut self.filter.filter_fragments,
             filter_fragment::MAP_NAME,
             |owner| stale(*owner),
         )
@@ -147,7 +186,7 @@ impl EbpfBackend {
 
     /// The GC sweep of expired connections (unless a removal in this run did it already).
     pub(super) fn sweep_expired_filter_flows(&mut self) -> Result<(), BackendError> {
-        if self.filter_flows_swept {
+        if self.filter.flows_swept {
             return Ok(());
         }
         self.remove_filter_flows(|_| false)

@@ -35,7 +35,7 @@ use crate::{
 impl Inspect for EbpfBackend {
     fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
         let mut records = Vec::new();
-        for entry in self.owners.iter() {
+        for entry in self.endpoint.owners.iter() {
             let (owner, info) = entry.map_err(map_error("could not read map owners"))?;
             records.push(AttachmentRecord {
                 owner,
@@ -49,12 +49,12 @@ impl Inspect for EbpfBackend {
     }
 
     fn holds(&self, owner: u64) -> Result<bool, BackendError> {
-        Ok(found(self.owners.get(&owner, 0), owner_map::MAP_NAME)?.is_some())
+        Ok(found(self.endpoint.owners.get(&owner, 0), owner_map::MAP_NAME)?.is_some())
     }
 
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
         let mut mappings = Vec::new();
-        for entry in self.portmap.iter() {
+        for entry in self.port_mapping.portmap.iter() {
             let (key, value) = entry.map_err(map_error("could not read map portmap"))?;
             if let Some(mapping) = mapping_from_entry(&key, &value) {
                 mappings.push((value.owner, mapping));
@@ -73,7 +73,7 @@ impl Inspect for EbpfBackend {
                 records.len() - 1
             }
         };
-        for entry in self.masq_sources.iter() {
+        for entry in self.masquerade.masq_sources.iter() {
             let (key, source) = entry.map_err(map_error("could not read map masq_sources"))?;
             let position = record_of(&mut records, source.owner);
             records[position]
@@ -82,7 +82,7 @@ impl Inspect for EbpfBackend {
                 .sources
                 .push(addr::from_bytes(key.addr, key.family));
         }
-        for entry in self.masq_excludes.iter() {
+        for entry in self.masquerade.masq_excludes.iter() {
             let (key, reason) = entry.map_err(map_error("could not read map masq_excludes"))?;
             let data = key.data();
             let (Some(net), Some(reason)) = (exclude_net(&key), ExcludeReason::from_u32(reason))
@@ -93,7 +93,7 @@ impl Inspect for EbpfBackend {
             records[position].1.masquerade.excludes.push((net, reason));
         }
         for (_, flow) in
-            batch::entries(&self.masq_flows).map_err(read_error(masq_flow::MAP_NAME))?
+            batch::entries(&self.masquerade.masq_flows).map_err(read_error(masq_flow::MAP_NAME))?
         {
             let position = record_of(&mut records, flow.owner);
             records[position].1.flows += 1;
@@ -103,7 +103,7 @@ impl Inspect for EbpfBackend {
 
     fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
         let mut uplinks = Vec::new();
-        for entry in self.uplinks.iter() {
+        for entry in self.masquerade.uplinks.iter() {
             let (ifindex, info) = entry.map_err(map_error("could not read map uplinks"))?;
             uplinks.push(UplinkAddresses {
                 ifindex,
@@ -121,10 +121,13 @@ impl Inspect for EbpfBackend {
 
     fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
         let mut records = Vec::new();
-        for entry in self.filters.iter() {
+        for entry in self.filter.filters.iter() {
             let (ifindex, set) = entry.map_err(map_error("could not read map filters"))?;
             let rule_count = (set.rule_count as usize).min(MAX_RULES);
-            let hits = found(self.filter_hits.get(&ifindex, 0), filter_hits::MAP_NAME)?;
+            let hits = found(
+                self.filter.filter_hits.get(&ifindex, 0),
+                filter_hits::MAP_NAME,
+            )?;
             let summed = |slot: usize| {
                 hits.iter().flat_map(|per_cpu| per_cpu.iter()).fold(
                     (0, 0),
@@ -158,7 +161,7 @@ impl Inspect for EbpfBackend {
             return Ok(records);
         }
         let flows =
-            batch::entries(&self.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
+            batch::entries(&self.filter.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
         for (_, flow) in flows {
             if let Some((_, record)) = records.iter_mut().find(|(owner, _)| *owner == flow.owner) {
                 record.flows += 1;
@@ -200,13 +203,13 @@ impl Inspect for EbpfBackend {
 
     fn flow_tables(&self) -> Result<Vec<FlowTable>, BackendError> {
         Ok(vec![
-            fill(nat_flow::MAP_NAME, &self.nat_flows)?,
-            fill(nat_fragment::MAP_NAME, &self.nat_fragments)?,
-            fill(masq_flow::MAP_NAME, &self.masq_flows)?,
-            fill(masq_reply::MAP_NAME, &self.masq_replies)?,
-            fill(masq_fragment::MAP_NAME, &self.masq_fragments)?,
-            fill(filter_flow::MAP_NAME, &self.filter_flows)?,
-            fill(filter_fragment::MAP_NAME, &self.filter_fragments)?,
+            fill(nat_flow::MAP_NAME, &self.port_mapping.nat_flows)?,
+            fill(nat_fragment::MAP_NAME, &self.port_mapping.nat_fragments)?,
+            fill(masq_flow::MAP_NAME, &self.masquerade.masq_flows)?,
+            fill(masq_reply::MAP_NAME, &self.masquerade.masq_replies)?,
+            fill(masq_fragment::MAP_NAME, &self.masquerade.masq_fragments)?,
+            fill(filter_flow::MAP_NAME, &self.filter.filter_flows)?,
+            fill(filter_fragment::MAP_NAME, &self.filter.filter_fragments)?,
         ])
     }
 }
@@ -235,13 +238,14 @@ where
 impl EbpfBackend {
     fn masquerade_counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
         let per_cpu = self
+            .masquerade
             .masq_stats
             .get(&0, 0)
             .map_err(map_error("could not read map masq_stats"))?;
         let sum = |field: fn(&cnibpf_common::masq_stats::MasqStats) -> u64| {
             per_cpu.iter().map(field).sum::<u64>()
         };
-        let flows = fill(masq_flow::MAP_NAME, &self.masq_flows)?;
+        let flows = fill(masq_flow::MAP_NAME, &self.masquerade.masq_flows)?;
         Ok(vec![
             ("masq_flows entries", flows.entries),
             ("masq_flows capacity", flows.capacity),
@@ -257,6 +261,7 @@ impl EbpfBackend {
 
     fn filter_counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
         let per_cpu = self
+            .filter
             .filter_stats
             .get(&0, 0)
             .map_err(map_error("could not read map filter_stats"))?;

@@ -5,27 +5,68 @@
 
 use std::net::IpAddr;
 
-use aya::maps::lpm_trie::Key;
+use aya::maps::{HashMap, LpmTrie, MapData, PerCpuArray, lpm_trie::Key};
 use cnibpf_common::{
     addr,
     masq_exclude::{self, MasqExcludeKey, OWNER_FAMILY_BITS},
     masq_flow::{self, MasqFlow},
-    masq_fragment, masq_reply,
+    masq_fragment::{self, FragmentKey},
+    masq_reply::{self, MasqReply},
     masq_source::{self, MasqSource, MasqSourceKey},
+    masq_stats::{self, MasqStats},
     nat_flow::NatFlowKey,
     uplink::{self, UplinkInfo},
 };
 use ipnet::IpNet;
 
 use super::{
-    EbpfBackend, batch, found, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
-    removed,
+    EbpfBackend, batch, found, map_error, monotonic_now_ns, open_pinned, read_error, remove_entry,
+    remove_where, removed,
 };
 use crate::{
     backend::{BackendError, Endpoint, Masquerading, is_link_local},
     model::Masquerade,
     netlink::{self, Link},
+    paths::PinLayout,
 };
+
+/// The maps of masquerade: its sources and exclusions, the uplinks' addresses, its connection
+/// state (`masq_flows`, `masq_replies`), fragments and statistics.
+pub(super) struct MasqueradeMaps {
+    pub(super) masq_sources: HashMap<MapData, MasqSourceKey, MasqSource>,
+    pub(super) masq_excludes: LpmTrie<MapData, MasqExcludeKey, u32>,
+    pub(super) uplinks: HashMap<MapData, u32, UplinkInfo>,
+    pub(super) masq_flows: HashMap<MapData, NatFlowKey, MasqFlow>,
+    pub(super) masq_replies: HashMap<MapData, NatFlowKey, MasqReply>,
+    pub(super) masq_fragments: HashMap<MapData, FragmentKey, MasqReply>,
+    pub(super) masq_stats: PerCpuArray<MapData, MasqStats>,
+    /// Whether this invocation already removed the expired entries of `masq_flows` (removing
+    /// an attachment's flows does it in the same pass).
+    pub(super) flows_swept: bool,
+}
+
+impl MasqueradeMaps {
+    pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
+        Ok(Self {
+            masq_sources: open_pinned(pins, masq_source::MAP_NAME)?,
+            masq_excludes: open_pinned(pins, masq_exclude::MAP_NAME)?,
+            uplinks: open_pinned(pins, uplink::MAP_NAME)?,
+            masq_flows: open_pinned(pins, masq_flow::MAP_NAME)?,
+            masq_replies: open_pinned(pins, masq_reply::MAP_NAME)?,
+            masq_fragments: open_pinned(pins, masq_fragment::MAP_NAME)?,
+            masq_stats: open_pinned(pins, masq_stats::MAP_NAME)?,
+            flows_swept: false,
+        })
+    }
+
+    /// Removes where the later fragments of `owner`'s datagrams would go (hostPort DNAT
+    /// leaves its first fragments' entries here too).
+    pub(super) fn forget_fragments_of(&mut self, owner: u64) -> Result<(), BackendError> {
+        remove_where(&mut self.masq_fragments, masq_fragment::MAP_NAME, |reply| {
+            reply.owner == owner
+        })
+    }
+}
 
 impl Masquerading for EbpfBackend {
     fn setup_masquerade(
@@ -49,8 +90,13 @@ impl Masquerading for EbpfBackend {
             gateway_mac: endpoint.gateway_mac,
         };
         for key in &wanted_sources {
-            if found(self.masq_sources.get(key, 0), masq_source::MAP_NAME)? != Some(value) {
-                self.masq_sources
+            if found(
+                self.masquerade.masq_sources.get(key, 0),
+                masq_source::MAP_NAME,
+            )? != Some(value)
+            {
+                self.masquerade
+                    .masq_sources
                     .insert(key, &value, 0)
                     .map_err(map_error("could not write map masq_sources"))?;
             }
@@ -59,7 +105,11 @@ impl Masquerading for EbpfBackend {
         let mut dropped_sources = false;
         for key in current_sources {
             if !wanted_sources.contains(&key) {
-                remove_entry(&mut self.masq_sources, &key, masq_source::MAP_NAME)?;
+                remove_entry(
+                    &mut self.masquerade.masq_sources,
+                    &key,
+                    masq_source::MAP_NAME,
+                )?;
                 dropped_sources = true;
             }
         }
@@ -69,8 +119,13 @@ impl Masquerading for EbpfBackend {
             .map(|(net, reason)| (exclude_key(owner, net), *reason as u32))
             .collect();
         for (key, reason) in &wanted_excludes {
-            if found(self.masq_excludes.get(key, 0), masq_exclude::MAP_NAME)? != Some(*reason) {
-                self.masq_excludes
+            if found(
+                self.masquerade.masq_excludes.get(key, 0),
+                masq_exclude::MAP_NAME,
+            )? != Some(*reason)
+            {
+                self.masquerade
+                    .masq_excludes
                     .insert(key, reason, 0)
                     .map_err(map_error("could not write map masq_excludes"))?;
             }
@@ -103,7 +158,11 @@ impl Masquerading for EbpfBackend {
             return Ok(());
         }
         for key in sources {
-            remove_entry(&mut self.masq_sources, &key, masq_source::MAP_NAME)?;
+            remove_entry(
+                &mut self.masquerade.masq_sources,
+                &key,
+                masq_source::MAP_NAME,
+            )?;
         }
         for (key, _) in excludes {
             self.remove_exclude(&key)?;
@@ -113,14 +172,18 @@ impl Masquerading for EbpfBackend {
         self.remove_masquerade_flows(|key, flow| {
             flow.owner == owner || flow.is_expired(key.protocol, now)
         })?;
-        self.masq_flows_swept = true;
+        self.masquerade.flows_swept = true;
         // Reverse entries whose forward entry was evicted are found by their owner.
-        remove_where(&mut self.masq_replies, masq_reply::MAP_NAME, |reply| {
-            reply.owner == owner
-        })?;
-        remove_where(&mut self.masq_fragments, masq_fragment::MAP_NAME, |reply| {
-            reply.owner == owner
-        })
+        remove_where(
+            &mut self.masquerade.masq_replies,
+            masq_reply::MAP_NAME,
+            |reply| reply.owner == owner,
+        )?;
+        remove_where(
+            &mut self.masquerade.masq_fragments,
+            masq_fragment::MAP_NAME,
+            |reply| reply.owner == owner,
+        )
     }
 
     fn check_masquerade(
@@ -142,7 +205,10 @@ impl Masquerading for EbpfBackend {
         };
         for addr in &masquerade.sources {
             let key = source_key(*addr);
-            match found(self.masq_sources.get(&key, 0), masq_source::MAP_NAME)? {
+            match found(
+                self.masquerade.masq_sources.get(&key, 0),
+                masq_source::MAP_NAME,
+            )? {
                 Some(source)
                     if source.owner == owner && source.host_ifindex == endpoint.host.index => {}
                 _ => {
@@ -168,7 +234,12 @@ impl Masquerading for EbpfBackend {
             }
         }
         for uplink in &endpoint.uplinks {
-            if found(self.uplinks.get(&uplink.index, 0), uplink::MAP_NAME)?.is_none() {
+            if found(
+                self.masquerade.uplinks.get(&uplink.index, 0),
+                uplink::MAP_NAME,
+            )?
+            .is_none()
+            {
                 return Err(BackendError::CheckFailed(format!(
                     "uplink {} (index {}) has no masquerade address in map uplinks",
                     uplink.name, uplink.index
@@ -198,8 +269,13 @@ impl Masquerading for EbpfBackend {
                     _ => {}
                 }
             }
-            if found(self.uplinks.get(&uplink.index, 0), uplink::MAP_NAME)? != Some(info) {
-                self.uplinks
+            if found(
+                self.masquerade.uplinks.get(&uplink.index, 0),
+                uplink::MAP_NAME,
+            )? != Some(info)
+            {
+                self.masquerade
+                    .uplinks
                     .insert(&uplink.index, &info, 0)
                     .map_err(map_error("could not write map uplinks"))?;
             }
@@ -211,10 +287,10 @@ impl Masquerading for EbpfBackend {
 impl EbpfBackend {
     /// Removes the expired masquerade flows (unless removing an attachment's did already).
     pub(super) fn sweep_expired_masquerade_flows(&mut self) -> Result<(), BackendError> {
-        if !self.masq_flows_swept {
+        if !self.masquerade.flows_swept {
             let now = monotonic_now_ns();
             self.remove_masquerade_flows(|key, flow| flow.is_expired(key.protocol, now))?;
-            self.masq_flows_swept = true;
+            self.masquerade.flows_swept = true;
         }
         Ok(())
     }
@@ -229,14 +305,14 @@ impl EbpfBackend {
         owner: u64,
     ) -> Result<(Vec<MasqSourceKey>, Vec<(Key<MasqExcludeKey>, u32)>), BackendError> {
         let mut sources = Vec::new();
-        for entry in self.masq_sources.iter() {
+        for entry in self.masquerade.masq_sources.iter() {
             let (key, source) = entry.map_err(map_error("could not read map masq_sources"))?;
             if source.owner == owner {
                 sources.push(key);
             }
         }
         let mut excludes = Vec::new();
-        for entry in self.masq_excludes.iter() {
+        for entry in self.masquerade.masq_excludes.iter() {
             let (key, reason) = entry.map_err(map_error("could not read map masq_excludes"))?;
             if key.data().owner == owner.to_be_bytes() {
                 excludes.push((key, reason));
@@ -246,7 +322,10 @@ impl EbpfBackend {
     }
 
     fn remove_exclude(&mut self, key: &Key<MasqExcludeKey>) -> Result<(), BackendError> {
-        removed(self.masq_excludes.remove(key), masq_exclude::MAP_NAME)
+        removed(
+            self.masquerade.masq_excludes.remove(key),
+            masq_exclude::MAP_NAME,
+        )
     }
 
     /// Removes the flows `stale` selects, both ways.
@@ -254,7 +333,8 @@ impl EbpfBackend {
         &mut self,
         stale: impl Fn(&NatFlowKey, &MasqFlow) -> bool,
     ) -> Result<(), BackendError> {
-        let flows = batch::entries(&self.masq_flows).map_err(read_error(masq_flow::MAP_NAME))?;
+        let flows =
+            batch::entries(&self.masquerade.masq_flows).map_err(read_error(masq_flow::MAP_NAME))?;
         for (key, flow) in flows.into_iter().filter(|(key, flow)| stale(key, flow)) {
             let reverse = NatFlowKey {
                 src_addr: key.dst_addr,
@@ -266,14 +346,21 @@ impl EbpfBackend {
                 _pad: [0; 2],
             };
             // Only if it still reverses this flow: the port may have been claimed anew.
-            let owned = found(self.masq_replies.get(&reverse, 0), masq_reply::MAP_NAME)?
-                .is_some_and(|reply| {
-                    reply.container_addr == key.src_addr && reply.container_port == key.src_port
-                });
+            let owned = found(
+                self.masquerade.masq_replies.get(&reverse, 0),
+                masq_reply::MAP_NAME,
+            )?
+            .is_some_and(|reply| {
+                reply.container_addr == key.src_addr && reply.container_port == key.src_port
+            });
             if owned {
-                remove_entry(&mut self.masq_replies, &reverse, masq_reply::MAP_NAME)?;
+                remove_entry(
+                    &mut self.masquerade.masq_replies,
+                    &reverse,
+                    masq_reply::MAP_NAME,
+                )?;
             }
-            remove_entry(&mut self.masq_flows, &key, masq_flow::MAP_NAME)?;
+            remove_entry(&mut self.masquerade.masq_flows, &key, masq_flow::MAP_NAME)?;
         }
         Ok(())
     }

@@ -214,7 +214,8 @@ impl EbpfBackend {
                 port_count: old.port_count,
                 ..OwnerInfo::default()
             };
-            self.owners
+            self.endpoint
+                .owners
                 .insert(&id, &info, 0)
                 .map_err(map_error("could not write map owners"))?;
         }
@@ -243,7 +244,8 @@ impl EbpfBackend {
                 },
                 gateway_ifindex,
             };
-            self.endpoints
+            self.endpoint
+                .endpoints
                 .insert(&ifindex, &info, 0)
                 .map_err(map_error("could not write map endpoints"))?;
         }
@@ -254,7 +256,7 @@ impl EbpfBackend {
     /// filters (for a moment both run: the new programs pass on what is not cnibpf's, the old
     /// ones then find nothing of theirs either).
     fn rehook_endpoints(&self) -> Result<(), BackendError> {
-        for entry in self.owners.iter() {
+        for entry in self.endpoint.owners.iter() {
             let (owner, info) = entry.map_err(map_error("could not read map owners"))?;
             let live = live_link(info.host_ifindex)?
                 .is_some_and(|link| link.name == super::owner::read_name(&info.host_ifname));

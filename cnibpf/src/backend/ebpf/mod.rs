@@ -27,32 +27,7 @@ mod sources;
 
 use std::{fs, io, net::IpAddr};
 
-use aya::maps::{HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, PerCpuHashMap};
-use cnibpf_common::{
-    endpoint::{self as endpoint_map, EndpointInfo},
-    filter::{self as filter_set, FilterSet},
-    filter_flow::{self, FilterFlow, FilterFlowKey},
-    filter_fragment::{self, FilterFragmentKey},
-    filter_hits::{self, FilterHits},
-    filter_stats::{self, FilterStats},
-    host_addr::{self, HostAddrKey},
-    masq_exclude::{self, MasqExcludeKey},
-    masq_flow::{self, MasqFlow},
-    masq_fragment::{self, FragmentKey},
-    masq_reply::{self, MasqReply},
-    masq_source::{self, MasqSource, MasqSourceKey},
-    masq_stats::{self, MasqStats},
-    nat_flow::{self, NatFlowKey, NatFlowValue},
-    nat_fragment,
-    owner::{self as owner_map, OwnerInfo},
-    owner_port::{self, OwnerPortKey},
-    port_claim::{self, PortClaim, PortClaimKey},
-    port_condition::{PortConditions, PortConditionsKey},
-    portmap::{self as portmap_map, PortMapKey, PortMapValue},
-    source::{self as source_map, SourceSet},
-    source_drop::{self, SourceDrops},
-    uplink::{self, UplinkInfo},
-};
+use aya::maps::{HashMap, Map, MapData, MapError};
 
 pub use self::migrate::FROM as MIGRATES_FROM;
 use self::pins::{
@@ -60,41 +35,28 @@ use self::pins::{
 };
 pub use self::pins::{mount_bpffs, remove_pinned};
 pub use self::sizes::memory;
+use self::{
+    endpoint::EndpointMaps, filter::FilterMaps, masquerade::MasqueradeMaps, portmap::PortMapMaps,
+    sources::SourceMaps,
+};
 use super::{Access, Backend, BackendError};
 use crate::{model::Capacity, paths::PinLayout};
 
+/// The pinned datapath, as one bundle of map handles per capability, each defined and opened
+/// by the capability's own file (`endpoint.rs`, `portmap.rs`, `masquerade.rs`, `filter.rs`,
+/// `sources.rs`). A capability works on its own bundle; what it needs of another's goes
+/// through that one's methods (the owner record, the fragments of an attachment). Only
+/// `inspect`, `migrate` and `sizes`, which read or convert the whole datapath, read every
+/// bundle's maps.
 pub struct EbpfBackend {
     pins: PinLayout,
-    portmap: HashMap<MapData, PortMapKey, PortMapValue>,
-    nat_flows: HashMap<MapData, NatFlowKey, NatFlowValue>,
-    nat_fragments: HashMap<MapData, FragmentKey, NatFlowValue>,
-    owners: HashMap<MapData, u64, OwnerInfo>,
-    endpoints: HashMap<MapData, u32, EndpointInfo>,
-    host_addrs: HashMap<MapData, HostAddrKey, u32>,
-    owner_ports: HashMap<MapData, OwnerPortKey, PortMapKey>,
-    port_claims: HashMap<MapData, PortClaimKey, PortClaim>,
-    port_conditions: HashMap<MapData, PortConditionsKey, PortConditions>,
-    masq_sources: HashMap<MapData, MasqSourceKey, MasqSource>,
-    masq_excludes: LpmTrie<MapData, MasqExcludeKey, u32>,
-    uplinks: HashMap<MapData, u32, UplinkInfo>,
-    masq_flows: HashMap<MapData, NatFlowKey, MasqFlow>,
-    masq_replies: HashMap<MapData, NatFlowKey, MasqReply>,
-    masq_fragments: HashMap<MapData, FragmentKey, MasqReply>,
-    masq_stats: PerCpuArray<MapData, MasqStats>,
-    filters: HashMap<MapData, u32, FilterSet>,
-    filter_hits: PerCpuHashMap<MapData, u32, FilterHits>,
-    filter_flows: HashMap<MapData, FilterFlowKey, FilterFlow>,
-    filter_fragments: HashMap<MapData, FilterFragmentKey, u64>,
-    filter_stats: PerCpuArray<MapData, FilterStats>,
-    sources: HashMap<MapData, u32, SourceSet>,
-    source_drops: PerCpuHashMap<MapData, u32, SourceDrops>,
+    endpoint: EndpointMaps,
+    port_mapping: PortMapMaps,
+    masquerade: MasqueradeMaps,
+    filter: FilterMaps,
+    source_check: SourceMaps,
     /// The host's addresses (interface index, address) as dumped by `load_for_changes`.
     host_addresses: Vec<(u32, IpAddr)>,
-    /// Whether this invocation already removed the expired entries of `masq_flows` (removing an
-    /// attachment's flows does it in the same pass).
-    masq_flows_swept: bool,
-    /// The same for `filter_flows`.
-    filter_flows_swept: bool,
 }
 
 impl std::fmt::Debug for EbpfBackend {
@@ -281,32 +243,12 @@ impl EbpfBackend {
     pub(super) fn open_maps(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
             pins: pins.clone(),
-            portmap: open_pinned(pins, portmap_map::MAP_NAME)?,
-            nat_flows: open_pinned(pins, nat_flow::MAP_NAME)?,
-            nat_fragments: open_pinned(pins, nat_fragment::MAP_NAME)?,
-            owners: open_pinned(pins, owner_map::MAP_NAME)?,
-            endpoints: open_pinned(pins, endpoint_map::MAP_NAME)?,
-            host_addrs: open_pinned(pins, host_addr::MAP_NAME)?,
-            owner_ports: open_pinned(pins, owner_port::MAP_NAME)?,
-            port_claims: open_pinned(pins, port_claim::MAP_NAME)?,
-            port_conditions: open_pinned(pins, cnibpf_common::port_condition::MAP_NAME)?,
-            masq_sources: open_pinned(pins, masq_source::MAP_NAME)?,
-            masq_excludes: open_pinned(pins, masq_exclude::MAP_NAME)?,
-            uplinks: open_pinned(pins, uplink::MAP_NAME)?,
-            masq_flows: open_pinned(pins, masq_flow::MAP_NAME)?,
-            masq_replies: open_pinned(pins, masq_reply::MAP_NAME)?,
-            masq_fragments: open_pinned(pins, masq_fragment::MAP_NAME)?,
-            masq_stats: open_pinned(pins, masq_stats::MAP_NAME)?,
-            filters: open_pinned(pins, filter_set::MAP_NAME)?,
-            filter_hits: open_pinned(pins, filter_hits::MAP_NAME)?,
-            filter_flows: open_pinned(pins, filter_flow::MAP_NAME)?,
-            filter_fragments: open_pinned(pins, filter_fragment::MAP_NAME)?,
-            filter_stats: open_pinned(pins, filter_stats::MAP_NAME)?,
-            sources: open_pinned(pins, source_map::MAP_NAME)?,
-            source_drops: open_pinned(pins, source_drop::MAP_NAME)?,
+            endpoint: EndpointMaps::open(pins)?,
+            port_mapping: PortMapMaps::open(pins)?,
+            masquerade: MasqueradeMaps::open(pins)?,
+            filter: FilterMaps::open(pins)?,
+            source_check: SourceMaps::open(pins)?,
             host_addresses: Vec::new(),
-            masq_flows_swept: false,
-            filter_flows_swept: false,
         })
     }
 }

@@ -5,34 +5,66 @@
 
 use std::collections::HashSet;
 
-use aya::maps::MapError;
+use aya::maps::{HashMap, MapData, MapError};
 use cnibpf_common::{
-    addr, masq_fragment,
+    addr,
+    masq_fragment::FragmentKey,
     nat_flow::{self, NatFlowKey, NatFlowValue},
-    nat_fragment, owner as owner_map,
+    nat_fragment,
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
+    port_condition::{self, PortConditions, PortConditionsKey},
     portmap::{self, PortMapKey, PortMapValue},
 };
 
 use super::{
-    EbpfBackend, batch, found, map_error, monotonic_now_ns, read_error, remove_entry, remove_where,
+    EbpfBackend, batch, found, map_error, monotonic_now_ns, open_pinned, read_error, remove_entry,
+    remove_where,
 };
 use crate::{
     backend::{BackendError, Endpoint, PortMappings, check_mapping_count, refuse_held_host_ports},
     journal,
     model::{Protocol, ResolvedMapping},
+    paths::PinLayout,
 };
+
+/// The maps of port mapping: the mappings (`portmap`), their translated flows and fragments,
+/// who holds which (`owner_ports`, `port_claims`) and who may reach them (`port_conditions`).
+pub(super) struct PortMapMaps {
+    pub(super) portmap: HashMap<MapData, PortMapKey, PortMapValue>,
+    pub(super) nat_flows: HashMap<MapData, NatFlowKey, NatFlowValue>,
+    pub(super) nat_fragments: HashMap<MapData, FragmentKey, NatFlowValue>,
+    pub(super) owner_ports: HashMap<MapData, OwnerPortKey, PortMapKey>,
+    pub(super) port_claims: HashMap<MapData, PortClaimKey, PortClaim>,
+    pub(super) port_conditions: HashMap<MapData, PortConditionsKey, PortConditions>,
+}
+
+impl PortMapMaps {
+    pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
+        Ok(Self {
+            portmap: open_pinned(pins, portmap::MAP_NAME)?,
+            nat_flows: open_pinned(pins, nat_flow::MAP_NAME)?,
+            nat_fragments: open_pinned(pins, nat_fragment::MAP_NAME)?,
+            owner_ports: open_pinned(pins, owner_port::MAP_NAME)?,
+            port_claims: open_pinned(pins, port_claim::MAP_NAME)?,
+            port_conditions: open_pinned(pins, port_condition::MAP_NAME)?,
+        })
+    }
+}
 
 impl EbpfBackend {
     /// The `portmap` keys the attachment owns, from its `owner_ports` slots.
     fn owned_portmap_keys(&self, owner: u64) -> Result<Vec<PortMapKey>, BackendError> {
-        let Some(info) = found(self.owners.get(&owner, 0), owner_map::MAP_NAME)? else {
+        let Some(info) = self.endpoint.owner(owner)? else {
             return Ok(Vec::new());
         };
         let mut keys = Vec::with_capacity(info.port_count as usize);
         for slot in 0..info.port_count {
-            match self.owner_ports.get(&owner_port_key(owner, slot), 0) {
+            match self
+                .port_mapping
+                .owner_ports
+                .get(&owner_port_key(owner, slot), 0)
+            {
                 Ok(key) => keys.push(key),
                 Err(MapError::KeyNotFound) => {}
                 Err(error) => return Err(map_error("could not read map owner_ports")(error)),
@@ -43,11 +75,12 @@ impl EbpfBackend {
 
     /// Makes `keys` the attachment's `owner_ports` slots and its `port_count`.
     fn record_owned_keys(&mut self, owner: u64, keys: &[PortMapKey]) -> Result<(), BackendError> {
-        let Some(mut info) = found(self.owners.get(&owner, 0), owner_map::MAP_NAME)? else {
+        let Some(mut info) = self.endpoint.owner(owner)? else {
             return Ok(());
         };
         for (slot, key) in (0..).zip(keys) {
-            self.owner_ports
+            self.port_mapping
+                .owner_ports
                 .insert(&owner_port_key(owner, slot), key, 0)
                 .map_err(map_error("could not write map owner_ports"))?;
         }
@@ -55,15 +88,13 @@ impl EbpfBackend {
         let count = u32::try_from(keys.len()).unwrap_or(u32::MAX);
         for slot in count..info.port_count {
             remove_entry(
-                &mut self.owner_ports,
+                &mut self.port_mapping.owner_ports,
                 &owner_port_key(owner, slot),
                 owner_port::MAP_NAME,
             )?;
         }
         info.port_count = count;
-        self.owners
-            .insert(&owner, &info, 0)
-            .map_err(map_error("could not write map owners"))
+        self.endpoint.record_owner(owner, &info)
     }
 
     /// Counts a specific-address key in or out of `port_claims`; wildcard keys are not counted.
@@ -75,8 +106,11 @@ impl EbpfBackend {
             return Ok(());
         }
         let claim_key = claim_key(key);
-        let current = found(self.port_claims.get(&claim_key, 0), port_claim::MAP_NAME)?
-            .map_or(0, |claim| claim.specific); // fail-closed: `found` kept the errors.
+        let current = found(
+            self.port_mapping.port_claims.get(&claim_key, 0),
+            port_claim::MAP_NAME,
+        )?
+        .map_or(0, |claim| claim.specific); // fail-closed: `found` kept the errors.
         let next = if taken {
             current.saturating_add(1)
         } else {
@@ -93,7 +127,7 @@ impl EbpfBackend {
             return Ok(());
         }
         let mut count = 0u32;
-        for entry in self.portmap.iter() {
+        for entry in self.port_mapping.portmap.iter() {
             let (found, _) = entry.map_err(map_error("could not read map portmap"))?;
             if claim_key(&found) == claim_key(key) && found.host_addr != [0; 16] {
                 count += 1;
@@ -104,9 +138,14 @@ impl EbpfBackend {
 
     fn set_claim(&mut self, claim_key: &PortClaimKey, next: u32) -> Result<(), BackendError> {
         if next == 0 {
-            remove_entry(&mut self.port_claims, claim_key, port_claim::MAP_NAME)
+            remove_entry(
+                &mut self.port_mapping.port_claims,
+                claim_key,
+                port_claim::MAP_NAME,
+            )
         } else {
-            self.port_claims
+            self.port_mapping
+                .port_claims
                 .insert(
                     claim_key,
                     &PortClaim {
@@ -122,9 +161,9 @@ impl EbpfBackend {
     /// Removes one of the attachment's mappings, unless another attachment holds the key now;
     /// one recorded but never installed has its port's count set right.
     fn remove_owned_mapping(&mut self, owner: u64, key: &PortMapKey) -> Result<(), BackendError> {
-        match found(self.portmap.get(key, 0), portmap::MAP_NAME)? {
+        match found(self.port_mapping.portmap.get(key, 0), portmap::MAP_NAME)? {
             Some(value) if value.owner == owner => {
-                remove_entry(&mut self.portmap, key, portmap::MAP_NAME)?;
+                remove_entry(&mut self.port_mapping.portmap, key, portmap::MAP_NAME)?;
                 if let Some(mapping) = mapping_from_entry(key, &value) {
                     journal::note(journal::Change::HostPortReleased(mapping.to_string()));
                 }
@@ -140,10 +179,11 @@ impl EbpfBackend {
         &mut self,
         stale: impl Fn(&NatFlowKey, &NatFlowValue) -> bool,
     ) -> Result<(), BackendError> {
-        let flows = batch::entries(&self.nat_flows).map_err(read_error(nat_flow::MAP_NAME))?;
+        let flows =
+            batch::entries(&self.port_mapping.nat_flows).map_err(read_error(nat_flow::MAP_NAME))?;
         for (key, value) in flows {
             if stale(&key, &value) {
-                remove_entry(&mut self.nat_flows, &key, nat_flow::MAP_NAME)?;
+                remove_entry(&mut self.port_mapping.nat_flows, &key, nat_flow::MAP_NAME)?;
             }
         }
         Ok(())
@@ -151,12 +191,12 @@ impl EbpfBackend {
 
     /// Removes where the later fragments of the attachment's datagrams would go, both ways.
     fn remove_fragments(&mut self, owner: u64) -> Result<(), BackendError> {
-        remove_where(&mut self.nat_fragments, nat_fragment::MAP_NAME, |value| {
-            value.owner == owner
-        })?;
-        remove_where(&mut self.masq_fragments, masq_fragment::MAP_NAME, |value| {
-            value.owner == owner
-        })
+        remove_where(
+            &mut self.port_mapping.nat_fragments,
+            nat_fragment::MAP_NAME,
+            |value| value.owner == owner,
+        )?;
+        self.masquerade.forget_fragments_of(owner)
     }
 
     /// Removes the expired translations of every attachment.
@@ -191,11 +231,12 @@ impl PortMappings for EbpfBackend {
         // Whether a flow translated before could now be reversed wrongly.
         let mut flows_stale = false;
         for (key, value) in &wanted {
-            let before = found(self.portmap.get(key, 0), portmap::MAP_NAME)?;
+            let before = found(self.port_mapping.portmap.get(key, 0), portmap::MAP_NAME)?;
             if !previous.contains(key) {
                 self.claim(key, true)?;
             }
-            self.portmap
+            self.port_mapping
+                .portmap
                 .insert(key, value, 0)
                 .map_err(map_error("could not write map portmap"))?;
             if previous.contains(key) {
@@ -259,7 +300,7 @@ impl PortMappings for EbpfBackend {
                     .filter(|holder| *holder != owner),
             )
         };
-        if let Some(holder) = other(self.portmap.get(&key, 0))? {
+        if let Some(holder) = other(self.port_mapping.portmap.get(&key, 0))? {
             return Ok(Some(holder));
         }
         if key.host_addr != [0; 16] {
@@ -267,10 +308,10 @@ impl PortMappings for EbpfBackend {
                 host_addr: [0; 16],
                 ..key
             };
-            return other(self.portmap.get(&wildcard, 0));
+            return other(self.port_mapping.portmap.get(&wildcard, 0));
         }
         if found(
-            self.port_claims.get(&claim_key(&key), 0),
+            self.port_mapping.port_claims.get(&claim_key(&key), 0),
             port_claim::MAP_NAME,
         )?
         .is_none()
@@ -278,7 +319,7 @@ impl PortMappings for EbpfBackend {
             return Ok(None);
         }
         // Some address-specific mapping holds this port: find whose (rare, so a scan is fine).
-        for entry in self.portmap.iter() {
+        for entry in self.port_mapping.portmap.iter() {
             let (found, value) = entry.map_err(map_error("could not read map portmap"))?;
             let same_port = found.host_port == key.host_port
                 && found.protocol == key.protocol
@@ -299,7 +340,7 @@ impl PortMappings for EbpfBackend {
         let installed: HashSet<PortMapKey> = self.owned_portmap_keys(owner)?.into_iter().collect();
         for mapping in mappings {
             let (key, value) = entry_for(endpoint, mapping);
-            match found(self.portmap.get(&key, 0), portmap::MAP_NAME)? {
+            match found(self.port_mapping.portmap.get(&key, 0), portmap::MAP_NAME)? {
                 Some(installed) if installed == value => {}
                 Some(_) => {
                     return Err(BackendError::CheckFailed(format!(

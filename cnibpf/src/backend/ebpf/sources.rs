@@ -8,20 +8,36 @@
 
 use std::net::IpAddr;
 
-use aya::maps::PerCpuValues;
+use aya::maps::{HashMap, MapData, PerCpuHashMap, PerCpuValues};
 use cnibpf_common::{
-    owner as owner_map,
     source::{self, FLAG_OWN_COUNTED, FLAG_UNCHECKED, MAX_ADDRESSES, SourceSet},
     source_drop::{self, SourceDrops},
 };
 
 use super::{
-    EbpfBackend, batch, found, map_error, owner::read_name, read_error, remove_entry, removed,
+    EbpfBackend, batch, found, map_error, open_pinned, owner::read_name, read_error, remove_entry,
+    removed,
 };
 use crate::{
     backend::{BackendError, Endpoint, SourceCheckRecord, SourceChecking, fits_a_source_check},
     model::SourceCheck,
+    paths::PinLayout,
 };
+
+/// The maps of the source check: each interface's admitted sources and its drops.
+pub(super) struct SourceMaps {
+    pub(super) sources: HashMap<MapData, u32, SourceSet>,
+    pub(super) source_drops: PerCpuHashMap<MapData, u32, SourceDrops>,
+}
+
+impl SourceMaps {
+    pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
+        Ok(Self {
+            sources: open_pinned(pins, source::MAP_NAME)?,
+            source_drops: open_pinned(pins, source_drop::MAP_NAME)?,
+        })
+    }
+}
 
 /// A checked attachment of the same container: its owner, host interface and element.
 struct Sibling {
@@ -40,8 +56,12 @@ impl SourceChecking for EbpfBackend {
         let ifindex = endpoint.host.index;
         let siblings = self.siblings_of(endpoint)?;
         let Some(check) = check else {
-            removed(self.source_drops.remove(&ifindex), source_drop::MAP_NAME)?;
-            self.sources
+            removed(
+                self.source_check.source_drops.remove(&ifindex),
+                source_drop::MAP_NAME,
+            )?;
+            self.source_check
+                .sources
                 .insert(&ifindex, &unchecked_set(owner), 0)
                 .map_err(map_error("could not write map sources"))?;
             return self.rewrite_siblings(&siblings, None);
@@ -51,8 +71,12 @@ impl SourceChecking for EbpfBackend {
         let admitted = check.admitting(&sibling_owns);
         fits_a_source_check(&endpoint.attachment.container_id, &admitted)?;
         let wanted = stored_set(owner, check, &admitted);
-        let counted = found(self.source_drops.get(&ifindex, 0), source_drop::MAP_NAME)?.is_some();
-        let current = found(self.sources.get(&ifindex, 0), source::MAP_NAME)?;
+        let counted = found(
+            self.source_check.source_drops.get(&ifindex, 0),
+            source_drop::MAP_NAME,
+        )?
+        .is_some();
+        let current = found(self.source_check.sources.get(&ifindex, 0), source::MAP_NAME)?;
         if !counted {
             let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
                 name: source_drop::MAP_NAME,
@@ -63,12 +87,14 @@ impl SourceChecking for EbpfBackend {
                     name: source_drop::MAP_NAME,
                     source,
                 })?;
-            self.source_drops
+            self.source_check
+                .source_drops
                 .insert(&ifindex, zeroed, 0)
                 .map_err(map_error("could not write map source_drops"))?;
         }
         if current != Some(wanted) {
-            self.sources
+            self.source_check
+                .sources
                 .insert(&ifindex, &wanted, 0)
                 .map_err(map_error("could not write map sources"))?;
         }
@@ -76,8 +102,11 @@ impl SourceChecking for EbpfBackend {
     }
 
     fn teardown_source_check(&mut self, owner: u64) -> Result<(), BackendError> {
-        if let Some(info) = found(self.owners.get(&owner, 0), owner_map::MAP_NAME)? {
-            let set = found(self.sources.get(&info.host_ifindex, 0), source::MAP_NAME)?;
+        if let Some(info) = self.endpoint.owner(owner)? {
+            let set = found(
+                self.source_check.sources.get(&info.host_ifindex, 0),
+                source::MAP_NAME,
+            )?;
             // Only a set that admits addresses besides its own has checked siblings to rewrite:
             // a DEL without them reads no other attachment.
             let admits_siblings = set.is_some_and(|set| {
@@ -93,7 +122,7 @@ impl SourceChecking for EbpfBackend {
         }
         // Not recorded (yet): an ADD undone before it recorded the attachment, or a DEL
         // repeated; the element, if any, is found by its owner.
-        let held: Vec<u32> = batch::entries(&self.sources)
+        let held: Vec<u32> = batch::entries(&self.source_check.sources)
             .map_err(read_error(source::MAP_NAME))?
             .into_iter()
             .filter(|(_, set)| set.owner == owner)
@@ -111,7 +140,10 @@ impl SourceChecking for EbpfBackend {
         check: Option<&SourceCheck>,
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let Some(current) = found(self.sources.get(&endpoint.host.index, 0), source::MAP_NAME)?
+        let Some(current) = found(
+            self.source_check.sources.get(&endpoint.host.index, 0),
+            source::MAP_NAME,
+        )?
         else {
             // Made by a cnibpf without source checks: checked from its next ADD.
             return Ok(());
@@ -153,13 +185,14 @@ impl EbpfBackend {
     /// The checked attachments of container `container_id` other than `owner`.
     fn siblings(&self, container_id: &str, owner: u64) -> Result<Vec<Sibling>, BackendError> {
         let mut siblings = Vec::new();
-        for (sibling, info) in
-            batch::entries(&self.owners).map_err(read_error(owner_map::MAP_NAME))?
-        {
+        for (sibling, info) in self.endpoint.owner_records()? {
             if sibling == owner || read_name(&info.container_id) != container_id {
                 continue;
             }
-            let set = found(self.sources.get(&info.host_ifindex, 0), source::MAP_NAME)?;
+            let set = found(
+                self.source_check.sources.get(&info.host_ifindex, 0),
+                source::MAP_NAME,
+            )?;
             if let Some(set) = set
                 && set.owner == sibling
                 && set.flags & FLAG_UNCHECKED == 0
@@ -187,7 +220,8 @@ impl EbpfBackend {
         for ((sibling, own), admitted) in siblings.iter().zip(&owns).zip(&admitting) {
             let wanted = stored_set(sibling.owner, own, admitted);
             if wanted != sibling.set {
-                self.sources
+                self.source_check
+                    .sources
                     .insert(&sibling.ifindex, &wanted, 0)
                     .map_err(map_error("could not write map sources"))?;
             }
@@ -201,23 +235,29 @@ impl EbpfBackend {
         ifindex: u32,
         owner: Option<u64>,
     ) -> Result<(), BackendError> {
-        let Some(current) = found(self.sources.get(&ifindex, 0), source::MAP_NAME)? else {
+        let Some(current) = found(self.source_check.sources.get(&ifindex, 0), source::MAP_NAME)?
+        else {
             return Ok(());
         };
         if owner.is_some_and(|owner| current.owner != owner) {
             return Ok(());
         }
-        remove_entry(&mut self.sources, &ifindex, source::MAP_NAME)?;
-        removed(self.source_drops.remove(&ifindex), source_drop::MAP_NAME)
+        remove_entry(&mut self.source_check.sources, &ifindex, source::MAP_NAME)?;
+        removed(
+            self.source_check.source_drops.remove(&ifindex),
+            source_drop::MAP_NAME,
+        )
     }
 
     /// The GC sweep: source checks whose attachment is gone (its record removed by a build
     /// that knew no source check).
     pub(super) fn sweep_orphaned_source_checks(&mut self) -> Result<(), BackendError> {
         let mut orphaned = Vec::new();
-        for (ifindex, set) in batch::entries(&self.sources).map_err(read_error(source::MAP_NAME))? {
+        for (ifindex, set) in
+            batch::entries(&self.source_check.sources).map_err(read_error(source::MAP_NAME))?
+        {
             // Only an owner the kernel says is not recorded is gone: a failed read keeps the check.
-            if found(self.owners.get(&set.owner, 0), owner_map::MAP_NAME)?.is_none() {
+            if self.endpoint.owner(set.owner)?.is_none() {
                 orphaned.push(ifindex);
             }
         }
@@ -231,11 +271,16 @@ impl EbpfBackend {
         &self,
     ) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError> {
         let mut records = Vec::new();
-        for (ifindex, set) in batch::entries(&self.sources).map_err(read_error(source::MAP_NAME))? {
+        for (ifindex, set) in
+            batch::entries(&self.source_check.sources).map_err(read_error(source::MAP_NAME))?
+        {
             if set.flags & FLAG_UNCHECKED != 0 {
                 continue;
             }
-            let counters = found(self.source_drops.get(&ifindex, 0), source_drop::MAP_NAME)?;
+            let counters = found(
+                self.source_check.source_drops.get(&ifindex, 0),
+                source_drop::MAP_NAME,
+            )?;
             let dropped = counters
                 .iter()
                 .flat_map(|per_cpu| per_cpu.iter())
