@@ -1,20 +1,10 @@
-//! Endpoints: an attachment's record (`owners`, `endpoints`), the tcx links of its host-side
-//! interface and of the uplinks, the socket hooks on the instance's cgroup, and the host's
+//! Endpoints: an attachment's record (`owners`, `endpoints`), which hooks its host-side
+//! interface, the uplinks and the instance's cgroup get (attached by `hooks`), and the host's
 //! addresses the datapath tells apart from foreign ones.
 
-use std::{
-    fs,
-    net::{Ipv4Addr, Ipv6Addr},
-    path::Path,
-};
+use std::net::{Ipv4Addr, Ipv6Addr};
 
-use aya::{
-    maps::{HashMap, MapData},
-    programs::{
-        CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, links::FdLink,
-        tc::TcAttach,
-    },
-};
+use aya::maps::{HashMap, MapData};
 use cnibpf_common::{
     addr,
     endpoint::{self, EndpointInfo},
@@ -23,11 +13,12 @@ use cnibpf_common::{
 };
 
 use super::{
-    EbpfBackend, batch, found, map_error, open_pinned,
+    EbpfBackend, batch, found,
+    hooks::link_pinned,
+    map_error, open_pinned,
     owner::{attachment_of, owner_info, read_name},
     pins::{
-        FROM_CONTAINER, QDISC_TRACEPOINT, QDISC_WATCHER, SOCK_PROGRAMS, TO_CONTAINER,
-        UPLINK_EGRESS, UPLINK_INGRESS, attach_tracepoint, remove_pin, remove_tree,
+        QDISC_TRACEPOINT, QDISC_WATCHER, SOCK_PROGRAMS, attach_tracepoint, remove_pin, remove_tree,
     },
     read_error, remove_entry,
 };
@@ -35,7 +26,6 @@ use crate::{
     backend::{BackendError, Endpoint, Endpoints, is_link_local},
     netlink,
     paths::PinLayout,
-    phases,
 };
 
 /// The maps of attachments and their interfaces: `owners`, `endpoints`, `host_addrs`.
@@ -76,172 +66,7 @@ impl EndpointMaps {
     }
 }
 
-/// One tcx hook: the program and where its link is pinned.
-struct Hook<'a> {
-    program: &'static str,
-    attach_type: TcAttachType,
-    link_pin: &'a Path,
-}
-
-/// The tcx hooks of one interface: `[ingress, egress]` programs, with their link pins.
-fn hook_pair<'a>(
-    programs: [&'static str; 2],
-    link_pins: &'a [std::path::PathBuf; 2],
-) -> [Hook<'a>; 2] {
-    [
-        Hook {
-            program: programs[0],
-            attach_type: TcAttachType::Ingress,
-            link_pin: &link_pins[0],
-        },
-        Hook {
-            program: programs[1],
-            attach_type: TcAttachType::Egress,
-            link_pin: &link_pins[1],
-        },
-    ]
-}
-
 impl EbpfBackend {
-    fn attach(&self, ifindex: u32, hook: &Hook<'_>) -> Result<(), BackendError> {
-        let mut program = self.pinned_program(hook.program)?;
-        if link_pinned(hook.link_pin)? {
-            if is_attached(&program, ifindex, hook.attach_type)? {
-                return Ok(());
-            }
-            // The link outlived its interface, or points at an older program instance.
-            remove_pin(hook.link_pin)?;
-        }
-        let program_error = |action: String| {
-            move |source| BackendError::Program {
-                action,
-                source: Box::new(source),
-            }
-        };
-        let link_id = program
-            .attach(
-                ifindex,
-                TcAttach::Tcx {
-                    attach_type: hook.attach_type,
-                    order: LinkOrder::default(),
-                },
-            )
-            .map_err(program_error(format!(
-                "could not attach {} to interface {ifindex}",
-                hook.program
-            )))?;
-        phases::mark("tcx attach");
-        let link = program.take_link(link_id).map_err(program_error(format!(
-            "could not take the link of {}",
-            hook.program
-        )))?;
-        let link: FdLink = link.try_into().map_err(|source| BackendError::Pin {
-            action: format!("link of {} is not a tcx link", hook.program),
-            source: Box::new(source),
-        })?;
-        link.pin(hook.link_pin)
-            .map_err(|source| BackendError::Pin {
-                action: format!("could not pin link {}", hook.link_pin.display()),
-                source: Box::new(source),
-            })?;
-        phases::mark("pins");
-        Ok(())
-    }
-
-    fn check_attached(
-        &self,
-        ifindex: u32,
-        ifname: &str,
-        hook: &Hook<'_>,
-    ) -> Result<(), BackendError> {
-        let program = self.pinned_program(hook.program)?;
-        if !link_pinned(hook.link_pin)? {
-            return Err(BackendError::CheckFailed(format!(
-                "link {} of {} on {ifname} is missing",
-                hook.link_pin.display(),
-                hook.program
-            )));
-        }
-        if !is_attached(&program, ifindex, hook.attach_type)? {
-            return Err(BackendError::CheckFailed(format!(
-                "{} is not attached to {ifname} (index {ifindex})",
-                hook.program
-            )));
-        }
-        Ok(())
-    }
-
-    /// Attaches the socket hooks to `cgroup` once per instance; their links are pinned, so
-    /// later ADDs find them in place.
-    fn attach_socket_hooks(&self, cgroup: &Path) -> Result<(), BackendError> {
-        let mut cgroup_dir = None;
-        for (name, attach_type) in SOCK_PROGRAMS {
-            let link_pin = self.pins.cgroup_link(name);
-            if link_pinned(&link_pin)? {
-                continue;
-            }
-            let cgroup_dir = match &mut cgroup_dir {
-                Some(dir) => dir,
-                None => cgroup_dir.insert(fs::File::open(cgroup).map_err(|source| {
-                    BackendError::Pin {
-                        action: format!("could not open cgroup {}", cgroup.display()),
-                        source: Box::new(source),
-                    }
-                })?),
-            };
-            let program_path = self.pins.program(name);
-            let program_error = |action: String| {
-                move |source| BackendError::Program {
-                    action,
-                    source: Box::new(source),
-                }
-            };
-            let mut program =
-                CgroupSockAddr::from_pin(&program_path, attach_type).map_err(program_error(
-                    format!("could not open pinned program {}", program_path.display()),
-                ))?;
-            let link_id = program
-                // Links coexist with other programs on the cgroup whatever the mode; the kernel
-                // takes no mode flags for link creation.
-                .attach(&*cgroup_dir, CgroupAttachMode::Single)
-                .map_err(program_error(format!(
-                    "could not attach {name} to cgroup {}",
-                    cgroup.display()
-                )))?;
-            let link = program
-                .take_link(link_id)
-                .map_err(program_error(format!("could not take the link of {name}")))?;
-            let link: FdLink = link.try_into().map_err(|source| BackendError::Pin {
-                action: format!("link of {name} is not a bpf link"),
-                source: Box::new(source),
-            })?;
-            link.pin(&link_pin).map_err(|source| BackendError::Pin {
-                action: format!("could not pin link {}", link_pin.display()),
-                source: Box::new(source),
-            })?;
-        }
-        Ok(())
-    }
-
-    fn pinned_program(&self, name: &str) -> Result<SchedClassifier, BackendError> {
-        let path = self.pins.program(name);
-        SchedClassifier::from_pin(&path).map_err(|source| BackendError::Program {
-            action: format!("could not open pinned program {}", path.display()),
-            source: Box::new(source),
-        })
-    }
-
-    fn uplink_link_pins(&self, ifname: &str) -> [std::path::PathBuf; 2] {
-        [
-            self.pins.uplink_link(ifname, "ingress"),
-            self.pins.uplink_link(ifname, "egress"),
-        ]
-    }
-
-    fn uplink_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
-        hook_pair([UPLINK_INGRESS, UPLINK_EGRESS], link_pins)
-    }
-
     pub(super) fn sync_host_addresses(&mut self) -> Result<(), BackendError> {
         self.host_addresses =
             netlink::addresses().map_err(|source| BackendError::HostAddresses(Box::new(source)))?;
@@ -280,26 +105,6 @@ impl EbpfBackend {
         Ok(())
     }
 
-    /// Attaches (or finds attached) the hooks of `owner`'s host-side interface `ifindex`:
-    /// `from_container` always, `to_container` only when the container `receives` through
-    /// it (see [`receives_through_hook`]); a `to_container` link it no longer needs goes.
-    pub(super) fn hook_endpoint(
-        &self,
-        owner: u64,
-        ifindex: u32,
-        receives: bool,
-    ) -> Result<(), BackendError> {
-        let link_pins = self.endpoint_link_pins(owner);
-        let [from, to] = Self::endpoint_hooks(&link_pins);
-        self.attach(ifindex, &from)?;
-        if receives {
-            self.attach(ifindex, &to)
-        } else {
-            // Unpinning detaches.
-            remove_pin(to.link_pin)
-        }
-    }
-
     /// Removes the `endpoints` entry of `ifindex` if `owner` still holds it (an interface index
     /// can be reused by another container once the first one's veth is gone).
     fn forget_endpoint(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
@@ -330,22 +135,6 @@ impl EbpfBackend {
             }
             _ => Ok(()),
         }
-    }
-
-    fn endpoint_link_pins(&self, owner: u64) -> [std::path::PathBuf; 2] {
-        [
-            self.pins.endpoint_link(owner, "from"),
-            self.pins.endpoint_link(owner, "to"),
-        ]
-    }
-
-    /// The hooks of a container's host-side interface: what it sends (tcx ingress) and what
-    /// it receives (tcx egress). A tcx attachment waits out an RCU grace period under the
-    /// RTNL lock (10-25 ms each here); the price of sharing the interface with other programs
-    /// and qdiscs, paid by an ADD for each hook its container needs, and not at all by a
-    /// repeated ADD that finds them in place.
-    fn endpoint_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
-        hook_pair([FROM_CONTAINER, TO_CONTAINER], link_pins)
     }
 
     /// Removes everything shared once no attachment is left, so that a host without
@@ -526,44 +315,6 @@ fn endpoint_info(endpoint: &Endpoint) -> EndpointInfo {
         gateway_mac: endpoint.gateway_mac,
         flags,
         gateway_ifindex: endpoint.gateway_ifindex,
-    }
-}
-
-/// Whether a link is pinned at `path`.
-fn link_pinned(path: &Path) -> Result<bool, BackendError> {
-    path.try_exists().map_err(|source| BackendError::Pin {
-        action: format!("could not look for link {}", path.display()),
-        source: Box::new(source),
-    })
-}
-
-fn is_attached(
-    program: &SchedClassifier,
-    ifindex: u32,
-    attach_type: TcAttachType,
-) -> Result<bool, BackendError> {
-    let program_error = |action: &str| {
-        let action = action.to_owned();
-        move |source| BackendError::Program {
-            action,
-            source: Box::new(source),
-        }
-    };
-    let id = program
-        .info()
-        .map_err(program_error("could not read program info"))?
-        .id();
-    match SchedClassifier::query_tcx(ifindex, attach_type) {
-        Ok((_, attached)) => Ok(attached.iter().any(|info| info.id() == id)),
-        // The interface is gone: nothing is attached to it.
-        Err(aya::programs::ProgramError::SyscallError(error))
-            if error.io_error.raw_os_error() == Some(libc::ENODEV) =>
-        {
-            Ok(false)
-        }
-        Err(source) => Err(program_error(&format!(
-            "could not query tcx programs of interface {ifindex}"
-        ))(source)),
     }
 }
 

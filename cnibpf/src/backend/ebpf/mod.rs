@@ -13,6 +13,7 @@ mod batch;
 mod conditions;
 mod endpoint;
 mod filter;
+mod hooks;
 mod inspect;
 mod kernel_btf;
 mod masquerade;

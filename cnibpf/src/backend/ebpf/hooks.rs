@@ -1,0 +1,258 @@
+//! The tcx and cgroup hooks of an attachment and of the uplinks: attaching them (or finding
+//! them attached), pinning their links, checking them.
+
+use std::{fs, path::Path};
+
+use aya::programs::{
+    CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, links::FdLink,
+    tc::TcAttach,
+};
+
+use super::{
+    EbpfBackend,
+    pins::{
+        FROM_CONTAINER, SOCK_PROGRAMS, TO_CONTAINER, UPLINK_EGRESS, UPLINK_INGRESS, remove_pin,
+    },
+};
+use crate::{backend::BackendError, phases};
+
+/// One tcx hook: the program and where its link is pinned.
+pub(super) struct Hook<'a> {
+    program: &'static str,
+    attach_type: TcAttachType,
+    link_pin: &'a Path,
+}
+
+/// The tcx hooks of one interface: `[ingress, egress]` programs, with their link pins.
+pub(super) fn hook_pair<'a>(
+    programs: [&'static str; 2],
+    link_pins: &'a [std::path::PathBuf; 2],
+) -> [Hook<'a>; 2] {
+    [
+        Hook {
+            program: programs[0],
+            attach_type: TcAttachType::Ingress,
+            link_pin: &link_pins[0],
+        },
+        Hook {
+            program: programs[1],
+            attach_type: TcAttachType::Egress,
+            link_pin: &link_pins[1],
+        },
+    ]
+}
+
+impl EbpfBackend {
+    pub(super) fn attach(&self, ifindex: u32, hook: &Hook<'_>) -> Result<(), BackendError> {
+        let mut program = self.pinned_program(hook.program)?;
+        if link_pinned(hook.link_pin)? {
+            if is_attached(&program, ifindex, hook.attach_type)? {
+                return Ok(());
+            }
+            // The link outlived its interface, or points at an older program instance.
+            remove_pin(hook.link_pin)?;
+        }
+        let program_error = |action: String| {
+            move |source| BackendError::Program {
+                action,
+                source: Box::new(source),
+            }
+        };
+        let link_id = program
+            .attach(
+                ifindex,
+                TcAttach::Tcx {
+                    attach_type: hook.attach_type,
+                    order: LinkOrder::default(),
+                },
+            )
+            .map_err(program_error(format!(
+                "could not attach {} to interface {ifindex}",
+                hook.program
+            )))?;
+        phases::mark("tcx attach");
+        let link = program.take_link(link_id).map_err(program_error(format!(
+            "could not take the link of {}",
+            hook.program
+        )))?;
+        let link: FdLink = link.try_into().map_err(|source| BackendError::Pin {
+            action: format!("link of {} is not a tcx link", hook.program),
+            source: Box::new(source),
+        })?;
+        link.pin(hook.link_pin)
+            .map_err(|source| BackendError::Pin {
+                action: format!("could not pin link {}", hook.link_pin.display()),
+                source: Box::new(source),
+            })?;
+        phases::mark("pins");
+        Ok(())
+    }
+
+    pub(super) fn check_attached(
+        &self,
+        ifindex: u32,
+        ifname: &str,
+        hook: &Hook<'_>,
+    ) -> Result<(), BackendError> {
+        let program = self.pinned_program(hook.program)?;
+        if !link_pinned(hook.link_pin)? {
+            return Err(BackendError::CheckFailed(format!(
+                "link {} of {} on {ifname} is missing",
+                hook.link_pin.display(),
+                hook.program
+            )));
+        }
+        if !is_attached(&program, ifindex, hook.attach_type)? {
+            return Err(BackendError::CheckFailed(format!(
+                "{} is not attached to {ifname} (index {ifindex})",
+                hook.program
+            )));
+        }
+        Ok(())
+    }
+
+    /// Attaches the socket hooks to `cgroup` once per instance; their links are pinned, so
+    /// later ADDs find them in place.
+    pub(super) fn attach_socket_hooks(&self, cgroup: &Path) -> Result<(), BackendError> {
+        let mut cgroup_dir = None;
+        for (name, attach_type) in SOCK_PROGRAMS {
+            let link_pin = self.pins.cgroup_link(name);
+            if link_pinned(&link_pin)? {
+                continue;
+            }
+            let cgroup_dir = match &mut cgroup_dir {
+                Some(dir) => dir,
+                None => cgroup_dir.insert(fs::File::open(cgroup).map_err(|source| {
+                    BackendError::Pin {
+                        action: format!("could not open cgroup {}", cgroup.display()),
+                        source: Box::new(source),
+                    }
+                })?),
+            };
+            let program_path = self.pins.program(name);
+            let program_error = |action: String| {
+                move |source| BackendError::Program {
+                    action,
+                    source: Box::new(source),
+                }
+            };
+            let mut program =
+                CgroupSockAddr::from_pin(&program_path, attach_type).map_err(program_error(
+                    format!("could not open pinned program {}", program_path.display()),
+                ))?;
+            let link_id = program
+                // Links coexist with other programs on the cgroup whatever the mode; the kernel
+                // takes no mode flags for link creation.
+                .attach(&*cgroup_dir, CgroupAttachMode::Single)
+                .map_err(program_error(format!(
+                    "could not attach {name} to cgroup {}",
+                    cgroup.display()
+                )))?;
+            let link = program
+                .take_link(link_id)
+                .map_err(program_error(format!("could not take the link of {name}")))?;
+            let link: FdLink = link.try_into().map_err(|source| BackendError::Pin {
+                action: format!("link of {name} is not a bpf link"),
+                source: Box::new(source),
+            })?;
+            link.pin(&link_pin).map_err(|source| BackendError::Pin {
+                action: format!("could not pin link {}", link_pin.display()),
+                source: Box::new(source),
+            })?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn pinned_program(&self, name: &str) -> Result<SchedClassifier, BackendError> {
+        let path = self.pins.program(name);
+        SchedClassifier::from_pin(&path).map_err(|source| BackendError::Program {
+            action: format!("could not open pinned program {}", path.display()),
+            source: Box::new(source),
+        })
+    }
+
+    pub(super) fn uplink_link_pins(&self, ifname: &str) -> [std::path::PathBuf; 2] {
+        [
+            self.pins.uplink_link(ifname, "ingress"),
+            self.pins.uplink_link(ifname, "egress"),
+        ]
+    }
+
+    pub(super) fn uplink_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
+        hook_pair([UPLINK_INGRESS, UPLINK_EGRESS], link_pins)
+    }
+
+    /// Attaches (or finds attached) the hooks of `owner`'s host-side interface `ifindex`:
+    /// `from_container` always, `to_container` only when the container `receives` through
+    /// it (see [`receives_through_hook`]); a `to_container` link it no longer needs goes.
+    pub(super) fn hook_endpoint(
+        &self,
+        owner: u64,
+        ifindex: u32,
+        receives: bool,
+    ) -> Result<(), BackendError> {
+        let link_pins = self.endpoint_link_pins(owner);
+        let [from, to] = Self::endpoint_hooks(&link_pins);
+        self.attach(ifindex, &from)?;
+        if receives {
+            self.attach(ifindex, &to)
+        } else {
+            // Unpinning detaches.
+            remove_pin(to.link_pin)
+        }
+    }
+
+    pub(super) fn endpoint_link_pins(&self, owner: u64) -> [std::path::PathBuf; 2] {
+        [
+            self.pins.endpoint_link(owner, "from"),
+            self.pins.endpoint_link(owner, "to"),
+        ]
+    }
+
+    /// The hooks of a container's host-side interface: what it sends (tcx ingress) and what
+    /// it receives (tcx egress). A tcx attachment waits out an RCU grace period under the
+    /// RTNL lock (10-25 ms each here); the price of sharing the interface with other programs
+    /// and qdiscs, paid by an ADD for each hook its container needs, and not at all by a
+    /// repeated ADD that finds them in place.
+    pub(super) fn endpoint_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
+        hook_pair([FROM_CONTAINER, TO_CONTAINER], link_pins)
+    }
+}
+
+/// Whether a link is pinned at `path`.
+pub(super) fn link_pinned(path: &Path) -> Result<bool, BackendError> {
+    path.try_exists().map_err(|source| BackendError::Pin {
+        action: format!("could not look for link {}", path.display()),
+        source: Box::new(source),
+    })
+}
+
+pub(super) fn is_attached(
+    program: &SchedClassifier,
+    ifindex: u32,
+    attach_type: TcAttachType,
+) -> Result<bool, BackendError> {
+    let program_error = |action: &str| {
+        let action = action.to_owned();
+        move |source| BackendError::Program {
+            action,
+            source: Box::new(source),
+        }
+    };
+    let id = program
+        .info()
+        .map_err(program_error("could not read program info"))?
+        .id();
+    match SchedClassifier::query_tcx(ifindex, attach_type) {
+        Ok((_, attached)) => Ok(attached.iter().any(|info| info.id() == id)),
+        // The interface is gone: nothing is attached to it.
+        Err(aya::programs::ProgramError::SyscallError(error))
+            if error.io_error.raw_os_error() == Some(libc::ENODEV) =>
+        {
+            Ok(false)
+        }
+        Err(source) => Err(program_error(&format!(
+            "could not query tcx programs of interface {ifindex}"
+        ))(source)),
+    }
+}
