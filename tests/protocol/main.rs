@@ -120,16 +120,7 @@ fn a_datapath_loaded_ahead_serves_the_first_pod_without_loading_again() {
                     json!({ "backend": "ebpf", "pinPath": pin_path }).to_string(),
                 )
                 .expect("write the entry");
-                sim.cnibpf(&[
-                    "install",
-                    "--conf-dir",
-                    &conf_dir.display().to_string(),
-                    "--bin-dir",
-                    &bin_dir.display().to_string(),
-                    "--entry",
-                    &entry.display().to_string(),
-                    "--load",
-                ])
+                sim.install(&conf_dir, &bin_dir, &entry, "--load")
             } else {
                 sim.cnibpf(&["load", "--pin-path", &pin_path, "--backend", "ebpf"])
             };

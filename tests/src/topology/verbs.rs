@@ -157,18 +157,30 @@ impl SimHost {
         .expect("write the primary network");
         let entry_file = self.work_dir.join("entry.json");
         std::fs::write(&entry_file, entry.to_string()).expect("write the entry");
-        let installed = self.cnibpf(&[
+        let installed = self.install(conf_dir, bin_dir, &entry_file, "--replace-portmap");
+        assert!(installed.status.success(), "cnibpf install: {installed:?}");
+        primary
+    }
+
+    /// `cnibpf install` into the node dirs `conf_dir` and `bin_dir` with the entry in
+    /// `entry`, and one more flag (`--load`, `--replace-portmap`).
+    pub fn install(
+        &self,
+        conf_dir: &Path,
+        bin_dir: &Path,
+        entry: &Path,
+        flag: &str,
+    ) -> std::process::Output {
+        self.cnibpf(&[
             "install",
             "--conf-dir",
             &conf_dir.display().to_string(),
             "--bin-dir",
             &bin_dir.display().to_string(),
             "--entry",
-            &entry_file.display().to_string(),
-            "--replace-portmap",
-        ]);
-        assert!(installed.status.success(), "cnibpf install: {installed:?}");
-        primary
+            &entry.display().to_string(),
+            flag,
+        ])
     }
 
     /// `cnibpf uninstall` of the node dirs `conf_dir` and `bin_dir` while a pod cnibpf set up
