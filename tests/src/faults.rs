@@ -304,6 +304,7 @@ pub fn killed_until_complete(
 ) {
     let started = std::time::Instant::now();
     let (mut killed, mut interrupted) = (0, 0);
+    let mut killed_pids = Vec::new();
     for step in 0..200 {
         let delay = std::time::Duration::from_secs_f64(1.06_f64.powi(step) / 1000.0);
         let run_started = std::time::Instant::now();
@@ -327,12 +328,41 @@ pub fn killed_until_complete(
                 run_started.elapsed().as_millis(),
                 started.elapsed().as_secs_f64()
             );
+            assert_no_probe_of(what, &killed_pids);
             return;
         }
         killed += 1;
+        killed_pids.push(child.id());
         interrupted += usize::from(half_done());
     }
     panic!("{what}: no run completed in {killed} tries");
+}
+
+/// A run of cnibpf probes bpffs with a directory named after its PID; the run that completes
+/// reaps those of the killed ones (which may have died holding theirs).
+fn assert_no_probe_of(what: &str, pids: &[u32]) {
+    let root = Path::new("/sys/fs/bpf");
+    let left: Vec<String> = std::fs::read_dir(root)
+        .unwrap_or_else(|error| panic!("{what}: read {}: {error}", root.display()))
+        .map(|entry| {
+            entry
+                .unwrap_or_else(|error| panic!("{what}: read {}: {error}", root.display()))
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .filter(|name| {
+            name.strip_prefix("cnibpf-probe-")
+                .and_then(|rest| rest.rsplit_once('-'))
+                .and_then(|(_, pid)| pid.parse::<u32>().ok())
+                .is_some_and(|pid| pids.contains(&pid))
+        })
+        .collect();
+    assert!(
+        left.is_empty(),
+        "{what}: probe directories of killed runs left under {}: {left:?}",
+        root.display()
+    );
 }
 
 #[cfg(test)]

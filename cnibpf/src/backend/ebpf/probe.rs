@@ -73,16 +73,88 @@ pub fn bpffs_writable() -> Result<(), Refusal> {
     if !mounted {
         return Ok(());
     }
-    // bpffs refuses names with a dot.
-    let probe = root.join(format!("cnibpf-probe-{}", std::process::id()));
-    fs::create_dir(&probe)
-        .and_then(|()| fs::remove_dir(&probe))
-        .map_err(|error| {
-            Refusal::of(
-                &format!("bpffs at {} is not writable", root.display()),
-                &error,
-            )
-        })
+    reap_probes_of_gone_processes(root);
+    let probe = root.join(probe_name(std::process::id()));
+    match fs::create_dir(&probe) {
+        // Left by a process that had this PID and was killed between the two steps.
+        Err(error) if error.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        made => made,
+    }
+    .and_then(|()| match fs::remove_dir(&probe) {
+        // Made, so bpffs is writable; a process in another PID namespace that took it for
+        // a dead one's removed it first.
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+        removed => removed,
+    })
+    .map_err(|error| {
+        Refusal::of(
+            &format!("bpffs at {} is not writable", root.display()),
+            &error,
+        )
+    })
+}
+
+/// The probe directory's name: the PID with the PID namespace it means something in (bpffs
+/// refuses names with a dot). A plugin the runtime runs and a DaemonSet's cnibpf share bpffs
+/// but usually not PIDs.
+fn probe_name(pid: u32) -> String {
+    format!("{PROBE_PREFIX}{}-{pid}", pid_namespace())
+}
+
+const PROBE_PREFIX: &str = "cnibpf-probe-";
+
+/// The inode of this process's PID namespace (`pid:[4026531836]` names it), 0 if it cannot be
+/// read: then no probe is reaped, since another namespace's PIDs could not be told apart.
+fn pid_namespace() -> u64 {
+    // fail-closed: 0 matches no namespace, so nothing is reaped.
+    let Ok(link) = fs::read_link("/proc/self/ns/pid") else {
+        return 0;
+    };
+    link.to_str()
+        .and_then(|link| link.strip_prefix("pid:[")?.strip_suffix(']'))
+        // fail-closed: a name the kernel did not write is read as 0, as above.
+        .and_then(|inode| inode.parse().ok())
+        // fail-closed: as above.
+        .unwrap_or(0)
+}
+
+/// Removes the probe directories of processes of this PID namespace that are gone — a cnibpf
+/// killed between making its probe and removing it —, so that kills do not pile them up under
+/// bpffs. A process is gone only when the kernel says so (`ESRCH`); whatever cannot be read or
+/// removed stays for a later probe.
+fn reap_probes_of_gone_processes(root: &Path) {
+    let namespace = pid_namespace();
+    if namespace == 0 {
+        return;
+    }
+    let prefix = format!("{PROBE_PREFIX}{namespace}-");
+    // fail-closed: an unreadable bpffs root is the probe's own failure to report, just below.
+    let Ok(entries) = fs::read_dir(root) else {
+        return;
+    };
+    // fail-closed: an entry that cannot be read is left alone.
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|name| name.strip_prefix(&prefix))
+            // fail-closed: a name that is no probe of this namespace is not touched.
+            .and_then(|pid| pid.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        if is_gone(pid) {
+            // fail-closed: a probe left in place costs an empty directory, nothing else.
+            let _ = fs::remove_dir(entry.path());
+        }
+    }
+}
+
+/// Whether the kernel says no process `pid` exists in this PID namespace.
+fn is_gone(pid: libc::pid_t) -> bool {
+    // SAFETY: signal 0 sends nothing; it only asks whether the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
 }
 
 /// The loopback, index 1 in every network namespace.
@@ -140,6 +212,31 @@ fn bpf(command: libc::c_long, attr: &[u8; 128]) -> io::Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_probes_of_gone_processes_of_this_pid_namespace_are_reaped() {
+        let root = std::env::temp_dir().join(format!("cnibpf-probe-test-{}", std::process::id()));
+        fs::create_dir_all(&root).expect("make a scratch directory");
+        let mut finished = std::process::Command::new("true")
+            .spawn()
+            .expect("run true");
+        finished.wait().expect("wait for true");
+        let gone = probe_name(finished.id());
+        let live = probe_name(std::process::id());
+        let elsewhere = format!("{PROBE_PREFIX}1-{}", finished.id());
+        for name in [&gone, &live, &elsewhere] {
+            fs::create_dir(root.join(name)).expect("make a probe directory");
+        }
+        reap_probes_of_gone_processes(&root);
+        let left = |name: &str| root.join(name).exists();
+        let outcome = (left(&gone), left(&live), left(&elsewhere));
+        fs::remove_dir_all(&root).expect("remove the scratch directory");
+        assert_eq!(
+            outcome,
+            (false, true, true),
+            "(gone, live, another namespace's) probe left"
+        );
+    }
 
     #[test]
     fn a_refusal_is_told_from_a_failure_to_ask() {
