@@ -48,7 +48,7 @@ enum Task {
     Image,
     /// Benchmarks against same-run baselines; results in target/bench (table, JSON, PNG).
     Bench {
-        /// Which suite (default: all): portmap, masquerade, filter, pods.
+        /// Which suite (default: all): portmap, masquerade, filter, packets, pods.
         suite: Option<String>,
     },
 }

@@ -25,7 +25,7 @@ const RULE_COUNTS: [usize; 3] = [1, 16, 256];
 /// `count` rules, default DROP, the only one that matches the bench's traffic last: the
 /// others differ from it in the destination port alone, the last field a rule compares, so
 /// that every new connection walks all of them.
-fn filter_keys(count: usize) -> Value {
+pub(super) fn filter_keys(count: usize) -> Value {
     let mut rules: Vec<Value> = (1..count)
         .map(|index| {
             json!({ "index": index, "direction": "egress", "proto": "tcp",

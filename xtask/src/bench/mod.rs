@@ -5,6 +5,7 @@
 mod chart;
 mod filter;
 mod masquerade;
+mod packets;
 mod pods;
 mod portmap;
 mod stats;
@@ -42,14 +43,18 @@ pub fn run(suite: Option<&str>) -> Result<()> {
             portmap::run(&out_dir)?;
             masquerade::run(&out_dir)?;
             filter::run(&out_dir)?;
+            packets::run(&out_dir)?;
             pods::run(&out_dir)
         }
         Some("portmap") => portmap::run(&out_dir),
         Some("masquerade") => masquerade::run(&out_dir),
         Some("filter") => filter::run(&out_dir),
+        Some("packets") => packets::run(&out_dir),
         Some("pods") => pods::run(&out_dir),
         Some(other) => {
-            bail!("unknown bench suite {other:?}; suites: portmap, masquerade, filter, pods")
+            bail!(
+                "unknown bench suite {other:?}; suites: portmap, masquerade, filter, packets, pods"
+            )
         }
     }
 }

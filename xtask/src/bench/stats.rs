@@ -65,6 +65,82 @@ pub struct Measured<'a> {
     pub metric: &'static str,
 }
 
+/// What a program and the empty program beside it at its hook were counted over one load.
+#[derive(Clone, Copy, Debug)]
+pub struct Counts {
+    own: Counted,
+    empty: Counted,
+}
+
+impl Counts {
+    /// The program's runs.
+    pub fn runs(&self) -> u64 {
+        self.own.1
+    }
+
+    /// The packets that passed the hook: the empty program ran for each, whether or not the
+    /// program is attached there.
+    pub fn packets(&self) -> u64 {
+        self.empty.1
+    }
+
+    /// The program's run time per run as counted, and the statistics' own cost per run (the
+    /// empty program's); `None` when either did not run.
+    pub fn per_run(&self) -> Option<(f64, f64)> {
+        let per_run = |(time, runs): Counted| (runs > 0).then(|| time as f64 / runs as f64);
+        Some((per_run(self.own)?, per_run(self.empty)?))
+    }
+
+    /// The program's own run time over the load, net of the statistics' cost of each run.
+    pub fn net_ns(&self) -> f64 {
+        let statistics = self.per_run().map_or(0.0, |(_, empty)| empty);
+        (self.own.0 as f64 - self.own.1 as f64 * statistics).max(0.0)
+    }
+}
+
+/// The kernel's counts of each `measured` program, and of an empty program attached beside
+/// it, over what `load` sends.
+pub fn count(
+    sim: &SimHost,
+    measured: &[Measured<'_>],
+    load: impl FnOnce() -> Result<()>,
+) -> Result<Vec<Counts>> {
+    let stats = BpfStats::enable()?;
+    let empty: Vec<EmptyProgram> = measured
+        .iter()
+        .map(|program| EmptyProgram::attach(&sim.host, program.interface, program.hook))
+        .collect();
+    let snapshot = || -> Result<Vec<Counts>> {
+        measured
+            .iter()
+            .zip(&empty)
+            .map(|(program, empty)| {
+                Ok(Counts {
+                    own: stats.programs(&sim.pin_path, &[program.program])?,
+                    empty: empty.counted(),
+                })
+            })
+            .collect()
+    };
+    let before = snapshot()?;
+    load()?;
+    let after = snapshot()?;
+    Ok(before
+        .into_iter()
+        .zip(after)
+        .map(|(before, after)| Counts {
+            own: (
+                after.own.0.saturating_sub(before.own.0),
+                after.own.1.saturating_sub(before.own.1),
+            ),
+            empty: (
+                after.empty.0.saturating_sub(before.empty.0),
+                after.empty.1.saturating_sub(before.empty.1),
+            ),
+        })
+        .collect())
+}
+
 /// One row per `measured` program over what `load` sends: its own time per packet — its run
 /// time per run as the kernel counts it, less that of an empty program at the same hook over
 /// the same packets — beside the figure as counted.
@@ -74,55 +150,25 @@ pub fn time_per_packet(
     measured: &[Measured<'_>],
     load: impl FnOnce() -> Result<()>,
 ) -> Result<Vec<Row>> {
-    let stats = BpfStats::enable()?;
-    let empty: Vec<EmptyProgram> = measured
-        .iter()
-        .map(|program| EmptyProgram::attach(&sim.host, program.interface, program.hook))
-        .collect();
-    // (the program's, the empty program's) (run time, runs) so far.
-    let counts = || -> Result<Vec<(Counted, Counted)>> {
-        measured
-            .iter()
-            .zip(&empty)
-            .map(|(program, empty)| {
-                Ok((
-                    stats.programs(&sim.pin_path, &[program.program])?,
-                    empty.counted(),
-                ))
-            })
-            .collect()
-    };
-    let before = counts()?;
-    load()?;
-    let after = counts()?;
-    let per_run = |before: Counted, after: Counted| -> Option<f64> {
-        let runs = after.1.checked_sub(before.1).filter(|runs| *runs > 0)?;
-        Some(after.0.saturating_sub(before.0) as f64 / runs as f64)
-    };
     measured
         .iter()
-        .zip(before.into_iter().zip(after))
-        .map(
-            |(program, ((own_before, empty_before), (own_after, empty_after)))| {
-                let (Some(counted), Some(empty)) = (
-                    per_run(own_before, own_after),
-                    per_run(empty_before, empty_after),
-                ) else {
-                    bail!("{} did not run on {}", program.program, program.interface);
-                };
-                Ok(Row {
-                    scenario: scenario.to_owned(),
-                    metric: program.metric,
-                    unit: "ns",
-                    // A program that costs no more than the empty one shows 0, not the noise
-                    // between two counts (the baseline column keeps what was counted).
-                    value: (counted - empty).max(0.0),
-                    baseline: Some((
-                        format!("as counted, with the statistics' own {empty:.0} ns"),
-                        counted,
-                    )),
-                })
-            },
-        )
+        .zip(count(sim, measured, load)?)
+        .map(|(program, counts)| {
+            let Some((counted, empty)) = counts.per_run() else {
+                bail!("{} did not run on {}", program.program, program.interface);
+            };
+            Ok(Row {
+                scenario: scenario.to_owned(),
+                metric: program.metric,
+                unit: "ns",
+                // A program that costs no more than the empty one shows 0, not the noise
+                // between two counts (the baseline column keeps what was counted).
+                value: (counted - empty).max(0.0),
+                baseline: Some((
+                    format!("as counted, with the statistics' own {empty:.0} ns"),
+                    counted,
+                )),
+            })
+        })
         .collect()
 }
