@@ -453,21 +453,10 @@ fn nftables_table_of_the_previous_layout_migrates(installed: &Installed, old: &P
 
 /// Every commit `releases.toml` lists, oldest first.
 fn releases() -> Vec<String> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the tests crate lives in the workspace")
-        .join("releases.toml");
-    let releases: Vec<String> = std::fs::read_to_string(&path)
-        .unwrap_or_else(|error| panic!("read {}: {error}", path.display()))
-        .lines()
-        .filter_map(|line| line.trim().strip_prefix("commit = \""))
-        .filter_map(|rest| rest.strip_suffix('"'))
-        .map(str::to_owned)
-        .collect();
+    let releases = history::released_commits();
     assert!(
         releases.first().map(String::as_str) == Some(LAYOUT_6),
-        "{} starts with {LAYOUT_6}: {releases:?}",
-        path.display()
+        "releases.toml starts with {LAYOUT_6}: {releases:?}"
     );
     releases
 }

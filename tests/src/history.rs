@@ -8,6 +8,21 @@ use std::{
     time::Instant,
 };
 
+/// Every commit `releases.toml` lists, oldest first.
+pub fn released_commits() -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate lives in the workspace")
+        .join("releases.toml");
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|error| panic!("read {}: {error}", path.display()))
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("commit = \""))
+        .filter_map(|rest| rest.strip_suffix('"'))
+        .map(str::to_owned)
+        .collect()
+}
+
 /// The debug cnibpf binary of `commit`, building it first if need be. Needs the full history
 /// (a shallow clone lacks the commit: `git fetch --unshallow`).
 pub fn cnibpf_of(commit: &str) -> PathBuf {

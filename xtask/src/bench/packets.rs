@@ -121,7 +121,9 @@ const TARGETS: [Option<f64>; 7] = [
 
 pub fn run(out_dir: &Path) -> Result<()> {
     let progress = Progress::new();
-    let previous = last_release()?;
+    let previous = cnibpf_tests::history::released_commits()
+        .pop()
+        .context("releases.toml lists no release")?;
     progress.step(&format!(
         "building cnibpf of {previous}, the last release (once, into target/history)"
     ));
@@ -217,19 +219,6 @@ pub fn run(out_dir: &Path) -> Result<()> {
     )?;
     progress.step(&format!("report: {} and packets.png", report.display()));
     Ok(())
-}
-
-/// The commit of the last release `releases.toml` lists.
-fn last_release() -> Result<String> {
-    let path = crate::workspace_root().join("releases.toml");
-    std::fs::read_to_string(&path)
-        .with_context(|| format!("read {}", path.display()))?
-        .lines()
-        .filter_map(|line| line.trim().strip_prefix("commit = \""))
-        .filter_map(|rest| rest.strip_suffix('"'))
-        .next_back()
-        .map(str::to_owned)
-        .with_context(|| format!("{} lists no release", path.display()))
 }
 
 /// How the figures were taken, and each budget met or not by this build.
