@@ -8,6 +8,7 @@ mod masquerade;
 mod packets;
 mod pods;
 mod portmap;
+mod prices;
 mod stats;
 
 use std::{

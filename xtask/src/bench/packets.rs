@@ -9,7 +9,7 @@ use std::{net::SocketAddr, path::Path};
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
     Container, SimHost,
-    topology::{Family, UPLINK, port_mappings},
+    topology::{Family, OUTSIDE_ADDR, UPLINK, port_mappings},
     traffic::{EchoServer, connection_rate},
 };
 use serde_json::{Value, json};
@@ -18,7 +18,7 @@ use super::{
     BUSY_CLIENTS, Hook, IPERF_SECONDS, Iperf3Server, Measured, Progress, RATE_WINDOW, Row,
     chart::{self, BarPanel},
     filter::filter_keys,
-    iperf3, iperf3_udp_rate, median,
+    iperf3, iperf3_udp_rate, median, prices,
     stats::{Counts, count},
     write_report,
 };
@@ -158,12 +158,21 @@ pub fn run(out_dir: &Path) -> Result<()> {
         }
     }
     drop(echo);
+    progress
+        .step("prices of the datapath's building blocks (BPF_PROG_TEST_RUN), in this build's host");
+    let this = &nodes[1];
+    let route = prices::Route {
+        interface: this.sim.host_interface(&this.masqueraded),
+        source: this.masqueraded.address,
+        destination: OUTSIDE_ADDR,
+    };
+    let prices = this.sim.host.run(move || prices::rows(&route))?;
     let [before, now] = rounds.map(|rounds| {
         std::array::from_fn::<f64, { METRICS.len() }, _>(|metric| {
             median(rounds.iter().map(|round| round[metric]).collect())
         })
     });
-    let rows: Vec<Row> = METRICS
+    let mut rows: Vec<Row> = METRICS
         .iter()
         .enumerate()
         .map(|(index, (scenario, metric, unit))| Row {
@@ -174,6 +183,7 @@ pub fn run(out_dir: &Path) -> Result<()> {
             baseline: Some((labels[0].clone(), before[index])),
         })
         .collect();
+    rows.extend(prices);
     let notes = notes(&labels, &now, &before);
     let report = write_report(
         out_dir,
@@ -265,6 +275,15 @@ fn notes(labels: &[String; 2], now: &[f64], before: &[f64]) -> Vec<String> {
          the miss also pays a FIB lookup that an established flow's packets take from the per-CPU cache \
          (next_hops)."
             .to_owned(),
+        format!(
+            "Prices of one (this build's host, {}): small TC programs assembled by the bench repeat one lookup or \
+             helper call in a bounded loop, timed by the kernel (BPF_PROG_TEST_RUN, the median of 9 means of 2,000 \
+             runs), less the same loop without it. They run on one uncloned segment with the maps hot in the caches, \
+             so they are what the datapath's building blocks cost at least: the random-entry lookup shows what a \
+             lookup costs when its entry is not in the caches, and a write into a segment a local TCP stack sent (a \
+             clone) first copies its headers, which a test run cannot show.",
+            "FIB lookup from the masqueraded container's veth to the outside"
+        ),
         format!(
             "Forwarding-bound loads (no statistics): 64-byte UDP datagrams from one iperf3 client at its highest rate, \
              received per second; {BUSY_CLIENTS} clients' connection rate (connect + 1-byte request/response + close, \

@@ -1,0 +1,436 @@
+//! What the datapath's building blocks cost on this machine: a map lookup of each kind the
+//! datapath makes, and each helper it calls per packet, timed by the kernel itself
+//! (`BPF_PROG_TEST_RUN`) in small TC programs assembled here that repeat one operation in a
+//! bounded loop; the price of one is the program's time less that of the same loop doing
+//! nothing, over the loop's length. With the per-hook figures of `packets` they say where a
+//! packet's time goes.
+//!
+//! The programs run on a copy of one TCP segment that is no clone, so a write into it never
+//! un-clones it: what a write costs on a forwarded segment is at least this.
+
+use std::{
+    ffi::CString,
+    io,
+    net::Ipv4Addr,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use super::{Row, median};
+
+/// Operations per program run.
+const LOOPS: i32 = 64;
+/// Runs per `BPF_PROG_TEST_RUN` (the kernel reports their mean), and test runs per price.
+const REPEAT: u32 = 2_000;
+const SAMPLES: usize = 9;
+
+/// Entries of the maps priced, as the datapath's default sizes hold them full.
+const FLOWS: u32 = 65_536;
+const ENDPOINTS: u32 = 4_096;
+
+/// `bpf(2)` commands, map and program types, helpers (uapi).
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
+const BPF_MAP_TYPE_HASH: u32 = 1;
+const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
+const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+const MAP_LOOKUP_ELEM: i32 = 1;
+const SKB_STORE_BYTES: i32 = 9;
+const L3_CSUM_REPLACE: i32 = 10;
+const L4_CSUM_REPLACE: i32 = 11;
+const SKB_LOAD_BYTES: i32 = 26;
+const FIB_LOOKUP: i32 = 69;
+const REDIRECT_PEER: i32 = 155;
+const GET_PRANDOM_U32: i32 = 7;
+const KTIME_GET_COARSE_NS: i32 = 160;
+const BPF_F_PSEUDO_HDR: i32 = 0x10;
+const BPF_FIB_LOOKUP_SRC: i32 = 1 << 4;
+
+/// Registers.
+const R0: u8 = 0;
+const R1: u8 = 1;
+const R2: u8 = 2;
+const R3: u8 = 3;
+const R4: u8 = 4;
+const R5: u8 = 5;
+const R6: u8 = 6;
+const R7: u8 = 7;
+const R10: u8 = 10;
+
+/// One BPF instruction: opcode, registers, offset, immediate.
+fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
+    u64::from(code)
+        | u64::from(dst | (src << 4)) << 8
+        | u64::from(off as u16) << 16
+        | u64::from(imm as u32) << 32
+}
+fn mov_imm(dst: u8, imm: i32) -> u64 {
+    insn(0xb7, dst, 0, 0, imm)
+}
+fn mov_reg(dst: u8, src: u8) -> u64 {
+    insn(0xbf, dst, src, 0, 0)
+}
+fn add_imm(dst: u8, imm: i32) -> u64 {
+    insn(0x07, dst, 0, 0, imm)
+}
+fn store_imm(off: i16, imm: i32) -> u64 {
+    insn(0x7a, R10, 0, off, imm)
+}
+fn call(helper: i32) -> u64 {
+    insn(0x85, 0, 0, 0, helper)
+}
+/// `dst = map` (two slots).
+fn load_map(dst: u8, map: RawFd) -> [u64; 2] {
+    [insn(0x18, dst, 1, 0, map), 0]
+}
+/// `r2 = fp + off`.
+fn stack_pointer(dst: u8, off: i32) -> [u64; 2] {
+    [mov_reg(dst, R10), add_imm(dst, off)]
+}
+
+/// An Ethernet frame with an IPv4 TCP segment: 10.0.0.2:40000 → 10.0.0.1:80.
+const SEGMENT: [u8; 54] = [
+    2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 0x08, 0x00, // Ethernet
+    0x45, 0, 0, 40, 0, 1, 0x40, 0, 64, 6, 0, 0, 10, 0, 0, 2, 10, 0, 0, 1, // IPv4
+    0x9c, 0x40, 0, 80, 0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x10, 0xff, 0xff, 0, 0, 0, 0, // TCP
+];
+/// Where the segment's source address and checksums are.
+const IPV4_SADDR_OFF: i32 = 26;
+const IPV4_CSUM_OFF: i32 = 24;
+const TCP_CSUM_OFF: i32 = 50;
+/// The source address as the program stores it: the bytes `10.0.0.2` read as a native u32.
+const SADDR: i32 = i32::from_ne_bytes([10, 0, 0, 2]);
+
+/// Maps the priced lookups read, full as the datapath's are at its default sizes.
+struct Maps {
+    endpoints: OwnedFd,
+    flows: OwnedFd,
+    scratch: OwnedFd,
+}
+
+impl Maps {
+    fn create() -> Result<Self> {
+        let endpoints = create_map(BPF_MAP_TYPE_HASH, 4, 48, ENDPOINTS)?;
+        for index in 0..ENDPOINTS {
+            update(&endpoints, &index.to_ne_bytes(), &[0; 48])?;
+        }
+        let flows = create_map(BPF_MAP_TYPE_LRU_HASH, 40, 64, FLOWS)?;
+        for index in 0..FLOWS {
+            update(&flows, &flow_key(index), &[0; 64])?;
+        }
+        let scratch = create_map(BPF_MAP_TYPE_PERCPU_ARRAY, 4, 256, 1)?;
+        Ok(Self {
+            endpoints,
+            flows,
+            scratch,
+        })
+    }
+}
+
+/// A 40-byte connection key (`NatFlowKey`'s size) told apart by `index`.
+fn flow_key(index: u32) -> [u8; 40] {
+    let mut key = [0; 40];
+    key[..4].copy_from_slice(&index.to_ne_bytes());
+    key
+}
+
+/// What each priced program does once per loop, with the stack it set up before the loop.
+struct Operation {
+    name: &'static str,
+    setup: Vec<u64>,
+    body: Vec<u64>,
+    /// The operation whose time is taken off (the loop alone, or the same work without the
+    /// part priced).
+    net_of: usize,
+}
+
+/// The route the FIB lookup is priced on: a container's packet to the outside, as it enters
+/// the host from the container's interface.
+pub struct Route {
+    pub interface: String,
+    pub source: Ipv4Addr,
+    pub destination: Ipv4Addr,
+}
+
+fn operations(maps: &Maps, route: &Route, input_ifindex: u32) -> Vec<Operation> {
+    // The lookup keys at fp-48: the u32 or the 40-byte key of entry 7 (present), or of one
+    // past the last (absent).
+    let key = |index: i32| -> Vec<u64> {
+        let mut setup = vec![store_imm(-48, index)];
+        setup.extend((1..5).map(|word| store_imm(-48 + 8 * word, 0)));
+        setup
+    };
+    let lookup = |map: &OwnedFd| -> Vec<u64> {
+        let mut body = load_map(R1, map.as_raw_fd()).to_vec();
+        body.extend(stack_pointer(R2, -48));
+        body.push(call(MAP_LOOKUP_ELEM));
+        body
+    };
+    // The key's first word: a random entry's index.
+    let random_key = vec![
+        call(GET_PRANDOM_U32),
+        insn(0x57, R0, 0, 0, (FLOWS - 1) as i32),
+        insn(0x63, R10, R0, -48, 0),
+    ];
+    let fib_params = {
+        // struct bpf_fib_lookup at fp-64: AF_INET, TCP, tot_len 40, the input interface,
+        // source and destination addresses, the rest zero.
+        let mut setup: Vec<u64> = (0..8).map(|word| store_imm(-64 + 8 * word, 0)).collect();
+        setup.push(insn(0x72, R10, 0, -64, 2));
+        setup.push(insn(0x72, R10, 0, -63, 6));
+        setup.push(insn(0x6a, R10, 0, -58, 40_i32.to_be() >> 16));
+        setup
+    };
+    let fib_body = {
+        let mut body = vec![
+            insn(0x62, R10, 0, -56, input_ifindex as i32),
+            insn(0x62, R10, 0, -48, i32::from_ne_bytes(route.source.octets())),
+            insn(
+                0x62,
+                R10,
+                0,
+                -32,
+                i32::from_ne_bytes(route.destination.octets()),
+            ),
+            mov_reg(R1, R6),
+        ];
+        body.extend(stack_pointer(R2, -64));
+        body.extend([
+            mov_imm(R3, 64),
+            mov_imm(R4, BPF_FIB_LOOKUP_SRC),
+            call(FIB_LOOKUP),
+        ]);
+        body
+    };
+    let csum = |helper: i32, off: i32, flags: i32| {
+        vec![
+            mov_reg(R1, R6),
+            mov_imm(R2, off),
+            mov_imm(R3, SADDR),
+            mov_imm(R4, SADDR),
+            mov_imm(R5, flags | 4),
+            call(helper),
+        ]
+    };
+    let mut store = vec![mov_reg(R1, R6), mov_imm(R2, IPV4_SADDR_OFF)];
+    store.extend(stack_pointer(R3, -8));
+    store.extend([mov_imm(R4, 4), mov_imm(R5, 0), call(SKB_STORE_BYTES)]);
+    let mut load = vec![mov_reg(R1, R6), mov_imm(R2, 14)];
+    load.extend(stack_pointer(R3, -64));
+    load.extend([mov_imm(R4, 20), call(SKB_LOAD_BYTES)]);
+    vec![
+        Operation {
+            name: "nothing (the loop alone)",
+            setup: Vec::new(),
+            body: vec![mov_imm(R0, 0)],
+            net_of: 0,
+        },
+        Operation {
+            name: "hash lookup, u32 key, 4,096 entries (endpoints, sources)",
+            setup: key(7),
+            body: lookup(&maps.endpoints),
+            net_of: 0,
+        },
+        Operation {
+            name: "LRU hash lookup, 40-byte key, 65,536 entries, found (a connection table)",
+            setup: key(7),
+            body: lookup(&maps.flows),
+            net_of: 0,
+        },
+        Operation {
+            name: "LRU hash lookup, 40-byte key, 65,536 entries, missing",
+            setup: key(FLOWS as i32),
+            body: lookup(&maps.flows),
+            net_of: 0,
+        },
+        Operation {
+            name: "a random key of the 65,536 (bpf_get_prandom_u32, stored)",
+            setup: key(0),
+            body: random_key.clone(),
+            net_of: 0,
+        },
+        Operation {
+            name: "LRU hash lookup, 40-byte key, a random one of 65,536 entries each time (caches cold)",
+            setup: key(0),
+            body: [random_key, lookup(&maps.flows)].concat(),
+            net_of: 4,
+        },
+        Operation {
+            name: "per-CPU array lookup (a feature's scratch)",
+            setup: vec![store_imm(-48, 0)],
+            body: lookup(&maps.scratch),
+            net_of: 0,
+        },
+        Operation {
+            name: "bpf_ktime_get_coarse_ns",
+            setup: Vec::new(),
+            body: vec![call(KTIME_GET_COARSE_NS)],
+            net_of: 0,
+        },
+        Operation {
+            name: "bpf_skb_load_bytes, 20 bytes",
+            setup: Vec::new(),
+            body: load,
+            net_of: 0,
+        },
+        Operation {
+            name: "bpf_skb_store_bytes, 4 bytes (an address)",
+            setup: vec![store_imm(-8, SADDR)],
+            body: store,
+            net_of: 0,
+        },
+        Operation {
+            name: "bpf_l3_csum_replace, 4 bytes",
+            setup: Vec::new(),
+            body: csum(L3_CSUM_REPLACE, IPV4_CSUM_OFF, 0),
+            net_of: 0,
+        },
+        Operation {
+            name: "bpf_l4_csum_replace, 4 bytes of the pseudo-header",
+            setup: Vec::new(),
+            body: csum(L4_CSUM_REPLACE, TCP_CSUM_OFF, BPF_F_PSEUDO_HDR),
+            net_of: 0,
+        },
+        Operation {
+            name: "bpf_fib_lookup with source selection (a container's packet to the outside)",
+            setup: fib_params,
+            body: fib_body,
+            net_of: 0,
+        },
+        Operation {
+            name: "bpf_redirect_peer (records where; the kernel sends after the program)",
+            setup: Vec::new(),
+            body: vec![mov_imm(R1, 1), mov_imm(R2, 0), call(REDIRECT_PEER)],
+            net_of: 0,
+        },
+    ]
+}
+
+/// The program: `r6 = skb; setup; r7 = LOOPS; do { body } while (--r7); return 0`.
+fn program(operation: &Operation) -> Vec<u64> {
+    let mut program = vec![mov_reg(R6, R1)];
+    program.extend(&operation.setup);
+    program.push(mov_imm(R7, LOOPS));
+    program.extend(&operation.body);
+    program.push(add_imm(R7, -1));
+    let back = -(operation.body.len() as i16 + 2);
+    program.push(insn(0x55, R7, 0, back, 0));
+    program.extend([mov_imm(R0, 0), insn(0x95, 0, 0, 0, 0)]);
+    program
+}
+
+/// One row per operation: its price in ns, net of the loop. Run in the namespace whose FIB
+/// `route` is in.
+pub fn rows(route: &Route) -> Result<Vec<Row>> {
+    let name = CString::new(route.interface.as_str())?;
+    // SAFETY: a NUL-terminated name; the call only reads it.
+    let input_ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if input_ifindex == 0 {
+        bail!(
+            "no interface {}: {}",
+            route.interface,
+            io::Error::last_os_error()
+        );
+    }
+    let maps = Maps::create().context("create the maps to price lookups in")?;
+    let operations = operations(&maps, route, input_ifindex);
+    let mut means = Vec::new();
+    for operation in &operations {
+        let program = load(&program(operation))
+            .with_context(|| format!("load the program pricing {}", operation.name))?;
+        let samples = (0..SAMPLES)
+            .map(|_| test_run(&program))
+            .collect::<Result<Vec<f64>>>()
+            .with_context(|| format!("run the program pricing {}", operation.name))?;
+        means.push(median(samples));
+    }
+    Ok(operations
+        .iter()
+        .zip(&means)
+        .skip(1)
+        .map(|(operation, mean)| Row {
+            scenario: format!("price of one: {}", operation.name),
+            metric: "time per call, BPF_PROG_TEST_RUN",
+            unit: "ns",
+            value: ((mean - means[operation.net_of]) / f64::from(LOOPS)).max(0.0),
+            baseline: None,
+        })
+        .collect())
+}
+
+fn bpf(command: libc::c_long, attr: &mut [u8; 128]) -> io::Result<libc::c_long> {
+    // SAFETY: bpf(2) reads and writes `size` bytes of `attr`, a zero-initialised union
+    // bpf_attr whose pointers (keys, values, instructions, packets) outlive the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, command, attr.as_mut_ptr(), attr.len()) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rc)
+}
+
+fn new_fd(rc: libc::c_long) -> OwnedFd {
+    // SAFETY: the kernel just returned this descriptor; nobody else owns it.
+    unsafe { OwnedFd::from_raw_fd(rc as RawFd) }
+}
+
+fn create_map(map_type: u32, key_size: u32, value_size: u32, entries: u32) -> Result<OwnedFd> {
+    let mut attr = [0u8; 128];
+    for (index, field) in [map_type, key_size, value_size, entries].iter().enumerate() {
+        attr[index * 4..index * 4 + 4].copy_from_slice(&field.to_ne_bytes());
+    }
+    Ok(new_fd(
+        bpf(BPF_MAP_CREATE, &mut attr).context("BPF_MAP_CREATE")?,
+    ))
+}
+
+fn update(map: &OwnedFd, key: &[u8], value: &[u8]) -> Result<()> {
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&(map.as_raw_fd() as u32).to_ne_bytes());
+    attr[8..16].copy_from_slice(&(key.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(value.as_ptr() as u64).to_ne_bytes());
+    bpf(BPF_MAP_UPDATE_ELEM, &mut attr).context("BPF_MAP_UPDATE_ELEM")?;
+    Ok(())
+}
+
+fn load(instructions: &[u64]) -> Result<OwnedFd> {
+    let license = c"GPL";
+    let mut log = vec![0u8; 64 * 1024];
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
+    attr[4..8].copy_from_slice(&(instructions.len() as u32).to_ne_bytes());
+    attr[8..16].copy_from_slice(&(instructions.as_ptr() as u64).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+    attr[24..28].copy_from_slice(&1u32.to_ne_bytes());
+    attr[28..32].copy_from_slice(&(log.len() as u32).to_ne_bytes());
+    attr[32..40].copy_from_slice(&(log.as_mut_ptr() as u64).to_ne_bytes());
+    match bpf(BPF_PROG_LOAD, &mut attr) {
+        Ok(fd) => Ok(new_fd(fd)),
+        Err(error) => {
+            let end = log.iter().position(|byte| *byte == 0).unwrap_or(log.len());
+            bail!(
+                "BPF_PROG_LOAD: {error}; verifier: {}",
+                String::from_utf8_lossy(&log[..end])
+            )
+        }
+    }
+}
+
+/// The kernel's mean time of one run of `program` over `REPEAT` runs on `SEGMENT`, in ns.
+fn test_run(program: &OwnedFd) -> Result<f64> {
+    let packet = SEGMENT;
+    let mut out = [0u8; 256];
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&(program.as_raw_fd() as u32).to_ne_bytes());
+    attr[8..12].copy_from_slice(&(packet.len() as u32).to_ne_bytes());
+    attr[12..16].copy_from_slice(&(out.len() as u32).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(packet.as_ptr() as u64).to_ne_bytes());
+    attr[24..32].copy_from_slice(&(out.as_mut_ptr() as u64).to_ne_bytes());
+    attr[32..36].copy_from_slice(&REPEAT.to_ne_bytes());
+    bpf(BPF_PROG_TEST_RUN, &mut attr).context("BPF_PROG_TEST_RUN")?;
+    let duration = u32::from_ne_bytes(attr[36..40].try_into().expect("four bytes"));
+    Ok(f64::from(duration))
+}
