@@ -4,6 +4,7 @@
 
 mod chart;
 mod filter;
+mod isolated;
 mod masquerade;
 mod packets;
 mod pods;

@@ -9,7 +9,7 @@ use std::{net::SocketAddr, path::Path};
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
     Container, SimHost,
-    topology::{Family, OUTSIDE_ADDR, UPLINK, port_mappings},
+    topology::{Family, HOST_UPLINK_ADDR, OUTSIDE_ADDR, UPLINK, port_mappings},
     traffic::{EchoServer, connection_rate},
 };
 use serde_json::{Value, json};
@@ -18,7 +18,7 @@ use super::{
     BUSY_CLIENTS, Hook, IPERF_SECONDS, Iperf3Server, Measured, Progress, RATE_WINDOW, Row,
     chart::{self, BarPanel},
     filter::filter_keys,
-    iperf3, iperf3_udp_rate, median, prices,
+    iperf3, iperf3_udp_rate, isolated, median, prices,
     stats::{Counts, count},
     write_report,
 };
@@ -166,7 +166,49 @@ pub fn run(out_dir: &Path) -> Result<()> {
         source: this.masqueraded.address,
         destination: OUTSIDE_ADDR,
     };
-    let prices = this.sim.host.run(move || prices::rows(&route))?;
+    let mut prices = this.sim.host.run(move || prices::rows(&route))?;
+    progress.step("this build's programs on one crafted segment each (BPF_PROG_TEST_RUN)");
+    let veth = this.sim.host_interface(&this.masqueraded);
+    let container = this.masqueraded.address;
+    let uplink = |name, source_port, destination_port| isolated::Case {
+        name,
+        program: "uplink_ingress",
+        interface: UPLINK.to_owned(),
+        source: (OUTSIDE_ADDR, source_port),
+        destination: (HOST_UPLINK_ADDR, destination_port),
+    };
+    let cases = vec![
+        uplink(
+            "uplink_ingress, a segment for a host process (every lookup misses)",
+            40_000,
+            HOST_SERVER,
+        ),
+        uplink(
+            "uplink_ingress, a segment to a hostPort (DNAT)",
+            40_001,
+            HOST_PORT,
+        ),
+        isolated::Case {
+            name: "from_container, a segment for a host process (every lookup misses)",
+            program: "from_container",
+            interface: veth.clone(),
+            source: (container, 40_002),
+            destination: (HOST_UPLINK_ADDR, HOST_SERVER),
+        },
+        isolated::Case {
+            name: "from_container, a masqueraded segment (its flow begun by the first run)",
+            program: "from_container",
+            interface: veth,
+            source: (container, 40_003),
+            destination: (OUTSIDE_ADDR, MASQUERADED_SERVER),
+        },
+    ];
+    let pin_path = this.sim.pin_path.clone();
+    prices.extend(
+        this.sim
+            .host
+            .run(move || isolated::rows(&pin_path, &cases))?,
+    );
     let [before, now] = rounds.map(|rounds| {
         std::array::from_fn::<f64, { METRICS.len() }, _>(|metric| {
             median(rounds.iter().map(|round| round[metric]).collect())
@@ -284,6 +326,13 @@ fn notes(labels: &[String; 2], now: &[f64], before: &[f64]) -> Vec<String> {
              clone) first copies its headers, which a test run cannot show.",
             "FIB lookup from the masqueraded container's veth to the outside"
         ),
+        "Crafted segments: this build's pinned programs run by the kernel on one segment each, on the \
+         interface they are hooked to (BPF_PROG_TEST_RUN, one run per call so that each run meets the \
+         segment as sent; the median of 4,001, less that of a program that does nothing): the same paths \
+         with their maps hot and an uncloned segment. Beside the per-packet rows above they split a path's \
+         time in traffic into the program's own work and what traffic adds; beside the prices, the \
+         program's work into its lookups and helper calls and its own instructions."
+            .to_owned(),
         format!(
             "Forwarding-bound loads (no statistics): 64-byte UDP datagrams from one iperf3 client at its highest rate, \
              received per second; {BUSY_CLIENTS} clients' connection rate (connect + 1-byte request/response + close, \

@@ -343,7 +343,7 @@ pub fn rows(route: &Route) -> Result<Vec<Row>> {
         let program = load(&program(operation))
             .with_context(|| format!("load the program pricing {}", operation.name))?;
         let samples = (0..SAMPLES)
-            .map(|_| test_run(&program))
+            .map(|_| test_run(&program, &SEGMENT, REPEAT, None).map(f64::from))
             .collect::<Result<Vec<f64>>>()
             .with_context(|| format!("run the program pricing {}", operation.name))?;
         means.push(median(samples));
@@ -362,7 +362,7 @@ pub fn rows(route: &Route) -> Result<Vec<Row>> {
         .collect())
 }
 
-fn bpf(command: libc::c_long, attr: &mut [u8; 128]) -> io::Result<libc::c_long> {
+pub(super) fn bpf(command: libc::c_long, attr: &mut [u8; 128]) -> io::Result<libc::c_long> {
     // SAFETY: bpf(2) reads and writes `size` bytes of `attr`, a zero-initialised union
     // bpf_attr whose pointers (keys, values, instructions, packets) outlive the call.
     let rc = unsafe { libc::syscall(libc::SYS_bpf, command, attr.as_mut_ptr(), attr.len()) };
@@ -372,7 +372,7 @@ fn bpf(command: libc::c_long, attr: &mut [u8; 128]) -> io::Result<libc::c_long> 
     Ok(rc)
 }
 
-fn new_fd(rc: libc::c_long) -> OwnedFd {
+pub(super) fn new_fd(rc: libc::c_long) -> OwnedFd {
     // SAFETY: the kernel just returned this descriptor; nobody else owns it.
     unsafe { OwnedFd::from_raw_fd(rc as RawFd) }
 }
@@ -396,7 +396,7 @@ fn update(map: &OwnedFd, key: &[u8], value: &[u8]) -> Result<()> {
     Ok(())
 }
 
-fn load(instructions: &[u64]) -> Result<OwnedFd> {
+pub(super) fn load(instructions: &[u64]) -> Result<OwnedFd> {
     let license = c"GPL";
     let mut log = vec![0u8; 64 * 1024];
     let mut attr = [0u8; 128];
@@ -419,9 +419,14 @@ fn load(instructions: &[u64]) -> Result<OwnedFd> {
     }
 }
 
-/// The kernel's mean time of one run of `program` over `REPEAT` runs on `SEGMENT`, in ns.
-fn test_run(program: &OwnedFd) -> Result<f64> {
-    let packet = SEGMENT;
+/// The kernel's mean time of one run of `program` over `repeat` runs on `packet`, in ns, with
+/// the `struct __sk_buff` fields `context` sets (the interface it runs on).
+pub(super) fn test_run(
+    program: &OwnedFd,
+    packet: &[u8],
+    repeat: u32,
+    context: Option<&[u8; SK_BUFF_SIZE]>,
+) -> Result<u32> {
     let mut out = [0u8; 256];
     let mut attr = [0u8; 128];
     attr[0..4].copy_from_slice(&(program.as_raw_fd() as u32).to_ne_bytes());
@@ -429,8 +434,17 @@ fn test_run(program: &OwnedFd) -> Result<f64> {
     attr[12..16].copy_from_slice(&(out.len() as u32).to_ne_bytes());
     attr[16..24].copy_from_slice(&(packet.as_ptr() as u64).to_ne_bytes());
     attr[24..32].copy_from_slice(&(out.as_mut_ptr() as u64).to_ne_bytes());
-    attr[32..36].copy_from_slice(&REPEAT.to_ne_bytes());
+    attr[32..36].copy_from_slice(&repeat.to_ne_bytes());
+    if let Some(context) = context {
+        attr[40..44].copy_from_slice(&(context.len() as u32).to_ne_bytes());
+        attr[48..56].copy_from_slice(&(context.as_ptr() as u64).to_ne_bytes());
+    }
     bpf(BPF_PROG_TEST_RUN, &mut attr).context("BPF_PROG_TEST_RUN")?;
-    let duration = u32::from_ne_bytes(attr[36..40].try_into().expect("four bytes"));
-    Ok(f64::from(duration))
+    Ok(u32::from_ne_bytes(
+        attr[36..40].try_into().expect("four bytes"),
+    ))
 }
+
+/// `sizeof(struct __sk_buff)` (uapi), and where its `ifindex` is.
+pub(super) const SK_BUFF_SIZE: usize = 192;
+pub(super) const SK_BUFF_IFINDEX_OFF: usize = 40;

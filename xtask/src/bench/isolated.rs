@@ -1,0 +1,131 @@
+//! The datapath's own pinned programs on one crafted segment each, timed by the kernel
+//! (`BPF_PROG_TEST_RUN`) one run per call, so that every run meets the segment as sent (a run
+//! rewrites it in place): what a path costs with its maps hot and its segment uncloned, to set
+//! beside what the same path costs in traffic. The median of single runs, less that of a
+//! program that does nothing (the test run's own clock reads).
+
+use std::{ffi::CString, io, net::Ipv4Addr, os::fd::OwnedFd, path::Path};
+
+use anyhow::{Context as _, Result, bail};
+
+use super::{
+    Row, median,
+    prices::{SK_BUFF_IFINDEX_OFF, SK_BUFF_SIZE, bpf, load, new_fd, test_run},
+};
+
+/// Single runs per case.
+const RUNS: usize = 4_001;
+const BPF_OBJ_GET: libc::c_long = 7;
+
+/// A segment to run a program on: where it runs, and the segment's addresses and ports.
+pub struct Case {
+    pub name: &'static str,
+    /// The pinned program's name under `programs/`.
+    pub program: &'static str,
+    /// The host namespace's interface it runs on.
+    pub interface: String,
+    pub source: (Ipv4Addr, u16),
+    pub destination: (Ipv4Addr, u16),
+}
+
+/// One row per case: the program's time on its segment, net of the test run's own. Run in the
+/// host namespace the programs are hooked in.
+pub fn rows(pin_path: &Path, cases: &[Case]) -> Result<Vec<Row>> {
+    let nothing = load(&[0x0000_0000_0000_00b7, 0x0000_0000_0000_0095])
+        .context("load a program that does nothing")?;
+    let overhead = median_run(
+        &nothing,
+        &tcp_segment(cases[0].source, cases[0].destination),
+        None,
+    )?;
+    cases
+        .iter()
+        .map(|case| {
+            let program = pinned_program(&pin_path.join("programs").join(case.program))?;
+            let mut context = [0u8; SK_BUFF_SIZE];
+            context[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4]
+                .copy_from_slice(&ifindex(&case.interface)?.to_ne_bytes());
+            let segment = tcp_segment(case.source, case.destination);
+            let time = median_run(&program, &segment, Some(&context))
+                .with_context(|| format!("test runs of {} ({})", case.program, case.name))?;
+            Ok(Row {
+                scenario: format!("{}, one crafted segment, caches hot", case.name),
+                metric: "program time per run, BPF_PROG_TEST_RUN",
+                unit: "ns",
+                value: (time - overhead).max(0.0),
+                baseline: None,
+            })
+        })
+        .collect()
+}
+
+fn median_run(
+    program: &OwnedFd,
+    segment: &[u8],
+    context: Option<&[u8; SK_BUFF_SIZE]>,
+) -> Result<f64> {
+    let runs = (0..RUNS)
+        .map(|_| test_run(program, segment, 1, context).map(f64::from))
+        .collect::<Result<Vec<f64>>>()?;
+    Ok(median(runs))
+}
+
+fn pinned_program(path: &Path) -> Result<OwnedFd> {
+    let name = CString::new(path.as_os_str().as_encoded_bytes())?;
+    let mut attr = [0u8; 128];
+    attr[0..8].copy_from_slice(&(name.as_ptr() as u64).to_ne_bytes());
+    let fd = bpf(BPF_OBJ_GET, &mut attr).with_context(|| format!("open {}", path.display()))?;
+    Ok(new_fd(fd))
+}
+
+fn ifindex(interface: &str) -> Result<u32> {
+    let name = CString::new(interface)?;
+    // SAFETY: a NUL-terminated name; the call only reads it.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if index == 0 {
+        bail!("no interface {interface}: {}", io::Error::last_os_error());
+    }
+    Ok(index)
+}
+
+/// An Ethernet frame with an IPv4 TCP segment (ACK, no payload) from `source` to
+/// `destination`, its header checksum right.
+fn tcp_segment(source: (Ipv4Addr, u16), destination: (Ipv4Addr, u16)) -> Vec<u8> {
+    let mut frame = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 0x08, 0x00];
+    let mut ip = vec![0x45, 0, 0, 40, 0, 1, 0x40, 0, 64, 6, 0, 0];
+    ip.extend(source.0.octets());
+    ip.extend(destination.0.octets());
+    let checksum = !ip
+        .chunks(2)
+        .map(|word| u32::from(u16::from_be_bytes([word[0], word[1]])))
+        .fold(0u32, |sum, word| {
+            let sum = sum + word;
+            (sum & 0xffff) + (sum >> 16)
+        }) as u16;
+    ip[10..12].copy_from_slice(&checksum.to_be_bytes());
+    frame.extend(ip);
+    frame.extend(source.1.to_be_bytes());
+    frame.extend(destination.1.to_be_bytes());
+    frame.extend([0, 0, 0, 1, 0, 0, 0, 1, 0x50, 0x10, 0xff, 0xff, 0, 0, 0, 0]);
+    frame
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_crafted_segments_header_checksum_verifies() {
+        let frame = tcp_segment(
+            (Ipv4Addr::new(203, 0, 113, 2), 40_000),
+            (Ipv4Addr::new(203, 0, 113, 1), 8080),
+        );
+        let header = &frame[14..34];
+        let sum = header
+            .chunks(2)
+            .map(|word| u32::from(u16::from_be_bytes([word[0], word[1]])))
+            .sum::<u32>();
+        assert_eq!((sum & 0xffff) + (sum >> 16), 0xffff);
+        assert_eq!(frame.len(), 54);
+    }
+}
