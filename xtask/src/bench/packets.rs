@@ -2,7 +2,9 @@
 //! operator pays for — masquerade and its replies, DNAT to a hostPort and its replies, a filter
 //! of 1 and 256 rules — and the forwarding-bound loads, for this build beside the last release
 //! `releases.toml` lists, in one run whose rounds alternate between the two. Where the time
-//! goes: the same hooks on packets that miss every lookup and are left to the host stack.
+//! goes: the same hooks on packets that miss every lookup and are left to the host stack, the
+//! prices of the lookups and helper calls a packet makes (`prices`), and this build's programs
+//! on one crafted segment per path with their maps hot (`isolated`).
 
 use std::{net::SocketAddr, path::Path};
 
@@ -133,7 +135,8 @@ pub fn run(out_dir: &Path) -> Result<()> {
         .step("two simulated hosts, one per build: masqueraded, hostPort and filtered containers");
     let mut nodes = Vec::new();
     for (id, binary) in [("bench-pkp", &previous_binary), ("bench-pkt", &this_binary)] {
-        // SAFETY: no thread of this process has started yet (the echo servers start below).
+        // SAFETY: the bench runs one thread that reads the environment, this one (the echo
+        // servers, whose threads read none, start below).
         unsafe { std::env::set_var("CNIBPF_BIN", binary) };
         nodes.push(Node::new(SimHost::new(
             id,
