@@ -182,7 +182,7 @@ fn operations(maps: &Maps, route: &Route, input_ifindex: u32) -> Vec<Operation> 
         let mut setup: Vec<u64> = (0..8).map(|word| store_imm(-64 + 8 * word, 0)).collect();
         setup.push(insn(0x72, R10, 0, -64, 2));
         setup.push(insn(0x72, R10, 0, -63, 6));
-        setup.push(insn(0x6a, R10, 0, -58, 40_i32.to_be() >> 16));
+        setup.push(insn(0x6a, R10, 0, -58, 40));
         setup
     };
     let fib_body = {
