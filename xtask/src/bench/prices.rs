@@ -257,6 +257,7 @@ fn operations(maps: &Maps, route: &Route, input_ifindex: u32) -> Vec<Operation> 
             name: "LRU hash lookup, 40-byte key, a random one of 65,536 entries each time (caches cold)",
             setup: key(0),
             body: [random_key, lookup(&maps.flows)].concat(),
+            // The operation just above: the random key alone.
             net_of: 4,
         },
         Operation {
