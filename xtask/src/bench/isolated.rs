@@ -4,9 +4,10 @@
 //! beside what the same path costs in traffic. The median of single runs, less that of a
 //! program that does nothing (the test run's own clock reads).
 
-use std::{ffi::CString, io, net::Ipv4Addr, os::fd::OwnedFd, path::Path};
+use std::{ffi::CString, net::Ipv4Addr, os::fd::OwnedFd, path::Path};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
+use cnibpf_tests::packet;
 
 use super::{
     Row, median,
@@ -43,8 +44,10 @@ pub fn rows(pin_path: &Path, cases: &[Case]) -> Result<Vec<Row>> {
         .map(|case| {
             let program = pinned_program(&pin_path.join("programs").join(case.program))?;
             let mut context = [0u8; SK_BUFF_SIZE];
+            let ifindex = nix::net::if_::if_nametoindex(case.interface.as_str())
+                .with_context(|| format!("no interface {}", case.interface))?;
             context[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4]
-                .copy_from_slice(&ifindex(&case.interface)?.to_ne_bytes());
+                .copy_from_slice(&ifindex.to_ne_bytes());
             let segment = tcp_segment(case.source, case.destination);
             let time = median_run(&program, &segment, Some(&context))
                 .with_context(|| format!("test runs of {} ({})", case.program, case.name))?;
@@ -78,54 +81,29 @@ fn pinned_program(path: &Path) -> Result<OwnedFd> {
     Ok(new_fd(fd))
 }
 
-fn ifindex(interface: &str) -> Result<u32> {
-    let name = CString::new(interface)?;
-    // SAFETY: a NUL-terminated name; the call only reads it.
-    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    if index == 0 {
-        bail!("no interface {interface}: {}", io::Error::last_os_error());
-    }
-    Ok(index)
-}
-
 /// An Ethernet frame with an IPv4 TCP segment (ACK, no payload) from `source` to
-/// `destination`, its header checksum right.
+/// `destination`, its checksums right.
 fn tcp_segment(source: (Ipv4Addr, u16), destination: (Ipv4Addr, u16)) -> Vec<u8> {
-    let mut frame = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 0x08, 0x00];
-    let mut ip = vec![0x45, 0, 0, 40, 0, 1, 0x40, 0, 64, 6, 0, 0];
-    ip.extend(source.0.octets());
-    ip.extend(destination.0.octets());
-    let checksum = !ip
-        .chunks(2)
-        .map(|word| u32::from(u16::from_be_bytes([word[0], word[1]])))
-        .fold(0u32, |sum, word| {
-            let sum = sum + word;
-            (sum & 0xffff) + (sum >> 16)
-        }) as u16;
-    ip[10..12].copy_from_slice(&checksum.to_be_bytes());
-    frame.extend(ip);
-    frame.extend(source.1.to_be_bytes());
-    frame.extend(destination.1.to_be_bytes());
-    frame.extend([0, 0, 0, 1, 0, 0, 0, 1, 0x50, 0x10, 0xff, 0xff, 0, 0, 0, 0]);
-    frame
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_crafted_segments_header_checksum_verifies() {
-        let frame = tcp_segment(
-            (Ipv4Addr::new(203, 0, 113, 2), 40_000),
-            (Ipv4Addr::new(203, 0, 113, 1), 8080),
-        );
-        let header = &frame[14..34];
-        let sum = header
-            .chunks(2)
-            .map(|word| u32::from(u16::from_be_bytes([word[0], word[1]])))
-            .sum::<u32>();
-        assert_eq!((sum & 0xffff) + (sum >> 16), 0xffff);
-        assert_eq!(frame.len(), 54);
-    }
+    let segment = packet::tcp(
+        source.0.into(),
+        destination.0.into(),
+        source.1,
+        destination.1,
+        packet::ACK,
+        &[],
+    );
+    let datagram = packet::ipv4(
+        source.0,
+        destination.0,
+        packet::TCP,
+        &[],
+        (false, 0),
+        &segment,
+    );
+    packet::ethernet(
+        [2, 0, 0, 0, 0, 1],
+        [2, 0, 0, 0, 0, 2],
+        packet::ETH_P_IP,
+        &datagram,
+    )
 }

@@ -10,7 +10,7 @@ use std::{net::SocketAddr, path::Path};
 
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
-    Container, SimHost,
+    Container, Netns, SimHost,
     topology::{Family, HOST_UPLINK_ADDR, OUTSIDE_ADDR, UPLINK, port_mappings},
     traffic::{EchoServer, connection_rate},
 };
@@ -418,38 +418,27 @@ impl Node {
     fn round(&self) -> Result<[f64; METRICS.len()]> {
         let [masq, masq_to, masq_replies] = self.count_hooks(
             &self.masqueraded,
-            upload(&self.masqueraded, MASQUERADED_SERVER),
+            upload(&self.masqueraded.netns, Self::outside(MASQUERADED_SERVER)),
         )?;
-        let [dnat_replies, _, dnat] = self.count_hooks(&self.host_port, || {
-            iperf3(
-                &self.sim.outside,
-                self.sim.uplink_target(HOST_PORT),
-                IPERF_SECONDS,
-            )
-            .map(drop)
-        })?;
+        let [dnat_replies, _, dnat] = self.count_hooks(
+            &self.host_port,
+            upload(&self.sim.outside, self.sim.uplink_target(HOST_PORT)),
+        )?;
         let unfiltered = per_packet_of_the_connection(&masq, &masq_to, &masq_replies);
         let mut filter_costs = Vec::new();
         for (container, port) in self.filtered.iter().zip(FILTERED_SERVERS) {
-            let [from, to, replies] = self.count_hooks(container, upload(container, port))?;
+            let [from, to, replies] =
+                self.count_hooks(container, upload(&container.netns, Self::outside(port)))?;
             filter_costs.push(per_packet_of_the_connection(&from, &to, &replies) - unfiltered);
         }
-        let [veth_miss, _, _] = self.count_hooks(&self.masqueraded, || {
-            iperf3(
-                &self.masqueraded.netns,
-                self.sim.uplink_target(HOST_SERVER),
-                IPERF_SECONDS,
-            )
-            .map(drop)
-        })?;
-        let [_, _, uplink_miss] = self.count_hooks(&self.masqueraded, || {
-            iperf3(
-                &self.sim.outside,
-                self.sim.uplink_target(HOST_SERVER),
-                IPERF_SECONDS,
-            )
-            .map(drop)
-        })?;
+        let [veth_miss, _, _] = self.count_hooks(
+            &self.masqueraded,
+            upload(&self.masqueraded.netns, self.sim.uplink_target(HOST_SERVER)),
+        )?;
+        let [_, _, uplink_miss] = self.count_hooks(
+            &self.masqueraded,
+            upload(&self.sim.outside, self.sim.uplink_target(HOST_SERVER)),
+        )?;
         let datagrams = iperf3_udp_rate(
             &self.masqueraded.netns,
             Self::outside(MASQUERADED_SERVER),
@@ -481,9 +470,9 @@ impl Node {
     }
 }
 
-/// One iperf3 TCP upload from `container` to the outside's server on `port`.
-fn upload(container: &Container, port: u16) -> impl FnOnce() -> Result<()> + '_ {
-    move || iperf3(&container.netns, Node::outside(port), IPERF_SECONDS).map(drop)
+/// One iperf3 TCP upload from `netns` to the server at `target`.
+fn upload(netns: &Netns, target: SocketAddr) -> impl FnOnce() -> Result<()> + '_ {
+    move || iperf3(netns, target, IPERF_SECONDS).map(drop)
 }
 
 /// A program's own time per run, net of the statistics' cost.

@@ -9,7 +9,6 @@
 //! un-clones it: what a write costs on a forwarded segment is at least this.
 
 use std::{
-    ffi::CString,
     io,
     net::Ipv4Addr,
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
@@ -327,16 +326,8 @@ fn program(operation: &Operation) -> Vec<u64> {
 /// One row per operation: its price in ns, net of the loop. Run in the namespace whose FIB
 /// `route` is in.
 pub fn rows(route: &Route) -> Result<Vec<Row>> {
-    let name = CString::new(route.interface.as_str())?;
-    // SAFETY: a NUL-terminated name; the call only reads it.
-    let input_ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    if input_ifindex == 0 {
-        bail!(
-            "no interface {}: {}",
-            route.interface,
-            io::Error::last_os_error()
-        );
-    }
+    let input_ifindex = nix::net::if_::if_nametoindex(route.interface.as_str())
+        .with_context(|| format!("no interface {}", route.interface))?;
     let maps = Maps::create().context("create the maps to price lookups in")?;
     let operations = operations(&maps, route, input_ifindex);
     let mut means = Vec::new();
