@@ -79,7 +79,7 @@ fn gc_stale_reclaims_only_attachments_whose_interface_is_gone(backend: Backend) 
                 "masq_replies",
                 "filters",
                 "filter_flows",
-                "sources",
+                "endpoints.sources",
             ] {
                 assert!(held.contains(&map), "before: {map} holds the pod: {held:?}");
             }

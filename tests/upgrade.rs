@@ -2,8 +2,8 @@
 //! 6, container interfaces hooked by cls_bpf filters; nftables table layout 1), commit
 //! 8a7f4ca (nftables layout 2) and every later release `releases.toml` lists, built from this
 //! repository's history. A node upgrades while its pods run, and its connections,
-//! translations, filters and counters live on; DEL works across layouts in both directions; a
-//! migration killed at any point is completed by the next run.
+//! translations, filters, source checks and counters live on; DEL works across layouts in both
+//! directions; a migration killed at any point is completed by the next run.
 //!
 //! One test, run in phases: the simulated hosts run the cnibpf binary installed at one path,
 //! replaced in place as an upgrade replaces it.
@@ -14,7 +14,10 @@ use std::{
     time::Duration,
 };
 
-use cnibpf_common::layout::{LayoutInfo, MAGIC};
+use cnibpf_common::{
+    layout::{LayoutInfo, MAGIC},
+    source::SourceSet,
+};
 use cnibpf_tests::{
     Container, SimHost, chain, faults, history,
     live::{LivePod, pod_keys},
@@ -72,12 +75,17 @@ fn assert_hooked_by_tcx(sim: &SimHost, container: &Container) {
     }
 }
 
+/// Where a migration keeps the old maps until it is done.
+const ASIDE: [&str; 2] = ["layout-6-maps", "layout-8-maps"];
+
+/// Whether a migration left old maps aside.
+fn half_migrated(sim: &SimHost) -> bool {
+    ASIDE.iter().any(|aside| sim.pin_path.join(aside).exists())
+}
+
 fn assert_migrated(sim: &SimHost) {
     assert_eq!(sim.layout_version(), cnibpf_common::layout::VERSION);
-    assert!(
-        !sim.pin_path.join("layout-6-maps").exists(),
-        "the old pins are gone"
-    );
+    assert!(!half_migrated(sim), "the old pins are gone");
 }
 
 fn layout_bytes(version: u32) -> Vec<u8> {
@@ -191,7 +199,7 @@ fn upgrade_then_downgrade(installed: &Installed, old: &Path, new: &Path) {
 fn migration_state(sim: &SimHost, backend: Backend) -> (bool, bool) {
     match backend {
         Backend::Ebpf => (
-            sim.pin_path.join("layout-6-maps").exists(),
+            half_migrated(sim),
             sim.layout_version() == cnibpf_common::layout::VERSION,
         ),
         Backend::Nftables => {
@@ -451,6 +459,22 @@ fn nftables_table_of_the_previous_layout_migrates(installed: &Installed, old: &P
     assert!(sim.holds_no_state(), "the last DEL removed the table");
 }
 
+/// Whether the release's own state checks the pod's source addresses (source checks came
+/// within layout 7).
+fn checks_sources(sim: &SimHost, backend: Backend) -> bool {
+    match backend {
+        Backend::Ebpf => {
+            sim.pin_path.join("sources").exists()
+                && sim
+                    .pinned_hash_map::<u32, SourceSet>("sources")
+                    .iter()
+                    .next()
+                    .is_some()
+        }
+        Backend::Nftables => sim.nft_ruleset().contains("chain s_"),
+    }
+}
+
 /// Every commit `releases.toml` lists, oldest first.
 fn releases() -> Vec<String> {
     let releases = history::released_commits();
@@ -472,8 +496,28 @@ fn a_release_upgrades_live(installed: &Installed, release: &str, new: &Path) {
         installed.put(&old);
         let sim = SimHost::on(backend, "rel", pod_keys(backend.name()));
         let pod = LivePod::start(&sim);
+        let hits = inspected_rule_packets(&sim, &pod.container);
+        assert!(hits > 0, "{case}: the DROP rule counted its drops");
+        let flows = (backend == Backend::Ebpf).then(|| sim.masq_flows());
+        let checked = checks_sources(&sim, backend);
         installed.put(new);
         let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
+        if backend == Backend::Ebpf {
+            assert_migrated(&sim);
+        }
+        assert_eq!(
+            inspected_rule_packets(&sim, &pod.container),
+            hits,
+            "{case}: the filter's counters were kept"
+        );
+        assert_eq!(
+            (backend == Backend::Ebpf).then(|| sim.masq_flows()),
+            flows,
+            "{case}: the masqueraded flows were kept as they were"
+        );
+        if checked {
+            pod.assert_source_checked(&sim, &case);
+        }
         pod.assert_translations(&sim, &format!("{case}: after the upgrade"));
         sim.check(&pod.container)
             .unwrap_or_else(|error| panic!("{case}: CHECK of the release's pod: {error}"));
@@ -513,7 +557,12 @@ fn pods_live_on_across_layouts_and_del_works_both_ways() {
     faulted_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
     // Every later release, the same way (5da8470's nftables table is drained above: no build
     // migrates its layout).
-    for release in &releases()[1..] {
+    let releases = releases();
+    for release in &releases[1..] {
         a_release_upgrades_live(&installed, release, &new);
     }
+    // The migration from the last release's layout, killed and faulted the same way.
+    let last = history::cnibpf_of(releases.last().expect("a release"));
+    killed_migrations_converge(&installed, &last, &new, Backend::Ebpf);
+    faulted_migrations_converge(&installed, &last, &new, Backend::Ebpf);
 }

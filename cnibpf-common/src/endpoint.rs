@@ -1,12 +1,15 @@
 //! `endpoints`: what the datapath knows about each container's host-side interface.
 //!
 //! Key: `u32` ifindex of the host-side veth. Value: [`EndpointInfo`]. Written by the CNI plugin
-//! on ADD (and by the filter's setup, which clears [`FLAG_UNFILTERED`] before it adds rules),
-//! removed on DEL and GC; read by `from_container`, which learns from it which attachment a
-//! packet comes from, what it need not look up, and the gateway it may translate hairpin
-//! traffic to, and by every hook that hands a packet to a container.
+//! on ADD (and by the filter's setup, which clears [`FLAG_UNFILTERED`] before it adds rules,
+//! and the source check's, which writes `sources` before the interface is hooked), always whole
+//! (the map is not preallocated, so a packet reads the old record or the new one, never a mix),
+//! removed on DEL and GC; read by `from_container`, which learns from it the addresses the
+//! container may send from, which attachment a packet comes from, what it need not look up, and
+//! the gateway it may translate hairpin traffic to, and by every hook that hands a packet to a
+//! container.
 
-use crate::impl_pod;
+use crate::{impl_pod, source::SourceSet};
 
 pub const MAP_NAME: &str = "endpoints";
 pub const MAX_ENTRIES: u32 = 4_096;
@@ -54,7 +57,10 @@ pub struct EndpointInfo {
     /// enslaved to, else that veth): the input interface of its hairpin traffic, for
     /// `port_conditions`.
     pub gateway_ifindex: u32,
+    /// The addresses the container may send from (see `source`); its own `owner` may name
+    /// another attachment than the record's for a moment: an ADD writes it before the rest.
+    pub sources: SourceSet,
 }
-const _: () = assert!(size_of::<EndpointInfo>() == 48);
+const _: () = assert!(size_of::<EndpointInfo>() == 48 + size_of::<SourceSet>());
 
 impl_pod!(EndpointInfo);

@@ -1,12 +1,14 @@
-//! `sources`: the addresses each source-checked container may send from.
+//! The addresses a source-checked container may send from: [`SourceSet`], held in its host-side
+//! interface's `endpoints` record (`EndpointInfo::sources`), so that the packet's one lookup of
+//! that record serves the check too.
 //!
-//! Key: `u32` ifindex of the host-side veth. Value: [`SourceSet`]. Written by the CNI plugin on
-//! ADD (replaced whole, from prevResult's addresses and the interface's IPv6 link-local ones;
-//! for an attachment that opts out, `sourceCheck: false`, a set marked [`FLAG_UNCHECKED`]),
-//! removed on DEL and GC; read by `from_container`, which drops what the container sends from
-//! any other address: an IPv4 or IPv6 source, an ARP sender address, a neighbour
-//! advertisement's target. An interface without an entry is not checked (its attachment was
-//! made by a cnibpf without source checks, and is checked from its next ADD).
+//! Written by the CNI plugin on ADD (the record replaced whole, from prevResult's addresses and
+//! the interface's IPv6 link-local ones; for an attachment that opts out, `sourceCheck: false`,
+//! a set marked [`FLAG_UNCHECKED`]), cleared on DEL and GC; read by `from_container`, which
+//! drops what the container sends from any other address: an IPv4 or IPv6 source, an ARP
+//! sender address, a neighbour advertisement's target. A record whose set is not marked
+//! [`FLAG_RECORDED`] is not checked (its attachment was made by a cnibpf without source
+//! checks, and is checked from its next ADD).
 //!
 //! A container attached more than once (eth0 and eth1, one network or several) may send from
 //! any of its addresses by any of its interfaces — its routes pick the interface, not the
@@ -16,8 +18,6 @@
 
 use crate::impl_pod;
 
-pub const MAP_NAME: &str = "sources";
-pub const MAX_ENTRIES: u32 = 4_096;
 /// Addresses of each family one container may have checked.
 pub const MAX_ADDRESSES: usize = 8;
 
@@ -26,6 +26,9 @@ pub const FLAG_UNCHECKED: u32 = 1;
 /// `SourceSet::flags`: the set counts its attachment's own addresses apart from its
 /// siblings' (a set without it, written before siblings were admitted, holds only its own).
 pub const FLAG_OWN_COUNTED: u32 = 2;
+/// `SourceSet::flags`: the record holds its interface's set; without it the interface is not
+/// checked.
+pub const FLAG_RECORDED: u32 = 4;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,6 +51,11 @@ pub struct SourceSet {
 const _: () = assert!(size_of::<SourceSet>() == 24 + 4 * MAX_ADDRESSES + 16 * MAX_ADDRESSES);
 
 impl SourceSet {
+    /// Whether the container's sources are checked against this set at all.
+    pub fn checks(&self) -> bool {
+        self.flags & FLAG_RECORDED != 0 && self.flags & FLAG_UNCHECKED == 0
+    }
+
     /// Whether `addr` is one of the set's IPv4 addresses. Compared as integers, not as
     /// arrays: an array comparison may become a `memcmp` call, which BPF has not.
     pub fn holds_ipv4(&self, addr: [u8; 4]) -> bool {
@@ -77,3 +85,45 @@ impl SourceSet {
 }
 
 impl_pod!(SourceSet);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_recorded_set_that_is_not_unchecked_checks() {
+        let set = |flags| SourceSet {
+            flags,
+            ..SourceSet::default()
+        };
+        assert!(
+            !set(0).checks(),
+            "no set: a record of a build without checks"
+        );
+        assert!(!set(FLAG_OWN_COUNTED).checks());
+        assert!(
+            set(FLAG_RECORDED).checks(),
+            "a migrated set of an older build"
+        );
+        assert!(set(FLAG_RECORDED | FLAG_OWN_COUNTED).checks());
+        assert!(!set(FLAG_RECORDED | FLAG_UNCHECKED | FLAG_OWN_COUNTED).checks());
+    }
+
+    #[test]
+    fn a_set_holds_only_the_addresses_it_counts() {
+        let mut set = SourceSet {
+            ipv4_count: 1,
+            ipv6_count: 1,
+            ..SourceSet::default()
+        };
+        set.ipv4[0] = [10, 22, 0, 2];
+        set.ipv4[1] = [10, 22, 0, 3];
+        set.ipv6[0][15] = 2;
+        assert!(set.holds_ipv4([10, 22, 0, 2]));
+        assert!(!set.holds_ipv4([10, 22, 0, 3]), "past the count");
+        let mut own6 = [0; 16];
+        own6[15] = 2;
+        assert!(set.holds_ipv6(own6));
+        assert!(!set.holds_ipv6([0; 16]));
+    }
+}

@@ -1,8 +1,8 @@
 //! `source_drops`: what each source-checked container sent from an address not its own.
 //!
 //! A per-CPU hash map (`BPF_F_NO_PREALLOC`). Key: `u32` ifindex of the host-side veth, as
-//! `sources`. Value: [`SourceDrops`]. Created zeroed by the CNI plugin with the `sources`
-//! entry and removed with it; incremented by `from_container` for every packet it drops for
+//! `endpoints`. Value: [`SourceDrops`]. Created zeroed by the CNI plugin with the record's
+//! source set and removed with it; incremented by `from_container` for every packet it drops for
 //! its source. `cnibpf inspect` sums the CPUs.
 
 use crate::impl_pod;

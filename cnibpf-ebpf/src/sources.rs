@@ -1,4 +1,5 @@
-//! Source address verification: a container may send only from its own addresses (`sources`).
+//! Source address verification: a container may send only from its own addresses (the source
+//! set of its interface's `endpoints` record).
 //! Checked first in `from_container`, before anything is translated or tracked, so that a
 //! packet in another container's name creates no state: its IPv4 or IPv6 source, an ARP
 //! packet's sender address, a neighbour advertisement's target (past extension headers). The unspecified address passes
@@ -10,11 +11,8 @@
 
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
-    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
-    drop_stats::DropReason,
-    filter::DIRECTION_EGRESS,
-    source::{FLAG_UNCHECKED, SourceSet},
-    source_drop::SourceDrops,
+    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, drop_stats::DropReason,
+    endpoint::EndpointInfo, filter::DIRECTION_EGRESS, source::SourceSet, source_drop::SourceDrops,
 };
 
 use crate::{
@@ -44,18 +42,19 @@ struct Spoofed {
     destination: [u8; 16],
 }
 
-/// Whether the container behind `ifindex` may send this packet as far as its addresses go:
-/// always for an interface without a `sources` entry. Not inlined: its reads stay out of the
+/// Whether the container behind `ifindex`, whose `endpoints` record is `endpoint` (null for
+/// an interface cnibpf knows nothing about), may send this packet as far as its addresses go:
+/// always for an interface without a recorded set. Not inlined: its reads stay out of the
 /// frames of `from_container`'s deeper calls.
 #[inline(never)]
-pub fn admit(ctx: &TcContext, ifindex: u32) -> bool {
-    let Some(set) = maps::sources.get_ptr(&ifindex) else {
+pub fn admit(ctx: &TcContext, ifindex: u32, endpoint: *const EndpointInfo) -> bool {
+    if endpoint.is_null() {
         return true;
-    };
-    // SAFETY: points into `sources`, whose elements are replaced whole (never written in
+    }
+    // SAFETY: points into `endpoints`, whose elements are replaced whole (never written in
     // place), so it reads one consistent set.
-    let set = unsafe { &*set };
-    if set.flags & FLAG_UNCHECKED != 0 {
+    let set = unsafe { &(*endpoint).sources };
+    if !set.checks() {
         return true;
     }
     match spoofed(ctx, set) {

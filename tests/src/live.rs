@@ -1,9 +1,12 @@
 //! A pod whose traffic flows while its node's datapath changes under it (an upgrade, a
 //! resize): a hostPort TCP connection from outside, a masqueraded TCP connection and UDP flow
 //! to outside, a stream of datagrams to a UDP hostPort, and a port its filter drops — and the
-//! assertions that all of it carried on.
+//! assertions that all of it carried on, its source check with it.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    time::Duration,
+};
 
 use serde_json::{Value, json};
 
@@ -112,6 +115,44 @@ impl LivePod {
             tcp_request(&sim.outside, self.container.socket(81)).is_err(),
             "{when}: the filter drops tcp/81"
         );
+    }
+
+    /// The pod sends datagrams from an address not its own: its source check drops and counts
+    /// them.
+    pub fn assert_source_checked(&self, sim: &SimHost, when: &str) {
+        const FOREIGN: Ipv4Addr = Ipv4Addr::new(10, 22, 250, 250);
+        let foreign = format!("{FOREIGN}/32");
+        let before = self.source_drops(sim);
+        let netns = &self.container.netns;
+        netns.exec(&["ip", "addr", "add", &foreign, "dev", "eth0"]);
+        let target = SocketAddr::new(OUTSIDE_ADDR.into(), 7002);
+        netns.run(move || {
+            let socket = UdpSocket::bind((FOREIGN, 0))
+                .unwrap_or_else(|error| panic!("bind {FOREIGN}: {error}"));
+            for _ in 0..5 {
+                socket
+                    .send_to(b"in someone's name", target)
+                    .unwrap_or_else(|error| panic!("send from {FOREIGN}: {error}"));
+            }
+        });
+        netns.exec(&["ip", "addr", "del", &foreign, "dev", "eth0"]);
+        assert!(
+            eventually(WAIT, || self.source_drops(sim) >= before + 5),
+            "{when}: the source check dropped {} of 5 spoofed datagrams",
+            self.source_drops(sim) - before
+        );
+    }
+
+    /// The packets the pod's source check dropped, as inspect shows them.
+    fn source_drops(&self, sim: &SimHost) -> u64 {
+        let inspect = sim.inspect();
+        inspect["attachments"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|attachment| attachment["containerID"] == self.container.attachment.container_id)
+            .and_then(|attachment| attachment["sourceCheck"]["droppedPackets"].as_u64())
+            .unwrap_or_else(|| panic!("no source check of the pod in {inspect:#}"))
     }
 
     /// Both TCP connections carry on, and not one datagram of the stream was lost; the pod,

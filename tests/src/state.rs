@@ -381,7 +381,7 @@ impl SimHost {
             nat_flow::NatFlowValue,
             owner::OwnerInfo,
             portmap::{PortMapKey, PortMapValue},
-            source::SourceSet,
+            source::FLAG_RECORDED,
         };
         if !self.pin_path.join("owners").exists() {
             return Vec::new();
@@ -438,8 +438,19 @@ impl SimHost {
                 owned_values::<FilterFlowKey, FilterFlow>(self, "filter_flows", |v| v.owner, owner),
             ),
             (
-                "sources",
-                owned_values::<u32, SourceSet>(self, "sources", |v| v.owner, owner),
+                "endpoints.sources",
+                owned_values::<u32, EndpointInfo>(
+                    self,
+                    "endpoints",
+                    |v| {
+                        if v.sources.flags & FLAG_RECORDED != 0 {
+                            v.sources.owner
+                        } else {
+                            0
+                        }
+                    },
+                    owner,
+                ),
             ),
         ];
         holding.extend(

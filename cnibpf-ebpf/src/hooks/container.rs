@@ -27,10 +27,10 @@ pub fn from_container(ctx: &TcContext) -> i32 {
 }
 
 fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
-    if !sources::admit(ctx, ifindex(ctx)) {
+    let endpoint = maps::endpoint(ifindex(ctx));
+    if !sources::admit(ctx, ifindex(ctx), endpoint) {
         return Ok(DROP);
     }
-    let endpoint = maps::endpoint(ifindex(ctx));
     // A null record is an interface cnibpf knows nothing about: its packets take every lookup.
     let (flags, owner) = if endpoint.is_null() {
         (0, 0)

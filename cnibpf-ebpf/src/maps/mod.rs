@@ -38,7 +38,6 @@ use cnibpf_common::{
     portmap::{self, PortMapKey, PortMapValue},
     settings::{self, Settings},
     sock_rev::{self, SockRevKey, SockRevValue},
-    source::{self, SourceSet},
     source_drop::{self, SourceDrops},
     uplink::{self, UplinkInfo},
 };
@@ -58,9 +57,14 @@ pub static owners: HashMap<u64, OwnerInfo, { owner::MAX_ENTRIES as usize }> = Ha
 #[btf_map(pin_by_name)]
 pub static layout: Array<LayoutInfo, { layout::MAX_ENTRIES as usize }> = Array::new();
 
+/// Replaced whole by userspace, like `filters`.
 #[btf_map(pin_by_name)]
-pub static endpoints: HashMap<u32, EndpointInfo, { endpoint::MAX_ENTRIES as usize }> =
-    HashMap::new();
+pub static endpoints: HashMap<
+    u32,
+    EndpointInfo,
+    { endpoint::MAX_ENTRIES as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
 
 #[btf_map(pin_by_name)]
 pub static host_addrs: HashMap<HostAddrKey, u32, { host_addr::MAX_ENTRIES as usize }> =
@@ -154,15 +158,6 @@ pub static filter_fragments: LruHashMap<
 #[btf_map(pin_by_name)]
 pub static filter_events: RingBuf<FilterEvent, { filter_event::RING_BYTES as usize }> =
     RingBuf::new();
-
-/// Replaced whole by userspace, like `filters`.
-#[btf_map(pin_by_name)]
-pub static sources: HashMap<
-    u32,
-    SourceSet,
-    { source::MAX_ENTRIES as usize },
-    { BPF_F_NO_PREALLOC as usize },
-> = HashMap::new();
 
 #[btf_map(pin_by_name)]
 pub static source_drops: PerCpuHashMap<

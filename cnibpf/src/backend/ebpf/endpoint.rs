@@ -10,6 +10,7 @@ use cnibpf_common::{
     endpoint::{self, EndpointInfo},
     host_addr::{self, HostAddrKey},
     owner::{self, OwnerInfo},
+    source::{FLAG_RECORDED, SourceSet},
 };
 
 use super::{
@@ -63,6 +64,73 @@ impl EndpointMaps {
     /// Every attachment's `owners` record.
     pub(super) fn owner_records(&self) -> Result<Vec<(u64, OwnerInfo)>, BackendError> {
         batch::entries(&self.owners).map_err(read_error(owner::MAP_NAME))
+    }
+
+    /// The source set recorded for interface `ifindex`; `None` when its record holds none.
+    pub(super) fn source_set(&self, ifindex: u32) -> Result<Option<SourceSet>, BackendError> {
+        Ok(found(self.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)?
+            .map(|info| info.sources)
+            .filter(|set| set.flags & FLAG_RECORDED != 0))
+    }
+
+    /// Every interface's recorded source set.
+    pub(super) fn source_sets(&self) -> Result<Vec<(u32, SourceSet)>, BackendError> {
+        Ok(batch::entries(&self.endpoints)
+            .map_err(read_error(endpoint::MAP_NAME))?
+            .into_iter()
+            .filter(|(_, info)| info.sources.flags & FLAG_RECORDED != 0)
+            .map(|(ifindex, info)| (ifindex, info.sources))
+            .collect())
+    }
+
+    /// Writes `set` into the record of interface `ifindex`, whole. The source check is set up
+    /// before the endpoint (no packet may pass unchecked once the interface is hooked): an
+    /// interface without a record gets one of the set's attachment with no hints, which
+    /// `setup_endpoint` completes.
+    pub(super) fn record_source_set(
+        &mut self,
+        ifindex: u32,
+        set: &SourceSet,
+    ) -> Result<(), BackendError> {
+        let sources = SourceSet {
+            // A set without the mark reads as no set at all.
+            flags: set.flags | FLAG_RECORDED,
+            ..*set
+        };
+        let info = match found(self.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? {
+            Some(info) if info.sources == sources => return Ok(()),
+            Some(info) => EndpointInfo { sources, ..info },
+            None => EndpointInfo {
+                owner: set.owner,
+                sources,
+                ..EndpointInfo::default()
+            },
+        };
+        self.endpoints
+            .insert(&ifindex, &info, 0)
+            .map_err(map_error("could not write map endpoints"))
+    }
+
+    /// Clears the source set of interface `ifindex`. A record of the set's own attachment that
+    /// `owners` does not hold is one `record_source_set` began for an ADD that never completed
+    /// it: it goes whole.
+    pub(super) fn clear_source_set(&mut self, ifindex: u32) -> Result<(), BackendError> {
+        let Some(info) = found(self.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? else {
+            return Ok(());
+        };
+        if info.sources.flags & FLAG_RECORDED == 0 {
+            return Ok(());
+        }
+        if info.owner == info.sources.owner && self.owner(info.owner)?.is_none() {
+            return remove_entry(&mut self.endpoints, &ifindex, endpoint::MAP_NAME);
+        }
+        let cleared = EndpointInfo {
+            sources: SourceSet::default(),
+            ..info
+        };
+        self.endpoints
+            .insert(&ifindex, &cleared, 0)
+            .map_err(map_error("could not write map endpoints"))
     }
 }
 
@@ -173,9 +241,23 @@ impl Endpoints for EbpfBackend {
             .owners
             .insert(&owner, &info, 0)
             .map_err(map_error("could not record the attachment in map owners"))?;
+        // The source set written for this attachment before it (`record_source_set`) stays.
+        let sources = self
+            .endpoint
+            .source_set(endpoint.host.index)?
+            .filter(|set| set.owner == owner)
+            // fail-closed: `source_set` kept the errors; none recorded is none to keep.
+            .unwrap_or_default();
         self.endpoint
             .endpoints
-            .insert(&endpoint.host.index, &endpoint_info(endpoint), 0)
+            .insert(
+                &endpoint.host.index,
+                &EndpointInfo {
+                    sources,
+                    ..endpoint_info(endpoint)
+                },
+                0,
+            )
             .map_err(map_error("could not write map endpoints"))?;
         self.hook_endpoint(owner, endpoint.host.index, receives_through_hook(endpoint))?;
         for uplink in &endpoint.uplinks {
@@ -219,7 +301,15 @@ impl Endpoints for EbpfBackend {
             self.endpoint.endpoints.get(&endpoint.host.index, 0),
             endpoint::MAP_NAME,
         )? {
-            Some(record) if is_current(&record, &endpoint_info(endpoint)) => {}
+            // The source set is the source check's to judge.
+            Some(record)
+                if is_current(
+                    &record,
+                    &EndpointInfo {
+                        sources: record.sources,
+                        ..endpoint_info(endpoint)
+                    },
+                ) => {}
             _ => {
                 return Err(BackendError::CheckFailed(format!(
                     "the endpoints entry of {} (index {}) is missing or differs",
@@ -315,6 +405,7 @@ fn endpoint_info(endpoint: &Endpoint) -> EndpointInfo {
         gateway_mac: endpoint.gateway_mac,
         flags,
         gateway_ifindex: endpoint.gateway_ifindex,
+        sources: SourceSet::default(),
     }
 }
 

@@ -1,7 +1,7 @@
 //! Pinned state of the previous layout, migrated in place, under the instance lock, while
 //! its pods keep running.
 //!
-//! Layout 6 → 7: `owners` gained the pod and `endpoints` the interface pods' hairpin enters by
+//! Layout 6 → 7 (and on to this one): `owners` gained the pod and `endpoints` the interface pods' hairpin enters by
 //! and flags; `port_conditions` is new; a container's interface was hooked by cls_bpf filters
 //! on its clsact qdisc, now by tcx links. Every other map keeps its type, so the new programs
 //! take them over as they are — flows, translations, counters and all. The steps, each one
@@ -18,21 +18,27 @@
 //! A run that finds `layout-6-maps/` resumes at 2; one that finds the current stamp with
 //! `layout-6-maps/` still there only removes it.
 //!
-//! Layout 7 → 8: the same maps and types; the maps' sizes became the datapath's, set at load
-//! (`sizes`), which a build before 8 cannot reuse. The maps are kept at their sizes, this
-//! build's programs load beside them, the links move, the stamp says 8.
+//! Layouts 7 and 8 → 9: a container's source set moved from a map of its own (`sources`,
+//! absent from a layout-7 datapath made before source checks) into its interface's
+//! `endpoints` record, so that a packet makes one lookup for both (and the maps' sizes became
+//! the datapath's, set at load, in 8: a layout-7 datapath keeps the sizes it has). The steps
+//! of layout 6's, on `endpoints` and `sources`, into `layout-8-maps/`: every other map — flows,
+//! translations, counters — is taken over as it is; each old record is written again with its
+//! interface's set, and a set without a record (an ADD that died between the two) gets one of
+//! its own, as this build's ADD writes it.
 
-use std::{fs, path::Path};
+use std::{fs, io, path::Path};
 
 use aya::maps::{HashMap, Map, MapData};
 use cnibpf_common::{
     endpoint::{self, EndpointInfo},
     layout,
     owner::{self, IFNAME_LEN, NAME_LEN, OwnerInfo},
+    source::{FLAG_RECORDED, SourceSet},
 };
 
 use super::{
-    EbpfBackend, map_error,
+    EbpfBackend, found, map_error,
     pins::{load_object, relink, remove_tree, stamp},
     sizes,
 };
@@ -47,10 +53,11 @@ use crate::{
 /// The oldest layout this build migrates from.
 pub const FROM: u32 = 6;
 
-/// The layout before the maps' sizes became the datapath's (set at load): its maps and
-/// programs are this layout's; a build that creates maps of other sizes than its own object
-/// declares must not meet them unwarned (an older build refuses to add to a newer layout).
-pub const UNSIZED: u32 = 7;
+/// The layouts whose source sets had a map of their own, `sources` (see the module's steps).
+pub const SOURCES_APART: [u32; 2] = [7, 8];
+
+/// The map of layouts 7 and 8 that held the source sets.
+const SOURCES: &str = "sources";
 
 /// Layout 6's `owners` value.
 #[repr(C)]
@@ -80,6 +87,22 @@ struct EndpointInfoV6 {
 const _: () = assert!(size_of::<EndpointInfoV6>() == 40);
 // SAFETY: as above.
 unsafe impl aya::Pod for EndpointInfoV6 {}
+
+/// Layout 8's (and 7's) `endpoints` value: this layout's without its source set.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct EndpointInfoV8 {
+    gateway_v6: [u8; 16],
+    owner: u64,
+    gateway_v4: [u8; 4],
+    container_mac: [u8; 6],
+    gateway_mac: [u8; 6],
+    flags: u32,
+    gateway_ifindex: u32,
+}
+const _: () = assert!(size_of::<EndpointInfoV8>() == 48);
+// SAFETY: as above.
+unsafe impl aya::Pod for EndpointInfoV8 {}
 
 /// The maps whose types changed since layout 6.
 const CHANGED: [&str; 2] = [owner::MAP_NAME, endpoint::MAP_NAME];
@@ -120,32 +143,52 @@ fn live_link(ifindex: u32) -> Result<Option<netlink::Link>, BackendError> {
     })
 }
 
-/// Where the changed maps' old pins wait while the migration runs.
-pub fn aside(pins: &PinLayout) -> std::path::PathBuf {
-    pins.root().join(format!("layout-{FROM}-maps"))
+/// Where the changed maps' old pins wait while a migration runs: `layout-6-maps/` from
+/// layout 6, `layout-8-maps/` from layouts 7 and 8.
+fn aside(pins: &PinLayout, named_after: u32) -> std::path::PathBuf {
+    pins.root().join(format!("layout-{named_after}-maps"))
 }
 
-/// Migrates `pins` from layout 6 (see the module's steps).
-pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
-    let aside = aside(pins);
-    let pin_error = |action: String| {
-        move |source: std::io::Error| BackendError::Pin {
-            action,
-            source: Box::new(source),
-        }
-    };
-    fs::create_dir_all(&aside)
+fn pin_error(action: String) -> impl FnOnce(io::Error) -> BackendError {
+    move |source| BackendError::Pin {
+        action,
+        source: Box::new(source),
+    }
+}
+
+/// Step 1: the pins of `changed` move into `aside` (those already there stay; one the state
+/// does not have is `optional`, else an error).
+fn move_aside(
+    pins: &PinLayout,
+    aside: &Path,
+    changed: &[&str],
+    optional: &[&str],
+) -> Result<(), BackendError> {
+    fs::create_dir_all(aside)
         .map_err(pin_error(format!("could not create {}", aside.display())))?;
-    for name in CHANGED {
+    for name in changed {
         let old = aside.join(name);
         let moved = old
             .try_exists()
             .map_err(pin_error(format!("could not look for {}", old.display())))?;
-        if !moved {
-            fs::rename(pins.map(name), &old)
-                .map_err(pin_error(format!("could not move map {name} aside")))?;
+        if moved {
+            continue;
+        }
+        match fs::rename(pins.map(name), &old) {
+            Ok(()) => {}
+            Err(error) if error.kind() == io::ErrorKind::NotFound && optional.contains(name) => {}
+            Err(error) => {
+                return Err(pin_error(format!("could not move map {name} aside"))(error));
+            }
         }
     }
+    Ok(())
+}
+
+/// Migrates `pins` from layout 6 (see the module's steps).
+pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
+    let aside = aside(pins, FROM);
+    move_aside(pins, &aside, &CHANGED, &[])?;
     journal::note(journal::Change::Migrated(format!(
         "eBPF layout {FROM}: changed maps moved aside"
     )));
@@ -171,22 +214,34 @@ pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
     fs::remove_dir_all(&aside).map_err(pin_error(format!("could not remove {}", aside.display())))
 }
 
-/// Migrates `pins` from layout 7: the same maps, kept at their sizes; this build's programs
-/// load beside them, every link moves to them, and the stamp says the current layout.
-pub fn from_7(pins: &PinLayout) -> Result<(), BackendError> {
+/// Migrates `pins` from layout 7 or 8, `found` (see the module's steps).
+pub fn from_sources_apart(pins: &PinLayout, found: u32) -> Result<(), BackendError> {
+    let aside = aside(pins, SOURCES_APART[1]);
+    move_aside(pins, &aside, &[endpoint::MAP_NAME, SOURCES], &[SOURCES])?;
+    journal::note(journal::Change::Migrated(format!(
+        "eBPF layout {found}: endpoints and sources moved aside"
+    )));
     load_object(pins, &sizes::for_load(pins, &Capacity::default())?)?;
+    let mut backend = EbpfBackend::open_maps(pins)?;
+    backend.merge_source_sets(&aside)?;
+    journal::note(journal::Change::Migrated(
+        "source sets merged into the endpoints records".to_owned(),
+    ));
     relink(pins)?;
     stamp(pins)?;
     journal::note(journal::Change::Migrated(format!(
-        "eBPF layout {UNSIZED}: programs replaced, maps kept at their sizes, stamped layout {}",
+        "programs replaced, stamped layout {}",
         layout::VERSION
     )));
-    Ok(())
+    fs::remove_dir_all(&aside).map_err(pin_error(format!("could not remove {}", aside.display())))
 }
 
 /// Removes what a migration that stamped the new layout left behind.
 pub fn finish(pins: &PinLayout) -> Result<(), BackendError> {
-    remove_tree(&aside(pins))
+    for from in [FROM, SOURCES_APART[1]] {
+        remove_tree(&aside(pins, from))?;
+    }
+    Ok(())
 }
 
 fn open_old<K: aya::Pod, V: aya::Pod>(path: &Path) -> Result<HashMap<MapData, K, V>, BackendError> {
@@ -243,11 +298,55 @@ impl EbpfBackend {
                     0
                 },
                 gateway_ifindex,
+                sources: SourceSet::default(),
             };
             self.endpoint
                 .endpoints
                 .insert(&ifindex, &info, 0)
                 .map_err(map_error("could not write map endpoints"))?;
+        }
+        Ok(())
+    }
+
+    /// Step 3 from layouts 7 and 8: every old `endpoints` record into the new map, with its
+    /// interface's set from the old `sources` (written again when a resumed run meets it
+    /// twice).
+    fn merge_source_sets(&mut self, aside: &Path) -> Result<(), BackendError> {
+        let old_endpoints = open_old::<u32, EndpointInfoV8>(&aside.join(endpoint::MAP_NAME))?;
+        for entry in old_endpoints.iter() {
+            let (ifindex, old) =
+                entry.map_err(map_error("could not read the old map endpoints"))?;
+            let info = EndpointInfo {
+                gateway_v6: old.gateway_v6,
+                owner: old.owner,
+                gateway_v4: old.gateway_v4,
+                container_mac: old.container_mac,
+                gateway_mac: old.gateway_mac,
+                flags: old.flags,
+                gateway_ifindex: old.gateway_ifindex,
+                sources: SourceSet::default(),
+            };
+            if found(self.endpoint.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)?
+                .is_some_and(|current| current.sources.flags & FLAG_RECORDED != 0)
+            {
+                // Merged by the run this one resumes; the set is written again below.
+                continue;
+            }
+            self.endpoint
+                .endpoints
+                .insert(&ifindex, &info, 0)
+                .map_err(map_error("could not write map endpoints"))?;
+        }
+        let sets = aside.join(SOURCES);
+        let held = sets
+            .try_exists()
+            .map_err(pin_error(format!("could not look for {}", sets.display())))?;
+        if !held {
+            return Ok(());
+        }
+        for entry in open_old::<u32, SourceSet>(&sets)?.iter() {
+            let (ifindex, set) = entry.map_err(map_error("could not read the old map sources"))?;
+            self.endpoint.record_source_set(ifindex, &set)?;
         }
         Ok(())
     }

@@ -195,7 +195,9 @@ impl EbpfBackend {
     fn migrate(pins: &PinLayout, found: u32) -> Result<(), BackendError> {
         match found {
             migrate::FROM => migrate::from_6(pins),
-            migrate::UNSIZED => migrate::from_7(pins),
+            found if migrate::SOURCES_APART.contains(&found) => {
+                migrate::from_sources_apart(pins, found)
+            }
             _ => Err(BackendError::OlderState {
                 path: pins.root().to_owned(),
                 found,

@@ -45,7 +45,6 @@ use cnibpf_common::{
     port_condition::{self, PortConditions, PortConditionsKey},
     portmap::{self, PortMapKey, PortMapValue},
     sock_rev::{self, SockRevKey, SockRevValue},
-    source::{self, SourceSet},
     source_drop::{self, SourceDrops},
 };
 
@@ -113,7 +112,7 @@ macro_rules! sized {
 /// Every sized map; the first of each dimension is its measure (`Times(1)`). Fragments are
 /// short-lived (a datagram's reassembly), socket translations a share of the flows; an
 /// attachment has a masquerade source and a set of conditions per family.
-const SIZED_MAPS: [SizedMap; 19] = [
+const SIZED_MAPS: [SizedMap; 18] = [
     sized!(nat_flow, Flows, Scale::Times(1), hash<NatFlowKey, NatFlowValue>),
     sized!(masq_flow, Flows, Scale::Times(1), hash<NatFlowKey, MasqFlow>),
     sized!(masq_reply, Flows, Scale::Times(1), hash<NatFlowKey, MasqReply>),
@@ -124,7 +123,6 @@ const SIZED_MAPS: [SizedMap; 19] = [
     sized!(sock_rev, Flows, Scale::Over(4), hash<SockRevKey, SockRevValue>),
     sized!(owner, Attachments, Scale::Times(1), hash<u64, OwnerInfo>),
     sized!(endpoint, Attachments, Scale::Times(1), hash<u32, EndpointInfo>),
-    sized!(source, Attachments, Scale::Times(1), hash<u32, SourceSet>),
     sized!(source_drop, Attachments, Scale::Times(1), per_cpu<u32, SourceDrops>),
     sized!(filter, Attachments, Scale::Times(1), hash<u32, FilterSet>),
     sized!(filter_hits, Attachments, Scale::Times(1), per_cpu<u32, FilterHits>),
@@ -518,7 +516,6 @@ mod tests {
             (sock_rev::MAP_NAME, sock_rev::MAX_ENTRIES),
             (owner::MAP_NAME, owner::MAX_ENTRIES),
             (endpoint::MAP_NAME, endpoint::MAX_ENTRIES),
-            (source::MAP_NAME, source::MAX_ENTRIES),
             (source_drop::MAP_NAME, source_drop::MAX_ENTRIES),
             (filter::MAP_NAME, filter::MAX_ENTRIES),
             (filter_hits::MAP_NAME, filter_hits::MAX_ENTRIES),

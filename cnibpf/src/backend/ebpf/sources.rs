@@ -1,45 +1,40 @@
-//! The eBPF backend's source check: one `sources` element per attachment (keyed by its
-//! host-side interface, replaced whole so that packets see the old addresses or the new ones;
-//! marked unchecked for `sourceCheck: false`) and a checked one's drop counters in
-//! `source_drops`. An attachment without an element was made by a cnibpf without source
-//! checks: CHECK leaves it be, its next ADD checks it. The checked attachments of one
-//! container admit each other's addresses (see `cnibpf_common::source`): ADD and DEL of one
-//! rewrite its siblings' elements.
+//! The eBPF backend's source check: one source set per attachment, in its host-side
+//! interface's `endpoints` record (written through `EndpointMaps`, the record replaced whole so
+//! that packets see the old addresses or the new ones; marked unchecked for `sourceCheck:
+//! false`), and a checked one's drop counters in `source_drops`. An attachment without a set
+//! was made by a cnibpf without source checks: CHECK leaves it be, its next ADD checks it. The
+//! checked attachments of one container admit each other's addresses (see
+//! `cnibpf_common::source`): ADD and DEL of one rewrite its siblings' sets.
 
 use std::net::IpAddr;
 
-use aya::maps::{HashMap, MapData, PerCpuHashMap, PerCpuValues};
+use aya::maps::{MapData, PerCpuHashMap, PerCpuValues};
 use cnibpf_common::{
-    source::{self, FLAG_OWN_COUNTED, FLAG_UNCHECKED, MAX_ADDRESSES, SourceSet},
+    source::{FLAG_OWN_COUNTED, FLAG_RECORDED, FLAG_UNCHECKED, MAX_ADDRESSES, SourceSet},
     source_drop::{self, SourceDrops},
 };
 
-use super::{
-    EbpfBackend, batch, found, map_error, open_pinned, owner::read_name, read_error, remove_entry,
-    removed,
-};
+use super::{EbpfBackend, found, map_error, open_pinned, owner::read_name, removed};
 use crate::{
     backend::{BackendError, Endpoint, SourceCheckRecord, SourceChecking, fits_a_source_check},
     model::SourceCheck,
     paths::PinLayout,
 };
 
-/// The maps of the source check: each interface's admitted sources and its drops.
+/// The source check's own map: each checked interface's drops (its sets are in `endpoints`).
 pub(super) struct SourceMaps {
-    pub(super) sources: HashMap<MapData, u32, SourceSet>,
     pub(super) source_drops: PerCpuHashMap<MapData, u32, SourceDrops>,
 }
 
 impl SourceMaps {
     pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
-            sources: open_pinned(pins, source::MAP_NAME)?,
             source_drops: open_pinned(pins, source_drop::MAP_NAME)?,
         })
     }
 }
 
-/// A checked attachment of the same container: its owner, host interface and element.
+/// A checked attachment of the same container: its owner, host interface and set.
 struct Sibling {
     owner: u64,
     ifindex: u32,
@@ -60,10 +55,8 @@ impl SourceChecking for EbpfBackend {
                 self.source_check.source_drops.remove(&ifindex),
                 source_drop::MAP_NAME,
             )?;
-            self.source_check
-                .sources
-                .insert(&ifindex, &unchecked_set(owner), 0)
-                .map_err(map_error("could not write map sources"))?;
+            self.endpoint
+                .record_source_set(ifindex, &unchecked_set(owner))?;
             return self.rewrite_siblings(&siblings, None);
         };
         let sibling_owns: Vec<SourceCheck> =
@@ -76,7 +69,7 @@ impl SourceChecking for EbpfBackend {
             source_drop::MAP_NAME,
         )?
         .is_some();
-        let current = found(self.source_check.sources.get(&ifindex, 0), source::MAP_NAME)?;
+        let current = self.endpoint.source_set(ifindex)?;
         if !counted {
             let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
                 name: source_drop::MAP_NAME,
@@ -93,20 +86,14 @@ impl SourceChecking for EbpfBackend {
                 .map_err(map_error("could not write map source_drops"))?;
         }
         if current != Some(wanted) {
-            self.source_check
-                .sources
-                .insert(&ifindex, &wanted, 0)
-                .map_err(map_error("could not write map sources"))?;
+            self.endpoint.record_source_set(ifindex, &wanted)?;
         }
         self.rewrite_siblings(&siblings, Some(check))
     }
 
     fn teardown_source_check(&mut self, owner: u64) -> Result<(), BackendError> {
         if let Some(info) = self.endpoint.owner(owner)? {
-            let set = found(
-                self.source_check.sources.get(&info.host_ifindex, 0),
-                source::MAP_NAME,
-            )?;
+            let set = self.endpoint.source_set(info.host_ifindex)?;
             // Only a set that admits addresses besides its own has checked siblings to rewrite:
             // a DEL without them reads no other attachment.
             let admits_siblings = set.is_some_and(|set| {
@@ -121,9 +108,10 @@ impl SourceChecking for EbpfBackend {
             return self.rewrite_siblings(&siblings, None);
         }
         // Not recorded (yet): an ADD undone before it recorded the attachment, or a DEL
-        // repeated; the element, if any, is found by its owner.
-        let held: Vec<u32> = batch::entries(&self.source_check.sources)
-            .map_err(read_error(source::MAP_NAME))?
+        // repeated; the set, if any, is found by its owner.
+        let held: Vec<u32> = self
+            .endpoint
+            .source_sets()?
             .into_iter()
             .filter(|(_, set)| set.owner == owner)
             .map(|(ifindex, _)| ifindex)
@@ -140,11 +128,7 @@ impl SourceChecking for EbpfBackend {
         check: Option<&SourceCheck>,
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let Some(current) = found(
-            self.source_check.sources.get(&endpoint.host.index, 0),
-            source::MAP_NAME,
-        )?
-        else {
+        let Some(current) = self.endpoint.source_set(endpoint.host.index)? else {
             // Made by a cnibpf without source checks: checked from its next ADD.
             return Ok(());
         };
@@ -189,10 +173,7 @@ impl EbpfBackend {
             if sibling == owner || read_name(&info.container_id) != container_id {
                 continue;
             }
-            let set = found(
-                self.source_check.sources.get(&info.host_ifindex, 0),
-                source::MAP_NAME,
-            )?;
+            let set = self.endpoint.source_set(info.host_ifindex)?;
             if let Some(set) = set
                 && set.owner == sibling
                 && set.flags & FLAG_UNCHECKED == 0
@@ -207,7 +188,7 @@ impl EbpfBackend {
         Ok(siblings)
     }
 
-    /// Rewrites each sibling's element to admit its own addresses and the others': those of
+    /// Rewrites each sibling's set to admit its own addresses and the others': those of
     /// `siblings` and `joining` (the attachment set up now; `None` when it leaves or is not
     /// checked).
     fn rewrite_siblings(
@@ -220,10 +201,7 @@ impl EbpfBackend {
         for ((sibling, own), admitted) in siblings.iter().zip(&owns).zip(&admitting) {
             let wanted = stored_set(sibling.owner, own, admitted);
             if wanted != sibling.set {
-                self.source_check
-                    .sources
-                    .insert(&sibling.ifindex, &wanted, 0)
-                    .map_err(map_error("could not write map sources"))?;
+                self.endpoint.record_source_set(sibling.ifindex, &wanted)?;
             }
         }
         Ok(())
@@ -235,14 +213,13 @@ impl EbpfBackend {
         ifindex: u32,
         owner: Option<u64>,
     ) -> Result<(), BackendError> {
-        let Some(current) = found(self.source_check.sources.get(&ifindex, 0), source::MAP_NAME)?
-        else {
+        let Some(current) = self.endpoint.source_set(ifindex)? else {
             return Ok(());
         };
         if owner.is_some_and(|owner| current.owner != owner) {
             return Ok(());
         }
-        remove_entry(&mut self.source_check.sources, &ifindex, source::MAP_NAME)?;
+        self.endpoint.clear_source_set(ifindex)?;
         removed(
             self.source_check.source_drops.remove(&ifindex),
             source_drop::MAP_NAME,
@@ -253,9 +230,7 @@ impl EbpfBackend {
     /// that knew no source check).
     pub(super) fn sweep_orphaned_source_checks(&mut self) -> Result<(), BackendError> {
         let mut orphaned = Vec::new();
-        for (ifindex, set) in
-            batch::entries(&self.source_check.sources).map_err(read_error(source::MAP_NAME))?
-        {
+        for (ifindex, set) in self.endpoint.source_sets()? {
             // Only an owner the kernel says is not recorded is gone: a failed read keeps the check.
             if self.endpoint.owner(set.owner)?.is_none() {
                 orphaned.push(ifindex);
@@ -271,9 +246,7 @@ impl EbpfBackend {
         &self,
     ) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError> {
         let mut records = Vec::new();
-        for (ifindex, set) in
-            batch::entries(&self.source_check.sources).map_err(read_error(source::MAP_NAME))?
-        {
+        for (ifindex, set) in self.endpoint.source_sets()? {
             if set.flags & FLAG_UNCHECKED != 0 {
                 continue;
             }
@@ -299,13 +272,13 @@ impl EbpfBackend {
     }
 }
 
-/// The element of an attachment whose own addresses are `own`, admitting `admitted` (its own
-/// and its siblings', which the plan and `fits_a_source_check` limited to what an element holds): its own
-/// first, counted.
+/// The set of an attachment whose own addresses are `own`, admitting `admitted` (its own and
+/// its siblings', which the plan and `fits_a_source_check` limited to what a set holds): its
+/// own first, counted.
 fn stored_set(owner: u64, own: &SourceCheck, admitted: &SourceCheck) -> SourceSet {
     let mut set = SourceSet {
         owner,
-        flags: FLAG_OWN_COUNTED,
+        flags: FLAG_RECORDED | FLAG_OWN_COUNTED,
         ..SourceSet::default()
     };
     let others = admitted
@@ -334,17 +307,17 @@ fn stored_set(owner: u64, own: &SourceCheck, admitted: &SourceCheck) -> SourceSe
     set
 }
 
-/// The element of an attachment that is not checked (`sourceCheck: false`).
+/// The set of an attachment that is not checked (`sourceCheck: false`).
 fn unchecked_set(owner: u64) -> SourceSet {
     SourceSet {
         owner,
-        flags: FLAG_UNCHECKED | FLAG_OWN_COUNTED,
+        flags: FLAG_RECORDED | FLAG_UNCHECKED | FLAG_OWN_COUNTED,
         ..SourceSet::default()
     }
 }
 
-/// The attachment's own addresses in its element: the first of each family as counted, or
-/// all of them in an element written before siblings were admitted.
+/// The attachment's own addresses in its set: the first of each family as counted, or all of
+/// them in a set written before siblings were admitted.
 fn own(set: &SourceSet) -> SourceCheck {
     if set.flags & FLAG_OWN_COUNTED == 0 {
         return admitted(set);
@@ -358,7 +331,7 @@ fn own(set: &SourceSet) -> SourceCheck {
     SourceCheck::new(ipv4.chain(ipv6))
 }
 
-/// The addresses a `sources` element admits.
+/// The addresses a source set admits.
 fn admitted(set: &SourceSet) -> SourceCheck {
     let ipv4 = set.ipv4[..(set.ipv4_count as usize).min(MAX_ADDRESSES)]
         .iter()
@@ -394,7 +367,7 @@ mod tests {
         assert_eq!(admitted(&set), eth0.admitting([&eth1]));
         assert_eq!(own(&set), eth0, "its own, for the siblings to rebuild from");
         let older = SourceSet {
-            flags: 0,
+            flags: FLAG_RECORDED,
             ..stored_set(7, &eth0, &eth0)
         };
         assert_eq!(
