@@ -10,7 +10,7 @@ use anyhow::{Context as _, Result};
 use cnibpf_tests::packet;
 
 use super::{
-    Row, median,
+    median,
     prices::{SK_BUFF_IFINDEX_OFF, SK_BUFF_SIZE, bpf, load, new_fd, test_run},
 };
 
@@ -29,9 +29,9 @@ pub struct Case {
     pub destination: (Ipv4Addr, u16),
 }
 
-/// One row per case: the program's time on its segment, net of the test run's own. Run in the
-/// host namespace the programs are hooked in.
-pub fn rows(pin_path: &Path, cases: &[Case]) -> Result<Vec<Row>> {
+/// Each case's program time on its segment, net of the test run's own. Run in the host
+/// namespace the programs are hooked in.
+pub fn times(pin_path: &Path, cases: &[Case]) -> Result<Vec<f64>> {
     let nothing = load(&[0x0000_0000_0000_00b7, 0x0000_0000_0000_0095])
         .context("load a program that does nothing")?;
     let overhead = median_run(
@@ -51,13 +51,7 @@ pub fn rows(pin_path: &Path, cases: &[Case]) -> Result<Vec<Row>> {
             let segment = tcp_segment(case.source, case.destination);
             let time = median_run(&program, &segment, Some(&context))
                 .with_context(|| format!("test runs of {} ({})", case.program, case.name))?;
-            Ok(Row {
-                scenario: format!("{}, one crafted segment, caches hot", case.name),
-                metric: "program time per run, BPF_PROG_TEST_RUN",
-                unit: "ns",
-                value: (time - overhead).max(0.0),
-                baseline: None,
-            })
+            Ok((time - overhead).max(0.0))
         })
         .collect()
 }

@@ -170,48 +170,37 @@ pub fn run(out_dir: &Path) -> Result<()> {
         destination: OUTSIDE_ADDR,
     };
     let mut prices = this.sim.host.run(move || prices::rows(&route))?;
-    progress.step("this build's programs on one crafted segment each (BPF_PROG_TEST_RUN)");
-    let veth = this.sim.host_interface(&this.masqueraded);
-    let container = this.masqueraded.address;
-    let uplink = |name, source_port, destination_port| isolated::Case {
-        name,
-        program: "uplink_ingress",
-        interface: UPLINK.to_owned(),
-        source: (OUTSIDE_ADDR, source_port),
-        destination: (HOST_UPLINK_ADDR, destination_port),
-    };
-    let cases = vec![
-        uplink(
-            "uplink_ingress, a segment for a host process (every lookup misses)",
-            40_000,
-            HOST_SERVER,
-        ),
-        uplink(
-            "uplink_ingress, a segment to a hostPort (DNAT)",
-            40_001,
-            HOST_PORT,
-        ),
-        isolated::Case {
-            name: "from_container, a segment for a host process (every lookup misses)",
-            program: "from_container",
-            interface: veth.clone(),
-            source: (container, 40_002),
-            destination: (HOST_UPLINK_ADDR, HOST_SERVER),
-        },
-        isolated::Case {
-            name: "from_container, a masqueraded segment (its flow begun by the first run)",
-            program: "from_container",
-            interface: veth,
-            source: (container, 40_003),
-            destination: (OUTSIDE_ADDR, MASQUERADED_SERVER),
-        },
-    ];
-    let pin_path = this.sim.pin_path.clone();
-    prices.extend(
-        this.sim
-            .host
-            .run(move || isolated::rows(&pin_path, &cases))?,
-    );
+    progress.step("each build's programs on one crafted segment per path (BPF_PROG_TEST_RUN)");
+    // Alternating between the builds, as the traffic rounds do: one build measured after the
+    // other would carry the machine's drift (its clock, its caches) into the ratio.
+    let mut crafted_rounds: [Vec<Vec<f64>>; 2] = Default::default();
+    for _ in 0..ROUNDS {
+        for (index, node) in nodes.iter().enumerate() {
+            let cases = node.crafted_cases();
+            let pin_path = node.sim.pin_path.clone();
+            crafted_rounds[index].push(
+                node.sim
+                    .host
+                    .run(move || isolated::times(&pin_path, &cases))?,
+            );
+        }
+    }
+    let [crafted_before, crafted_now] = crafted_rounds.map(|rounds| {
+        (0..rounds[0].len())
+            .map(|case| median(rounds.iter().map(|round| round[case]).collect()))
+            .collect::<Vec<f64>>()
+    });
+    let crafted = nodes[1]
+        .crafted_cases()
+        .into_iter()
+        .zip(crafted_before.iter().zip(&crafted_now));
+    prices.extend(crafted.map(|(case, (before, now))| Row {
+        scenario: format!("{}, one crafted segment, caches hot", case.name),
+        metric: "program time per run, BPF_PROG_TEST_RUN",
+        unit: "ns",
+        value: *now,
+        baseline: Some((format!("{previous} (last release)"), *before)),
+    }));
     let [before, now] = rounds.map(|rounds| {
         std::array::from_fn::<f64, { METRICS.len() }, _>(|metric| {
             median(rounds.iter().map(|round| round[metric]).collect())
@@ -329,9 +318,10 @@ fn notes(labels: &[String; 2], now: &[f64], before: &[f64]) -> Vec<String> {
              clone) first copies its headers, which a test run cannot show.",
             "FIB lookup from the masqueraded container's veth to the outside"
         ),
-        "Crafted segments: this build's pinned programs run by the kernel on one segment each, on the \
+        "Crafted segments: each build's pinned programs run by the kernel on one segment each, on the \
          interface they are hooked to (BPF_PROG_TEST_RUN, one run per call so that each run meets the \
-         segment as sent; the median of 4,001, less that of a program that does nothing): the same paths \
+         segment as sent; the median of 4,001, less that of a program that does nothing; the median of \
+         5 such rounds alternating between the builds): the same paths \
          with their maps hot and an uncloned segment. Beside the per-packet rows above they split a path's \
          time in traffic into the program's own work and what traffic adds; beside the prices, the \
          program's work into its lookups and helper calls and its own instructions."
@@ -384,6 +374,45 @@ impl Node {
             filtered,
             _servers: servers,
         })
+    }
+
+    /// The crafted segments of the paths measured in traffic, on this host's interfaces.
+    fn crafted_cases(&self) -> Vec<isolated::Case> {
+        let veth = self.sim.host_interface(&self.masqueraded);
+        let container = self.masqueraded.address;
+        let uplink = |name, source_port, destination_port| isolated::Case {
+            name,
+            program: "uplink_ingress",
+            interface: UPLINK.to_owned(),
+            source: (OUTSIDE_ADDR, source_port),
+            destination: (HOST_UPLINK_ADDR, destination_port),
+        };
+        vec![
+            uplink(
+                "uplink_ingress, a segment for a host process (every lookup misses)",
+                40_000,
+                HOST_SERVER,
+            ),
+            uplink(
+                "uplink_ingress, a segment to a hostPort (DNAT)",
+                40_001,
+                HOST_PORT,
+            ),
+            isolated::Case {
+                name: "from_container, a segment for a host process (every lookup misses)",
+                program: "from_container",
+                interface: veth.clone(),
+                source: (container, 40_002),
+                destination: (HOST_UPLINK_ADDR, HOST_SERVER),
+            },
+            isolated::Case {
+                name: "from_container, a masqueraded segment (its flow begun by the first run)",
+                program: "from_container",
+                interface: veth,
+                source: (container, 40_003),
+                destination: (OUTSIDE_ADDR, MASQUERADED_SERVER),
+            },
+        ]
     }
 
     fn outside(port: u16) -> SocketAddr {

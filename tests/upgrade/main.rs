@@ -22,9 +22,10 @@ use cnibpf_tests::{
     Container, SimHost, chain, faults, history,
     live::{LivePod, pod_keys},
     topology::{Backend, cnibpf_binary, port_mappings},
-    traffic::{Conversation, TcpServer, tcp_request},
+    traffic::{TcpServer, tcp_request},
 };
-use serde_json::json;
+
+mod nftables;
 
 /// The last commit of layout 6.
 const LAYOUT_6: &str = "5da8470";
@@ -318,73 +319,6 @@ fn faulted_migrations_converge(installed: &Installed, old: &Path, new: &Path, ba
     );
 }
 
-/// An nftables table older than the previous layout is not migrated: the new cnibpf adds
-/// nothing to it, but DEL
-/// removes its pods one by one while the others keep working, and the last DEL leaves the
-/// node to the new layout.
-fn nftables_table_of_an_older_layout_drains(installed: &Installed, old: &Path, new: &Path) {
-    installed.put(old);
-    let keys = json!({ "backend": "nftables", "ipMasq": true, "filter": [
-        { "index": 1, "direction": "ingress", "proto": "tcp", "dport": 81, "target": "DROP" },
-    ]});
-    let sim = SimHost::new("upn", keys);
-    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
-    let c2 = sim.container("c2", port_mappings(&[(8081, 80, "tcp")]));
-    let _servers = [&c1, &c2].map(|container| {
-        TcpServer::start(
-            &container.netns,
-            container.socket(80),
-            &container.attachment.container_id,
-        )
-    });
-    let ruleset = sim.nft_ruleset();
-    assert!(
-        ruleset.contains("table inet cnibpf {") && !ruleset.contains("cnibpf layout"),
-        "the older cnibpf made an uncommented table:\n{ruleset}"
-    );
-
-    installed.put(new);
-    let refused = sim
-        .add_container("c3", port_mappings(&[(8082, 80, "tcp")]))
-        .expect_err("ADD into a table of another layout is refused");
-    assert_eq!(refused.0.error_code(), Some(106), "{refused}");
-    let message = refused.0.error_msg();
-    assert!(message.contains("DEL and GC remove"), "{message}");
-    assert!(
-        !message.contains("delete every"),
-        "no advice to delete state: {message}"
-    );
-    sim.del(&c1)
-        .unwrap_or_else(|error| panic!("DEL in a table of an older layout: {error}"));
-    let ruleset = sim.nft_ruleset();
-    assert!(
-        !ruleset.contains(&c1.attachment.container_id),
-        "c1 left nothing behind:\n{ruleset}"
-    );
-    assert!(
-        tcp_request(&sim.outside, sim.uplink_target(8080)).is_err(),
-        "c1's hostPort went with it"
-    );
-    assert_eq!(
-        tcp_request(&sim.outside, sim.uplink_target(8081)).as_deref(),
-        Ok(c2.attachment.container_id.as_str()),
-        "c2 is served on"
-    );
-    sim.del(&c2)
-        .unwrap_or_else(|error| panic!("DEL of the last pod of an older table: {error}"));
-    assert!(sim.holds_no_state(), "the last DEL removed the older table");
-    let c4 = sim.container("c4", port_mappings(&[(8080, 80, "tcp")]));
-    assert!(
-        sim.nft_ruleset().contains("cnibpf layout"),
-        "a table of the new layout"
-    );
-    let _c4_server = TcpServer::start(&c4.netns, c4.socket(80), "c4");
-    assert_eq!(
-        tcp_request(&sim.outside, sim.uplink_target(8080)).as_deref(),
-        Ok("c4")
-    );
-}
-
 /// The packets rule 1 of `container`'s filter counted, as inspect shows them.
 fn inspected_rule_packets(sim: &SimHost, container: &Container) -> u64 {
     let inspect = sim.inspect();
@@ -403,62 +337,6 @@ fn inspected_rule_packets(sim: &SimHost, container: &Container) -> u64 {
         .unwrap_or_else(|| panic!("no counter of rule 1 in {inspect:#}"))
 }
 
-/// A table of the previous nftables layout is migrated in place by the new cnibpf's first
-/// ADD, with the pod's traffic flowing: connections and datagram flows keep their
-/// translation, the filter and its counters stay, hairpin traffic to the older pod's hostPort
-/// is masqueraded by what the migration built from its record.
-fn nftables_table_of_the_previous_layout_migrates(installed: &Installed, old: &Path, new: &Path) {
-    installed.put(old);
-    let sim = SimHost::new("upm", pod_keys("nftables"));
-    let pod = LivePod::start(&sim);
-    let ruleset = sim.nft_ruleset();
-    assert!(
-        ruleset.contains("comment \"cnibpf layout 2\"") && ruleset.contains("set hairpin4"),
-        "the older cnibpf made a table of layout 2:\n{ruleset}"
-    );
-    let hits = inspected_rule_packets(&sim, &pod.container);
-    assert!(hits > 0, "the DROP rule counted its drops");
-
-    installed.put(new);
-    let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
-    let ruleset = sim.nft_ruleset();
-    assert!(
-        ruleset.contains("chain layout_3")
-            && ["hairpin4", "masq_sources4", "masq_excludes4"]
-                .iter()
-                .all(|set| !ruleset.contains(set)),
-        "migrated:\n{ruleset}"
-    );
-    assert_eq!(
-        inspected_rule_packets(&sim, &pod.container),
-        hits,
-        "the counters were kept"
-    );
-    pod.assert_translations(&sim, "after the nftables migration");
-    assert!(
-        inspected_rule_packets(&sim, &pod.container) > hits,
-        "the filter counts on"
-    );
-    sim.check(&pod.container)
-        .unwrap_or_else(|error| panic!("CHECK of the older ADD's pod: {error}"));
-    let mut hairpin = Conversation::open(&c2.netns, sim.uplink_target(8080))
-        .unwrap_or_else(|error| panic!("hairpin connect to the older pod's hostPort: {error}"));
-    hairpin
-        .exchange(b"hairpin", WAIT)
-        .unwrap_or_else(|error| panic!("hairpin exchange with the older pod: {error}"));
-    let _c2_server = TcpServer::start(&c2.netns, c2.socket(80), "c2");
-    assert_eq!(
-        tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
-        Ok("c2")
-    );
-    let c1 = pod.assert_carried_on("across the nftables migration");
-    for container in [&c1, &c2] {
-        sim.del(container)
-            .unwrap_or_else(|error| panic!("DEL after the nftables migration: {error}"));
-    }
-    assert!(sim.holds_no_state(), "the last DEL removed the table");
-}
-
 /// Whether the release's own state checks the pod's source addresses (source checks came
 /// within layout 7).
 fn checks_sources(sim: &SimHost, backend: Backend) -> bool {
@@ -473,6 +351,38 @@ fn checks_sources(sim: &SimHost, backend: Backend) -> bool {
         }
         Backend::Nftables => sim.nft_ruleset().contains("chain s_"),
     }
+}
+
+/// A rollback to the last release after this build migrated the node: the release refuses ADD
+/// into the newer layout, the pods carry on, their DELs work, and the last one leaves nothing
+/// of the newer state, so that the release starts afresh at its own layout.
+fn a_rollback_to_the_last_release_still_dels(installed: &Installed, last: &Path, new: &Path) {
+    installed.put(last);
+    let sim = SimHost::new("rbk", pod_keys("ebpf"));
+    let pod = LivePod::start(&sim);
+    installed.put(new);
+    let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
+    assert_migrated(&sim);
+    installed.put(last);
+    let refused = sim
+        .add_container("c3", port_mappings(&[]))
+        .expect_err("the last release refuses ADD into this build's layout");
+    assert_eq!(refused.0.error_code(), Some(106), "{refused}");
+    let _c2_server = TcpServer::start(&c2.netns, c2.socket(80), "c2");
+    let c1 = pod.assert_carried_on("after the rollback");
+    sim.del(&c1)
+        .unwrap_or_else(|error| panic!("the last release's DEL of c1: {error}"));
+    assert_eq!(
+        tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
+        Ok("c2"),
+        "c2 is served on after c1's DEL"
+    );
+    sim.del(&c2)
+        .unwrap_or_else(|error| panic!("the last release's DEL of c2: {error}"));
+    assert!(
+        !sim.pin_path.exists(),
+        "the last DEL removed the newer state"
+    );
 }
 
 /// Every commit `releases.toml` lists, oldest first.
@@ -550,9 +460,9 @@ fn pods_live_on_across_layouts_and_del_works_both_ways() {
     upgrade_then_downgrade(&installed, &old, &new);
     killed_migrations_converge(&installed, &old, &new, Backend::Ebpf);
     faulted_migrations_converge(&installed, &old, &new, Backend::Ebpf);
-    nftables_table_of_an_older_layout_drains(&installed, &old, &new);
+    nftables::nftables_table_of_an_older_layout_drains(&installed, &old, &new);
     let previous_nftables = history::cnibpf_of(NFTABLES_LAYOUT_2);
-    nftables_table_of_the_previous_layout_migrates(&installed, &previous_nftables, &new);
+    nftables::nftables_table_of_the_previous_layout_migrates(&installed, &previous_nftables, &new);
     killed_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
     faulted_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
     // Every later release, the same way (5da8470's nftables table is drained above: no build
@@ -565,4 +475,5 @@ fn pods_live_on_across_layouts_and_del_works_both_ways() {
     let last = history::cnibpf_of(releases.last().expect("a release"));
     killed_migrations_converge(&installed, &last, &new, Backend::Ebpf);
     faulted_migrations_converge(&installed, &last, &new, Backend::Ebpf);
+    a_rollback_to_the_last_release_still_dels(&installed, &last, &new);
 }
