@@ -88,21 +88,35 @@ const _: () = assert!(size_of::<EndpointInfoV6>() == 40);
 // SAFETY: as above.
 unsafe impl aya::Pod for EndpointInfoV6 {}
 
-/// Layout 8's (and 7's) `endpoints` value: this layout's without its source set.
+/// Layout 8's (and 7's) `endpoints` value: layout 6's with the flags and the interface its
+/// hairpin traffic enters by, this layout's without its source set.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct EndpointInfoV8 {
-    gateway_v6: [u8; 16],
-    owner: u64,
-    gateway_v4: [u8; 4],
-    container_mac: [u8; 6],
-    gateway_mac: [u8; 6],
+    v6: EndpointInfoV6,
     flags: u32,
     gateway_ifindex: u32,
 }
 const _: () = assert!(size_of::<EndpointInfoV8>() == 48);
 // SAFETY: as above.
 unsafe impl aya::Pod for EndpointInfoV8 {}
+
+impl EndpointInfoV8 {
+    /// This layout's record of the same interface, without a source set.
+    fn current(&self) -> EndpointInfo {
+        let old = &self.v6;
+        EndpointInfo {
+            gateway_v6: old.gateway_v6,
+            owner: old.owner,
+            gateway_v4: old.gateway_v4,
+            container_mac: old.container_mac,
+            gateway_mac: old.gateway_mac,
+            flags: self.flags,
+            gateway_ifindex: self.gateway_ifindex,
+            sources: SourceSet::default(),
+        }
+    }
+}
 
 /// The maps whose types changed since layout 6.
 const CHANGED: [&str; 2] = [owner::MAP_NAME, endpoint::MAP_NAME];
@@ -284,12 +298,8 @@ impl EbpfBackend {
                 .and_then(|link| link.master)
                 // fail-closed: `live_link` kept the errors; no bridge is the interface itself.
                 .unwrap_or(ifindex);
-            let info = EndpointInfo {
-                gateway_v6: old.gateway_v6,
-                owner: old.owner,
-                gateway_v4: old.gateway_v4,
-                container_mac: old.container_mac,
-                gateway_mac: old.gateway_mac,
+            let info = EndpointInfoV8 {
+                v6: old,
                 // Layout 6 knew no `snat: false`. Its own clsact qdisc goes in step 4; any
                 // other qdisc is shaping (as an ADD would find it).
                 flags: if shaped(ifindex)? {
@@ -298,8 +308,8 @@ impl EbpfBackend {
                     0
                 },
                 gateway_ifindex,
-                sources: SourceSet::default(),
-            };
+            }
+            .current();
             self.endpoint
                 .endpoints
                 .insert(&ifindex, &info, 0)
@@ -316,16 +326,6 @@ impl EbpfBackend {
         for entry in old_endpoints.iter() {
             let (ifindex, old) =
                 entry.map_err(map_error("could not read the old map endpoints"))?;
-            let info = EndpointInfo {
-                gateway_v6: old.gateway_v6,
-                owner: old.owner,
-                gateway_v4: old.gateway_v4,
-                container_mac: old.container_mac,
-                gateway_mac: old.gateway_mac,
-                flags: old.flags,
-                gateway_ifindex: old.gateway_ifindex,
-                sources: SourceSet::default(),
-            };
             if found(self.endpoint.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)?
                 .is_some_and(|current| current.sources.flags & FLAG_RECORDED != 0)
             {
@@ -334,7 +334,7 @@ impl EbpfBackend {
             }
             self.endpoint
                 .endpoints
-                .insert(&ifindex, &info, 0)
+                .insert(&ifindex, &old.current(), 0)
                 .map_err(map_error("could not write map endpoints"))?;
         }
         let sets = aside.join(SOURCES);
