@@ -20,7 +20,7 @@ const BPF_OBJ_GET: libc::c_long = 7;
 
 /// A segment to run a program on: where it runs, and the segment's addresses and ports.
 pub struct Case {
-    pub name: &'static str,
+    pub name: String,
     /// The pinned program's name under `programs/`.
     pub program: &'static str,
     /// The host namespace's interface it runs on.

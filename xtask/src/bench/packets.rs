@@ -380,14 +380,14 @@ impl Node {
     fn crafted_cases(&self) -> Vec<isolated::Case> {
         let veth = self.sim.host_interface(&self.masqueraded);
         let container = self.masqueraded.address;
-        let uplink = |name, source_port, destination_port| isolated::Case {
-            name,
+        let uplink = |name: &str, source_port, destination_port| isolated::Case {
+            name: name.to_owned(),
             program: "uplink_ingress",
             interface: UPLINK.to_owned(),
             source: (OUTSIDE_ADDR, source_port),
             destination: (HOST_UPLINK_ADDR, destination_port),
         };
-        vec![
+        let mut cases = vec![
             uplink(
                 "uplink_ingress, a segment for a host process (every lookup misses)",
                 40_000,
@@ -399,20 +399,41 @@ impl Node {
                 HOST_PORT,
             ),
             isolated::Case {
-                name: "from_container, a segment for a host process (every lookup misses)",
+                name: "from_container, a segment for a host process (every lookup misses)"
+                    .to_owned(),
                 program: "from_container",
                 interface: veth.clone(),
                 source: (container, 40_002),
                 destination: (HOST_UPLINK_ADDR, HOST_SERVER),
             },
             isolated::Case {
-                name: "from_container, a masqueraded segment (its flow begun by the first run)",
+                name: "from_container, a masqueraded segment (its flow begun by the first run)"
+                    .to_owned(),
                 program: "from_container",
                 interface: veth,
                 source: (container, 40_003),
                 destination: (OUTSIDE_ADDR, MASQUERADED_SERVER),
             },
-        ]
+        ];
+        // The same segment of a filtered container's connection: the first run walks the
+        // rules, the others take the verdict kept with the connection.
+        cases.extend(
+            self.filtered
+                .iter()
+                .zip(RULE_COUNTS.iter().zip(FILTERED_SERVERS))
+                .zip([40_004, 40_005])
+                .map(|((container, (rules, server)), source_port)| isolated::Case {
+                    name: format!(
+                        "from_container, a masqueraded segment of a connection its filter of {rules} rule{} allowed",
+                        if *rules == 1 { "" } else { "s" }
+                    ),
+                    program: "from_container",
+                    interface: self.sim.host_interface(container),
+                    source: (container.address, source_port),
+                    destination: (OUTSIDE_ADDR, server),
+                }),
+        );
+        cases
     }
 
     fn outside(port: u16) -> SocketAddr {
