@@ -69,7 +69,6 @@ impl SourceChecking for EbpfBackend {
             source_drop::MAP_NAME,
         )?
         .is_some();
-        let current = self.endpoint.source_set(ifindex)?;
         if !counted {
             let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
                 name: source_drop::MAP_NAME,
@@ -85,9 +84,8 @@ impl SourceChecking for EbpfBackend {
                 .insert(&ifindex, zeroed, 0)
                 .map_err(map_error("could not write map source_drops"))?;
         }
-        if current != Some(wanted) {
-            self.endpoint.record_source_set(ifindex, &wanted)?;
-        }
+        // Leaves an unchanged set unwritten.
+        self.endpoint.record_source_set(ifindex, &wanted)?;
         self.rewrite_siblings(&siblings, Some(check))
     }
 
