@@ -1,6 +1,8 @@
 //! cnibpf as an earlier commit of this repository built it, for tests that meet the state an
 //! older release left behind (a live upgrade). Built from the repository's own history, once
-//! per commit, into `target/history/<commit>`.
+//! per commit: the commit's tree is built in `target/history/<commit>.build`, its binary kept
+//! as `target/history/<commit>/cnibpf` and the tree removed (a debug tree takes gigabytes, and
+//! the upgrade test builds a dozen commits).
 
 use std::{
     path::{Path, PathBuf},
@@ -29,13 +31,14 @@ pub fn cnibpf_of(commit: &str) -> PathBuf {
     let repository = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("the tests crate lives in the workspace");
-    let tree = repository.join("target/history").join(commit);
-    let binary = tree.join("target/debug/cnibpf");
-    let built = tree.join(".built");
-    if built.exists() && binary.exists() {
+    let history = repository.join("target/history");
+    let kept = history.join(commit);
+    let binary = kept.join("cnibpf");
+    if binary.exists() {
         return binary;
     }
-    let _ = std::fs::remove_dir_all(&tree);
+    let tree = history.join(format!("{commit}.build"));
+    remove_if_present(&tree);
     std::fs::create_dir_all(&tree)
         .unwrap_or_else(|error| panic!("create {}: {error}", tree.display()));
     let started = Instant::now();
@@ -82,10 +85,26 @@ pub fn cnibpf_of(commit: &str) -> PathBuf {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
-    std::fs::write(&built, commit).expect("mark the build done");
+    std::fs::create_dir_all(&kept)
+        .unwrap_or_else(|error| panic!("create {}: {error}", kept.display()));
+    // Copied under a temporary name and renamed: a binary at the kept path is a whole one.
+    let partial = kept.join("cnibpf.partial");
+    std::fs::copy(tree.join("target/debug/cnibpf"), &partial)
+        .unwrap_or_else(|error| panic!("keep the binary of commit {commit}: {error}"));
+    std::fs::rename(&partial, &binary)
+        .unwrap_or_else(|error| panic!("keep the binary of commit {commit}: {error}"));
+    remove_if_present(&tree);
     eprintln!(
         "built cnibpf of commit {commit} in {:.0}s",
         started.elapsed().as_secs_f64()
     );
     binary
+}
+
+fn remove_if_present(tree: &Path) {
+    match std::fs::remove_dir_all(tree) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => panic!("remove {}: {error}", tree.display()),
+    }
 }
