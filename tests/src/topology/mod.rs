@@ -17,6 +17,7 @@ use std::{
 
 use serde_json::{Value, json};
 
+mod defaults;
 mod network;
 mod verbs;
 
@@ -191,6 +192,7 @@ impl SimHost {
     }
 
     fn build(id: &str, cni_version: &str, chained: Vec<Chained>, bridge_masquerades: bool) -> Self {
+        defaults::host_made();
         let host = Netns::create(&format!("cbt-{id}-host"));
         let outside = Netns::create(&format!("cbt-{id}-out"));
         let pin_path = PathBuf::from(format!("/sys/fs/bpf/cnibpf-test-{id}"));
@@ -349,6 +351,7 @@ impl Drop for SimHost {
             let _ = std::fs::remove_file(lock_file);
         }
         let _ = std::fs::remove_dir(&self.cgroup);
+        defaults::host_gone();
     }
 }
 
