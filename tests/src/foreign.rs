@@ -3,38 +3,20 @@
 //! IPv4 ICMP, and one that does nothing, whose run time is what the kernel's statistics
 //! themselves cost at a hook (the benches take it off the datapath's). Detached when dropped.
 
-use std::{
-    io,
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+use std::os::fd::{AsRawFd as _, OwnedFd};
+
+use crate::{
+    Netns,
+    raw_bpf::{bpf, instruction, load_classifier, owned},
 };
 
-use crate::Netns;
-
-const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_CREATE: libc::c_long = 28;
 /// `BPF_LINK_CREATE` flag: before the relative program, which none names: first on the hook.
 const BPF_F_BEFORE: u32 = 1 << 3;
-const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 const BPF_TCX_INGRESS: u32 = 46;
 const BPF_TCX_EGRESS: u32 = 47;
-
-/// One eBPF instruction.
-const fn instruction(opcode: u8, dst: u8, src: u8, offset: i16, immediate: i32) -> u64 {
-    let offset = offset.to_le_bytes();
-    let immediate = immediate.to_le_bytes();
-    u64::from_le_bytes([
-        opcode,
-        (src << 4) | dst,
-        offset[0],
-        offset[1],
-        immediate[0],
-        immediate[1],
-        immediate[2],
-        immediate[3],
-    ])
-}
 
 /// Drops IPv4 ICMP (`TC_ACT_SHOT`), hands everything else on (`TCX_NEXT`).
 const DROP_ICMP: [u64; 13] = [
@@ -86,8 +68,8 @@ impl TcxProgram {
         let (program, link) = netns.run(move || {
             let ifindex = nix::net::if_::if_nametoindex(ifname.as_str())
                 .unwrap_or_else(|error| panic!("no interface {ifname}: {error}"));
-            let program =
-                load(instructions).unwrap_or_else(|error| panic!("load a program: {error}"));
+            let program = load_classifier(instructions)
+                .unwrap_or_else(|error| panic!("load a program: {error}"));
             let attach_type = match hook {
                 Hook::Ingress => BPF_TCX_INGRESS,
                 Hook::Egress => BPF_TCX_EGRESS,
@@ -99,7 +81,7 @@ impl TcxProgram {
             attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
             attr[8..12].copy_from_slice(&attach_type.to_ne_bytes());
             attr[12..16].copy_from_slice(&flags.to_ne_bytes());
-            let link = bpf(BPF_LINK_CREATE, &attr)
+            let link = bpf(BPF_LINK_CREATE, &mut attr)
                 .and_then(owned)
                 .unwrap_or_else(|error| panic!("attach a program to {ifname}: {error}"));
             (program, link)
@@ -150,7 +132,7 @@ impl EmptyProgram {
         attr[0..4].copy_from_slice(&(self.program.program.as_raw_fd() as u32).to_ne_bytes());
         attr[4..8].copy_from_slice(&(size_of_val(&info) as u32).to_ne_bytes());
         attr[8..16].copy_from_slice(&(info.as_mut_ptr() as u64).to_ne_bytes());
-        bpf(BPF_OBJ_GET_INFO_BY_FD, &attr)
+        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)
             .unwrap_or_else(|error| panic!("read an empty program's statistics: {error}"));
         (info[24], info[25])
     }
@@ -165,21 +147,16 @@ pub struct PinnedIcmpDropper {
 
 impl PinnedIcmpDropper {
     pub fn pin(path: &std::path::Path) -> Self {
-        let program = load(&DROP_ICMP).unwrap_or_else(|error| panic!("load the dropper: {error}"));
+        let program =
+            load_classifier(&DROP_ICMP).unwrap_or_else(|error| panic!("load the dropper: {error}"));
         let path_text = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
             .expect("pin path without NUL");
         // union bpf_attr, BPF_OBJ_PIN: pathname, bpf_fd.
         let mut attr = [0u8; 128];
         attr[0..8].copy_from_slice(&(path_text.as_ptr() as u64).to_ne_bytes());
         attr[8..12].copy_from_slice(&(program.as_raw_fd() as u32).to_ne_bytes());
-        // SAFETY: as in `bpf`; BPF_OBJ_PIN returns 0 rather than a descriptor.
-        let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, attr.as_ptr(), attr.len()) };
-        assert!(
-            rc == 0,
-            "pin the dropper at {}: {}",
-            path.display(),
-            io::Error::last_os_error()
-        );
+        bpf(BPF_OBJ_PIN, &mut attr)
+            .unwrap_or_else(|error| panic!("pin the dropper at {}: {error}", path.display()));
         Self {
             path: path.to_owned(),
         }
@@ -190,34 +167,4 @@ impl Drop for PinnedIcmpDropper {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
-}
-
-fn load(instructions: &[u64]) -> io::Result<OwnedFd> {
-    let license = c"GPL";
-    // union bpf_attr, BPF_PROG_LOAD: prog_type, insn_cnt, insns, license, ...,
-    // expected_attach_type at offset 68.
-    let mut attr = [0u8; 128];
-    attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
-    attr[4..8].copy_from_slice(&(instructions.len() as u32).to_ne_bytes());
-    attr[8..16].copy_from_slice(&(instructions.as_ptr() as u64).to_ne_bytes());
-    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
-    bpf(BPF_PROG_LOAD, &attr).and_then(owned)
-}
-
-/// bpf(2) with `attr`; its non-negative answer (a new descriptor, or 0).
-fn bpf(command: libc::c_long, attr: &[u8; 128]) -> io::Result<libc::c_long> {
-    // SAFETY: bpf(2) reads `attr`, a zero-initialised union bpf_attr whose pointers outlive the
-    // call (and writes only where they point), and returns a descriptor, 0 or -1.
-    let answer = unsafe { libc::syscall(libc::SYS_bpf, command, attr.as_ptr(), attr.len()) };
-    if answer < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(answer)
-}
-
-/// A descriptor the kernel just returned, owned from here on.
-fn owned(fd: libc::c_long) -> io::Result<OwnedFd> {
-    let fd = i32::try_from(fd).map_err(|_| io::Error::other("descriptor out of range"))?;
-    // SAFETY: a descriptor the kernel just returned, owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }

@@ -19,6 +19,7 @@ pub mod netns;
 pub mod observe;
 pub mod packet;
 pub mod podman;
+pub mod raw_bpf;
 pub mod state;
 pub mod topology;
 pub mod traffic;

@@ -7,11 +7,14 @@
 use std::{ffi::CString, net::Ipv4Addr, os::fd::OwnedFd, path::Path};
 
 use anyhow::{Context as _, Result};
-use cnibpf_tests::packet;
+use cnibpf_tests::{
+    packet,
+    raw_bpf::{bpf, instruction, load_classifier, owned},
+};
 
 use super::{
     median,
-    prices::{SK_BUFF_IFINDEX_OFF, SK_BUFF_SIZE, bpf, load, new_fd, test_run},
+    prices::{SK_BUFF_IFINDEX_OFF, SK_BUFF_SIZE, test_run},
 };
 
 /// Single runs per case.
@@ -32,7 +35,7 @@ pub struct Case {
 /// Each case's program time on its segment, net of the test run's own. Run in the host
 /// namespace the programs are hooked in.
 pub fn times(pin_path: &Path, cases: &[Case]) -> Result<Vec<f64>> {
-    let nothing = load(&[0x0000_0000_0000_00b7, 0x0000_0000_0000_0095])
+    let nothing = load_classifier(&[instruction(0xb7, 0, 0, 0, 0), instruction(0x95, 0, 0, 0, 0)])
         .context("load a program that does nothing")?;
     let overhead = median_run(
         &nothing,
@@ -72,7 +75,7 @@ fn pinned_program(path: &Path) -> Result<OwnedFd> {
     let mut attr = [0u8; 128];
     attr[0..8].copy_from_slice(&(name.as_ptr() as u64).to_ne_bytes());
     let fd = bpf(BPF_OBJ_GET, &mut attr).with_context(|| format!("open {}", path.display()))?;
-    Ok(new_fd(fd))
+    Ok(owned(fd)?)
 }
 
 /// An Ethernet frame with an IPv4 TCP segment (ACK, no payload) from `source` to

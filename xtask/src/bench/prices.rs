@@ -9,12 +9,12 @@
 //! un-clones it: what a write costs on a forwarded segment is at least this.
 
 use std::{
-    io,
     net::Ipv4Addr,
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
+    os::fd::{AsRawFd as _, OwnedFd, RawFd},
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
+use cnibpf_tests::raw_bpf::{bpf, instruction, load_classifier, owned};
 
 use super::{Row, median};
 
@@ -31,12 +31,10 @@ const ENDPOINTS: u32 = 4_096;
 /// `bpf(2)` commands, map and program types, helpers (uapi).
 const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
 const BPF_MAP_TYPE_HASH: u32 = 1;
 const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
 const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
-const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 const MAP_LOOKUP_ELEM: i32 = 1;
 const SKB_STORE_BYTES: i32 = 9;
 const L3_CSUM_REPLACE: i32 = 10;
@@ -60,31 +58,24 @@ const R6: u8 = 6;
 const R7: u8 = 7;
 const R10: u8 = 10;
 
-/// One BPF instruction: opcode, registers, offset, immediate.
-fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
-    u64::from(code)
-        | u64::from(dst | (src << 4)) << 8
-        | u64::from(off as u16) << 16
-        | u64::from(imm as u32) << 32
-}
 fn mov_imm(dst: u8, imm: i32) -> u64 {
-    insn(0xb7, dst, 0, 0, imm)
+    instruction(0xb7, dst, 0, 0, imm)
 }
 fn mov_reg(dst: u8, src: u8) -> u64 {
-    insn(0xbf, dst, src, 0, 0)
+    instruction(0xbf, dst, src, 0, 0)
 }
 fn add_imm(dst: u8, imm: i32) -> u64 {
-    insn(0x07, dst, 0, 0, imm)
+    instruction(0x07, dst, 0, 0, imm)
 }
 fn store_imm(off: i16, imm: i32) -> u64 {
-    insn(0x7a, R10, 0, off, imm)
+    instruction(0x7a, R10, 0, off, imm)
 }
 fn call(helper: i32) -> u64 {
-    insn(0x85, 0, 0, 0, helper)
+    instruction(0x85, 0, 0, 0, helper)
 }
 /// `dst = map` (two slots).
 fn load_map(dst: u8, map: RawFd) -> [u64; 2] {
-    [insn(0x18, dst, 1, 0, map), 0]
+    [instruction(0x18, dst, 1, 0, map), 0]
 }
 /// `r2 = fp + off`.
 fn stack_pointer(dst: u8, off: i32) -> [u64; 2] {
@@ -172,23 +163,23 @@ fn operations(maps: &Maps, route: &Route, input_ifindex: u32) -> Vec<Operation> 
     // The key's first word: a random entry's index.
     let random_key = vec![
         call(GET_PRANDOM_U32),
-        insn(0x57, R0, 0, 0, (FLOWS - 1) as i32),
-        insn(0x63, R10, R0, -48, 0),
+        instruction(0x57, R0, 0, 0, (FLOWS - 1) as i32),
+        instruction(0x63, R10, R0, -48, 0),
     ];
     let fib_params = {
         // struct bpf_fib_lookup at fp-64: AF_INET, TCP, tot_len 40, the input interface,
         // source and destination addresses, the rest zero.
         let mut setup: Vec<u64> = (0..8).map(|word| store_imm(-64 + 8 * word, 0)).collect();
-        setup.push(insn(0x72, R10, 0, -64, 2));
-        setup.push(insn(0x72, R10, 0, -63, 6));
-        setup.push(insn(0x6a, R10, 0, -58, 40));
+        setup.push(instruction(0x72, R10, 0, -64, 2));
+        setup.push(instruction(0x72, R10, 0, -63, 6));
+        setup.push(instruction(0x6a, R10, 0, -58, 40));
         setup
     };
     let fib_body = {
         let mut body = vec![
-            insn(0x62, R10, 0, -56, input_ifindex as i32),
-            insn(0x62, R10, 0, -48, i32::from_ne_bytes(route.source.octets())),
-            insn(
+            instruction(0x62, R10, 0, -56, input_ifindex as i32),
+            instruction(0x62, R10, 0, -48, i32::from_ne_bytes(route.source.octets())),
+            instruction(
                 0x62,
                 R10,
                 0,
@@ -318,8 +309,8 @@ fn program(operation: &Operation) -> Vec<u64> {
     program.extend(&operation.body);
     program.push(add_imm(R7, -1));
     let back = -(operation.body.len() as i16 + 2);
-    program.push(insn(0x55, R7, 0, back, 0));
-    program.extend([mov_imm(R0, 0), insn(0x95, 0, 0, 0, 0)]);
+    program.push(instruction(0x55, R7, 0, back, 0));
+    program.extend([mov_imm(R0, 0), instruction(0x95, 0, 0, 0, 0)]);
     program
 }
 
@@ -332,7 +323,7 @@ pub fn rows(route: &Route) -> Result<Vec<Row>> {
     let operations = operations(&maps, route, input_ifindex);
     let mut means = Vec::new();
     for operation in &operations {
-        let program = load(&program(operation))
+        let program = load_classifier(&program(operation))
             .with_context(|| format!("load the program pricing {}", operation.name))?;
         let samples = (0..SAMPLES)
             .map(|_| test_run(&program, &SEGMENT, REPEAT, None).map(f64::from))
@@ -354,29 +345,14 @@ pub fn rows(route: &Route) -> Result<Vec<Row>> {
         .collect())
 }
 
-pub(super) fn bpf(command: libc::c_long, attr: &mut [u8; 128]) -> io::Result<libc::c_long> {
-    // SAFETY: bpf(2) reads and writes `size` bytes of `attr`, a zero-initialised union
-    // bpf_attr whose pointers (keys, values, instructions, packets) outlive the call.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, command, attr.as_mut_ptr(), attr.len()) };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(rc)
-}
-
-pub(super) fn new_fd(rc: libc::c_long) -> OwnedFd {
-    // SAFETY: the kernel just returned this descriptor; nobody else owns it.
-    unsafe { OwnedFd::from_raw_fd(rc as RawFd) }
-}
-
 fn create_map(map_type: u32, key_size: u32, value_size: u32, entries: u32) -> Result<OwnedFd> {
     let mut attr = [0u8; 128];
     for (index, field) in [map_type, key_size, value_size, entries].iter().enumerate() {
         attr[index * 4..index * 4 + 4].copy_from_slice(&field.to_ne_bytes());
     }
-    Ok(new_fd(
+    Ok(owned(
         bpf(BPF_MAP_CREATE, &mut attr).context("BPF_MAP_CREATE")?,
-    ))
+    )?)
 }
 
 fn update(map: &OwnedFd, key: &[u8], value: &[u8]) -> Result<()> {
@@ -386,29 +362,6 @@ fn update(map: &OwnedFd, key: &[u8], value: &[u8]) -> Result<()> {
     attr[16..24].copy_from_slice(&(value.as_ptr() as u64).to_ne_bytes());
     bpf(BPF_MAP_UPDATE_ELEM, &mut attr).context("BPF_MAP_UPDATE_ELEM")?;
     Ok(())
-}
-
-pub(super) fn load(instructions: &[u64]) -> Result<OwnedFd> {
-    let license = c"GPL";
-    let mut log = vec![0u8; 64 * 1024];
-    let mut attr = [0u8; 128];
-    attr[0..4].copy_from_slice(&BPF_PROG_TYPE_SCHED_CLS.to_ne_bytes());
-    attr[4..8].copy_from_slice(&(instructions.len() as u32).to_ne_bytes());
-    attr[8..16].copy_from_slice(&(instructions.as_ptr() as u64).to_ne_bytes());
-    attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
-    attr[24..28].copy_from_slice(&1u32.to_ne_bytes());
-    attr[28..32].copy_from_slice(&(log.len() as u32).to_ne_bytes());
-    attr[32..40].copy_from_slice(&(log.as_mut_ptr() as u64).to_ne_bytes());
-    match bpf(BPF_PROG_LOAD, &mut attr) {
-        Ok(fd) => Ok(new_fd(fd)),
-        Err(error) => {
-            let end = log.iter().position(|byte| *byte == 0).unwrap_or(log.len());
-            bail!(
-                "BPF_PROG_LOAD: {error}; verifier: {}",
-                String::from_utf8_lossy(&log[..end])
-            )
-        }
-    }
 }
 
 /// The kernel's mean time of one run of `program` over `repeat` runs on `packet`, in ns, with
