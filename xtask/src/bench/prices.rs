@@ -220,7 +220,7 @@ fn operations(maps: &Maps, route: &Route, input_ifindex: u32) -> Vec<Operation> 
             net_of: 0,
         },
         Operation {
-            name: "hash lookup, u32 key, 4,096 entries (endpoints, sources)",
+            name: "hash lookup, u32 key, 4,096 entries (endpoints, filters)",
             setup: key(7),
             body: lookup(&maps.endpoints),
             net_of: 0,
