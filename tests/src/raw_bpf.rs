@@ -8,8 +8,8 @@ use std::{
 };
 
 /// `bpf(2)` commands and the program type (uapi).
-pub const BPF_PROG_LOAD: libc::c_long = 5;
-pub const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 
 /// One eBPF instruction: opcode, registers, offset, immediate.
 pub const fn instruction(opcode: u8, dst: u8, src: u8, offset: i16, immediate: i32) -> u64 {

@@ -192,7 +192,6 @@ impl SimHost {
     }
 
     fn build(id: &str, cni_version: &str, chained: Vec<Chained>, bridge_masquerades: bool) -> Self {
-        defaults::host_made();
         let host = Netns::create(&format!("cbt-{id}-host"));
         let outside = Netns::create(&format!("cbt-{id}-out"));
         let pin_path = PathBuf::from(format!("/sys/fs/bpf/cnibpf-test-{id}"));
@@ -319,6 +318,9 @@ impl SimHost {
             "plugins": plugins,
         });
         let chain = Chain::new(conflist, &cni_path(), &host.path());
+        // Counted once the host exists (its Drop uncounts it): a build that panics halfway
+        // must not keep the last host's cleanup from running.
+        defaults::host_made();
         Self {
             id: id.to_owned(),
             host,
