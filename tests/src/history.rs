@@ -2,7 +2,9 @@
 //! older release left behind (a live upgrade). Built from the repository's own history, once
 //! per commit: the commit's tree is built in `target/history/<commit>.build`, its binary kept
 //! as `target/history/<commit>/cnibpf` and the tree removed (a debug tree takes gigabytes, and
-//! the upgrade test builds a dozen commits).
+//! the upgrade test builds a dozen commits). One cargo target directory goes from each build to
+//! the next (`target/history/carried-target`): the releases share most of their dependencies
+//! and the eBPF crate's `core`, which are then compiled once, not once per release.
 
 use std::{
     path::{Path, PathBuf},
@@ -38,6 +40,7 @@ pub fn cnibpf_of(commit: &str) -> PathBuf {
         return binary;
     }
     let tree = history.join(format!("{commit}.build"));
+    let carried = history.join("carried-target");
     remove_if_present(&tree);
     std::fs::create_dir_all(&tree)
         .unwrap_or_else(|error| panic!("create {}: {error}", tree.display()));
@@ -50,9 +53,11 @@ pub fn cnibpf_of(commit: &str) -> PathBuf {
         .stdout(Stdio::piped())
         .spawn()
         .expect("run git archive");
+    // `--touch`: git archive stamps every file with the commit's time, older than what the
+    // carried target directory holds, so cargo would take this commit's crates for built;
+    // stamped now, every crate of the workspace (and its build script) is built from them.
     let unpacked = Command::new("tar")
-        .arg("-x")
-        .arg("-C")
+        .args(["-x", "--touch", "-C"])
         .arg(&tree)
         .stdin(archive.stdout.take().expect("git archive's output"))
         .status()
@@ -63,17 +68,22 @@ pub fn cnibpf_of(commit: &str) -> PathBuf {
         "could not unpack commit {commit} of {} (a shallow clone lacks it: git fetch --unshallow)",
         repository.display()
     );
+    move_if_present(&carried, &tree.join("target"));
     // The commit's own xtask builds it with the toolchains it names; nothing of the cargo that
     // runs this test (its toolchain, target directory, flags) may leak into that build.
     let mut build = Command::new("cargo");
     build.args(["xtask", "build"]).current_dir(&tree);
+    // The tree has no history of its own, and git would answer for the repository around it
+    // (`target/` is inside it): the commit is named to the builds that print it.
+    build.env("CNIBPF_COMMIT", short_commit(repository, commit));
     for (name, _) in std::env::vars_os() {
         let name = name.to_string_lossy();
         let leaks = (name.starts_with("CARGO") && name != "CARGO_HOME")
             || name.starts_with("RUSTC")
             || name.starts_with("RUSTDOC")
             || name == "RUSTFLAGS"
-            || name == "RUSTUP_TOOLCHAIN";
+            || name == "RUSTUP_TOOLCHAIN"
+            || name == "CNIBPF_EBPF_OBJECT";
         if leaks {
             build.env_remove(&*name);
         }
@@ -93,12 +103,39 @@ pub fn cnibpf_of(commit: &str) -> PathBuf {
         .unwrap_or_else(|error| panic!("keep the binary of commit {commit}: {error}"));
     std::fs::rename(&partial, &binary)
         .unwrap_or_else(|error| panic!("keep the binary of commit {commit}: {error}"));
+    move_if_present(&tree.join("target"), &carried);
     remove_if_present(&tree);
     eprintln!(
         "built cnibpf of commit {commit} in {:.0}s",
         started.elapsed().as_secs_f64()
     );
     binary
+}
+
+/// `commit` the way `cnibpf --version` names a commit: its first twelve hex digits.
+fn short_commit(repository: &Path, commit: &str) -> String {
+    let output = Command::new("git")
+        .arg("-C")
+        .arg(repository)
+        .args(["rev-parse", "--short=12", commit])
+        .output()
+        .expect("run git rev-parse");
+    assert!(
+        output.status.success(),
+        "git rev-parse {commit}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+/// Renames `from` to `to`; nothing to move is not an error (the first build has no carried
+/// target directory).
+fn move_if_present(from: &Path, to: &Path) {
+    match std::fs::rename(from, to) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => panic!("move {} to {}: {error}", from.display(), to.display()),
+    }
 }
 
 fn remove_if_present(tree: &Path) {
