@@ -12,18 +12,54 @@ use std::{
     time::Instant,
 };
 
-/// Every commit `releases.toml` lists, oldest first.
-pub fn released_commits() -> Vec<String> {
+/// A commit `releases.toml` lists.
+#[derive(Debug)]
+pub struct Release {
+    pub commit: String,
+    /// The eBPF state layout it writes.
+    pub ebpf_layout: u32,
+}
+
+/// Every release `releases.toml` lists, oldest first.
+pub fn releases() -> Vec<Release> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("the tests crate lives in the workspace")
         .join("releases.toml");
-    std::fs::read_to_string(&path)
-        .unwrap_or_else(|error| panic!("read {}: {error}", path.display()))
-        .lines()
-        .filter_map(|line| line.trim().strip_prefix("commit = \""))
-        .filter_map(|rest| rest.strip_suffix('"'))
-        .map(str::to_owned)
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|error| panic!("read {}: {error}", path.display()));
+    let mut listed: Vec<(String, Option<u32>)> = Vec::new();
+    for line in text.lines().map(str::trim) {
+        if let Some(commit) = line
+            .strip_prefix("commit = \"")
+            .and_then(|rest| rest.strip_suffix('"'))
+        {
+            listed.push((commit.to_owned(), None));
+        } else if let Some(layout) = line.strip_prefix("ebpf_layout = ") {
+            let (commit, slot) = listed
+                .last_mut()
+                .unwrap_or_else(|| panic!("{}: an ebpf_layout before any commit", path.display()));
+            *slot = Some(layout.parse().unwrap_or_else(|error| {
+                panic!("{}: ebpf_layout of {commit}: {error}", path.display())
+            }));
+        }
+    }
+    listed
+        .into_iter()
+        .map(|(commit, layout)| Release {
+            ebpf_layout: layout.unwrap_or_else(|| {
+                panic!("{}: release {commit} names no ebpf_layout", path.display())
+            }),
+            commit,
+        })
+        .collect()
+}
+
+/// Every commit `releases.toml` lists, oldest first.
+pub fn released_commits() -> Vec<String> {
+    releases()
+        .into_iter()
+        .map(|release| release.commit)
         .collect()
 }
 
@@ -88,6 +124,12 @@ pub fn cnibpf_of(commit: &str) -> PathBuf {
             build.env_remove(&*name);
         }
     }
+    // Nothing debugs these binaries: without debug info and incremental state, the carried
+    // target directory stays a fraction of its size and every link is faster. The eBPF object
+    // is built in its own profile, with its BTF, as ever.
+    build
+        .env("CARGO_INCREMENTAL", "0")
+        .env("CARGO_PROFILE_DEV_DEBUG", "0");
     let output = build.output().expect("run cargo xtask build");
     assert!(
         output.status.success(),

@@ -353,10 +353,10 @@ fn checks_sources(sim: &SimHost, backend: Backend) -> bool {
     }
 }
 
-/// A rollback to the last release after this build migrated the node: the release refuses ADD
-/// into the newer layout, the pods carry on, their DELs work, and the last one leaves nothing
-/// of the newer state, so that the release starts afresh at its own layout.
-fn a_rollback_to_the_last_release_still_dels(installed: &Installed, last: &Path, new: &Path) {
+/// A rollback to a release of an older layout after this build migrated the node: the release
+/// refuses ADD into the newer layout, the pods carry on, their DELs work, and the last one
+/// leaves nothing of the newer state, so that the release starts afresh at its own layout.
+fn a_rollback_over_a_newer_layout_still_dels(installed: &Installed, last: &Path, new: &Path) {
     installed.put(last);
     let sim = SimHost::new("rbk", pod_keys("ebpf"));
     let pod = LivePod::start(&sim);
@@ -366,31 +366,32 @@ fn a_rollback_to_the_last_release_still_dels(installed: &Installed, last: &Path,
     installed.put(last);
     let refused = sim
         .add_container("c3", port_mappings(&[]))
-        .expect_err("the last release refuses ADD into this build's layout");
+        .expect_err("the older release refuses ADD into this build's layout");
     assert_eq!(refused.0.error_code(), Some(106), "{refused}");
     let _c2_server = TcpServer::start(&c2.netns, c2.socket(80), "c2");
     let c1 = pod.assert_carried_on("after the rollback");
     sim.del(&c1)
-        .unwrap_or_else(|error| panic!("the last release's DEL of c1: {error}"));
+        .unwrap_or_else(|error| panic!("the older release's DEL of c1: {error}"));
     assert_eq!(
         tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
         Ok("c2"),
         "c2 is served on after c1's DEL"
     );
     sim.del(&c2)
-        .unwrap_or_else(|error| panic!("the last release's DEL of c2: {error}"));
+        .unwrap_or_else(|error| panic!("the older release's DEL of c2: {error}"));
     assert!(
         !sim.pin_path.exists(),
         "the last DEL removed the newer state"
     );
 }
 
-/// Every commit `releases.toml` lists, oldest first.
-fn releases() -> Vec<String> {
-    let releases = history::released_commits();
+/// Every release `releases.toml` lists, oldest first.
+fn releases() -> Vec<history::Release> {
+    let releases = history::releases();
+    let first = releases.first().map(|release| release.commit.as_str());
     assert!(
-        releases.first().map(String::as_str) == Some(LAYOUT_6),
-        "releases.toml starts with {LAYOUT_6}: {releases:?}"
+        first == Some(LAYOUT_6),
+        "releases.toml starts with {LAYOUT_6}, not {first:?}"
     );
     releases
 }
@@ -469,11 +470,17 @@ fn pods_live_on_across_layouts_and_del_works_both_ways() {
     // migrates its layout).
     let releases = releases();
     for release in &releases[1..] {
-        a_release_upgrades_live(&installed, release, &new);
+        a_release_upgrades_live(&installed, &release.commit, &new);
     }
-    // The migration from the last release's layout, killed and faulted the same way.
-    let last = history::cnibpf_of(releases.last().expect("a release"));
-    killed_migrations_converge(&installed, &last, &new, Backend::Ebpf);
-    faulted_migrations_converge(&installed, &last, &new, Backend::Ebpf);
-    a_rollback_to_the_last_release_still_dels(&installed, &last, &new);
+    // The migration from the newest release of an older eBPF layout (the last release may
+    // write this build's own, which nothing migrates), killed and faulted the same way.
+    let last_older = releases
+        .iter()
+        .rev()
+        .find(|release| release.ebpf_layout < cnibpf_common::layout::VERSION)
+        .expect("a release of an older eBPF layout than this build's");
+    let last_older = history::cnibpf_of(&last_older.commit);
+    killed_migrations_converge(&installed, &last_older, &new, Backend::Ebpf);
+    faulted_migrations_converge(&installed, &last_older, &new, Backend::Ebpf);
+    a_rollback_over_a_newer_layout_still_dels(&installed, &last_older, &new);
 }
