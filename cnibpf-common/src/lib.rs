@@ -14,6 +14,7 @@
 
 #[cfg(feature = "user")]
 pub mod addr;
+pub mod conntrack;
 pub mod drop_event_budget;
 pub mod drop_stats;
 pub mod endpoint;

@@ -14,7 +14,6 @@
 )]
 
 mod clock;
-mod conntrack;
 mod drops;
 mod filter;
 mod hooks;

@@ -18,6 +18,7 @@ mod rules;
 
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
+    conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
     drop_stats::DropReason,
     filter::{DIRECTION_EGRESS, FilterSet, FirstMatches, TARGET_ALLOW},
     filter_flow::{FilterFlow, FilterFlowKey, RULE_DEFAULT},
@@ -28,9 +29,7 @@ use cnibpf_common::{
 };
 
 use crate::{
-    clock,
-    conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
-    drops, maps,
+    clock, drops, maps,
     packet::{DROP, Flow, Fragment, NEXT, words},
 };
 

@@ -16,6 +16,7 @@
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
+    conntrack::{self, SIDE_ORIGIN},
     drop_stats::DropReason,
     endpoint::{FLAG_MASQUERADED, FLAG_UNMASQUERADED},
     masq_exclude::{MasqExcludeKey, OWNER_FAMILY_BITS},
@@ -33,9 +34,7 @@ mod replies;
 pub use replies::{lookup_reply, translate_icmp_error, translate_later_fragment, translate_reply};
 
 use crate::{
-    clock,
-    conntrack::{self, SIDE_ORIGIN},
-    drops, maps,
+    clock, drops, maps,
     packet::{Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, or_verdict, widen},
     route::{Route, forward, route, route_source},
 };

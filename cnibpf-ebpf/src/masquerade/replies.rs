@@ -8,6 +8,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use cnibpf_common::{
+    conntrack::{self, SIDE_REPLY},
     masq_flow::{MasqFlow, STATE_ESTABLISHED},
     masq_reply::MasqReply,
     nat_flow::NatFlowKey,
@@ -15,9 +16,7 @@ use cnibpf_common::{
 
 use super::{count, flow_key};
 use crate::{
-    clock,
-    conntrack::{self, SIDE_REPLY},
-    maps,
+    clock, maps,
     packet::{Answer, DatapathError, Flow, Fragment, Handover, icmp::icmp_error_scratch, ifindex},
 };
 

@@ -35,10 +35,6 @@ pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
 pub const IPV6_HLEN: usize = 40;
 pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
-pub const TCP_FIN: u8 = 0x01;
-pub const TCP_SYN: u8 = 0x02;
-pub const TCP_RST: u8 = 0x04;
-pub const TCP_ACK: u8 = 0x10;
 /// Enough of any L4 header for ports and checksum, pulled into the linear area up front.
 const L4_PULL: usize = 20;
 /// The largest offset read directly at a variable position: the verifier must see a bound

@@ -6,14 +6,15 @@
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    conntrack,
     masq_fragment::FragmentKey,
     packet::{Fragment, is_echo_reply, is_echo_request},
 };
 
 use super::{
     DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF,
-    IPV6_HLEN, IPV6_SADDR_OFF, L4_PULL, MAX_DIRECT_OFFSET, TCP_ACK, TCP_SYN, address::widen_fast,
-    ensure_linear, load, load_anywhere,
+    IPV6_HLEN, IPV6_SADDR_OFF, L4_PULL, MAX_DIRECT_OFFSET, address::widen_fast, ensure_linear,
+    load, load_anywhere,
 };
 
 /// A TCP, UDP, SCTP or ICMP echo packet over IPv4 or IPv6 (no extension headers but a
@@ -190,8 +191,7 @@ impl Flow {
 
     /// Whether a TCP packet opens a connection (SYN without ACK).
     pub fn is_tcp_syn(&self, ctx: &TcContext) -> Result<bool, DatapathError> {
-        let flags = self.tcp_flags(ctx)?;
-        Ok(flags & TCP_SYN != 0 && flags & TCP_ACK == 0)
+        Ok(conntrack::is_opening(self.tcp_flags(ctx)?))
     }
 
     /// The TCP flags byte (zero for other protocols): read directly where parsing left the
