@@ -356,14 +356,14 @@ fn checks_sources(sim: &SimHost, backend: Backend) -> bool {
 /// A rollback to a release of an older layout after this build migrated the node: the release
 /// refuses ADD into the newer layout, the pods carry on, their DELs work, and the last one
 /// leaves nothing of the newer state, so that the release starts afresh at its own layout.
-fn a_rollback_over_a_newer_layout_still_dels(installed: &Installed, last: &Path, new: &Path) {
-    installed.put(last);
+fn a_rollback_over_a_newer_layout_still_dels(installed: &Installed, older: &Path, new: &Path) {
+    installed.put(older);
     let sim = SimHost::new("rbk", pod_keys("ebpf"));
     let pod = LivePod::start(&sim);
     installed.put(new);
     let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
     assert_migrated(&sim);
-    installed.put(last);
+    installed.put(older);
     let refused = sim
         .add_container("c3", port_mappings(&[]))
         .expect_err("the older release refuses ADD into this build's layout");
