@@ -395,7 +395,7 @@ fn kustomize_renders_the_base_and_an_overlay() {
     let overlay = render("deploy/overlays/example");
     assert_eq!(
         overlay
-            .matches("image: registry.example.com/cnibpf:0.4.1")
+            .matches("image: registry.example.com/cnibpf:0.5.0")
             .count(),
         2,
         "both containers run the overlay's image: {overlay}"

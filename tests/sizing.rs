@@ -29,7 +29,7 @@ fn assert_sizes(sim: &SimHost, flows: u32, attachments: u32, host_ports: u32, wh
     for map in FLOW_MAPS {
         assert_eq!(sim.map_size(map), flows, "{when}: {map}");
     }
-    assert_eq!(sim.map_size("nat_fragments"), flows / 16, "{when}");
+    assert_eq!(sim.map_size("fragments"), flows / 8, "{when}");
     assert_eq!(sim.map_size("sock_rev"), flows / 4, "{when}");
     assert_eq!(sim.map_size("owners"), attachments, "{when}");
     assert_eq!(sim.map_size("masq_sources"), attachments * 2, "{when}");

@@ -239,6 +239,11 @@ fn fragments_of_a_host_port_datagram_follow_their_first() {
             ),
             "{what}: to the container"
         );
+        assert_eq!(
+            &out[out.len() - part.len()..],
+            part,
+            "{what}: its payload untouched (it has no transport header to translate)"
+        );
     }
     // The answer, in fragments: from the hostPort's address and port.
     let answer = udp(
@@ -283,5 +288,12 @@ fn fragments_of_a_host_port_datagram_follow_their_first() {
             ),
             "the answer's {what} fragment comes from the hostPort"
         );
+        if ports.is_none() {
+            assert_eq!(
+                &out[out.len() - part.len()..],
+                part,
+                "the answer's {what} fragment: its payload untouched"
+            );
+        }
     }
 }

@@ -22,9 +22,9 @@ use cnibpf_common::{
     drop_stats::DropReason,
     filter::{DIRECTION_EGRESS, FilterSet, FirstMatches, TARGET_ALLOW},
     filter_flow::{FilterFlow, FilterFlowKey, RULE_DEFAULT},
-    filter_fragment::FilterFragmentKey,
     filter_hits::DEFAULT_SLOT,
     filter_stats::FilterStats,
+    fragment::{FirstFragment, PASSED_EGRESS, PASSED_INGRESS},
     masq_flow::{STATE_CLOSING, STATE_OPENING},
 };
 
@@ -176,15 +176,11 @@ pub fn allows(ctx: &TcContext, flow: &Flow, ifindex: u32, direction: u8) -> bool
     // SAFETY: this CPU's scratch, filled just above.
     let subject = unsafe { &mut *subject };
     if flow.fragment == Fragment::Later {
-        return later_fragment_allowed(subject, set, flow.fragment_id);
+        return later_fragment_allowed(subject, set, flow);
     }
     let allowed = decide(subject, set);
-    if allowed && flow.fragment == Fragment::First {
-        let _ = maps::filter_fragments.insert(
-            &fragment_key(flow, ifindex),
-            &set.owner,
-            u64::from(BPF_ANY),
-        );
+    if flow.fragment == Fragment::First {
+        mark_first_fragment(flow, direction, allowed, subject.now);
     }
     allowed
 }
@@ -286,37 +282,58 @@ fn opens_connection(subject: &mut Subject, set: &FilterSet) -> bool {
     true
 }
 
-/// A later fragment passes when its datagram's first fragment did (it carries no ports for
-/// the rules, nor for finding the connection).
+/// A later fragment passes when its datagram's first fragment did, this way (it may carry
+/// the first's ports, but is not a packet of its own for the rules or the connection).
 #[inline(never)]
-fn later_fragment_allowed(subject: &Subject, set: &FilterSet, fragment_id: u32) -> bool {
-    let key = &subject.key;
-    let (source, destination) = subject.addresses();
-    let fragment = FilterFragmentKey {
-        src_addr: *source,
-        dst_addr: *destination,
-        id: fragment_id,
-        ifindex: key.ifindex,
-        protocol: key.protocol,
-        family: key.family,
-        _pad: [0; 6],
-    };
-    if maps::filter_fragments.get_ptr(&fragment).is_some() {
+fn later_fragment_allowed(subject: &Subject, set: &FilterSet, flow: &Flow) -> bool {
+    let passed = passed_bit(subject.direction);
+    let first = maps::fragments.get_ptr(&flow.fragment_key());
+    // SAFETY: points into `fragments`, read at once.
+    if first.is_some_and(|first| unsafe {
+        (*first).passed & passed != 0 && (*first).is_live(subject.now)
+    }) {
         return true;
     }
     dropped(subject, set, DropReason::FilterFragment, 0);
     false
 }
 
-fn fragment_key(flow: &Flow, ifindex: u32) -> FilterFragmentKey {
-    FilterFragmentKey {
-        src_addr: flow.saddr,
-        dst_addr: flow.daddr,
-        id: flow.fragment_id,
-        ifindex,
-        protocol: flow.protocol,
-        family: flow.family,
-        _pad: [0; 6],
+/// Marks on the datagram's `fragments` entry, under its addresses as the filter sees them,
+/// whether its first fragment passed `direction`: a datagram whose first was dropped loses
+/// the mark an earlier one with its identification left.
+#[inline(never)]
+fn mark_first_fragment(flow: &Flow, direction: u8, allowed: bool, now: u64) {
+    let passed = passed_bit(direction);
+    let key = flow.fragment_key();
+    if let Some(first) = maps::fragments.get_ptr_mut(&key) {
+        // SAFETY: points into `fragments`; the fragments of one datagram come one at a time.
+        let first = unsafe { &mut *first };
+        if allowed {
+            first.passed |= passed;
+        } else {
+            first.passed &= !passed;
+        }
+        return;
+    }
+    if !allowed {
+        return;
+    }
+    // Translated since the parser saw it: its own entry under the new addresses.
+    let first = FirstFragment {
+        seen_ns: now,
+        src_port: u16::from_be(flow.sport),
+        dst_port: u16::from_be(flow.dport),
+        passed,
+        _pad: [0; 3],
+    };
+    let _ = maps::fragments.insert(&key, &first, u64::from(BPF_ANY));
+}
+
+fn passed_bit(direction: u8) -> u8 {
+    if direction == DIRECTION_EGRESS {
+        PASSED_EGRESS
+    } else {
+        PASSED_INGRESS
     }
 }
 

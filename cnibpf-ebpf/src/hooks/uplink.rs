@@ -1,7 +1,7 @@
-//! An uplink. Ingress: ICMP errors about masqueraded packets, a later fragment of a
-//! masqueraded reply or of a datagram to a hostPort, a reply to a masqueraded flow (matched by
-//! its exact tuple before any hostPort, as conntrack matches a connection before a DNAT rule),
-//! then traffic to a hostPort — each translated and handed to its container. Egress: the
+//! An uplink. Ingress: ICMP errors about masqueraded packets, a reply to a masqueraded flow
+//! (matched by its exact tuple before any hostPort, as conntrack matches a connection before a
+//! DNAT rule), then traffic to a hostPort — each translated and handed to its container (a
+//! later fragment goes where its first went, by the ports the parser recovered). Egress: the
 //! host's own traffic (a local socket's, or from the uplink's address) goes on at once; then
 //! replies of translated flows the host stack routed, and container traffic it forwarded to be
 //! masqueraded.
@@ -14,8 +14,8 @@ use super::hand_over;
 use crate::{
     maps, masquerade,
     packet::{
-        Answer, DROP, DatapathError, Flow, Fragment, NEXT, SourceAddress, from_local_socket,
-        ifindex, source_address, zeroed,
+        Answer, DROP, DatapathError, Flow, NEXT, SourceAddress, from_local_socket, ifindex,
+        source_address, zeroed,
     },
     portmap,
 };
@@ -54,12 +54,6 @@ fn from_outside(ctx: &TcContext, flow: &mut Flow) -> i32 {
 fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
     let mut slot = MaybeUninit::uninit();
     let container = zeroed(&mut slot);
-    if flow.fragment == Fragment::Later {
-        return match masquerade::translate_later_fragment(ctx, flow, container) {
-            Answer::TO_CONTAINER => hand_over(ctx, Some(flow), container, true),
-            answer => Ok(answer.tc_verdict()),
-        };
-    }
     if let Some(entry) = masquerade::lookup_reply(flow) {
         // SAFETY: points into `masq_replies`; see `masquerade::translate_reply`.
         return match masquerade::translate_reply(ctx, flow, unsafe { &*entry }, container) {

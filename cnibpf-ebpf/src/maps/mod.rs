@@ -18,19 +18,17 @@ use cnibpf_common::{
     filter::{self, FilterSet},
     filter_event::{self, FilterEvent},
     filter_flow::{self, FilterFlow, FilterFlowKey},
-    filter_fragment::{self, FilterFragmentKey},
     filter_hits::{self, FilterHits},
     filter_stats::{self, FilterStats},
+    fragment::{self, FirstFragment, FragmentKey},
     host_addr::{self, HostAddrKey},
     layout::{self, LayoutInfo},
     masq_exclude::{self, MasqExcludeKey},
     masq_flow::{self, MasqFlow},
-    masq_fragment::{self, FragmentKey},
     masq_reply::{self, MasqReply},
     masq_source::{self, MasqSource, MasqSourceKey},
     masq_stats::{self, MasqStats},
     nat_flow::{self, NatFlowKey, NatFlowValue},
-    nat_fragment,
     owner::{self, OwnerInfo},
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
@@ -97,18 +95,8 @@ pub static masq_replies: LruHashMap<NatFlowKey, MasqReply, { masq_reply::MAX_ENT
     LruHashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static masq_fragments: LruHashMap<
-    FragmentKey,
-    MasqReply,
-    { masq_fragment::MAX_ENTRIES as usize },
-> = LruHashMap::new();
-
-#[btf_map(pin_by_name)]
-pub static nat_fragments: LruHashMap<
-    FragmentKey,
-    NatFlowValue,
-    { nat_fragment::MAX_ENTRIES as usize },
-> = LruHashMap::new();
+pub static fragments: LruHashMap<FragmentKey, FirstFragment, { fragment::MAX_ENTRIES as usize }> =
+    LruHashMap::new();
 
 #[btf_map(pin_by_name)]
 pub static masq_stats: PerCpuArray<MasqStats, { masq_stats::MAX_ENTRIES as usize }> =
@@ -146,13 +134,6 @@ pub static filter_flows: LruHashMap<
     FilterFlowKey,
     FilterFlow,
     { filter_flow::MAX_ENTRIES as usize },
-> = LruHashMap::new();
-
-#[btf_map(pin_by_name)]
-pub static filter_fragments: LruHashMap<
-    FilterFragmentKey,
-    u64,
-    { filter_fragment::MAX_ENTRIES as usize },
 > = LruHashMap::new();
 
 #[btf_map(pin_by_name)]

@@ -31,7 +31,7 @@ mod icmp;
 mod ports;
 mod replies;
 
-pub use replies::{lookup_reply, translate_icmp_error, translate_later_fragment, translate_reply};
+pub use replies::{lookup_reply, translate_icmp_error, translate_reply};
 
 use crate::{
     clock, drops, maps,
@@ -201,9 +201,9 @@ pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> 
 }
 
 /// A packet the host stack sends out of an uplink: masqueraded when it comes from a container
-/// that `from_container` did not forward itself. The verdicts of this function, `reply`,
-/// `later_fragment_reply` and `icmp_error` are final (the packets are not anyone else's), returned as plain integers:
-/// LLVM returns an `Option` from a BPF call with bits the verifier sees uninitialised.
+/// that `from_container` did not forward itself. Its verdict is final (the packet is no one
+/// else's), returned as a plain integer: LLVM returns an `Option` from a BPF call with bits the
+/// verifier sees uninitialised.
 #[inline(never)]
 pub fn uplink_egress(ctx: &TcContext, flow: &mut Flow) -> i32 {
     try_uplink_egress(ctx, flow).unwrap_or_else(|error| error.verdict(ctx))
@@ -286,8 +286,8 @@ impl Plan {
 #[inline(never)]
 fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, DatapathError> {
     if flow.fragment == Fragment::Later {
-        // No ports, no state: the first fragment's translation covers the datagram's
-        // checksum; the later ones need only the source address.
+        // No transport header, no state: the first fragment's translation covers the
+        // datagram's checksum; the later ones need only the source address.
         flow.rewrite_source(ctx, &plan.nat_addr, flow.sport)?;
         return Ok(true);
     }

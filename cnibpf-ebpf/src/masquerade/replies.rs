@@ -1,5 +1,6 @@
-//! Replies to masqueraded flows, their later fragments and ICMP errors about them, at an
-//! uplink's ingress: translated back towards their container for the hook to hand over.
+//! Replies to masqueraded flows (a later fragment of one too, with its first fragment's ports)
+//! and ICMP errors about them, at an uplink's ingress: translated back towards their container
+//! for the hook to hand over.
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -17,11 +18,10 @@ use cnibpf_common::{
 use super::{count, flow_key};
 use crate::{
     clock, maps,
-    packet::{Answer, DatapathError, Flow, Fragment, Handover, icmp::icmp_error_scratch, ifindex},
+    packet::{Answer, DatapathError, Flow, Handover, icmp::icmp_error_scratch, ifindex},
 };
 
-/// The `masq_replies` entry of a packet (a whole datagram or a first fragment) that is a reply
-/// to a masqueraded flow. The pointer is into the map; see `reply`.
+/// The `masq_replies` entry of a packet that is a reply to a masqueraded flow. The pointer is into the map; see `reply`.
 #[inline(always)]
 pub fn lookup_reply(flow: &Flow) -> Option<*const MasqReply> {
     maps::masq_replies.get_ptr(&flow_key(flow))
@@ -51,37 +51,8 @@ fn try_translate_reply(
         let _ = maps::masq_replies.remove(&flow_key(flow));
         return Ok(Answer::NEXT);
     }
-    if flow.fragment == Fragment::First {
-        let _ = maps::masq_fragments.insert(&flow.fragment_key(), entry, u64::from(BPF_ANY));
-    }
     flow.rewrite_destination(ctx, &entry.container_addr, entry.container_port.to_be())?;
     hand_over_to(entry, container);
-    Ok(Answer::TO_CONTAINER)
-}
-
-/// A later fragment of a reply, translated towards where its first fragment went
-/// (`TO_CONTAINER`), or `NOT_MINE`.
-#[inline(never)]
-pub fn translate_later_fragment(
-    ctx: &TcContext,
-    flow: &mut Flow,
-    container: &mut Handover,
-) -> Answer {
-    try_translate_later_fragment(ctx, flow, container).unwrap_or_else(|error| error.answer(ctx))
-}
-
-fn try_translate_later_fragment(
-    ctx: &TcContext,
-    flow: &mut Flow,
-    container: &mut Handover,
-) -> Result<Answer, DatapathError> {
-    let Some(reply) = maps::masq_fragments.get_ptr(&flow.fragment_key()) else {
-        return Ok(Answer::NOT_MINE);
-    };
-    // SAFETY: points into `masq_fragments`; see `try_translate_reply` on reading LRU entries.
-    let reply = unsafe { &*reply };
-    flow.rewrite_destination(ctx, &reply.container_addr, flow.dport)?;
-    hand_over_to(reply, container);
     Ok(Answer::TO_CONTAINER)
 }
 

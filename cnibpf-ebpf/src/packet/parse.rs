@@ -1,13 +1,14 @@
 //! Reading a packet into a [`Flow`]: TCP, UDP, SCTP and ICMP echo over IPv4 and IPv6, whole
 //! or fragmented. An ICMP echo's identifier plays the port of the side that chose it: the
 //! source port of a request, the destination port of a reply, so that a reply's tuple is the
-//! request's reversed.
+//! request's reversed. A later fragment, which carries no transport header, takes the ports
+//! its datagram's first fragment left in `fragments`, and with them the path of its flow.
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{bindings::BPF_ANY, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
     conntrack,
-    masq_fragment::FragmentKey,
+    fragment::{FirstFragment, FragmentKey},
     packet::{Fragment, is_echo_reply, is_echo_request},
 };
 
@@ -16,6 +17,7 @@ use super::{
     IPV6_HLEN, IPV6_SADDR_OFF, L4_PULL, MAX_DIRECT_OFFSET, address::widen_fast, ensure_linear,
     load, load_anywhere,
 };
+use crate::{clock, maps};
 
 /// A TCP, UDP, SCTP or ICMP echo packet over IPv4 or IPv6 (no extension headers but a
 /// fragment header).
@@ -25,9 +27,10 @@ pub struct Flow {
     pub protocol: u8,
     pub saddr: [u8; 16],
     pub daddr: [u8; 16],
-    /// Network byte order; zero in a later fragment.
+    /// Network byte order; in a later fragment its first fragment's, zero when that was not
+    /// seen.
     pub sport: u16,
-    /// Network byte order; zero in a later fragment.
+    /// Network byte order; as `sport`.
     pub dport: u16,
     pub fragment: Fragment,
     /// The datagram's identification (IPv4's 16 bits or the IPv6 fragment header's 32) as on
@@ -92,13 +95,58 @@ impl Flow {
     pub fn parse(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
         ensure_linear(ctx, ETH_HLEN);
         let ethertype: u16 = load(ctx, 12)?;
-        if ethertype == ETH_P_IP.to_be() {
-            Self::parse_ipv4(ctx)
+        let parsed = if ethertype == ETH_P_IP.to_be() {
+            Self::parse_ipv4(ctx)?
         } else if ethertype == ETH_P_IPV6.to_be() {
-            Self::parse_ipv6(ctx)
+            Self::parse_ipv6(ctx)?
         } else {
-            Ok(None)
+            return Ok(None);
+        };
+        let Some(mut flow) = parsed else {
+            return Ok(None);
+        };
+        if flow.fragment != Fragment::Whole {
+            flow.follow_datagram();
         }
+        Ok(Some(flow))
+    }
+
+    /// A first fragment leaves its ports in `fragments` for the rest of its datagram (an entry
+    /// another hook left with the same ports stays, with what the filter marked on it); a
+    /// later fragment takes them. Not inlined: fragments are rare, and the hooks' common
+    /// path need not carry the key.
+    #[inline(never)]
+    fn follow_datagram(&mut self) {
+        let key = self.fragment_key();
+        let now = clock::now_ns();
+        let known = maps::fragments.get_ptr(&key);
+        if self.fragment == Fragment::Later {
+            // SAFETY: points into `fragments`, read at once.
+            if let Some(first) = known.map(|first| unsafe { *first })
+                && first.is_live(now)
+            {
+                (self.sport, self.dport) = (first.src_port.to_be(), first.dst_port.to_be());
+            }
+            return;
+        }
+        let (src_port, dst_port) = (u16::from_be(self.sport), u16::from_be(self.dport));
+        // SAFETY: as above.
+        if let Some(first) = known.map(|first| unsafe { *first })
+            && first.is_live(now)
+            && (first.src_port, first.dst_port) == (src_port, dst_port)
+        {
+            return;
+        }
+        let first = FirstFragment {
+            seen_ns: now,
+            src_port,
+            dst_port,
+            passed: 0,
+            _pad: [0; 3],
+        };
+        // A full LRU map evicts; a failed insert leaves the later fragments without ports,
+        // as when their first was not seen.
+        let _ = maps::fragments.insert(&key, &first, u64::from(BPF_ANY));
     }
 
     #[inline(always)]
@@ -176,8 +224,8 @@ impl Flow {
         }))
     }
 
-    /// The key of the datagram this packet is a fragment of (`masq_fragments`,
-    /// `nat_fragments`).
+    /// The `fragments` key of the datagram this packet is a fragment of, under its addresses
+    /// as they are now.
     pub fn fragment_key(&self) -> FragmentKey {
         FragmentKey {
             src_addr: self.saddr,

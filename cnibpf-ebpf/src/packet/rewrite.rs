@@ -290,7 +290,8 @@ impl Flow {
             Side::Source => self.sport,
             Side::Destination => self.dport,
         };
-        if old == new {
+        // A later fragment carries no transport header: its ports are its first fragment's.
+        if old == new || self.fragment == Fragment::Later {
             return Ok(());
         }
         let offset = self.port_off(side);

@@ -7,10 +7,9 @@
 //! that keeps its source port. The flow entry (`nat_flows`) only serves to reverse the
 //! translation of replies.
 //!
-//! Datagrams in fragments: the first fragment carries the ports and is translated as a whole
-//! datagram is; the later ones follow it by the datagram's identification — from outside
-//! through `masq_fragments` (the uplink hook translates them with masquerade's replies), the
-//! container's replies through `nat_fragments`. Hairpin traffic is translated whole only.
+//! Datagrams in fragments: the later fragments carry the first one's ports from the parser
+//! (`fragments`), so each is translated as its first was, its transport header left alone.
+//! Hairpin traffic is translated whole only.
 
 mod conditions;
 
@@ -18,7 +17,6 @@ use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, progra
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
     endpoint::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
-    masq_reply::MasqReply,
     nat_flow::{NatFlowKey, NatFlowValue},
     portmap::{PortMapKey, PortMapValue},
 };
@@ -83,20 +81,6 @@ pub fn translate_from_outside(
     }
     if begin_translation(flow, mapping.owner, 0).is_none() {
         return Ok(Answer::NOT_MINE);
-    }
-    if flow.fragment == Fragment::First {
-        // Where the later fragments go, found by the datagram as it arrives.
-        let entry = MasqReply {
-            container_addr: mapping.container_addr,
-            owner: mapping.owner,
-            host_ifindex: mapping.host_ifindex,
-            container_port: mapping.container_port,
-            _pad: [0; 2],
-            container_mac: mapping.container_mac,
-            gateway_mac: mapping.gateway_mac,
-            _pad2: [0; 4],
-        };
-        let _ = maps::masq_fragments.insert(&flow.fragment_key(), &entry, u64::from(BPF_ANY));
     }
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
     hand_to(container, mapping);
@@ -185,28 +169,12 @@ pub fn translate_reply(
     let Some(entry) = reverse_of(flow) else {
         return Answer::NOT_MINE;
     };
-    // SAFETY: entry points into nat_flows or nat_fragments; it is copied out field by field
-    // before any rewrite.
+    // SAFETY: entry points into nat_flows; it is copied out field by field before any
+    // rewrite.
     let entry = unsafe { &*entry };
-    // A later fragment has no ports: its addresses alone change.
-    let later = flow.fragment == Fragment::Later;
-    let (orig_addr, orig_port) = (
-        entry.orig_addr,
-        if later {
-            flow.sport
-        } else {
-            entry.orig_port.to_be()
-        },
-    );
+    let (orig_addr, orig_port) = (entry.orig_addr, entry.orig_port.to_be());
     if entry.peer_ifindex != 0 {
-        let (peer_addr, peer_port) = (
-            entry.peer_addr,
-            if later {
-                flow.dport
-            } else {
-                entry.peer_port.to_be()
-            },
-        );
+        let (peer_addr, peer_port) = (entry.peer_addr, entry.peer_port.to_be());
         client.host_ifindex = entry.peer_ifindex;
         client.container_mac = entry.peer_mac;
         client.gateway_mac = entry.gateway_mac;
@@ -246,59 +214,28 @@ pub fn translate_routed_reply(ctx: &TcContext, flow: &mut Flow) -> Result<Answer
     let Some(entry) = reverse_of(flow) else {
         return Ok(Answer::NOT_MINE);
     };
-    // SAFETY: entry points into nat_flows or nat_fragments; the fields are copied out before
-    // any rewrite.
+    // SAFETY: entry points into nat_flows; the fields are copied out before any rewrite.
     let (orig_addr, orig_port) = unsafe { ((*entry).orig_addr, (*entry).orig_port.to_be()) };
-    let port = if flow.fragment == Fragment::Later {
-        flow.sport
-    } else {
-        orig_port
-    };
-    flow.rewrite_source(ctx, &orig_addr, port)?;
+    flow.rewrite_source(ctx, &orig_addr, orig_port)?;
     Ok(Answer::NEXT)
 }
 
-/// The translation a container's packet reverses: its flow's `nat_flows` entry (refreshed at
-/// most once a second: replies keep the flow alive too), or for a later fragment its first
-/// fragment's `nat_fragments` entry; a first fragment leaves its entry there for the later
-/// ones. The pointer is into one of the two maps. Inlined: as a BPF call, LLVM returns the
-/// option in two registers, and a BPF call returns one; the fragment keys stay in the frames
-/// of the two helpers below, off the deep call chains of the rewrites.
+/// The translation a container's packet reverses: its flow's `nat_flows` entry, refreshed at
+/// most once a second (replies keep the flow alive too). The pointer is into the map.
+/// Inlined: as a BPF call, LLVM returns the option in two registers, and a BPF call returns
+/// one.
 #[inline(always)]
 fn reverse_of(flow: &Flow) -> Option<*const NatFlowValue> {
-    if flow.fragment == Fragment::Later {
-        let entry = later_fragment_reverse(flow);
-        return (!entry.is_null()).then_some(entry);
-    }
     let entry = maps::nat_flows.get_ptr_mut(&flow_key(flow, Direction::Packet))?;
     let now = clock::now_ns();
     // SAFETY: entry points into nat_flows; racing writers of the refresh time write the same.
+    // (A clock read behind the entry's time, another CPU's, never moves it back.)
     unsafe {
-        if now.wrapping_sub((*entry).last_seen_ns) >= FLOW_REFRESH_NS {
+        if now.saturating_sub((*entry).last_seen_ns) >= FLOW_REFRESH_NS {
             (*entry).last_seen_ns = now;
         }
     }
-    if flow.fragment == Fragment::First {
-        remember_first_fragment(flow, entry);
-    }
     Some(entry.cast_const())
-}
-
-/// The `nat_fragments` entry of a later fragment's datagram; null when its first fragment
-/// was not seen.
-#[inline(never)]
-fn later_fragment_reverse(flow: &Flow) -> *const NatFlowValue {
-    maps::nat_fragments
-        .get_ptr(&flow.fragment_key())
-        .unwrap_or(core::ptr::null())
-}
-
-/// Leaves the translation of a first fragment's flow for the later fragments.
-#[inline(never)]
-fn remember_first_fragment(flow: &Flow, entry: *const NatFlowValue) {
-    // SAFETY: entry points into nat_flows, copied by the update.
-    let _ =
-        maps::nat_fragments.insert(&flow.fragment_key(), unsafe { &*entry }, u64::from(BPF_ANY));
 }
 
 /// A packet towards a container that did not come through a hostPort: a TCP connection
@@ -339,7 +276,7 @@ pub fn remember_translation(flow: &Flow) {
             && current.orig_port == orig_port
             && current.orig_addr == translation.original_addr
             && current.peer_ifindex == translation.reply_ifindex
-            && now.wrapping_sub(current.last_seen_ns) < FLOW_REFRESH_NS
+            && now.saturating_sub(current.last_seen_ns) < FLOW_REFRESH_NS
         {
             return;
         }

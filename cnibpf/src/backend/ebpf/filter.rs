@@ -1,7 +1,7 @@
 //! The eBPF backend's filter: one `filters` element per filtered attachment (keyed by its
 //! host-side interface), replaced whole so that packets see the old rules or the new ones; its
-//! per-rule counters in `filter_hits`; and the connection tracking state in `filter_flows` and
-//! `filter_fragments`, which DEL and GC remove per attachment and GC sweeps when expired.
+//! per-rule counters in `filter_hits`; and the connection tracking state in `filter_flows`,
+//! which DEL and GC remove per attachment and GC sweeps when expired.
 
 use std::net::IpAddr;
 
@@ -13,7 +13,6 @@ use cnibpf_common::{
         FilterRule as StoredRule, FilterSet, MAX_RULES, NO_PREFIX, TARGET_ALLOW, TARGET_DROP,
     },
     filter_flow::{self, FilterFlow, FilterFlowKey},
-    filter_fragment::{self, FilterFragmentKey},
     filter_hits::{self, FilterHits},
     filter_stats::{self, FilterStats},
 };
@@ -21,7 +20,7 @@ use ipnet::IpNet;
 
 use super::{
     EbpfBackend, batch, found, map_error, monotonic_now_ns, open_pinned, read_error, remove_entry,
-    remove_where, removed,
+    removed,
 };
 use crate::{
     backend::{BackendError, Endpoint, Filtering},
@@ -29,13 +28,12 @@ use crate::{
     paths::PinLayout,
 };
 
-/// The maps of the filter: the rule sets, their counters, the connections it tracks and their
-/// fragments, its statistics.
+/// The maps of the filter: the rule sets, their counters, the connections it tracks, its
+/// statistics.
 pub(super) struct FilterMaps {
     pub(super) filters: HashMap<MapData, u32, FilterSet>,
     pub(super) filter_hits: PerCpuHashMap<MapData, u32, FilterHits>,
     pub(super) filter_flows: HashMap<MapData, FilterFlowKey, FilterFlow>,
-    pub(super) filter_fragments: HashMap<MapData, FilterFragmentKey, u64>,
     pub(super) filter_stats: PerCpuArray<MapData, FilterStats>,
     /// Whether this invocation already removed the expired entries of `filter_flows`.
     pub(super) flows_swept: bool,
@@ -47,7 +45,6 @@ impl FilterMaps {
             filters: open_pinned(pins, filter::MAP_NAME)?,
             filter_hits: open_pinned(pins, filter_hits::MAP_NAME)?,
             filter_flows: open_pinned(pins, filter_flow::MAP_NAME)?,
-            filter_fragments: open_pinned(pins, filter_fragment::MAP_NAME)?,
             filter_stats: open_pinned(pins, filter_stats::MAP_NAME)?,
             flows_swept: false,
         })
@@ -165,8 +162,8 @@ impl EbpfBackend {
         self.remove_filter_flows(|flow_owner| flow_owner == owner)
     }
 
-    /// Removes the tracked connections and fragments whose owner `stale` selects, and every
-    /// expired connection on the way.
+    /// Removes the tracked connections whose owner `stale` selects, and every expired
+    /// connection on the way.
     fn remove_filter_flows(&mut self, stale: impl Fn(u64) -> bool) -> Result<(), BackendError> {
         let now = monotonic_now_ns();
         let flows =
@@ -177,11 +174,7 @@ impl EbpfBackend {
             }
         }
         self.filter.flows_swept = true;
-        remove_where(
-            &mut self.filter.filter_fragments,
-            filter_fragment::MAP_NAME,
-            |owner| stale(*owner),
-        )
+        Ok(())
     }
 
     /// The GC sweep of expired connections (unless a removal in this run did it already).

@@ -3,16 +3,17 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use aya::maps::{IterableMap, MapData, PerCpuArray};
+use aya::maps::{HashMap, IterableMap, MapData, PerCpuArray};
 use cnibpf_common::{
     addr,
     drop_event_budget::{self, DropEventBudget},
     drop_stats::{self, DropCount, DropReason},
     filter::{MAX_RULES, TARGET_DROP},
-    filter_flow, filter_fragment,
+    filter_flow,
     filter_hits::{self, DEFAULT_SLOT, RuleHits},
     filter_stats::FilterStats,
-    masq_flow, masq_fragment, masq_reply, nat_flow, nat_fragment, owner as owner_map,
+    fragment::{self, FirstFragment, FragmentKey},
+    masq_flow, masq_reply, nat_flow, owner as owner_map,
 };
 
 use super::{
@@ -20,6 +21,7 @@ use super::{
     filter::config_rule,
     found, map_error,
     masquerade::exclude_net,
+    open_pinned,
     owner::{attachment_of, pod_of, read_name},
     portmap::mapping_from_entry,
     read_error,
@@ -202,14 +204,15 @@ impl Inspect for EbpfBackend {
     }
 
     fn flow_tables(&self) -> Result<Vec<FlowTable>, BackendError> {
+        // No capability owns the datagrams in flight: only read here.
+        let fragments: HashMap<MapData, FragmentKey, FirstFragment> =
+            open_pinned(&self.pins, fragment::MAP_NAME)?;
         Ok(vec![
             fill(nat_flow::MAP_NAME, &self.port_mapping.nat_flows)?,
-            fill(nat_fragment::MAP_NAME, &self.port_mapping.nat_fragments)?,
             fill(masq_flow::MAP_NAME, &self.masquerade.masq_flows)?,
             fill(masq_reply::MAP_NAME, &self.masquerade.masq_replies)?,
-            fill(masq_fragment::MAP_NAME, &self.masquerade.masq_fragments)?,
             fill(filter_flow::MAP_NAME, &self.filter.filter_flows)?,
-            fill(filter_fragment::MAP_NAME, &self.filter.filter_fragments)?,
+            fill(fragment::MAP_NAME, &fragments)?,
         ])
     }
 }

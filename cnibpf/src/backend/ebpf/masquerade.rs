@@ -10,7 +10,6 @@ use cnibpf_common::{
     addr,
     masq_exclude::{self, MasqExcludeKey, OWNER_FAMILY_BITS},
     masq_flow::{self, MasqFlow},
-    masq_fragment::{self, FragmentKey},
     masq_reply::{self, MasqReply},
     masq_source::{self, MasqSource, MasqSourceKey},
     masq_stats::{self, MasqStats},
@@ -31,14 +30,13 @@ use crate::{
 };
 
 /// The maps of masquerade: its sources and exclusions, the uplinks' addresses, its connection
-/// state (`masq_flows`, `masq_replies`), fragments and statistics.
+/// state (`masq_flows`, `masq_replies`) and statistics.
 pub(super) struct MasqueradeMaps {
     pub(super) masq_sources: HashMap<MapData, MasqSourceKey, MasqSource>,
     pub(super) masq_excludes: LpmTrie<MapData, MasqExcludeKey, u32>,
     pub(super) uplinks: HashMap<MapData, u32, UplinkInfo>,
     pub(super) masq_flows: HashMap<MapData, NatFlowKey, MasqFlow>,
     pub(super) masq_replies: HashMap<MapData, NatFlowKey, MasqReply>,
-    pub(super) masq_fragments: HashMap<MapData, FragmentKey, MasqReply>,
     pub(super) masq_stats: PerCpuArray<MapData, MasqStats>,
     /// Whether this invocation already removed the expired entries of `masq_flows` (removing
     /// an attachment's flows does it in the same pass).
@@ -53,17 +51,8 @@ impl MasqueradeMaps {
             uplinks: open_pinned(pins, uplink::MAP_NAME)?,
             masq_flows: open_pinned(pins, masq_flow::MAP_NAME)?,
             masq_replies: open_pinned(pins, masq_reply::MAP_NAME)?,
-            masq_fragments: open_pinned(pins, masq_fragment::MAP_NAME)?,
             masq_stats: open_pinned(pins, masq_stats::MAP_NAME)?,
             flows_swept: false,
-        })
-    }
-
-    /// Removes where the later fragments of `owner`'s datagrams would go (hostPort DNAT
-    /// leaves its first fragments' entries here too).
-    pub(super) fn forget_fragments_of(&mut self, owner: u64) -> Result<(), BackendError> {
-        remove_where(&mut self.masq_fragments, masq_fragment::MAP_NAME, |reply| {
-            reply.owner == owner
         })
     }
 }
@@ -177,11 +166,6 @@ impl Masquerading for EbpfBackend {
         remove_where(
             &mut self.masquerade.masq_replies,
             masq_reply::MAP_NAME,
-            |reply| reply.owner == owner,
-        )?;
-        remove_where(
-            &mut self.masquerade.masq_fragments,
-            masq_fragment::MAP_NAME,
             |reply| reply.owner == owner,
         )
     }

@@ -424,10 +424,19 @@ pub(super) fn load_object(pins: &PinLayout, sizes: &[MapSize]) -> Result<(), Bac
     Ok(())
 }
 
+/// Maps earlier builds pinned that no program of this one uses: the later fragments of each
+/// feature's datagrams, which follow their first fragment's ports in `fragments` now. Their
+/// types are unchanged, so a build that has them (a rollback) creates them again.
+const RETIRED_MAPS: [&str; 3] = ["masq_fragments", "nat_fragments", "filter_fragments"];
+
 /// Writes the layout stamp: the state is this layout's, with this build's programs, and every
 /// link runs them. Last of a load or a migration, so that a crash before it makes the next run
-/// do it all again.
+/// do it all again. The maps no program of this build uses go first (the links run this
+/// build's programs by now).
 pub(super) fn stamp(pins: &PinLayout) -> Result<(), BackendError> {
+    for name in RETIRED_MAPS {
+        remove_pin(&pins.map(name))?;
+    }
     let path = pins.map(layout::MAP_NAME);
     let error = |source| BackendError::Map {
         action: format!("could not stamp {}", path.display()),

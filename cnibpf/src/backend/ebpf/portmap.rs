@@ -1,16 +1,13 @@
 //! Port mappings: `portmap` entries keyed by what a packet arrives at, each attachment's keys
 //! in its `owner_ports` slots, `port_claims` counting address-specific keys (so a wildcard
-//! finds an overlap without a scan), and the `nat_flows` they translated (with the
-//! `nat_fragments` and `masq_fragments` entries of their fragmented datagrams).
+//! finds an overlap without a scan), and the `nat_flows` they translated.
 
 use std::collections::HashSet;
 
 use aya::maps::{HashMap, MapData, MapError};
 use cnibpf_common::{
     addr,
-    masq_fragment::FragmentKey,
     nat_flow::{self, NatFlowKey, NatFlowValue},
-    nat_fragment,
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
     port_condition::{self, PortConditions, PortConditionsKey},
@@ -19,7 +16,6 @@ use cnibpf_common::{
 
 use super::{
     EbpfBackend, batch, found, map_error, monotonic_now_ns, open_pinned, read_error, remove_entry,
-    remove_where,
 };
 use crate::{
     backend::{BackendError, Endpoint, PortMappings, check_mapping_count, refuse_held_host_ports},
@@ -28,12 +24,11 @@ use crate::{
     paths::PinLayout,
 };
 
-/// The maps of port mapping: the mappings (`portmap`), their translated flows and fragments,
+/// The maps of port mapping: the mappings (`portmap`), their translated flows,
 /// who holds which (`owner_ports`, `port_claims`) and who may reach them (`port_conditions`).
 pub(super) struct PortMapMaps {
     pub(super) portmap: HashMap<MapData, PortMapKey, PortMapValue>,
     pub(super) nat_flows: HashMap<MapData, NatFlowKey, NatFlowValue>,
-    pub(super) nat_fragments: HashMap<MapData, FragmentKey, NatFlowValue>,
     pub(super) owner_ports: HashMap<MapData, OwnerPortKey, PortMapKey>,
     pub(super) port_claims: HashMap<MapData, PortClaimKey, PortClaim>,
     pub(super) port_conditions: HashMap<MapData, PortConditionsKey, PortConditions>,
@@ -44,7 +39,6 @@ impl PortMapMaps {
         Ok(Self {
             portmap: open_pinned(pins, portmap::MAP_NAME)?,
             nat_flows: open_pinned(pins, nat_flow::MAP_NAME)?,
-            nat_fragments: open_pinned(pins, nat_fragment::MAP_NAME)?,
             owner_ports: open_pinned(pins, owner_port::MAP_NAME)?,
             port_claims: open_pinned(pins, port_claim::MAP_NAME)?,
             port_conditions: open_pinned(pins, port_condition::MAP_NAME)?,
@@ -189,16 +183,6 @@ impl EbpfBackend {
         Ok(())
     }
 
-    /// Removes where the later fragments of the attachment's datagrams would go, both ways.
-    fn remove_fragments(&mut self, owner: u64) -> Result<(), BackendError> {
-        remove_where(
-            &mut self.port_mapping.nat_fragments,
-            nat_fragment::MAP_NAME,
-            |value| value.owner == owner,
-        )?;
-        self.masquerade.forget_fragments_of(owner)
-    }
-
     /// Removes the expired translations of every attachment.
     pub(super) fn sweep_expired_port_mapping_flows(&mut self) -> Result<(), BackendError> {
         let now = monotonic_now_ns();
@@ -283,8 +267,7 @@ impl PortMappings for EbpfBackend {
             self.remove_owned_mapping(owner, key)?;
         }
         self.record_owned_keys(owner, &[])?;
-        self.remove_flows(|_, flow| flow.owner == owner)?;
-        self.remove_fragments(owner)
+        self.remove_flows(|_, flow| flow.owner == owner)
     }
 
     fn holder_of(

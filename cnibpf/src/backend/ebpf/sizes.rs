@@ -31,14 +31,12 @@ use cnibpf_common::{
     endpoint::{self, EndpointInfo},
     filter::{self, FilterSet},
     filter_flow::{self, FilterFlow, FilterFlowKey},
-    filter_fragment::{self, FilterFragmentKey},
     filter_hits::{self, FilterHits},
+    fragment::{self, FirstFragment, FragmentKey},
     masq_flow::{self, MasqFlow},
-    masq_fragment::{self, FragmentKey},
     masq_reply::{self, MasqReply},
     masq_source::{self, MasqSource, MasqSourceKey},
     nat_flow::{self, NatFlowKey, NatFlowValue},
-    nat_fragment,
     owner::{self, OwnerInfo},
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
@@ -112,14 +110,12 @@ macro_rules! sized {
 /// Every sized map; the first of each dimension is its measure (`Times(1)`). Fragments are
 /// short-lived (a datagram's reassembly), socket translations a share of the flows; an
 /// attachment has a masquerade source and a set of conditions per family.
-const SIZED_MAPS: [SizedMap; 18] = [
+const SIZED_MAPS: [SizedMap; 16] = [
     sized!(nat_flow, Flows, Scale::Times(1), hash<NatFlowKey, NatFlowValue>),
     sized!(masq_flow, Flows, Scale::Times(1), hash<NatFlowKey, MasqFlow>),
     sized!(masq_reply, Flows, Scale::Times(1), hash<NatFlowKey, MasqReply>),
     sized!(filter_flow, Flows, Scale::Times(1), hash<FilterFlowKey, FilterFlow>),
-    sized!(nat_fragment, Flows, Scale::Over(16), hash<FragmentKey, NatFlowValue>),
-    sized!(masq_fragment, Flows, Scale::Over(16), hash<FragmentKey, MasqReply>),
-    sized!(filter_fragment, Flows, Scale::Over(16), hash<FilterFragmentKey, u64>),
+    sized!(fragment, Flows, Scale::Over(8), hash<FragmentKey, FirstFragment>),
     sized!(sock_rev, Flows, Scale::Over(4), hash<SockRevKey, SockRevValue>),
     sized!(owner, Attachments, Scale::Times(1), hash<u64, OwnerInfo>),
     sized!(endpoint, Attachments, Scale::Times(1), hash<u32, EndpointInfo>),
@@ -510,9 +506,7 @@ mod tests {
             (masq_flow::MAP_NAME, masq_flow::MAX_ENTRIES),
             (masq_reply::MAP_NAME, masq_reply::MAX_ENTRIES),
             (filter_flow::MAP_NAME, filter_flow::MAX_ENTRIES),
-            (nat_fragment::MAP_NAME, nat_fragment::MAX_ENTRIES),
-            (masq_fragment::MAP_NAME, masq_fragment::MAX_ENTRIES),
-            (filter_fragment::MAP_NAME, filter_fragment::MAX_ENTRIES),
+            (fragment::MAP_NAME, fragment::MAX_ENTRIES),
             (sock_rev::MAP_NAME, sock_rev::MAX_ENTRIES),
             (owner::MAP_NAME, owner::MAX_ENTRIES),
             (endpoint::MAP_NAME, endpoint::MAX_ENTRIES),
@@ -547,14 +541,14 @@ mod tests {
         assert!(size(nat_flow::MAP_NAME).resized);
         assert_eq!(size(sock_rev::MAP_NAME).entries, 16_384);
         assert!(size(sock_rev::MAP_NAME).resized);
-        assert_eq!(size(nat_fragment::MAP_NAME).entries, 4_096);
-        assert!(!size(nat_fragment::MAP_NAME).resized, "not pinned: created");
+        assert_eq!(size(fragment::MAP_NAME).entries, 8_192);
+        assert!(!size(fragment::MAP_NAME).resized, "not pinned: created");
         // Attachments were not named: pinned maps keep their size (even one that is not what
         // the scale says), a missing one follows the pinned measure.
         assert_eq!(size(owner::MAP_NAME).entries, 16_384);
         assert_eq!(size(masq_source::MAP_NAME).entries, 16_384);
         assert_eq!(size(port_condition::MAP_NAME).entries, 32_768);
-        assert!(!sizes[8..].iter().any(|size| size.resized));
+        assert!(!sizes[6..].iter().any(|size| size.resized));
         // Host ports: nothing pinned, nothing named: the default.
         assert_eq!(size(portmap::MAP_NAME).entries, 16_384);
     }
@@ -562,12 +556,12 @@ mod tests {
     #[test]
     fn fractions_of_the_smallest_dimension_keep_a_floor() {
         let capacity = Capacity {
-            flows: Some(1_024),
+            flows: Some(256),
             ..Capacity::default()
         };
         let sizes = created_with(&capacity);
         let size = |name: &str| sizes.iter().find(|(map, _)| *map == name).expect(name).1;
-        assert_eq!(size(nat_fragment::MAP_NAME), MIN_SCALED);
-        assert_eq!(size(sock_rev::MAP_NAME), 256);
+        assert_eq!(size(fragment::MAP_NAME), MIN_SCALED);
+        assert_eq!(size(sock_rev::MAP_NAME), 64);
     }
 }
