@@ -109,6 +109,29 @@ else
     step "kubernetes-validate $validator_version present"
 fi
 
+# The reference portmap with its own nftables backend (plugins >= 1.5): Debian 12 packages
+# 1.1.1 (iptables only), so the tests unpack the binaries of Debian unstable's package into a
+# directory of their own. Nothing is installed into the system: apt reads unstable's index
+# into a state directory of its own.
+unstable_plugins_dir="${CNIBPF_TOOLS_DIR:-$HOME/.local/share/cnibpf-tools}/cni-plugins-unstable"
+if [ ! -x "$unstable_plugins_dir/usr/lib/cni/portmap" ]; then
+    step "unpacking Debian unstable's containernetworking-plugins in $unstable_plugins_dir"
+    apt_state=$(mktemp -d)
+    mkdir -p "$apt_state/lists/partial" "$apt_state/cache/archives/partial"
+    echo "deb http://deb.debian.org/debian sid main" >"$apt_state/sources.list"
+    apt_options=(-o "Dir::Etc::sourcelist=$apt_state/sources.list" -o Dir::Etc::sourceparts=/dev/null
+        -o "Dir::State::Lists=$apt_state/lists" -o "Dir::Cache=$apt_state/cache" -o Debug::NoLocking=1
+        -o APT::Sandbox::User=root)
+    apt-get "${apt_options[@]}" update -qq
+    (cd "$apt_state" && apt-get "${apt_options[@]}" download -qq containernetworking-plugins)
+    rm -rf "$unstable_plugins_dir.partial"
+    dpkg-deb -x "$apt_state"/containernetworking-plugins_*.deb "$unstable_plugins_dir.partial"
+    rm -rf "$unstable_plugins_dir" "$apt_state"
+    mv "$unstable_plugins_dir.partial" "$unstable_plugins_dir"
+else
+    step "Debian unstable's portmap present in $unstable_plugins_dir"
+fi
+
 # bpffs: the plugin mounts it itself when missing; the tests and bpftool want it now.
 if ! stat -f -c %T /sys/fs/bpf 2>/dev/null | grep -q bpf; then
     step "mounting bpffs on /sys/fs/bpf"

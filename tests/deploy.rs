@@ -249,11 +249,7 @@ fn filesystem_type(path: &Path) -> String {
 
 /// `kubernetes-validate --strict` over `manifests` (the API's schemas, offline): its report.
 fn validate(manifests: &[PathBuf]) -> String {
-    let tools = std::env::var_os("CNIBPF_TOOLS_DIR").map_or_else(
-        || Path::new(&std::env::var_os("HOME").expect("HOME")).join(".local/share/cnibpf-tools"),
-        PathBuf::from,
-    );
-    let validator = tools.join("kubernetes-validate/bin/kubernetes-validate");
+    let validator = cnibpf_tests::tools_dir().join("kubernetes-validate/bin/kubernetes-validate");
     let output = std::process::Command::new(&validator)
         .arg("--strict")
         .args(manifests)

@@ -50,51 +50,99 @@ fn an_upgrade_replaces_the_binary_while_the_old_one_runs() {
     terminate(running);
 }
 
-/// The iptables state of the simulated host's nat table (`iptables-save`, or the legacy
-/// one).
-fn nat_rules(sim: &SimHost, save: &str) -> String {
-    sim.host.exec(&[save, "-t", "nat"])
+/// A reference portmap and where it keeps a pod's rules.
+struct PortmapUnderTest {
+    /// Short, for the test's names.
+    name: &'static str,
+    /// portmap's keys besides `type`, `snat` and `capabilities`.
+    keys: Value,
+    /// A directory searched before `/usr/lib/cni`, holding a newer portmap.
+    plugins: Option<PathBuf>,
+    /// The `iptables` and `ip6tables` portmap runs (it takes the first on PATH).
+    iptables: Option<(&'static str, &'static str)>,
+    /// The command listing its rules in the simulated host.
+    rules: &'static [&'static str],
+}
+
+/// Debian's portmap 1.1.1 over iptables-nft (Debian's default) and legacy iptables, and
+/// Debian unstable's portmap (≥ 1.5, unpacked by `scripts/bootstrap.sh`) with its own
+/// nftables backend.
+fn reference_portmaps() -> Vec<PortmapUnderTest> {
+    let unstable = cnibpf_tests::tools_dir().join("cni-plugins-unstable/usr/lib/cni");
+    assert!(
+        unstable.join("portmap").exists(),
+        "{}: Debian unstable's portmap is missing (scripts/bootstrap.sh unpacks it)",
+        unstable.display()
+    );
+    vec![
+        PortmapUnderTest {
+            name: "nft",
+            keys: json!({}),
+            plugins: None,
+            iptables: Some(("iptables-nft", "ip6tables-nft")),
+            rules: &["iptables-nft-save", "-t", "nat"],
+        },
+        PortmapUnderTest {
+            name: "legacy",
+            keys: json!({}),
+            plugins: None,
+            iptables: Some(("iptables-legacy", "ip6tables-legacy")),
+            rules: &["iptables-legacy-save", "-t", "nat"],
+        },
+        PortmapUnderTest {
+            name: "nftables",
+            keys: json!({ "backend": "nftables" }),
+            plugins: Some(unstable),
+            iptables: None,
+            rules: &["nft", "list", "ruleset"],
+        },
+    ]
 }
 
 /// A pod the reference portmap set up before `install --replace-portmap` (its hostPort in
-/// portmap's iptables chains) is deleted through cnibpf's entry: cnibpf holds nothing of it
-/// and hands the DEL to portmap, which removes its chains — with iptables over nf_tables
-/// (Debian's default) and with legacy iptables. A pod cnibpf set up afterwards is deleted by
-/// cnibpf, and its repeated DELs (which containerd sends) succeed.
+/// portmap's chains) is deleted through cnibpf's entry: cnibpf holds nothing of it and hands
+/// the DEL to portmap, which removes its rules — with iptables over nf_tables (Debian's
+/// default), with legacy iptables, and with portmap's own nftables backend. A pod cnibpf set
+/// up afterwards is deleted by cnibpf, and its repeated DELs (which containerd sends) succeed.
 #[test]
 fn a_pod_portmap_made_before_the_install_is_deleted_by_portmap_through_cnibpfs_entry() {
-    for (iptables, save) in [
-        ("iptables-nft", "iptables-nft-save"),
-        ("iptables-legacy", "iptables-legacy-save"),
-    ] {
-        let sim = SimHost::with_reference_portmap(&format!("pmd-{}", &iptables[9..]));
-        // portmap runs the `iptables` it finds first on PATH.
-        let tools = sim.work_dir.join("iptables");
-        std::fs::create_dir_all(&tools).expect("tools dir");
-        for (name, target) in [
-            ("iptables", iptables),
-            ("ip6tables", &iptables.replace("ip", "ip6")),
-        ] {
-            std::os::unix::fs::symlink(format!("/usr/sbin/{target}"), tools.join(name))
-                .expect("link iptables");
-        }
-        let path = format!(
-            "{}:{}",
-            tools.display(),
-            std::env::var("PATH").unwrap_or_default()
+    for portmap in reference_portmaps() {
+        let name = portmap.name;
+        let mut sim = SimHost::with_chain(
+            &format!("pmd-{name}"),
+            vec![Chained::ReferencePortmap(portmap.keys)],
         );
+        if let Some(plugins) = &portmap.plugins {
+            // Only portmap from there: the bridge and host-local stay Debian's.
+            let dir = sim.work_dir.join("plugins");
+            std::fs::create_dir_all(&dir).expect("plugins dir");
+            std::os::unix::fs::symlink(plugins.join("portmap"), dir.join("portmap"))
+                .expect("link portmap");
+            sim.chain.search_first(&dir);
+        }
+        let mut path = std::env::var("PATH").unwrap_or_default();
+        if let Some((iptables, ip6tables)) = portmap.iptables {
+            let tools = sim.work_dir.join("iptables");
+            std::fs::create_dir_all(&tools).expect("tools dir");
+            for (link, target) in [("iptables", iptables), ("ip6tables", ip6tables)] {
+                std::os::unix::fs::symlink(format!("/usr/sbin/{target}"), tools.join(link))
+                    .expect("link iptables");
+            }
+            path = format!("{}:{path}", tools.display());
+        }
         sim.chain.set_environment(&[("PATH", &path)]);
+        let search = sim.chain.cni_path().to_owned();
         let made_by_portmap = sim
             .add_container("old", port_mappings(&[(18090, 80, "tcp")]))
-            .unwrap_or_else(|error| panic!("{iptables}: ADD through portmap: {error}"));
+            .unwrap_or_else(|error| panic!("{name}: ADD through portmap: {error}"));
         let container_id = made_by_portmap.attachment.container_id.clone();
-        let before = nat_rules(&sim, save);
+        let before = sim.host.exec(portmap.rules);
         assert!(
-            before.contains(&container_id) && before.contains("CNI-DN-"),
-            "{iptables}: portmap's chains of the pod:\n{before}"
+            before.contains(&container_id) && before.contains("18090"),
+            "{name}: portmap's rules of the pod:\n{before}"
         );
 
-        let node = NodeDirs::new(&format!("pmd-{}", &iptables[9..]));
+        let node = NodeDirs::new(&format!("pmd-{name}"));
         node.write("10-net.conflist", sim.chain.conflist());
         let entry = node.root.join("entry.json");
         std::fs::write(
@@ -108,7 +156,7 @@ fn a_pod_portmap_made_before_the_install_is_deleted_by_portmap_through_cnibpfs_e
         );
         let own = node.read("10-net.cnibpf.conflist");
         assert_eq!(types(&own), ["bridge", "cnibpf"], "{own:#}");
-        let through_cnibpf = Chain::new(own, &cni_path(), &sim.host.path());
+        let through_cnibpf = Chain::new(own, &search, &sim.host.path());
         through_cnibpf.remember(&made_by_portmap.attachment, &made_by_portmap.result);
         let del = |attachment: &Attachment| {
             let cnibpf = &through_cnibpf.conflist()["plugins"][1];
@@ -118,37 +166,32 @@ fn a_pod_portmap_made_before_the_install_is_deleted_by_portmap_through_cnibpfs_e
                 Some(&made_by_portmap.result),
                 &attachment.capability_args,
             );
-            let mut process = plugin_command(
-                &cni_path(),
-                &sim.host.path(),
-                "cnibpf",
-                "DEL",
-                Some(attachment),
-            );
+            let mut process =
+                plugin_command(&search, &sim.host.path(), "cnibpf", "DEL", Some(attachment));
             process.env("PATH", &path);
             run_with_stdin(process, "cnibpf", "DEL", &config.to_string())
         };
         let deleted = del(&made_by_portmap.attachment);
         assert_eq!(
             deleted.exit_code, 0,
-            "{iptables}: DEL through cnibpf: {deleted:?}"
+            "{name}: DEL through cnibpf: {deleted:?}"
         );
-        let after = nat_rules(&sim, save);
+        let after = sim.host.exec(portmap.rules);
         assert!(
-            !after.contains(&container_id),
-            "{iptables}: nothing of portmap's for the pod remains:\n{after}"
+            !after.contains(&container_id) && !after.contains("18090"),
+            "{name}: nothing of portmap's for the pod remains:\n{after}"
         );
         let logged = std::fs::read_to_string(sim.call_log()).expect("the call log");
         assert!(
             logged.lines().any(|line| line.contains(&container_id)
                 && line.contains("\"DEL\"")
                 && line.contains("portmap")),
-            "{iptables}: the DEL's log line names portmap:\n{logged}"
+            "{name}: the DEL's log line names portmap:\n{logged}"
         );
         let again = del(&made_by_portmap.attachment);
-        assert_eq!(again.exit_code, 0, "{iptables}: a repeated DEL: {again:?}");
+        assert_eq!(again.exit_code, 0, "{name}: a repeated DEL: {again:?}");
         sim.del(&made_by_portmap)
-            .unwrap_or_else(|error| panic!("{iptables}: the bridge's DEL: {error}"));
+            .unwrap_or_else(|error| panic!("{name}: the bridge's DEL: {error}"));
     }
 }
 

@@ -21,7 +21,7 @@ use cnibpf_tests::{
     assertions::assert_uninstalled,
     chain::{Attachment, Chain, plugin_command, run_with_stdin},
     eventually,
-    topology::{SimHost, cni_path, cnibpf_binary, port_mappings},
+    topology::{Chained, SimHost, cnibpf_binary, port_mappings},
 };
 use serde_json::{Value, json};
 

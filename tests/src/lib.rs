@@ -51,6 +51,18 @@ pub fn skip(reason: &str) {
     }
 }
 
+/// Where `scripts/bootstrap.sh` puts the tools the machine's packages do not give
+/// (`CNIBPF_TOOLS_DIR`, else `~/.local/share/cnibpf-tools`).
+pub fn tools_dir() -> std::path::PathBuf {
+    std::env::var_os("CNIBPF_TOOLS_DIR").map_or_else(
+        || {
+            std::path::Path::new(&std::env::var_os("HOME").expect("HOME"))
+                .join(".local/share/cnibpf-tools")
+        },
+        std::path::PathBuf::from,
+    )
+}
+
 /// Polls `condition` until it holds or `timeout` passes; whether it held. For state the kernel
 /// changes asynchronously (an unpinned link is released from a work queue).
 pub fn eventually(timeout: std::time::Duration, mut condition: impl FnMut() -> bool) -> bool {

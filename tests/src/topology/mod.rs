@@ -82,8 +82,8 @@ pub fn cni_path() -> String {
 pub enum Chained {
     /// cnibpf, with these keys besides `type`, `pinPath`, `cgroupPath` and `capabilities`.
     Cnibpf(Value),
-    /// Debian's reference `portmap` (iptables), with these keys besides `type`, `snat` and
-    /// `capabilities`.
+    /// The reference `portmap` found in the search path (Debian's: iptables), with these keys
+    /// besides `type`, `snat` and `capabilities`.
     ReferencePortmap(Value),
     /// Any other plugin's entry, as it stands (e.g. the reference `bandwidth`).
     Plugin(Value),
