@@ -30,12 +30,24 @@ fn the_object_describes_every_map_type_with_named_fields() {
             &["container_addr", "owner", "container_port"][..],
         ),
         (
-            "NatFlowKey",
-            &["src_addr", "dst_addr", "src_port", "dst_port"][..],
+            "ConnectionKey",
+            &[
+                "container_addr",
+                "remote_addr",
+                "container_port",
+                "remote_port",
+            ][..],
         ),
         (
-            "NatFlowValue",
-            &["orig_addr", "owner", "last_seen_ns", "orig_port"][..],
+            "Connection",
+            &[
+                "owner",
+                "last_seen_ns",
+                "nat_addr",
+                "orig_addr",
+                "orig_port",
+                "parts",
+            ][..],
         ),
         (
             "OwnerInfo",

@@ -5,7 +5,10 @@ use std::net::{IpAddr, SocketAddr};
 
 use std::time::Duration;
 
-use cnibpf_common::nat_flow::{NatFlowKey, NatFlowValue, idle_timeout_ns};
+use cnibpf_common::{
+    connection::{Connection, ConnectionKey},
+    conntrack::timeout_ns,
+};
 use cnibpf_tests::{
     SimHost, eventually, for_both_backends,
     state::dual_stack,
@@ -136,7 +139,11 @@ fn repeated_add_replaces_the_attachments_own_mappings(backend: Backend) {
     expect_answer(&sim, 8080, "c1");
 
     if backend == Backend::Ebpf {
-        let ports: Vec<u64> = sim.nat_flows().into_iter().map(|(_, port)| port).collect();
+        let ports: Vec<u64> = sim
+            .translations()
+            .into_iter()
+            .map(|(_, port)| port)
+            .collect();
         assert_eq!(ports, [8080], "the request through 8080 left its flow");
     }
 
@@ -529,19 +536,19 @@ fn gc_sweeps_translations_idle_past_their_timeout() {
     let _udp = UdpServer::start(&c1.netns, c1.socket(53), "c1");
     expect_answer(&sim, 8080, "c1");
     udp_request(&sim.outside, sim.uplink_target(5353)).expect("udp through the hostPort");
-    let mut ports: Vec<u64> = sim.nat_flows().into_iter().map(|(_, port)| port).collect();
+    let mut ports: Vec<u64> = sim
+        .translations()
+        .into_iter()
+        .map(|(_, port)| port)
+        .collect();
     ports.sort_unstable();
     assert_eq!(ports, [5353, 8080]);
 
     // Only the UDP flow falls silent longer than its timeout.
-    let mut flows = sim.pinned_hash_map::<NatFlowKey, NatFlowValue>("nat_flows");
-    let entries: Vec<(NatFlowKey, NatFlowValue)> = flows
-        .iter()
-        .map(|entry| entry.expect("read nat_flows"))
-        .collect();
-    for (key, mut value) in entries {
+    let mut flows = sim.pinned_hash_map::<ConnectionKey, Connection>("connections");
+    for (key, mut value) in sim.connections() {
         if key.protocol == 17 {
-            let age = idle_timeout_ns(key.protocol) + 1_000_000_000;
+            let age = timeout_ns(key.protocol, value.state) + 1_000_000_000;
             assert!(
                 value.last_seen_ns > age,
                 "the monotonic clock started too recently"
@@ -553,7 +560,11 @@ fn gc_sweeps_translations_idle_past_their_timeout() {
     sim.chain
         .gc(&[(c1.attachment.container_id.as_str(), "eth0")])
         .unwrap_or_else(|error| panic!("GC failed: {error}"));
-    let ports: Vec<u64> = sim.nat_flows().into_iter().map(|(_, port)| port).collect();
+    let ports: Vec<u64> = sim
+        .translations()
+        .into_iter()
+        .map(|(_, port)| port)
+        .collect();
     assert_eq!(
         ports,
         [8080],

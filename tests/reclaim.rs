@@ -72,13 +72,11 @@ fn gc_stale_reclaims_only_attachments_whose_interface_is_gone(backend: Backend) 
                 "owners",
                 "endpoints",
                 "portmap",
-                "nat_flows",
+                "connections",
                 "masq_sources",
                 "masq_excludes",
-                "masq_flows",
                 "masq_replies",
                 "filters",
-                "filter_flows",
                 "endpoints.sources",
             ] {
                 assert!(held.contains(&map), "before: {map} holds the pod: {held:?}");

@@ -15,7 +15,7 @@ use cnibpf_tests::{
 use serde_json::{Value, json};
 
 /// The maps of each dimension whose sizes the tests read (the first is the dimension's measure).
-const FLOW_MAPS: [&str; 4] = ["nat_flows", "masq_flows", "masq_replies", "filter_flows"];
+const FLOW_MAPS: [&str; 2] = ["connections", "masq_replies"];
 
 fn sized_keys(flows: u32, attachments: u32, host_ports: u32) -> Value {
     let mut keys = pod_keys("ebpf");
@@ -140,7 +140,7 @@ fn a_size_below_what_the_maps_hold_is_refused_and_changes_nothing() {
     let sim = SimHost::new("szs", sized_keys(4_096, 256, 1_024));
     let _container = sim.container("c1", Value::Null);
     // Live masquerade state for 2,000 connections: more than 1,024 flows hold.
-    sim.fill_masq_flows(2_000);
+    sim.fill_connections(2_000);
     let output = load(&sim, &["--max-flows", "1024"]);
     assert!(
         !output.status.success(),
@@ -149,7 +149,7 @@ fn a_size_below_what_the_maps_hold_is_refused_and_changes_nothing() {
     let said = String::from_utf8_lossy(&output.stderr);
     assert!(
         said.contains("maxFlows 1024 is too small")
-            && said.contains("map masq_flows would have 1024 entries and holds 2000"),
+            && said.contains("map connections would have 1024 entries and holds 2000"),
         "{said}"
     );
     assert_sizes(&sim, 4_096, 256, 1_024, "after the refused shrink");

@@ -1,16 +1,41 @@
-//! Not a map: the connection states masquerade and the filter track alike, kept here to be
-//! unit-tested on the host. Opening until the other side answers, established, closing after a
-//! FIN each way or an RST (TCP); how long each state lives is
-//! [`masq_flow::timeout_ns`](crate::masq_flow::timeout_ns).
+//! Not a map: the connection states the datapath tracks, kept here to be unit-tested on the
+//! host. Opening until the other side answers, established, closing after a FIN each way or an
+//! RST (TCP); how long each state lives ([`timeout_ns`]).
 
-use crate::{
-    PROTO_TCP,
-    filter_flow::FilterFlow,
-    masq_flow::{
-        FIN_FROM_CONTAINER, FIN_FROM_REMOTE, MasqFlow, STATE_CLOSING, STATE_ESTABLISHED,
-        STATE_OPENING,
-    },
-};
+use crate::{PROTO_TCP, PROTO_UDP};
+
+/// No answer from the other side yet.
+pub const STATE_OPENING: u8 = 0;
+/// The other side has answered.
+pub const STATE_ESTABLISHED: u8 = 1;
+/// TCP only: both sides sent FIN, or either sent RST.
+pub const STATE_CLOSING: u8 = 2;
+
+const SECOND: u64 = 1_000_000_000;
+/// TCP handshake not completed (the kernel uses 120 s for SYN_SENT).
+pub const TCP_OPENING_TIMEOUT_NS: u64 = 60 * SECOND;
+/// TCP established: 6 hours of silence.
+pub const TCP_ESTABLISHED_TIMEOUT_NS: u64 = 6 * 3600 * SECOND;
+/// TCP after FIN both ways or an RST.
+pub const TCP_CLOSING_TIMEOUT_NS: u64 = 10 * SECOND;
+/// UDP before the other side answered (as the kernel's `nf_conntrack_udp_timeout`).
+pub const UDP_OPENING_TIMEOUT_NS: u64 = 30 * SECOND;
+/// UDP once answered (as the kernel's `nf_conntrack_udp_timeout_stream`).
+pub const UDP_ESTABLISHED_TIMEOUT_NS: u64 = 120 * SECOND;
+/// ICMP echo and any other protocol.
+pub const OTHER_TIMEOUT_NS: u64 = 30 * SECOND;
+
+/// How long a connection in `state` of `protocol` lives without traffic.
+pub const fn timeout_ns(protocol: u8, state: u8) -> u64 {
+    match (protocol, state) {
+        (PROTO_TCP, STATE_OPENING) => TCP_OPENING_TIMEOUT_NS,
+        (PROTO_TCP, STATE_ESTABLISHED) => TCP_ESTABLISHED_TIMEOUT_NS,
+        (PROTO_TCP, _) => TCP_CLOSING_TIMEOUT_NS,
+        (PROTO_UDP, STATE_OPENING) => UDP_OPENING_TIMEOUT_NS,
+        (PROTO_UDP, _) => UDP_ESTABLISHED_TIMEOUT_NS,
+        _ => OTHER_TIMEOUT_NS,
+    }
+}
 
 /// TCP header flag bits (the header's byte 13).
 pub const TCP_FIN: u8 = 0x01;
@@ -18,10 +43,10 @@ pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
-/// The side a packet comes from: the one that opened the connection (for masquerade always the
-/// container), or the other. Also the bits of an entry's `fin`.
-pub const SIDE_ORIGIN: u8 = FIN_FROM_CONTAINER;
-pub const SIDE_REPLY: u8 = FIN_FROM_REMOTE;
+/// The side a packet comes from: the one that opened the connection, or the other. Also the
+/// bits of an entry's `fin`.
+pub const SIDE_ORIGIN: u8 = 1;
+pub const SIDE_REPLY: u8 = 2;
 
 /// How often `last_seen_ns` is refreshed when the state does not change: writing it on every
 /// packet would bounce the entry's cache line between CPUs.
@@ -29,22 +54,8 @@ pub const REFRESH_NS: u64 = 1_000_000_000;
 
 /// A tracked connection's state fields.
 pub trait Tracked {
-    /// Its `STATE_*`, `FIN_FROM_*` bits and last-seen time.
+    /// Its `STATE_*`, `SIDE_*` bits of FINs seen and last-seen time.
     fn fields(&mut self) -> (&mut u8, &mut u8, &mut u64);
-}
-
-impl Tracked for MasqFlow {
-    #[inline(always)]
-    fn fields(&mut self) -> (&mut u8, &mut u8, &mut u64) {
-        (&mut self.state, &mut self.fin, &mut self.last_seen_ns)
-    }
-}
-
-impl Tracked for FilterFlow {
-    #[inline(always)]
-    fn fields(&mut self) -> (&mut u8, &mut u8, &mut u64) {
-        (&mut self.state, &mut self.fin, &mut self.last_seen_ns)
-    }
 }
 
 /// Whether TCP `flags` open a connection (SYN without ACK).
@@ -91,14 +102,27 @@ pub fn advance(entry: &mut impl Tracked, protocol: u8, flags: u8, side: u8, now:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{PROTO_UDP, masq_flow::timeout_ns};
 
     const T0: u64 = 1_000 * REFRESH_NS;
 
-    fn opened(protocol: u8) -> MasqFlow {
-        let mut flow = MasqFlow {
+    /// The state fields of an entry, as any tracked type has them.
+    #[derive(Clone, Copy, Default)]
+    struct Entry {
+        state: u8,
+        fin: u8,
+        last_seen_ns: u64,
+    }
+
+    impl Tracked for Entry {
+        fn fields(&mut self) -> (&mut u8, &mut u8, &mut u64) {
+            (&mut self.state, &mut self.fin, &mut self.last_seen_ns)
+        }
+    }
+
+    fn opened(protocol: u8) -> Entry {
+        let mut flow = Entry {
             last_seen_ns: T0,
-            ..MasqFlow::default()
+            ..Entry::default()
         };
         let flags = if protocol == PROTO_TCP { TCP_SYN } else { 0 };
         advance(&mut flow, protocol, flags, SIDE_ORIGIN, T0);
@@ -129,10 +153,7 @@ mod tests {
         assert_eq!((flow.state, flow.fin), (STATE_ESTABLISHED, SIDE_ORIGIN));
         advance(&mut flow, PROTO_TCP, TCP_FIN | TCP_ACK, SIDE_REPLY, T0);
         assert_eq!(flow.state, STATE_CLOSING);
-        assert_eq!(
-            timeout_ns(PROTO_TCP, flow.state),
-            crate::masq_flow::TCP_CLOSING_TIMEOUT_NS
-        );
+        assert_eq!(timeout_ns(PROTO_TCP, flow.state), TCP_CLOSING_TIMEOUT_NS);
     }
 
     #[test]
@@ -206,10 +227,17 @@ mod tests {
     }
 
     #[test]
-    fn the_filters_connections_move_alike() {
-        let mut flow = FilterFlow::default();
-        advance(&mut flow, PROTO_TCP, TCP_SYN, SIDE_ORIGIN, T0);
-        advance(&mut flow, PROTO_TCP, TCP_SYN | TCP_ACK, SIDE_REPLY, T0);
-        assert_eq!((flow.state, flow.last_seen_ns), (STATE_ESTABLISHED, T0));
+    fn timeouts_follow_the_connections_state() {
+        assert_eq!(timeout_ns(PROTO_TCP, STATE_OPENING), TCP_OPENING_TIMEOUT_NS);
+        assert_eq!(
+            timeout_ns(PROTO_TCP, STATE_ESTABLISHED),
+            TCP_ESTABLISHED_TIMEOUT_NS
+        );
+        assert_eq!(timeout_ns(PROTO_UDP, STATE_OPENING), UDP_OPENING_TIMEOUT_NS);
+        assert_eq!(
+            timeout_ns(PROTO_UDP, STATE_ESTABLISHED),
+            UDP_ESTABLISHED_TIMEOUT_NS
+        );
+        assert_eq!(timeout_ns(1, STATE_ESTABLISHED), OTHER_TIMEOUT_NS);
     }
 }

@@ -27,8 +27,8 @@ pub const FLAG_NO_HAIRPIN_SNAT: u32 = 2;
 pub const FLAG_HOST_FIREWALL: u32 = 4;
 /// The attachment has no filter: the datapath does not look for one in `filters`.
 pub const FLAG_UNFILTERED: u32 = 8;
-/// The container's traffic is masqueraded (`ipMasq`): a packet of a flow `masq_flows` tracks
-/// for `owner` is translated without asking `masq_sources` first.
+/// The container's traffic is masqueraded (`ipMasq`): a packet of a connection `connections`
+/// masquerades for `owner` is translated without asking `masq_sources` first.
 pub const FLAG_MASQUERADED: u32 = 16;
 /// The container's traffic is not masqueraded: the datapath does not look for its source in
 /// `masq_sources`.

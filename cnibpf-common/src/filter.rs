@@ -8,12 +8,16 @@
 //! unfiltered (no rules, default ALLOW): an attachment without an entry is not filtered at all.
 //! Read by every program that delivers a packet to or takes one from a container.
 
-use crate::{filter_flow::RULE_DEFAULT, impl_pod};
+use crate::impl_pod;
 
 pub const MAP_NAME: &str = "filters";
 pub const MAX_ENTRIES: u32 = 4_096;
 /// Rules one attachment may have.
 pub const MAX_RULES: usize = 256;
+
+/// A connection's rule position (`connections`' `rule`, a drop's) when the default verdict
+/// decided.
+pub const RULE_DEFAULT: u16 = u16::MAX;
 
 /// [`FilterRule::target`] and [`FilterSet::default_target`].
 pub const TARGET_ALLOW: u8 = 1;
@@ -71,7 +75,7 @@ pub struct FilterSet {
     /// Owner id of the attachment.
     pub owner: u64,
     /// Changes whenever the rules do (CLOCK_MONOTONIC nanoseconds of the write): verdicts
-    /// cached in `filter_flows` under another generation are evaluated again.
+    /// cached in `connections` under another generation are evaluated again.
     pub generation: u64,
     /// Rules in use, from the start of `rules`.
     pub rule_count: u32,

@@ -29,7 +29,7 @@ pub struct FilterEvent {
     /// `index` of the rule that dropped it (with [`DropReason::FilterRule`]).
     pub rule_index: u32,
     /// Host byte order; an ICMP echo's identifier stands in the port of the side that chose
-    /// it, as in `filter_flows`.
+    /// it, as in `connections`.
     pub src_port: u16,
     pub dst_port: u16,
     pub protocol: u8,

@@ -19,7 +19,7 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"cnibpf\0\0");
 
 /// Bumped whenever a key or value type of any pinned map changes. Each build migrates the
 /// state of the layout before its own in place (userspace `backend::ebpf::migrate`).
-pub const VERSION: u32 = 9;
+pub const VERSION: u32 = 10;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -14,13 +14,13 @@
 
 #[cfg(feature = "user")]
 pub mod addr;
+pub mod connection;
 pub mod conntrack;
 pub mod drop_event_budget;
 pub mod drop_stats;
 pub mod endpoint;
 pub mod filter;
 pub mod filter_event;
-pub mod filter_flow;
 pub mod filter_hits;
 pub mod filter_stats;
 pub mod fragment;
@@ -28,11 +28,9 @@ pub mod host_addr;
 pub mod internet_checksum;
 pub mod layout;
 pub mod masq_exclude;
-pub mod masq_flow;
 pub mod masq_reply;
 pub mod masq_source;
 pub mod masq_stats;
-pub mod nat_flow;
 pub mod owner;
 pub mod owner_port;
 pub mod packet;

@@ -1,17 +1,31 @@
-//! `masq_replies`: the reverse of `masq_flows`, by the tuple replies arrive with.
+//! `masq_replies`: masqueraded connections by the tuple their replies arrive with.
 //!
-//! Key: [`NatFlowKey`](crate::nat_flow::NatFlowKey) — the 5-tuple of a reply at the uplink
-//! (remote address and port to the masquerade address and port; ICMP echo replies: source port
-//! 0, the identifier as destination port). Value: [`MasqReply`] — the container's address and
-//! port, and how to hand it the packet. Written together with the `masq_flows` entry (an
-//! exclusive insert: that is how a masquerade port is claimed); read by `uplink_ingress` for
-//! replies and for ICMP errors about masqueraded packets; deleted with its `masq_flows` entry.
-//! An LRU map, as `masq_flows`.
+//! Key: [`ReplyKey`] — the 5-tuple of a reply at the uplink (remote address and port to the
+//! masquerade address and port; ICMP echo replies: source port 0, the identifier as destination
+//! port). Value: [`MasqReply`] — the container's address and port (with the key's remote, the
+//! connection's `connections` key), and how to hand it the packet. Written with the
+//! connection's masquerade (an exclusive insert: that is how a masquerade port is claimed);
+//! read by `uplink_ingress` for replies and for ICMP errors about masqueraded packets; deleted
+//! with the connection's masquerade. An LRU map, as `connections`.
 
 use crate::impl_pod;
 
 pub const MAP_NAME: &str = "masq_replies";
 pub const MAX_ENTRIES: u32 = 65_536;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ReplyKey {
+    pub src_addr: [u8; 16],
+    pub dst_addr: [u8; 16],
+    /// Host byte order.
+    pub src_port: u16,
+    pub dst_port: u16,
+    pub protocol: u8,
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(size_of::<ReplyKey>() == 40);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -31,4 +45,4 @@ pub struct MasqReply {
 }
 const _: () = assert!(size_of::<MasqReply>() == 48);
 
-impl_pod!(MasqReply);
+impl_pod!(ReplyKey, MasqReply);

@@ -1,10 +1,10 @@
 //! cnibpf datapath: TC programs attached with tcx to the uplinks and to each container's
 //! host-side interface, and socket hooks on a cgroup. This file holds only the entry points;
 //! `hooks` says what runs at each, the features (`portmap`, `masquerade`, `filter`) do the work
-//! with `conntrack`, `packet` and `maps` below them. Modules only use modules below them:
+//! with `connections`, `packet` and `maps` below them. Modules only use modules below them:
 //!
 //! ```text
-//! main → hooks → portmap, masquerade, filter, sources → conntrack, route → packet → drops → maps, clock
+//! main → hooks → portmap, masquerade, filter, sources → connections, route → packet → drops → maps, clock
 //! ```
 #![no_std]
 #![no_main]
@@ -14,6 +14,7 @@
 )]
 
 mod clock;
+mod connections;
 mod drops;
 mod filter;
 mod hooks;

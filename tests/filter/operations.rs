@@ -154,17 +154,16 @@ fn del_gc_and_check_cover_the_filter_and_its_connections(backend: Backend) {
     // The filter's state of an attachment: (rule set present, what else of it is left: its
     // tracked connections on eBPF; on nftables, where the kernel's conntrack tracks them, the
     // rules and dispatch elements that lead to its chains).
-    let state_of = |ifindex: u32, owner_chain: &str| -> (bool, usize) {
+    let state_of = |(ifindex, owner): (u32, u64), owner_chain: &str| -> (bool, usize) {
         match backend {
             Backend::Ebpf if !host.pin_path.exists() => (false, 0),
             Backend::Ebpf => (
                 host.pinned_hash_map::<u32, FilterSet>("filters")
                     .get(&ifindex, 0)
                     .is_ok(),
-                host.pinned_hash_map::<FilterFlowKey, FilterFlow>("filter_flows")
+                host.connections()
                     .iter()
-                    .map(|entry| entry.expect("read filter_flows"))
-                    .filter(|(key, _)| key.ifindex == ifindex)
+                    .filter(|(_, connection)| connection.has(owner, PART_FILTER))
                     .count(),
             ),
             Backend::Nftables => {
@@ -183,6 +182,8 @@ fn del_gc_and_check_cover_the_filter_and_its_connections(backend: Backend) {
     };
     let (first_ifindex, first_chain) = (ifindex(&first), chain_of(&first));
     let (second_ifindex, second_chain) = (ifindex(&second), chain_of(&second));
+    let first_interface = (first_ifindex, host.owner_of(&first));
+    let second_interface = (second_ifindex, host.owner_of(&second));
     match backend {
         Backend::Ebpf => {
             let mut filters = host.pinned_hash_map::<u32, FilterSet>("filters");
@@ -207,7 +208,7 @@ fn del_gc_and_check_cover_the_filter_and_its_connections(backend: Backend) {
         .unwrap_or_else(|error| panic!("re-ADD repairs: {error}"));
     host.check(&first)
         .unwrap_or_else(|error| panic!("CHECK after repair: {error}"));
-    let (present, held) = state_of(first_ifindex, &first_chain);
+    let (present, held) = state_of(first_interface, &first_chain);
     assert!(present, "the filter is in place");
     assert!(
         held >= 1,
@@ -216,19 +217,19 @@ fn del_gc_and_check_cover_the_filter_and_its_connections(backend: Backend) {
     host.del(&first)
         .unwrap_or_else(|error| panic!("DEL: {error}"));
     assert_eq!(
-        state_of(first_ifindex, &first_chain),
+        state_of(first_interface, &first_chain),
         (false, 0),
         "DEL removes the filter and the attachment's connections"
     );
     assert!(
-        state_of(second_ifindex, &second_chain).0,
+        state_of(second_interface, &second_chain).0,
         "the other attachment keeps its filter"
     );
     host.chain
         .gc(&[])
         .unwrap_or_else(|error| panic!("GC: {error}"));
     assert_eq!(
-        state_of(second_ifindex, &second_chain),
+        state_of(second_interface, &second_chain),
         (false, 0),
         "GC removes the filter of an attachment not listed"
     );

@@ -7,10 +7,10 @@ use std::{
 };
 
 use cnibpf_common::{
-    masq_flow::{MasqFlow, STATE_CLOSING, STATE_ESTABLISHED, timeout_ns},
-    masq_reply::MasqReply,
+    connection::{Connection, ConnectionKey},
+    conntrack::{STATE_CLOSING, STATE_ESTABLISHED, timeout_ns},
+    masq_reply::{MasqReply, ReplyKey},
     masq_source::{MasqSource, MasqSourceKey},
-    nat_flow::NatFlowKey,
 };
 use cnibpf_tests::{
     Container, SimHost, for_both_backends,
@@ -78,7 +78,7 @@ fn tcp_udp_and_ping_reach_an_outside_without_a_route_back_as_the_uplink(backend:
     }
     if backend == Backend::Ebpf {
         let icmp_flows = host
-            .masq_flows()
+            .masqueraded()
             .iter()
             .filter(|(key, _)| key.protocol == 1 || key.protocol == 58)
             .count();

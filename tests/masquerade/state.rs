@@ -10,9 +10,9 @@ fn tcp_state_follows_the_connection_and_expired_state_goes_away() {
     for family in Family::BOTH {
         let family_code = if family == Family::V4 { 2 } else { 10 };
         let state_towards = |port: u16| {
-            host.masq_flows()
+            host.masqueraded()
                 .into_iter()
-                .find(|(key, _)| key.dst_port == port && key.family == family_code)
+                .find(|(key, _)| key.remote_port == port && key.family == family_code)
                 .unwrap_or_else(|| panic!("{family:?}: no flow to port {port}"))
                 .1
                 .state
@@ -68,9 +68,9 @@ fn tcp_state_follows_the_connection_and_expired_state_goes_away() {
             .gc(&[(container.attachment.container_id.as_str(), "eth0")])
             .unwrap_or_else(|error| panic!("GC: {error}"));
         assert_eq!(
-            host.masq_flows().len(),
+            host.connections().len(),
             0,
-            "{family:?}: expired flows were swept"
+            "{family:?}: expired connections were swept"
         );
         assert_eq!(
             reply_count(&host),
@@ -80,11 +80,11 @@ fn tcp_state_follows_the_connection_and_expired_state_goes_away() {
     }
 }
 
-/// Moves every `masq_flows` entry's last-seen time a second past its state's timeout (these
+/// Moves every `connections` entry's last-seen time a second past its state's timeout (these
 /// are the short timeouts of closed TCP and UDP: the clock started long enough ago).
 fn age_flows(host: &SimHost) {
-    let mut map = host.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
-    for (key, mut flow) in host.masq_flows() {
+    let mut map = host.pinned_hash_map::<ConnectionKey, Connection>("connections");
+    for (key, mut flow) in host.connections() {
         let age = timeout_ns(key.protocol, flow.state) + 1_000_000_000;
         assert!(
             flow.last_seen_ns > age,
@@ -96,7 +96,7 @@ fn age_flows(host: &SimHost) {
 }
 
 fn reply_count(host: &SimHost) -> usize {
-    let map = host.pinned_hash_map::<NatFlowKey, MasqReply>("masq_replies");
+    let map = host.pinned_hash_map::<ReplyKey, MasqReply>("masq_replies");
     map.keys().count()
 }
 
@@ -113,16 +113,16 @@ fn a_full_table_keeps_live_flows_lets_new_ones_through_and_shows_the_pressure() 
         .run(move || std::net::TcpStream::connect_timeout(&target, CLIENT_TIMEOUT))
         .expect("connect");
     // Fill the table with other flows, as a busy host would.
-    let capacity = cnibpf_common::masq_flow::MAX_ENTRIES;
-    host.fill_masq_flows(capacity);
-    let mut map = host.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
+    let capacity = cnibpf_common::connection::MAX_ENTRIES;
+    host.fill_connections(capacity);
+    let mut map = host.pinned_hash_map::<ConnectionKey, Connection>("connections");
     // The LRU keeps entries in use, so the live connection survived the filling; evict its
     // state as more pressure eventually would: its next packet rebuilds it (counted), and the
     // connection carries on.
     let live = host
-        .masq_flows()
+        .masqueraded()
         .into_iter()
-        .find(|(key, _)| key.dst_port == 7000)
+        .find(|(key, _)| key.remote_port == 7000)
         .expect("the live connection's state survived the filling")
         .0;
     map.remove(&live)
@@ -155,11 +155,17 @@ fn a_full_table_keeps_live_flows_lets_new_ones_through_and_shows_the_pressure() 
     }
     let inspect = host.inspect();
     let counters = &inspect["counters"]["ebpf"];
+    let table = inspect["flowTables"]["ebpf"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|table| table["table"] == "connections")
+        .unwrap_or_else(|| panic!("inspect shows no connections table: {inspect:#}"));
     // An LRU map keeps some free slots per CPU: "full" is within a percent of capacity.
-    let entries = counters["masq_flows entries"].as_u64().unwrap_or(0);
+    let entries = table["entries"].as_u64().unwrap_or(0);
     assert!(
         entries * 100 >= u64::from(capacity) * 99,
-        "{entries} of {capacity}: {counters}"
+        "{entries} of {capacity}: {table}"
     );
     assert!(counters["flows created"].as_u64() >= Some(20), "{counters}");
 }
@@ -210,7 +216,7 @@ fn del_gc_and_check_manage_the_masquerade_state(backend: Backend) {
 
     let owners_with_flows = |host: &SimHost| {
         let mut owners: Vec<u64> = host
-            .masq_flows()
+            .masqueraded()
             .iter()
             .map(|(_, flow)| flow.owner)
             .collect();
@@ -239,7 +245,7 @@ fn del_gc_and_check_manage_the_masquerade_state(backend: Backend) {
     }
     // DEL of the last attachment removes the rest, maps (or the table) included.
     host.del(&kept).expect("DEL");
-    assert!(!host.pin_path.join("masq_flows").exists());
+    assert!(!host.pin_path.join("connections").exists());
     assert!(!host.nft_ruleset().contains("cnibpf"));
     let _ = gone;
 }

@@ -4,7 +4,10 @@
 use std::path::PathBuf;
 
 use cnibpf_common::{
-    filter_hits::FilterHits, masq_flow::MasqFlow, masq_stats::MasqStats, nat_flow::NatFlowKey,
+    connection::{Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_SNAT},
+    conntrack::STATE_ESTABLISHED,
+    filter_hits::FilterHits,
+    masq_stats::MasqStats,
 };
 use serde_json::Value;
 
@@ -74,16 +77,19 @@ impl SimHost {
             .unwrap_or_else(|error| panic!("bpftool map dump {name}: {error}"))
     }
 
-    /// (owner, original destination port) of every entry in `nat_flows`, via bpftool's BTF dump.
-    pub fn nat_flows(&self) -> Vec<(u64, u64)> {
-        let entries = self.bpftool_dump("nat_flows");
+    /// (owner, original destination port) of every connection translated through a hostPort
+    /// (its DNAT part in `connections`), via bpftool's BTF dump.
+    pub fn translations(&self) -> Vec<(u64, u64)> {
+        let entries = self.bpftool_dump("connections");
         let mut flows: Vec<(u64, u64)> = entries
             .as_array()
             .into_iter()
             .flatten()
             .filter_map(|entry| {
                 let value = entry.get("formatted").unwrap_or(entry).get("value")?;
-                Some((value["owner"].as_u64()?, value["orig_port"].as_u64()?))
+                let parts = value["parts"].as_u64()?;
+                (parts & u64::from(PART_DNAT) != 0)
+                    .then(|| Some((value["owner"].as_u64()?, value["orig_port"].as_u64()?)))?
             })
             .collect();
         flows.sort_unstable();
@@ -138,24 +144,33 @@ impl SimHost {
         })
     }
 
-    /// How many entries the flow tables hold: port-mapping translations, masqueraded flows,
-    /// the filter's connections.
+    /// How many connections have each part: translated through a hostPort, masqueraded,
+    /// tracked by the filter.
     pub fn flow_counts(&self) -> [usize; 3] {
-        use cnibpf_common::{
-            filter_flow::{FilterFlow, FilterFlowKey},
-            nat_flow::NatFlowValue,
-        };
-        [
-            self.pinned_hash_map::<NatFlowKey, NatFlowValue>("nat_flows")
-                .keys()
-                .count(),
-            self.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows")
-                .keys()
-                .count(),
-            self.pinned_hash_map::<FilterFlowKey, FilterFlow>("filter_flows")
-                .keys()
-                .count(),
-        ]
+        let connections = self.connections();
+        [PART_DNAT, PART_SNAT, PART_FILTER].map(|part| {
+            connections
+                .iter()
+                .filter(|(_, connection)| connection.parts & part != 0)
+                .count()
+        })
+    }
+
+    /// Every entry of `connections`: a connection's tuple from its container's side, and what
+    /// each feature keeps of it.
+    pub fn connections(&self) -> Vec<(ConnectionKey, Connection)> {
+        let map = self.pinned_hash_map::<ConnectionKey, Connection>("connections");
+        map.iter()
+            .map(|entry| entry.expect("read connections"))
+            .collect()
+    }
+
+    /// The masqueraded connections (those with a SNAT part).
+    pub fn masqueraded(&self) -> Vec<(ConnectionKey, Connection)> {
+        self.connections()
+            .into_iter()
+            .filter(|(_, connection)| connection.parts & PART_SNAT != 0)
+            .collect()
     }
 
     /// The pinned hash (or LRU hash) map `name` with its key and value types.
@@ -167,39 +182,32 @@ impl SimHost {
             .unwrap_or_else(|error| panic!("map {name} as a hash map: {error}"))
     }
 
-    /// Every entry of `masq_flows`: the container's tuple and the flow's state.
-    pub fn masq_flows(&self) -> Vec<(NatFlowKey, MasqFlow)> {
-        let map = self.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
-        map.iter()
-            .map(|entry| entry.expect("read masq_flows"))
-            .collect()
-    }
-
-    /// Writes `count` established masquerade flows of made-up containers into `masq_flows`, as
-    /// a busy host's connections would fill it (they never expire: last seen far ahead).
-    pub fn fill_masq_flows(&self, count: u32) {
-        let mut map = self.pinned_hash_map::<NatFlowKey, MasqFlow>("masq_flows");
+    /// Writes `count` established masqueraded connections of made-up containers into
+    /// `connections`, as a busy host's would fill it (they never expire: last seen far ahead).
+    pub fn fill_connections(&self, count: u32) {
+        let mut map = self.pinned_hash_map::<ConnectionKey, Connection>("connections");
         for index in 0..count {
-            let mut src_addr = [0; 16];
-            src_addr[..4].copy_from_slice(&[10, 99, (index >> 8) as u8, index as u8]);
-            let mut dst_addr = [0; 16];
-            dst_addr[..4].copy_from_slice(&[192, 0, 2, 1]);
-            let key = NatFlowKey {
-                src_addr,
-                dst_addr,
-                src_port: (index >> 16) as u16 + 1,
-                dst_port: 80,
+            let mut container_addr = [0; 16];
+            container_addr[..4].copy_from_slice(&[10, 99, (index >> 8) as u8, index as u8]);
+            let mut remote_addr = [0; 16];
+            remote_addr[..4].copy_from_slice(&[192, 0, 2, 1]);
+            let key = ConnectionKey {
+                container_addr,
+                remote_addr,
+                container_port: (index >> 16) as u16 + 1,
+                remote_port: 80,
                 protocol: 6,
                 family: 2,
                 _pad: [0; 2],
             };
-            let flow = MasqFlow {
+            let connection = Connection {
                 last_seen_ns: u64::MAX / 2,
-                state: cnibpf_common::masq_flow::STATE_ESTABLISHED,
-                ..MasqFlow::default()
+                state: STATE_ESTABLISHED,
+                parts: PART_SNAT,
+                ..Connection::default()
             };
-            map.insert(&key, &flow, 0)
-                .unwrap_or_else(|error| panic!("fill masq_flows, entry {index}: {error}"));
+            map.insert(&key, &connection, 0)
+                .unwrap_or_else(|error| panic!("fill connections, entry {index}: {error}"));
         }
     }
 
@@ -368,17 +376,15 @@ pub fn dual_stack(container_id: &str, host_port: u64) -> Vec<(String, u64, u8)> 
 
 impl SimHost {
     /// The eBPF maps that still hold an entry of the attachment `owner` (its hostPorts,
-    /// masquerade, exclusions, filter, source check, record, flows and their replies); empty
+    /// masquerade, exclusions, filter, source check, record, connections and their replies); empty
     /// when nothing of it is left (or no eBPF state is).
     pub fn ebpf_maps_holding(&self, owner: u64) -> Vec<&'static str> {
         use cnibpf_common::{
             endpoint::EndpointInfo,
             filter::FilterSet,
-            filter_flow::{FilterFlow, FilterFlowKey},
             masq_exclude::MasqExcludeKey,
-            masq_reply::MasqReply,
+            masq_reply::{MasqReply, ReplyKey},
             masq_source::{MasqSource, MasqSourceKey},
-            nat_flow::NatFlowValue,
             owner::OwnerInfo,
             portmap::{PortMapKey, PortMapValue},
             source::FLAG_RECORDED,
@@ -398,7 +404,7 @@ impl SimHost {
                 .any(|(_, value)| owner_of(&value) == owner)
         }
         let mut holding = Vec::new();
-        let checks: [(&'static str, bool); 10] = [
+        let checks: [(&'static str, bool); 8] = [
             (
                 "owners",
                 self.pinned_hash_map::<u64, OwnerInfo>("owners")
@@ -414,28 +420,20 @@ impl SimHost {
                 owned_values::<PortMapKey, PortMapValue>(self, "portmap", |v| v.owner, owner),
             ),
             (
-                "nat_flows",
-                owned_values::<NatFlowKey, NatFlowValue>(self, "nat_flows", |v| v.owner, owner),
-            ),
-            (
                 "masq_sources",
                 owned_values::<MasqSourceKey, MasqSource>(self, "masq_sources", |v| v.owner, owner),
             ),
             (
-                "masq_flows",
-                owned_values::<NatFlowKey, MasqFlow>(self, "masq_flows", |v| v.owner, owner),
+                "connections",
+                owned_values::<ConnectionKey, Connection>(self, "connections", |v| v.owner, owner),
             ),
             (
                 "masq_replies",
-                owned_values::<NatFlowKey, MasqReply>(self, "masq_replies", |v| v.owner, owner),
+                owned_values::<ReplyKey, MasqReply>(self, "masq_replies", |v| v.owner, owner),
             ),
             (
                 "filters",
                 owned_values::<u32, FilterSet>(self, "filters", |v| v.owner, owner),
-            ),
-            (
-                "filter_flows",
-                owned_values::<FilterFlowKey, FilterFlow>(self, "filter_flows", |v| v.owner, owner),
             ),
             (
                 "endpoints.sources",

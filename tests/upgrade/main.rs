@@ -25,6 +25,7 @@ use cnibpf_tests::{
     traffic::{TcpServer, tcp_request},
 };
 
+mod flows;
 mod nftables;
 
 /// The last commit of layout 6.
@@ -77,7 +78,7 @@ fn assert_hooked_by_tcx(sim: &SimHost, container: &Container) {
 }
 
 /// Where a migration keeps the old maps until it is done.
-const ASIDE: [&str; 2] = ["layout-6-maps", "layout-8-maps"];
+const ASIDE: [&str; 3] = ["layout-6-maps", "layout-8-maps", "layout-9-maps"];
 
 /// Whether a migration left old maps aside.
 fn half_migrated(sim: &SimHost) -> bool {
@@ -126,11 +127,7 @@ fn upgrade_then_downgrade(installed: &Installed, old: &Path, new: &Path) {
     assert_eq!(sim.layout_version(), 6, "the older cnibpf made layout 6");
     let hits = sim.filter_rule_packets(0);
     assert!(hits > 0, "the DROP rule counted its drops");
-    let flows: Vec<_> = sim
-        .masq_flows()
-        .into_iter()
-        .map(|(key, flow)| (key, flow.nat_addr, flow.nat_port, flow.owner))
-        .collect();
+    let flows = flows::masqueraded(&sim);
 
     installed.put(new);
     let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
@@ -138,11 +135,7 @@ fn upgrade_then_downgrade(installed: &Installed, old: &Path, new: &Path) {
     assert_hooked_by_tcx(&sim, &pod.container);
     assert_hooked_by_tcx(&sim, &c2);
     assert_eq!(sim.filter_rule_packets(0), hits, "the counters were kept");
-    let flows_after: Vec<_> = sim
-        .masq_flows()
-        .into_iter()
-        .map(|(key, flow)| (key, flow.nat_addr, flow.nat_port, flow.owner))
-        .collect();
+    let flows_after = flows::masqueraded(&sim);
     assert_eq!(
         flows_after, flows,
         "the masqueraded flows were kept as they were"
@@ -409,7 +402,7 @@ fn a_release_upgrades_live(installed: &Installed, release: &str, new: &Path) {
         let pod = LivePod::start(&sim);
         let hits = inspected_rule_packets(&sim, &pod.container);
         assert!(hits > 0, "{case}: the DROP rule counted its drops");
-        let flows = (backend == Backend::Ebpf).then(|| sim.masq_flows());
+        let flows = (backend == Backend::Ebpf).then(|| flows::masqueraded(&sim));
         let checked = checks_sources(&sim, backend);
         installed.put(new);
         let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
@@ -422,7 +415,7 @@ fn a_release_upgrades_live(installed: &Installed, release: &str, new: &Path) {
             "{case}: the filter's counters were kept"
         );
         assert_eq!(
-            (backend == Backend::Ebpf).then(|| sim.masq_flows()),
+            (backend == Backend::Ebpf).then(|| flows::masqueraded(&sim)),
             flows,
             "{case}: the masqueraded flows were kept as they were"
         );

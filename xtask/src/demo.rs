@@ -161,7 +161,7 @@ pub fn run() -> Result<()> {
         "{}",
         String::from_utf8_lossy(&sim.cnibpf(&["inspect", "--pin-path", &pin_path]).stdout)
     );
-    for map in ["portmap", "masq_flows", "filter_flows"] {
+    for map in ["portmap", "connections"] {
         section(
             started,
             &format!("installed state: bpftool map dump pinned {pin_path}/{map}"),

@@ -6,8 +6,9 @@
 //! side of a translation: the container's address and port, before masquerade and after DNAT.
 //!
 //! The first packet of a connection is evaluated against the attachment's rules (`filters`)
-//! in order, first match wins, as `connstate: new`; when allowed, the connection is tracked in
-//! `filter_flows` together with the verdict of its later packets (`connstate: established`),
+//! in order, first match wins, as `connstate: new`; when allowed, the connection is tracked
+//! (the filter's part of its `connections` entry) with the verdict of its later packets
+//! (`connstate: established`),
 //! evaluated in the same pass and kept until the rules change generation. Later packets in the
 //! originating direction take that cached verdict, so they cost the same whatever the number
 //! of rules; replies pass while it allows. ICMP errors about a tracked connection pass with it;
@@ -18,18 +19,17 @@ mod rules;
 
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
-    conntrack::{self, SIDE_ORIGIN, SIDE_REPLY},
+    connection::{ConnectionKey, PART_FILTER},
+    conntrack::{self, SIDE_ORIGIN, SIDE_REPLY, STATE_CLOSING},
     drop_stats::DropReason,
-    filter::{DIRECTION_EGRESS, FilterSet, FirstMatches, TARGET_ALLOW},
-    filter_flow::{FilterFlow, FilterFlowKey, RULE_DEFAULT},
+    filter::{DIRECTION_EGRESS, FilterSet, FirstMatches, RULE_DEFAULT, TARGET_ALLOW},
     filter_hits::DEFAULT_SLOT,
     filter_stats::FilterStats,
     fragment::{FirstFragment, PASSED_EGRESS, PASSED_INGRESS},
-    masq_flow::{STATE_CLOSING, STATE_OPENING},
 };
 
 use crate::{
-    clock, drops, maps,
+    clock, connections, drops, maps,
     packet::{DROP, Flow, Fragment, NEXT, words},
 };
 
@@ -53,7 +53,9 @@ const IPV6_HOP_BY_HOP: u8 = 0;
 #[repr(C)]
 pub struct Subject {
     /// The packet's connection, the container's side first.
-    pub key: FilterFlowKey,
+    pub key: ConnectionKey,
+    /// The container's host-side veth.
+    pub ifindex: u32,
     /// Source and destination as the rules name them, as 32-bit words.
     pub source: [u32; 4],
     pub destination: [u32; 4],
@@ -138,7 +140,7 @@ fn subject(ctx: &TcContext, packet: &Packet, ifindex: u32, direction: u8) -> *mu
         key.container_port = u16::from_be(packet.destination_port);
         key.remote_port = u16::from_be(packet.source_port);
     }
-    key.ifindex = ifindex;
+    scratch.ifindex = ifindex;
     key.protocol = packet.protocol;
     key.family = packet.family;
     key._pad = [0; 2];
@@ -214,14 +216,14 @@ const UNTRACKED: u32 = 0x1_0001;
 /// rejects.
 #[inline(never)]
 fn tracked(subject: &mut Subject, set: &FilterSet) -> u32 {
-    let Some(entry) = maps::filter_flows.get_ptr_mut(&subject.key) else {
+    let entry = connections::find(&subject.key);
+    // SAFETY: points into `connections`; racing writers write the same fields alike, and an
+    // LRU entry recycled under a reader can at worst misjudge the packet at hand.
+    let Some(entry) = (unsafe { entry.as_mut() }) else {
         return UNTRACKED;
     };
-    // SAFETY: points into `filter_flows`; racing writers write the same fields alike, and an
-    // LRU entry recycled under a reader can at worst misjudge the packet at hand.
-    let entry = unsafe { &mut *entry };
     let protocol = subject.key.protocol;
-    if entry.is_expired(protocol, subject.now) {
+    if !entry.has(set.owner, PART_FILTER) || entry.is_expired(protocol, subject.now) {
         return UNTRACKED;
     }
     if entry.origin != subject.direction {
@@ -254,7 +256,8 @@ fn tracked(subject: &mut Subject, set: &FilterSet) -> u32 {
 }
 
 /// A connection's first packet: evaluated as `new`; when allowed, the connection is tracked
-/// with the verdict of its later packets.
+/// with the verdict of its later packets, the filter's part of its entry (a new one when the
+/// connection has none of the attachment's, or a closed one).
 #[inline(never)]
 fn opens_connection(subject: &mut Subject, set: &FilterSet) -> bool {
     evaluate(subject, set);
@@ -263,21 +266,50 @@ fn opens_connection(subject: &mut Subject, set: &FilterSet) -> bool {
         report(subject, set, subject.answers.new);
         return false;
     }
-    let entry = FilterFlow {
-        owner: set.owner,
-        generation: set.generation,
-        last_seen_ns: subject.now,
-        rule: subject.answers.established,
-        origin: subject.direction,
-        verdict: target(set, subject.answers.established),
-        state: STATE_OPENING,
-        fin: 0,
-        last_verdict: TARGET_ALLOW,
-        _pad: 0,
+    let (mut entry, mut fresh) = connections::for_part(
+        &subject.key,
+        set.owner,
+        subject.key.protocol,
+        subject.direction,
+        subject.flags,
+        subject.now,
+    );
+    // SAFETY: points into `connections`, read at once.
+    if !fresh && unsafe { (*entry).state == STATE_CLOSING } {
+        // A closed connection's tuple opened again: a connection of its own.
+        (entry, fresh) = (
+            connections::fresh(
+                set.owner,
+                subject.key.protocol,
+                subject.direction,
+                subject.flags,
+                subject.now,
+            ),
+            true,
+        );
+    }
+    // SAFETY: points into `connections` (racing writers write the same), or this CPU's
+    // scratch for a new entry.
+    let Some(connection) = (unsafe { entry.as_mut() }) else {
+        return true;
     };
-    // A full LRU map evicts the least recently used connection; should the insert still fail,
-    // the connection's next packet is judged as a first one again.
-    let _ = maps::filter_flows.insert(&subject.key, &entry, u64::from(BPF_ANY));
+    connection.generation = set.generation;
+    connection.rule = subject.answers.established;
+    connection.verdict = target(set, subject.answers.established);
+    connection.last_verdict = TARGET_ALLOW;
+    connection.parts |= PART_FILTER;
+    if fresh {
+        connections::insert(&subject.key, entry);
+    } else {
+        let side = connection.side(subject.direction);
+        conntrack::advance(
+            connection,
+            subject.key.protocol,
+            subject.flags,
+            side,
+            subject.now,
+        );
+    }
     count(|stats| &mut stats.flows_created);
     true
 }
@@ -340,7 +372,7 @@ fn passed_bit(direction: u8) -> u8 {
 /// Counts the packet on the rule at `position` (or the default) of the attachment.
 #[inline(never)]
 fn count_hit(subject: &Subject, position: u16) {
-    let Some(hits) = maps::filter_hits.get_ptr_mut(&subject.key.ifindex) else {
+    let Some(hits) = maps::filter_hits.get_ptr_mut(&subject.ifindex) else {
         return;
     };
     let slot = if position == RULE_DEFAULT {
@@ -381,7 +413,7 @@ fn dropped(subject: &Subject, set: &FilterSet, reason: DropReason, rule_index: u
         event.owner = set.owner;
         event.src_addr = *source;
         event.dst_addr = *destination;
-        event.ifindex = key.ifindex;
+        event.ifindex = subject.ifindex;
         event.rule_index = rule_index;
         event.src_port = subject.source_port;
         event.dst_port = subject.destination_port;

@@ -4,9 +4,9 @@
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6,
+    connection::{ConnectionKey, PART_FILTER},
     drop_stats::DropReason,
     filter::{DIRECTION_EGRESS, TARGET_ALLOW},
-    filter_flow::FilterFlowKey,
     packet::is_icmpv6_link_control,
 };
 
@@ -35,7 +35,7 @@ pub fn allows_other(ctx: &TcContext, ifindex: u32, direction: u8) -> bool {
     let set = unsafe { &*set };
     let subject = match classify(ctx, ifindex, direction) {
         JUDGED => filter_scratch.get_ptr_mut(0),
-        ICMP_JUDGED if error_of_allowed_connection(ctx, ifindex, direction) => return true,
+        ICMP_JUDGED if error_of_allowed_connection(ctx, set.owner, direction) => return true,
         ICMP_JUDGED => filter_scratch.get_ptr_mut(0),
         PASSES => return true,
         _ => {
@@ -133,7 +133,7 @@ fn read_other(ctx: &TcContext) -> Result<Option<Packet>, DatapathError> {
 /// Whether the packet is an ICMP error about a live connection of the attachment whose
 /// packets are allowed (the quoted packet is one of the connection's).
 #[inline(never)]
-fn error_of_allowed_connection(ctx: &TcContext, ifindex: u32, direction: u8) -> bool {
+fn error_of_allowed_connection(ctx: &TcContext, owner: u64, direction: u8) -> bool {
     let Some(error) = icmp_error_scratch.get_ptr_mut(0) else {
         return false;
     };
@@ -155,21 +155,22 @@ fn error_of_allowed_connection(ctx: &TcContext, ifindex: u32, direction: u8) -> 
             (error.inner_daddr, error.inner_dport),
         )
     };
-    let key = FilterFlowKey {
+    let key = ConnectionKey {
         container_addr: container.0,
         remote_addr: remote.0,
-        ifindex,
         container_port: u16::from_be(container.1),
         remote_port: u16::from_be(remote.1),
         protocol: error.inner_protocol,
         family: error.family,
         _pad: [0; 2],
     };
-    let Some(entry) = maps::filter_flows.get_ptr(&key) else {
+    let Some(entry) = maps::connections.get_ptr(&key) else {
         return false;
     };
-    // SAFETY: points into `filter_flows`, read at once.
+    // SAFETY: points into `connections`, read at once.
     let entry = unsafe { &*entry };
     let now = clock::now_ns();
-    entry.last_verdict == TARGET_ALLOW && !entry.is_expired(key.protocol, now)
+    entry.has(owner, PART_FILTER)
+        && entry.last_verdict == TARGET_ALLOW
+        && !entry.is_expired(key.protocol, now)
 }

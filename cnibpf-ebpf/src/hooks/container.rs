@@ -92,7 +92,7 @@ fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> Answer {
             let verdict = hand_over(ctx, Some(flow), target, false)
                 .unwrap_or_else(|error| error.verdict(ctx));
             if verdict != DROP {
-                portmap::remember_translation(flow);
+                portmap::remember_translation(ctx, flow);
             }
             Answer::verdict(verdict)
         }

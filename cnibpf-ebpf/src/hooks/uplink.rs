@@ -65,7 +65,7 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
         Answer::TO_CONTAINER => {
             let verdict = hand_over(ctx, Some(flow), container, true)?;
             if verdict != DROP {
-                portmap::remember_translation(flow);
+                portmap::remember_translation(ctx, flow);
             }
             Ok(verdict)
         }

@@ -12,23 +12,21 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use cnibpf_common::{
+    connection::{self, Connection, ConnectionKey},
     drop_event_budget::{self, DropEventBudget},
     drop_stats::{self, DropCount},
     endpoint::{self, EndpointInfo},
     filter::{self, FilterSet},
     filter_event::{self, FilterEvent},
-    filter_flow::{self, FilterFlow, FilterFlowKey},
     filter_hits::{self, FilterHits},
     filter_stats::{self, FilterStats},
     fragment::{self, FirstFragment, FragmentKey},
     host_addr::{self, HostAddrKey},
     layout::{self, LayoutInfo},
     masq_exclude::{self, MasqExcludeKey},
-    masq_flow::{self, MasqFlow},
-    masq_reply::{self, MasqReply},
+    masq_reply::{self, MasqReply, ReplyKey},
     masq_source::{self, MasqSource, MasqSourceKey},
     masq_stats::{self, MasqStats},
-    nat_flow::{self, NatFlowKey, NatFlowValue},
     owner::{self, OwnerInfo},
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
@@ -46,8 +44,11 @@ pub static portmap: HashMap<PortMapKey, PortMapValue, { portmap::MAX_ENTRIES as 
     HashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static nat_flows: LruHashMap<NatFlowKey, NatFlowValue, { nat_flow::MAX_ENTRIES as usize }> =
-    LruHashMap::new();
+pub static connections: LruHashMap<
+    ConnectionKey,
+    Connection,
+    { connection::MAX_ENTRIES as usize },
+> = LruHashMap::new();
 
 #[btf_map(pin_by_name)]
 pub static owners: HashMap<u64, OwnerInfo, { owner::MAX_ENTRIES as usize }> = HashMap::new();
@@ -87,11 +88,7 @@ pub static masq_excludes: LpmTrie<MasqExcludeKey, u32, { masq_exclude::MAX_ENTRI
 pub static uplinks: HashMap<u32, UplinkInfo, { uplink::MAX_ENTRIES as usize }> = HashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static masq_flows: LruHashMap<NatFlowKey, MasqFlow, { masq_flow::MAX_ENTRIES as usize }> =
-    LruHashMap::new();
-
-#[btf_map(pin_by_name)]
-pub static masq_replies: LruHashMap<NatFlowKey, MasqReply, { masq_reply::MAX_ENTRIES as usize }> =
+pub static masq_replies: LruHashMap<ReplyKey, MasqReply, { masq_reply::MAX_ENTRIES as usize }> =
     LruHashMap::new();
 
 #[btf_map(pin_by_name)]
@@ -128,13 +125,6 @@ pub static filter_hits: PerCpuHashMap<
     { filter_hits::MAX_ENTRIES as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
-
-#[btf_map(pin_by_name)]
-pub static filter_flows: LruHashMap<
-    FilterFlowKey,
-    FilterFlow,
-    { filter_flow::MAX_ENTRIES as usize },
-> = LruHashMap::new();
 
 #[btf_map(pin_by_name)]
 pub static filter_events: RingBuf<FilterEvent, { filter_event::RING_BYTES as usize }> =

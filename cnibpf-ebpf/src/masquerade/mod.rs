@@ -1,5 +1,6 @@
-//! Masquerade (SNAT of container traffic leaving through an uplink to the uplink's address),
-//! with its own connection tracking in `masq_flows` / `masq_replies`.
+//! Masquerade (SNAT of container traffic leaving through an uplink to the uplink's address):
+//! its part of a connection's `connections` entry, and `masq_replies` to find it by the tuple
+//! its replies arrive with.
 //!
 //! A container's packet is masqueraded when its source is in `masq_sources`, its destination is
 //! not excluded (`masq_excludes`) and the FIB sends it out of an uplink (`uplinks`); anything
@@ -9,21 +10,22 @@
 //! packets, are translated back at the uplink's ingress for the hook to hand over.
 //!
 //! State is reclaimed without a daemon: an entry expires after its state's timeout
-//! (`masq_flow::timeout_ns`); the packet that meets an expired entry replaces it, the CNI
+//! (`conntrack::timeout_ns`); the packet that meets an expired entry replaces it, the CNI
 //! plugin's DEL and GC sweep expired entries away, and the LRU maps evict the least recently
 //! used entries when full.
 
-use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
+use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
-    conntrack::{self, SIDE_ORIGIN},
+    connection::PART_SNAT,
+    conntrack,
     drop_stats::DropReason,
     endpoint::{FLAG_MASQUERADED, FLAG_UNMASQUERADED},
+    filter::DIRECTION_EGRESS,
     masq_exclude::{MasqExcludeKey, OWNER_FAMILY_BITS},
-    masq_flow::{MasqFlow, STATE_ESTABLISHED, STATE_OPENING},
+    masq_reply::ReplyKey,
     masq_source::{MasqSource, MasqSourceKey},
     masq_stats::MasqStats,
-    nat_flow::NatFlowKey,
     uplink::UplinkInfo,
 };
 
@@ -34,7 +36,7 @@ mod replies;
 pub use replies::{lookup_reply, translate_icmp_error, translate_reply};
 
 use crate::{
-    clock, drops, maps,
+    clock, connections, drops, maps,
     packet::{Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, or_verdict, widen},
     route::{Route, forward, route, route_source},
 };
@@ -113,20 +115,17 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
     Ok(forward(ctx, &next_hop)?.unwrap_or(NEXT))
 }
 
-/// Whether `masq_flows` holds live state of the packet's flow for the attachment `owner`.
+/// Whether the packet's connection is live and masqueraded for the attachment `owner`.
 fn is_live(flow: &Flow, owner: u64) -> bool {
     let now = clock::now_ns();
-    maps::masq_flows
-        .get_ptr(&flow_key(flow))
-        .is_some_and(|state| {
-            // SAFETY: points into `masq_flows`, read at once.
-            let state = unsafe { &*state };
-            state.owner == owner && !state.is_expired(flow.protocol, now)
-        })
+    let entry = connections::find(&connections::key_of(flow, DIRECTION_EGRESS));
+    // SAFETY: points into `connections`, read at once.
+    !entry.is_null()
+        && unsafe { (*entry).has(owner, PART_SNAT) && !(*entry).is_expired(flow.protocol, now) }
 }
 
-/// A container's packet at its host-side veth, of a flow `masq_flows` tracks for the
-/// attachment its source is masqueraded for: masqueraded with the flow's translation and sent
+/// A container's packet at its host-side veth, of a connection masqueraded for the attachment
+/// its source is masqueraded for: masqueraded with the flow's translation and sent
 /// out of its uplink, when the FIB still sends it there from the address that translation uses
 /// (`NOT_MINE` otherwise: the hostPort checks and `from_container` decide, the latter replacing
 /// a translation whose address changed). An established flow keeps its translation as a
@@ -164,16 +163,20 @@ pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> 
     if flow.fragment != Fragment::Whole {
         return Answer::NOT_MINE;
     }
-    let Some(state) = maps::masq_flows.get_ptr_mut(&flow_key(flow)) else {
+    let state = connections::find(&connections::key_of(flow, DIRECTION_EGRESS));
+    if state.is_null() {
         return Answer::NOT_MINE;
-    };
-    // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
+    }
+    // SAFETY: points into `connections`; racing writers only refresh the same fields.
     let state = unsafe { &mut *state };
     let now = clock::now_ns();
     let flags = or_verdict!(ctx, flow.tcp_flags(ctx));
-    // Another attachment's flow (its address was given to this one since), a new connection
-    // on the tuple, or expired state: the full path.
-    if state.owner != owner || conntrack::is_opening(flags) || state.is_expired(flow.protocol, now)
+    // Not masqueraded (a hostPort's connection, one only the filter tracks), another
+    // attachment's (its address was given to this one since), a new connection on the tuple,
+    // or expired state: the full path.
+    if !state.has(owner, PART_SNAT)
+        || conntrack::is_opening(flags)
+        || state.is_expired(flow.protocol, now)
     {
         return Answer::NOT_MINE;
     }
@@ -196,7 +199,8 @@ pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> 
     ) {
         return Answer::NEXT;
     }
-    conntrack::advance(state, flow.protocol, flags, SIDE_ORIGIN, now);
+    let side = state.side(DIRECTION_EGRESS);
+    conntrack::advance(state, flow.protocol, flags, side, now);
     Answer::verdict(or_verdict!(ctx, forward(ctx, &next_hop)).unwrap_or(NEXT))
 }
 
@@ -291,25 +295,8 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
         flow.rewrite_source(ctx, &plan.nat_addr, flow.sport)?;
         return Ok(true);
     }
-    let key = flow_key(flow);
-    let now = clock::now_ns();
     let flags = flow.tcp_flags(ctx)?;
-    let opens = conntrack::is_opening(flags);
-    let mut known_port = None;
-    if let Some(state) = maps::masq_flows.get_ptr_mut(&key) {
-        // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
-        let state = unsafe { &mut *state };
-        // Expired, or made with an uplink address that has changed since: replaced.
-        if state.is_expired(flow.protocol, now) || state.nat_addr != plan.nat_addr {
-            count(|stats| &mut stats.expired);
-        } else {
-            conntrack::advance(state, flow.protocol, flags, SIDE_ORIGIN, now);
-            known_port = Some(state.nat_port);
-        }
-    } else if flow.protocol == PROTO_TCP && !opens {
-        // A connection in the middle of its life without state: its state was evicted.
-        count(|stats| &mut stats.state_lost);
-    }
+    let known_port = u16::try_from(masqueraded_port(flow, plan, flags)).ok();
     let nat_port = match known_port {
         Some(port) => port,
         None => {
@@ -324,7 +311,7 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
                 );
                 return Ok(false);
             };
-            record_flow(flow, plan, port, now, opens);
+            record_flow(flow, plan, port, clock::now_ns(), flags);
             port
         }
     };
@@ -332,26 +319,61 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
     Ok(true)
 }
 
-/// Records a new flow whose port `claim_port` claimed. Called after `claim_port` rather than
-/// from it, so that their stack frames are not stacked on each other.
+/// The port the packet's live connection is masqueraded to (its state moved on), or -1 when
+/// it needs a new one: it has no masquerade, an expired one, or one made with an uplink
+/// address that has changed since. Apart from `masquerade`, so that the key's stack slot is
+/// not held under the rewrite's call chain (and with few arguments: a BPF call takes five
+/// registers, and the compiler passes `plan` by its fields).
 #[inline(never)]
-fn record_flow(flow: &Flow, plan: &Plan, nat_port: u16, now: u64, opens: bool) {
-    let state = MasqFlow {
-        nat_addr: plan.nat_addr,
-        owner: plan.source.owner,
-        last_seen_ns: now,
-        uplink_ifindex: plan.uplink_ifindex,
-        nat_port,
-        // A TCP connection met mid-stream (state evicted) is taken as established, like the
-        // kernel's nf_conntrack_tcp_loose.
-        state: if flow.protocol == PROTO_TCP && !opens {
-            STATE_ESTABLISHED
-        } else {
-            STATE_OPENING
-        },
-        fin: 0,
-    };
-    let _ = maps::masq_flows.insert(&flow_key(flow), &state, u64::from(BPF_ANY));
+fn masqueraded_port(flow: &Flow, plan: &Plan, flags: u8) -> i32 {
+    let now = clock::now_ns();
+    let entry = connections::find(&connections::key_of(flow, DIRECTION_EGRESS));
+    // SAFETY: points into `connections`; racing writers only refresh the same fields.
+    match unsafe { entry.as_mut() } {
+        Some(state) if state.has(plan.source.owner, PART_SNAT) => {
+            if state.is_expired(flow.protocol, now) || state.nat_addr != plan.nat_addr {
+                count(|stats| &mut stats.expired);
+                return -1;
+            }
+            let side = state.side(DIRECTION_EGRESS);
+            conntrack::advance(state, flow.protocol, flags, side, now);
+            i32::from(state.nat_port)
+        }
+        // A connection in the middle of its life without state: its state was evicted.
+        _ if flow.protocol == PROTO_TCP && !conntrack::is_opening(flags) => {
+            count(|stats| &mut stats.state_lost);
+            -1
+        }
+        _ => -1,
+    }
+}
+
+/// Records the masquerade of a connection whose port `claim_port` claimed, in the entry its
+/// owner has (the filter's part may be there) or a new one. Called after `claim_port` rather
+/// than from it, so that their stack frames are not stacked on each other.
+#[inline(never)]
+fn record_flow(flow: &Flow, plan: &Plan, nat_port: u16, now: u64, flags: u8) {
+    let key = connections::key_of(flow, DIRECTION_EGRESS);
+    let (entry, fresh) = connections::for_part(
+        &key,
+        plan.source.owner,
+        flow.protocol,
+        DIRECTION_EGRESS,
+        flags,
+        now,
+    );
+    if entry.is_null() {
+        return;
+    }
+    // SAFETY: points into `connections`, or this CPU's scratch for a new entry.
+    let connection = unsafe { &mut *entry };
+    connection.nat_addr = plan.nat_addr;
+    connection.uplink_ifindex = plan.uplink_ifindex;
+    connection.nat_port = nat_port;
+    connection.parts |= PART_SNAT;
+    if fresh {
+        connections::insert(&key, entry);
+    }
     count(|stats| &mut stats.flows_created);
 }
 
@@ -398,9 +420,9 @@ fn uplink_address(uplink: &UplinkInfo, family: u8) -> Option<[u8; 16]> {
     (address != [0; 16]).then_some(address)
 }
 
-/// The `masq_flows` / `masq_replies` key of a packet's own tuple.
-fn flow_key(flow: &Flow) -> NatFlowKey {
-    NatFlowKey {
+/// The `masq_replies` key of a packet's own tuple (a reply's, at the uplink).
+fn reply_key(flow: &Flow) -> ReplyKey {
+    ReplyKey {
         src_addr: flow.saddr,
         dst_addr: flow.daddr,
         src_port: u16::from_be(flow.sport),

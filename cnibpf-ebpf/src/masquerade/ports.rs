@@ -13,13 +13,15 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use cnibpf_common::{
-    FAMILY_IPV4, PROTO_TCP, PROTO_UDP, masq_reply::MasqReply, nat_flow::NatFlowKey,
+    FAMILY_IPV4, PROTO_TCP, PROTO_UDP,
+    connection::{ConnectionKey, PART_SNAT},
+    masq_reply::{MasqReply, ReplyKey},
     packet::masquerade_port_range,
 };
 
 use super::{Plan, count};
 use crate::{
-    clock, maps,
+    clock, connections, maps,
     packet::{Flow, words},
 };
 
@@ -29,9 +31,12 @@ const PORT_ATTEMPTS: u32 = 24;
 /// The state of a search for a free masquerade port (`port_search`).
 pub struct PortSearch {
     /// The reply tuple of the flow; its destination port is the candidate.
-    pub reverse: NatFlowKey,
+    pub reverse: ReplyKey,
     /// The `masq_replies` entry the flow gets.
     pub reply: MasqReply,
+    /// The `connections` key of the flow holding the candidate, when one does (here rather
+    /// than on the stack, which the search's call chain has used up).
+    pub holder: ConnectionKey,
     pub span: u32,
     pub low: u16,
     /// Non-zero once `reverse` is claimed.
@@ -106,7 +111,7 @@ pub(super) fn claim_port(flow: &Flow, plan: &Plan, keep_own_port: bool) -> Optio
     let search = unsafe { &mut *search };
     let original = u16::from_be(flow.sport);
     let (low, span) = masquerade_port_range(flow.protocol, original);
-    search.reverse = NatFlowKey {
+    search.reverse = ReplyKey {
         src_addr: flow.daddr,
         dst_addr: plan.nat_addr,
         src_port: u16::from_be(flow.dport),
@@ -156,7 +161,7 @@ extern "C" fn try_port(attempt: u64, _context: *mut c_void) -> i64 {
         let offset = random.checked_rem(search.span).unwrap_or(0);
         search.reverse.dst_port = search.low.wrapping_add(offset as u16);
     }
-    if claim(&search.reverse, &search.reply) {
+    if claim(&search.reverse, &search.reply, &mut search.holder) {
         search.claimed = 1;
         return 1;
     }
@@ -165,8 +170,8 @@ extern "C" fn try_port(attempt: u64, _context: *mut c_void) -> i64 {
 }
 
 /// Takes the reply tuple `reverse` for the flow: free, or held by this very flow or by one
-/// whose state is gone or expired. A hostPort of the masquerade address is never taken.
-fn claim(reverse: &NatFlowKey, reply: &MasqReply) -> bool {
+/// whose masquerade is gone or expired. A hostPort of the masquerade address is never taken.
+fn claim(reverse: &ReplyKey, reply: &MasqReply, holder_key: &mut ConnectionKey) -> bool {
     if reverse.dst_port == 0
         || maps::is_host_port(
             &reverse.dst_addr,
@@ -195,21 +200,20 @@ fn claim(reverse: &NatFlowKey, reply: &MasqReply) -> bool {
     {
         true
     } else {
-        let holder_key = NatFlowKey {
-            src_addr: holder.container_addr,
-            dst_addr: reverse.src_addr,
-            src_port: holder.container_port,
-            dst_port: reverse.src_port,
-            protocol: reverse.protocol,
-            family: reverse.family,
-            _pad: [0; 2],
-        };
+        holder_key.container_addr = holder.container_addr;
+        holder_key.remote_addr = reverse.src_addr;
+        holder_key.container_port = holder.container_port;
+        holder_key.remote_port = reverse.src_port;
+        holder_key.protocol = reverse.protocol;
+        holder_key.family = reverse.family;
+        holder_key._pad = [0; 2];
         let now = clock::now_ns();
-        match maps::masq_flows.get_ptr(&holder_key) {
-            // SAFETY: points into `masq_flows`, read at once.
-            Some(state) => unsafe { &*state }.is_expired(reverse.protocol, now),
-            None => true,
-        }
+        let state = connections::find(holder_key);
+        // SAFETY: points into `connections`, read at once.
+        state.is_null()
+            || unsafe {
+                !(*state).has(holder.owner, PART_SNAT) || (*state).is_expired(reverse.protocol, now)
+            }
     };
     reusable
         && maps::masq_replies

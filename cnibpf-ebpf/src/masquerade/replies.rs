@@ -3,28 +3,25 @@
 //! for the hook to hand over.
 
 use aya_ebpf::{
-    EbpfContext as _,
-    bindings::{BPF_ANY, BPF_CSUM_LEVEL_RESET},
-    helpers::bpf_csum_level,
-    programs::TcContext,
+    EbpfContext as _, bindings::BPF_CSUM_LEVEL_RESET, helpers::bpf_csum_level, programs::TcContext,
 };
 use cnibpf_common::{
-    conntrack::{self, SIDE_REPLY},
-    masq_flow::{MasqFlow, STATE_ESTABLISHED},
-    masq_reply::MasqReply,
-    nat_flow::NatFlowKey,
+    connection::{ConnectionKey, PART_SNAT},
+    conntrack::{self, STATE_ESTABLISHED},
+    filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
+    masq_reply::{MasqReply, ReplyKey},
 };
 
-use super::{count, flow_key};
+use super::{count, reply_key};
 use crate::{
-    clock, maps,
+    clock, connections, maps,
     packet::{Answer, DatapathError, Flow, Handover, icmp::icmp_error_scratch, ifindex},
 };
 
 /// The `masq_replies` entry of a packet that is a reply to a masqueraded flow. The pointer is into the map; see `reply`.
 #[inline(always)]
 pub fn lookup_reply(flow: &Flow) -> Option<*const MasqReply> {
-    maps::masq_replies.get_ptr(&flow_key(flow))
+    maps::masq_replies.get_ptr(&reply_key(flow))
 }
 
 /// A reply to a masqueraded flow at the uplink's ingress, translated back towards its container
@@ -48,7 +45,7 @@ fn try_translate_reply(
     container: &mut Handover,
 ) -> Result<Answer, DatapathError> {
     if !track_reply(ctx, flow, entry)? {
-        let _ = maps::masq_replies.remove(&flow_key(flow));
+        let _ = maps::masq_replies.remove(&reply_key(flow));
         return Ok(Answer::NEXT);
     }
     flow.rewrite_destination(ctx, &entry.container_addr, entry.container_port.to_be())?;
@@ -63,46 +60,60 @@ fn hand_over_to(reply: &MasqReply, container: &mut Handover) {
     container.gateway_mac = reply.gateway_mac;
 }
 
-/// Moves the state of the flow a reply belongs to on; `false` when that state has expired
-/// (it is removed, and the reply is not translated).
+/// Moves the state of the connection a reply belongs to on; `false` when that state has
+/// expired (the connection is removed, and the reply is not translated).
 #[inline(never)]
 fn track_reply(ctx: &TcContext, flow: &Flow, reply: &MasqReply) -> Result<bool, DatapathError> {
-    let forward_key = NatFlowKey {
-        src_addr: reply.container_addr,
-        dst_addr: flow.saddr,
-        src_port: reply.container_port,
-        dst_port: u16::from_be(flow.sport),
+    let key = ConnectionKey {
+        container_addr: reply.container_addr,
+        remote_addr: flow.saddr,
+        container_port: reply.container_port,
+        remote_port: u16::from_be(flow.sport),
         protocol: flow.protocol,
         family: flow.family,
         _pad: [0; 2],
     };
     let now = clock::now_ns();
     let flags = flow.tcp_flags(ctx)?;
-    let Some(state) = maps::masq_flows.get_ptr_mut(&forward_key) else {
-        // Evicted under pressure while its reverse entry survived: rebuild it, the reply
-        // proves the flow alive.
+    let state = connections::find(&key);
+    // SAFETY: points into `connections`; racing writers only refresh the same fields.
+    let Some(state) = (unsafe { state.as_mut() }).filter(|state| state.has(reply.owner, PART_SNAT))
+    else {
+        // Evicted under pressure while its reply entry survived: rebuilt, the reply proves
+        // the connection alive.
         count(|stats| &mut stats.state_lost);
-        let state = MasqFlow {
-            nat_addr: flow.daddr,
-            owner: reply.owner,
-            last_seen_ns: now,
-            uplink_ifindex: ifindex(ctx),
-            nat_port: u16::from_be(flow.dport),
-            state: STATE_ESTABLISHED,
-            fin: 0,
-        };
-        let _ = maps::masq_flows.insert(&forward_key, &state, u64::from(BPF_ANY));
+        rebuild(&key, flow, reply, ifindex(ctx), now);
         return Ok(true);
     };
-    // SAFETY: points into `masq_flows`; racing writers only refresh the same fields.
-    let state = unsafe { &mut *state };
     if state.is_expired(flow.protocol, now) {
         count(|stats| &mut stats.expired);
-        let _ = maps::masq_flows.remove(&forward_key);
+        let _ = maps::connections.remove(&key);
         return Ok(false);
     }
-    conntrack::advance(state, flow.protocol, flags, SIDE_REPLY, now);
+    let side = state.side(DIRECTION_INGRESS);
+    conntrack::advance(state, flow.protocol, flags, side, now);
     Ok(true)
+}
+
+/// The masquerade of a connection whose entry was lost, from its reply and `masq_replies`
+/// entry: established.
+#[inline(never)]
+fn rebuild(key: &ConnectionKey, flow: &Flow, reply: &MasqReply, uplink_ifindex: u32, now: u64) {
+    let (entry, fresh) =
+        connections::for_part(key, reply.owner, flow.protocol, DIRECTION_EGRESS, 0, now);
+    if entry.is_null() {
+        return;
+    }
+    // SAFETY: points into `connections`, or this CPU's scratch for a new entry.
+    let connection = unsafe { &mut *entry };
+    connection.nat_addr = flow.daddr;
+    connection.uplink_ifindex = uplink_ifindex;
+    connection.nat_port = u16::from_be(flow.dport);
+    connection.parts |= PART_SNAT;
+    if fresh {
+        connection.state = STATE_ESTABLISHED;
+        connections::insert(key, entry);
+    }
 }
 
 /// ICMP errors (destination unreachable, packet too big, time exceeded, parameter problem)
@@ -127,7 +138,7 @@ fn try_translate_icmp_error(
     if !error.parse(ctx)? {
         return Ok(Answer::NOT_MINE);
     }
-    let key = NatFlowKey {
+    let key = ReplyKey {
         src_addr: error.inner_daddr,
         dst_addr: error.inner_saddr,
         src_port: u16::from_be(error.inner_dport),

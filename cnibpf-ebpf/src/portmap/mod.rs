@@ -4,8 +4,8 @@
 //!
 //! Every packet towards a hostPort is looked up in `portmap`, never in a cached flow, so a
 //! hostPort that changed owner takes effect on the very next packet — also for a UDP client
-//! that keeps its source port. The flow entry (`nat_flows`) only serves to reverse the
-//! translation of replies.
+//! that keeps its source port. The connection's DNAT part (in `connections`) only serves to
+//! reverse the translation of replies.
 //!
 //! Datagrams in fragments: the later fragments carry the first one's ports from the parser
 //! (`fragments`), so each is translated as its first was, its transport header left alone.
@@ -13,16 +13,18 @@
 
 mod conditions;
 
-use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
+use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
+    connection::{Connection, PART_DNAT},
+    conntrack,
     endpoint::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
-    nat_flow::{NatFlowKey, NatFlowValue},
+    filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
     portmap::{PortMapKey, PortMapValue},
 };
 
 use crate::{
-    clock, maps,
+    clock, connections, maps,
     packet::{
         Answer, DatapathError, Flow, Fragment, Handover, NEXT, clear_address, ifindex,
         mark_translated, or_verdict,
@@ -57,10 +59,6 @@ pub struct Translation {
 )]
 #[btf_map]
 pub static translation_scratch: PerCpuArray<Translation, 1> = PerCpuArray::new();
-
-/// How often a flow's `last_seen_ns` is refreshed: writing it on every packet would turn each
-/// packet's lookup into a write that bounces the cache line between CPUs.
-const FLOW_REFRESH_NS: u64 = 1_000_000_000;
 
 /// A packet from outside, at an uplink: translated towards the container behind its hostPort
 /// (`Answer::TO_CONTAINER`, `container` filled in), or `Answer::NOT_MINE`. Its flow is recorded by
@@ -146,7 +144,7 @@ fn try_translate_hairpin(
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
     flow.rewrite_source(ctx, &source, flow.sport)?;
     if via_stack && !to_itself {
-        remember_translation(flow);
+        remember_translation(ctx, flow);
         mark_translated(ctx);
         return Ok(Answer::NEXT);
     }
@@ -166,10 +164,10 @@ pub fn translate_reply(
     via_stack: bool,
     client: &mut Handover,
 ) -> Answer {
-    let Some(entry) = reverse_of(flow) else {
+    let Some(entry) = reverse_of(ctx, flow) else {
         return Answer::NOT_MINE;
     };
-    // SAFETY: entry points into nat_flows; it is copied out field by field before any
+    // SAFETY: entry points into connections; it is copied out field by field before any
     // rewrite.
     let entry = unsafe { &*entry };
     let (orig_addr, orig_port) = (entry.orig_addr, entry.orig_port.to_be());
@@ -211,37 +209,38 @@ pub fn translate_reply(
 /// not route it itself): it gets the hostPort address back as its source (`NEXT`), or
 /// `Answer::NOT_MINE`.
 pub fn translate_routed_reply(ctx: &TcContext, flow: &mut Flow) -> Result<Answer, DatapathError> {
-    let Some(entry) = reverse_of(flow) else {
+    let Some(entry) = reverse_of(ctx, flow) else {
         return Ok(Answer::NOT_MINE);
     };
-    // SAFETY: entry points into nat_flows; the fields are copied out before any rewrite.
+    // SAFETY: entry points into connections; the fields are copied out before any rewrite.
     let (orig_addr, orig_port) = unsafe { ((*entry).orig_addr, (*entry).orig_port.to_be()) };
     flow.rewrite_source(ctx, &orig_addr, orig_port)?;
     Ok(Answer::NEXT)
 }
 
-/// The translation a container's packet reverses: its flow's `nat_flows` entry, refreshed at
-/// most once a second (replies keep the flow alive too). The pointer is into the map.
-/// Inlined: as a BPF call, LLVM returns the option in two registers, and a BPF call returns
-/// one.
+/// The translation a container's packet reverses: its connection's DNAT part, whose state
+/// the packet moves on (replies keep the connection alive too). The pointer is into
+/// `connections`. Inlined: as a BPF call, LLVM returns the option in two registers, and a BPF
+/// call returns one.
 #[inline(always)]
-fn reverse_of(flow: &Flow) -> Option<*const NatFlowValue> {
-    let entry = maps::nat_flows.get_ptr_mut(&flow_key(flow, Direction::Packet))?;
-    let now = clock::now_ns();
-    // SAFETY: entry points into nat_flows; racing writers of the refresh time write the same.
-    // (A clock read behind the entry's time, another CPU's, never moves it back.)
-    unsafe {
-        if now.saturating_sub((*entry).last_seen_ns) >= FLOW_REFRESH_NS {
-            (*entry).last_seen_ns = now;
-        }
+fn reverse_of(ctx: &TcContext, flow: &Flow) -> Option<*const Connection> {
+    let entry = connections::find(&connections::key_of(flow, DIRECTION_EGRESS));
+    // SAFETY: points into `connections`; racing writers only refresh the same fields.
+    let connection = unsafe { entry.as_mut() }?;
+    if connection.parts & PART_DNAT == 0 {
+        return None;
     }
+    // A header that cannot be read moves no state; the translation holds all the same.
+    let flags = flow.tcp_flags(ctx).unwrap_or(0);
+    let side = connection.side(DIRECTION_EGRESS);
+    conntrack::advance(connection, flow.protocol, flags, side, clock::now_ns());
     Some(entry.cast_const())
 }
 
 /// A packet towards a container that did not come through a hostPort: a TCP connection
 /// opening, or any UDP datagram, on a 5-tuple that has a translation remembered means that
 /// translation is stale (the client now talks to the container directly with the same
-/// ports), and its replies must not be rewritten.
+/// ports), and its replies must not be rewritten: the connection loses its DNAT part.
 pub fn forget_stale_translation(ctx: &TcContext, flow: &Flow) {
     let opens = match flow.protocol {
         PROTO_TCP => flow.is_tcp_syn(ctx).unwrap_or(false),
@@ -250,52 +249,66 @@ pub fn forget_stale_translation(ctx: &TcContext, flow: &Flow) {
     if flow.fragment != Fragment::Whole || !opens {
         return;
     }
-    let reply = flow_key(flow, Direction::Reply);
-    if maps::nat_flows.get_ptr(&reply).is_some() {
-        let _ = maps::nat_flows.remove(&reply);
+    let key = connections::key_of(flow, DIRECTION_INGRESS);
+    let entry = connections::find(&key);
+    // SAFETY: points into `connections`; the fields are written at once.
+    if let Some(connection) = unsafe { entry.as_mut() }
+        && connection.parts & PART_DNAT != 0
+    {
+        connection.parts &= !PART_DNAT;
     }
 }
 
 /// Records how to reverse the translation of `flow` (already translated, as the translation
-/// scratch describes it) for its replies; refreshed at most once a second per flow unless what
-/// it records changed.
+/// scratch describes it) for its replies, as the DNAT part of its connection (the filter's may
+/// be there), and moves the connection's state on.
 #[inline(never)]
-pub fn remember_translation(flow: &Flow) {
+pub fn remember_translation(ctx: &TcContext, flow: &Flow) {
     let Some(translation) = translation_scratch.get_ptr(0) else {
         return;
     };
     // SAFETY: this CPU's slot, filled by the translation of this very packet.
     let translation = unsafe { &*translation };
-    let key = flow_key(flow, Direction::Reply);
+    let key = connections::key_of(flow, DIRECTION_INGRESS);
     let now = clock::now_ns();
-    let orig_port = u16::from_be(translation.original_port);
-    if let Some(entry) = maps::nat_flows.get_ptr(&key) {
-        // SAFETY: read right after the lookup; a stale read only causes one extra update.
-        let current = unsafe { &*entry };
-        if current.owner == translation.owner
-            && current.orig_port == orig_port
-            && current.orig_addr == translation.original_addr
-            && current.peer_ifindex == translation.reply_ifindex
-            && now.saturating_sub(current.last_seen_ns) < FLOW_REFRESH_NS
-        {
-            return;
-        }
+    let flags = flow.tcp_flags(ctx).unwrap_or(0);
+    let (entry, fresh) = connections::for_part(
+        &key,
+        translation.owner,
+        flow.protocol,
+        DIRECTION_INGRESS,
+        flags,
+        now,
+    );
+    if entry.is_null() {
+        return;
     }
-    let value = NatFlowValue {
-        orig_addr: translation.original_addr,
-        peer_addr: translation.client_addr,
-        owner: translation.owner,
-        last_seen_ns: now,
-        peer_ifindex: translation.reply_ifindex,
-        orig_port,
-        peer_port: u16::from_be(translation.client_port),
-        peer_mac: translation.client_mac,
-        gateway_mac: translation.gateway_mac,
-        _pad: [0; 4],
-    };
-    // A full LRU map evicts; an insert failure leaves the previous entry, which still reverses
-    // this flow correctly unless the mapping changed, so there is nothing better to do here.
-    let _ = maps::nat_flows.insert(&key, &value, u64::from(BPF_ANY));
+    // SAFETY: points into `connections` (racing writers write the same), or this CPU's
+    // scratch for a new entry.
+    let connection = unsafe { &mut *entry };
+    let orig_port = u16::from_be(translation.original_port);
+    // Written only when it changed: a write on every packet would bounce the entry's cache
+    // line between CPUs.
+    if connection.parts & PART_DNAT == 0
+        || connection.orig_port != orig_port
+        || connection.orig_addr != translation.original_addr
+        || connection.peer_ifindex != translation.reply_ifindex
+    {
+        connection.orig_addr = translation.original_addr;
+        connection.peer_addr = translation.client_addr;
+        connection.peer_ifindex = translation.reply_ifindex;
+        connection.orig_port = orig_port;
+        connection.peer_port = u16::from_be(translation.client_port);
+        connection.peer_mac = translation.client_mac;
+        connection.gateway_mac = translation.gateway_mac;
+        connection.parts |= PART_DNAT;
+    }
+    if fresh {
+        connections::insert(&key, entry);
+    } else {
+        let side = connection.side(DIRECTION_INGRESS);
+        conntrack::advance(connection, flow.protocol, flags, side, now);
+    }
 }
 
 fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<[u8; 16]> {
@@ -305,31 +318,6 @@ fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<[u8; 16]> {
         endpoint.gateway_v6
     };
     (address != [0; 16]).then_some(address)
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Direction {
-    /// The packet's own tuple.
-    Packet,
-    /// The tuple of the packet's replies.
-    Reply,
-}
-
-/// The `nat_flows` key of a packet's tuple, or of its replies' tuple.
-fn flow_key(flow: &Flow, direction: Direction) -> NatFlowKey {
-    let (src, dst) = match direction {
-        Direction::Packet => ((flow.saddr, flow.sport), (flow.daddr, flow.dport)),
-        Direction::Reply => ((flow.daddr, flow.dport), (flow.saddr, flow.sport)),
-    };
-    NatFlowKey {
-        src_addr: src.0,
-        dst_addr: dst.0,
-        src_port: u16::from_be(src.1),
-        dst_port: u16::from_be(dst.1),
-        protocol: flow.protocol,
-        family: flow.family,
-        _pad: [0; 2],
-    }
 }
 
 /// The mapping for the packet's destination: the wildcard, which applies only when the

@@ -220,7 +220,7 @@ mod tests {
             (
                 "masquerade",
                 BackendError::MapRead {
-                    name: "masq_flows",
+                    name: "connections",
                     source: std::io::Error::from_raw_os_error(libc::EPERM),
                 },
             ),
@@ -237,7 +237,7 @@ mod tests {
         assert_eq!(several.code(), code::DATAPATH, "the first failure's code");
         let text = several.to_string();
         assert!(
-            text.starts_with("masquerade: could not read map masq_flows: Operation not permitted"),
+            text.starts_with("masquerade: could not read map connections: Operation not permitted"),
             "{text}"
         );
         assert!(

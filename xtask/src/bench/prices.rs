@@ -121,7 +121,7 @@ impl Maps {
     }
 }
 
-/// A 40-byte connection key (`NatFlowKey`'s size) told apart by `index`.
+/// A 40-byte connection key (`ConnectionKey`'s size) told apart by `index`.
 fn flow_key(index: u32) -> [u8; 40] {
     let mut key = [0; 40];
     key[..4].copy_from_slice(&index.to_ne_bytes());

@@ -1,42 +1,35 @@
 //! The eBPF backend's filter: one `filters` element per filtered attachment (keyed by its
 //! host-side interface), replaced whole so that packets see the old rules or the new ones; its
-//! per-rule counters in `filter_hits`; and the connection tracking state in `filter_flows`,
-//! which DEL and GC remove per attachment and GC sweeps when expired.
+//! per-rule counters in `filter_hits`; and its part of the attachment's connections
+//! (`connections`), which DEL and GC remove.
 
 use std::net::IpAddr;
 
 use aya::maps::{HashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, addr,
+    connection::PART_FILTER,
     filter::{
         self, CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS, DIRECTION_INGRESS,
         FilterRule as StoredRule, FilterSet, MAX_RULES, NO_PREFIX, TARGET_ALLOW, TARGET_DROP,
     },
-    filter_flow::{self, FilterFlow, FilterFlowKey},
     filter_hits::{self, FilterHits},
     filter_stats::{self, FilterStats},
 };
 use ipnet::IpNet;
 
-use super::{
-    EbpfBackend, batch, found, map_error, monotonic_now_ns, open_pinned, read_error, remove_entry,
-    removed,
-};
+use super::{EbpfBackend, found, map_error, monotonic_now_ns, open_pinned, remove_entry, removed};
 use crate::{
     backend::{BackendError, Endpoint, Filtering},
     model::{ConnState, Direction, Filter, FilterRule, PortRange, RuleProtocol, Target},
     paths::PinLayout,
 };
 
-/// The maps of the filter: the rule sets, their counters, the connections it tracks, its
-/// statistics.
+/// The maps of the filter: the rule sets, their counters, its statistics.
 pub(super) struct FilterMaps {
     pub(super) filters: HashMap<MapData, u32, FilterSet>,
     pub(super) filter_hits: PerCpuHashMap<MapData, u32, FilterHits>,
-    pub(super) filter_flows: HashMap<MapData, FilterFlowKey, FilterFlow>,
     pub(super) filter_stats: PerCpuArray<MapData, FilterStats>,
-    /// Whether this invocation already removed the expired entries of `filter_flows`.
-    pub(super) flows_swept: bool,
 }
 
 impl FilterMaps {
@@ -44,9 +37,7 @@ impl FilterMaps {
         Ok(Self {
             filters: open_pinned(pins, filter::MAP_NAME)?,
             filter_hits: open_pinned(pins, filter_hits::MAP_NAME)?,
-            filter_flows: open_pinned(pins, filter_flow::MAP_NAME)?,
             filter_stats: open_pinned(pins, filter_stats::MAP_NAME)?,
-            flows_swept: false,
         })
     }
 }
@@ -159,30 +150,13 @@ impl EbpfBackend {
             self.filter.filter_hits.remove(&ifindex),
             filter_hits::MAP_NAME,
         )?;
-        self.remove_filter_flows(|flow_owner| flow_owner == owner)
-    }
-
-    /// Removes the tracked connections whose owner `stale` selects, and every expired
-    /// connection on the way.
-    fn remove_filter_flows(&mut self, stale: impl Fn(u64) -> bool) -> Result<(), BackendError> {
-        let now = monotonic_now_ns();
-        let flows =
-            batch::entries(&self.filter.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
-        for (key, flow) in flows {
-            if stale(flow.owner) || flow.is_expired(key.protocol, now) {
-                remove_entry(&mut self.filter.filter_flows, &key, filter_flow::MAP_NAME)?;
+        self.release_connections(|_, connection| {
+            if connection.owner == owner {
+                PART_FILTER
+            } else {
+                0
             }
-        }
-        self.filter.flows_swept = true;
-        Ok(())
-    }
-
-    /// The GC sweep of expired connections (unless a removal in this run did it already).
-    pub(super) fn sweep_expired_filter_flows(&mut self) -> Result<(), BackendError> {
-        if self.filter.flows_swept {
-            return Ok(());
-        }
-        self.remove_filter_flows(|_| false)
+        })
     }
 }
 

@@ -6,14 +6,14 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use aya::maps::{HashMap, IterableMap, MapData, PerCpuArray};
 use cnibpf_common::{
     addr,
+    connection::{self, PART_FILTER, PART_SNAT},
     drop_event_budget::{self, DropEventBudget},
     drop_stats::{self, DropCount, DropReason},
     filter::{MAX_RULES, TARGET_DROP},
-    filter_flow,
     filter_hits::{self, DEFAULT_SLOT, RuleHits},
     filter_stats::FilterStats,
     fragment::{self, FirstFragment, FragmentKey},
-    masq_flow, masq_reply, nat_flow, owner as owner_map,
+    masq_reply, owner as owner_map,
 };
 
 use super::{
@@ -94,11 +94,13 @@ impl Inspect for EbpfBackend {
             let position = record_of(&mut records, u64::from_be_bytes(data.owner));
             records[position].1.masquerade.excludes.push((net, reason));
         }
-        for (_, flow) in
-            batch::entries(&self.masquerade.masq_flows).map_err(read_error(masq_flow::MAP_NAME))?
+        for (_, connection) in batch::entries(&self.connections.connections)
+            .map_err(read_error(connection::MAP_NAME))?
         {
-            let position = record_of(&mut records, flow.owner);
-            records[position].1.flows += 1;
+            if connection.parts & PART_SNAT != 0 {
+                let position = record_of(&mut records, connection.owner);
+                records[position].1.flows += 1;
+            }
         }
         Ok(records)
     }
@@ -162,10 +164,16 @@ impl Inspect for EbpfBackend {
         if records.is_empty() {
             return Ok(records);
         }
-        let flows =
-            batch::entries(&self.filter.filter_flows).map_err(read_error(filter_flow::MAP_NAME))?;
-        for (_, flow) in flows {
-            if let Some((_, record)) = records.iter_mut().find(|(owner, _)| *owner == flow.owner) {
+        let connections = batch::entries(&self.connections.connections)
+            .map_err(read_error(connection::MAP_NAME))?;
+        for (_, connection) in connections {
+            if connection.parts & PART_FILTER == 0 {
+                continue;
+            }
+            if let Some((_, record)) = records
+                .iter_mut()
+                .find(|(owner, _)| *owner == connection.owner)
+            {
                 record.flows += 1;
             }
         }
@@ -208,10 +216,8 @@ impl Inspect for EbpfBackend {
         let fragments: HashMap<MapData, FragmentKey, FirstFragment> =
             open_pinned(&self.pins, fragment::MAP_NAME)?;
         Ok(vec![
-            fill(nat_flow::MAP_NAME, &self.port_mapping.nat_flows)?,
-            fill(masq_flow::MAP_NAME, &self.masquerade.masq_flows)?,
+            fill(connection::MAP_NAME, &self.connections.connections)?,
             fill(masq_reply::MAP_NAME, &self.masquerade.masq_replies)?,
-            fill(filter_flow::MAP_NAME, &self.filter.filter_flows)?,
             fill(fragment::MAP_NAME, &fragments)?,
         ])
     }
@@ -248,10 +254,7 @@ impl EbpfBackend {
         let sum = |field: fn(&cnibpf_common::masq_stats::MasqStats) -> u64| {
             per_cpu.iter().map(field).sum::<u64>()
         };
-        let flows = fill(masq_flow::MAP_NAME, &self.masquerade.masq_flows)?;
         Ok(vec![
-            ("masq_flows entries", flows.entries),
-            ("masq_flows capacity", flows.capacity),
             ("flows created", sum(|stats| stats.flows_created)),
             ("port collisions", sum(|stats| stats.port_collisions)),
             ("ports exhausted", sum(|stats| stats.ports_exhausted)),

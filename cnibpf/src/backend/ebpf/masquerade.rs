@@ -1,27 +1,22 @@
 //! The eBPF backend's masquerade: `masq_sources`, `masq_excludes` and `uplinks` per
-//! attachment and uplink, and the connection tracking state in `masq_flows` / `masq_replies`,
-//! which DEL and GC remove per attachment; GC also sweeps expired state, of the port-mapping
-//! translations in `nat_flows` too.
+//! attachment and uplink; its part of the attachment's connections (`connections`) and their
+//! `masq_replies`, which DEL and GC remove per attachment.
 
 use std::net::IpAddr;
 
 use aya::maps::{HashMap, LpmTrie, MapData, PerCpuArray, lpm_trie::Key};
 use cnibpf_common::{
     addr,
+    connection::{Connection, ConnectionKey, PART_SNAT},
     masq_exclude::{self, MasqExcludeKey, OWNER_FAMILY_BITS},
-    masq_flow::{self, MasqFlow},
-    masq_reply::{self, MasqReply},
+    masq_reply::{self, MasqReply, ReplyKey},
     masq_source::{self, MasqSource, MasqSourceKey},
     masq_stats::{self, MasqStats},
-    nat_flow::NatFlowKey,
     uplink::{self, UplinkInfo},
 };
 use ipnet::IpNet;
 
-use super::{
-    EbpfBackend, batch, found, map_error, monotonic_now_ns, open_pinned, read_error, remove_entry,
-    remove_where, removed,
-};
+use super::{EbpfBackend, found, map_error, open_pinned, remove_entry, remove_where, removed};
 use crate::{
     backend::{BackendError, Endpoint, Masquerading, is_link_local},
     model::Masquerade,
@@ -29,18 +24,14 @@ use crate::{
     paths::PinLayout,
 };
 
-/// The maps of masquerade: its sources and exclusions, the uplinks' addresses, its connection
-/// state (`masq_flows`, `masq_replies`) and statistics.
+/// The maps of masquerade: its sources and exclusions, the uplinks' addresses, its
+/// connections' reply tuples (`masq_replies`) and statistics.
 pub(super) struct MasqueradeMaps {
     pub(super) masq_sources: HashMap<MapData, MasqSourceKey, MasqSource>,
     pub(super) masq_excludes: LpmTrie<MapData, MasqExcludeKey, u32>,
     pub(super) uplinks: HashMap<MapData, u32, UplinkInfo>,
-    pub(super) masq_flows: HashMap<MapData, NatFlowKey, MasqFlow>,
-    pub(super) masq_replies: HashMap<MapData, NatFlowKey, MasqReply>,
+    pub(super) masq_replies: HashMap<MapData, ReplyKey, MasqReply>,
     pub(super) masq_stats: PerCpuArray<MapData, MasqStats>,
-    /// Whether this invocation already removed the expired entries of `masq_flows` (removing
-    /// an attachment's flows does it in the same pass).
-    pub(super) flows_swept: bool,
 }
 
 impl MasqueradeMaps {
@@ -49,11 +40,36 @@ impl MasqueradeMaps {
             masq_sources: open_pinned(pins, masq_source::MAP_NAME)?,
             masq_excludes: open_pinned(pins, masq_exclude::MAP_NAME)?,
             uplinks: open_pinned(pins, uplink::MAP_NAME)?,
-            masq_flows: open_pinned(pins, masq_flow::MAP_NAME)?,
             masq_replies: open_pinned(pins, masq_reply::MAP_NAME)?,
             masq_stats: open_pinned(pins, masq_stats::MAP_NAME)?,
-            flows_swept: false,
         })
+    }
+
+    /// Removes the `masq_replies` entry of a connection losing its masquerade, if it still
+    /// leads to that connection (its port may have been claimed anew).
+    pub(super) fn forget_reply(
+        &mut self,
+        key: &ConnectionKey,
+        connection: &Connection,
+    ) -> Result<(), BackendError> {
+        let reply_key = ReplyKey {
+            src_addr: key.remote_addr,
+            dst_addr: connection.nat_addr,
+            src_port: key.remote_port,
+            dst_port: connection.nat_port,
+            protocol: key.protocol,
+            family: key.family,
+            _pad: [0; 2],
+        };
+        let leads_here = found(self.masq_replies.get(&reply_key, 0), masq_reply::MAP_NAME)?
+            .is_some_and(|reply| {
+                reply.container_addr == key.container_addr
+                    && reply.container_port == key.container_port
+            });
+        if leads_here {
+            remove_entry(&mut self.masq_replies, &reply_key, masq_reply::MAP_NAME)?;
+        }
+        Ok(())
     }
 }
 
@@ -130,12 +146,14 @@ impl Masquerading for EbpfBackend {
         if !dropped_sources {
             return Ok(());
         }
-        // Flows of an address the attachment no longer masquerades must not be translated.
-        self.remove_masquerade_flows(|flow_key, flow| {
-            flow.owner == owner
-                && !wanted_sources.iter().any(|source| {
-                    source.addr == flow_key.src_addr && source.family == flow_key.family
-                })
+        // Connections of an address the attachment no longer masquerades must not be
+        // translated.
+        self.release_connections(|key, connection| {
+            let dropped = connection.owner == owner
+                && !wanted_sources
+                    .iter()
+                    .any(|source| source.addr == key.container_addr && source.family == key.family);
+            if dropped { PART_SNAT } else { 0 }
         })
     }
 
@@ -157,12 +175,14 @@ impl Masquerading for EbpfBackend {
             self.remove_exclude(&key)?;
         }
         // One pass over the table serves this attachment and the sweep of expired state.
-        let now = monotonic_now_ns();
-        self.remove_masquerade_flows(|key, flow| {
-            flow.owner == owner || flow.is_expired(key.protocol, now)
+        self.release_connections(|_, connection| {
+            if connection.owner == owner {
+                PART_SNAT
+            } else {
+                0
+            }
         })?;
-        self.masquerade.flows_swept = true;
-        // Reverse entries whose forward entry was evicted are found by their owner.
+        // Reply entries whose connection was evicted are found by their owner.
         remove_where(
             &mut self.masquerade.masq_replies,
             masq_reply::MAP_NAME,
@@ -269,16 +289,6 @@ impl Masquerading for EbpfBackend {
 }
 
 impl EbpfBackend {
-    /// Removes the expired masquerade flows (unless removing an attachment's did already).
-    pub(super) fn sweep_expired_masquerade_flows(&mut self) -> Result<(), BackendError> {
-        if !self.masquerade.flows_swept {
-            let now = monotonic_now_ns();
-            self.remove_masquerade_flows(|key, flow| flow.is_expired(key.protocol, now))?;
-            self.masquerade.flows_swept = true;
-        }
-        Ok(())
-    }
-
     /// The attachment's `masq_sources` keys and `masq_excludes` entries.
     #[expect(
         clippy::type_complexity,
@@ -310,43 +320,6 @@ impl EbpfBackend {
             self.masquerade.masq_excludes.remove(key),
             masq_exclude::MAP_NAME,
         )
-    }
-
-    /// Removes the flows `stale` selects, both ways.
-    fn remove_masquerade_flows(
-        &mut self,
-        stale: impl Fn(&NatFlowKey, &MasqFlow) -> bool,
-    ) -> Result<(), BackendError> {
-        let flows =
-            batch::entries(&self.masquerade.masq_flows).map_err(read_error(masq_flow::MAP_NAME))?;
-        for (key, flow) in flows.into_iter().filter(|(key, flow)| stale(key, flow)) {
-            let reverse = NatFlowKey {
-                src_addr: key.dst_addr,
-                dst_addr: flow.nat_addr,
-                src_port: key.dst_port,
-                dst_port: flow.nat_port,
-                protocol: key.protocol,
-                family: key.family,
-                _pad: [0; 2],
-            };
-            // Only if it still reverses this flow: the port may have been claimed anew.
-            let owned = found(
-                self.masquerade.masq_replies.get(&reverse, 0),
-                masq_reply::MAP_NAME,
-            )?
-            .is_some_and(|reply| {
-                reply.container_addr == key.src_addr && reply.container_port == key.src_port
-            });
-            if owned {
-                remove_entry(
-                    &mut self.masquerade.masq_replies,
-                    &reverse,
-                    masq_reply::MAP_NAME,
-                )?;
-            }
-            remove_entry(&mut self.masquerade.masq_flows, &key, masq_flow::MAP_NAME)?;
-        }
-        Ok(())
     }
 }
 

@@ -11,6 +11,7 @@
 
 mod batch;
 mod conditions;
+mod connections;
 mod endpoint;
 mod filter;
 mod hooks;
@@ -37,16 +38,17 @@ use self::pins::{
 pub use self::pins::{mount_bpffs, remove_pinned};
 pub use self::sizes::memory;
 use self::{
-    endpoint::EndpointMaps, filter::FilterMaps, masquerade::MasqueradeMaps, portmap::PortMapMaps,
-    sources::SourceMaps,
+    connections::ConnectionMaps, endpoint::EndpointMaps, filter::FilterMaps,
+    masquerade::MasqueradeMaps, portmap::PortMapMaps, sources::SourceMaps,
 };
 use super::{Access, Backend, BackendError};
 use crate::{model::Capacity, paths::PinLayout};
 
 /// The pinned datapath, as one bundle of map handles per capability, each defined and opened
 /// by the capability's own file (`endpoint.rs`, `portmap.rs`, `masquerade.rs`, `filter.rs`,
-/// `sources.rs`). A capability works on its own bundle; what it needs of another's goes
-/// through that one's methods (the owner record, the fragments of an attachment). Only
+/// `sources.rs`), and the connection table they share (`connections.rs`). A capability works
+/// on its own bundle; what it needs of another's goes through that one's methods (the owner
+/// record, a connection's masquerade reply, its part of the connections). Only
 /// `inspect`, `migrate` and `sizes`, which read or convert the whole datapath, read every
 /// bundle's maps.
 pub struct EbpfBackend {
@@ -56,6 +58,7 @@ pub struct EbpfBackend {
     masquerade: MasqueradeMaps,
     filter: FilterMaps,
     source_check: SourceMaps,
+    connections: ConnectionMaps,
     /// The host's addresses (interface index, address) as dumped by `load_for_changes`.
     host_addresses: Vec<(u32, IpAddr)>,
 }
@@ -198,6 +201,7 @@ impl EbpfBackend {
             found if migrate::SOURCES_APART.contains(&found) => {
                 migrate::from_sources_apart(pins, found)
             }
+            migrate::FLOWS_APART => migrate::from_9(pins),
             _ => Err(BackendError::OlderState {
                 path: pins.root().to_owned(),
                 found,
@@ -251,6 +255,7 @@ impl EbpfBackend {
             masquerade: MasqueradeMaps::open(pins)?,
             filter: FilterMaps::open(pins)?,
             source_check: SourceMaps::open(pins)?,
+            connections: ConnectionMaps::open(pins)?,
             host_addresses: Vec::new(),
         })
     }
@@ -262,9 +267,7 @@ impl Backend for EbpfBackend {
     }
 
     fn sweep_expired(&mut self) -> Result<(), BackendError> {
-        self.sweep_expired_masquerade_flows()?;
-        self.sweep_expired_port_mapping_flows()?;
-        self.sweep_expired_filter_flows()?;
+        self.sweep_expired_connections()?;
         self.sweep_orphaned_source_checks()
     }
 

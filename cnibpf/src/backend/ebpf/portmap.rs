@@ -1,22 +1,21 @@
 //! Port mappings: `portmap` entries keyed by what a packet arrives at, each attachment's keys
 //! in its `owner_ports` slots, `port_claims` counting address-specific keys (so a wildcard
-//! finds an overlap without a scan), and the `nat_flows` they translated.
+//! finds an overlap without a scan), and their part of the connections they translated
+//! (`connections`).
 
 use std::collections::HashSet;
 
 use aya::maps::{HashMap, MapData, MapError};
 use cnibpf_common::{
     addr,
-    nat_flow::{self, NatFlowKey, NatFlowValue},
+    connection::{Connection, ConnectionKey, PART_DNAT},
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
     port_condition::{self, PortConditions, PortConditionsKey},
     portmap::{self, PortMapKey, PortMapValue},
 };
 
-use super::{
-    EbpfBackend, batch, found, map_error, monotonic_now_ns, open_pinned, read_error, remove_entry,
-};
+use super::{EbpfBackend, found, map_error, open_pinned, remove_entry};
 use crate::{
     backend::{BackendError, Endpoint, PortMappings, check_mapping_count, refuse_held_host_ports},
     journal,
@@ -24,11 +23,10 @@ use crate::{
     paths::PinLayout,
 };
 
-/// The maps of port mapping: the mappings (`portmap`), their translated flows,
+/// The maps of port mapping: the mappings (`portmap`),
 /// who holds which (`owner_ports`, `port_claims`) and who may reach them (`port_conditions`).
 pub(super) struct PortMapMaps {
     pub(super) portmap: HashMap<MapData, PortMapKey, PortMapValue>,
-    pub(super) nat_flows: HashMap<MapData, NatFlowKey, NatFlowValue>,
     pub(super) owner_ports: HashMap<MapData, OwnerPortKey, PortMapKey>,
     pub(super) port_claims: HashMap<MapData, PortClaimKey, PortClaim>,
     pub(super) port_conditions: HashMap<MapData, PortConditionsKey, PortConditions>,
@@ -38,7 +36,6 @@ impl PortMapMaps {
     pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
             portmap: open_pinned(pins, portmap::MAP_NAME)?,
-            nat_flows: open_pinned(pins, nat_flow::MAP_NAME)?,
             owner_ports: open_pinned(pins, owner_port::MAP_NAME)?,
             port_claims: open_pinned(pins, port_claim::MAP_NAME)?,
             port_conditions: open_pinned(pins, port_condition::MAP_NAME)?,
@@ -167,27 +164,6 @@ impl EbpfBackend {
             None => self.recount_claim(key),
         }
     }
-
-    /// Removes the translated flows that `stale` selects.
-    fn remove_flows(
-        &mut self,
-        stale: impl Fn(&NatFlowKey, &NatFlowValue) -> bool,
-    ) -> Result<(), BackendError> {
-        let flows =
-            batch::entries(&self.port_mapping.nat_flows).map_err(read_error(nat_flow::MAP_NAME))?;
-        for (key, value) in flows {
-            if stale(&key, &value) {
-                remove_entry(&mut self.port_mapping.nat_flows, &key, nat_flow::MAP_NAME)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Removes the expired translations of every attachment.
-    pub(super) fn sweep_expired_port_mapping_flows(&mut self) -> Result<(), BackendError> {
-        let now = monotonic_now_ns();
-        self.remove_flows(|key, flow| flow.is_expired(key.protocol, now))
-    }
 }
 
 impl PortMappings for EbpfBackend {
@@ -245,21 +221,22 @@ impl PortMappings for EbpfBackend {
         if !flows_stale {
             return Ok(());
         }
-        // Flows translated by a mapping that is gone or leads elsewhere now must not keep
-        // rewriting replies.
-        self.remove_flows(|flow_key, flow| {
-            flow.owner == owner
+        // Connections translated by a mapping that is gone or leads elsewhere now must not
+        // keep rewriting replies.
+        self.release_connections(|connection_key, connection| {
+            let stale = connection.has(owner, PART_DNAT)
                 && !wanted
                     .iter()
-                    .any(|(key, value)| flow_of_mapping(flow_key, flow, key, value))
+                    .any(|(key, value)| translated_by(connection_key, connection, key, value));
+            if stale { PART_DNAT } else { 0 }
         })
     }
 
     fn teardown_port_mappings(&mut self, owner: u64) -> Result<(), BackendError> {
         let keys = self.owned_portmap_keys(owner)?;
         self.remove_port_conditions(owner)?;
-        // Without mappings the attachment translated no flows: skip the scan of `nat_flows`,
-        // which walks all its buckets even when empty.
+        // Without mappings the attachment translated no connections: skip the scan of
+        // `connections`, which walks all its buckets even when empty.
         if keys.is_empty() {
             return Ok(());
         }
@@ -267,7 +244,13 @@ impl PortMappings for EbpfBackend {
             self.remove_owned_mapping(owner, key)?;
         }
         self.record_owned_keys(owner, &[])?;
-        self.remove_flows(|_, flow| flow.owner == owner)
+        self.release_connections(|_, connection| {
+            if connection.owner == owner {
+                PART_DNAT
+            } else {
+                0
+            }
+        })
     }
 
     fn holder_of(
@@ -393,20 +376,21 @@ fn entry_for(endpoint: &Endpoint, mapping: &ResolvedMapping) -> (PortMapKey, Por
     (key, value)
 }
 
-/// Whether a flow was translated by the mapping (key, value): same protocol and family, sent to
-/// its hostPort on its host address (any, for the wildcard), towards its container address and port.
-fn flow_of_mapping(
-    flow_key: &NatFlowKey,
-    flow: &NatFlowValue,
+/// Whether a connection was translated by the mapping (key, value): same protocol and family,
+/// sent to its hostPort on its host address (any, for the wildcard), towards its container
+/// address and port.
+fn translated_by(
+    connection_key: &ConnectionKey,
+    connection: &Connection,
     key: &PortMapKey,
     value: &PortMapValue,
 ) -> bool {
-    flow_key.protocol == key.protocol
-        && flow_key.family == key.family
-        && flow.orig_port == key.host_port
-        && (key.host_addr == [0; 16] || key.host_addr == flow.orig_addr)
-        && flow_key.src_addr == value.container_addr
-        && flow_key.src_port == value.container_port
+    connection_key.protocol == key.protocol
+        && connection_key.family == key.family
+        && connection.orig_port == key.host_port
+        && (key.host_addr == [0; 16] || key.host_addr == connection.orig_addr)
+        && connection_key.container_addr == value.container_addr
+        && connection_key.container_port == value.container_port
 }
 
 pub(super) fn mapping_from_entry(
@@ -458,26 +442,26 @@ mod tests {
     }
 
     #[test]
-    fn a_flow_belongs_to_the_mapping_that_translated_it() {
+    fn a_connection_belongs_to_the_mapping_that_translated_it() {
         let host: IpAddr = "203.0.113.1".parse().expect("literal");
-        // The reply direction: from the container's port, towards the client.
-        let flow_key = NatFlowKey {
-            src_addr: addr::to_bytes("10.22.0.2".parse().expect("literal")),
-            dst_addr: addr::to_bytes("198.51.100.7".parse().expect("literal")),
-            src_port: 80,
-            dst_port: 40_000,
+        let connection_key = ConnectionKey {
+            container_addr: addr::to_bytes("10.22.0.2".parse().expect("literal")),
+            remote_addr: addr::to_bytes("198.51.100.7".parse().expect("literal")),
+            container_port: 80,
+            remote_port: 40_000,
             protocol: Protocol::Tcp.number(),
             family: addr::family_of(host),
             _pad: [0; 2],
         };
-        let flow = NatFlowValue {
+        let connection = Connection {
             orig_addr: addr::to_bytes(host),
             orig_port: 8080,
-            ..NatFlowValue::default()
+            parts: PART_DNAT,
+            ..Connection::default()
         };
         let translated_by = |mapping: &ResolvedMapping| {
             let (key, value) = entry(mapping);
-            flow_of_mapping(&flow_key, &flow, &key, &value)
+            translated_by(&connection_key, &connection, &key, &value)
         };
         assert!(
             translated_by(&mapping(None, 80)),

@@ -28,15 +28,13 @@ use aya::{
     maps::{HashMap, Map, MapData, MapError, PerCpuHashMap},
 };
 use cnibpf_common::{
+    connection::{self, Connection, ConnectionKey},
     endpoint::{self, EndpointInfo},
     filter::{self, FilterSet},
-    filter_flow::{self, FilterFlow, FilterFlowKey},
     filter_hits::{self, FilterHits},
     fragment::{self, FirstFragment, FragmentKey},
-    masq_flow::{self, MasqFlow},
-    masq_reply::{self, MasqReply},
+    masq_reply::{self, MasqReply, ReplyKey},
     masq_source::{self, MasqSource, MasqSourceKey},
-    nat_flow::{self, NatFlowKey, NatFlowValue},
     owner::{self, OwnerInfo},
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
@@ -107,14 +105,14 @@ macro_rules! sized {
     };
 }
 
-/// Every sized map; the first of each dimension is its measure (`Times(1)`). Fragments are
+/// Every sized map; the first of each dimension is its measure (`Times(1)`): `masq_replies`
+/// for the flows, a map every layout has, so that a datapath migrated from one that had other
+/// connection tables keeps its size. Fragments are
 /// short-lived (a datagram's reassembly), socket translations a share of the flows; an
 /// attachment has a masquerade source and a set of conditions per family.
-const SIZED_MAPS: [SizedMap; 16] = [
-    sized!(nat_flow, Flows, Scale::Times(1), hash<NatFlowKey, NatFlowValue>),
-    sized!(masq_flow, Flows, Scale::Times(1), hash<NatFlowKey, MasqFlow>),
-    sized!(masq_reply, Flows, Scale::Times(1), hash<NatFlowKey, MasqReply>),
-    sized!(filter_flow, Flows, Scale::Times(1), hash<FilterFlowKey, FilterFlow>),
+const SIZED_MAPS: [SizedMap; 14] = [
+    sized!(masq_reply, Flows, Scale::Times(1), hash<ReplyKey, MasqReply>),
+    sized!(connection, Flows, Scale::Times(1), hash<ConnectionKey, Connection>),
     sized!(fragment, Flows, Scale::Over(8), hash<FragmentKey, FirstFragment>),
     sized!(sock_rev, Flows, Scale::Over(4), hash<SockRevKey, SockRevValue>),
     sized!(owner, Attachments, Scale::Times(1), hash<u64, OwnerInfo>),
@@ -502,10 +500,8 @@ mod tests {
     #[test]
     fn the_object_declares_the_default_sizes() {
         let declared = [
-            (nat_flow::MAP_NAME, nat_flow::MAX_ENTRIES),
-            (masq_flow::MAP_NAME, masq_flow::MAX_ENTRIES),
             (masq_reply::MAP_NAME, masq_reply::MAX_ENTRIES),
-            (filter_flow::MAP_NAME, filter_flow::MAX_ENTRIES),
+            (connection::MAP_NAME, connection::MAX_ENTRIES),
             (fragment::MAP_NAME, fragment::MAX_ENTRIES),
             (sock_rev::MAP_NAME, sock_rev::MAX_ENTRIES),
             (owner::MAP_NAME, owner::MAX_ENTRIES),
@@ -525,8 +521,8 @@ mod tests {
     #[test]
     fn a_named_dimension_sizes_its_maps_and_only_those_are_resized() {
         let pinned = pinned(&[
-            (nat_flow::MAP_NAME, 262_144),
-            (masq_flow::MAP_NAME, 262_144),
+            (connection::MAP_NAME, 262_144),
+            (masq_reply::MAP_NAME, 262_144),
             (sock_rev::MAP_NAME, 65_536),
             (owner::MAP_NAME, 16_384),
             (masq_source::MAP_NAME, 16_384),
@@ -537,8 +533,8 @@ mod tests {
         };
         let sizes = plan(&capacity, &pinned);
         let size = |name: &str| sizes.iter().find(|size| size.name == name).expect(name);
-        assert_eq!(size(nat_flow::MAP_NAME).entries, 65_536);
-        assert!(size(nat_flow::MAP_NAME).resized);
+        assert_eq!(size(connection::MAP_NAME).entries, 65_536);
+        assert!(size(connection::MAP_NAME).resized);
         assert_eq!(size(sock_rev::MAP_NAME).entries, 16_384);
         assert!(size(sock_rev::MAP_NAME).resized);
         assert_eq!(size(fragment::MAP_NAME).entries, 8_192);
@@ -548,7 +544,7 @@ mod tests {
         assert_eq!(size(owner::MAP_NAME).entries, 16_384);
         assert_eq!(size(masq_source::MAP_NAME).entries, 16_384);
         assert_eq!(size(port_condition::MAP_NAME).entries, 32_768);
-        assert!(!sizes[6..].iter().any(|size| size.resized));
+        assert!(!sizes[4..].iter().any(|size| size.resized));
         // Host ports: nothing pinned, nothing named: the default.
         assert_eq!(size(portmap::MAP_NAME).entries, 16_384);
     }

@@ -26,6 +26,16 @@
 //! translations, counters — is taken over as it is; each old record is written again with its
 //! interface's set, and a set without a record (an ADD that died between the two) gets one of
 //! its own, as this build's ADD writes it.
+//!
+//! Layout 9 → 10: the connection tables of each feature (`masq_flows`, `nat_flows`,
+//! `filter_flows`) became one, `connections`, each old entry its feature's part of its
+//! connection's entry (`flows`). Every migration sets them aside with its changed maps; the
+//! new object creates `connections` at the size of the flow tables (`masq_replies`, kept as it
+//! is, measures it); the old entries are merged before the links move and once more after
+//! (what the old programs recorded in between), a part added only where its connection lacks
+//! it.
+
+mod flows;
 
 use std::{fs, io, path::Path};
 
@@ -55,6 +65,9 @@ pub const FROM: u32 = 6;
 
 /// The layouts whose source sets had a map of their own, `sources` (see the module's steps).
 pub const SOURCES_APART: [u32; 2] = [7, 8];
+
+/// The layout whose connection tables were one per feature, the last before this one.
+pub const FLOWS_APART: u32 = 9;
 
 /// The map of layouts 7 and 8 that held the source sets.
 const SOURCES: &str = "sources";
@@ -203,6 +216,7 @@ fn move_aside(
 pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
     let aside = aside(pins, FROM);
     move_aside(pins, &aside, &CHANGED, &[])?;
+    move_aside(pins, &aside, &flows::TABLES, &flows::TABLES)?;
     journal::note(journal::Change::Migrated(format!(
         "eBPF layout {FROM}: changed maps moved aside"
     )));
@@ -212,10 +226,12 @@ pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
     ));
     let mut backend = EbpfBackend::open_maps(pins)?;
     backend.convert(&aside)?;
+    backend.merge_flows(&aside)?;
     journal::note(journal::Change::Migrated(
-        "owners and endpoints converted".to_owned(),
+        "owners, endpoints and connections converted".to_owned(),
     ));
     relink(pins)?;
+    backend.merge_flows(&aside)?;
     backend.rehook_endpoints()?;
     journal::note(journal::Change::Migrated(
         "links moved to the new programs, endpoints hooked with tcx".to_owned(),
@@ -232,16 +248,42 @@ pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
 pub fn from_sources_apart(pins: &PinLayout, found: u32) -> Result<(), BackendError> {
     let aside = aside(pins, SOURCES_APART[1]);
     move_aside(pins, &aside, &[endpoint::MAP_NAME, SOURCES], &[SOURCES])?;
+    move_aside(pins, &aside, &flows::TABLES, &flows::TABLES)?;
     journal::note(journal::Change::Migrated(format!(
-        "eBPF layout {found}: endpoints and sources moved aside"
+        "eBPF layout {found}: endpoints, sources and connection tables moved aside"
     )));
     load_object(pins, &sizes::for_load(pins, &Capacity::default())?)?;
     let mut backend = EbpfBackend::open_maps(pins)?;
     backend.merge_source_sets(&aside)?;
+    backend.merge_flows(&aside)?;
     journal::note(journal::Change::Migrated(
-        "source sets merged into the endpoints records".to_owned(),
+        "source sets merged into the endpoints records, connections converted".to_owned(),
     ));
     relink(pins)?;
+    backend.merge_flows(&aside)?;
+    stamp(pins)?;
+    journal::note(journal::Change::Migrated(format!(
+        "programs replaced, stamped layout {}",
+        layout::VERSION
+    )));
+    fs::remove_dir_all(&aside).map_err(pin_error(format!("could not remove {}", aside.display())))
+}
+
+/// Migrates `pins` from layout 9 (see the module's steps).
+pub fn from_9(pins: &PinLayout) -> Result<(), BackendError> {
+    let aside = aside(pins, FLOWS_APART);
+    move_aside(pins, &aside, &flows::TABLES, &flows::TABLES)?;
+    journal::note(journal::Change::Migrated(format!(
+        "eBPF layout {FLOWS_APART}: connection tables moved aside"
+    )));
+    load_object(pins, &sizes::for_load(pins, &Capacity::default())?)?;
+    let mut backend = EbpfBackend::open_maps(pins)?;
+    backend.merge_flows(&aside)?;
+    journal::note(journal::Change::Migrated(
+        "connections merged into one table".to_owned(),
+    ));
+    relink(pins)?;
+    backend.merge_flows(&aside)?;
     stamp(pins)?;
     journal::note(journal::Change::Migrated(format!(
         "programs replaced, stamped layout {}",
@@ -252,7 +294,7 @@ pub fn from_sources_apart(pins: &PinLayout, found: u32) -> Result<(), BackendErr
 
 /// Removes what a migration that stamped the new layout left behind.
 pub fn finish(pins: &PinLayout) -> Result<(), BackendError> {
-    for from in [FROM, SOURCES_APART[1]] {
+    for from in [FROM, SOURCES_APART[1], FLOWS_APART] {
         remove_tree(&aside(pins, from))?;
     }
     Ok(())

@@ -1,0 +1,108 @@
+//! The one connection table (`connections`): finding a packet's connection, and adding a
+//! feature's part to it. Each feature fills its own fields; the entry, its owner and its
+//! state are shared.
+
+use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map};
+use cnibpf_common::{
+    PROTO_TCP,
+    connection::{Connection, ConnectionKey},
+    conntrack::{self, STATE_ESTABLISHED, STATE_OPENING},
+    filter::DIRECTION_EGRESS,
+};
+
+use crate::{maps, packet::Flow};
+
+/// Where a new entry is put together before it is inserted: on the stack it would push the
+/// deeper call chains past the verifier's 512 bytes. Private to each loaded object, not
+/// pinned.
+#[expect(
+    non_upper_case_globals,
+    reason = "the static's name is the map's name, like the pinned ones"
+)]
+#[btf_map]
+pub static connection_scratch: PerCpuArray<Connection, 1> = PerCpuArray::new();
+
+/// The `connections` key of a packet travelling `direction` (`DIRECTION_*`): egress, the
+/// container sent it; ingress, it is for the container.
+#[inline(always)]
+pub fn key_of(flow: &Flow, direction: u8) -> ConnectionKey {
+    let ((container_addr, container_port), (remote_addr, remote_port)) =
+        if direction == DIRECTION_EGRESS {
+            ((flow.saddr, flow.sport), (flow.daddr, flow.dport))
+        } else {
+            ((flow.daddr, flow.dport), (flow.saddr, flow.sport))
+        };
+    ConnectionKey {
+        container_addr,
+        remote_addr,
+        container_port: u16::from_be(container_port),
+        remote_port: u16::from_be(remote_port),
+        protocol: flow.protocol,
+        family: flow.family,
+        _pad: [0; 2],
+    }
+}
+
+/// The entry of `key`, null when there is none. (A raw pointer: an `Option` returned from a
+/// BPF call comes back in a form the verifier rejects.) An LRU entry may be recycled under a
+/// reader; the worst that does is misjudge or misdirect the packet at hand.
+#[inline(always)]
+pub fn find(key: &ConnectionKey) -> *mut Connection {
+    maps::connections
+        .get_ptr_mut(key)
+        .unwrap_or(core::ptr::null_mut())
+}
+
+/// The entry of `key` to which `owner` may add a part (its own, live), or else a [`fresh`] one
+/// in this CPU's scratch for [`insert`]; the second value says which.
+#[inline(always)]
+pub fn for_part(
+    key: &ConnectionKey,
+    owner: u64,
+    protocol: u8,
+    direction: u8,
+    flags: u8,
+    now: u64,
+) -> (*mut Connection, bool) {
+    let entry = find(key);
+    // SAFETY: points into `connections`, read at once.
+    if !entry.is_null() && unsafe { (*entry).owner == owner && !(*entry).is_expired(protocol, now) }
+    {
+        return (entry, false);
+    }
+    (fresh(owner, protocol, direction, flags, now), true)
+}
+
+/// A new entry of `owner` in this CPU's scratch, for [`insert`]: opened by a packet travelling
+/// `direction` with TCP `flags` (a TCP connection met mid-stream, its state lost, is taken as
+/// established, like the kernel's `nf_conntrack_tcp_loose`). Null when the scratch cannot be
+/// had.
+#[inline(always)]
+pub fn fresh(owner: u64, protocol: u8, direction: u8, flags: u8, now: u64) -> *mut Connection {
+    let Some(fresh) = connection_scratch.get_ptr_mut(0) else {
+        return core::ptr::null_mut();
+    };
+    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap. Zeroed
+    // in place, field by field: a `Connection` literal would be built on the stack first.
+    let connection = unsafe {
+        core::ptr::write_bytes(fresh, 0, 1);
+        &mut *fresh
+    };
+    connection.owner = owner;
+    connection.last_seen_ns = now;
+    connection.origin = direction;
+    connection.state = if protocol == PROTO_TCP && !conntrack::is_opening(flags) {
+        STATE_ESTABLISHED
+    } else {
+        STATE_OPENING
+    };
+    fresh
+}
+
+/// Inserts the new entry [`for_part`] put together in the scratch. A full LRU map evicts the
+/// least recently used connection; should the insert still fail, the next packet finds none.
+#[inline(always)]
+pub fn insert(key: &ConnectionKey, fresh: *mut Connection) {
+    // SAFETY: this CPU's scratch slot, filled by `for_part` and the caller.
+    let _ = maps::connections.insert(key, unsafe { &*fresh }, u64::from(BPF_ANY));
+}
