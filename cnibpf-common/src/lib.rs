@@ -37,6 +37,8 @@ pub mod packet;
 pub mod port_claim;
 pub mod port_condition;
 pub mod portmap;
+#[cfg(feature = "user")]
+pub mod retired_flows;
 pub mod sctp_checksum;
 pub mod settings;
 pub mod sock_rev;

@@ -13,6 +13,10 @@ use cnibpf_common::{
     connection::{self, Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_SNAT},
     conntrack::STATE_ESTABLISHED,
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
+    retired_flows::{
+        FILTER_FLOWS, FilterFlowKeyV9, FilterFlowV9, FlowKeyV9, MASQ_FLOWS, MasqFlowV9, NAT_FLOWS,
+        NatFlowV9,
+    },
 };
 
 use super::open_old;
@@ -23,114 +27,6 @@ use crate::backend::{
 
 /// The old connection tables, set aside by every migration from layouts 6 to 9.
 pub const TABLES: [&str; 3] = [MASQ_FLOWS, NAT_FLOWS, FILTER_FLOWS];
-
-const MASQ_FLOWS: &str = "masq_flows";
-const NAT_FLOWS: &str = "nat_flows";
-const FILTER_FLOWS: &str = "filter_flows";
-
-/// The key of `masq_flows` (a connection as its container sends it) and `nat_flows` (a
-/// hostPort connection's reply as its container sends it): the container's side first.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct FlowKeyV9 {
-    src_addr: [u8; 16],
-    dst_addr: [u8; 16],
-    src_port: u16,
-    dst_port: u16,
-    protocol: u8,
-    family: u8,
-    _pad: [u8; 2],
-}
-const _: () = assert!(size_of::<FlowKeyV9>() == 40);
-// SAFETY: repr(C), integers and byte arrays only, no padding (asserted size).
-unsafe impl aya::Pod for FlowKeyV9 {}
-
-impl FlowKeyV9 {
-    fn connection(&self) -> ConnectionKey {
-        ConnectionKey {
-            container_addr: self.src_addr,
-            remote_addr: self.dst_addr,
-            container_port: self.src_port,
-            remote_port: self.dst_port,
-            protocol: self.protocol,
-            family: self.family,
-            _pad: [0; 2],
-        }
-    }
-}
-
-/// `masq_flows`' value.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct MasqFlowV9 {
-    nat_addr: [u8; 16],
-    owner: u64,
-    last_seen_ns: u64,
-    uplink_ifindex: u32,
-    nat_port: u16,
-    state: u8,
-    /// Bit 1: the container sent a FIN, bit 2: the remote did (the container opened it).
-    fin: u8,
-}
-const _: () = assert!(size_of::<MasqFlowV9>() == 40);
-// SAFETY: as above.
-unsafe impl aya::Pod for MasqFlowV9 {}
-
-/// `nat_flows`' value.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct NatFlowV9 {
-    orig_addr: [u8; 16],
-    peer_addr: [u8; 16],
-    owner: u64,
-    last_seen_ns: u64,
-    peer_ifindex: u32,
-    orig_port: u16,
-    peer_port: u16,
-    peer_mac: [u8; 6],
-    gateway_mac: [u8; 6],
-    _pad: [u8; 4],
-}
-const _: () = assert!(size_of::<NatFlowV9>() == 72);
-// SAFETY: as above.
-unsafe impl aya::Pod for NatFlowV9 {}
-
-/// `filter_flows`' key: a connection from its container's side, on its host-side veth.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct FilterFlowKeyV9 {
-    container_addr: [u8; 16],
-    remote_addr: [u8; 16],
-    ifindex: u32,
-    container_port: u16,
-    remote_port: u16,
-    protocol: u8,
-    family: u8,
-    _pad: [u8; 2],
-}
-const _: () = assert!(size_of::<FilterFlowKeyV9>() == 44);
-// SAFETY: as above.
-unsafe impl aya::Pod for FilterFlowKeyV9 {}
-
-/// `filter_flows`' value.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct FilterFlowV9 {
-    owner: u64,
-    generation: u64,
-    last_seen_ns: u64,
-    rule: u16,
-    origin: u8,
-    verdict: u8,
-    state: u8,
-    /// `SIDE_*` bits, as this layout's.
-    fin: u8,
-    last_verdict: u8,
-    _pad: u8,
-}
-const _: () = assert!(size_of::<FilterFlowV9>() == 32);
-// SAFETY: as above.
-unsafe impl aya::Pod for FilterFlowV9 {}
 
 /// What a connection's entry is to be with `part` added by `add`: `None` when it has the part
 /// already, or is another attachment's. A connection without an entry gets one of `owner`,

@@ -252,21 +252,12 @@ pub fn from_sources_apart(pins: &PinLayout, found: u32) -> Result<(), BackendErr
     journal::note(journal::Change::Migrated(format!(
         "eBPF layout {found}: endpoints, sources and connection tables moved aside"
     )));
-    load_object(pins, &sizes::for_load(pins, &Capacity::default())?)?;
-    let mut backend = EbpfBackend::open_maps(pins)?;
-    backend.merge_source_sets(&aside)?;
-    backend.merge_flows(&aside)?;
-    journal::note(journal::Change::Migrated(
-        "source sets merged into the endpoints records, connections converted".to_owned(),
-    ));
-    relink(pins)?;
-    backend.merge_flows(&aside)?;
-    stamp(pins)?;
-    journal::note(journal::Change::Migrated(format!(
-        "programs replaced, stamped layout {}",
-        layout::VERSION
-    )));
-    fs::remove_dir_all(&aside).map_err(pin_error(format!("could not remove {}", aside.display())))
+    convert_and_relink(
+        pins,
+        &aside,
+        "source sets merged into the endpoints records, connections converted",
+        EbpfBackend::merge_source_sets,
+    )
 }
 
 /// Migrates `pins` from layout 9 (see the module's steps).
@@ -276,20 +267,33 @@ pub fn from_9(pins: &PinLayout) -> Result<(), BackendError> {
     journal::note(journal::Change::Migrated(format!(
         "eBPF layout {FLOWS_APART}: connection tables moved aside"
     )));
+    convert_and_relink(pins, &aside, "connections merged into one table", |_, _| {
+        Ok(())
+    })
+}
+
+/// Steps 2 to 5 of a migration whose maps moved `aside` need only `convert` besides the
+/// connection tables' merge: this build's object loaded beside, `convert` and the merge, the
+/// links moved, what the old programs recorded meanwhile merged too, the stamp, `aside` gone.
+fn convert_and_relink(
+    pins: &PinLayout,
+    aside: &Path,
+    converted: &str,
+    convert: impl FnOnce(&mut EbpfBackend, &Path) -> Result<(), BackendError>,
+) -> Result<(), BackendError> {
     load_object(pins, &sizes::for_load(pins, &Capacity::default())?)?;
     let mut backend = EbpfBackend::open_maps(pins)?;
-    backend.merge_flows(&aside)?;
-    journal::note(journal::Change::Migrated(
-        "connections merged into one table".to_owned(),
-    ));
+    convert(&mut backend, aside)?;
+    backend.merge_flows(aside)?;
+    journal::note(journal::Change::Migrated(converted.to_owned()));
     relink(pins)?;
-    backend.merge_flows(&aside)?;
+    backend.merge_flows(aside)?;
     stamp(pins)?;
     journal::note(journal::Change::Migrated(format!(
         "programs replaced, stamped layout {}",
         layout::VERSION
     )));
-    fs::remove_dir_all(&aside).map_err(pin_error(format!("could not remove {}", aside.display())))
+    fs::remove_dir_all(aside).map_err(pin_error(format!("could not remove {}", aside.display())))
 }
 
 /// Removes what a migration that stamped the new layout left behind.
