@@ -21,7 +21,7 @@ use cnibpf_tests::{
     assertions::assert_uninstalled,
     chain::{Attachment, Chain, plugin_command, run_with_stdin},
     eventually,
-    topology::{Chained, SimHost, cnibpf_binary, port_mappings},
+    topology::{Chained, DefaultPaths, SimHost, cnibpf_binary, port_mappings},
 };
 use serde_json::{Value, json};
 
@@ -33,10 +33,13 @@ mod lifecycle;
 struct NodeDirs {
     root: PathBuf,
     pin_path: PathBuf,
+    /// Install's calls may create cnibpf's default directories (`/run/cnibpf`) too.
+    _default_paths: DefaultPaths,
 }
 
 impl NodeDirs {
     fn new(name: &str) -> Self {
+        let default_paths = DefaultPaths::watched();
         let root =
             std::env::temp_dir().join(format!("cnibpf-install-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
@@ -53,7 +56,11 @@ impl NodeDirs {
             json!({ "pinPath": pin_path }).to_string(),
         )
         .expect("write the entry");
-        Self { root, pin_path }
+        Self {
+            root,
+            pin_path,
+            _default_paths: default_paths,
+        }
     }
 
     /// A node whose primary network is `sim`'s interface plugin alone, and an entry file naming

@@ -68,3 +68,21 @@ pub(super) fn host_gone() {
         }
     }
 }
+
+/// Counts as a simulated host for the cleanup above while it lives: for tests whose cnibpf
+/// calls need no host (a node's CNI dirs alone), which may create the same directories.
+#[derive(Debug)]
+pub struct DefaultPaths(());
+
+impl DefaultPaths {
+    pub fn watched() -> Self {
+        host_made();
+        Self(())
+    }
+}
+
+impl Drop for DefaultPaths {
+    fn drop(&mut self) {
+        host_gone();
+    }
+}

@@ -21,6 +21,8 @@ mod defaults;
 mod network;
 mod verbs;
 
+pub use defaults::DefaultPaths;
+
 use crate::{
     Chain, ChainError, Netns,
     chain::{self, Attachment},
