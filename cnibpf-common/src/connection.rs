@@ -119,6 +119,15 @@ impl Connection {
     pub const fn has(&self, owner: u64, part: u8) -> bool {
         self.owner == owner && self.parts & part != 0
     }
+
+    /// Whether attachment `owner` adds a part to this entry, as a packet with TCP `flags`
+    /// (zero for other protocols) found it: its own and live, and not a closed connection
+    /// whose tuple opens again — a new connection, which the filter gives an entry of its own.
+    pub const fn takes_part(&self, owner: u64, protocol: u8, flags: u8, now_ns: u64) -> bool {
+        self.owner == owner
+            && !self.is_expired(protocol, now_ns)
+            && !(self.state == conntrack::STATE_CLOSING && conntrack::is_opening(flags))
+    }
 }
 
 impl conntrack::Tracked for Connection {
@@ -135,7 +144,10 @@ mod tests {
     use super::*;
     use crate::{
         PROTO_TCP, PROTO_UDP,
-        conntrack::{SIDE_ORIGIN, SIDE_REPLY, STATE_OPENING, UDP_OPENING_TIMEOUT_NS},
+        conntrack::{
+            SIDE_ORIGIN, SIDE_REPLY, STATE_CLOSING, STATE_ESTABLISHED, STATE_OPENING, TCP_ACK,
+            TCP_SYN, UDP_ESTABLISHED_TIMEOUT_NS, UDP_OPENING_TIMEOUT_NS,
+        },
         filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
     };
 
@@ -165,6 +177,42 @@ mod tests {
         assert!(connection.has(7, PART_SNAT) && connection.has(7, PART_FILTER));
         assert!(!connection.has(7, PART_DNAT));
         assert!(!connection.has(8, PART_SNAT), "another attachment's");
+    }
+
+    #[test]
+    fn a_part_joins_its_owners_live_entry_unless_a_closed_tuple_opens_again() {
+        let live = Connection {
+            owner: 7,
+            last_seen_ns: 5,
+            state: STATE_ESTABLISHED,
+            ..Connection::default()
+        };
+        assert!(live.takes_part(7, PROTO_TCP, TCP_ACK, 6));
+        assert!(
+            live.takes_part(7, PROTO_TCP, TCP_SYN, 6),
+            "a SYN on a live connection"
+        );
+        assert!(
+            !live.takes_part(8, PROTO_TCP, TCP_ACK, 6),
+            "another attachment's"
+        );
+        assert!(
+            !live.takes_part(7, PROTO_UDP, 0, 5 + UDP_ESTABLISHED_TIMEOUT_NS + 1),
+            "expired"
+        );
+        let closed = Connection {
+            state: STATE_CLOSING,
+            ..live
+        };
+        assert!(
+            closed.takes_part(7, PROTO_TCP, TCP_ACK, 6),
+            "the last ACK of a close"
+        );
+        assert!(
+            !closed.takes_part(7, PROTO_TCP, TCP_SYN, 6),
+            "a new connection"
+        );
+        assert!(closed.takes_part(7, PROTO_TCP, TCP_SYN | TCP_ACK, 6));
     }
 
     #[test]

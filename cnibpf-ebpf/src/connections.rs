@@ -1,6 +1,9 @@
 //! The one connection table (`connections`): finding a packet's connection, and adding a
 //! feature's part to it. Each feature fills its own fields; the entry, its owner and its
-//! state are shared.
+//! state are shared. A hook finds a packet's entry once ([`of_packet`]) and hands it to every
+//! feature that reads it; a feature that adds a part to an entry the hook did not find (a
+//! connection's first packet) looks again ([`for_part`]), since another feature may have
+//! added one in between.
 
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map};
 use cnibpf_common::{
@@ -43,6 +46,13 @@ pub fn key_of(flow: &Flow, direction: u8) -> ConnectionKey {
     }
 }
 
+/// The entry of the connection of a packet travelling `direction` (`DIRECTION_*`), null when
+/// there is none. Not inlined: the key's stack slot is then not held under the caller's calls.
+#[inline(never)]
+pub fn of_packet(flow: &Flow, direction: u8) -> *mut Connection {
+    find(&key_of(flow, direction))
+}
+
 /// The entry of `key`, null when there is none. (A raw pointer: an `Option` returned from a
 /// BPF call comes back in a form the verifier rejects.) An LRU entry may be recycled under a
 /// reader; the worst that does is misjudge or misdirect the packet at hand.
@@ -71,6 +81,15 @@ pub fn for_part(
         return (entry, false);
     }
     (fresh(owner, protocol, direction, flags, now), true)
+}
+
+/// Whether `entry` (the packet's as its hook found it, or null) is one to which `owner` adds
+/// a part as it is ([`Connection::takes_part`]): a closed connection's entry, when its tuple
+/// opens again, the filter may have replaced since the hook found it.
+#[inline(always)]
+pub fn takes_part(entry: *mut Connection, owner: u64, protocol: u8, flags: u8, now: u64) -> bool {
+    // SAFETY: points into `connections`, read at once.
+    unsafe { entry.as_ref() }.is_some_and(|entry| entry.takes_part(owner, protocol, flags, now))
 }
 
 /// A new entry of `owner` in this CPU's scratch, for [`insert`]: opened by a packet travelling

@@ -19,7 +19,7 @@ mod rules;
 
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
-    connection::{ConnectionKey, PART_FILTER},
+    connection::{Connection, ConnectionKey, PART_FILTER},
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY, STATE_CLOSING},
     drop_stats::DropReason,
     filter::{DIRECTION_EGRESS, FilterSet, FirstMatches, RULE_DEFAULT, TARGET_ALLOW},
@@ -156,9 +156,29 @@ fn subject(ctx: &TcContext, packet: &Packet, ifindex: u32, direction: u8) -> *mu
 }
 
 /// Whether the filter of the attachment on host-side veth `ifindex` lets `flow` through in
-/// `direction` (`DIRECTION_*`). Attachments without a `filters` entry are not filtered.
-#[inline(never)]
+/// `direction` (`DIRECTION_*`), the packet's connection looked up here (see [`allows_in`]).
+#[inline(always)]
 pub fn allows(ctx: &TcContext, flow: &Flow, ifindex: u32, direction: u8) -> bool {
+    let connection = if flow.fragment == Fragment::Later {
+        core::ptr::null_mut()
+    } else {
+        connections::of_packet(flow, direction)
+    };
+    allows_in(ctx, flow, ifindex, direction, connection)
+}
+
+/// Whether the filter of the attachment on host-side veth `ifindex` lets `flow` through in
+/// `direction` (`DIRECTION_*`); `connection` is the packet's `connections` entry as its hook
+/// found it (`connections::of_packet`), null when it has none. Attachments without a `filters`
+/// entry are not filtered.
+#[inline(never)]
+pub fn allows_in(
+    ctx: &TcContext,
+    flow: &Flow,
+    ifindex: u32,
+    direction: u8,
+    connection: *mut Connection,
+) -> bool {
     let Some(set) = maps::filters.get_ptr(&ifindex) else {
         return true;
     };
@@ -180,7 +200,7 @@ pub fn allows(ctx: &TcContext, flow: &Flow, ifindex: u32, direction: u8) -> bool
     if flow.fragment == Fragment::Later {
         return later_fragment_allowed(subject, set, flow);
     }
-    let allowed = decide(subject, set);
+    let allowed = decide(subject, set, connection);
     if flow.fragment == Fragment::First {
         mark_first_fragment(flow, direction, allowed, subject.now);
     }
@@ -191,8 +211,8 @@ pub fn allows(ctx: &TcContext, flow: &Flow, ifindex: u32, direction: u8) -> bool
 /// packet. Its callees are not inlined, this is: the verifier caps the stack of a call chain at
 /// 512 bytes, counting every frame as at least 32.
 #[inline(always)]
-fn decide(subject: &mut Subject, set: &FilterSet) -> bool {
-    let verdict = tracked(subject, set);
+fn decide(subject: &mut Subject, set: &FilterSet, connection: *mut Connection) -> bool {
+    let verdict = tracked(subject, set, connection);
     if verdict == UNTRACKED {
         return opens_connection(subject, set);
     }
@@ -208,18 +228,17 @@ const ALLOWED: u32 = 0x1_0000;
 
 const UNTRACKED: u32 = 0x1_0001;
 
-/// A packet of a tracked connection: a reply passes while the connection's latest packet the
-/// other way was allowed; a later packet in the originating direction takes the verdict cached for the
-/// rules' generation, evaluated again when they changed. Answers [`ALLOWED`], [`UNTRACKED`]
-/// (no live connection: the packet opens one) or the position of the rule that drops it — a
-/// plain integer: LLVM returns enums with payloads from BPF calls in a form the verifier
-/// rejects.
+/// A packet of a tracked connection (`connection`, its entry): a reply passes while the
+/// connection's latest packet the other way was allowed; a later packet in the originating
+/// direction takes the verdict cached for the rules' generation, evaluated again when they
+/// changed. Answers [`ALLOWED`], [`UNTRACKED`] (no live connection: the packet opens one) or
+/// the position of the rule that drops it — a plain integer: LLVM returns enums with payloads
+/// from BPF calls in a form the verifier rejects.
 #[inline(never)]
-fn tracked(subject: &mut Subject, set: &FilterSet) -> u32 {
-    let entry = connections::find(&subject.key);
+fn tracked(subject: &mut Subject, set: &FilterSet, connection: *mut Connection) -> u32 {
     // SAFETY: points into `connections`; racing writers write the same fields alike, and an
     // LRU entry recycled under a reader can at worst misjudge the packet at hand.
-    let Some(entry) = (unsafe { entry.as_mut() }) else {
+    let Some(entry) = (unsafe { connection.as_mut() }) else {
         return UNTRACKED;
     };
     let protocol = subject.key.protocol;

@@ -9,13 +9,14 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
+    connection::Connection,
     endpoint::{FLAG_HOST_FIREWALL, FLAG_UNFILTERED, FLAG_VIA_STACK},
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
 };
 
 use super::hand_over;
 use crate::{
-    filter, maps, masquerade,
+    connections, filter, maps, masquerade,
     packet::{
         Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, take_translated_mark, zeroed,
     },
@@ -44,7 +45,11 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
             !filtered || filter::allows_other(ctx, ifindex(ctx), DIRECTION_EGRESS),
         ));
     };
-    if filtered && !filter::allows(ctx, &flow, ifindex(ctx), DIRECTION_EGRESS) {
+    // Found once for the filter, masquerade and the hostPort replies: each reads it. (A
+    // connection's first packet may get an entry from the filter after this; what follows
+    // then finds none, as none of theirs is in it.)
+    let connection = connections::of_packet(&flow, DIRECTION_EGRESS);
+    if filtered && !filter::allows_in(ctx, &flow, ifindex(ctx), DIRECTION_EGRESS, connection) {
         return Ok(DROP);
     }
     // A container whose traffic is shaped on its veth: what it sends must pass the qdiscs
@@ -52,13 +57,13 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     // on from here; `uplink_egress` translates it on its way out.
     if flags & (FLAG_VIA_STACK | FLAG_HOST_FIREWALL) != 0 {
         // Only translated replies and hairpin traffic: `uplink_egress` masquerades the rest.
-        return Ok(translated(ctx, &mut flow, true).tc_verdict());
+        return Ok(translated(ctx, &mut flow, true, connection).tc_verdict());
     }
-    let answer = masquerade::established(ctx, &mut flow, flags, owner);
+    let answer = masquerade::established(ctx, &mut flow, flags, owner, connection);
     if answer != Answer::NOT_MINE {
         return Ok(answer.tc_verdict());
     }
-    let answer = translated(ctx, &mut flow, false);
+    let answer = translated(ctx, &mut flow, false, connection);
     if answer != Answer::NOT_MINE {
         return Ok(answer.tc_verdict());
     }
@@ -67,16 +72,22 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
 
 /// A reply of a translated flow (or a fragment of one), or hairpin traffic to a hostPort:
 /// translated, and handed to the container it is for, sent on, or left to the stack;
-/// [`Answer::NOT_MINE`] when it is neither. Not inlined: its frame must not sit under
-/// masquerade's.
+/// [`Answer::NOT_MINE`] when it is neither. `connection` is the packet's `connections` entry as
+/// the hook found it. Not inlined: its frame must not sit under masquerade's.
 #[inline(never)]
-fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> Answer {
+fn translated(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    via_stack: bool,
+    connection: *mut Connection,
+) -> Answer {
     let mut slot = MaybeUninit::uninit();
     let target = zeroed(&mut slot);
-    match portmap::translate_reply(ctx, flow, via_stack, target) {
+    match portmap::translate_reply(ctx, flow, via_stack, target, connection) {
+        // Translated towards the client container, whose entry has the other side's key.
         Answer::TO_CONTAINER => {
             return Answer::verdict(
-                hand_over(ctx, Some(flow), target, false)
+                hand_over(ctx, Some(flow), target, false, None)
                     .unwrap_or_else(|error| error.verdict(ctx)),
             );
         }
@@ -89,10 +100,11 @@ fn translated(ctx: &TcContext, flow: &mut Flow, via_stack: bool) -> Answer {
     }
     match portmap::translate_hairpin(ctx, flow, via_stack, target) {
         Answer::TO_CONTAINER => {
-            let verdict = hand_over(ctx, Some(flow), target, false)
+            let connection = connections::of_packet(flow, DIRECTION_INGRESS);
+            let verdict = hand_over(ctx, Some(flow), target, false, Some(connection))
                 .unwrap_or_else(|error| error.verdict(ctx));
             if verdict != DROP {
-                portmap::remember_translation(ctx, flow);
+                portmap::remember_translation(ctx, flow, connection);
             }
             Answer::verdict(verdict)
         }
@@ -113,11 +125,16 @@ pub fn to_container(ctx: &TcContext) -> i32 {
     };
     // Translated by one of cnibpf's hooks on its way here: not a direct connection.
     let translated = take_translated_mark(ctx);
-    if !filter::allows(ctx, &flow, ifindex(ctx), DIRECTION_INGRESS) {
+    let connection = if flow.fragment == Fragment::Later {
+        core::ptr::null_mut()
+    } else {
+        connections::of_packet(&flow, DIRECTION_INGRESS)
+    };
+    if !filter::allows_in(ctx, &flow, ifindex(ctx), DIRECTION_INGRESS, connection) {
         return DROP;
     }
     if !translated {
-        portmap::forget_stale_translation(ctx, &flow);
+        portmap::forget_stale_translation(ctx, &flow, connection);
     }
     NEXT
 }

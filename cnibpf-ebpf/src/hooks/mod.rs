@@ -11,6 +11,7 @@ pub mod uplink;
 
 use aya_ebpf::{helpers::bpf_redirect, programs::TcContext};
 use cnibpf_common::{
+    connection::Connection,
     endpoint::{FLAG_HOST_FIREWALL, FLAG_UNFILTERED, FLAG_VIA_STACK},
     filter::DIRECTION_INGRESS,
 };
@@ -23,7 +24,8 @@ use crate::{
 };
 
 /// Hands a translated packet to its container; `flow` is the packet as translated (`None`: a
-/// packet the filter judges without ports, such as an ICMP error).
+/// packet the filter judges without ports, such as an ICMP error), `connection` its
+/// `connections` entry as the hook found it (`None`: the filter looks it up).
 ///
 /// Normally straight into the container's namespace (`bpf_redirect_peer`), past the bridge,
 /// the host stack and the veth's own hooks — so the filter judges the packet here. A container
@@ -42,6 +44,7 @@ fn hand_over(
     flow: Option<&Flow>,
     container: &Handover,
     from_uplink: bool,
+    connection: Option<*mut Connection>,
 ) -> Result<i32, DatapathError> {
     let ifindex = container.host_ifindex;
     let flags = maps::endpoint_flags(ifindex);
@@ -58,9 +61,12 @@ fn hand_over(
         return Ok(unsafe { bpf_redirect(ifindex, 0) } as i32);
     }
     let allowed = flags & FLAG_UNFILTERED != 0
-        || match flow {
-            Some(flow) => filter::allows(ctx, flow, ifindex, DIRECTION_INGRESS),
-            None => filter::allows_other(ctx, ifindex, DIRECTION_INGRESS),
+        || match (flow, connection) {
+            (Some(flow), Some(connection)) => {
+                filter::allows_in(ctx, flow, ifindex, DIRECTION_INGRESS, connection)
+            }
+            (Some(flow), None) => filter::allows(ctx, flow, ifindex, DIRECTION_INGRESS),
+            (None, _) => filter::allows_other(ctx, ifindex, DIRECTION_INGRESS),
         };
     if !allowed {
         return Ok(DROP);

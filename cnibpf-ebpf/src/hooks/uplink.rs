@@ -9,10 +9,11 @@
 use core::mem::MaybeUninit;
 
 use aya_ebpf::programs::TcContext;
+use cnibpf_common::filter::DIRECTION_INGRESS;
 
 use super::hand_over;
 use crate::{
-    maps, masquerade,
+    connections, maps, masquerade,
     packet::{
         Answer, DROP, DatapathError, Flow, NEXT, SourceAddress, from_local_socket, ifindex,
         source_address, zeroed,
@@ -39,7 +40,7 @@ fn icmp_error(ctx: &TcContext) -> i32 {
     let container = zeroed(&mut slot);
     match masquerade::translate_icmp_error(ctx, container) {
         Answer::TO_CONTAINER => {
-            hand_over(ctx, None, container, true).unwrap_or_else(|error| error.verdict(ctx))
+            hand_over(ctx, None, container, true, None).unwrap_or_else(|error| error.verdict(ctx))
         }
         answer => answer.tc_verdict(),
     }
@@ -56,16 +57,19 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
     let container = zeroed(&mut slot);
     if let Some(entry) = masquerade::lookup_reply(flow) {
         // SAFETY: points into `masq_replies`; see `masquerade::translate_reply`.
-        return match masquerade::translate_reply(ctx, flow, unsafe { &*entry }, container) {
-            Answer::TO_CONTAINER => hand_over(ctx, Some(flow), container, true),
+        let reply = unsafe { &*entry };
+        let connection = masquerade::reply_connection(flow, reply);
+        return match masquerade::translate_reply(ctx, flow, reply, container, connection) {
+            Answer::TO_CONTAINER => hand_over(ctx, Some(flow), container, true, Some(connection)),
             answer => Ok(answer.tc_verdict()),
         };
     }
     match portmap::translate_from_outside(ctx, flow, container)? {
         Answer::TO_CONTAINER => {
-            let verdict = hand_over(ctx, Some(flow), container, true)?;
+            let connection = connections::of_packet(flow, DIRECTION_INGRESS);
+            let verdict = hand_over(ctx, Some(flow), container, true, Some(connection))?;
             if verdict != DROP {
-                portmap::remember_translation(ctx, flow);
+                portmap::remember_translation(ctx, flow, connection);
             }
             Ok(verdict)
         }

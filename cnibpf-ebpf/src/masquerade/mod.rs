@@ -17,7 +17,7 @@
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
-    connection::PART_SNAT,
+    connection::{Connection, PART_SNAT},
     conntrack,
     drop_stats::DropReason,
     endpoint::{FLAG_MASQUERADED, FLAG_UNMASQUERADED},
@@ -33,7 +33,7 @@ mod icmp;
 mod ports;
 mod replies;
 
-pub use replies::{lookup_reply, translate_icmp_error, translate_reply};
+pub use replies::{lookup_reply, reply_connection, translate_icmp_error, translate_reply};
 
 use crate::{
     clock, connections, drops, maps,
@@ -136,9 +136,16 @@ fn is_live(flow: &Flow, owner: u64) -> bool {
 /// `flags` and `owner` are from the interface's `endpoints` record: one that says whether the
 /// container is masqueraded spares the `masq_sources` lookup (a flow of `owner` was begun by
 /// `from_container`, which checked the source against it); one of an older build says
-/// neither, and the source is looked up.
+/// neither, and the source is looked up. `connection` is the packet's `connections` entry as
+/// the hook found it.
 #[inline(never)]
-pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> Answer {
+pub fn established(
+    ctx: &TcContext,
+    flow: &mut Flow,
+    flags: u32,
+    owner: u64,
+    connection: *mut Connection,
+) -> Answer {
     let Some(found) = masquerade_scratch.get_ptr_mut(0) else {
         return Answer::NOT_MINE;
     };
@@ -163,12 +170,10 @@ pub fn established(ctx: &TcContext, flow: &mut Flow, flags: u32, owner: u64) -> 
     if flow.fragment != Fragment::Whole {
         return Answer::NOT_MINE;
     }
-    let state = connections::find(&connections::key_of(flow, DIRECTION_EGRESS));
-    if state.is_null() {
-        return Answer::NOT_MINE;
-    }
     // SAFETY: points into `connections`; racing writers only refresh the same fields.
-    let state = unsafe { &mut *state };
+    let Some(state) = (unsafe { connection.as_mut() }) else {
+        return Answer::NOT_MINE;
+    };
     let now = clock::now_ns();
     let flags = or_verdict!(ctx, flow.tcp_flags(ctx));
     // Not masqueraded (a hostPort's connection, one only the filter tracks), another

@@ -6,7 +6,7 @@ use aya_ebpf::{
     EbpfContext as _, bindings::BPF_CSUM_LEVEL_RESET, helpers::bpf_csum_level, programs::TcContext,
 };
 use cnibpf_common::{
-    connection::{ConnectionKey, PART_SNAT},
+    connection::{Connection, ConnectionKey, PART_SNAT},
     conntrack::{self, STATE_ESTABLISHED},
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
     masq_reply::{MasqReply, ReplyKey},
@@ -24,18 +24,44 @@ pub fn lookup_reply(flow: &Flow) -> Option<*const MasqReply> {
     maps::masq_replies.get_ptr(&reply_key(flow))
 }
 
+/// The `connections` entry of the connection a reply belongs to (`reply`, its `masq_replies`
+/// entry), null when there is none. Not inlined: the key's stack slot is then not held under
+/// the caller's calls.
+#[inline(never)]
+pub fn reply_connection(flow: &Flow, reply: &MasqReply) -> *mut Connection {
+    connections::find(&connection_key(flow, reply))
+}
+
+/// The `connections` key of the connection a reply belongs to: the container's side from its
+/// `masq_replies` entry, the remote's from the reply.
+#[inline(always)]
+fn connection_key(flow: &Flow, reply: &MasqReply) -> ConnectionKey {
+    ConnectionKey {
+        container_addr: reply.container_addr,
+        remote_addr: flow.saddr,
+        container_port: reply.container_port,
+        remote_port: u16::from_be(flow.sport),
+        protocol: flow.protocol,
+        family: flow.family,
+        _pad: [0; 2],
+    }
+}
+
 /// A reply to a masqueraded flow at the uplink's ingress, translated back towards its container
 /// (`TO_CONTAINER`, `container` filled in), or `NEXT` when the flow's state has expired;
-/// `entry` is its `masq_replies` entry (`lookup_reply`). An LRU map may recycle an entry under
-/// a reader; the worst that does is misdirect the packet at hand.
+/// `entry` is its `masq_replies` entry (`lookup_reply`), `connection` its connection's entry
+/// ([`reply_connection`]). An LRU map may recycle an entry under a reader; the worst that does
+/// is misdirect the packet at hand.
 #[inline(never)]
 pub fn translate_reply(
     ctx: &TcContext,
     flow: &mut Flow,
     entry: &MasqReply,
     container: &mut Handover,
+    connection: *mut Connection,
 ) -> Answer {
-    try_translate_reply(ctx, flow, entry, container).unwrap_or_else(|error| error.answer(ctx))
+    try_translate_reply(ctx, flow, entry, container, connection)
+        .unwrap_or_else(|error| error.answer(ctx))
 }
 
 fn try_translate_reply(
@@ -43,8 +69,9 @@ fn try_translate_reply(
     flow: &mut Flow,
     entry: &MasqReply,
     container: &mut Handover,
+    connection: *mut Connection,
 ) -> Result<Answer, DatapathError> {
-    if !track_reply(ctx, flow, entry)? {
+    if !track_reply(ctx, flow, entry, connection)? {
         let _ = maps::masq_replies.remove(&reply_key(flow));
         return Ok(Answer::NEXT);
     }
@@ -60,34 +87,30 @@ fn hand_over_to(reply: &MasqReply, container: &mut Handover) {
     container.gateway_mac = reply.gateway_mac;
 }
 
-/// Moves the state of the connection a reply belongs to on; `false` when that state has
-/// expired (the connection is removed, and the reply is not translated).
+/// Moves the state of the connection a reply belongs to (`connection`, its entry) on; `false`
+/// when that state has expired (the connection is removed, and the reply is not translated).
 #[inline(never)]
-fn track_reply(ctx: &TcContext, flow: &Flow, reply: &MasqReply) -> Result<bool, DatapathError> {
-    let key = ConnectionKey {
-        container_addr: reply.container_addr,
-        remote_addr: flow.saddr,
-        container_port: reply.container_port,
-        remote_port: u16::from_be(flow.sport),
-        protocol: flow.protocol,
-        family: flow.family,
-        _pad: [0; 2],
-    };
+fn track_reply(
+    ctx: &TcContext,
+    flow: &Flow,
+    reply: &MasqReply,
+    connection: *mut Connection,
+) -> Result<bool, DatapathError> {
     let now = clock::now_ns();
     let flags = flow.tcp_flags(ctx)?;
-    let state = connections::find(&key);
     // SAFETY: points into `connections`; racing writers only refresh the same fields.
-    let Some(state) = (unsafe { state.as_mut() }).filter(|state| state.has(reply.owner, PART_SNAT))
+    let Some(state) =
+        (unsafe { connection.as_mut() }).filter(|state| state.has(reply.owner, PART_SNAT))
     else {
         // Evicted under pressure while its reply entry survived: rebuilt, the reply proves
         // the connection alive.
         count(|stats| &mut stats.state_lost);
-        rebuild(&key, flow, reply, ifindex(ctx), now);
+        rebuild(&connection_key(flow, reply), flow, reply, ifindex(ctx), now);
         return Ok(true);
     };
     if state.is_expired(flow.protocol, now) {
         count(|stats| &mut stats.expired);
-        let _ = maps::connections.remove(&key);
+        let _ = maps::connections.remove(&connection_key(flow, reply));
         return Ok(false);
     }
     let side = state.side(DIRECTION_INGRESS);

@@ -17,7 +17,7 @@ use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
     connection::{Connection, PART_DNAT},
-    conntrack,
+    conntrack::{self, STATE_CLOSING},
     endpoint::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
     portmap::{PortMapKey, PortMapValue},
@@ -144,7 +144,7 @@ fn try_translate_hairpin(
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
     flow.rewrite_source(ctx, &source, flow.sport)?;
     if via_stack && !to_itself {
-        remember_translation(ctx, flow);
+        remember_translation(ctx, flow, core::ptr::null_mut());
         mark_translated(ctx);
         return Ok(Answer::NEXT);
     }
@@ -156,15 +156,17 @@ fn try_translate_hairpin(
 /// hairpin flow (`Answer::TO_CONTAINER`, `client` filled in), sent on to its next hop from the FIB, or
 /// left to the host stack untranslated (`NEXT`: `uplink_egress` translates it on its way out;
 /// always so from a container whose traffic is shaped, `via_stack`); `Answer::NOT_MINE` when the packet
-/// is no such reply. Not inlined: the verifier caps the stack of a call chain at 512 bytes.
+/// is no such reply. `connection` is the packet's `connections` entry as the hook found it. Not
+/// inlined: the verifier caps the stack of a call chain at 512 bytes.
 #[inline(never)]
 pub fn translate_reply(
     ctx: &TcContext,
     flow: &mut Flow,
     via_stack: bool,
     client: &mut Handover,
+    connection: *mut Connection,
 ) -> Answer {
-    let Some(entry) = reverse_of(ctx, flow) else {
+    let Some(entry) = reverse_of(ctx, flow, connection) else {
         return Answer::NOT_MINE;
     };
     // SAFETY: entry points into connections; it is copied out field by field before any
@@ -209,7 +211,8 @@ pub fn translate_reply(
 /// not route it itself): it gets the hostPort address back as its source (`NEXT`), or
 /// `Answer::NOT_MINE`.
 pub fn translate_routed_reply(ctx: &TcContext, flow: &mut Flow) -> Result<Answer, DatapathError> {
-    let Some(entry) = reverse_of(ctx, flow) else {
+    let connection = connections::of_packet(flow, DIRECTION_EGRESS);
+    let Some(entry) = reverse_of(ctx, flow, connection) else {
         return Ok(Answer::NOT_MINE);
     };
     // SAFETY: entry points into connections; the fields are copied out before any rewrite.
@@ -218,30 +221,39 @@ pub fn translate_routed_reply(ctx: &TcContext, flow: &mut Flow) -> Result<Answer
     Ok(Answer::NEXT)
 }
 
-/// The translation a container's packet reverses: its connection's DNAT part, whose state
-/// the packet moves on (replies keep the connection alive too). The pointer is into
-/// `connections`. Inlined: as a BPF call, LLVM returns the option in two registers, and a BPF
-/// call returns one.
+/// The translation a container's packet reverses: the DNAT part of its connection
+/// (`connection`, its entry as the hook found it), whose state the packet moves on (replies
+/// keep the connection alive too). The pointer is into `connections`. Inlined: as a BPF call,
+/// LLVM returns the option in two registers, and a BPF call returns one.
 #[inline(always)]
-fn reverse_of(ctx: &TcContext, flow: &Flow) -> Option<*const Connection> {
-    let entry = connections::find(&connections::key_of(flow, DIRECTION_EGRESS));
+fn reverse_of(
+    ctx: &TcContext,
+    flow: &Flow,
+    connection: *mut Connection,
+) -> Option<*const Connection> {
     // SAFETY: points into `connections`; racing writers only refresh the same fields.
-    let connection = unsafe { entry.as_mut() }?;
+    let connection = unsafe { connection.as_mut() }?;
     if connection.parts & PART_DNAT == 0 {
         return None;
     }
     // A header that cannot be read moves no state; the translation holds all the same.
     let flags = flow.tcp_flags(ctx).unwrap_or(0);
+    // A connection the container opens on a closed one's tuple is its own, not a reply (the
+    // filter has given it an entry of its own by then).
+    if connection.state == STATE_CLOSING && conntrack::is_opening(flags) {
+        return None;
+    }
     let side = connection.side(DIRECTION_EGRESS);
     conntrack::advance(connection, flow.protocol, flags, side, clock::now_ns());
-    Some(entry.cast_const())
+    Some(core::ptr::from_mut(connection).cast_const())
 }
 
 /// A packet towards a container that did not come through a hostPort: a TCP connection
 /// opening, or any UDP datagram, on a 5-tuple that has a translation remembered means that
 /// translation is stale (the client now talks to the container directly with the same
 /// ports), and its replies must not be rewritten: the connection loses its DNAT part.
-pub fn forget_stale_translation(ctx: &TcContext, flow: &Flow) {
+/// `connection` is the packet's `connections` entry as the hook found it.
+pub fn forget_stale_translation(ctx: &TcContext, flow: &Flow, connection: *mut Connection) {
     let opens = match flow.protocol {
         PROTO_TCP => flow.is_tcp_syn(ctx).unwrap_or(false),
         _ => true,
@@ -249,10 +261,8 @@ pub fn forget_stale_translation(ctx: &TcContext, flow: &Flow) {
     if flow.fragment != Fragment::Whole || !opens {
         return;
     }
-    let key = connections::key_of(flow, DIRECTION_INGRESS);
-    let entry = connections::find(&key);
     // SAFETY: points into `connections`; the fields are written at once.
-    if let Some(connection) = unsafe { entry.as_mut() }
+    if let Some(connection) = unsafe { connection.as_mut() }
         && connection.parts & PART_DNAT != 0
     {
         connection.parts &= !PART_DNAT;
@@ -261,9 +271,10 @@ pub fn forget_stale_translation(ctx: &TcContext, flow: &Flow) {
 
 /// Records how to reverse the translation of `flow` (already translated, as the translation
 /// scratch describes it) for its replies, as the DNAT part of its connection (the filter's may
-/// be there), and moves the connection's state on.
+/// be there), and moves the connection's state on. `found` is the packet's `connections` entry
+/// as the hook found it, or null: looked up here.
 #[inline(never)]
-pub fn remember_translation(ctx: &TcContext, flow: &Flow) {
+pub fn remember_translation(ctx: &TcContext, flow: &Flow, found: *mut Connection) {
     let Some(translation) = translation_scratch.get_ptr(0) else {
         return;
     };
@@ -272,14 +283,19 @@ pub fn remember_translation(ctx: &TcContext, flow: &Flow) {
     let key = connections::key_of(flow, DIRECTION_INGRESS);
     let now = clock::now_ns();
     let flags = flow.tcp_flags(ctx).unwrap_or(0);
-    let (entry, fresh) = connections::for_part(
-        &key,
-        translation.owner,
-        flow.protocol,
-        DIRECTION_INGRESS,
-        flags,
-        now,
-    );
+    let (entry, fresh) =
+        if connections::takes_part(found, translation.owner, flow.protocol, flags, now) {
+            (found, false)
+        } else {
+            connections::for_part(
+                &key,
+                translation.owner,
+                flow.protocol,
+                DIRECTION_INGRESS,
+                flags,
+                now,
+            )
+        };
     if entry.is_null() {
         return;
     }
