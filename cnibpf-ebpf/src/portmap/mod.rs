@@ -280,15 +280,16 @@ pub fn remember_translation(ctx: &TcContext, flow: &Flow, found: *mut Connection
     };
     // SAFETY: this CPU's slot, filled by the translation of this very packet.
     let translation = unsafe { &*translation };
-    let key = connections::key_of(flow, DIRECTION_INGRESS);
     let now = clock::now_ns();
     let flags = flow.tcp_flags(ctx).unwrap_or(0);
+    // The key is put together only where the hook's entry will not do (a connection's first
+    // packet).
     let (entry, fresh) =
         if connections::takes_part(found, translation.owner, flow.protocol, flags, now) {
             (found, false)
         } else {
             connections::for_part(
-                &key,
+                &connections::key_of(flow, DIRECTION_INGRESS),
                 translation.owner,
                 flow.protocol,
                 DIRECTION_INGRESS,
@@ -320,7 +321,7 @@ pub fn remember_translation(ctx: &TcContext, flow: &Flow, found: *mut Connection
         connection.parts |= PART_DNAT;
     }
     if fresh {
-        connections::insert(&key, entry);
+        connections::insert(&connections::key_of(flow, DIRECTION_INGRESS), entry);
     } else {
         let side = connection.side(DIRECTION_INGRESS);
         conntrack::advance(connection, flow.protocol, flags, side, now);
