@@ -63,8 +63,8 @@ pub fn find(key: &ConnectionKey) -> *mut Connection {
         .unwrap_or(core::ptr::null_mut())
 }
 
-/// The entry of `key` to which `owner` may add a part (its own, live), or else a [`fresh`] one
-/// in this CPU's scratch for [`insert`]; the second value says which.
+/// The entry of `key` to which `owner` adds a part ([`Connection::takes_part`]), or else a
+/// [`fresh`] one in this CPU's scratch for [`insert`]; the second value says which.
 #[inline(always)]
 pub fn for_part(
     key: &ConnectionKey,
@@ -75,9 +75,7 @@ pub fn for_part(
     now: u64,
 ) -> (*mut Connection, bool) {
     let entry = find(key);
-    // SAFETY: points into `connections`, read at once.
-    if !entry.is_null() && unsafe { (*entry).owner == owner && !(*entry).is_expired(protocol, now) }
-    {
+    if takes_part(entry, owner, protocol, flags, now) {
         return (entry, false);
     }
     (fresh(owner, protocol, direction, flags, now), true)

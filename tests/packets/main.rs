@@ -9,8 +9,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use cnibpf_tests::{
     Container, SimHost,
     packet::{
-        ACK, ETH_P_IP, ETH_P_IPV6, ICMP, ICMPV6, SCTP, SYN, TCP, UDP, ethernet, icmp, icmpv6, ipv4,
-        ipv6, sctp, tcp, tcp_with_options, udp, verify,
+        ACK, ETH_P_IP, ETH_P_IPV6, ICMP, ICMPV6, RST, SCTP, SYN, TCP, UDP, ethernet, icmp, icmpv6,
+        ipv4, ipv6, sctp, tcp, tcp_with_options, udp, verify,
     },
     topology::{
         HOST_UPLINK_ADDR, HOST_UPLINK_ADDR6, OUTSIDE_ADDR, OUTSIDE_ADDR6, UPLINK, port_mappings,

@@ -297,3 +297,58 @@ fn fragments_of_a_host_port_datagram_follow_their_first() {
         }
     }
 }
+
+/// A closed hostPort connection's tuple, opened again by the container (a SYN from its port
+/// to the client's): a new connection of its own, masqueraded, not a reply of the closed one
+/// leaving from the hostPort.
+#[test]
+fn a_container_opening_a_closed_host_port_tuple_is_not_its_reply() {
+    let bench = bench("pk-reopen");
+    let from_outside = |flags: u8| {
+        outside_v4(
+            TCP,
+            &tcp(
+                OUTSIDE_ADDR.into(),
+                HOST_UPLINK_ADDR.into(),
+                40_020,
+                8080,
+                flags,
+                b"",
+            ),
+        )
+    };
+    let own = bench.container.address;
+    let from_container = |flags: u8| {
+        bench.sent_by_container(
+            TCP,
+            OUTSIDE_ADDR,
+            &tcp(own.into(), OUTSIDE_ADDR.into(), 80, 40_020, flags, b""),
+        )
+    };
+    let source_of = |frame: &[u8], what: &str| {
+        let (verdict, out) = bench
+            .run_from_container(frame)
+            .unwrap_or_else(|| panic!("{what}: the kernel refused the run"));
+        assert_ne!(verdict, DROP, "{what}: goes out");
+        let parsed = verify(&out).unwrap_or_else(|error| panic!("{what}: {error}: {out:02x?}"));
+        (parsed.src, parsed.ports.map(|(sport, _)| sport))
+    };
+    bench.expect_translated(&from_outside(SYN), 80, "the client's SYN");
+    assert_eq!(
+        source_of(&from_container(SYN | ACK), "the container's SYN-ACK"),
+        (IpAddr::V4(HOST_UPLINK_ADDR), Some(8080)),
+        "a reply leaves from the hostPort"
+    );
+    bench.expect_translated(&from_outside(RST | ACK), 80, "the client's RST");
+    let (source, port) = source_of(&from_container(SYN), "the container's new SYN");
+    assert_eq!(
+        source,
+        IpAddr::V4(HOST_UPLINK_ADDR),
+        "masqueraded to the uplink's address"
+    );
+    assert_ne!(
+        port,
+        Some(8080),
+        "a connection of its own, not the closed one's reply from the hostPort"
+    );
+}

@@ -13,6 +13,7 @@ pub const ICMPV6: u8 = 58;
 pub const SCTP: u8 = 132;
 /// TCP flags.
 pub const SYN: u8 = 0x02;
+pub const RST: u8 = 0x04;
 pub const ACK: u8 = 0x10;
 
 pub fn ethernet(dst: [u8; 6], src: [u8; 6], ethertype: u16, payload: &[u8]) -> Vec<u8> {
