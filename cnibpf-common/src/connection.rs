@@ -122,7 +122,7 @@ impl Connection {
 
     /// Whether attachment `owner` adds a part to this entry, as a packet with TCP `flags`
     /// (zero for other protocols) found it: its own and live, and not a closed connection
-    /// whose tuple opens again — a new connection, which the filter gives an entry of its own.
+    /// whose tuple opens again — a new connection, which gets an entry of its own.
     pub const fn takes_part(&self, owner: u64, protocol: u8, flags: u8, now_ns: u64) -> bool {
         self.owner == owner
             && !self.is_expired(protocol, now_ns)
