@@ -124,9 +124,13 @@ impl Connection {
     /// (zero for other protocols) found it: its own and live, and not a closed connection
     /// whose tuple opens again — a new connection, which gets an entry of its own.
     pub const fn takes_part(&self, owner: u64, protocol: u8, flags: u8, now_ns: u64) -> bool {
-        self.owner == owner
-            && !self.is_expired(protocol, now_ns)
-            && !(self.state == conntrack::STATE_CLOSING && conntrack::is_opening(flags))
+        self.owner == owner && !self.is_expired(protocol, now_ns) && !self.reopened_by(flags)
+    }
+
+    /// Whether a packet with TCP `flags` (zero for other protocols) opens a new connection on
+    /// the tuple of this closed one.
+    pub const fn reopened_by(&self, flags: u8) -> bool {
+        self.state == conntrack::STATE_CLOSING && conntrack::is_opening(flags)
     }
 }
 
@@ -213,6 +217,8 @@ mod tests {
             "a new connection"
         );
         assert!(closed.takes_part(7, PROTO_TCP, TCP_SYN | TCP_ACK, 6));
+        assert!(closed.reopened_by(TCP_SYN) && !live.reopened_by(TCP_SYN));
+        assert!(!closed.reopened_by(TCP_SYN | TCP_ACK) && !closed.reopened_by(0));
     }
 
     #[test]

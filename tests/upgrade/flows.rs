@@ -18,6 +18,19 @@ pub struct Masqueraded {
     owner: u64,
 }
 
+impl Masqueraded {
+    fn new(key: &ConnectionKey, translated: ([u8; 16], u16), owner: u64) -> Self {
+        Self {
+            container: (key.container_addr, key.container_port),
+            remote: (key.remote_addr, key.remote_port),
+            protocol: key.protocol,
+            family: key.family,
+            translated,
+            owner,
+        }
+    }
+}
+
 /// The masqueraded connections the host's datapath holds, sorted.
 pub fn masqueraded(sim: &SimHost) -> Vec<Masqueraded> {
     let mut connections: Vec<Masqueraded> = if sim.pin_path.join("connections").exists() {
@@ -25,26 +38,24 @@ pub fn masqueraded(sim: &SimHost) -> Vec<Masqueraded> {
             .iter()
             .map(|entry| entry.expect("read connections"))
             .filter(|(_, connection)| connection.parts & PART_SNAT != 0)
-            .map(|(key, connection)| Masqueraded {
-                container: (key.container_addr, key.container_port),
-                remote: (key.remote_addr, key.remote_port),
-                protocol: key.protocol,
-                family: key.family,
-                translated: (connection.nat_addr, connection.nat_port),
-                owner: connection.owner,
+            .map(|(key, connection)| {
+                Masqueraded::new(
+                    &key,
+                    (connection.nat_addr, connection.nat_port),
+                    connection.owner,
+                )
             })
             .collect()
     } else {
         sim.pinned_hash_map::<FlowKeyV9, MasqFlowV9>(MASQ_FLOWS)
             .iter()
             .map(|entry| entry.expect("read masq_flows"))
-            .map(|(key, flow)| Masqueraded {
-                container: (key.src_addr, key.src_port),
-                remote: (key.dst_addr, key.dst_port),
-                protocol: key.protocol,
-                family: key.family,
-                translated: (flow.nat_addr, flow.nat_port),
-                owner: flow.owner,
+            .map(|(key, flow)| {
+                Masqueraded::new(
+                    &key.connection(),
+                    (flow.nat_addr, flow.nat_port),
+                    flow.owner,
+                )
             })
             .collect()
     };

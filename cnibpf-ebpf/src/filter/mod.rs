@@ -253,8 +253,7 @@ fn tracked(subject: &mut Subject, set: &FilterSet, connection: *mut Connection) 
             u32::from(entry.rule)
         };
     }
-    // A new connection on the tuple of a closed one.
-    if entry.state == STATE_CLOSING && conntrack::is_opening(subject.flags) {
+    if entry.reopened_by(subject.flags) {
         return UNTRACKED;
     }
     if entry.generation != set.generation {

@@ -17,7 +17,7 @@ use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
     connection::{Connection, PART_DNAT},
-    conntrack::{self, STATE_CLOSING},
+    conntrack,
     endpoint::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
     portmap::{PortMapKey, PortMapValue},
@@ -238,9 +238,8 @@ fn reverse_of(
     }
     // A header that cannot be read moves no state; the translation holds all the same.
     let flags = flow.tcp_flags(ctx).unwrap_or(0);
-    // A connection the container opens on a closed one's tuple is its own, not a reply (the
-    // filter has given it an entry of its own by then).
-    if connection.state == STATE_CLOSING && conntrack::is_opening(flags) {
+    // A connection the container opens on a closed one's tuple is its own, not a reply.
+    if connection.reopened_by(flags) {
         return None;
     }
     let side = connection.side(DIRECTION_EGRESS);
