@@ -1,5 +1,6 @@
 //! `cnibpf`: a chained CNI plugin when run with `CNI_COMMAND` set, an admin tool otherwise.
 
+mod atomic_file;
 mod backend;
 mod call_log;
 mod call_stats;

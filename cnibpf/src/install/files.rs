@@ -1,9 +1,7 @@
 //! The conf dir's files as libcni reads them, and writing ours so that no reader ever sees\n//! half of one.
 
 use std::{
-    fs,
-    io::{self, Write as _},
-    os::unix::fs::PermissionsExt as _,
+    fs, io,
     path::{Path, PathBuf},
 };
 
@@ -104,33 +102,10 @@ pub(super) fn write_atomically(path: &Path, value: &Value) -> Result<(), Install
     replace_file(path, &text, 0o644)
 }
 
-/// Puts `content` at `path` by renaming a synced temporary file of the same directory over
-/// it: a reader sees the old file or the new one, whole; a process running the old one keeps
-/// it.
+/// [`crate::atomic_file::replace`], its failure an install error.
 pub(super) fn replace_file(path: &Path, content: &[u8], mode: u32) -> Result<(), InstallError> {
-    // fail-closed: an Option of the path, not an error.
-    let directory = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|name| name.to_string_lossy().into_owned())
-        // fail-closed: an Option of the path, as above.
-        .unwrap_or_default();
-    let temporary = directory.join(format!(".{name}.{}.tmp", std::process::id()));
-    let written = (|| {
-        let mut file = fs::File::create(&temporary)?;
-        file.write_all(content)?;
-        file.set_permissions(fs::Permissions::from_mode(mode))?;
-        file.sync_all()?;
-        fs::rename(&temporary, path)?;
-        fs::File::open(directory)?.sync_all()
-    })();
-    // fail-closed: the write's own error is the one reported; a temporary left behind is a
-    // dot file, which runtimes ignore.
-    if written.is_err() {
-        // fail-closed: as above.
-        let _ = fs::remove_file(&temporary);
-    }
-    written.map_err(io_error(format!("write {}", path.display())))
+    crate::atomic_file::replace(path, content, mode)
+        .map_err(io_error(format!("write {}", path.display())))
 }
 
 /// Removes the file at `path`; whether there was one.

@@ -44,7 +44,8 @@ impl fmt::Display for Attachment {
 }
 
 /// The pod an attachment belongs to, when the runtime names it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Pod {
     pub namespace: String,
     pub name: String,

@@ -6,7 +6,8 @@ use std::fmt;
 use ipnet::IpNet;
 
 /// What one condition looks at.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub enum Subject {
     /// The client's address: in any of these networks.
     Source(Vec<IpNet>),
@@ -17,7 +18,8 @@ pub enum Subject {
 }
 
 /// One condition; an attachment's conditions must all hold.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Condition {
     pub negated: bool,
     pub subject: Subject,

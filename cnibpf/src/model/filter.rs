@@ -7,7 +7,8 @@ use ipnet::IpNet;
 use super::{ConnState, Direction, PortRange, RuleProtocol, Target};
 
 /// One validated `filter` rule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FilterRule {
     pub index: u32,
     pub target: Target,
@@ -55,7 +56,8 @@ impl fmt::Display for FilterRule {
 
 /// An attachment's filter: its rules in evaluation order (ascending `index`) and the verdict
 /// when none matches.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Filter {
     pub rules: Vec<FilterRule>,
     pub default: Target,

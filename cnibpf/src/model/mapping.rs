@@ -64,7 +64,8 @@ impl HostPortAccess {
 }
 
 /// A port mapping for one family, with the container address it leads to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ResolvedMapping {
     pub protocol: Protocol,
     /// `None` is the wildcard of the container address's family.

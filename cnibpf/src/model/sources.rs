@@ -5,7 +5,8 @@ use std::{fmt, net::IpAddr};
 /// What an attachment's source check admits: the container's own addresses — prevResult's
 /// and its interface's IPv6 link-local ones. Everything it sends from another address (and its
 /// ARP and neighbour advertisements for another) is dropped.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SourceCheck {
     /// Sorted, without repeats.
     pub addresses: Vec<IpAddr>,

@@ -50,6 +50,21 @@ macro_rules! vocabulary {
                 f.write_str(self.as_str())
             }
         }
+
+        impl serde::Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.serialize_str(self.as_str())
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                let text = <std::borrow::Cow<'de, str>>::deserialize(deserializer)?;
+                text.parse().map_err(|unknown: UnknownWord| {
+                    serde::de::Error::custom(format!("{text:?} is none of {}", unknown.expected))
+                })
+            }
+        }
     };
 }
 
@@ -222,6 +237,21 @@ impl fmt::Display for PortRange {
     }
 }
 
+/// As written in a configuration: `"80"` or `"1000-2000"`.
+impl serde::Serialize for PortRange {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PortRange {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(deserializer)?;
+        text.parse()
+            .map_err(|_| serde::de::Error::custom(format!("{text:?} is not a port range")))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,6 +313,19 @@ mod tests {
         }
         assert_eq!(PortRange::single(53).to_string(), "53");
         assert_eq!(PortRange { low: 1, high: 9 }.to_string(), "1-9");
+    }
+
+    #[test]
+    fn words_and_ranges_round_trip_through_json() {
+        let json = serde_json::to_string(&(Target::Drop, PortRange { low: 1, high: 9 }))
+            .expect("serialisable");
+        assert_eq!(json, r#"["DROP","1-9"]"#);
+        assert_eq!(
+            serde_json::from_str::<(Target, PortRange)>(&json).expect("readable"),
+            (Target::Drop, PortRange { low: 1, high: 9 })
+        );
+        assert!(serde_json::from_str::<Target>(r#""REJECT""#).is_err());
+        assert!(serde_json::from_str::<PortRange>(r#""9-1""#).is_err());
     }
 
     #[test]
