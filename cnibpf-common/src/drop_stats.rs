@@ -42,10 +42,16 @@ pub enum DropReason {
     /// nftables only: a packet from elsewhere than the loopback for 127.0.0.0/8 (the guard
     /// against CVE-2020-8558 beside 127.0.0.1 hostPorts).
     LocalnetGuard = 12,
+    /// A packet from a masqueraded container that masquerade cannot translate — one no
+    /// connection it tracks explains (what netfilter's conntrack calls INVALID: an
+    /// out-of-window segment, a RST or FIN of an unknown tuple, a bad flag mix), an ICMP error
+    /// about a connection never seen, a protocol without ports on eBPF — dropped at the uplink
+    /// rather than sent out with the container's own address.
+    MasqueradeUntranslatable = 13,
 }
 
 impl DropReason {
-    pub const ALL: [Self; 12] = [
+    pub const ALL: [Self; 13] = [
         Self::FilterRule,
         Self::FilterDefault,
         Self::FilterFragment,
@@ -58,6 +64,7 @@ impl DropReason {
         Self::MasqueradeNoUplinkAddress,
         Self::RewriteFailed,
         Self::LocalnetGuard,
+        Self::MasqueradeUntranslatable,
     ];
 
     pub const fn from_u8(value: u8) -> Option<Self> {
@@ -86,6 +93,7 @@ impl DropReason {
             Self::MasqueradeNoUplinkAddress => "masquerade_no_uplink_address",
             Self::RewriteFailed => "rewrite_failed",
             Self::LocalnetGuard => "localnet_guard",
+            Self::MasqueradeUntranslatable => "masquerade_untranslatable",
         }
     }
 

@@ -1,9 +1,13 @@
-//! `host_addrs`: the addresses of the host, for the socket hooks.
+//! `host_addrs`: the node's own addresses, those a wildcard hostPort listens on.
 //!
 //! Key: [`HostAddrKey`]. Value: `u32` index of the interface holding the address. Written by
-//! the CNI plugin, which replaces the set with the host's current addresses on every call (the
-//! hooks cannot ask the FIB); read by the socket hooks to decide whether a connection to a
-//! wildcard hostPort is addressed to this host. TC programs ask the FIB instead.
+//! the CNI plugin, which replaces the set with the node's current addresses on every ADD and
+//! CHECK, and by `cnibpf install --watch` as they change: every address of the host but the
+//! link-local ones and those of `serviceInterfaces` (Service addresses such as the ClusterIPs
+//! kube-proxy's IPVS mode binds to `kube-ipvs0`: local, but not the node's). Read by the TC
+//! programs and the socket hooks to decide whether a packet or connection to a wildcard
+//! hostPort is addressed to the node; the FIB cannot tell a Service's local address from the
+//! node's.
 
 use crate::impl_pod;
 

@@ -62,6 +62,7 @@ pub fn write(conf: &LogConf, record: &CallRecord<'_>) -> io::Result<()> {
     let reclaimed = list(&noted.reclaimed);
     let removed = list(&noted.removed);
     let migrated = list(&noted.migrated);
+    let restored = list(&noted.restored);
     let uninstalled = list(&noted.uninstalled);
     let backend = (!noted.backends.is_empty()).then(|| noted.backends.join(", "));
     let result = if record.code == 0 {
@@ -87,6 +88,7 @@ pub fn write(conf: &LogConf, record: &CallRecord<'_>) -> io::Result<()> {
                 reclaimed = reclaimed.as_deref(),
                 removed = removed.as_deref(),
                 migrated = migrated.as_deref(),
+                restored = restored.as_deref(),
                 uninstalled = uninstalled.as_deref(),
             );
         } else {
@@ -105,6 +107,7 @@ pub fn write(conf: &LogConf, record: &CallRecord<'_>) -> io::Result<()> {
                 reclaimed = reclaimed.as_deref(),
                 removed = removed.as_deref(),
                 migrated = migrated.as_deref(),
+                restored = restored.as_deref(),
             );
         }
     });

@@ -107,6 +107,7 @@ impl Serving {
             .and_then(marked("source check"))
             .and_then(|()| backend.setup_endpoint(&plan.endpoint))
             .and_then(marked("endpoint"))
+            .and_then(|()| backend.refresh_host_addresses(&plan.endpoint.service_interfaces))
             .and_then(|()| backend.refresh_uplinks(&plan.endpoint.uplinks))
             .and_then(marked("uplinks"))
             .and_then(|()| backend.setup_port_mappings(&plan.endpoint, &plan.mappings))
@@ -167,6 +168,27 @@ impl Instance {
             _lock: Some(lock),
             backends: others,
         })
+    }
+
+    /// For `install --watch`, as the host changes: every backend holding state takes the
+    /// node's addresses anew (a wildcard hostPort listens on them, never on an address of
+    /// `service_interfaces`), and the nftables tables a firewall reload took are made again
+    /// (opening the instance for changes does that). Nothing to do for an instance without
+    /// state.
+    pub fn follow_host(
+        pins: &PinLayout,
+        service_interfaces: &[String],
+    ) -> Result<(), InstanceError> {
+        let mut instance = Self::to_change(pins)?;
+        let mut failures = Vec::new();
+        for backend in &mut instance.backends {
+            journal::backend(backend.name());
+            let outcome = backend
+                .refresh_host_addresses(service_interfaces)
+                .and_then(|()| backend.commit());
+            failures.extend(outcome.err().map(|error| (backend.name(), error)));
+        }
+        Ok(BackendError::collect(failures)?)
     }
 
     /// For `inspect`: every backend holding state, looked at without the lock.
@@ -235,6 +257,7 @@ impl Instance {
         journal::backend(backend.name());
         backend.check_endpoint(&plan.endpoint)?;
         backend.check_port_mappings(&plan.endpoint, &plan.mappings)?;
+        backend.refresh_host_addresses(&plan.endpoint.service_interfaces)?;
         backend.refresh_uplinks(&plan.endpoint.uplinks)?;
         backend.check_masquerade(&plan.endpoint, plan.masquerade.as_ref())?;
         backend.check_filter(&plan.endpoint, plan.filter.as_ref())?;

@@ -17,6 +17,9 @@ pub enum Change {
     Removed(String),
     /// A step of a migration of the previous layout's state.
     Migrated(String),
+    /// State put back that someone else took (the nftables ruleset a firewall reload
+    /// flushed), with why.
+    Restored(String),
     /// What the last DEL in release-only mode removed of cnibpf (its datapath, conflist and
     /// binary).
     Uninstalled(String),
@@ -93,6 +96,7 @@ pub struct Noted {
     pub reclaimed: Vec<String>,
     pub removed: Vec<String>,
     pub migrated: Vec<String>,
+    pub restored: Vec<String>,
     pub uninstalled: Vec<String>,
 }
 
@@ -131,6 +135,10 @@ pub fn noted() -> Noted {
             }),
             migrated: of(|change| match change {
                 Change::Migrated(text) => Some(text),
+                _ => None,
+            }),
+            restored: of(|change| match change {
+                Change::Restored(text) => Some(text),
                 _ => None,
             }),
             uninstalled: of(|change| match change {

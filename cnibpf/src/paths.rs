@@ -108,6 +108,12 @@ impl PinLayout {
         Path::new(LOCK_DIR).join(format!("{}.calls", self.lock_name()))
     }
 
+    /// The nftables backend's state: every attachment's record, from which its ruleset is
+    /// derived (and restored after a firewall reload flushed it).
+    pub fn nftables_state_file(&self) -> PathBuf {
+        Path::new(LOCK_DIR).join(format!("{}.nftables.json", self.lock_name()))
+    }
+
     /// Written by `cnibpf uninstall` while the instance still serves pods: the conflist and
     /// binary the DEL that releases the last attachment removes. A DEL that comes with the
     /// configuration the runtime cached at ADD (CRI-O, podman: cnibpf's entry as it was, not

@@ -4,7 +4,8 @@
 //! later fragment goes where its first went, by the ports the parser recovered). Egress: the
 //! host's own traffic (a local socket's, or from the uplink's address) goes on at once; then
 //! replies of translated flows the host stack routed, and container traffic it forwarded to be
-//! masqueraded.
+//! masqueraded; what carries no flow the parser could read goes through masquerade's guard
+//! (`masquerade::untranslated`): nothing leaves with a masqueraded container's own address.
 
 use core::mem::MaybeUninit;
 
@@ -78,7 +79,13 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
 }
 
 pub fn egress(ctx: &TcContext) -> i32 {
-    try_egress(ctx).unwrap_or_else(|error| error.verdict(ctx))
+    match try_egress(ctx) {
+        Ok(verdict) => verdict,
+        // Headers shorter than they claim: not translated, so not sent from a masqueraded
+        // container's own address either.
+        Err(DatapathError::Truncated) => masquerade::untranslated(ctx),
+        Err(error) => error.verdict(ctx),
+    }
 }
 
 fn try_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
@@ -86,7 +93,7 @@ fn try_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
         return Ok(NEXT);
     }
     let Some(mut flow) = Flow::parse(ctx)? else {
-        return Ok(NEXT);
+        return Ok(masquerade::untranslated(ctx));
     };
     match portmap::translate_routed_reply(ctx, &mut flow)? {
         Answer::NOT_MINE => Ok(masquerade::uplink_egress(ctx, &mut flow)),

@@ -29,10 +29,12 @@ use cnibpf_common::{
     uplink::UplinkInfo,
 };
 
+mod guard;
 mod icmp;
 mod ports;
 mod replies;
 
+pub use guard::untranslated;
 pub use replies::{lookup_reply, reply_connection, translate_icmp_error, translate_reply};
 
 use crate::{
@@ -88,7 +90,7 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
         },
         _ => return Ok(NEXT),
     };
-    if is_excluded(source.owner, flow) {
+    if is_excluded(source.owner, flow.family, &flow.daddr) {
         return Ok(NEXT);
     }
     // With the address the host sends from on that route, as its addresses are now: an
@@ -224,7 +226,7 @@ fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathEr
     };
     // A flow that began before its destination was excluded keeps its translation, as in
     // `established`.
-    if is_excluded(source.owner, flow) && !is_live(flow, source.owner) {
+    if is_excluded(source.owner, flow.family, &flow.daddr) && !is_live(flow, source.owner) {
         return Ok(NEXT);
     }
     let plan = match Plan::new(ctx, flow, source, ifindex(ctx), false) {
@@ -383,9 +385,14 @@ fn record_flow(flow: &Flow, plan: &Plan, nat_port: u16, now: u64, flags: u8) {
 }
 
 fn masqueraded_source(flow: &Flow) -> Option<MasqSource> {
+    masqueraded_address(flow.family, &flow.saddr)
+}
+
+/// The `masq_sources` entry of a container address, when its traffic is masqueraded.
+fn masqueraded_address(family: u8, addr: &[u8; 16]) -> Option<MasqSource> {
     let key = MasqSourceKey {
-        addr: flow.saddr,
-        family: flow.family,
+        addr: *addr,
+        family,
         _pad: [0; 3],
     };
     // SAFETY: points into `masq_sources`, copied at once.
@@ -402,14 +409,14 @@ fn source_attached_here(ctx: &TcContext, flow: &Flow) -> Option<MasqSource> {
     masqueraded_source(flow).filter(|source| source.host_ifindex == ifindex(ctx))
 }
 
-/// Whether the destination is one the attachment's traffic is never masqueraded towards.
-fn is_excluded(owner: u64, flow: &Flow) -> bool {
+/// Whether `destination` is one the attachment's traffic is never masqueraded towards.
+fn is_excluded(owner: u64, family: u8, destination: &[u8; 16]) -> bool {
     let key = aya_ebpf::btf_maps::lpm_trie::Key::new(
         OWNER_FAMILY_BITS + 128,
         MasqExcludeKey {
             owner: owner.to_be_bytes(),
-            family: flow.family,
-            addr: flow.daddr,
+            family,
+            addr: *destination,
             _pad: [0; 3],
         },
     );

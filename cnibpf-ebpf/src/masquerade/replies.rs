@@ -12,7 +12,7 @@ use cnibpf_common::{
     masq_reply::{MasqReply, ReplyKey},
 };
 
-use super::{count, reply_key};
+use super::{count, icmp::Quoted, reply_key};
 use crate::{
     clock, connections, maps,
     packet::{Answer, DatapathError, Flow, Handover, icmp::icmp_error_scratch, ifindex},
@@ -175,7 +175,12 @@ fn try_translate_icmp_error(
     };
     // SAFETY: points into `masq_replies`, read before the next map operation.
     let reply = unsafe { &*reply };
-    error.translate(ctx, &reply.container_addr, reply.container_port.to_be())?;
+    error.translate(
+        ctx,
+        Quoted::Source,
+        &reply.container_addr,
+        reply.container_port.to_be(),
+    )?;
     // The checksums are right; the hardware's verdict on the original packet no longer is.
     // SAFETY: the context pointer is this program's __sk_buff.
     unsafe { bpf_csum_level(ctx.as_ptr().cast(), u64::from(BPF_CSUM_LEVEL_RESET)) };

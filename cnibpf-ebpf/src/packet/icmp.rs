@@ -2,13 +2,16 @@
 //! in the linear area). Features translate them (`masquerade`) or judge them by the connection
 //! they quote (`filter`).
 
-use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
+use aya_ebpf::{
+    EbpfContext as _, btf_maps::PerCpuArray, helpers::bpf_skb_load_bytes, macros::btf_map,
+    programs::TcContext,
+};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
     packet::{Fragment, is_echo_request, is_icmp_error},
 };
 
-use super::{DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN, load_anywhere, widen};
+use super::{DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN, load_anywhere};
 
 const ICMP_HLEN: usize = 8;
 
@@ -24,7 +27,8 @@ pub struct IcmpError {
     /// Offset of the quoted L4 header.
     pub inner_l4_off: usize,
     pub inner_protocol: u8,
-    /// The error's own destination.
+    /// The error's own source and destination.
+    pub saddr: [u8; 16],
     pub daddr: [u8; 16],
     pub inner_saddr: [u8; 16],
     pub inner_daddr: [u8; 16],
@@ -42,58 +46,54 @@ pub struct IcmpError {
 pub static icmp_error_scratch: PerCpuArray<IcmpError, 1> = PerCpuArray::new();
 
 impl IcmpError {
-    /// Reads the packet into `self`; `false` when it is not such an error.
+    /// Reads the packet into `self`; `false` when it is not such an error (what it read so
+    /// far is then meaningless). Field by field into the scratch, addresses straight from the
+    /// packet: a whole `Self` or address copies on the stack would push the call chains that
+    /// reach it past the verifier's 512 bytes.
     #[inline(never)]
     pub fn parse(&mut self, ctx: &TcContext) -> Result<bool, DatapathError> {
         let ethertype: u16 = load_anywhere(ctx, 12)?;
-        let (family, icmp_off, protocol, daddr) = if ethertype == ETH_P_IP.to_be() {
+        let protocol = if ethertype == ETH_P_IP.to_be() {
             let version_ihl: u8 = load_anywhere(ctx, ETH_HLEN)?;
             let fragment: u16 = load_anywhere(ctx, ETH_HLEN + 6)?;
             if version_ihl >> 4 != 4 || Fragment::of_ipv4(u16::from_be(fragment)) != Fragment::Whole
             {
                 return Ok(false);
             }
-            let daddr: [u8; 4] = load_anywhere(ctx, ETH_HLEN + 16)?;
-            (
-                FAMILY_IPV4,
-                ETH_HLEN + usize::from(version_ihl & 0x0f) * 4,
-                load_anywhere::<u8>(ctx, ETH_HLEN + 9)?,
-                widen(daddr),
-            )
+            self.family = FAMILY_IPV4;
+            self.icmp_off = ETH_HLEN + usize::from(version_ihl & 0x0f) * 4;
+            read_address(ctx, ETH_HLEN + 12, FAMILY_IPV4, &mut self.saddr)?;
+            read_address(ctx, ETH_HLEN + 16, FAMILY_IPV4, &mut self.daddr)?;
+            load_anywhere::<u8>(ctx, ETH_HLEN + 9)?
         } else if ethertype == ETH_P_IPV6.to_be() {
-            (
-                FAMILY_IPV6,
-                ETH_HLEN + IPV6_HLEN,
-                load_anywhere::<u8>(ctx, ETH_HLEN + 6)?,
-                load_anywhere::<[u8; 16]>(ctx, ETH_HLEN + 24)?,
-            )
+            self.family = FAMILY_IPV6;
+            self.icmp_off = ETH_HLEN + IPV6_HLEN;
+            read_address(ctx, ETH_HLEN + 8, FAMILY_IPV6, &mut self.saddr)?;
+            read_address(ctx, ETH_HLEN + 24, FAMILY_IPV6, &mut self.daddr)?;
+            load_anywhere::<u8>(ctx, ETH_HLEN + 6)?
         } else {
             return Ok(false);
         };
-        let icmp_type: u8 = load_anywhere(ctx, icmp_off)?;
+        let icmp_type: u8 = load_anywhere(ctx, self.icmp_off)?;
         if !is_icmp_error(protocol, icmp_type) {
             return Ok(false);
         }
-        let inner_off = icmp_off + ICMP_HLEN;
-        let (inner_protocol, inner_l4_off, inner_saddr, inner_daddr) = if family == FAMILY_IPV4 {
+        self.inner_off = self.icmp_off + ICMP_HLEN;
+        let inner_off = self.inner_off;
+        if self.family == FAMILY_IPV4 {
             let version_ihl: u8 = load_anywhere(ctx, inner_off)?;
-            let saddr: [u8; 4] = load_anywhere(ctx, inner_off + 12)?;
-            let daddr: [u8; 4] = load_anywhere(ctx, inner_off + 16)?;
-            (
-                load_anywhere::<u8>(ctx, inner_off + 9)?,
-                inner_off + usize::from(version_ihl & 0x0f) * 4,
-                widen(saddr),
-                widen(daddr),
-            )
+            self.inner_protocol = load_anywhere::<u8>(ctx, inner_off + 9)?;
+            self.inner_l4_off = inner_off + usize::from(version_ihl & 0x0f) * 4;
+            read_address(ctx, inner_off + 12, FAMILY_IPV4, &mut self.inner_saddr)?;
+            read_address(ctx, inner_off + 16, FAMILY_IPV4, &mut self.inner_daddr)?;
         } else {
-            (
-                load_anywhere::<u8>(ctx, inner_off + 6)?,
-                inner_off + IPV6_HLEN,
-                load_anywhere::<[u8; 16]>(ctx, inner_off + 8)?,
-                load_anywhere::<[u8; 16]>(ctx, inner_off + 24)?,
-            )
-        };
-        let (inner_sport, inner_dport) = match inner_protocol {
+            self.inner_protocol = load_anywhere::<u8>(ctx, inner_off + 6)?;
+            self.inner_l4_off = inner_off + IPV6_HLEN;
+            read_address(ctx, inner_off + 8, FAMILY_IPV6, &mut self.inner_saddr)?;
+            read_address(ctx, inner_off + 24, FAMILY_IPV6, &mut self.inner_daddr)?;
+        }
+        let inner_l4_off = self.inner_l4_off;
+        (self.inner_sport, self.inner_dport) = match self.inner_protocol {
             PROTO_TCP | PROTO_UDP => (
                 load_anywhere::<u16>(ctx, inner_l4_off)?,
                 load_anywhere::<u16>(ctx, inner_l4_off + 2)?,
@@ -101,24 +101,12 @@ impl IcmpError {
             // Only a quoted echo request: its identifier is what was translated.
             PROTO_ICMP | PROTO_ICMPV6 => {
                 let quoted_type: u8 = load_anywhere(ctx, inner_l4_off)?;
-                if !is_echo_request(inner_protocol, quoted_type) {
+                if !is_echo_request(self.inner_protocol, quoted_type) {
                     return Ok(false);
                 }
                 (load_anywhere::<u16>(ctx, inner_l4_off + 4)?, 0)
             }
             _ => return Ok(false),
-        };
-        *self = Self {
-            family,
-            icmp_off,
-            inner_off,
-            inner_l4_off,
-            inner_protocol,
-            daddr,
-            inner_saddr,
-            inner_daddr,
-            inner_sport,
-            inner_dport,
         };
         Ok(true)
     }
@@ -131,5 +119,34 @@ impl IcmpError {
             PROTO_ICMPV6 => (self.inner_l4_off + 2, true),
             _ => (self.inner_l4_off + 2, false),
         }
+    }
+}
+
+/// Reads the address of `family` at `offset` into `address`, in the 16-byte map form (an IPv4
+/// address in its first four bytes, the rest zero): straight from the packet into the
+/// scratch, with a length the verifier sees as never zero.
+#[inline(always)]
+fn read_address(
+    ctx: &TcContext,
+    offset: usize,
+    family: u8,
+    address: &mut [u8; 16],
+) -> Result<(), DatapathError> {
+    *address = [0; 16];
+    let length: u32 = if family == FAMILY_IPV4 { 4 } else { 16 };
+    // SAFETY: `address` is 16 bytes of map value, at least `length`; the helper checks the
+    // packet's bounds itself.
+    let read = unsafe {
+        bpf_skb_load_bytes(
+            ctx.as_ptr().cast(),
+            offset as u32,
+            address.as_mut_ptr().cast(),
+            length,
+        )
+    };
+    if read == 0 {
+        Ok(())
+    } else {
+        Err(DatapathError::Truncated)
     }
 }

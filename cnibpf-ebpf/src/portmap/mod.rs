@@ -29,7 +29,7 @@ use crate::{
         Answer, DatapathError, Flow, Fragment, Handover, NEXT, clear_address, ifindex,
         mark_translated, or_verdict,
     },
-    route::{Route, forward, is_local, route},
+    route::{Route, forward, route},
 };
 
 /// How a flow translated to a hostPort was addressed (in [`translation_scratch`]), kept
@@ -69,7 +69,7 @@ pub fn translate_from_outside(
     flow: &mut Flow,
     container: &mut Handover,
 ) -> Result<Answer, DatapathError> {
-    let Some(mapping) = lookup_mapping(ctx, flow) else {
+    let Some(mapping) = lookup_mapping(flow) else {
         return Ok(Answer::NOT_MINE);
     };
     // SAFETY: mapping points into portmap and is read at once; see `lookup_mapping`.
@@ -107,7 +107,7 @@ fn try_translate_hairpin(
     via_stack: bool,
     target: &mut Handover,
 ) -> Result<Answer, DatapathError> {
-    let Some(mapping) = lookup_mapping(ctx, flow) else {
+    let Some(mapping) = lookup_mapping(flow) else {
         return Ok(Answer::NOT_MINE);
     };
     let ifindex = ifindex(ctx);
@@ -337,17 +337,16 @@ fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<[u8; 16]> {
 }
 
 /// The mapping for the packet's destination: the wildcard, which applies only when the
-/// destination is an address of this host, as `-m addrtype --dst-type LOCAL` does for the
-/// reference portmap (routed traffic is never captured), else the one of that exact address.
-/// The wildcard is asked first because it is the common mapping and the two never coexist
-/// (a wildcard hostIP overlaps every other: an attachment's own list refuses the pair, another
-/// attachment's ADD the holder's port). An address is the host's when the FIB does not
-/// forward it (`route::is_local`, whose answer the flow's later packets find kept) or when the
-/// plugin recorded it (`host_addrs`, at ADD and CHECK: an address removed since).
+/// destination is one of the node's own addresses (`host_addrs`, which the plugin keeps: every
+/// local address but a Service's, such as the ClusterIPs kube-proxy's IPVS mode binds to
+/// `kube-ipvs0` — routed traffic and Services are never captured), else the one of that exact
+/// address. The wildcard is asked first because it is the common mapping and the two never
+/// coexist (a wildcard hostIP overlaps every other: an attachment's own list refuses the pair,
+/// another attachment's ADD the holder's port).
 ///
 /// The pointer is into `portmap`; callers read what they need at once. Userspace replaces
 /// values whole, and a value freed under a reader can at worst misdirect the packet at hand.
-pub fn lookup_mapping(ctx: &TcContext, flow: &Flow) -> Option<*const PortMapValue> {
+pub fn lookup_mapping(flow: &Flow) -> Option<*const PortMapValue> {
     let mut key = PortMapKey {
         host_addr: flow.daddr,
         host_port: u16::from_be(flow.dport),
@@ -356,8 +355,7 @@ pub fn lookup_mapping(ctx: &TcContext, flow: &Flow) -> Option<*const PortMapValu
     };
     clear_address(&mut key.host_addr);
     if let Some(wildcard) = maps::portmap.get_ptr(&key) {
-        return (is_local(ctx, flow) || maps::is_host_address(&flow.daddr, flow.family))
-            .then_some(wildcard);
+        return maps::is_host_address(&flow.daddr, flow.family).then_some(wildcard);
     }
     key.host_addr = flow.daddr;
     maps::portmap.get_ptr(&key)

@@ -14,8 +14,8 @@ use core::mem::MaybeUninit;
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS,
-        BPF_FIB_LOOKUP_SRC, bpf_check_mtu_flags, bpf_fib_lookup,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC,
+        bpf_check_mtu_flags, bpf_fib_lookup,
     },
     btf_maps::PerCpuArray,
     helpers::{bpf_check_mtu, bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
@@ -130,16 +130,6 @@ fn fits_mtu(ctx: &TcContext, hop: &mut NextHop) -> bool {
     } == 0;
     hop.mtu = mtu;
     fits
-}
-
-/// Whether the host delivers the flow's destination to itself rather than forwarding it: the
-/// FIB does not forward it. (It answers the same for a destination without any route, which
-/// nothing sends to a host that has a default route.)
-#[inline(never)]
-pub fn is_local(ctx: &TcContext, flow: &Flow) -> bool {
-    // SAFETY: this CPU's `next_hops` slot, read at once.
-    next_hop(ctx, flow, false)
-        .is_some_and(|hop| unsafe { (*hop).answer } == BPF_FIB_LKUP_RET_NOT_FWDED)
 }
 
 /// This CPU's `next_hops` slot for the flow, holding the FIB's answer: the one found there

@@ -84,6 +84,11 @@ impl<T: Draining> PortMappings for T {
     fn holder_of(&self, _: u64, _: &ResolvedMapping) -> Result<Option<u64>, BackendError> {
         Err(self.refused())
     }
+
+    /// Such state takes no new hostPort: nothing follows the node's addresses there.
+    fn refresh_host_addresses(&mut self, _: &[String]) -> Result<(), BackendError> {
+        Ok(())
+    }
 }
 
 impl<T: Draining> Masquerading for T {

@@ -159,7 +159,10 @@ impl BackendError {
             | Self::OwnerCollision { .. } => code::DATAPATH,
             Self::HostAddresses(_) | Self::Interface { .. } => code::INTERFACE,
             Self::Nftables(
-                nftables::NftablesError::Layout { .. } | nftables::NftablesError::Older,
+                nftables::NftablesError::Layout { .. }
+                | nftables::NftablesError::Older
+                | nftables::NftablesError::StateMissing { .. }
+                | nftables::NftablesError::ForeignState { .. },
             ) => code::INCOMPATIBLE_STATE,
             Self::Nftables(_) => code::DATAPATH,
             Self::Several(failures) => failures

@@ -33,6 +33,9 @@ pub struct Endpoint {
     /// The container's host-side interface.
     pub host: Link,
     pub uplinks: Vec<Link>,
+    /// Interfaces whose addresses are Service addresses, not the node's (`serviceInterfaces`):
+    /// a wildcard hostPort never takes them.
+    pub service_interfaces: Vec<String>,
     /// MAC address of the container's interface.
     pub container_mac: [u8; 6],
     /// MAC address the container's gateway answers with (the bridge's, or the host-side
@@ -138,6 +141,10 @@ pub trait PortMappings {
     /// The attachment, other than `owner`, holding a mapping that overlaps `mapping`.
     fn holder_of(&self, owner: u64, mapping: &ResolvedMapping)
     -> Result<Option<u64>, BackendError>;
+    /// Takes the node's addresses as they are now (see [`node_addresses`]) as those a wildcard
+    /// hostPort listens on.
+    fn refresh_host_addresses(&mut self, service_interfaces: &[String])
+    -> Result<(), BackendError>;
 }
 
 /// ipMasq: what containers send off-host leaves from the uplink's address.
@@ -359,6 +366,27 @@ pub(crate) fn check_mapping_count(installed: usize, configured: usize) -> Result
     )))
 }
 
+/// The node's own addresses, by interface index: every address of the host but the link-local
+/// ones and those of `service_interfaces` — Service addresses (kube-proxy's IPVS mode binds
+/// every ClusterIP to `kube-ipvs0`), which are local to the host but not the node's, and which
+/// a wildcard hostPort must leave to the Services.
+pub fn node_addresses(service_interfaces: &[String]) -> Result<Vec<(u32, IpAddr)>, BackendError> {
+    let mut services = Vec::new();
+    for name in service_interfaces {
+        let index = netlink::index_of(name).map_err(|source| BackendError::Interface {
+            action: format!("could not look up service interface {name}"),
+            source: Box::new(source),
+        })?;
+        services.extend(index);
+    }
+    let addresses =
+        netlink::addresses().map_err(|source| BackendError::HostAddresses(Box::new(source)))?;
+    Ok(addresses
+        .into_iter()
+        .filter(|(index, addr)| !services.contains(index) && !is_link_local(*addr))
+        .collect())
+}
+
 pub fn is_link_local(addr: IpAddr) -> bool {
     match addr {
         IpAddr::V4(addr) => addr.is_link_local(),
@@ -389,7 +417,7 @@ pub fn select(
                 pins, capacity,
             )?))
         }
-        BackendChoice::Nftables => Ok(Box::new(nftables::NftablesBackend::open_for_changes()?)),
+        BackendChoice::Nftables => Ok(Box::new(nftables::NftablesBackend::open_for_changes(pins)?)),
         BackendChoice::Auto => match ebpf::EbpfBackend::probe() {
             Ok(()) => {
                 crate::phases::mark("probe");
@@ -399,7 +427,7 @@ pub fn select(
             }
             // Only a host that refuses BPF is served by nftables; a failure to ask fails.
             Err(ebpf_error @ BackendError::Unavailable { .. }) => {
-                match nftables::NftablesBackend::open_for_changes() {
+                match nftables::NftablesBackend::open_for_changes(pins) {
                     Ok(nftables) => Ok(Box::new(nftables)),
                     Err(nftables_error) => Err(BackendError::Unavailable {
                         backend: "auto",
@@ -485,9 +513,9 @@ pub fn existing_except(
     }
     if except != Some("nftables") {
         let nftables = match access {
-            Access::ReadOnly => nftables::NftablesBackend::open_existing(access)?
+            Access::ReadOnly => nftables::NftablesBackend::open_existing(pins, access)?
                 .map(|backend| Box::new(backend) as Box<dyn Backend>),
-            Access::Changes => nftables::NftablesBackend::open_for_removal()?,
+            Access::Changes => nftables::NftablesBackend::open_for_removal(pins)?,
         };
         backends.extend(nftables);
     }

@@ -25,7 +25,8 @@ pub fn holds_attachments(pins: &PinLayout) -> Result<bool, BackendError> {
 
 /// Removes every attachment's state from every backend, then what the instance keeps for all
 /// of them — the pinned datapath (programs, maps, links: the hooks detach), the nftables table
-/// (it goes with its last attachment), the call statistics and the lock files. The caller
+/// and its state file (they go with the last attachment), the call statistics and the lock
+/// files. The caller
 /// holds the instance lock. What it removed, one line each.
 pub fn purge(pins: &PinLayout) -> Result<Vec<String>, BackendError> {
     let mut removed = Vec::new();
@@ -57,6 +58,7 @@ pub fn purge(pins: &PinLayout) -> Result<Vec<String>, BackendError> {
     }
     removed.extend(unpinned);
     for file in [
+        pins.nftables_state_file(),
         pins.call_stats_file(),
         pins.monitor_lock_file(),
         pins.release_file(),

@@ -93,6 +93,7 @@ pub(super) fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Pla
             attachment: attachment.clone(),
             host: link.host,
             uplinks,
+            service_interfaces: conf.plugin.service_interfaces.clone(),
             container_mac: link.container_mac,
             gateway_mac: link.gateway_mac,
             gateway_v4: prev.gateways.iter().find_map(|gateway| match gateway {

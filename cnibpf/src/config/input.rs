@@ -41,6 +41,7 @@ pub struct NetConfInput {
     pub filter: Option<Vec<RuleInput>>,
     pub filter_default: Option<String>,
     pub uplinks: Option<Vec<String>>,
+    pub service_interfaces: Option<Vec<String>>,
     pub pin_path: Option<String>,
     pub cgroup_path: Option<String>,
     pub log_file: Option<String>,

@@ -134,6 +134,10 @@ pub struct PluginConfig {
     pub filter: Vec<FilterRule>,
     pub filter_default: Target,
     pub uplinks: Option<Vec<String>>,
+    /// `serviceInterfaces`: interfaces whose addresses are Service addresses, not the node's
+    /// own (kube-proxy's IPVS mode puts every ClusterIP on `kube-ipvs0`): a wildcard hostPort
+    /// never takes them.
+    pub service_interfaces: Vec<String>,
     pub pin_path: PathBuf,
     pub cgroup_path: Option<PathBuf>,
     pub host_ports: HostPortAccess,
@@ -372,17 +376,14 @@ impl PluginConfig {
                     "must name at least one interface (leave the key out to use the default-route devices)",
                 ));
             }
-            Some(names) => {
-                for (position, name) in names.iter().enumerate() {
-                    if let Some(problem) = ifname_problem(name) {
-                        return Err(ConfigError::invalid(
-                            format!("uplinks[{position}]"),
-                            format!("interface name {name:?} {problem}"),
-                        ));
-                    }
-                }
-                Some(names)
-            }
+            Some(names) => Some(interface_names("uplinks", names)?),
+        };
+        let service_interfaces = match input.service_interfaces {
+            None => DEFAULT_SERVICE_INTERFACES
+                .iter()
+                .map(|name| (*name).to_owned())
+                .collect(),
+            Some(names) => interface_names("serviceInterfaces", names)?,
         };
         Ok(Self {
             backend,
@@ -401,6 +402,7 @@ impl PluginConfig {
                 Some(text) => parse_word("filterDefault", &text)?,
             },
             uplinks,
+            service_interfaces,
             pin_path: pin_path(input.pin_path)?,
             cgroup_path: input
                 .cgroup_path
@@ -410,6 +412,24 @@ impl PluginConfig {
             capacity,
         })
     }
+}
+
+/// `serviceInterfaces` when the entry does not say: kube-proxy's IPVS mode binds every
+/// ClusterIP and load-balancer address to this interface (left down), which makes them local
+/// addresses of the node.
+pub const DEFAULT_SERVICE_INTERFACES: [&str; 1] = ["kube-ipvs0"];
+
+/// A list of interface names under `key`, each a valid name.
+fn interface_names(key: &str, names: Vec<String>) -> Result<Vec<String>, ConfigError> {
+    for (position, name) in names.iter().enumerate() {
+        if let Some(problem) = ifname_problem(name) {
+            return Err(ConfigError::invalid(
+                format!("{key}[{position}]"),
+                format!("interface name {name:?} {problem}"),
+            ));
+        }
+    }
+    Ok(names)
 }
 
 /// The reference portmap's keys: honoured where cnibpf can honour them, refused (101) where

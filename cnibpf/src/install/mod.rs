@@ -11,6 +11,7 @@
 //! and renamed over the old one, which a running process keeps as it was.
 
 mod chain;
+mod events;
 mod files;
 mod uninstall;
 mod watch;
@@ -35,6 +36,7 @@ use crate::output::{log_line, say, with_causes};
 use crate::{
     backend::{BackendError, purge},
     config::{NetConf, PluginConfig},
+    instance::Instance,
     lock::{InstanceLock, LockError, lock_timeout},
     paths::{DEFAULT_PIN_PATH, PLUGIN_NAME, PinLayout, is_own_conflist},
     preload,
@@ -225,13 +227,34 @@ impl Install {
         // watch loop's to take, never a default action in another thread.
         watch::block_signals()?;
         beside()?;
-        watch::run(&self.conf_dir, reclaim, || {
-            match self.chain_when_readable() {
+        // The instance the entry names follows the host: the node's addresses as they change,
+        // and the nftables tables put back when a firewall reload took them.
+        let instance = self
+            .entry_config()
+            .map(|plugin| (PinLayout::new(plugin.pin_path), plugin.service_interfaces));
+        if let Err(error) = &instance {
+            log_line!(
+                "cnibpf install: the entry does not parse, so the host's addresses and tables are not followed: {error}"
+            );
+        }
+        // fail-closed: the entry's error is reported above; with no instance nothing is followed.
+        let mut follow = instance.ok().map(|(pins, service_interfaces)| {
+            move || {
+                if let Err(error) = Instance::follow_host(&pins, &service_interfaces) {
+                    log_line!("cnibpf install: following the host's addresses and tables: {error}");
+                }
+            }
+        });
+        watch::run(
+            &self.conf_dir,
+            reclaim,
+            || match self.chain_when_readable() {
                 Ok(()) => {}
                 // The primary may not have written its file yet, or may be half way through.
                 Err(error) => log_line!("cnibpf install: {error}"),
-            }
-        })
+            },
+            follow.as_mut().map(|follow| follow as &mut dyn FnMut()),
+        )
     }
 
     /// [`Self::chaining`] and its writes, unless a file a runtime would consider before the

@@ -57,7 +57,7 @@ pub fn snapshot(exporter: &Exporter) -> Snapshot {
     let mut snapshot = Snapshot::default();
     let ebpf = EbpfBackend::open_existing(&exporter.pins, Access::ReadOnly)
         .and_then(|backend| backend.map(|backend| read(&backend)).transpose());
-    let nftables = NftablesBackend::open_existing(Access::ReadOnly)
+    let nftables = NftablesBackend::open_existing(&exporter.pins, Access::ReadOnly)
         .and_then(|backend| backend.map(|backend| read_nftables(&backend)).transpose());
     for (name, read) in [("ebpf", ebpf), ("nftables", nftables)] {
         match read {

@@ -24,8 +24,7 @@ use super::{
     read_error, remove_entry,
 };
 use crate::{
-    backend::{BackendError, Endpoint, Endpoints, is_link_local},
-    netlink,
+    backend::{BackendError, Endpoint, Endpoints, node_addresses},
     paths::PinLayout,
 };
 
@@ -135,21 +134,24 @@ impl EndpointMaps {
 }
 
 impl EbpfBackend {
-    pub(super) fn sync_host_addresses(&mut self) -> Result<(), BackendError> {
-        self.host_addresses =
-            netlink::addresses().map_err(|source| BackendError::HostAddresses(Box::new(source)))?;
+    /// Makes `host_addrs` the node's addresses as they are now ([`node_addresses`]): the
+    /// datapath cannot ask the kernel which local addresses are the node's, so each ADD and
+    /// CHECK tells it, and so does `install --watch` as they change.
+    pub(super) fn sync_host_addresses(
+        &mut self,
+        service_interfaces: &[String],
+    ) -> Result<(), BackendError> {
+        self.host_addresses = node_addresses(service_interfaces)?;
         let current: Vec<(HostAddrKey, u32)> = self
             .host_addresses
             .iter()
-            .copied()
-            .filter(|(_, addr)| !is_link_local(*addr))
             .map(|(ifindex, addr)| {
                 let key = HostAddrKey {
-                    addr: addr::to_bytes(addr),
-                    family: addr::family_of(addr),
+                    addr: addr::to_bytes(*addr),
+                    family: addr::family_of(*addr),
                     _pad: [0; 3],
                 };
-                (key, ifindex)
+                (key, *ifindex)
             })
             .collect();
         let mut stale = Vec::new();

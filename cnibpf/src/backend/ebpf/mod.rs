@@ -59,7 +59,8 @@ pub struct EbpfBackend {
     filter: FilterMaps,
     source_check: SourceMaps,
     connections: ConnectionMaps,
-    /// The host's addresses (interface index, address) as dumped by `load_for_changes`.
+    /// The node's addresses (interface index, address) as `sync_host_addresses` last read
+    /// them.
     host_addresses: Vec<(u32, IpAddr)>,
 }
 
@@ -143,13 +144,9 @@ impl EbpfBackend {
         Self::open_maps(pins)
     }
 
-    /// [`Self::load`] for changes (ADD), which also brings `host_addrs` up to date: the
-    /// datapath cannot ask the kernel which addresses are the host's, so each ADD tells it.
-    /// (Not on DEL: an address dump lists every container interface's link-local address.)
+    /// [`Self::load`] for changes (ADD).
     pub fn load_for_changes(pins: &PinLayout, capacity: &Capacity) -> Result<Self, BackendError> {
-        let mut backend = Self::load(pins, capacity)?;
-        backend.sync_host_addresses()?;
-        Ok(backend)
+        Self::load(pins, capacity)
     }
 
     /// The pinned state if there is any, without loading anything. State of an older layout

@@ -297,6 +297,15 @@ impl PortMappings for EbpfBackend {
         Ok(None)
     }
 
+    /// `host_addrs`: the socket hooks take a wildcard hostPort for no other address, and the
+    /// TC programs for no other destination.
+    fn refresh_host_addresses(
+        &mut self,
+        service_interfaces: &[String],
+    ) -> Result<(), BackendError> {
+        self.sync_host_addresses(service_interfaces)
+    }
+
     fn check_port_mappings(
         &self,
         endpoint: &Endpoint,

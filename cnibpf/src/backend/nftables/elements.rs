@@ -1,16 +1,19 @@
 //! What an attachment's record stands for in the table — its elements of the shared sets and
 //! maps and its own chains — as the commands that remove what it held and add what it holds.
 
-use nftables::{batch::Batch, expr::Expression, schema::NfCmd, stmt::Statement};
+use std::net::IpAddr;
+
+use nftables::{batch::Batch, expr::Expression, schema::NfCmd};
 
 use super::{
-    Change, NftablesError, conditions_chain, family_suffix, filter, filter_chains, host,
+    Change, NftablesError, conditions_chain, family_suffix, filter, filter_chains, guard_chain,
+    host,
     listing::Listing,
     masquerade, nat_chain,
     nft::{self, concat, jump, mapping, number, owned, text},
     portmap,
     record::{Record, Sources},
-    record_chain, sources,
+    sources,
 };
 use crate::model::ResolvedMapping;
 
@@ -23,7 +26,8 @@ struct Owned {
     exclusive: bool,
 }
 
-/// The key of a hostPort in its map: (`hostports4`/`6`, with `_any` for a wildcard).
+/// The key of a hostPort in its map of container addresses: (`hostports4`/`6`, with `_any` for
+/// a wildcard); its container port is under the same key in the map named with `_port`.
 pub fn host_port_key(mapping: &ResolvedMapping) -> (String, Expression<'static>) {
     let suffix = family_suffix(mapping.is_ipv4());
     let protocol = text(mapping.protocol);
@@ -59,7 +63,7 @@ fn owned_elements(owner: u64, record: &Record) -> Vec<Owned> {
         value,
         exclusive: false,
     };
-    for net in record.networks.iter().filter(|_| record.filtered) {
+    for net in record.networks.iter().filter(|_| record.filter.is_some()) {
         let suffix = family_suffix(net.addr().is_ipv4());
         let [out_chain, in_chain] = filter_chains(owner);
         out.push(element(
@@ -80,27 +84,35 @@ fn owned_elements(owner: u64, record: &Record) -> Vec<Owned> {
             Some(jump(&nat_chain(owner), false)),
         ));
     }
+    for source in record
+        .masquerade
+        .iter()
+        .flat_map(|masquerade| &masquerade.sources)
+    {
+        out.push(element(
+            format!("guard{}", family_suffix(source.is_ipv4())),
+            text(source),
+            Some(jump(&guard_chain(owner), true)),
+        ));
+    }
     for host_port in &record.mappings {
         let (set, key) = host_port_key(host_port);
-        let conditioned = if host_port.is_ipv4() {
-            record.conditioned_v4
-        } else {
-            record.conditioned_v6
-        };
-        if conditioned {
+        if !record.conditions(host_port.is_ipv4()).is_empty() {
             out.push(element(
                 set.replace("hostports", "conditions"),
                 key.clone(),
                 Some(jump(&conditions_chain(owner), true)),
             ));
         }
+        out.push(element(
+            format!("{set}_port"),
+            key.clone(),
+            Some(number(host_port.container_port)),
+        ));
         out.push(Owned {
             set,
             key,
-            value: Some(concat(vec![
-                text(host_port.container_addr),
-                number(host_port.container_port),
-            ])),
+            value: Some(text(host_port.container_addr)),
             exclusive: true,
         });
     }
@@ -140,18 +152,22 @@ pub fn remove(batch: &mut Batch<'static>, owner: u64, change: &Change, specific:
         batch.delete(nft::elements(&set, vec![key]));
     }
     let after = change.after.as_ref();
-    if before.filtered && !after.is_some_and(|after| after.filtered) {
+    let filtered = |record: &Record| record.filter.is_some();
+    if filtered(before) && !after.is_some_and(filtered) {
         for chain in filter_chains(owner) {
             batch.delete(nft::chain(&chain));
         }
     }
-    let conditioned = |record: &Record| record.conditioned_v4 || record.conditioned_v6;
-    if conditioned(before) && !after.is_some_and(conditioned) {
+    if before.conditioned() && !after.is_some_and(Record::conditioned) {
         batch.delete(nft::chain(&conditions_chain(owner)));
     }
     let translated = |record: &Record| !masquerade::nat_keys(record).is_empty();
     if translated(before) && !after.is_some_and(translated) {
         batch.delete(nft::chain(&nat_chain(owner)));
+    }
+    let masqueraded = |record: &Record| record.masquerade.is_some();
+    if masqueraded(before) && !after.is_some_and(masqueraded) {
+        batch.delete(nft::chain(&guard_chain(owner)));
     }
     // A chain hooked on another interface cannot be changed to this one: it goes, and `add`
     // makes it anew.
@@ -162,9 +178,6 @@ pub fn remove(batch: &mut Batch<'static>, owner: u64, change: &Change, specific:
         && after.and_then(checked_on) != Some(host)
     {
         sources::delete_chain(batch, owner);
-    }
-    if after.is_none() {
-        batch.delete(nft::chain(&record_chain(owner)));
     }
 }
 
@@ -181,9 +194,9 @@ pub fn remove_listed(
     }
     let [out_chain, in_chain] = filter_chains(owner);
     for chain in [
-        record_chain(owner),
         conditions_chain(owner),
         nat_chain(owner),
+        guard_chain(owner),
         out_chain,
         in_chain,
     ] {
@@ -204,36 +217,30 @@ pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change) {
     let Some(after) = &change.after else {
         return;
     };
-    let record = record_chain(owner);
-    rewrite_chain(batch, &record);
-    for line in after.lines() {
-        batch.add(nft::rule(
-            &record,
-            vec![Statement::Continue(None)],
-            Some(line),
-        ));
-    }
-    if after.filtered {
+    if let Some(rules) = &after.filter {
         let chains = filter_chains(owner);
         for chain in &chains {
             rewrite_chain(batch, chain);
         }
-        if let Some(rules) = &change.filter {
-            for rule in filter::chain_rules(&chains, rules) {
-                batch.add(rule);
-            }
+        for rule in filter::chain_rules(&chains, rules) {
+            batch.add(rule);
         }
     }
-    if after.conditioned_v4 || after.conditioned_v6 {
+    if after.conditioned() {
         let chain = conditions_chain(owner);
         rewrite_chain(batch, &chain);
-        if let Some(access) = &change.access {
-            for rule in portmap::condition_rules(&chain, after, access) {
-                batch.add(rule);
-            }
+        for rule in portmap::condition_rules(&chain, after) {
+            batch.add(rule);
         }
     }
     write_nat_chain(batch, owner, after);
+    if after.masquerade.is_some() {
+        let chain = guard_chain(owner);
+        rewrite_chain(batch, &chain);
+        for rule in masquerade::guard_rules(&chain, after) {
+            batch.add(rule);
+        }
+    }
     if let Sources::Checked(check) = &after.sources {
         // fail-closed: an Option of the plan: without siblings it admits its own addresses.
         let admitted = change.admitted.as_ref().unwrap_or(check);
@@ -247,15 +254,27 @@ pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change) {
     }
 }
 
-/// `record`'s NAT chain and its dispatch from `nat4`/`nat6`, when it has any: what the
-/// migration from layout 2 adds to each attachment.
-pub fn add_nat(batch: &mut Batch<'static>, owner: u64, record: &Record) {
-    write_nat_chain(batch, owner, record);
-    for element in owned_elements(owner, record)
-        .into_iter()
-        .filter(|element| element.set.starts_with("nat"))
-    {
-        add_element(batch, element, &record.owner);
+/// Makes sets `node_addrs4` and `node_addrs6` hold `addresses` (the loopback ones aside: the
+/// skeleton's rules take 127.0.0.0/8 for host processes, and `[::1]` is the eBPF datapath's).
+pub fn replace_node_addresses(batch: &mut Batch<'static>, addresses: &[IpAddr]) {
+    for ipv4 in [true, false] {
+        let set = format!("node_addrs{}", family_suffix(ipv4));
+        batch.add_cmd(NfCmd::Flush(nftables::schema::FlushObject::Set(Box::new(
+            nftables::schema::Set {
+                family: nft::FAMILY,
+                table: nft::TABLE.into(),
+                name: set.clone().into(),
+                ..nftables::schema::Set::default()
+            },
+        ))));
+        let members: Vec<_> = addresses
+            .iter()
+            .filter(|addr| addr.is_ipv4() == ipv4 && !addr.is_loopback())
+            .map(text)
+            .collect();
+        if !members.is_empty() {
+            batch.add(nft::elements(&set, members));
+        }
     }
 }
 
@@ -294,10 +313,7 @@ fn exclude_overlaps(batch: &mut Batch<'static>, host_port: &ResolvedMapping) {
     if host_port.host_addr.is_some() {
         // No wildcard of another on this port.
         let any = format!("hostports{suffix}_any");
-        let placeholder = concat(vec![
-            text(if host_port.is_ipv4() { "0.0.0.0" } else { "::" }),
-            number(0),
-        ]);
+        let placeholder = text(if host_port.is_ipv4() { "0.0.0.0" } else { "::" });
         batch.add_cmd(NfCmd::Create(nft::elements(
             &any,
             vec![mapping(key.clone(), placeholder)],

@@ -1,7 +1,8 @@
-//! Endpoints: an attachment's record chain and its element of set `attachments` (keyed by its
-//! host-side interface), which also tells whether it is the last one.
+//! Endpoints: an attachment's record in the state file, and its element of set `attachments`
+//! (keyed by its host-side interface, for builds that drain a table of a layout they do not
+//! write).
 
-use super::{NftablesBackend, host, owner_comment, record_chain};
+use super::{NftablesBackend, host, owner_comment};
 use crate::backend::{BackendError, Endpoint, Endpoints};
 
 impl Endpoints for NftablesBackend {
@@ -16,35 +17,20 @@ impl Endpoints for NftablesBackend {
         self.attach(endpoint).map(|_| ())
     }
 
+    /// The attachment leaves with the commit; the last one takes the tables with it, as the
+    /// eBPF backend's pins go.
     fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
-        let change = self.change(owner)?;
-        change.after = None;
-        if change.before.is_none() {
-            return Ok(());
-        }
-        // The last attachment takes the table with it, as the eBPF backend's pins go.
-        let leaving: Vec<String> = self
-            .changes
-            .values()
-            .filter(|change| change.after.is_none())
-            .filter_map(|change| change.before.as_ref().map(|record| record.host.clone()))
-            .collect();
-        if !host::others_attached(&leaving)? {
-            self.delete_table = Some((
-                host::interfaces_in("filtered_bridges")?,
-                host::interfaces_in("localnet_interfaces")?,
-            ));
-        }
+        self.change(owner).after = None;
         Ok(())
     }
 
     fn check_endpoint(&self, endpoint: &Endpoint) -> Result<(), BackendError> {
-        let listing = self.listing()?;
-        let chain = record_chain(endpoint.attachment.owner_id());
         let owner = owner_comment(&endpoint.attachment)?;
-        let recorded =
-            listing.has_chain(&chain) && listing.record(&chain)?.host == endpoint.host.name;
-        let listed = listing.elements("attachments").iter().any(|element| {
+        let recorded = self
+            .store
+            .record(endpoint.attachment.owner_id())
+            .is_some_and(|record| record.host == endpoint.host.name);
+        let listed = self.listing()?.elements("attachments").iter().any(|element| {
             element.comment.as_deref() == Some(owner.as_str())
                 && matches!(&element.key, nftables::expr::Expression::String(name) if *name == endpoint.host.name)
         });
@@ -52,8 +38,10 @@ impl Endpoints for NftablesBackend {
             return Ok(());
         }
         Err(BackendError::CheckFailed(format!(
-            "{} is not recorded with interface {} in table inet cnibpf",
-            endpoint.attachment, endpoint.host.name
+            "{} is not {} with interface {} in table inet cnibpf",
+            endpoint.attachment,
+            if recorded { "listed" } else { "recorded" },
+            endpoint.host.name
         )))
     }
 }

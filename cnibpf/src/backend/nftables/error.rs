@@ -1,6 +1,8 @@
 //! What can go wrong in the nftables backend.
 
-use super::{COMMENT_MAX, LAYOUT, migrate, record};
+use std::path::PathBuf;
+
+use super::{COMMENT_MAX, LAYOUT, migrate, skeleton};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftablesError {
@@ -16,12 +18,31 @@ pub enum NftablesError {
         "{0} is too long for the nftables backend, which keeps owners in comments of at most {COMMENT_MAX} bytes"
     )]
     OwnerTooLong(String),
-    #[error("the record of {owner} in chain {chain} is unreadable")]
+    #[error("the record in chain {chain} of the older table is unreadable")]
     Record {
-        owner: String,
         chain: String,
         #[source]
-        source: record::RecordError,
+        source: migrate::RecordError,
+    },
+    #[error("could not read or write the nftables state file {}", .path.display())]
+    State {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "table inet cnibpf holds attachments whose records ({}) are missing: it adds no attachment to it, but DEL and GC remove its attachments, and once none is left it starts afresh",
+        .path.display()
+    )]
+    StateMissing { path: PathBuf },
+    #[error(
+        "table inet cnibpf was made from another state (instance {table:016x}) than this instance's ({}, instance {state:016x}): another instance of cnibpf serves this network namespace, or the state file is another table's; cnibpf changes neither",
+        .path.display()
+    )]
+    ForeignState {
+        path: PathBuf,
+        table: u64,
+        state: u64,
     },
     #[error("a rule of chain {chain} is unreadable: {reason}")]
     Rule { chain: String, reason: String },
@@ -31,8 +52,9 @@ pub enum NftablesError {
     )]
     Layout { found: String },
     #[error(
-        "table inet cnibpf has layout \"{}\", older than this cnibpf's (\"{LAYOUT}\"): ADD, DEL and GC migrate it in place",
-        migrate::PREVIOUS
+        "table inet cnibpf has an older layout (\"{}\" or \"{}\") than this cnibpf's (\"{LAYOUT}\"): ADD, DEL and GC migrate it in place",
+        skeleton::LAYOUT_2,
+        skeleton::LAYOUT_3
     )]
     Older,
     #[error("could not ask the kernel about table inet cnibpf")]

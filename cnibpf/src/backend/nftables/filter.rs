@@ -47,7 +47,12 @@ impl Filtering for NftablesBackend {
                 // The attachments already on it reach their own hostPorts from now on only
                 // through their ports' hairpin mode (see `host::hairpin_on`); this one's port
                 // gets it with its endpoint.
-                for port in host::interfaces_in("attachments")? {
+                let ports: Vec<String> = self
+                    .store
+                    .records()
+                    .map(|(_, record)| record.host.clone())
+                    .collect();
+                for port in ports {
                     let on_this_bridge = netlink::link_if_there_by_name(&port)
                         .map_err(|source| BackendError::Interface {
                             action: format!("could not look up interface {port}"),
@@ -65,17 +70,15 @@ impl Filtering for NftablesBackend {
             // Unfiltered: nothing to add, and no record to start (an ADD's undo ends here).
             return self.teardown_filter(endpoint.attachment.owner_id());
         };
-        let change = self.attach(endpoint)?;
-        if let Some(after) = change.after.as_mut() {
-            after.filtered = true;
+        if let Some(after) = self.attach(endpoint)?.after.as_mut() {
+            after.filter = Some(filter.clone());
         }
-        change.filter = Some(filter.clone());
         Ok(())
     }
 
     fn teardown_filter(&mut self, owner: u64) -> Result<(), BackendError> {
-        if let Some(after) = self.change(owner)?.after.as_mut() {
-            after.filtered = false;
+        if let Some(after) = self.change(owner).after.as_mut() {
+            after.filter = None;
         }
         Ok(())
     }
@@ -318,6 +321,23 @@ fn read_match(
 /// An attachment's filter as its chains hold it, with the counters; `None` when it has none.
 /// A chain that lost its default, or holds a rule cnibpf did not write, is an error.
 pub fn filter_of(listing: &Listing, owner: u64) -> Result<Option<FilterRecord>, BackendError> {
+    read_filter(listing, owner, false)
+}
+
+/// [`filter_of`] of a table of layout 2, whose filter chains began with what passes every
+/// filter (the rules without a comment, which later layouts keep in the hook chains).
+pub fn filter_of_layout_2(
+    listing: &Listing,
+    owner: u64,
+) -> Result<Option<FilterRecord>, BackendError> {
+    read_filter(listing, owner, true)
+}
+
+fn read_filter(
+    listing: &Listing,
+    owner: u64,
+    skip_uncommented: bool,
+) -> Result<Option<FilterRecord>, BackendError> {
     let [out_chain, in_chain] = filter_chains(owner);
     if !listing.has_chain(&out_chain) {
         return Ok(None);
@@ -333,7 +353,11 @@ pub fn filter_of(listing: &Listing, owner: u64) -> Result<Option<FilterRecord>, 
             chain: chain.clone(),
             reason,
         };
-        for rule in listing.rules(chain) {
+        for rule in listing
+            .rules(chain)
+            .iter()
+            .filter(|rule| !skip_uncommented || rule.comment.is_some())
+        {
             let comment = rule
                 .comment
                 .as_deref()

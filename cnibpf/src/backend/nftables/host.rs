@@ -1,6 +1,5 @@
 //! What the nftables backend asks of and changes on the host besides its table: the table's
-//! existence and layout and whether an attachment is the last (over netfilter's netlink, no
-//! `nft` run), and the interface settings its datapath needs — `nf_call_iptables` on a bridge
+//! existence and layout, and its rules for a scrape (over netfilter's netlink, no `nft` run), and the interface settings its datapath needs — `nf_call_iptables` on a bridge
 //! whose containers are filtered (bridged frames reach the `inet` hooks only through
 //! br_netfilter), `route_localnet` on the interface host processes reach containers by when
 //! they use 127.0.0.1.
@@ -19,13 +18,15 @@ const NFNL_SUBSYS_NFTABLES: u8 = 10;
 const NFT_MSG_GETTABLE: u8 = 1;
 const NFT_MSG_GETCHAIN: u8 = 4;
 const NFT_MSG_GETRULE: u8 = 7;
-const NFT_MSG_GETSETELEM: u8 = 13;
+const NFT_MSG_GETSET: u8 = 10;
 pub const NFPROTO_INET: u8 = 1;
 pub const NFPROTO_NETDEV: u8 = 5;
 const NFTA_TABLE_NAME: u16 = 1;
 const NFTA_TABLE_USERDATA: u16 = 6;
 const NFTA_CHAIN_TABLE: u16 = 1;
 const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_SET_TABLE: u16 = 1;
+const NFTA_SET_NAME: u16 = 2;
 const NFTA_RULE_TABLE: u16 = 1;
 const NFTA_RULE_CHAIN: u16 = 2;
 const NFTA_RULE_EXPRESSIONS: u16 = 4;
@@ -43,45 +44,11 @@ const NFT_META_PROTOCOL: u32 = 1;
 const NFTA_CMP_OP: u16 = 2;
 const NFTA_CMP_DATA: u16 = 3;
 const NFT_CMP_EQ: u32 = 0;
-const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
-const NFTA_SET_ELEM_LIST_SET: u16 = 2;
-const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 const NFTA_LIST_ELEM: u16 = 1;
-const NFTA_SET_ELEM_KEY: u16 = 1;
-const NFTA_SET_ELEM_USERDATA: u16 = 6;
 const NFTA_DATA_VALUE: u16 = 1;
 /// `NFTNL_UDATA_TABLE_COMMENT` and `NFTNL_UDATA_RULE_COMMENT`, in a table's or rule's user
 /// data.
 const UDATA_COMMENT: u8 = 0;
-
-/// The comments of the rules of `chain`, in order; `None` when it has none. One
-/// netlink dump the kernel limits to the chain: `nft list chain` would fetch every element of
-/// every set first.
-pub fn rule_comments(chain: &str) -> Result<Option<Vec<String>>, NftablesError> {
-    let mut comments = Vec::new();
-    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
-    let asked = connection.exchange(
-        Request::new(NFNL_SUBSYS_NFTABLES, NFT_MSG_GETRULE, NFPROTO_INET, true)
-            .string(NFTA_RULE_TABLE, TABLE)
-            .string(NFTA_RULE_CHAIN, chain),
-        |_, rule| {
-            comments.push(
-                attribute(rule, NFTA_RULE_USERDATA)
-                    .and_then(user_data_comment)
-                    // fail-closed: a rule without a comment is no line of a record (records read it so).
-                    .unwrap_or_default(),
-            );
-            ControlFlow::Continue(())
-        },
-    );
-    match asked {
-        // A dump for a chain that is not there is empty rather than refused.
-        Ok(()) if comments.is_empty() => Ok(None),
-        Ok(()) => Ok(Some(comments)),
-        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(None),
-        Err(error) => Err(NftablesError::Netlink(error)),
-    }
-}
 
 /// A rule as one netlink dump of its table gives it: enough to count what it matched and to
 /// tell what it is, without `nft`, whose listing fetches every anonymous set's elements one
@@ -224,6 +191,29 @@ pub fn table_comment() -> io::Result<Option<String>> {
         Ok(()) => Ok(comment),
         Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(None),
         Err(error) => Err(error),
+    }
+}
+
+/// The names of the sets of table `inet cnibpf` that start with `prefix` (none without the
+/// table): one netlink dump of its few sets.
+pub fn sets_named(prefix: &str) -> Result<Vec<String>, NftablesError> {
+    let mut names = Vec::new();
+    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
+    let asked = connection.exchange(
+        Request::new(NFNL_SUBSYS_NFTABLES, NFT_MSG_GETSET, NFPROTO_INET, true)
+            .string(NFTA_SET_TABLE, TABLE),
+        |_, set| {
+            let name = attribute(set, NFTA_SET_NAME).map(until_nul);
+            if let Some(name) = name.filter(|name| name.starts_with(prefix.as_bytes())) {
+                names.push(String::from_utf8_lossy(name).into_owned());
+            }
+            ControlFlow::Continue(())
+        },
+    );
+    match asked {
+        Ok(()) => Ok(names),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(Vec::new()),
+        Err(error) => Err(NftablesError::Netlink(error)),
     }
 }
 
@@ -370,88 +360,6 @@ pub fn nft_installed() -> bool {
     std::env::var_os("PATH").is_some_and(|path| {
         std::env::split_paths(&path).any(|dir| dir.join(super::nft::NFT).is_file())
     })
-}
-
-/// Whether set `attachments` holds an interface other than those `leaving`: the first batch
-/// of the kernel's dump answers, however many there are.
-pub fn others_attached(leaving: &[String]) -> Result<bool, NftablesError> {
-    let mut other = false;
-    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
-    connection
-        .exchange(set_dump("attachments"), |_, message| {
-            other = interface_keys(message).any(|name| !leaving.contains(&name));
-            if other {
-                ControlFlow::Break(())
-            } else {
-                ControlFlow::Continue(())
-            }
-        })
-        .map_err(NftablesError::Netlink)?;
-    Ok(other)
-}
-
-/// The interface names set `set` holds (none without the table).
-pub fn interfaces_in(set: &str) -> Result<Vec<String>, NftablesError> {
-    let mut names = Vec::new();
-    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
-    let asked = connection.exchange(set_dump(set), |_, message| {
-        names.extend(interface_keys(message));
-        ControlFlow::Continue(())
-    });
-    match asked {
-        Ok(()) => Ok(names),
-        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(Vec::new()),
-        Err(error) => Err(NftablesError::Netlink(error)),
-    }
-}
-
-/// The comments of set `set`'s elements: for set `attachments`, the owner text of every
-/// attachment the table holds (one netlink dump, no `nft` run).
-pub fn element_comments(set: &str) -> Result<Vec<String>, NftablesError> {
-    let mut comments = Vec::new();
-    let mut connection = Connection::open().map_err(NftablesError::Netlink)?;
-    let asked = connection.exchange(set_dump(set), |_, message| {
-        comments.extend(
-            attribute(message, NFTA_SET_ELEM_LIST_ELEMENTS)
-                .into_iter()
-                .flat_map(attributes)
-                .filter(|(kind, _)| *kind == NFTA_LIST_ELEM)
-                .filter_map(|(_, element)| {
-                    attribute(element, NFTA_SET_ELEM_USERDATA).and_then(user_data_comment)
-                }),
-        );
-        ControlFlow::Continue(())
-    });
-    match asked {
-        Ok(()) => Ok(comments),
-        // No table (or set): no element.
-        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(Vec::new()),
-        Err(error) => Err(NftablesError::Netlink(error)),
-    }
-}
-
-fn set_dump(set: &str) -> Request {
-    Request::new(NFNL_SUBSYS_NFTABLES, NFT_MSG_GETSETELEM, NFPROTO_INET, true)
-        .string(NFTA_SET_ELEM_LIST_TABLE, TABLE)
-        .string(NFTA_SET_ELEM_LIST_SET, set)
-}
-
-/// The `ifname` keys of one message of a set dump.
-fn interface_keys(message: &[u8]) -> impl Iterator<Item = String> + '_ {
-    attribute(message, NFTA_SET_ELEM_LIST_ELEMENTS)
-        .into_iter()
-        .flat_map(attributes)
-        .filter(|(kind, _)| *kind == NFTA_LIST_ELEM)
-        .filter_map(|(_, element)| {
-            let key = attribute(element, NFTA_SET_ELEM_KEY)?;
-            let value = attribute(key, NFTA_DATA_VALUE)?;
-            let end = value
-                .iter()
-                .position(|byte| *byte == 0)
-                // fail-closed: an interface name without its terminating zero ends with its value.
-                .unwrap_or(value.len());
-            Some(String::from_utf8_lossy(&value[..end]).into_owned())
-        })
 }
 
 /// Makes bridge `bridge` hand its bridged IPv4 and IPv6 frames to the IP hooks, loading

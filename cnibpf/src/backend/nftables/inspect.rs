@@ -1,6 +1,6 @@
-//! The table read back for `cnibpf inspect`, CHECK and GC: the records for who is attached and
-//! what they asked for, the hostport maps for what is installed, the filter chains (with their
-//! counters) for what they run.
+//! What the backend holds, for `cnibpf inspect`, CHECK and GC: the records for who is attached
+//! and what they asked for, the hostport maps for what is installed, the filter chains (with
+//! their counters) for what they run.
 
 use std::net::IpAddr;
 
@@ -13,7 +13,9 @@ use nftables::{
 use super::{
     LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack,
     filter::filter_of,
-    host, parse_owner, record_chain,
+    guard_chain,
+    masquerade::guard_drop_comment,
+    parse_owner,
     scrape::{add_drops, counted_drops},
     sources,
 };
@@ -29,7 +31,7 @@ use crate::{
 impl Inspect for NftablesBackend {
     fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
         let mut out = Vec::new();
-        for (owner, record) in self.listing()?.records()? {
+        for (owner, record) in self.store.records() {
             let Some(attachment) = parse_owner(&record.owner) else {
                 continue;
             };
@@ -47,16 +49,16 @@ impl Inspect for NftablesBackend {
                 owner,
                 host_ifindex,
                 attachment,
-                pod: record.pod,
-                host_ifname: record.host,
+                pod: record.pod.clone(),
+                host_ifname: record.host.clone(),
             });
         }
         Ok(out)
     }
 
-    /// One netlink question for the record's chain, not the whole table through `nft`.
+    /// The state file's answer, read once per operation.
     fn holds(&self, owner: u64) -> Result<bool, BackendError> {
-        Ok(host::has_chain(&record_chain(owner))?)
+        Ok(self.store.record(owner).is_some())
     }
 
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
@@ -70,14 +72,13 @@ impl Inspect for NftablesBackend {
 
     fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError> {
         Ok(self
-            .listing()?
-            .records()?
-            .into_iter()
+            .store
+            .records()
             .filter_map(|(owner, record)| {
                 Some((
                     owner,
                     MasqueradeRecord {
-                        masquerade: record.masquerade?,
+                        masquerade: record.masquerade.clone()?,
                         flows: 0,
                     },
                 ))
@@ -121,8 +122,8 @@ impl Inspect for NftablesBackend {
     fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
         let listing = self.listing()?;
         let mut out = Vec::new();
-        for (owner, record) in listing.records()? {
-            if !record.filtered {
+        for (owner, record) in self.store.records() {
+            if record.filter.is_none() {
                 continue;
             }
             if let Some(filter) = filter_of(listing, owner)? {
@@ -159,8 +160,19 @@ impl Inspect for NftablesBackend {
         for (reason, counted) in sources::dropped_by_reason()? {
             add(reason, counted);
         }
-        if let Some(counted) = counted_by(self.listing()?.rules(LOCALNET_GUARD_CHAIN)) {
+        let listing = self.listing()?;
+        if let Some(counted) = counted_by(listing.rules(LOCALNET_GUARD_CHAIN)) {
             add(DropReason::LocalnetGuard, counted);
+        }
+        let guard = guard_drop_comment();
+        for (owner, _) in self.store.records() {
+            let dropping = listing
+                .rules(&guard_chain(owner))
+                .iter()
+                .filter(|rule| rule.comment.as_deref() == Some(guard.as_str()));
+            if let Some(counted) = counted_by(&dropping.cloned().collect::<Vec<_>>()) {
+                add(DropReason::MasqueradeUntranslatable, counted);
+            }
         }
         Ok(Some(drops.into_iter().collect()))
     }

@@ -1,6 +1,6 @@
-//! The table read back from the kernel (`nft -j list`), typed: one attachment's record for
-//! ADD and DEL; the whole table for inspect, CHECK, GC and the slow paths (a hostPort held by
-//! another, found after the transaction refused it).
+//! The table read back from the kernel (`nft -j list`), typed: the whole table for inspect,
+//! CHECK and the slow paths (a hostPort held by another, found after the transaction refused
+//! it), and a migration's reading of an older table.
 
 use std::collections::BTreeMap;
 
@@ -10,15 +10,13 @@ use nftables::{
 };
 
 use super::{
-    NftablesError, family_suffix, host,
+    family_suffix,
     nft::{self, TABLE, address_of, port_of},
     parse_owner,
-    record::Record,
-    record_chain,
 };
 use crate::{
     backend::BackendError,
-    model::{Attachment, Pod, ResolvedMapping},
+    model::{Attachment, ResolvedMapping},
 };
 
 /// One element of a set or map.
@@ -36,24 +34,6 @@ pub struct Listing {
     chains: BTreeMap<String, Vec<Rule<'static>>>,
 }
 
-/// The record of `owner`, read from its chain's rule comments; `None` when it has none.
-pub fn record_of(owner: u64) -> Result<Option<Record>, BackendError> {
-    let chain = record_chain(owner);
-    let Some(comments) = host::rule_comments(&chain)? else {
-        return Ok(None);
-    };
-    Record::parse(comments.iter().map(String::as_str))
-        .map(Some)
-        .map_err(|source| {
-            NftablesError::Record {
-                owner: chain.clone(),
-                chain,
-                source,
-            }
-            .into()
-        })
-}
-
 impl Listing {
     /// The whole table; `None` when there is none.
     pub fn read() -> Result<Option<Self>, BackendError> {
@@ -63,7 +43,12 @@ impl Listing {
     /// The address-specific hostPort maps only (few elements on any host).
     pub fn read_specific() -> Result<Option<Self>, BackendError> {
         let mut listing = Self::default();
-        for map in ["hostports4", "hostports6"] {
+        for map in [
+            "hostports4",
+            "hostports4_port",
+            "hostports6",
+            "hostports6_port",
+        ] {
             let Some(found) = nft::list(&["map", "inet", TABLE, map])? else {
                 return Ok(None);
             };
@@ -134,38 +119,6 @@ impl Listing {
         self.chains.get(chain).map_or(&[], Vec::as_slice)
     }
 
-    /// The record kept in `chain`.
-    pub fn record(&self, chain: &str) -> Result<Record, BackendError> {
-        let lines = self
-            .rules(chain)
-            .iter()
-            .filter_map(|rule| rule.comment.as_deref());
-        Record::parse(lines).map_err(|source| {
-            NftablesError::Record {
-                owner: chain.to_owned(),
-                chain: chain.to_owned(),
-                source,
-            }
-            .into()
-        })
-    }
-
-    /// Every attachment's record, by owner id.
-    pub fn records(&self) -> Result<Vec<(u64, Record)>, BackendError> {
-        let mut records = Vec::new();
-        for chain in self.chains.keys() {
-            let Some(owner) = chain
-                .strip_prefix("a_")
-                // fail-closed: a chain not named a_<owner> is no record.
-                .and_then(|hex| u64::from_str_radix(hex, 16).ok())
-            else {
-                continue;
-            };
-            records.push((owner, self.record(chain)?));
-        }
-        Ok(records)
-    }
-
     /// Every installed hostPort with the owner text in its comment.
     pub fn mappings(&self) -> Vec<(String, ResolvedMapping)> {
         let mut out = Vec::new();
@@ -176,10 +129,13 @@ impl Listing {
                     family_suffix(ipv4),
                     if any { "_any" } else { "" }
                 );
+                let ports = self.elements(&format!("{set}_port"));
                 for element in self.elements(&set) {
-                    if let (Some(owner), Some(mapping)) =
-                        (&element.comment, mapping_of(element, any))
-                    {
+                    let port = ports.iter().find(|port| port.key == element.key);
+                    if let (Some(owner), Some(mapping)) = (
+                        &element.comment,
+                        port.and_then(|port| mapping_of(element, port, any)),
+                    ) {
                         out.push((owner.clone(), mapping));
                     }
                 }
@@ -188,59 +144,19 @@ impl Listing {
         out
     }
 
-    /// The attachments other than `owner` holding a hostPort that overlaps `mapping`, with
-    /// their pods when the listing has their records.
-    pub fn holders_of(
-        &self,
-        owner: u64,
-        mapping: &ResolvedMapping,
-    ) -> Result<Vec<(u64, Attachment, Option<Pod>)>, BackendError> {
+    /// The attachments other than `owner` holding a hostPort that overlaps `mapping`.
+    pub fn holders_of(&self, owner: u64, mapping: &ResolvedMapping) -> Vec<(u64, Attachment)> {
         let mut holders = Vec::new();
         for (text, installed) in self.mappings() {
             let Some(holder) = parse_owner(&text) else {
                 continue;
             };
             let holder_id = holder.owner_id();
-            if holder_id == owner || !installed.overlaps(mapping) {
-                continue;
+            if holder_id != owner && installed.overlaps(mapping) {
+                holders.push((holder_id, holder));
             }
-            let chain = record_chain(holder_id);
-            let pod = if self.has_chain(&chain) {
-                self.record(&chain)?.pod
-            } else {
-                None
-            };
-            holders.push((holder_id, holder, pod));
         }
-        Ok(holders)
-    }
-
-    /// The first of [`Self::holders_of`].
-    pub fn holder_of(
-        &self,
-        owner: u64,
-        mapping: &ResolvedMapping,
-    ) -> Result<Option<(u64, Attachment, Option<Pod>)>, BackendError> {
-        Ok(self.holders_of(owner, mapping)?.into_iter().next())
-    }
-
-    /// Error 100 when another attachment (not one of `leaving`) holds a hostPort overlapping
-    /// `mapping`.
-    pub fn overlap_error(
-        &self,
-        owner: u64,
-        mapping: &ResolvedMapping,
-        leaving: &[u64],
-    ) -> Result<Option<BackendError>, BackendError> {
-        Ok(self
-            .holders_of(owner, mapping)?
-            .into_iter()
-            .find(|(holder, _, _)| !leaving.contains(holder))
-            .map(|(_, holder, pod)| BackendError::HostPortInUse {
-                mapping: mapping.host_side(),
-                holder: Box::new(holder),
-                pod,
-            }))
+        holders
     }
 
     /// Whether an attachment other than `owner` holds an address-specific hostPort on the
@@ -284,10 +200,9 @@ pub fn parts<'e>(expression: &'e Expression<'static>) -> Vec<&'e Expression<'sta
     }
 }
 
-/// A hostPort element back as a mapping.
-fn mapping_of(element: &Listed, any: bool) -> Option<ResolvedMapping> {
+/// A hostPort's elements back as a mapping: its container address's, and its port's.
+fn mapping_of(element: &Listed, port: &Listed, any: bool) -> Option<ResolvedMapping> {
     let key = parts(&element.key);
-    let value = parts(element.value.as_ref()?);
     let (host_addr, rest) = if any {
         (None, &key[..])
     } else {
@@ -302,7 +217,7 @@ fn mapping_of(element: &Listed, any: bool) -> Option<ResolvedMapping> {
         protocol,
         host_addr,
         host_port: port_of(rest.get(1)?)?,
-        container_addr: address_of(value.first()?)?,
-        container_port: port_of(value.get(1)?)?,
+        container_addr: address_of(element.value.as_ref()?)?,
+        container_port: port_of(port.value.as_ref()?)?,
     })
 }

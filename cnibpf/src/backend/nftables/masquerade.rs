@@ -4,13 +4,21 @@
 //! `uplinks`. Hash maps and a chain of its own keep an ADD or DEL as cheap with a thousand
 //! attachments as with one: interval sets keyed by (source, destination) took the kernel a
 //! scan of every element for each change.
+//!
+//! NAT chains see a connection's first packet only, and packets conntrack calls INVALID (an
+//! out-of-window segment, a RST for a tuple never opened, an ICMP error about no connection)
+//! none at all: they would leave with the container's own address. Its guard chain `g_<owner>`,
+//! entered from chain `masquerade_guard` after every NAT through `guard4`/`guard6` by source,
+//! drops (and counts) what still leaves an uplink from a masqueraded address towards a
+//! destination that is not excluded.
 
 use std::{borrow::Cow, net::IpAddr};
 
+use cnibpf_common::drop_stats::DropReason;
 use nftables::{
     expr::{Expression, MetaKey, NamedExpression},
     schema::NfListObject,
-    stmt::{Operator, Statement},
+    stmt::{AnonymousCounter, Counter, Operator, Statement},
 };
 
 use super::{
@@ -38,7 +46,7 @@ impl Masquerading for NftablesBackend {
     }
 
     fn teardown_masquerade(&mut self, owner: u64) -> Result<(), BackendError> {
-        if let Some(after) = self.change(owner)?.after.as_mut() {
+        if let Some(after) = self.change(owner).after.as_mut() {
             after.masquerade = None;
         }
         Ok(())
@@ -53,13 +61,15 @@ impl Masquerading for NftablesBackend {
         let owner = owner_comment(&endpoint.attachment)?;
         let chain = nat_chain(endpoint.attachment.owner_id());
         let dispatched = |source: IpAddr| {
-            listing
-                .elements(&format!("nat{}", family_suffix(source.is_ipv4())))
-                .iter()
-                .any(|element| {
-                    element.comment.as_deref() == Some(owner.as_str())
-                        && nft::address_of(&element.key) == Some(source)
-                })
+            ["nat", "guard"].into_iter().all(|map| {
+                listing
+                    .elements(&format!("{map}{}", family_suffix(source.is_ipv4())))
+                    .iter()
+                    .any(|element| {
+                        element.comment.as_deref() == Some(owner.as_str())
+                            && nft::address_of(&element.key) == Some(source)
+                    })
+            })
         };
         let mut installed: Vec<IpAddr> = listing
             .rules(&chain)
@@ -100,6 +110,14 @@ impl Masquerading for NftablesBackend {
 
 /// The comment of the rule masquerading a source: `masquerade <address>`.
 const MASQUERADE: &str = "masquerade ";
+
+/// The comment of a guard chain's dropping rule, whose counter is its reason's drops.
+pub fn guard_drop_comment() -> String {
+    format!(
+        "drop reason {}",
+        DropReason::MasqueradeUntranslatable.name()
+    )
+}
 
 /// The container addresses `record`'s NAT chain is entered by: those hairpin traffic is
 /// addressed to and those masqueraded.
@@ -189,5 +207,40 @@ pub fn nat_rules(chain: &str, record: &Record) -> Vec<NfListObject<'static>> {
             ));
         }
     }
+    rules
+}
+
+/// The rules of an attachment's masquerade guard, entered by source after NAT with what leaves
+/// an uplink from one of its masqueraded addresses: towards an excluded destination it goes
+/// on, untranslated as it should be; anything else is what NAT could not translate, dropped
+/// and counted.
+pub fn guard_rules(chain: &str, record: &Record) -> Vec<NfListObject<'static>> {
+    let mut rules = Vec::new();
+    for (net, _) in record
+        .masquerade
+        .iter()
+        .flat_map(|masquerade| &masquerade.excludes)
+    {
+        rules.push(nft::rule(
+            chain,
+            vec![
+                matches(
+                    address_field(net.addr().is_ipv4(), "daddr"),
+                    Operator::EQ,
+                    network(*net),
+                ),
+                Statement::Return(None),
+            ],
+            Some(format!("excluded {net}")),
+        ));
+    }
+    rules.push(nft::rule(
+        chain,
+        vec![
+            Statement::Counter(Counter::Anonymous(Some(AnonymousCounter::default()))),
+            Statement::Drop(None),
+        ],
+        Some(guard_drop_comment()),
+    ));
     rules
 }

@@ -26,17 +26,18 @@ pub(super) fn family_suffix(ipv4: bool) -> char {
     if ipv4 { '4' } else { '6' }
 }
 
-/// The chains of an attachment: its record, its conditions, its filter (out, in).
-pub(super) fn record_chain(owner: u64) -> String {
-    format!("a_{owner:016x}")
-}
-
+/// The chains of an attachment: its conditions, its NAT, its masquerade guard, its filter (out,
+/// in).
 pub(super) fn conditions_chain(owner: u64) -> String {
     format!("c_{owner:016x}")
 }
 
 pub(super) fn nat_chain(owner: u64) -> String {
     format!("n_{owner:016x}")
+}
+
+pub(super) fn guard_chain(owner: u64) -> String {
+    format!("g_{owner:016x}")
 }
 
 pub(super) fn filter_chains(owner: u64) -> [String; 2] {

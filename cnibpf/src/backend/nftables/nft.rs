@@ -17,6 +17,7 @@ use nftables::{
     types::NfFamily,
 };
 use serde::Deserialize as _;
+use serde_json::Value;
 
 use super::NftablesError;
 
@@ -146,9 +147,31 @@ pub fn elements(set: &str, elements: Vec<Expression<'static>>) -> NfListObject<'
 
 /// Applies `batch` in one transaction (`nft -j -f -`).
 pub fn apply(batch: Batch<'static>) -> Result<(), NftablesError> {
-    let document = batch.to_nftables();
-    let payload =
-        serde_json::to_vec(&document).map_err(|error| NftablesError::Encode(error.to_string()))?;
+    apply_parts(vec![commands(batch)?])
+}
+
+/// Applies `first` (commands as nft's JSON has them), then `batch`, in one transaction.
+pub fn apply_after(first: Vec<Value>, batch: Batch<'static>) -> Result<(), NftablesError> {
+    apply_parts(vec![first, commands(batch)?])
+}
+
+/// The commands of `batch` as nft's JSON has them.
+pub fn commands(batch: Batch<'static>) -> Result<Vec<Value>, NftablesError> {
+    let document = serde_json::to_value(batch.to_nftables())
+        .map_err(|error| NftablesError::Encode(error.to_string()))?;
+    // fail-closed: a document the crate made without commands has none.
+    Ok(document["nftables"].as_array().cloned().unwrap_or_default())
+}
+
+/// Applies the commands of every part, in order, in one transaction; nothing to apply is no
+/// run of `nft`.
+pub fn apply_parts(parts: Vec<Vec<Value>>) -> Result<(), NftablesError> {
+    let commands: Vec<Value> = parts.into_iter().flatten().collect();
+    if commands.is_empty() {
+        return Ok(());
+    }
+    let payload = serde_json::to_vec(&serde_json::json!({ "nftables": commands }))
+        .map_err(|error| NftablesError::Encode(error.to_string()))?;
     run_script(&["-j", "-f", "-"], &payload)
 }
 
@@ -214,7 +237,7 @@ pub fn list(what: &[&str]) -> Result<Option<Vec<Listed>>, NftablesError> {
         return Err(NftablesError::Listing(stderr.trim().to_owned()));
     }
     let unreadable = |error: serde_json::Error| NftablesError::Listing(error.to_string());
-    let document: serde_json::Value = serde_json::from_slice(&output.stdout).map_err(unreadable)?;
+    let document: Value = serde_json::from_slice(&output.stdout).map_err(unreadable)?;
     let mut objects = Vec::new();
     for object in document["nftables"].as_array().into_iter().flatten() {
         if let Some(set) = object.get("set").or_else(|| object.get("map")) {

@@ -1,12 +1,13 @@
-//! Table `inet cnibpf` of a layout this build neither writes nor migrates: one older than
-//! layout 2 (see `migrate`) or a newer one (a downgrade). This build adds nothing to it, but DEL and GC must keep working
-//! (a runtime retries a failed DEL for ever). Every layout keeps an attachment's parts findable
+//! Table `inet cnibpf` of a layout this build neither writes nor migrates — one older than
+//! layout 2 (see `migrate`) or a newer one (a downgrade) — or one of this layout whose state
+//! file is missing. This build adds nothing to it, but DEL and GC must keep working (a runtime
+//! retries a failed DEL for ever). Every layout keeps an attachment's parts findable
 //! the same way: elements whose comment is its `<network>/<ifname>/<container id>`, chains
 //! whose name holds its owner id in hex, and its host interface as an element of
 //! `attachments`. That is enough to remove an attachment whole; with the last one the table
 //! goes, and this build starts afresh at its own layout with the next ADD.
 
-use std::collections::BTreeSet;
+use std::{collections::BTreeSet, path::PathBuf};
 
 use nftables::{batch::Batch, expr::Expression, schema::NfListObject};
 
@@ -18,18 +19,25 @@ use crate::{
     netlink,
 };
 
+/// Why a table is only drained.
+pub enum Refusal {
+    /// Another layout: the table's comment (empty for the first layout, which had none).
+    Layout(String),
+    /// This layout, without its state file (at this path).
+    StateMissing(PathBuf),
+}
+
 pub struct OtherLayout {
-    /// The table's comment (empty for the first layout, which had none).
-    found: String,
+    refusal: Refusal,
     listing: Listing,
     /// Owners whose parts this operation removes.
     leaving: BTreeSet<u64>,
 }
 
 impl OtherLayout {
-    pub fn open(found: String) -> Result<Self, BackendError> {
+    pub fn open(refusal: Refusal) -> Result<Self, BackendError> {
         Ok(Self {
-            found,
+            refusal,
             // fail-closed: `read` kept the errors; no table lists nothing.
             listing: Listing::read()?.unwrap_or_default(),
             leaving: BTreeSet::new(),
@@ -112,8 +120,11 @@ impl Endpoints for OtherLayout {
 
 impl Draining for OtherLayout {
     fn refused(&self) -> BackendError {
-        NftablesError::Layout {
-            found: self.found.clone(),
+        match &self.refusal {
+            Refusal::Layout(found) => NftablesError::Layout {
+                found: found.clone(),
+            },
+            Refusal::StateMissing(path) => NftablesError::StateMissing { path: path.clone() },
         }
         .into()
     }

@@ -11,15 +11,16 @@ use nftables::{
 
 use super::{
     NftablesBackend, NftablesError, host,
-    nft::{self, address_field, matches, meta, network, text},
+    listing::Listing,
+    nft::{self, address_field, matches, meta, network, network_of, text},
     owner_comment,
     record::Record,
 };
 use crate::{
-    backend::{BackendError, Endpoint, PortMappings, check_mapping_count},
+    backend::{BackendError, Endpoint, PortMappings, check_mapping_count, node_addresses},
     model::{
-        HostPortAccess, ResolvedMapping,
-        conditions::{Condition, Subject},
+        ResolvedMapping,
+        conditions::{Condition, Conditions, Subject},
     },
     netlink,
 };
@@ -49,26 +50,31 @@ impl PortMappings for NftablesBackend {
                 self.localnet_interfaces.push(gateway.name);
             }
         }
-        let access = endpoint.host_ports.clone();
+        let access = &endpoint.host_ports;
+        let of_family = |ipv4: bool| {
+            if mappings.iter().any(|mapping| mapping.is_ipv4() == ipv4) {
+                access.conditions(ipv4).clone()
+            } else {
+                Conditions::new()
+            }
+        };
+        let (conditions_v4, conditions_v6) = (of_family(true), of_family(false));
         let change = self.attach(endpoint)?;
         if let Some(after) = change.after.as_mut() {
             after.mappings = mappings.to_vec();
             after.hairpin = hairpin;
-            after.conditioned_v4 =
-                !access.conditions_v4.is_empty() && mappings.iter().any(ResolvedMapping::is_ipv4);
-            after.conditioned_v6 = !access.conditions_v6.is_empty()
-                && mappings.iter().any(|mapping| !mapping.is_ipv4());
+            after.conditions_v4 = conditions_v4;
+            after.conditions_v6 = conditions_v6;
         }
-        change.access = Some(access);
         Ok(())
     }
 
     fn teardown_port_mappings(&mut self, owner: u64) -> Result<(), BackendError> {
-        if let Some(after) = self.change(owner)?.after.as_mut() {
+        if let Some(after) = self.change(owner).after.as_mut() {
             after.mappings.clear();
             after.hairpin = false;
-            after.conditioned_v4 = false;
-            after.conditioned_v6 = false;
+            after.conditions_v4.clear();
+            after.conditions_v6.clear();
         }
         Ok(())
     }
@@ -94,17 +100,33 @@ impl PortMappings for NftablesBackend {
             }
         }
         check_mapping_count(installed.len(), mappings.len())?;
-        let chain = super::conditions_chain(endpoint.attachment.owner_id());
-        let conditioned = [true, false].into_iter().any(|ipv4| {
-            !endpoint.host_ports.conditions(ipv4).is_empty()
-                && mappings.iter().any(|mapping| mapping.is_ipv4() == ipv4)
+        let wanted = [true, false].map(|ipv4| {
+            if mappings.iter().any(|mapping| mapping.is_ipv4() == ipv4) {
+                endpoint.host_ports.conditions(ipv4).clone()
+            } else {
+                Conditions::new()
+            }
         });
-        if conditioned != listing.has_chain(&chain) {
+        let installed = conditions_of(listing, endpoint.attachment.owner_id())?;
+        if installed != wanted {
             return Err(BackendError::CheckFailed(format!(
                 "the hostPort conditions of {} differ from its configuration",
                 endpoint.attachment
             )));
         }
+        Ok(())
+    }
+
+    /// Sets `node_addrs4`/`6`, which a wildcard hostPort takes, to the node's addresses.
+    fn refresh_host_addresses(
+        &mut self,
+        service_interfaces: &[String],
+    ) -> Result<(), BackendError> {
+        let addresses = node_addresses(service_interfaces)?
+            .into_iter()
+            .map(|(_, addr)| addr)
+            .collect();
+        self.node_addresses = Some((service_interfaces.to_vec(), addresses));
         Ok(())
     }
 
@@ -115,8 +137,10 @@ impl PortMappings for NftablesBackend {
     ) -> Result<Option<u64>, BackendError> {
         Ok(self
             .listing()?
-            .holder_of(owner, mapping)?
-            .map(|(holder, _, _)| holder))
+            .holders_of(owner, mapping)
+            .into_iter()
+            .next()
+            .map(|(holder, _)| holder))
     }
 }
 
@@ -126,20 +150,10 @@ impl PortMappings for NftablesBackend {
 /// the DNAT. All conditions must hold, as with the reference portmap's one rule with all of
 /// them. Host processes come in on no interface, so an interface condition never holds for
 /// them, as with the reference.
-pub fn condition_rules(
-    chain: &str,
-    record: &Record,
-    access: &HostPortAccess,
-) -> Vec<NfListObject<'static>> {
+pub fn condition_rules(chain: &str, record: &Record) -> Vec<NfListObject<'static>> {
     let mut rules = Vec::new();
-    for (ipv4, conditioned) in [
-        (true, record.conditioned_v4),
-        (false, record.conditioned_v6),
-    ] {
-        if !conditioned {
-            continue;
-        }
-        for condition in access.conditions(ipv4) {
+    for ipv4 in [true, false] {
+        for condition in record.conditions(ipv4) {
             rules.push(nft::rule(
                 chain,
                 vec![
@@ -187,4 +201,73 @@ fn failing(ipv4: bool, condition: &Condition) -> Statement<'static> {
         Subject::Destination(nets) => matches(address_field(ipv4, "daddr"), operator, set(nets)),
         Subject::InInterface(name) => matches(meta(MetaKey::Iifname), operator, text(name)),
     }
+}
+
+/// The conditions of attachment `owner`'s chain `c_<owner>` as the kernel lists them (IPv4's,
+/// IPv6's): each rule `condition_rules` wrote read back from its matches; a rule it did not
+/// write is an error.
+pub fn conditions_of(listing: &Listing, owner: u64) -> Result<[Conditions; 2], NftablesError> {
+    let chain = super::conditions_chain(owner);
+    let mut read = [Conditions::new(), Conditions::new()];
+    for rule in listing.rules(&chain) {
+        let unreadable = |reason: &str| NftablesError::Rule {
+            chain: chain.clone(),
+            reason: reason.to_owned(),
+        };
+        match &rule.expr[..] {
+            [Statement::Goto(target)] if target.target == "hostports_dnat" => {}
+            [
+                Statement::Match(family),
+                Statement::Match(failing),
+                Statement::Return(_),
+            ] => {
+                let ipv4 = match &family.right {
+                    Expression::String(name) if name == "ipv4" => true,
+                    Expression::String(name) if name == "ipv6" => false,
+                    _ => return Err(unreadable("a condition of no family")),
+                };
+                let condition = condition_of(failing)
+                    .ok_or_else(|| unreadable("a condition cnibpf does not write"))?;
+                read[usize::from(!ipv4)].push(condition);
+            }
+            _ => return Err(unreadable("a rule cnibpf does not write")),
+        }
+    }
+    Ok(read)
+}
+
+/// The condition whose failing packets `failing` matches (see `failing`).
+fn condition_of(failing: &nftables::stmt::Match<'_>) -> Option<Condition> {
+    let negated = match failing.op {
+        Operator::EQ | Operator::IN => true,
+        Operator::NEQ => false,
+        _ => return None,
+    };
+    let nets = || match &failing.right {
+        Expression::Named(NamedExpression::Set(items)) => items
+            .iter()
+            .map(|item| match item {
+                SetItem::Element(element) => network_of(element),
+                _ => None,
+            })
+            .collect(),
+        single => network_of(single).map(|net| vec![net]),
+    };
+    let subject = match &failing.left {
+        Expression::Named(NamedExpression::Payload(nftables::expr::Payload::PayloadField(
+            field,
+        ))) => match field.field.as_ref() {
+            "saddr" => Subject::Source(nets()?),
+            "daddr" => Subject::Destination(nets()?),
+            _ => return None,
+        },
+        Expression::Named(NamedExpression::Meta(meta)) if meta.key == MetaKey::Iifname => {
+            match &failing.right {
+                Expression::String(name) => Subject::InInterface(name.to_string()),
+                _ => return None,
+            }
+        }
+        _ => return None,
+    };
+    Some(Condition { negated, subject })
 }

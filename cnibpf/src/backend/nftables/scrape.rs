@@ -1,6 +1,6 @@
-//! What a scrape of `cnibpf metrics` reads of the nftables datapath: both tables in one
-//! netlink dump each (`host::dump_rules`) — the attachments' records, the filters' counters,
-//! the drops by reason — and conntrack's fill. `inspect` and the verbs read the table through
+//! What a scrape of `cnibpf metrics` reads of the nftables datapath: the attachments' records
+//! (the state file), both tables in one netlink dump each (`host::dump_rules`) — the filters'
+//! counters, the drops by reason — and conntrack's fill. `inspect` and the verbs read the table through
 //! `nft`, whose listing also fetches every anonymous set's elements, one request each: 0.6 s
 //! of a scrape at 1,000 attachments.
 
@@ -9,10 +9,9 @@ use std::collections::BTreeMap;
 use cnibpf_common::drop_stats::{DropCount, DropReason};
 
 use super::{
-    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack,
+    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack, guard_chain,
     host::{self, DumpedRule, NFPROTO_INET, NFPROTO_NETDEV},
     parse_owner,
-    record::Record,
 };
 use crate::{
     backend::{BackendError, FlowTable},
@@ -68,20 +67,7 @@ impl NftablesBackend {
             chains.entry(rule.chain.as_str()).or_default().push(rule);
         }
         let mut scraped = Scraped::default();
-        for (chain, rules) in &chains {
-            let Some(owner) = chain
-                .strip_prefix("a_")
-                // fail-closed: a chain not named a_<owner> is no record.
-                .and_then(|hex| u64::from_str_radix(hex, 16).ok())
-            else {
-                continue;
-            };
-            let record = Record::parse(rules.iter().filter_map(|rule| rule.comment.as_deref()))
-                .map_err(|source| NftablesError::Record {
-                    owner: (*chain).to_owned(),
-                    chain: (*chain).to_owned(),
-                    source,
-                })?;
+        for (owner, record) in self.store.records() {
             for mapping in &record.mappings {
                 *scraped
                     .host_ports
@@ -89,13 +75,20 @@ impl NftablesBackend {
                     .or_default() += 1;
             }
             if let Some(attachment) = parse_owner(&record.owner) {
-                scraped.attachments.push((owner, attachment, record.pod));
+                scraped
+                    .attachments
+                    .push((owner, attachment, record.pod.clone()));
             }
         }
         for (owner, _, _) in &scraped.attachments {
             scraped.rules.extend(filter_rules(&chains, *owner)?);
         }
-        scraped.drops = drops(&scraped.rules, &chains, &netdev);
+        let owners: Vec<u64> = scraped
+            .attachments
+            .iter()
+            .map(|(owner, _, _)| *owner)
+            .collect();
+        scraped.drops = drops(&owners, &scraped.rules, &chains, &netdev);
         if let Some((entries, capacity)) =
             conntrack::fill().map_err(NftablesError::ConntrackFill)?
         {
@@ -163,8 +156,9 @@ fn filter_rules(
 }
 
 /// Every reason the nftables datapath counts, from the filters' rules, the source checks'
-/// rules in table `netdev cnibpf`, and the localnet guard.
+/// rules in table `netdev cnibpf`, the localnet guard and the masquerade guards.
 fn drops(
+    owners: &[u64],
     rules: &[ScrapedRule],
     chains: &BTreeMap<&str, Vec<&DumpedRule>>,
     netdev: &[DumpedRule],
@@ -183,13 +177,20 @@ fn drops(
             add(source_check_reason(rule), counted);
         }
     }
-    let guard = chains
-        .get(LOCALNET_GUARD_CHAIN)
-        .into_iter()
-        .flatten()
-        .find_map(|rule| rule.counter);
-    if let Some(counted) = guard {
+    let counted_in = |chain: &str| {
+        chains
+            .get(chain)
+            .into_iter()
+            .flatten()
+            .find_map(|rule| rule.counter)
+    };
+    if let Some(counted) = counted_in(LOCALNET_GUARD_CHAIN) {
         add(DropReason::LocalnetGuard, counted);
+    }
+    for owner in owners {
+        if let Some(counted) = counted_in(&guard_chain(*owner)) {
+            add(DropReason::MasqueradeUntranslatable, counted);
+        }
     }
     drops.into_iter().collect()
 }
@@ -222,6 +223,7 @@ pub(super) fn counted_drops() -> BTreeMap<DropReason, DropCount> {
         DropReason::SourceCheckNeighbourAdvertisement,
         DropReason::SourceCheckNotIp,
         DropReason::LocalnetGuard,
+        DropReason::MasqueradeUntranslatable,
     ]
     .into_iter()
     .map(|reason| (reason, DropCount::default()))
@@ -295,6 +297,12 @@ mod tests {
             filter("f_0000000000000007_in", "rule 10", VERDICT_DROP, 2),
             filter("f_0000000000000007_in", "rule 20", VERDICT_RETURN, 4),
             filter("f_0000000000000007_in", "default", VERDICT_RETURN, 1),
+            filter(
+                "g_0000000000000007",
+                "drop reason masquerade_untranslatable",
+                VERDICT_DROP,
+                9,
+            ),
         ];
         let mut chains: BTreeMap<&str, Vec<&DumpedRule>> = BTreeMap::new();
         for rule in &dumped {
@@ -313,7 +321,7 @@ mod tests {
                 (Some(20), Target::Allow, 4),
             ]
         );
-        let drops = drops(&rules, &chains, &[]);
+        let drops = drops(&[7], &rules, &chains, &[]);
         let of = |reason| {
             drops
                 .iter()
@@ -324,5 +332,6 @@ mod tests {
             (of(DropReason::FilterRule), of(DropReason::FilterDefault)),
             (Some(5), Some(0))
         );
+        assert_eq!(of(DropReason::MasqueradeUntranslatable), Some(9));
     }
 }

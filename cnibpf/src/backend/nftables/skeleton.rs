@@ -1,130 +1,437 @@
-//! The table's skeleton: its chains and hooks as this layout writes them, the localnet guard,\n//! and how a table's comment names its layout.
+//! The table's skeleton — its sets, maps, chains and hook rules as this layout writes them — and
+//! how a table names its layout and the state it was made from. Written as nft's JSON objects
+//! (the `nftables` crate's schema has no verdict maps), so that a table is made in the same
+//! transaction as its attachments: a table put back after a firewall reload, or made anew from
+//! an older layout's, is never seen half made.
 
-use super::{LAYOUT, NftablesError, host, migrate};
+use serde_json::{Value, json};
 
-/// The fixed part of the table. Chains: `hostports`, run from prerouting and from output (host
-/// processes), hands conditioned hostPorts to their attachment's `c_` chain and everything else
-/// to `hostports_dnat` (DNAT by exact hostIP, then by port for any local address, 127.0.0.1
-/// included for host processes; `localnet_guard` drops what arrives from elsewhere for
-/// 127.0.0.0/8, as kube-proxy does against CVE-2020-8558); `postrouting` masquerades host
-/// processes reaching a hostPort through 127.0.0.1 and hands DNATed traffic (by destination)
-/// and traffic leaving by an uplink (by source) to the container's `n_` chain, which
-/// masquerades hairpin traffic (a container reaching a container of its own subnet through a
-/// hostPort) and its masqueraded traffic; `forward`, `input` and `local_out` let what passes
-/// every filter through (replies, related errors, IPv6 neighbour and listener control,
-/// `icmpv6_control`) and hand the rest of a container's traffic to its filter chains.
-/// Sets `filtered_bridges` and `localnet_interfaces` name the interfaces whose settings cnibpf
-/// switched on, to switch them off with the table.
-pub(super) const SKELETON: &str = r#"
-add table inet cnibpf { comment "cnibpf layout 3"; }
-add set inet cnibpf attachments { type ifname; }
-add set inet cnibpf uplinks { type ifname; }
-add set inet cnibpf filtered_bridges { type ifname; }
-add set inet cnibpf localnet_interfaces { type ifname; }
-add map inet cnibpf hostports4 { type ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service; }
-add map inet cnibpf hostports4_any { type inet_proto . inet_service : ipv4_addr . inet_service; }
-add map inet cnibpf hostports6 { type ipv6_addr . inet_proto . inet_service : ipv6_addr . inet_service; }
-add map inet cnibpf hostports6_any { type inet_proto . inet_service : ipv6_addr . inet_service; }
-add set inet cnibpf specific_ports4 { type inet_proto . inet_service; }
-add set inet cnibpf specific_ports6 { type inet_proto . inet_service; }
-add map inet cnibpf conditions4 { type ipv4_addr . inet_proto . inet_service : verdict; }
-add map inet cnibpf conditions4_any { type inet_proto . inet_service : verdict; }
-add map inet cnibpf conditions6 { type ipv6_addr . inet_proto . inet_service : verdict; }
-add map inet cnibpf conditions6_any { type inet_proto . inet_service : verdict; }
-add map inet cnibpf filter_out4 { type ipv4_addr : verdict; }
-add map inet cnibpf filter_in4 { type ipv4_addr : verdict; }
-add map inet cnibpf filter_out6 { type ipv6_addr : verdict; }
-add map inet cnibpf filter_in6 { type ipv6_addr : verdict; }
-add chain inet cnibpf hostports
-add chain inet cnibpf hostports_dnat
-add chain inet cnibpf localnet_guard { type filter hook prerouting priority raw; policy accept; }
-add chain inet cnibpf prerouting { type nat hook prerouting priority dstnat; policy accept; }
-add chain inet cnibpf output { type nat hook output priority -100; policy accept; }
-add chain inet cnibpf postrouting { type nat hook postrouting priority srcnat; policy accept; }
-add chain inet cnibpf forward { type filter hook forward priority filter; policy accept; }
-add chain inet cnibpf input { type filter hook input priority filter; policy accept; }
-add chain inet cnibpf local_out { type filter hook output priority filter; policy accept; }
-add rule inet cnibpf hostports ip daddr . meta l4proto . th dport vmap @conditions4
-add rule inet cnibpf hostports fib daddr type local meta l4proto . th dport vmap @conditions4_any
-add rule inet cnibpf hostports ip6 daddr . meta l4proto . th dport vmap @conditions6
-add rule inet cnibpf hostports ip6 daddr != ::1 fib daddr type local meta l4proto . th dport vmap @conditions6_any
-add rule inet cnibpf hostports goto hostports_dnat
-add rule inet cnibpf hostports_dnat meta l4proto { tcp, udp, sctp } dnat ip to ip daddr . meta l4proto . th dport map @hostports4
-add rule inet cnibpf hostports_dnat fib daddr type local meta l4proto { tcp, udp, sctp } dnat ip to meta l4proto . th dport map @hostports4_any
-add rule inet cnibpf hostports_dnat meta l4proto { tcp, udp, sctp } dnat ip6 to ip6 daddr . meta l4proto . th dport map @hostports6
-add rule inet cnibpf hostports_dnat ip6 daddr != ::1 fib daddr type local meta l4proto { tcp, udp, sctp } dnat ip6 to meta l4proto . th dport map @hostports6_any
-add rule inet cnibpf prerouting jump hostports
-add rule inet cnibpf output jump hostports
-"#;
+use super::{NftablesError, host, nft};
 
-/// The rule of chain `localnet_guard`, counted. Tables made before it was counted hold it
-/// without the counter and comment: the first ADD that meets one replaces it.
-pub(super) const LOCALNET_GUARD: &str = r#"
-flush chain inet cnibpf localnet_guard
-add rule inet cnibpf localnet_guard iifname != "lo" ip daddr 127.0.0.0/8 counter drop comment "drop reason localnet_guard"
-"#;
+/// The start of the name of the set that marks a table of this layout, followed by the
+/// instance id of the state it was made from (nft 1.0.6 drops a table's comment given in
+/// JSON, where layouts 2 and 3 named themselves; layout 1 had no comment either).
+const MARKER: &str = "layout_4_instance_";
 
-pub(super) const LOCALNET_GUARD_COMMENT: &str = "drop reason localnet_guard";
+/// The name of the marker set of a table made from the state named `instance`.
+pub(super) fn marker(instance: u64) -> String {
+    format!("{MARKER}{instance:016x}")
+}
 
+/// The commands that add the table made from the state named `instance`, whole but for its
+/// attachments. Chains: `hostports`, run from prerouting and from output (host processes),
+/// hands conditioned hostPorts to their attachment's `c_` chain and everything else to
+/// `hostports_dnat` (DNAT by exact hostIP, then by port for the node's own addresses —
+/// `node_addrs4`/`6`, never a Service's — and 127.0.0.0/8 for host processes;
+/// `localnet_guard` drops what arrives from elsewhere for 127.0.0.0/8, as kube-proxy does
+/// against CVE-2020-8558); `postrouting` masquerades host processes reaching a hostPort through
+/// 127.0.0.1 and hands DNATed traffic (by destination) and traffic leaving by an uplink (by
+/// source) to the container's `n_` chain, which masquerades hairpin traffic (a container
+/// reaching a container of its own subnet through a hostPort) and its masqueraded traffic;
+/// `masquerade_guard`, after NAT, hands what still leaves an uplink from a masqueraded
+/// container's own address (conntrack's INVALID packets skip NAT) to the container's `g_`
+/// chain, which drops it unless its destination is excluded; `forward`, `input` and
+/// `local_out` let what passes every filter through (replies, related errors, IPv6 neighbour
+/// and listener control, `icmpv6_control`) and hand the rest of a container's traffic to its
+/// filter chains. Sets `attachments`, `filtered_bridges` and `localnet_interfaces` copy what
+/// the state file records, for builds that drain a table of a layout they do not write.
+pub(super) fn skeleton(instance: u64) -> Vec<Value> {
+    let table = json!({ "table": { "family": "inet", "name": nft::TABLE } });
+    let marker = json!({ "set": { "name": marker(instance), "type": "mark" } });
+    let objects = std::iter::once(marker)
+        .chain(sets())
+        .chain(chains())
+        .chain(rules())
+        .map(|mut object| {
+            if let Some(body) = object
+                .as_object_mut()
+                .and_then(|object| object.values_mut().next())
+            {
+                body["family"] = json!("inet");
+                body["table"] = json!(nft::TABLE);
+            }
+            object
+        });
+    std::iter::once(table)
+        .chain(objects)
+        .map(|object| json!({ "add": object }))
+        .collect()
+}
+
+fn sets() -> Vec<Value> {
+    let set = |name: &str, kind: Value| json!({ "set": { "name": name, "type": kind } });
+    let map = |name: &str, kind: Value, data: Value| json!({ "map": { "name": name, "type": kind, "map": data } });
+    let mut sets = vec![
+        set("attachments", json!("ifname")),
+        set("uplinks", json!("ifname")),
+        set("filtered_bridges", json!("ifname")),
+        set("localnet_interfaces", json!("ifname")),
+        set("node_addrs4", json!("ipv4_addr")),
+        set("node_addrs6", json!("ipv6_addr")),
+        set("specific_ports4", json!(["inet_proto", "inet_service"])),
+        set("specific_ports6", json!(["inet_proto", "inet_service"])),
+        json!({ "set": { "name": "icmpv6_control", "type": "icmpv6_type", "elem": [
+            "nd-router-solicit", "nd-router-advert", "nd-neighbor-solicit", "nd-neighbor-advert",
+            "nd-redirect", "mld-listener-query", "mld-listener-report", "mld-listener-done",
+            "mld2-listener-report"
+        ] } }),
+    ];
+    for (suffix, address) in [("4", "ipv4_addr"), ("6", "ipv6_addr")] {
+        // A hostPort's container address and port in two maps of the same keys: nft 1.0.6
+        // cannot read a DNAT from one map of both in JSON.
+        for (name, key) in [
+            (
+                format!("hostports{suffix}"),
+                json!([address, "inet_proto", "inet_service"]),
+            ),
+            (
+                format!("hostports{suffix}_any"),
+                json!(["inet_proto", "inet_service"]),
+            ),
+        ] {
+            sets.push(map(
+                &format!("{name}_port"),
+                key.clone(),
+                json!("inet_service"),
+            ));
+            sets.push(map(&name, key, json!(address)));
+        }
+        sets.push(map(
+            &format!("conditions{suffix}"),
+            json!([address, "inet_proto", "inet_service"]),
+            json!("verdict"),
+        ));
+        sets.push(map(
+            &format!("conditions{suffix}_any"),
+            json!(["inet_proto", "inet_service"]),
+            json!("verdict"),
+        ));
+        for name in ["filter_out", "filter_in", "nat", "guard"] {
+            sets.push(map(
+                &format!("{name}{suffix}"),
+                json!(address),
+                json!("verdict"),
+            ));
+        }
+    }
+    sets
+}
+
+fn chains() -> Vec<Value> {
+    let regular = |name: &str| json!({ "chain": { "name": name } });
+    let hooked = |name: &str, kind: &str, hook: &str, priority: i32| json!({ "chain": { "name": name, "type": kind, "hook": hook, "prio": priority, "policy": "accept" } });
+    vec![
+        regular("hostports"),
+        regular("hostports_dnat"),
+        hooked(LOCALNET_GUARD_CHAIN, "filter", "prerouting", -300),
+        hooked("prerouting", "nat", "prerouting", -100),
+        hooked("output", "nat", "output", -100),
+        hooked("postrouting", "nat", "postrouting", 100),
+        // After every NAT of the hook (srcnat, 100): what is still untranslated stays so.
+        hooked("masquerade_guard", "filter", "postrouting", 110),
+        hooked("forward", "filter", "forward", 0),
+        hooked("input", "filter", "input", 0),
+        hooked("local_out", "filter", "output", 0),
+    ]
+}
+
+fn rules() -> Vec<Value> {
+    let mut rules = Vec::new();
+    let mut add = |chain: &str, expr: Vec<Value>| {
+        rules.push(json!({ "rule": { "chain": chain, "expr": expr } }));
+    };
+    let loopback = prefix("127.0.0.0", 8);
+    let translated_protocols = matches(
+        "==",
+        meta("l4proto"),
+        json!({ "set": ["tcp", "udp", "sctp"] }),
+    );
+    for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
+        let daddr = payload(ip, "daddr");
+        let node = matches("==", daddr.clone(), json!(format!("@node_addrs{suffix}")));
+        let conditions = format!("@conditions{suffix}");
+        let any = format!("@conditions{suffix}_any");
+        add(
+            "hostports",
+            vec![vmap(
+                concat([daddr.clone(), meta("l4proto"), payload("th", "dport")]),
+                &conditions,
+            )],
+        );
+        add(
+            "hostports",
+            vec![
+                node.clone(),
+                vmap(concat([meta("l4proto"), payload("th", "dport")]), &any),
+            ],
+        );
+        if ip == "ip" {
+            let local = matches("==", daddr.clone(), loopback.clone());
+            add(
+                "hostports",
+                vec![
+                    local,
+                    vmap(concat([meta("l4proto"), payload("th", "dport")]), &any),
+                ],
+            );
+        }
+    }
+    add(
+        "hostports",
+        vec![json!({ "goto": { "target": "hostports_dnat" } })],
+    );
+    for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
+        let daddr = payload(ip, "daddr");
+        let specific = format!("@hostports{suffix}");
+        let any = format!("@hostports{suffix}_any");
+        add(
+            "hostports_dnat",
+            vec![
+                translated_protocols.clone(),
+                dnat(
+                    ip,
+                    concat([daddr.clone(), meta("l4proto"), payload("th", "dport")]),
+                    &specific,
+                ),
+            ],
+        );
+        let mut local = vec![matches(
+            "==",
+            daddr.clone(),
+            json!(format!("@node_addrs{suffix}")),
+        )];
+        if ip == "ip" {
+            local.push(matches("==", daddr.clone(), loopback.clone()));
+        }
+        for destination in local {
+            add(
+                "hostports_dnat",
+                vec![
+                    destination,
+                    translated_protocols.clone(),
+                    dnat(ip, concat([meta("l4proto"), payload("th", "dport")]), &any),
+                ],
+            );
+        }
+    }
+    rules.push(json!({ "rule": { "chain": LOCALNET_GUARD_CHAIN, "expr": [
+        matches("!=", meta("iifname"), json!("lo")),
+        matches("==", payload("ip", "daddr"), loopback.clone()),
+        json!({ "counter": null }),
+        json!({ "drop": null }),
+    ], "comment": "drop reason localnet_guard" } }));
+    let mut add = |chain: &str, expr: Vec<Value>| {
+        rules.push(json!({ "rule": { "chain": chain, "expr": expr } }));
+    };
+    add(
+        "prerouting",
+        vec![json!({ "jump": { "target": "hostports" } })],
+    );
+    add("output", vec![json!({ "jump": { "target": "hostports" } })]);
+    let dnatted = matches("in", ct("status"), json!("dnat"));
+    add(
+        "postrouting",
+        vec![
+            matches("==", payload("ip", "saddr"), loopback),
+            dnatted.clone(),
+            json!({ "masquerade": null }),
+        ],
+    );
+    let uplinks = matches("==", meta("oifname"), json!("@uplinks"));
+    for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
+        add(
+            "postrouting",
+            vec![
+                dnatted.clone(),
+                vmap(payload(ip, "daddr"), &format!("@nat{suffix}")),
+            ],
+        );
+    }
+    for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
+        add(
+            "postrouting",
+            vec![
+                uplinks.clone(),
+                vmap(payload(ip, "saddr"), &format!("@nat{suffix}")),
+            ],
+        );
+        add(
+            "masquerade_guard",
+            vec![
+                uplinks.clone(),
+                vmap(payload(ip, "saddr"), &format!("@guard{suffix}")),
+            ],
+        );
+    }
+    for chain in ["forward", "input", "local_out"] {
+        add(
+            chain,
+            vec![
+                matches("==", ct("direction"), json!("reply")),
+                json!({ "accept": null }),
+            ],
+        );
+        add(
+            chain,
+            vec![
+                matches("in", ct("state"), json!("related")),
+                json!({ "accept": null }),
+            ],
+        );
+        add(
+            chain,
+            vec![
+                matches("==", payload("icmpv6", "type"), json!("@icmpv6_control")),
+                json!({ "accept": null }),
+            ],
+        );
+    }
+    // The filter chains: a container's traffic by its address, each way; the host's input
+    // sees only what containers send it, its output only what it sends them.
+    for (chain, directions) in [
+        (
+            "forward",
+            &[("saddr", "filter_out"), ("daddr", "filter_in")][..],
+        ),
+        ("input", &[("saddr", "filter_out")][..]),
+        ("local_out", &[("daddr", "filter_in")][..]),
+    ] {
+        for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
+            for (field, map) in directions {
+                add(
+                    chain,
+                    vec![vmap(payload(ip, field), &format!("@{map}{suffix}"))],
+                );
+            }
+        }
+    }
+    rules
+}
+
+fn payload(protocol: &str, field: &str) -> Value {
+    json!({ "payload": { "protocol": protocol, "field": field } })
+}
+
+fn meta(key: &str) -> Value {
+    json!({ "meta": { "key": key } })
+}
+
+fn ct(key: &str) -> Value {
+    json!({ "ct": { "key": key } })
+}
+
+fn prefix(addr: &str, len: u8) -> Value {
+    json!({ "prefix": { "addr": addr, "len": len } })
+}
+
+fn concat<const N: usize>(parts: [Value; N]) -> Value {
+    json!({ "concat": Vec::from(parts) })
+}
+
+fn matches(op: &str, left: Value, right: Value) -> Value {
+    json!({ "match": { "op": op, "left": left, "right": right } })
+}
+
+fn vmap(key: Value, map: &str) -> Value {
+    json!({ "vmap": { "key": key, "data": map } })
+}
+
+/// `dnat <ip> to <key> map <map> : <key> map <map>_port`: the address from `map`, the port
+/// from its companion.
+fn dnat(family: &str, key: Value, map: &str) -> Value {
+    json!({ "dnat": {
+        "family": family,
+        "addr": { "map": { "key": key.clone(), "data": map } },
+        "port": { "map": { "key": key, "data": format!("{map}_port") } },
+    } })
+}
+
+/// The comments of the tables of the layouts this build migrates from (see `migrate`).
+pub(super) const LAYOUT_2: &str = "cnibpf layout 2";
+pub(super) const LAYOUT_3: &str = "cnibpf layout 3";
+
+/// The chain of the localnet guard, whose counter is the drops of its reason.
 pub(super) const LOCALNET_GUARD_CHAIN: &str = "localnet_guard";
 
-/// The shared objects layout 3 added to layout 2's (see `migrate`).
-pub(super) const LAYOUT_3_OBJECTS: &str = r#"
-add map inet cnibpf nat4 { type ipv4_addr : verdict; }
-add map inet cnibpf nat6 { type ipv6_addr : verdict; }
-add set inet cnibpf icmpv6_control { type icmpv6_type; elements = { nd-router-solicit, nd-router-advert, nd-neighbor-solicit, nd-neighbor-advert, nd-redirect, mld-listener-query, mld-listener-report, mld-listener-done, mld2-listener-report }; }
-"#;
-
-/// The rules of the hook chains `postrouting`, `forward`, `input` and `local_out` (the chains
-/// layout 3 rewrote, see `migrate`).
-pub(super) const HOOK_RULES: &str = r#"
-add rule inet cnibpf postrouting ip saddr 127.0.0.0/8 ct status dnat masquerade
-add rule inet cnibpf postrouting ct status dnat ip daddr vmap @nat4
-add rule inet cnibpf postrouting ct status dnat ip6 daddr vmap @nat6
-add rule inet cnibpf postrouting oifname @uplinks ip saddr vmap @nat4
-add rule inet cnibpf postrouting oifname @uplinks ip6 saddr vmap @nat6
-add rule inet cnibpf forward ct direction reply accept
-add rule inet cnibpf forward ct state related accept
-add rule inet cnibpf forward icmpv6 type @icmpv6_control accept
-add rule inet cnibpf input ct direction reply accept
-add rule inet cnibpf input ct state related accept
-add rule inet cnibpf input icmpv6 type @icmpv6_control accept
-add rule inet cnibpf local_out ct direction reply accept
-add rule inet cnibpf local_out ct state related accept
-add rule inet cnibpf local_out icmpv6 type @icmpv6_control accept
-add rule inet cnibpf forward ip saddr vmap @filter_out4
-add rule inet cnibpf forward ip daddr vmap @filter_in4
-add rule inet cnibpf forward ip6 saddr vmap @filter_out6
-add rule inet cnibpf forward ip6 daddr vmap @filter_in6
-add rule inet cnibpf input ip saddr vmap @filter_out4
-add rule inet cnibpf input ip6 saddr vmap @filter_out6
-add rule inet cnibpf local_out ip daddr vmap @filter_in4
-add rule inet cnibpf local_out ip6 daddr vmap @filter_in6
-"#;
-
 /// What table `inet cnibpf` is to this build.
+#[derive(Debug, PartialEq, Eq)]
 pub(super) enum TableLayout {
     Absent,
-    /// This build's layout: created so, or migrated (marked by chain `layout_3`).
-    Current,
-    /// The layout this build migrates from.
+    /// This build's layout, made from the state named by the instance id.
+    Current {
+        instance: u64,
+    },
+    /// A layout this build migrates from (2 or 3; see `migrate`).
     Previous,
     /// Any other: its comment (empty for layout 1, which had none).
     Other(String),
 }
 
-/// The layout of the table whose comment (`None`: no table) is `comment`.
-pub(super) fn layout_of(comment: Option<String>) -> Result<TableLayout, NftablesError> {
-    Ok(match comment {
-        None => TableLayout::Absent,
-        Some(comment) if comment == LAYOUT => TableLayout::Current,
-        Some(comment) if comment == migrate::PREVIOUS => {
-            if host::has_chain(migrate::MARKER)? {
-                TableLayout::Current
-            } else {
-                TableLayout::Previous
-            }
+/// The layout of the table whose comment is `comment` (`None`: no table) and whose marker sets
+/// are `markers`.
+pub(super) fn layout_of(comment: Option<String>, markers: &[String]) -> TableLayout {
+    let Some(comment) = comment else {
+        return TableLayout::Absent;
+    };
+    let instance = markers
+        .iter()
+        // fail-closed: decoding a set name; one that names no instance marks nothing.
+        .find_map(|name| u64::from_str_radix(name.strip_prefix(MARKER)?, 16).ok());
+    if let Some(instance) = instance {
+        return TableLayout::Current { instance };
+    }
+    if comment == LAYOUT_3 || comment == LAYOUT_2 {
+        return TableLayout::Previous;
+    }
+    TableLayout::Other(comment)
+}
+
+/// The layout of table `inet cnibpf` as the kernel has it: its comment, and for a table
+/// without one its marker set (one more netlink question).
+pub(super) fn layout(comment: Option<String>) -> Result<TableLayout, NftablesError> {
+    let markers = match &comment {
+        Some(comment) if comment.is_empty() => host::sets_named(MARKER)?,
+        _ => Vec::new(),
+    };
+    Ok(layout_of(comment, &markers))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_marker_set_names_the_layout_and_instance() {
+        assert_eq!(
+            layout_of(Some(String::new()), &[marker(0xc0ffee)]),
+            TableLayout::Current { instance: 0xc0ffee }
+        );
+        assert_eq!(layout_of(None, &[]), TableLayout::Absent);
+        assert_eq!(
+            layout_of(Some("cnibpf layout 3".to_owned()), &[]),
+            TableLayout::Previous
+        );
+        assert_eq!(
+            layout_of(Some(String::new()), &[]),
+            TableLayout::Other(String::new())
+        );
+        assert_eq!(
+            layout_of(Some("cnibpf layout 9".to_owned()), &[]),
+            TableLayout::Other("cnibpf layout 9".to_owned())
+        );
+    }
+
+    #[test]
+    fn every_object_of_the_skeleton_is_an_add_of_the_table() {
+        let objects = skeleton(1);
+        assert_eq!(objects[0]["add"]["table"]["name"], "cnibpf");
+        for object in &objects[1..] {
+            let body = object["add"]
+                .as_object()
+                .and_then(|object| object.values().next())
+                .expect("one object");
+            assert_eq!(body["family"], "inet", "{object}");
+            assert_eq!(body["table"], "cnibpf", "{object}");
         }
-        Some(comment) => TableLayout::Other(comment),
-    })
+    }
 }

@@ -3,7 +3,7 @@
 //! passes, bridged to a neighbour or routed, ARP included, which no `inet` hook sees. Its rules
 //! drop (and count) an IPv4 or IPv6 source, an ARP sender address or a neighbour
 //! advertisement's target that is not the container's, and any frame that is neither IP nor
-//! ARP. The table lives as long as table `inet cnibpf`, whose records say which attachment has
+//! ARP. The table lives as long as table `inet cnibpf`; the records say which attachment has
 //! a chain there.
 
 use std::{
@@ -22,7 +22,7 @@ use nftables::{
 
 use cnibpf_common::drop_stats::DropReason;
 
-use super::{NftablesBackend, host, listing, nft, parse_owner, record::Sources};
+use super::{NftablesBackend, host, nft, parse_owner, record::Sources};
 use crate::{
     backend::{BackendError, Endpoint, SourceCheckRecord, SourceChecking, fits_a_source_check},
     model::SourceCheck,
@@ -69,7 +69,7 @@ impl SourceChecking for NftablesBackend {
     }
 
     fn teardown_source_check(&mut self, owner: u64) -> Result<(), BackendError> {
-        let change = self.change(owner)?;
+        let change = self.change(owner);
         let container_id = change
             .before
             .as_ref()
@@ -91,13 +91,11 @@ impl SourceChecking for NftablesBackend {
         endpoint: &Endpoint,
         check: Option<&SourceCheck>,
     ) -> Result<(), BackendError> {
-        let listing = self.listing()?;
         let owner = endpoint.attachment.owner_id();
-        let recorded = listing
-            .records()?
-            .into_iter()
-            .find(|(held, _)| *held == owner)
-            .map(|(_, record)| record.sources)
+        let recorded = self
+            .store
+            .record(owner)
+            .map(|record| record.sources.clone())
             // fail-closed: an attachment without a record has none of its sources recorded.
             .unwrap_or_default();
         let matching = match (&recorded, check) {
@@ -140,15 +138,11 @@ impl NftablesBackend {
     /// The checked attachments of container `container_id` other than `owner`, as their
     /// records say (those this operation removes aside).
     fn siblings(&self, container_id: &str, owner: u64) -> Result<Vec<Sibling>, BackendError> {
-        if !self.exists {
-            return Ok(Vec::new());
-        }
         let mut siblings = Vec::new();
-        for text in host::element_comments("attachments")? {
-            let Some(attachment) = parse_owner(&text) else {
+        for (sibling, record) in self.store.records() {
+            let Some(attachment) = parse_owner(&record.owner) else {
                 continue;
             };
-            let sibling = attachment.owner_id();
             let leaving = self
                 .changes
                 .get(&sibling)
@@ -156,13 +150,11 @@ impl NftablesBackend {
             if sibling == owner || attachment.container_id != container_id || leaving {
                 continue;
             }
-            if let Some(record) = listing::record_of(sibling)?
-                && let Sources::Checked(own) = record.sources
-            {
+            if let Sources::Checked(own) = &record.sources {
                 siblings.push(Sibling {
                     owner: sibling,
-                    host: record.host,
-                    own,
+                    host: record.host.clone(),
+                    own: own.clone(),
                 });
             }
         }
@@ -185,11 +177,10 @@ impl NftablesBackend {
         &self,
     ) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError> {
         let records: Vec<(u64, SourceCheck)> = self
-            .listing()?
-            .records()?
-            .into_iter()
-            .filter_map(|(owner, record)| match record.sources {
-                Sources::Checked(check) => Some((owner, check)),
+            .store
+            .records()
+            .filter_map(|(owner, record)| match &record.sources {
+                Sources::Checked(check) => Some((owner, check.clone())),
                 _ => None,
             })
             .collect();
