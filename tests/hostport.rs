@@ -377,10 +377,11 @@ fn a_client_that_switches_from_the_host_port_to_the_container_address_is_not_rew
     );
 }
 
-/// An address added to the uplink after the ADD serves wildcard hostPorts at once, no plugin
-/// run in between (eBPF: the FIB says the host delivers it to itself; nftables: `fib daddr
-/// type local`), as the reference portmap's `--dst-type LOCAL` does.
-fn an_address_added_to_the_uplink_serves_wildcard_host_ports_at_once(backend: Backend) {
+/// An address added to the uplink after the ADD serves wildcard hostPorts once cnibpf has
+/// recorded it as the node's: from the next CNI call (here a CHECK), or at once where `install
+/// --watch` follows the host (`firewall_reload`'s suite). Until then it is an unknown local
+/// address, which could as well be a Service's, and is left to the host.
+fn an_address_added_to_the_uplink_serves_wildcard_host_ports_once_recorded(backend: Backend) {
     let sim = SimHost::on(backend, "hp-newaddr", json!({}));
     let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
     let added = [
@@ -401,16 +402,107 @@ fn an_address_added_to_the_uplink_serves_wildcard_host_ports_at_once(backend: Ba
             "nodad",
         ]);
         let target = SocketAddr::new(address.parse().expect("literal"), 8080);
+        let before = tcp_request(&sim.outside, target);
+        assert!(
+            before.is_err(),
+            "{family:?}: {address} is not the node's before it is recorded: {before:?}"
+        );
+        sim.check(&c1)
+            .unwrap_or_else(|error| panic!("CHECK records the new address: {error}"));
         assert_eq!(
             tcp_request(&sim.outside, target).as_deref(),
             Ok("web"),
-            "{family:?}: the new address {address} serves hostPort 8080"
+            "{family:?}: the new address {address} serves hostPort 8080 once recorded"
         );
     }
 }
 
+/// kube-proxy's IPVS mode binds every ClusterIP to `kube-ipvs0` (left down), which makes it a
+/// local address of the node: a wildcard hostPort must leave those to the Services (CNI#577,
+/// kubeadm#985), from outside, from host processes and from other pods, whether the Service
+/// came before the pod or after it, while the node's own address reaches the pod. An explicit
+/// hostIP naming a Service address is the operator's choice and takes it.
+fn a_wildcard_host_port_leaves_service_addresses_to_the_services(backend: Backend) {
+    let sim = SimHost::on(backend, "hp-vip", json!({}));
+    // This kernel has no dummy module: a port-less bridge left down holds addresses the same way.
+    sim.host
+        .exec(&["ip", "link", "add", "kube-ipvs0", "type", "bridge"]);
+    sim.outside
+        .exec(&["ip", "route", "add", "10.96.0.0/16", "via", "203.0.113.1"]);
+    sim.outside.exec(&[
+        "ip",
+        "-6",
+        "route",
+        "add",
+        "fd00:96::/64",
+        "via",
+        "2001:db8:1::1",
+    ]);
+    let add_service = |vip: &str, prefix: &str| {
+        sim.host.exec(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{vip}/{prefix}"),
+            "dev",
+            "kube-ipvs0",
+            "nodad",
+        ]);
+        let address = SocketAddr::new(vip.parse().expect("literal"), 8080);
+        TcpServer::start(&sim.host, address, "service")
+    };
+    let _before = [
+        add_service("10.96.0.10", "32"),
+        add_service("fd00:96::10", "128"),
+    ];
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let explicit = json!({ "portMappings": [{ "hostPort": 9090, "containerPort": 80, "hostIP": "10.96.0.12" }] });
+    let c3 = sim.container("c3", explicit);
+    let other_pod = sim.container("c2", json!({}));
+    let _after = [
+        add_service("10.96.0.11", "32"),
+        add_service("fd00:96::11", "128"),
+    ];
+    let _web = [Family::V4, Family::V6]
+        .map(|family| TcpServer::start(&c1.netns, c1.at(family, 80), "pod"));
+    let _explicit_web = TcpServer::start(&c3.netns, c3.at(Family::V4, 80), "explicit");
+    for vip in ["10.96.0.10", "fd00:96::10", "10.96.0.11", "fd00:96::11"] {
+        let target = SocketAddr::new(vip.parse().expect("literal"), 8080);
+        let answers = [
+            ("outside", tcp_request(&sim.outside, target)),
+            ("another pod", tcp_request(&other_pod.netns, target)),
+            (
+                "a host process",
+                sim.host_client("tcp", target).map(|(answer, _)| answer),
+            ),
+        ];
+        for (client, answer) in answers {
+            assert_eq!(
+                answer.as_deref(),
+                Ok("service"),
+                "{client} -> Service {target}"
+            );
+        }
+    }
+    for family in Family::BOTH {
+        assert_eq!(
+            tcp_request(&sim.outside, sim.uplink(family, 8080)).as_deref(),
+            Ok("pod"),
+            "{family:?}: the node's address reaches the pod"
+        );
+    }
+    sim.host
+        .exec(&["ip", "addr", "add", "10.96.0.12/32", "dev", "kube-ipvs0"]);
+    assert_eq!(
+        tcp_request(&sim.outside, "10.96.0.12:9090".parse().expect("literal")).as_deref(),
+        Ok("explicit"),
+        "a hostIP that names a Service address is the operator's choice"
+    );
+}
+
 for_both_backends!(
-    an_address_added_to_the_uplink_serves_wildcard_host_ports_at_once,
+    an_address_added_to_the_uplink_serves_wildcard_host_ports_once_recorded,
+    a_wildcard_host_port_leaves_service_addresses_to_the_services,
     fragmented_datagrams_reach_a_host_port_and_come_back,
     outside_clients_reach_tcp_and_udp_host_ports_over_both_families,
     an_ipv6_host_ip_restricts_the_mapping_to_ipv6,

@@ -14,14 +14,18 @@ use cnibpf_common::{
 };
 use cnibpf_tests::{
     Container, SimHost, for_both_backends,
+    packet::{
+        ACK, ETH_P_IP, ETH_P_IPV6, FIN, ICMP, ICMPV6, RST, SYN, TCP, UDP, ethernet, icmp, icmpv6,
+        ipv4, ipv6, tcp, udp,
+    },
     topology::{
-        Backend, FAR_ADDR, FAR_ADDR6, Family, HOST_UPLINK_ADDR, HOST_UPLINK_ADDR6, UPLINK,
-        port_mappings,
+        BRIDGE, Backend, FAR_ADDR, FAR_ADDR6, Family, HOST_UPLINK_ADDR, HOST_UPLINK_ADDR6,
+        OUTSIDE_ADDR, OUTSIDE_ADDR6, UPLINK, port_mappings,
     },
     traffic::{
-        CLIENT_TIMEOUT, Conversation, EchoServer, SinkServer, StreamEchoServer, TcpServer,
-        UdpServer, any_address_for, ping, reset_on_close, tcp_exchange, tcp_request, tcp_upload,
-        udp_error, udp_exchange_from, udp_exchange_with, udp_request, uninterrupted,
+        CLIENT_TIMEOUT, Conversation, EchoServer, SinkServer, Sniffer, StreamEchoServer, TcpServer,
+        UdpServer, any_address_for, ping, reset_on_close, send_frame, tcp_exchange, tcp_request,
+        tcp_upload, udp_error, udp_exchange_from, udp_exchange_with, udp_request, uninterrupted,
     },
 };
 use serde_json::{Value, json};

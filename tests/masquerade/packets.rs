@@ -130,9 +130,136 @@ fn a_datagram_too_big_for_the_uplink_goes_through_the_stack_between_small_ones(b
     );
 }
 
+/// What netfilter's conntrack calls INVALID skips its NAT, and an ICMP error about a
+/// connection never seen has nothing to be translated by (plugins#816, moby#18630): neither may
+/// leave the uplink with the container's own address. The container sends each kind raw — an
+/// out-of-window ACK on a just-closed connection's tuple, a RST and a FIN+ACK for tuples never
+/// opened, a SYN+FIN, an ICMP and an ICMPv6 port unreachable about datagrams that never were —
+/// while a sniffer watches the outside link; what cannot leave translated is dropped and
+/// counted with its reason.
+fn no_packet_leaves_the_uplink_with_the_containers_own_address(backend: Backend) {
+    let host = masquerading(backend, "mq-guard");
+    let container = host.container("c1", Value::Null);
+    let _server = TcpServer::start(&host.outside, Family::V4.any(8080), "hello");
+    let target = SocketAddr::new(Family::V4.outside(), 8080);
+    let closed_port = container.netns.run(move || {
+        let mut stream = std::net::TcpStream::connect_timeout(&target, CLIENT_TIMEOUT)
+            .expect("a connection to close");
+        let mut greeting = String::new();
+        std::io::Read::read_to_string(&mut stream, &mut greeting).expect("the greeting");
+        stream.local_addr().expect("its local address").port()
+    });
+    let (gateway, mac) = (host.host.mac(BRIDGE), container.netns.mac("eth0"));
+    let (me, outside) = (IpAddr::V4(container.address), IpAddr::V4(OUTSIDE_ADDR));
+    let (me6, outside6) = (container.address6, OUTSIDE_ADDR6);
+    let v4 = |protocol, payload: Vec<u8>| {
+        let packet = ipv4(
+            container.address,
+            OUTSIDE_ADDR,
+            protocol,
+            &[],
+            (false, 0),
+            &payload,
+        );
+        ethernet(gateway, mac, ETH_P_IP, &packet)
+    };
+    let v6 = |protocol, payload: Vec<u8>| {
+        ethernet(
+            gateway,
+            mac,
+            ETH_P_IPV6,
+            &ipv6(me6, outside6, protocol, &payload),
+        )
+    };
+    let never_sent = ipv4(
+        OUTSIDE_ADDR,
+        container.address,
+        UDP,
+        &[],
+        (false, 0),
+        &udp(outside, me, 53, 40_004, b"never", true),
+    );
+    let never_sent6 = ipv6(
+        outside6,
+        me6,
+        UDP,
+        &udp(
+            IpAddr::V6(outside6),
+            IpAddr::V6(me6),
+            53,
+            40_004,
+            b"never",
+            true,
+        ),
+    );
+    let frames = [
+        v4(TCP, tcp(me, outside, closed_port, 8080, ACK, b"late")),
+        v4(TCP, tcp(me, outside, 40_001, 8081, RST, b"")),
+        v4(TCP, tcp(me, outside, 40_002, 8082, SYN | FIN, b"")),
+        v4(TCP, tcp(me, outside, 40_003, 8083, FIN | ACK, b"")),
+        v4(ICMP, icmp(3, 3, [0; 4], &never_sent)),
+        v6(
+            TCP,
+            tcp(
+                IpAddr::V6(me6),
+                IpAddr::V6(outside6),
+                40_001,
+                8081,
+                RST,
+                b"",
+            ),
+        ),
+        v6(ICMPV6, icmpv6(me6, outside6, 1, 4, [0; 4], &never_sent6)),
+    ];
+    let sniffer = Sniffer::start(&host.outside, "eth0");
+    for frame in frames {
+        send_frame(&container.netns, "eth0", frame);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let leaked: Vec<String> = sniffer
+        .frames()
+        .iter()
+        .filter_map(|frame| source_of(frame))
+        .filter(|source| *source == me || *source == IpAddr::V6(me6))
+        .map(|source| source.to_string())
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "left the uplink with the container's address: {leaked:?}"
+    );
+    let dropped = host.inspect()["drops"][backend.name()]["masquerade_untranslatable"]["packets"]
+        .as_u64()
+        .unwrap_or_default();
+    assert!(
+        dropped >= 2,
+        "the ICMP errors about nothing at least are dropped and counted: {dropped}"
+    );
+    assert_eq!(
+        tcp_request(&container.netns, target).as_deref(),
+        Ok("hello"),
+        "what can be translated still is"
+    );
+}
+
+/// The IP source address of an Ethernet frame, if it carries IPv4 or IPv6.
+fn source_of(frame: &[u8]) -> Option<IpAddr> {
+    match frame.get(12..14)? {
+        [0x08, 0x00] => {
+            let bytes: [u8; 4] = frame.get(26..30)?.try_into().ok()?;
+            Some(IpAddr::from(bytes))
+        }
+        [0x86, 0xdd] => {
+            let bytes: [u8; 16] = frame.get(22..38)?.try_into().ok()?;
+            Some(IpAddr::from(bytes))
+        }
+        _ => None,
+    }
+}
+
 for_both_backends!(
     a_datagram_too_big_for_the_uplink_goes_through_the_stack_between_small_ones,
     fragmented_udp_datagrams_are_masqueraded_both_ways,
     icmp_errors_reach_the_container_translated,
+    no_packet_leaves_the_uplink_with_the_containers_own_address,
     path_mtu_discovery_works_through_the_nat,
 );

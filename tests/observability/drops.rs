@@ -2,20 +2,6 @@
 
 use super::*;
 
-fn mac_of(netns: &cnibpf_tests::Netns, ifname: &str) -> [u8; 6] {
-    let line = netns.exec(&["ip", "-o", "link", "show", "dev", ifname]);
-    let text = line
-        .split_whitespace()
-        .skip_while(|word| *word != "link/ether")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no MAC address of {ifname} in {line:?}"));
-    let mut mac = [0u8; 6];
-    for (byte, part) in mac.iter_mut().zip(text.split(':')) {
-        *byte = u8::from_str_radix(part, 16).expect("a MAC address");
-    }
-    mac
-}
-
 /// What inspect counts of `reason` on `backend`: packets.
 fn inspected_drops(host: &SimHost, backend: Backend, reason: &str) -> u64 {
     let inspect = host.inspect();
@@ -28,7 +14,7 @@ fn inspected_drops(host: &SimHost, backend: Backend, reason: &str) -> u64 {
 /// no first one, an ICMPv6 message cut short, an IPv4 datagram, an ARP announcement and
 /// a neighbour advertisement in `victim`'s name, and a frame that is neither IP nor ARP.
 fn send_policy_violations(sender: &Container, victim: &Container, filtered: bool) {
-    let mac = mac_of(&sender.netns, "eth0");
+    let mac = sender.netns.mac("eth0");
     let outside = IpAddr::V4(OUTSIDE_ADDR);
     let frame = |payload: Vec<u8>, ethertype: u16| ethernet([0xff; 6], mac, ethertype, &payload);
     if filtered {
@@ -281,8 +267,8 @@ fn every_drop_of_the_nftables_datapath_has_its_reason() {
     unanswered_from_outside(&host, SocketAddr::new(IpAddr::V4(sender.address), 9000));
     send_policy_violations(&sender, &victim, false);
     // From outside to 127.0.0.1 at the host's uplink: only the host may reach its loopback.
-    let uplink_mac = mac_of(&host.host, UPLINK);
-    let outside_mac = mac_of(&host.outside, "eth0");
+    let uplink_mac = host.host.mac(UPLINK);
+    let outside_mac = host.outside.mac("eth0");
     let to_loopback = ipv4(
         OUTSIDE_ADDR,
         Ipv4Addr::LOCALHOST,

@@ -94,6 +94,21 @@ impl Netns {
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     }
 
+    /// The MAC address of interface `ifname` of this namespace.
+    pub fn mac(&self, ifname: &str) -> [u8; 6] {
+        let line = self.exec(&["ip", "-o", "link", "show", "dev", ifname]);
+        let text = line
+            .split_whitespace()
+            .skip_while(|word| *word != "link/ether")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no MAC address of {ifname} in {line:?}"));
+        let mut mac = [0u8; 6];
+        for (byte, part) in mac.iter_mut().zip(text.split(':')) {
+            *byte = u8::from_str_radix(part, 16).expect("a MAC address");
+        }
+        mac
+    }
+
     /// Writes a sysctl of this namespace.
     pub fn sysctl(&self, key: &str, value: &str) {
         self.exec(&["sysctl", "-q", "-w", &format!("{key}={value}")]);

@@ -12,6 +12,7 @@ pub const ICMP: u8 = 1;
 pub const ICMPV6: u8 = 58;
 pub const SCTP: u8 = 132;
 /// TCP flags.
+pub const FIN: u8 = 0x01;
 pub const SYN: u8 = 0x02;
 pub const RST: u8 = 0x04;
 pub const ACK: u8 = 0x10;

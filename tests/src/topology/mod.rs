@@ -137,10 +137,11 @@ impl SimHost {
     }
 
     /// Whether neither backend holds state of this host's instance: no pinned state under
-    /// pinPath, no nftables table.
+    /// pinPath, no nftables table, no nftables state file.
     pub fn holds_no_state(&self) -> bool {
         let ruleset = self.nft_ruleset();
         !self.pin_path.exists()
+            && !nftables_state_file(&self.pin_path).exists()
             && !ruleset.contains("table inet cnibpf")
             && !ruleset.contains("table netdev cnibpf")
     }
@@ -201,6 +202,7 @@ impl SimHost {
         let _ = std::fs::remove_dir_all(&pin_path);
         let _ = std::fs::remove_dir_all(&work_dir);
         let _ = std::fs::remove_file(call_stats_file(&pin_path));
+        let _ = std::fs::remove_file(nftables_state_file(&pin_path));
         std::fs::create_dir_all(&work_dir).expect("work dir");
         let cgroup = cgroup2_root().join(format!("cnibpf-test-{id}"));
         let _ = std::fs::remove_dir(&cgroup);
@@ -348,6 +350,7 @@ impl Drop for SimHost {
             let _ = self.chain.del(attachment);
         }
         let _ = std::fs::remove_file(call_stats_file(&self.pin_path));
+        let _ = std::fs::remove_file(nftables_state_file(&self.pin_path));
         let _ = std::fs::remove_dir_all(&self.pin_path);
         let _ = std::fs::remove_dir_all(&self.work_dir);
         if let Some(lock_file) = self.try_lock_file() {
@@ -362,12 +365,22 @@ impl Drop for SimHost {
 /// The call statistics file of the instance at `pin_path`, as `cnibpf inspect --json` names
 /// it (`callStatsFile`): read there by tests that count calls, removed with the host.
 pub fn call_stats_file(pin_path: &Path) -> PathBuf {
+    instance_file(pin_path, "calls")
+}
+
+/// The nftables backend's state file of the instance at `pin_path`.
+pub fn nftables_state_file(pin_path: &Path) -> PathBuf {
+    instance_file(pin_path, "nftables.json")
+}
+
+/// A file of the instance at `pin_path` in /run/cnibpf, named after it.
+fn instance_file(pin_path: &Path, suffix: &str) -> PathBuf {
     let name: String = pin_path
         .to_string_lossy()
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
-    PathBuf::from(format!("/run/cnibpf/{name}.calls"))
+    PathBuf::from(format!("/run/cnibpf/{name}.{suffix}"))
 }
 
 /// An address family, for tests that run for both.

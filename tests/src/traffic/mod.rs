@@ -17,10 +17,12 @@ use std::{
 use crate::Netns;
 
 mod sctp;
+mod sniffer;
 mod tcp;
 mod udp;
 
 pub use sctp::*;
+pub use sniffer::Sniffer;
 pub use tcp::*;
 pub use udp::*;
 
