@@ -391,7 +391,7 @@ fn kustomize_renders_the_base_and_an_overlay() {
     let overlay = render("deploy/overlays/example");
     assert_eq!(
         overlay
-            .matches("image: registry.example.com/cnibpf:0.5.1")
+            .matches("image: registry.example.com/cnibpf:0.6.0")
             .count(),
         2,
         "both containers run the overlay's image: {overlay}"

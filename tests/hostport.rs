@@ -14,8 +14,8 @@ use cnibpf_tests::{
     SimHost, for_both_backends,
     topology::{BRIDGE, Backend, Family, GATEWAY, GATEWAY6, UPLINK, port_mappings},
     traffic::{
-        CLIENT_TIMEOUT, TcpServer, UdpServer, kernel_has_sctp, tcp_request, udp_exchange_with,
-        udp_request, uninterrupted,
+        CLIENT_TIMEOUT, TcpServer, UdpServer, kernel_has_sctp, tcp_request, udp_error,
+        udp_exchange_with, udp_request, uninterrupted,
     },
 };
 use serde_json::json;
@@ -500,7 +500,24 @@ fn a_wildcard_host_port_leaves_service_addresses_to_the_services(backend: Backen
     );
 }
 
+/// A datagram to a hostPort whose container port is closed is answered with port
+/// unreachable, which leaves from the hostPort, quoting it — as conntrack's NAT translates a
+/// RELATED error — so the client's socket learns it; from a masqueraded container too, whose
+/// untranslatable packets are dropped.
+fn a_closed_container_port_answers_through_the_host_port(backend: Backend) {
+    let sim = SimHost::on(backend, "hp-unreach", json!({ "ipMasq": true }));
+    let _c1 = sim.container("c1", port_mappings(&[(5353, 53, "udp")]));
+    for family in Family::BOTH {
+        assert_eq!(
+            udp_error(&sim.outside, sim.uplink(family, 5353)),
+            std::io::ErrorKind::ConnectionRefused,
+            "{family:?}: port unreachable reaches the client from the hostPort"
+        );
+    }
+}
+
 for_both_backends!(
+    a_closed_container_port_answers_through_the_host_port,
     an_address_added_to_the_uplink_serves_wildcard_host_ports_once_recorded,
     a_wildcard_host_port_leaves_service_addresses_to_the_services,
     fragmented_datagrams_reach_a_host_port_and_come_back,

@@ -21,7 +21,7 @@ use cnibpf_common::{
 use cnibpf_tests::{
     Container, SimHost, chain, faults, history,
     live::{LivePod, pod_keys},
-    topology::{Backend, cnibpf_binary, port_mappings},
+    topology::{Backend, cnibpf_binary, nftables_state_file, port_mappings},
     traffic::{TcpServer, tcp_request},
 };
 
@@ -197,9 +197,9 @@ fn migration_state(sim: &SimHost, backend: Backend) -> (bool, bool) {
             sim.layout_version() == cnibpf_common::layout::VERSION,
         ),
         Backend::Nftables => {
-            let ruleset = sim.nft_ruleset();
-            let marked = ruleset.contains("chain layout_3");
-            (ruleset.contains("map nat4") && !marked, marked)
+            let migrated = sim.nft_ruleset().contains(nftables::LAYOUT_4_MARKER);
+            let recorded = nftables_state_file(&sim.pin_path).exists();
+            (recorded && !migrated, migrated)
         }
     }
 }

@@ -13,6 +13,9 @@ use serde_json::json;
 
 use super::{Installed, WAIT, inspected_rule_packets};
 
+/// What marks a table of this build's layout: a set named after the state it was made from.
+pub const LAYOUT_4_MARKER: &str = "set layout_4_instance_";
+
 /// An nftables table older than the previous layout is not migrated: the new cnibpf adds
 /// nothing to it, but DEL
 /// removes its pods one by one while the others keep working, and the last DEL leaves the
@@ -70,7 +73,7 @@ pub fn nftables_table_of_an_older_layout_drains(installed: &Installed, old: &Pat
     assert!(sim.holds_no_state(), "the last DEL removed the older table");
     let c4 = sim.container("c4", port_mappings(&[(8080, 80, "tcp")]));
     assert!(
-        sim.nft_ruleset().contains("cnibpf layout"),
+        sim.nft_ruleset().contains(LAYOUT_4_MARKER),
         "a table of the new layout"
     );
     let _c4_server = TcpServer::start(&c4.netns, c4.socket(80), "c4");
@@ -80,10 +83,11 @@ pub fn nftables_table_of_an_older_layout_drains(installed: &Installed, old: &Pat
     );
 }
 
-/// A table of the previous nftables layout is migrated in place by the new cnibpf's first
-/// ADD, with the pod's traffic flowing: connections and datagram flows keep their
-/// translation, the filter and its counters stay, hairpin traffic to the older pod's hostPort
-/// is masqueraded by what the migration built from its record.
+/// A table of nftables layout 2 is migrated by the new cnibpf's first ADD, with the pod's
+/// traffic flowing: its records read into the state file, the table replaced by one made from
+/// them in one transaction; connections and datagram flows keep their translation, the filter
+/// and its counters stay, hairpin traffic to the older pod's hostPort is masqueraded by what
+/// the migration built from its record.
 pub fn nftables_table_of_the_previous_layout_migrates(
     installed: &Installed,
     old: &Path,
@@ -104,7 +108,8 @@ pub fn nftables_table_of_the_previous_layout_migrates(
     let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
     let ruleset = sim.nft_ruleset();
     assert!(
-        ruleset.contains("chain layout_3")
+        ruleset.contains(LAYOUT_4_MARKER)
+            && !ruleset.contains("chain a_")
             && ["hairpin4", "masq_sources4", "masq_excludes4"]
                 .iter()
                 .all(|set| !ruleset.contains(set)),
