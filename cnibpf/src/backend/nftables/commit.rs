@@ -253,13 +253,14 @@ impl NftablesBackend {
         }
         let before = self.store.state().cloned();
         self.store.save(Some(intent))?;
-        let mut transaction = if self.exists || next.attachments.is_empty() {
+        // A table this operation makes comes with its skeleton, in the same transaction.
+        let skeleton = if self.exists || next.attachments.is_empty() {
             Vec::new()
         } else {
             skeleton::skeleton(next.instance)
         };
         let refused = |applied: &Result<(), BackendError>, why: &str| matches!(applied, Err(BackendError::Nftables(NftablesError::Refused(text))) if text.contains(why));
-        let mut applied = self.attempt(std::mem::take(&mut transaction), &next);
+        let mut applied = self.attempt(skeleton, &next);
         if refused(&applied, "No such file or directory") && self.exists {
             applied = self.apply_from_listing(&next);
         }
