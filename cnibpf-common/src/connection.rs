@@ -17,7 +17,7 @@
 //! Masquerade replies arrive with another tuple (the uplink's address and port): `masq_replies`
 //! finds their connection's key.
 
-use crate::{conntrack, impl_pod};
+use crate::{address::Address, conntrack, impl_pod};
 
 pub const MAP_NAME: &str = "connections";
 pub const MAX_ENTRIES: u32 = 65_536;
@@ -34,8 +34,8 @@ pub const PART_FILTER: u8 = 4;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ConnectionKey {
-    pub container_addr: [u8; 16],
-    pub remote_addr: [u8; 16],
+    pub container_addr: Address,
+    pub remote_addr: Address,
     /// Host byte order.
     pub container_port: u16,
     pub remote_port: u16,
@@ -57,13 +57,13 @@ pub struct Connection {
     /// under.
     pub generation: u64,
     /// SNAT: the address the container's side is masqueraded to (its uplink's).
-    pub nat_addr: [u8; 16],
+    pub nat_addr: Address,
     /// DNAT: the address the client sent to (the replies' new source).
-    pub orig_addr: [u8; 16],
+    pub orig_addr: Address,
     /// DNAT: the client's own address (the replies' new destination); differs from the key's
     /// remote only for hairpin traffic a container sent to its own hostPort, whose source was
     /// translated to the gateway.
-    pub peer_addr: [u8; 16],
+    pub peer_addr: Address,
     /// SNAT: the uplink the connection leaves through.
     pub uplink_ifindex: u32,
     /// DNAT, hairpin traffic: the client container's host-side veth, the replies are handed

@@ -9,7 +9,7 @@
 //! the gateway it may translate hairpin traffic to, and by every hook that hands a packet to a
 //! container.
 
-use crate::{impl_pod, source::SourceSet};
+use crate::{address::Address, impl_pod, source::SourceSet};
 
 pub const MAP_NAME: &str = "endpoints";
 pub const MAX_ENTRIES: u32 = 4_096;
@@ -42,7 +42,7 @@ pub const HINT_FLAGS: u32 = FLAG_UNFILTERED | FLAG_MASQUERADED | FLAG_UNMASQUERA
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EndpointInfo {
     /// The container's IPv6 gateway, all zero when it has none.
-    pub gateway_v6: [u8; 16],
+    pub gateway_v6: Address,
     /// Owner id of the attachment.
     pub owner: u64,
     /// The container's IPv4 gateway, all zero when it has none.

@@ -8,7 +8,7 @@
 //! unfiltered (no rules, default ALLOW): an attachment without an entry is not filtered at all.
 //! Read by every program that delivers a packet to or takes one from a container.
 
-use crate::impl_pod;
+use crate::{address::Address, impl_pod};
 
 pub const MAP_NAME: &str = "filters";
 pub const MAX_ENTRIES: u32 = 4_096;
@@ -41,10 +41,10 @@ pub const NO_PREFIX: u8 = u8::MAX;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FilterRule {
-    pub src_addr: [u8; 16],
-    pub src_mask: [u8; 16],
-    pub dst_addr: [u8; 16],
-    pub dst_mask: [u8; 16],
+    pub src_addr: Address,
+    pub src_mask: Address,
+    pub dst_addr: Address,
+    pub dst_mask: Address,
     /// The rule's `index` in the configuration (shown in events and by inspect).
     pub index: u32,
     pub sport_low: u16,
@@ -120,43 +120,22 @@ impl FilterRule {
         self.direction & packet.direction != 0
             && (self.family == 0 || self.family == packet.family)
             && (self.protocol == 0 || self.protocol == packet.protocol)
-            // SAFETY: fields of a `FilterRule`, aligned as asserted below.
-            && unsafe { masked_equal(packet.source, &self.src_mask, &self.src_addr) }
-            // SAFETY: as above.
-            && unsafe { masked_equal(packet.destination, &self.dst_mask, &self.dst_addr) }
+            && masked_equal(packet.source, &self.src_mask, &self.src_addr)
+            && masked_equal(packet.destination, &self.dst_mask, &self.dst_addr)
             && (self.sport_low..=self.sport_high).contains(&packet.source_port)
             && (self.dport_low..=self.dport_high).contains(&packet.destination_port)
     }
 }
 
 /// Whether `addr` masked with `mask` equals `expected` (stored masked): four word compares.
-///
-/// # Safety
-/// `mask` and `expected` must be 4-byte aligned: fields of a [`FilterRule`].
 #[inline(always)]
-unsafe fn masked_equal(addr: &[u32; 4], mask: &[u8; 16], expected: &[u8; 16]) -> bool {
-    // SAFETY: 16 readable bytes each, aligned for u32 as the caller vouches. Word loads: byte
-    // reads would cost the programs 32 loads a rule.
-    let (mask, expected) = unsafe {
-        (
-            mask.as_ptr().cast::<[u32; 4]>().read(),
-            expected.as_ptr().cast::<[u32; 4]>().read(),
-        )
-    };
+fn masked_equal(addr: &[u32; 4], mask: &Address, expected: &Address) -> bool {
+    let (mask, expected) = (mask.words(), expected.words());
     addr[0] & mask[0] == expected[0]
         && addr[1] & mask[1] == expected[1]
         && addr[2] & mask[2] == expected[2]
         && addr[3] & mask[3] == expected[3]
 }
-
-// A rule's addresses and masks can be read as words (see `masked_equal`).
-const _: () = assert!(
-    align_of::<FilterRule>() == 4
-        && core::mem::offset_of!(FilterRule, src_addr) % 4 == 0
-        && core::mem::offset_of!(FilterRule, src_mask) % 4 == 0
-        && core::mem::offset_of!(FilterRule, dst_addr) % 4 == 0
-        && core::mem::offset_of!(FilterRule, dst_mask) % 4 == 0
-);
 
 /// The answers of one pass over an attachment's rules: the position of the first rule
 /// matching a connection's first packet (`connstate: new`) and of the first matching its
@@ -196,7 +175,7 @@ mod tests {
     use crate::{FAMILY_IPV4, FAMILY_IPV6, PROTO_TCP, PROTO_UDP};
 
     /// `addr` masked to `prefix` bits, and the mask, as the plugin stores a rule's address.
-    fn prefix(addr: [u8; 16], prefix: u32) -> ([u8; 16], [u8; 16]) {
+    fn prefix(addr: [u8; 16], prefix: u32) -> (Address, Address) {
         let mask = u128::MAX
             .checked_shl(128 - prefix)
             .unwrap_or(0)
@@ -205,7 +184,7 @@ mod tests {
         for (byte, mask) in masked.iter_mut().zip(mask) {
             *byte &= mask;
         }
-        (masked, mask)
+        (Address::from_bytes(masked), Address::from_bytes(mask))
     }
 
     fn v4(octets: [u8; 4]) -> [u8; 16] {
@@ -216,8 +195,7 @@ mod tests {
 
     /// The words the programs read of an address.
     fn read(addr: [u8; 16]) -> [u32; 4] {
-        [0, 4, 8, 12]
-            .map(|at| u32::from_ne_bytes([addr[at], addr[at + 1], addr[at + 2], addr[at + 3]]))
+        Address::from_bytes(addr).words()
     }
 
     fn any_rule() -> FilterRule {

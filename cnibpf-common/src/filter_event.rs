@@ -8,7 +8,7 @@
 
 #[cfg(doc)]
 use crate::drop_stats::DropReason;
-use crate::impl_pod;
+use crate::{address::Address, impl_pod};
 
 pub const MAP_NAME: &str = "filter_events";
 /// Bytes of the ring (a power of two of pages): about 3,000 events.
@@ -22,8 +22,8 @@ pub struct FilterEvent {
     /// Owner id of the attachment; zero when the packet could not be tied to one (a rewrite
     /// that failed on an uplink).
     pub owner: u64,
-    pub src_addr: [u8; 16],
-    pub dst_addr: [u8; 16],
+    pub src_addr: Address,
+    pub dst_addr: Address,
     /// The container's host-side veth, or the uplink where it was dropped.
     pub ifindex: u32,
     /// `index` of the rule that dropped it (with [`DropReason::FilterRule`]).

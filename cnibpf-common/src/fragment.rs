@@ -9,7 +9,7 @@
 //! datagrams in flight, not attachments: no owner, nothing for DEL to remove; an entry older
 //! than [`TIMEOUT_NS`] (the kernel's reassembly time) describes no datagram any more.
 
-use crate::impl_pod;
+use crate::{address::Address, impl_pod};
 
 pub const MAP_NAME: &str = "fragments";
 pub const MAX_ENTRIES: u32 = 8_192;
@@ -27,8 +27,8 @@ pub const PASSED_INGRESS: u8 = 2;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct FragmentKey {
-    pub src_addr: [u8; 16],
-    pub dst_addr: [u8; 16],
+    pub src_addr: Address,
+    pub dst_addr: Address,
     /// IPv4 identification (16 bits) or IPv6 fragment identification, as on the wire.
     pub id: u32,
     pub protocol: u8,

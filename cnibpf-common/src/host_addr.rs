@@ -9,7 +9,7 @@
 //! hostPort is addressed to the node; the FIB cannot tell a Service's local address from the
 //! node's.
 
-use crate::impl_pod;
+use crate::{address::Address, impl_pod};
 
 pub const MAP_NAME: &str = "host_addrs";
 pub const MAX_ENTRIES: u32 = 4_096;
@@ -17,7 +17,7 @@ pub const MAX_ENTRIES: u32 = 4_096;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct HostAddrKey {
-    pub addr: [u8; 16],
+    pub addr: Address,
     pub family: u8,
     pub _pad: [u8; 3],
 }

@@ -14,6 +14,7 @@
 
 #[cfg(feature = "user")]
 pub mod addr;
+pub mod address;
 pub mod connection;
 pub mod conntrack;
 pub mod drop_event_budget;

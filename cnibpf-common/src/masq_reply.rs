@@ -8,7 +8,7 @@
 //! read by `uplink_ingress` for replies and for ICMP errors about masqueraded packets; deleted
 //! with the connection's masquerade. An LRU map, as `connections`.
 
-use crate::impl_pod;
+use crate::{address::Address, impl_pod};
 
 pub const MAP_NAME: &str = "masq_replies";
 pub const MAX_ENTRIES: u32 = 65_536;
@@ -16,8 +16,8 @@ pub const MAX_ENTRIES: u32 = 65_536;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ReplyKey {
-    pub src_addr: [u8; 16],
-    pub dst_addr: [u8; 16],
+    pub src_addr: Address,
+    pub dst_addr: Address,
     /// Host byte order.
     pub src_port: u16,
     pub dst_port: u16,
@@ -31,7 +31,7 @@ const _: () = assert!(size_of::<ReplyKey>() == 40);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MasqReply {
     /// The container's address (the reply's new destination).
-    pub container_addr: [u8; 16],
+    pub container_addr: Address,
     /// Owner id of the attachment the flow belongs to.
     pub owner: u64,
     /// The container's host-side veth: the reply is handed to its peer.

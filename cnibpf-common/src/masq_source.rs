@@ -6,7 +6,7 @@
 //! `from_container` and `uplink_egress`, which masquerade only packets whose source is listed
 //! here and that arrive from the interface recorded with it.
 
-use crate::impl_pod;
+use crate::{address::Address, impl_pod};
 
 pub const MAP_NAME: &str = "masq_sources";
 pub const MAX_ENTRIES: u32 = 8_192;
@@ -14,7 +14,7 @@ pub const MAX_ENTRIES: u32 = 8_192;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct MasqSourceKey {
-    pub addr: [u8; 16],
+    pub addr: Address,
     pub family: u8,
     pub _pad: [u8; 3],
 }

@@ -8,7 +8,7 @@
 //! `uplink_ingress`, `from_container` (hairpin) and the socket hooks for mappings whose
 //! `PortMapValue::flags` has [`crate::portmap::FLAG_CONDITIONED`].
 
-use crate::impl_pod;
+use crate::{address::Address, impl_pod};
 
 pub const MAP_NAME: &str = "port_conditions";
 /// One entry per attachment and family at most.
@@ -37,8 +37,8 @@ const _: () = assert!(size_of::<PortConditionsKey>() == 16);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ConditionTerm {
     /// Network address, already masked (IPv4 in the first four bytes).
-    pub addr: [u8; 16],
-    pub mask: [u8; 16],
+    pub addr: Address,
+    pub mask: Address,
     pub ifindex: u32,
     /// `KIND_*`.
     pub kind: u8,

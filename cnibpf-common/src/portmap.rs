@@ -6,7 +6,7 @@
 //! `uplink_ingress` for traffic from outside, by `from_container` for hairpin traffic and by the
 //! socket hooks for connections of host processes.
 
-use crate::impl_pod;
+use crate::{address::Address, impl_pod};
 
 pub const MAP_NAME: &str = "portmap";
 pub const MAX_ENTRIES: u32 = 16_384;
@@ -18,7 +18,7 @@ pub const FLAG_CONDITIONED: u8 = 1;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct PortMapKey {
     /// Host address the client connects to; all zero for "any address of the host".
-    pub host_addr: [u8; 16],
+    pub host_addr: Address,
     /// hostPort.
     pub host_port: u16,
     /// IANA protocol number.
@@ -32,7 +32,7 @@ const _: () = assert!(size_of::<PortMapKey>() == 20);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PortMapValue {
     /// Container address the traffic is translated to (same family as the key).
-    pub container_addr: [u8; 16],
+    pub container_addr: Address,
     /// Owner id of the attachment (key of the `owners` map).
     pub owner: u64,
     /// Index of the container's host-side veth: translated packets are handed straight to its

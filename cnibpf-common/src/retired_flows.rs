@@ -3,7 +3,7 @@
 //! reads them — the migration that merges them into `connections`, and the upgrade test that
 //! compares a pod's connections across it.
 
-use crate::{connection::ConnectionKey, impl_pod};
+use crate::{address::Address, connection::ConnectionKey, impl_pod};
 
 pub const MASQ_FLOWS: &str = "masq_flows";
 pub const NAT_FLOWS: &str = "nat_flows";
@@ -28,8 +28,8 @@ impl FlowKeyV9 {
     /// The same connection's key in `connections`.
     pub const fn connection(&self) -> ConnectionKey {
         ConnectionKey {
-            container_addr: self.src_addr,
-            remote_addr: self.dst_addr,
+            container_addr: Address::from_bytes(self.src_addr),
+            remote_addr: Address::from_bytes(self.dst_addr),
             container_port: self.src_port,
             remote_port: self.dst_port,
             protocol: self.protocol,

@@ -6,7 +6,7 @@
 //! read by recvmsg (the source of UDP replies) and getpeername. An LRU map: entries of closed
 //! sockets age out.
 
-use crate::impl_pod;
+use crate::{address::Address, impl_pod};
 
 pub const MAP_NAME: &str = "sock_rev";
 pub const MAX_ENTRIES: u32 = 16_384;
@@ -15,7 +15,7 @@ pub const MAX_ENTRIES: u32 = 16_384;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SockRevKey {
     pub cookie: u64,
-    pub addr: [u8; 16],
+    pub addr: Address,
     pub port: u16,
     pub family: u8,
     pub _pad: [u8; 5],
@@ -25,7 +25,7 @@ const _: () = assert!(size_of::<SockRevKey>() == 32);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockRevValue {
-    pub orig_addr: [u8; 16],
+    pub orig_addr: Address,
     pub orig_port: u16,
     pub _pad: [u8; 6],
 }

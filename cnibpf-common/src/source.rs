@@ -16,7 +16,7 @@
 //! own first (`own_ipv4_count`, `own_ipv6_count`, valid with [`FLAG_OWN_COUNTED`]), then its
 //! siblings'. ADD and DEL of one rewrite the others'.
 
-use crate::impl_pod;
+use crate::{address::Address, impl_pod};
 
 /// Addresses of each family one container may have checked.
 pub const MAX_ADDRESSES: usize = 8;
@@ -46,7 +46,7 @@ pub struct SourceSet {
     /// The same of `ipv6`.
     pub own_ipv6_count: u16,
     pub ipv4: [[u8; 4]; MAX_ADDRESSES],
-    pub ipv6: [[u8; 16]; MAX_ADDRESSES],
+    pub ipv6: [Address; MAX_ADDRESSES],
 }
 const _: () = assert!(size_of::<SourceSet>() == 24 + 4 * MAX_ADDRESSES + 16 * MAX_ADDRESSES);
 
@@ -71,11 +71,10 @@ impl SourceSet {
     }
 
     /// Whether `addr` is one of the set's IPv6 addresses.
-    pub fn holds_ipv6(&self, addr: [u8; 16]) -> bool {
-        let wanted = u128::from_ne_bytes(addr);
+    pub fn holds_ipv6(&self, addr: &Address) -> bool {
         let mut position = 0;
         while position < MAX_ADDRESSES && (position as u32) < self.ipv6_count {
-            if u128::from_ne_bytes(self.ipv6[position]) == wanted {
+            if self.ipv6[position] == *addr {
                 return true;
             }
             position += 1;
@@ -118,12 +117,12 @@ mod tests {
         };
         set.ipv4[0] = [10, 22, 0, 2];
         set.ipv4[1] = [10, 22, 0, 3];
-        set.ipv6[0][15] = 2;
+        set.ipv6[0].bytes[15] = 2;
         assert!(set.holds_ipv4([10, 22, 0, 2]));
         assert!(!set.holds_ipv4([10, 22, 0, 3]), "past the count");
         let mut own6 = [0; 16];
         own6[15] = 2;
-        assert!(set.holds_ipv6(own6));
-        assert!(!set.holds_ipv6([0; 16]));
+        assert!(set.holds_ipv6(&Address::from_bytes(own6)));
+        assert!(!set.holds_ipv6(&Address::UNSPECIFIED));
     }
 }

@@ -6,7 +6,7 @@
 //! leaves through. An uplink without an address of a family drops masqueraded packets of that
 //! family, as the kernel's MASQUERADE does.
 
-use crate::impl_pod;
+use crate::{address::Address, impl_pod};
 
 pub const MAP_NAME: &str = "uplinks";
 pub const MAX_ENTRIES: u32 = 256;
@@ -15,7 +15,7 @@ pub const MAX_ENTRIES: u32 = 256;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct UplinkInfo {
     /// The uplink's primary global IPv6 address, all zero when it has none.
-    pub addr_v6: [u8; 16],
+    pub addr_v6: Address,
     /// The uplink's primary IPv4 address, all zero when it has none.
     pub addr_v4: [u8; 4],
     pub _pad: [u8; 4],

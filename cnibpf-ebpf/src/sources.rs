@@ -11,8 +11,9 @@
 
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
-    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, drop_stats::DropReason,
-    endpoint::EndpointInfo, filter::DIRECTION_EGRESS, source::SourceSet, source_drop::SourceDrops,
+    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, address::Address,
+    drop_stats::DropReason, endpoint::EndpointInfo, filter::DIRECTION_EGRESS, source::SourceSet,
+    source_drop::SourceDrops,
 };
 
 use crate::{
@@ -20,7 +21,6 @@ use crate::{
     packet::{
         ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF,
         IPV6_SADDR_OFF, SourceAddress, extension_headers, load, load_anywhere, source_address,
-        widen,
     },
 };
 
@@ -38,8 +38,8 @@ struct Spoofed {
     reason: DropReason,
     family: u8,
     protocol: u8,
-    source: [u8; 16],
-    destination: [u8; 16],
+    source: Address,
+    destination: Address,
 }
 
 /// Whether the container behind `ifindex`, whose `endpoints` record is `endpoint` (null for
@@ -78,7 +78,7 @@ fn plainly_own(ctx: &TcContext, set: &SourceSet) -> bool {
         Some(SourceAddress::V4(source)) => set.holds_ipv4(source),
         Some(SourceAddress::V6(source)) => {
             matches!(load::<u8>(ctx, ETH_HLEN + 6), Ok(PROTO_TCP | PROTO_UDP))
-                && set.holds_ipv6(source)
+                && set.holds_ipv6(&source)
         }
         None => false,
     }
@@ -95,8 +95,8 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
         reason: DropReason::SourceCheckNotIp,
         family: 0,
         protocol: 0,
-        source: [0; 16],
-        destination: [0; 16],
+        source: Address::UNSPECIFIED,
+        destination: Address::UNSPECIFIED,
     };
     if ethertype == ETH_P_IP {
         let source: [u8; 4] = load_anywhere(ctx, IPV4_SADDR_OFF).ok()?;
@@ -108,20 +108,20 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
             reason: DropReason::SourceCheckAddress,
             family: FAMILY_IPV4,
             protocol: load_anywhere(ctx, ETH_HLEN + 9).unwrap_or(0),
-            source: widen(source),
-            destination: widen(destination),
+            source: Address::ipv4(source),
+            destination: Address::ipv4(destination),
         });
     }
     if ethertype == ETH_P_IPV6 {
-        let source: [u8; 16] = load_anywhere(ctx, IPV6_SADDR_OFF).ok()?;
-        let spoofed = |reason: DropReason, protocol: u8, claimed: [u8; 16]| Spoofed {
+        let source: Address = load_anywhere(ctx, IPV6_SADDR_OFF).ok()?;
+        let spoofed = |reason: DropReason, protocol: u8, claimed: Address| Spoofed {
             reason,
             family: FAMILY_IPV6,
             protocol,
             source: claimed,
-            destination: load_anywhere(ctx, IPV6_DADDR_OFF).unwrap_or([0; 16]),
+            destination: load_anywhere(ctx, IPV6_DADDR_OFF).unwrap_or(Address::UNSPECIFIED),
         };
-        if source != [0; 16] && !set.holds_ipv6(source) {
+        if source != Address::UNSPECIFIED && !set.holds_ipv6(&source) {
             return Some(spoofed(
                 DropReason::SourceCheckAddress,
                 load_anywhere(ctx, ETH_HLEN + 6).unwrap_or(0),
@@ -141,8 +141,8 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
         {
             return None;
         }
-        let target: [u8; 16] = load_anywhere(ctx, l4_off + NA_TARGET_OFF).ok()?;
-        if set.holds_ipv6(target) {
+        let target: Address = load_anywhere(ctx, l4_off + NA_TARGET_OFF).ok()?;
+        if set.holds_ipv6(&target) {
             return None;
         }
         return Some(spoofed(
@@ -168,8 +168,8 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
             reason: DropReason::SourceCheckArp,
             family: FAMILY_IPV4,
             protocol: 0,
-            source: widen(sender),
-            destination: widen(load_anywhere(ctx, ARP_TARGET_ADDR_OFF).unwrap_or([0; 4])),
+            source: Address::ipv4(sender),
+            destination: Address::ipv4(load_anywhere(ctx, ARP_TARGET_ADDR_OFF).unwrap_or([0; 4])),
         });
     }
     Some(unreadable())

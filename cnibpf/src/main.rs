@@ -339,7 +339,7 @@ fn main() -> ExitCode {
                 })
                 .and_then(|choice| Ok((choice, capacity.checked()?)))
                 .and_then(|(choice, capacity)| {
-                    preload::run(&pin_path, choice, &capacity).map_err(|error| error.to_string())
+                    preload::run(&pin_path, choice, &capacity).map_err(|error| with_causes(&error))
                 });
             match loaded {
                 Ok(done) => {

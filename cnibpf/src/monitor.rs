@@ -164,8 +164,8 @@ async fn follow(
 
 fn render(event: &FilterEvent, attachment: Option<&AttachmentRecord>, as_json: bool) -> String {
     let time = humantime::format_rfc3339_micros(wall_clock(event.time_ns)).to_string();
-    let source = addr::from_bytes(event.src_addr, event.family);
-    let destination = addr::from_bytes(event.dst_addr, event.family);
+    let source = addr::from_address(event.src_addr, event.family);
+    let destination = addr::from_address(event.dst_addr, event.family);
     let direction = if event.direction == DIRECTION_INGRESS {
         Direction::Ingress
     } else {

@@ -7,6 +7,7 @@ use std::{
 };
 
 use cnibpf_common::{
+    address::Address,
     connection::{Connection, ConnectionKey},
     conntrack::{STATE_CLOSING, STATE_ESTABLISHED, timeout_ns},
     masq_reply::{MasqReply, ReplyKey},

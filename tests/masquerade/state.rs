@@ -190,11 +190,7 @@ fn del_gc_and_check_manage_the_masquerade_state(backend: Backend) {
         Backend::Ebpf => {
             let mut sources = host.pinned_hash_map::<MasqSourceKey, MasqSource>("masq_sources");
             let key = MasqSourceKey {
-                addr: {
-                    let mut addr = [0u8; 16];
-                    addr[..4].copy_from_slice(&kept.address.octets());
-                    addr
-                },
+                addr: Address::ipv4(kept.address.octets()),
                 family: 2,
                 _pad: [0; 3],
             };

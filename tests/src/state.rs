@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use cnibpf_common::{
+    address::Address,
     connection::{Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_SNAT},
     conntrack::STATE_ESTABLISHED,
     filter_hits::FilterHits,
@@ -187,13 +188,9 @@ impl SimHost {
     pub fn fill_connections(&self, count: u32) {
         let mut map = self.pinned_hash_map::<ConnectionKey, Connection>("connections");
         for index in 0..count {
-            let mut container_addr = [0; 16];
-            container_addr[..4].copy_from_slice(&[10, 99, (index >> 8) as u8, index as u8]);
-            let mut remote_addr = [0; 16];
-            remote_addr[..4].copy_from_slice(&[192, 0, 2, 1]);
             let key = ConnectionKey {
-                container_addr,
-                remote_addr,
+                container_addr: Address::ipv4([10, 99, (index >> 8) as u8, index as u8]),
+                remote_addr: Address::ipv4([192, 0, 2, 1]),
                 container_port: (index >> 16) as u16 + 1,
                 remote_port: 80,
                 protocol: 6,

@@ -2,6 +2,7 @@
 //! 9) or the masquerade parts of `connections` (10) — to compare them across an upgrade.
 
 use cnibpf_common::{
+    address::Address,
     connection::{Connection, ConnectionKey, PART_SNAT},
     retired_flows::{FlowKeyV9, MASQ_FLOWS, MasqFlowV9},
 };
@@ -10,16 +11,16 @@ use cnibpf_tests::SimHost;
 /// A masqueraded connection: its tuple from the container's side, its translation, its owner.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Masqueraded {
-    container: ([u8; 16], u16),
-    remote: ([u8; 16], u16),
+    container: (Address, u16),
+    remote: (Address, u16),
     protocol: u8,
     family: u8,
-    translated: ([u8; 16], u16),
+    translated: (Address, u16),
     owner: u64,
 }
 
 impl Masqueraded {
-    fn new(key: &ConnectionKey, translated: ([u8; 16], u16), owner: u64) -> Self {
+    fn new(key: &ConnectionKey, translated: (Address, u16), owner: u64) -> Self {
         Self {
             container: (key.container_addr, key.container_port),
             remote: (key.remote_addr, key.remote_port),
@@ -53,7 +54,7 @@ pub fn masqueraded(sim: &SimHost) -> Vec<Masqueraded> {
             .map(|(key, flow)| {
                 Masqueraded::new(
                     &key.connection(),
-                    (flow.nat_addr, flow.nat_port),
+                    (Address::from_bytes(flow.nat_addr), flow.nat_port),
                     flow.owner,
                 )
             })

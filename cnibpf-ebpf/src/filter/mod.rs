@@ -19,6 +19,7 @@ mod rules;
 
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
+    address::Address,
     connection::{Connection, ConnectionKey, PART_FILTER},
     conntrack::{self, SIDE_ORIGIN, SIDE_REPLY, STATE_CLOSING},
     drop_stats::DropReason,
@@ -30,7 +31,7 @@ use cnibpf_common::{
 
 use crate::{
     clock, connections, drops, maps,
-    packet::{DROP, Flow, Fragment, NEXT, words},
+    packet::{DROP, Flow, Fragment, NEXT},
 };
 
 pub use other::allows_other;
@@ -84,7 +85,7 @@ pub static filter_scratch: PerCpuArray<Subject, 1> = PerCpuArray::new();
 impl Subject {
     /// The packet's source and destination addresses, from its connection's key.
     #[inline(always)]
-    fn addresses(&self) -> (&[u8; 16], &[u8; 16]) {
+    fn addresses(&self) -> (&Address, &Address) {
         if self.direction == DIRECTION_EGRESS {
             (&self.key.container_addr, &self.key.remote_addr)
         } else {
@@ -99,8 +100,8 @@ struct Packet {
     family: u8,
     protocol: u8,
     flags: u8,
-    source: [u8; 16],
-    destination: [u8; 16],
+    source: Address,
+    destination: Address,
     source_port: u16,
     destination_port: u16,
 }
@@ -144,8 +145,8 @@ fn subject(ctx: &TcContext, packet: &Packet, ifindex: u32, direction: u8) -> *mu
     key.protocol = packet.protocol;
     key.family = packet.family;
     key._pad = [0; 2];
-    scratch.source = words(&packet.source);
-    scratch.destination = words(&packet.destination);
+    scratch.source = packet.source.words();
+    scratch.destination = packet.destination.words();
     scratch.now = clock::now_ns();
     scratch.bytes = ctx.len();
     scratch.source_port = u16::from_be(packet.source_port);

@@ -4,6 +4,7 @@
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6,
+    address::Address,
     connection::{ConnectionKey, PART_FILTER},
     drop_stats::DropReason,
     filter::{DIRECTION_EGRESS, TARGET_ALLOW},
@@ -18,7 +19,7 @@ use crate::{
     clock, drops, maps,
     packet::{
         DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN, icmp::icmp_error_scratch,
-        load_anywhere, widen,
+        load_anywhere,
     },
 };
 
@@ -95,7 +96,12 @@ fn read_other(ctx: &TcContext) -> Result<Option<Packet>, DatapathError> {
         }
         let source: [u8; 4] = load_anywhere(ctx, ETH_HLEN + 12)?;
         let destination: [u8; 4] = load_anywhere(ctx, ETH_HLEN + 16)?;
-        (FAMILY_IPV4, protocol, widen(source), widen(destination))
+        (
+            FAMILY_IPV4,
+            protocol,
+            Address::ipv4(source),
+            Address::ipv4(destination),
+        )
     } else if ethertype == ETH_P_IPV6.to_be() {
         let mut protocol: u8 = load_anywhere(ctx, ETH_HLEN + 6)?;
         let mut l4_off = ETH_HLEN + IPV6_HLEN;
@@ -113,8 +119,8 @@ fn read_other(ctx: &TcContext) -> Result<Option<Packet>, DatapathError> {
         (
             FAMILY_IPV6,
             protocol,
-            load_anywhere::<[u8; 16]>(ctx, ETH_HLEN + 8)?,
-            load_anywhere::<[u8; 16]>(ctx, ETH_HLEN + 24)?,
+            load_anywhere::<Address>(ctx, ETH_HLEN + 8)?,
+            load_anywhere::<Address>(ctx, ETH_HLEN + 24)?,
         )
     } else {
         return Ok(None);

@@ -16,16 +16,20 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     FAMILY_IPV4,
+    address::Address,
     portmap::PortMapKey,
     sock_rev::{SockRevKey, SockRevValue},
 };
 
-use crate::{maps, packet::widen, portmap};
+use crate::{maps, portmap};
 
 /// The verdict that lets the syscall proceed.
 pub const ALLOW: i32 = 1;
 
-/// connect and sendmsg: a hostPort of this host becomes the container behind it.
+/// connect and sendmsg: a hostPort of this host becomes the container behind it. Inlined into
+/// each program, where `family` is a constant: what is left is one family's code, whose
+/// context writes the verifier sees at constant offsets.
+#[inline(always)]
 pub fn to_container(ctx: &SockAddrContext, family: u8) {
     if !in_host_namespace(ctx) {
         return;
@@ -46,7 +50,7 @@ pub fn to_container(ctx: &SockAddrContext, family: u8) {
             if !is_loopback(&addr, family) && !maps::is_host_address(&addr, family) {
                 return;
             }
-            key.host_addr = [0; 16];
+            key.host_addr = Address::UNSPECIFIED;
             match maps::portmap.get_ptr(&key) {
                 Some(mapping) => mapping,
                 None => return,
@@ -58,7 +62,11 @@ pub fn to_container(ctx: &SockAddrContext, family: u8) {
     // A host process comes in on no interface; its source is the address its socket is bound
     // to or, for an unbound one, the local destination itself (which the kernel then picks).
     let bound = bound_address(sock, family);
-    let source = if bound == [0; 16] { &addr } else { &bound };
+    let source = if bound == Address::UNSPECIFIED {
+        &addr
+    } else {
+        &bound
+    };
     if !portmap::admit(mapping, source, &addr, 0, family) {
         return;
     }
@@ -82,7 +90,9 @@ pub fn to_container(ctx: &SockAddrContext, family: u8) {
     let _ = maps::sock_rev.insert(&reverse_key, &original, u64::from(BPF_ANY));
 }
 
-/// recvmsg and getpeername: the container address becomes the hostPort the socket asked for.
+/// recvmsg and getpeername: the container address becomes the hostPort the socket asked for
+/// (inlined as [`to_container`] is).
+#[inline(always)]
 pub fn to_host_port(ctx: &SockAddrContext, family: u8) {
     if !in_host_namespace(ctx) {
         return;
@@ -115,7 +125,7 @@ fn in_host_namespace(ctx: &SockAddrContext) -> bool {
 }
 
 /// The address and port (host byte order) the syscall names, in the 16-byte map form.
-fn user_address(sock: *mut bpf_sock_addr, family: u8) -> ([u8; 16], u16) {
+fn user_address(sock: *mut bpf_sock_addr, family: u8) -> (Address, u16) {
     // SAFETY: sock is the context; user_ip4, user_ip6 and user_port are readable in every
     // sock_addr hook, 4 bytes at a time. Volatile reads keep each one a load at a constant
     // offset from the context, the only form the verifier accepts.
@@ -123,92 +133,60 @@ fn user_address(sock: *mut bpf_sock_addr, family: u8) -> ([u8; 16], u16) {
         let port = u16::from_be(read_volatile(&raw const (*sock).user_port) as u16);
         if family == FAMILY_IPV4 {
             (
-                widen(read_volatile(&raw const (*sock).user_ip4).to_ne_bytes()),
+                Address::ipv4(read_volatile(&raw const (*sock).user_ip4).to_ne_bytes()),
                 port,
             )
         } else {
             let words = [
-                read_volatile(&raw const (*sock).user_ip6[0]).to_ne_bytes(),
-                read_volatile(&raw const (*sock).user_ip6[1]).to_ne_bytes(),
-                read_volatile(&raw const (*sock).user_ip6[2]).to_ne_bytes(),
-                read_volatile(&raw const (*sock).user_ip6[3]).to_ne_bytes(),
+                read_volatile(&raw const (*sock).user_ip6[0]),
+                read_volatile(&raw const (*sock).user_ip6[1]),
+                read_volatile(&raw const (*sock).user_ip6[2]),
+                read_volatile(&raw const (*sock).user_ip6[3]),
             ];
-            let addr = [
-                words[0][0],
-                words[0][1],
-                words[0][2],
-                words[0][3],
-                words[1][0],
-                words[1][1],
-                words[1][2],
-                words[1][3],
-                words[2][0],
-                words[2][1],
-                words[2][2],
-                words[2][3],
-                words[3][0],
-                words[3][1],
-                words[3][2],
-                words[3][3],
-            ];
-            (addr, port)
+            (Address::from_words(words), port)
         }
     }
 }
 
 /// The local address the socket is bound to (all zero when unbound).
-fn bound_address(sock: *mut bpf_sock_addr, family: u8) -> [u8; 16] {
+fn bound_address(sock: *mut bpf_sock_addr, family: u8) -> Address {
     // SAFETY: `sk` of a sock_addr context is always a valid socket the program may read.
     unsafe {
         let socket = (*sock).__bindgen_anon_1.sk;
         if family == FAMILY_IPV4 {
-            widen(read_volatile(&raw const (*socket).src_ip4).to_ne_bytes())
+            Address::ipv4(read_volatile(&raw const (*socket).src_ip4).to_ne_bytes())
         } else {
-            let mut addr = [0u8; 16];
-            for (word, chunk) in addr.as_chunks_mut::<4>().0.iter_mut().enumerate() {
-                let value = read_volatile(&raw const (*socket).src_ip6[word]);
-                chunk.copy_from_slice(&value.to_ne_bytes());
-            }
-            addr
+            Address::from_words([
+                read_volatile(&raw const (*socket).src_ip6[0]),
+                read_volatile(&raw const (*socket).src_ip6[1]),
+                read_volatile(&raw const (*socket).src_ip6[2]),
+                read_volatile(&raw const (*socket).src_ip6[3]),
+            ])
         }
     }
 }
 
-fn set_user_address(sock: *mut bpf_sock_addr, family: u8, addr: &[u8; 16], port: u16) {
+fn set_user_address(sock: *mut bpf_sock_addr, family: u8, addr: &Address, port: u16) {
     // SAFETY: sock is the context; these fields are writable in connect, sendmsg, recvmsg and
     // getpeername hooks, 4 bytes at a time.
     unsafe {
+        let [first, second, third, fourth] = addr.words();
         if family == FAMILY_IPV4 {
-            write_volatile(
-                &raw mut (*sock).user_ip4,
-                u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]),
-            );
+            write_volatile(&raw mut (*sock).user_ip4, first);
         } else {
-            write_volatile(
-                &raw mut (*sock).user_ip6[0],
-                u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]),
-            );
-            write_volatile(
-                &raw mut (*sock).user_ip6[1],
-                u32::from_ne_bytes([addr[4], addr[5], addr[6], addr[7]]),
-            );
-            write_volatile(
-                &raw mut (*sock).user_ip6[2],
-                u32::from_ne_bytes([addr[8], addr[9], addr[10], addr[11]]),
-            );
-            write_volatile(
-                &raw mut (*sock).user_ip6[3],
-                u32::from_ne_bytes([addr[12], addr[13], addr[14], addr[15]]),
-            );
+            write_volatile(&raw mut (*sock).user_ip6[0], first);
+            write_volatile(&raw mut (*sock).user_ip6[1], second);
+            write_volatile(&raw mut (*sock).user_ip6[2], third);
+            write_volatile(&raw mut (*sock).user_ip6[3], fourth);
         }
         write_volatile(&raw mut (*sock).user_port, u32::from(port.to_be()));
     }
 }
 
-fn is_loopback(addr: &[u8; 16], family: u8) -> bool {
+fn is_loopback(addr: &Address, family: u8) -> bool {
     if family == FAMILY_IPV4 {
-        addr[0] == 127
+        addr.bytes[0] == 127
     } else {
-        addr[..15].iter().all(|byte| *byte == 0) && addr[15] == 1
+        *addr == Address::from_words([0, 0, 0, 1u32.to_be()])
     }
 }

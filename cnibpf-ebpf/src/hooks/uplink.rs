@@ -10,7 +10,7 @@
 use core::mem::MaybeUninit;
 
 use aya_ebpf::programs::TcContext;
-use cnibpf_common::filter::DIRECTION_INGRESS;
+use cnibpf_common::{address::Address, filter::DIRECTION_INGRESS};
 
 use super::hand_over;
 use crate::{
@@ -119,8 +119,7 @@ fn leaves_from_uplink_address(ctx: &TcContext) -> bool {
                 && u32::from_ne_bytes(source) == u32::from_ne_bytes(uplink.addr_v4)
         }
         Some(SourceAddress::V6(source)) => {
-            uplink.addr_v6 != [0; 16]
-                && u128::from_ne_bytes(source) == u128::from_ne_bytes(uplink.addr_v6)
+            uplink.addr_v6 != Address::UNSPECIFIED && source == uplink.addr_v6
         }
         None => false,
     }

@@ -12,6 +12,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use cnibpf_common::{
+    address::Address,
     connection::{self, Connection, ConnectionKey},
     drop_event_budget::{self, DropEventBudget},
     drop_stats::{self, DropCount},
@@ -162,7 +163,7 @@ pub static port_claims: HashMap<PortClaimKey, PortClaim, { port_claim::MAX_ENTRI
     HashMap::new();
 
 /// Whether `port` (host byte order) of host address `addr` is a hostPort.
-pub fn is_host_port(addr: &[u8; 16], port: u16, protocol: u8, family: u8) -> bool {
+pub fn is_host_port(addr: &Address, port: u16, protocol: u8, family: u8) -> bool {
     let mut key = PortMapKey {
         host_addr: *addr,
         host_port: port,
@@ -172,12 +173,12 @@ pub fn is_host_port(addr: &[u8; 16], port: u16, protocol: u8, family: u8) -> boo
     if portmap.get_ptr(&key).is_some() {
         return true;
     }
-    key.host_addr = [0; 16];
+    key.host_addr = Address::UNSPECIFIED;
     portmap.get_ptr(&key).is_some()
 }
 
 /// Whether `addr` is one of the host's own addresses (`host_addrs`).
-pub fn is_host_address(addr: &[u8; 16], family: u8) -> bool {
+pub fn is_host_address(addr: &Address, family: u8) -> bool {
     let key = HostAddrKey {
         addr: *addr,
         family,

@@ -11,6 +11,7 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6,
+    address::Address,
     connection::{ConnectionKey, PART_DNAT, PART_SNAT},
     drop_stats::DropReason,
 };
@@ -20,7 +21,7 @@ use crate::{
     connections, drops,
     packet::{
         DROP, DatapathError, ETH_P_IP, ETH_P_IPV6, IPV4_SADDR_OFF, IPV6_SADDR_OFF, NEXT,
-        icmp::icmp_error_scratch, ifindex, load_anywhere, widen,
+        icmp::icmp_error_scratch, ifindex, load_anywhere,
     },
 };
 
@@ -98,23 +99,24 @@ fn translate_icmp_error(ctx: &TcContext) -> Result<bool, DatapathError> {
 }
 
 /// The family, source and destination of an IPv4 or IPv6 packet, read wherever they lie.
-fn addresses(ctx: &TcContext) -> Result<(u8, [u8; 16], [u8; 16]), DatapathError> {
+fn addresses(ctx: &TcContext) -> Result<(u8, Address, Address), DatapathError> {
     let ethertype: u16 = load_anywhere(ctx, 12)?;
     if ethertype == ETH_P_IP.to_be() {
         let both: [u8; 8] = load_anywhere(ctx, IPV4_SADDR_OFF)?;
         return Ok((
             FAMILY_IPV4,
-            widen([both[0], both[1], both[2], both[3]]),
-            widen([both[4], both[5], both[6], both[7]]),
+            Address::ipv4([both[0], both[1], both[2], both[3]]),
+            Address::ipv4([both[4], both[5], both[6], both[7]]),
         ));
     }
     if ethertype == ETH_P_IPV6.to_be() {
-        let both: [u8; 32] = load_anywhere(ctx, IPV6_SADDR_OFF)?;
-        let mut source = [0; 16];
-        let mut destination = [0; 16];
-        source.copy_from_slice(&both[..16]);
-        destination.copy_from_slice(&both[16..]);
-        return Ok((FAMILY_IPV6, source, destination));
+        let source: [u8; 16] = load_anywhere(ctx, IPV6_SADDR_OFF)?;
+        let destination: [u8; 16] = load_anywhere(ctx, IPV6_SADDR_OFF + 16)?;
+        return Ok((
+            FAMILY_IPV6,
+            Address::from_bytes(source),
+            Address::from_bytes(destination),
+        ));
     }
     Err(DatapathError::Truncated)
 }

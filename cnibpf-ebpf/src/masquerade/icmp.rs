@@ -4,7 +4,9 @@
 //! checksum it touches.
 
 use aya_ebpf::{helpers::bpf_csum_diff, programs::TcContext};
-use cnibpf_common::{FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_UDP, internet_checksum};
+use cnibpf_common::{
+    FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_UDP, address::Address, internet_checksum,
+};
 
 use crate::packet::{DatapathError, ETH_HLEN, csum_diff, icmp::IcmpError, load_anywhere};
 
@@ -31,7 +33,7 @@ impl IcmpError {
         &self,
         ctx: &TcContext,
         side: Quoted,
-        addr: &[u8; 16],
+        addr: &Address,
         port: u16,
     ) -> Result<(), DatapathError> {
         let failed = |_| DatapathError::RewriteFailed;
@@ -85,9 +87,8 @@ impl IcmpError {
         ctx.l4_csum_replace(outer_csum, u64::from(inner_port), u64::from(port), 2)
             .map_err(failed)?;
         if self.family == FAMILY_IPV4 {
-            let old_addr =
-                u32::from_ne_bytes([inner_addr[0], inner_addr[1], inner_addr[2], inner_addr[3]]);
-            let new_addr = u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]);
+            let old_addr = inner_addr.words()[0];
+            let new_addr = addr.words()[0];
             let inner_ip_csum = self.inner_off + 10;
             let old: u16 = load_anywhere(ctx, inner_ip_csum)?;
             ctx.l3_csum_replace(inner_ip_csum, u64::from(old_addr), u64::from(new_addr), 4)
@@ -100,8 +101,7 @@ impl IcmpError {
             ctx.l4_csum_replace(outer_csum, u64::from(old), u64::from(new), 2)
                 .map_err(failed)?;
             // The error's own address; ICMPv4's checksum does not cover it.
-            let old_outer =
-                u32::from_ne_bytes([outer_addr[0], outer_addr[1], outer_addr[2], outer_addr[3]]);
+            let old_outer = outer_addr.words()[0];
             ctx.l3_csum_replace(ETH_HLEN + 10, u64::from(old_outer), u64::from(new_addr), 4)
                 .map_err(failed)?;
             ctx.store(outer_addr_off, &new_addr, 0).map_err(failed)?;

@@ -17,6 +17,7 @@
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
+    address::Address,
     connection::{Connection, PART_SNAT},
     conntrack,
     drop_stats::DropReason,
@@ -39,7 +40,7 @@ pub use replies::{lookup_reply, reply_connection, translate_icmp_error, translat
 
 use crate::{
     clock, connections, drops, maps,
-    packet::{Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, or_verdict, widen},
+    packet::{Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, or_verdict},
     route::{Route, forward, route, route_source},
 };
 use ports::{claim_port, host_socket_holds};
@@ -244,7 +245,7 @@ fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathEr
 struct Plan {
     source: MasqSource,
     uplink_ifindex: u32,
-    nat_addr: [u8; 16],
+    nat_addr: Address,
 }
 
 impl Plan {
@@ -389,7 +390,7 @@ fn masqueraded_source(flow: &Flow) -> Option<MasqSource> {
 }
 
 /// The `masq_sources` entry of a container address, when its traffic is masqueraded.
-fn masqueraded_address(family: u8, addr: &[u8; 16]) -> Option<MasqSource> {
+fn masqueraded_address(family: u8, addr: &Address) -> Option<MasqSource> {
     let key = MasqSourceKey {
         addr: *addr,
         family,
@@ -410,26 +411,26 @@ fn source_attached_here(ctx: &TcContext, flow: &Flow) -> Option<MasqSource> {
 }
 
 /// Whether `destination` is one the attachment's traffic is never masqueraded towards.
-fn is_excluded(owner: u64, family: u8, destination: &[u8; 16]) -> bool {
+fn is_excluded(owner: u64, family: u8, destination: &Address) -> bool {
     let key = aya_ebpf::btf_maps::lpm_trie::Key::new(
         OWNER_FAMILY_BITS + 128,
         MasqExcludeKey {
             owner: owner.to_be_bytes(),
             family,
-            addr: *destination,
+            addr: destination.bytes,
             _pad: [0; 3],
         },
     );
     maps::masq_excludes.get(&key).is_some()
 }
 
-fn uplink_address(uplink: &UplinkInfo, family: u8) -> Option<[u8; 16]> {
+fn uplink_address(uplink: &UplinkInfo, family: u8) -> Option<Address> {
     let address = if family == FAMILY_IPV4 {
-        widen(uplink.addr_v4)
+        Address::ipv4(uplink.addr_v4)
     } else {
         uplink.addr_v6
     };
-    (address != [0; 16]).then_some(address)
+    (address != Address::UNSPECIFIED).then_some(address)
 }
 
 /// The `masq_replies` key of a packet's own tuple (a reply's, at the uplink).

@@ -14,16 +14,14 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP, PROTO_UDP,
+    address::Address,
     connection::{ConnectionKey, PART_SNAT},
     masq_reply::{MasqReply, ReplyKey},
     packet::masquerade_port_range,
 };
 
 use super::{Plan, count};
-use crate::{
-    clock, connections, maps,
-    packet::{Flow, words},
-};
+use crate::{clock, connections, maps, packet::Flow};
 
 /// Candidate ports tried before a new flow is given up (the first is its own source port).
 const PORT_ATTEMPTS: u32 = 24;
@@ -57,7 +55,7 @@ pub static port_search: PerCpuArray<PortSearch, 1> = PerCpuArray::new();
 /// port): its replies would be taken for the container's. The masquerade state knows only
 /// masqueraded flows; the host's own connections are the kernel's.
 #[inline(never)]
-pub(super) fn host_socket_holds(ctx: &TcContext, flow: &Flow, nat_addr: &[u8; 16]) -> bool {
+pub(super) fn host_socket_holds(ctx: &TcContext, flow: &Flow, nat_addr: &Address) -> bool {
     if flow.protocol != PROTO_TCP && flow.protocol != PROTO_UDP {
         return false;
     }
@@ -65,16 +63,14 @@ pub(super) fn host_socket_holds(ctx: &TcContext, flow: &Flow, nat_addr: &[u8; 16
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
     // The tuple as a reply would carry it: from the remote side to the masquerade address.
     let size = if flow.family == FAMILY_IPV4 {
-        tuple.__bindgen_anon_1.ipv4.saddr =
-            u32::from_ne_bytes([flow.daddr[0], flow.daddr[1], flow.daddr[2], flow.daddr[3]]);
-        tuple.__bindgen_anon_1.ipv4.daddr =
-            u32::from_ne_bytes([nat_addr[0], nat_addr[1], nat_addr[2], nat_addr[3]]);
+        tuple.__bindgen_anon_1.ipv4.saddr = flow.daddr.words()[0];
+        tuple.__bindgen_anon_1.ipv4.daddr = nat_addr.words()[0];
         tuple.__bindgen_anon_1.ipv4.sport = flow.dport;
         tuple.__bindgen_anon_1.ipv4.dport = flow.sport;
         12
     } else {
-        tuple.__bindgen_anon_1.ipv6.saddr = words(&flow.daddr);
-        tuple.__bindgen_anon_1.ipv6.daddr = words(nat_addr);
+        tuple.__bindgen_anon_1.ipv6.saddr = flow.daddr.words();
+        tuple.__bindgen_anon_1.ipv6.daddr = nat_addr.words();
         tuple.__bindgen_anon_1.ipv6.sport = flow.dport;
         tuple.__bindgen_anon_1.ipv6.dport = flow.sport;
         36

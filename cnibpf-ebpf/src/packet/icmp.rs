@@ -8,6 +8,7 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    address::Address,
     packet::{Fragment, is_echo_request, is_icmp_error},
 };
 
@@ -28,10 +29,10 @@ pub struct IcmpError {
     pub inner_l4_off: usize,
     pub inner_protocol: u8,
     /// The error's own source and destination.
-    pub saddr: [u8; 16],
-    pub daddr: [u8; 16],
-    pub inner_saddr: [u8; 16],
-    pub inner_daddr: [u8; 16],
+    pub saddr: Address,
+    pub daddr: Address,
+    pub inner_saddr: Address,
+    pub inner_daddr: Address,
     /// Network byte order; an echo's identifier as its source port.
     pub inner_sport: u16,
     pub inner_dport: u16,
@@ -130,9 +131,9 @@ fn read_address(
     ctx: &TcContext,
     offset: usize,
     family: u8,
-    address: &mut [u8; 16],
+    address: &mut Address,
 ) -> Result<(), DatapathError> {
-    *address = [0; 16];
+    *address = Address::UNSPECIFIED;
     let length: u32 = if family == FAMILY_IPV4 { 4 } else { 16 };
     // SAFETY: `address` is 16 bytes of map value, at least `length`; the helper checks the
     // packet's bounds itself.
@@ -140,7 +141,7 @@ fn read_address(
         bpf_skb_load_bytes(
             ctx.as_ptr().cast(),
             offset as u32,
-            address.as_mut_ptr().cast(),
+            address.bytes.as_mut_ptr().cast(),
             length,
         )
     };

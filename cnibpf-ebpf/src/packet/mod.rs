@@ -1,11 +1,10 @@
 //! Packets as TC programs see them (offsets from the Ethernet header): reading their fields,
 //! [`parse`] (one parser for every feature, ICMP error quotes included), [`rewrite`] (addresses,
 //! ports, TTL and every checksum they touch), [`verdict`] (what a feature answers its hook and
-//! what the hook answers the kernel), [`skb`] (marks, redirects, MAC addresses) and
-//! [`address`] (the 16-byte map form of addresses). Addresses are kept as the 16-byte map form
-//! (IPv4 in the first four bytes), ports in network byte order as on the wire.
+//! what the hook answers the kernel) and [`skb`] (marks, redirects, MAC addresses). Addresses
+//! are kept as `cnibpf_common::address::Address` (IPv4 in the first four bytes), ports in
+//! network byte order as on the wire.
 
-pub mod address;
 pub mod icmp;
 pub mod parse;
 pub mod rewrite;
@@ -16,7 +15,6 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::programs::TcContext;
 
-pub use address::{clear_address, unwords, widen, words};
 pub use cnibpf_common::packet::Fragment;
 pub use parse::{Flow, SourceAddress, extension_headers, source_address};
 pub use rewrite::csum_diff;

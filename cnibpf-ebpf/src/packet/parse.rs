@@ -7,6 +7,7 @@
 use aya_ebpf::{bindings::BPF_ANY, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    address::Address,
     conntrack,
     fragment::{FirstFragment, FragmentKey},
     packet::{Fragment, is_echo_reply, is_echo_request},
@@ -14,8 +15,7 @@ use cnibpf_common::{
 
 use super::{
     DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF,
-    IPV6_HLEN, IPV6_SADDR_OFF, L4_PULL, MAX_DIRECT_OFFSET, address::widen_fast, ensure_linear,
-    load, load_anywhere,
+    IPV6_HLEN, IPV6_SADDR_OFF, L4_PULL, MAX_DIRECT_OFFSET, ensure_linear, load, load_anywhere,
 };
 use crate::{clock, maps};
 
@@ -25,8 +25,8 @@ use crate::{clock, maps};
 pub struct Flow {
     pub family: u8,
     pub protocol: u8,
-    pub saddr: [u8; 16],
-    pub daddr: [u8; 16],
+    pub saddr: Address,
+    pub daddr: Address,
     /// Network byte order; in a later fragment its first fragment's, zero when that was not
     /// seen.
     pub sport: u16,
@@ -178,8 +178,8 @@ impl Flow {
         Ok(Some(Self {
             family: FAMILY_IPV4,
             protocol,
-            saddr: widen_fast(saddr),
-            daddr: widen_fast(daddr),
+            saddr: Address::ipv4(saddr),
+            daddr: Address::ipv4(daddr),
             sport,
             dport,
             fragment,
@@ -334,7 +334,7 @@ fn header_ports(header: &[u8]) -> (bool, u16, u16) {
 /// A packet's source address, read from its linear headers.
 pub enum SourceAddress {
     V4([u8; 4]),
-    V6([u8; 16]),
+    V6(Address),
 }
 
 /// The packet's source address when its IP header is in the linear area (nothing is pulled:

@@ -7,7 +7,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use cnibpf_common::{
-    FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, internet_checksum,
+    FAMILY_IPV4, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    address::Address,
+    internet_checksum,
     sctp_checksum::{self, Product},
 };
 
@@ -32,9 +34,9 @@ fn decrement_ipv6_hop_limit(ctx: &TcContext) -> Result<bool, DatapathError> {
 }
 
 /// The ones'-complement difference between two 16-byte addresses (IPv4: the first four).
-pub fn csum_diff(old: &[u8; 16], new: &[u8; 16]) -> Result<u32, DatapathError> {
-    let mut from = *old;
-    let mut to = *new;
+pub fn csum_diff(old: &Address, new: &Address) -> Result<u32, DatapathError> {
+    let mut from = old.words();
+    let mut to = new.words();
     // SAFETY: both buffers are 16 bytes on this program's stack.
     let diff =
         unsafe { bpf_csum_diff(from.as_mut_ptr().cast(), 16, to.as_mut_ptr().cast(), 16, 0) };
@@ -108,7 +110,7 @@ impl Flow {
     pub fn rewrite_forwarded_source(
         &mut self,
         ctx: &TcContext,
-        addr: &[u8; 16],
+        addr: &Address,
         port: u16,
     ) -> Result<bool, DatapathError> {
         if self.family != FAMILY_IPV4 {
@@ -131,7 +133,7 @@ impl Flow {
     fn rewrite_forwarded_ipv4_header(
         &self,
         ctx: &TcContext,
-        addr: &[u8; 16],
+        addr: &Address,
     ) -> Result<bool, DatapathError> {
         // TTL, protocol, header checksum, source address.
         let mut header: [u8; 8] = load(ctx, ETH_HLEN + 8)?;
@@ -141,8 +143,8 @@ impl Flow {
         let old_word = u16::from_ne_bytes([header[0], header[1]]);
         header[0] -= 1;
         let new_word = u16::from_ne_bytes([header[0], header[1]]);
-        let old4 = [self.saddr[0], self.saddr[1], self.saddr[2], self.saddr[3]];
-        let new4 = [addr[0], addr[1], addr[2], addr[3]];
+        let old4 = self.saddr.ipv4_octets();
+        let new4 = addr.ipv4_octets();
         let checksum = internet_checksum::replace4(
             internet_checksum::replace(
                 u16::from_ne_bytes([header[2], header[3]]),
@@ -200,7 +202,7 @@ impl Flow {
     pub fn rewrite_source(
         &mut self,
         ctx: &TcContext,
-        addr: &[u8; 16],
+        addr: &Address,
         port: u16,
     ) -> Result<(), DatapathError> {
         self.rewrite_address(ctx, Side::Source, addr)?;
@@ -215,7 +217,7 @@ impl Flow {
     pub fn rewrite_destination(
         &mut self,
         ctx: &TcContext,
-        addr: &[u8; 16],
+        addr: &Address,
         port: u16,
     ) -> Result<(), DatapathError> {
         self.rewrite_address(ctx, Side::Destination, addr)?;
@@ -231,7 +233,7 @@ impl Flow {
         &self,
         ctx: &TcContext,
         side: Side,
-        new: &[u8; 16],
+        new: &Address,
     ) -> Result<(), DatapathError> {
         let (old, v6_off) = match side {
             Side::Source => (self.saddr, IPV6_SADDR_OFF),
@@ -242,22 +244,16 @@ impl Flow {
         }
         let failed = |_| DatapathError::RewriteFailed;
         if self.family == FAMILY_IPV4 {
-            let old4 = [old[0], old[1], old[2], old[3]];
-            let new4 = [new[0], new[1], new[2], new[3]];
+            let old4 = old.ipv4_octets();
+            let new4 = new.ipv4_octets();
             self.update_pseudo_header_v4(ctx, old4, new4)?;
             // The header checksum and both addresses lie side by side: one write, the checksum
             // computed here, instead of a checksum helper call and a store.
             let [high, low] = load::<[u8; 2]>(ctx, IPV4_CSUM_OFF)?;
             let checksum = internet_checksum::replace4(u16::from_ne_bytes([high, low]), old4, new4);
             let (source, destination) = match side {
-                Side::Source => (
-                    new4,
-                    [self.daddr[0], self.daddr[1], self.daddr[2], self.daddr[3]],
-                ),
-                Side::Destination => (
-                    [self.saddr[0], self.saddr[1], self.saddr[2], self.saddr[3]],
-                    new4,
-                ),
+                Side::Source => (new4, self.daddr.ipv4_octets()),
+                Side::Destination => (self.saddr.ipv4_octets(), new4),
             };
             let [high, low] = checksum.to_ne_bytes();
             let header = [

@@ -3,7 +3,7 @@
 //! to a hostPort asks: from outside, hairpin, and host processes' sockets.
 
 use cnibpf_common::{
-    FAMILY_IPV4,
+    address::Address,
     port_condition::{
         KIND_DESTINATION, KIND_IN_INTERFACE, KIND_SOURCE, MAX_TERMS, PortConditionsKey,
     },
@@ -18,8 +18,8 @@ use crate::maps;
 #[inline(always)]
 pub fn admit(
     mapping: &PortMapValue,
-    source: &[u8; 16],
-    destination: &[u8; 16],
+    source: &Address,
+    destination: &Address,
     in_ifindex: u32,
     family: u8,
 ) -> bool {
@@ -33,8 +33,8 @@ pub fn admit(
 #[inline(never)]
 fn conditions_hold(
     owner: u64,
-    source: &[u8; 16],
-    destination: &[u8; 16],
+    source: &Address,
+    destination: &Address,
     in_ifindex: u32,
     family: u8,
 ) -> bool {
@@ -49,7 +49,6 @@ fn conditions_hold(
     // SAFETY: points into `port_conditions`; userspace replaces entries whole (no preallocation,
     // so a reader keeps the old entry until it is done).
     let conditions = unsafe { &*conditions };
-    let width = if family == FAMILY_IPV4 { 4 } else { 16 };
     let mut matched: u16 = 0;
     let count = usize::from(conditions.term_count);
     // An index loop with a constant bound: the verifier follows it, not a slice iterator's
@@ -62,8 +61,8 @@ fn conditions_hold(
             break;
         };
         let hit = match term.kind {
-            KIND_SOURCE => in_network(source, &term.addr, &term.mask, width),
-            KIND_DESTINATION => in_network(destination, &term.addr, &term.mask, width),
+            KIND_SOURCE => in_network(source, &term.addr, &term.mask),
+            KIND_DESTINATION => in_network(destination, &term.addr, &term.mask),
             KIND_IN_INTERFACE => in_ifindex != 0 && in_ifindex == term.ifindex,
             _ => false,
         };
@@ -78,14 +77,10 @@ fn conditions_hold(
     (matched ^ conditions.negated) & all == all
 }
 
+/// Whether `addr` is in `network`/`mask`: word by word, without a branch. An IPv4 term's mask
+/// is zero past its first word, and so are an IPv4 address's words.
 #[inline(always)]
-fn in_network(addr: &[u8; 16], network: &[u8; 16], mask: &[u8; 16], width: usize) -> bool {
-    let mut position = 0;
-    while position < width {
-        if addr[position] & mask[position] != network[position] {
-            return false;
-        }
-        position += 1;
-    }
-    true
+fn in_network(addr: &Address, network: &Address, mask: &Address) -> bool {
+    let ([a, b, c, d], [m, n, o, p]) = (addr.words(), mask.words());
+    Address::from_words([a & m, b & n, c & o, d & p]) == *network
 }

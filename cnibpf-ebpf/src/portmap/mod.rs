@@ -16,6 +16,7 @@ mod conditions;
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
+    address::Address,
     connection::{Connection, PART_DNAT},
     conntrack,
     endpoint::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
@@ -26,8 +27,7 @@ use cnibpf_common::{
 use crate::{
     clock, connections, maps,
     packet::{
-        Answer, DatapathError, Flow, Fragment, Handover, NEXT, clear_address, ifindex,
-        mark_translated, or_verdict,
+        Answer, DatapathError, Flow, Fragment, Handover, NEXT, ifindex, mark_translated, or_verdict,
     },
     route::{Route, forward, route},
 };
@@ -39,9 +39,9 @@ pub struct Translation {
     /// The attachment owning the mapping.
     pub owner: u64,
     /// The hostIP the client sent to.
-    pub original_addr: [u8; 16],
+    pub original_addr: Address,
     /// The client's own address.
-    pub client_addr: [u8; 16],
+    pub client_addr: Address,
     /// The hostPort, network byte order.
     pub original_port: u16,
     /// The client's own port, network byte order.
@@ -327,13 +327,13 @@ pub fn remember_translation(ctx: &TcContext, flow: &Flow, found: *mut Connection
     }
 }
 
-fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<[u8; 16]> {
+fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<Address> {
     let address = if family == FAMILY_IPV4 {
-        crate::packet::widen(endpoint.gateway_v4)
+        Address::ipv4(endpoint.gateway_v4)
     } else {
         endpoint.gateway_v6
     };
-    (address != [0; 16]).then_some(address)
+    (address != Address::UNSPECIFIED).then_some(address)
 }
 
 /// The mapping for the packet's destination: the wildcard, which applies only when the
@@ -353,7 +353,7 @@ pub fn lookup_mapping(flow: &Flow) -> Option<*const PortMapValue> {
         protocol: flow.protocol,
         family: flow.family,
     };
-    clear_address(&mut key.host_addr);
+    key.host_addr = Address::UNSPECIFIED;
     if let Some(wildcard) = maps::portmap.get_ptr(&key) {
         return maps::is_host_address(&flow.daddr, flow.family).then_some(wildcard);
     }

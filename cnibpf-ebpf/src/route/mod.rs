@@ -22,7 +22,7 @@ use aya_ebpf::{
     macros::btf_map,
     programs::TcContext,
 };
-use cnibpf_common::FAMILY_IPV4;
+use cnibpf_common::{FAMILY_IPV4, address::Address};
 
 mod next_hop;
 
@@ -30,7 +30,7 @@ use next_hop::{NEXT_HOP_SLOTS, NEXT_HOP_SLOTS_LOG2, NextHop};
 
 use crate::{
     clock,
-    packet::{DatapathError, Flow, ifindex, set_macs, unwords, widen, words},
+    packet::{DatapathError, Flow, ifindex, set_macs},
 };
 
 /// The source address the FIB chose for the packet at hand (see [`route`]); private to
@@ -40,7 +40,7 @@ use crate::{
     reason = "the static's name is the map's name, like the pinned ones"
 )]
 #[btf_map]
-pub static route_source: PerCpuArray<[u8; 16], 1> = PerCpuArray::new();
+pub static route_source: PerCpuArray<Address, 1> = PerCpuArray::new();
 
 /// The FIB's recent answers (see [`next_hop`]); private to each loaded object, not pinned.
 #[expect(
@@ -92,16 +92,8 @@ pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
         _ => return Route::Other,
     };
     if choose_source && let Some(slot) = route_source.get_ptr_mut(0) {
-        // Copied as two words: LLVM makes a copy between two map values a call to a
-        // byte-at-a-time `memmove` on this target.
-        // SAFETY: the slot is this CPU's, written and read within one program run; both are
-        // map values, which the kernel aligns to 8 bytes, and `source` is at a multiple of 8
-        // into `NextHop`.
-        unsafe {
-            let (from, to) = (hop.source.as_ptr().cast::<u64>(), slot.cast::<u64>());
-            to.write(from.read());
-            to.add(1).write(from.add(1).read());
-        }
+        // SAFETY: the slot is this CPU's, written and read within one program run.
+        unsafe { slot.write(hop.source) };
     }
     // Too big: the host stack answers with "fragmentation needed" or fragments it.
     if ctx.len() <= hop.mtu || fits_mtu(ctx, hop) {
@@ -152,12 +144,10 @@ fn next_hop(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Option<*mut Ne
 /// (Fibonacci) hash, whose top bits depend on all of them.
 #[inline(always)]
 fn slot(flow: &Flow, ifindex: u32) -> u32 {
-    let destination = u128::from_ne_bytes(flow.daddr);
-    let source = u128::from_ne_bytes(flow.saddr);
-    let mixed = destination ^ source.rotate_left(61);
-    let ports = (u64::from(flow.sport) << 16 | u64::from(flow.dport)) << 32;
-    let folded = (mixed as u64) ^ ((mixed >> 64) as u64) ^ ports ^ u64::from(ifindex);
-    let folded = (folded ^ (folded >> 32)) as u32 ^ u32::from(flow.protocol);
+    let ([d0, d1, d2, d3], [s0, s1, s2, s3]) = (flow.daddr.words(), flow.saddr.words());
+    let mixed = d0 ^ d1 ^ d2 ^ d3 ^ (s0 ^ s1 ^ s2 ^ s3).rotate_left(13);
+    let ports = u32::from(flow.sport) << 16 | u32::from(flow.dport);
+    let folded = mixed ^ ports.rotate_left(7) ^ ifindex ^ u32::from(flow.protocol);
     folded.wrapping_mul(0x9e37_79b1) >> (32 - NEXT_HOP_SLOTS_LOG2)
 }
 
@@ -165,11 +155,8 @@ impl NextHop {
     /// Whether this answer is for the question the flow asks on `ifindex`.
     #[inline(always)]
     fn answers(&self, flow: &Flow, ifindex: u32, choose_source: u8) -> bool {
-        // Compared as integers, xor-ed together: one branch instead of one per byte.
-        let addresses = (u128::from_ne_bytes(self.query_destination)
-            ^ u128::from_ne_bytes(flow.daddr))
-            | (u128::from_ne_bytes(self.query_source) ^ u128::from_ne_bytes(flow.saddr));
-        addresses == 0
+        self.query_destination == flow.daddr
+            && self.query_source == flow.saddr
             && self.query_ifindex == ifindex
             && self.query_source_port == flow.sport
             && self.query_destination_port == flow.dport
@@ -221,9 +208,9 @@ fn look_up(ctx: &TcContext, flow: &Flow, choose_source: u8, hop: *mut NextHop, n
         hop.source_mac = macs.smac;
         hop.destination_mac = macs.dmac;
         hop.source = if flow.family == FAMILY_IPV4 {
-            widen(params.__bindgen_anon_3.ipv4_src.to_ne_bytes())
+            Address::ipv4(params.__bindgen_anon_3.ipv4_src.to_ne_bytes())
         } else {
-            unwords(params.__bindgen_anon_3.ipv6_src)
+            Address::from_words(params.__bindgen_anon_3.ipv6_src)
         };
     }
 }
@@ -251,13 +238,11 @@ fn fib_params<'a>(
     params.sport = flow.sport;
     params.dport = flow.dport;
     if flow.family == FAMILY_IPV4 {
-        params.__bindgen_anon_3.ipv4_src =
-            u32::from_ne_bytes([flow.saddr[0], flow.saddr[1], flow.saddr[2], flow.saddr[3]]);
-        params.__bindgen_anon_4.ipv4_dst =
-            u32::from_ne_bytes([flow.daddr[0], flow.daddr[1], flow.daddr[2], flow.daddr[3]]);
+        params.__bindgen_anon_3.ipv4_src = flow.saddr.words()[0];
+        params.__bindgen_anon_4.ipv4_dst = flow.daddr.words()[0];
     } else {
-        params.__bindgen_anon_3.ipv6_src = words(&flow.saddr);
-        params.__bindgen_anon_4.ipv6_dst = words(&flow.daddr);
+        params.__bindgen_anon_3.ipv6_src = flow.saddr.words();
+        params.__bindgen_anon_4.ipv6_dst = flow.daddr.words();
     }
     params.ifindex = ifindex(ctx);
     params

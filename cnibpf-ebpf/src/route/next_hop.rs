@@ -2,6 +2,8 @@
 //! the question: a later question for another slot's flow replaces the answer kept there.
 //! Private to each loaded object, not pinned: a new object starts with none.
 
+use cnibpf_common::address::Address;
+
 /// log2 of the slots per CPU.
 pub const NEXT_HOP_SLOTS_LOG2: u32 = 8;
 pub const NEXT_HOP_SLOTS: u32 = 1 << NEXT_HOP_SLOTS_LOG2;
@@ -11,8 +13,8 @@ pub const NEXT_HOP_SLOTS: u32 = 1 << NEXT_HOP_SLOTS_LOG2;
 pub struct NextHop {
     /// The question: the flow's addresses and ports (network byte order), protocol and
     /// family, the interface its packet entered by, and whether the FIB chose the source.
-    pub query_source: [u8; 16],
-    pub query_destination: [u8; 16],
+    pub query_source: Address,
+    pub query_destination: Address,
     /// `clock::now_ns` of the lookup.
     pub looked_up_ns: u64,
     pub query_ifindex: u32,
@@ -29,7 +31,7 @@ pub struct NextHop {
     pub ifindex: u32,
     pub source_mac: [u8; 6],
     pub destination_mac: [u8; 6],
-    pub source: [u8; 16],
+    pub source: Address,
     /// The output interface's MTU as the MTU check last reported it for this answer, zero
     /// until then.
     pub mtu: u32,

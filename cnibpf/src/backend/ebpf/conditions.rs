@@ -101,8 +101,8 @@ fn encode(conditions: &[Condition], interfaces: &[(String, u32)]) -> PortConditi
             value.negated |= 1 << clause;
         }
         let net_term = |kind: u8, net: &IpNet| ConditionTerm {
-            addr: addr::to_bytes(net.trunc().addr()),
-            mask: addr::to_bytes(net.netmask()),
+            addr: addr::to_address(net.trunc().addr()),
+            mask: addr::to_address(net.netmask()),
             ifindex: 0,
             kind,
             clause,
@@ -153,10 +153,10 @@ mod tests {
         assert_eq!(value.clause_count, 2);
         assert_eq!(value.negated, 0b10);
         assert_eq!(value.terms[0].kind, KIND_SOURCE);
-        assert_eq!(&value.terms[0].addr[..4], &[192, 0, 2, 0]);
-        assert_eq!(&value.terms[0].mask[..4], &[255, 255, 255, 0]);
+        assert_eq!(&value.terms[0].addr.bytes[..4], &[192, 0, 2, 0]);
+        assert_eq!(&value.terms[0].mask.bytes[..4], &[255, 255, 255, 0]);
         assert_eq!(value.terms[1].clause, 0);
-        assert_eq!(&value.terms[1].mask[..4], &[255, 255, 255, 255]);
+        assert_eq!(&value.terms[1].mask.bytes[..4], &[255, 255, 255, 255]);
         assert_eq!(value.terms[2].kind, KIND_IN_INTERFACE);
         assert_eq!(value.terms[2].ifindex, 7);
         assert_eq!(value.terms[2].clause, 1);

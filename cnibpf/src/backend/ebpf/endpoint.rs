@@ -7,6 +7,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use aya::maps::{HashMap, MapData};
 use cnibpf_common::{
     addr,
+    address::Address,
     endpoint::{self, EndpointInfo},
     host_addr::{self, HostAddrKey},
     owner::{self, OwnerInfo},
@@ -147,7 +148,7 @@ impl EbpfBackend {
             .iter()
             .map(|(ifindex, addr)| {
                 let key = HostAddrKey {
-                    addr: addr::to_bytes(*addr),
+                    addr: addr::to_address(*addr),
                     family: addr::family_of(*addr),
                     _pad: [0; 3],
                 };
@@ -392,11 +393,14 @@ fn endpoint_info(endpoint: &Endpoint) -> EndpointInfo {
         endpoint::FLAG_UNMASQUERADED
     };
     EndpointInfo {
-        // fail-closed: Options of the plan; no gateway is stored as the unspecified address.
-        gateway_v6: endpoint
-            .gateway_v6
-            .unwrap_or(Ipv6Addr::UNSPECIFIED)
-            .octets(),
+        gateway_v6: Address::from_bytes(
+            endpoint
+                .gateway_v6
+                // fail-closed: Options of the plan; no gateway is stored as the unspecified
+                // address.
+                .unwrap_or(Ipv6Addr::UNSPECIFIED)
+                .octets(),
+        ),
         owner: endpoint.attachment.owner_id(),
         // fail-closed: as above.
         gateway_v4: endpoint

@@ -8,6 +8,7 @@ use std::net::IpAddr;
 use aya::maps::{HashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, addr,
+    address::Address,
     connection::PART_FILTER,
     filter::{
         self, CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS, DIRECTION_INGRESS,
@@ -233,23 +234,23 @@ fn stored_rule(rule: &FilterRule) -> StoredRule {
 }
 
 /// A rule's network as the datapath matches it: masked address, mask, prefix length.
-fn stored_net(net: Option<IpNet>) -> ([u8; 16], [u8; 16], u8) {
+fn stored_net(net: Option<IpNet>) -> (Address, Address, u8) {
     let Some(net) = net else {
-        return ([0; 16], [0; 16], NO_PREFIX);
+        return (Address::UNSPECIFIED, Address::UNSPECIFIED, NO_PREFIX);
     };
     (
-        addr::to_bytes(net.trunc().addr()),
-        addr::to_bytes(net.netmask()),
+        addr::to_address(net.trunc().addr()),
+        addr::to_address(net.netmask()),
         net.prefix_len(),
     )
 }
 
 /// The configuration rule a stored one was made from.
 pub(super) fn config_rule(stored: &StoredRule) -> FilterRule {
-    let net = |addr: [u8; 16], prefix: u8| {
+    let net = |addr: Address, prefix: u8| {
         (prefix != NO_PREFIX)
             .then(|| {
-                let addr: IpAddr = addr::from_bytes(addr, stored.family);
+                let addr: IpAddr = addr::from_address(addr, stored.family);
                 // fail-closed: a prefix too long for the family is no network, shown as any.
                 IpNet::new(addr, prefix).ok()
             })
@@ -322,8 +323,8 @@ mod tests {
         let stored = stored_rule(&rule(
             serde_json::json!({"index": 1, "target": "DROP", "src": "172.64.9.9/13"}),
         ));
-        assert_eq!(stored.src_addr[..4], [172, 64, 0, 0]);
-        assert_eq!(stored.src_mask[..4], [255, 248, 0, 0]);
+        assert_eq!(stored.src_addr.bytes[..4], [172, 64, 0, 0]);
+        assert_eq!(stored.src_mask.bytes[..4], [255, 248, 0, 0]);
         assert_eq!(stored.dst_prefix, NO_PREFIX);
         assert_eq!(stored.family, FAMILY_IPV4);
     }

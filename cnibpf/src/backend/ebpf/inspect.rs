@@ -82,7 +82,7 @@ impl Inspect for EbpfBackend {
                 .1
                 .masquerade
                 .sources
-                .push(addr::from_bytes(key.addr, key.family));
+                .push(addr::from_address(key.addr, key.family));
         }
         for entry in self.masquerade.masq_excludes.iter() {
             let (key, reason) = entry.map_err(map_error("could not read map masq_excludes"))?;
@@ -112,7 +112,7 @@ impl Inspect for EbpfBackend {
             uplinks.push(UplinkAddresses {
                 ifindex,
                 v4: (info.addr_v4 != [0; 4]).then(|| Ipv4Addr::from(info.addr_v4)),
-                v6: (info.addr_v6 != [0; 16]).then(|| Ipv6Addr::from(info.addr_v6)),
+                v6: (!info.addr_v6.is_unspecified()).then(|| Ipv6Addr::from(info.addr_v6.bytes)),
             });
         }
         uplinks.sort_by_key(|uplink| uplink.ifindex);

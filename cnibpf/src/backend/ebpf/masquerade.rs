@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use aya::maps::{HashMap, LpmTrie, MapData, PerCpuArray, lpm_trie::Key};
 use cnibpf_common::{
     addr,
+    address::Address,
     connection::{Connection, ConnectionKey, PART_SNAT},
     masq_exclude::{self, MasqExcludeKey, OWNER_FAMILY_BITS},
     masq_reply::{self, MasqReply, ReplyKey},
@@ -202,7 +203,7 @@ impl Masquerading for EbpfBackend {
                 return Err(BackendError::CheckFailed(format!(
                     "{} masquerades {} although ipMasq is off",
                     endpoint.attachment,
-                    addr::from_bytes(source.addr, source.family)
+                    addr::from_address(source.addr, source.family)
                 )));
             }
             return Ok(());
@@ -269,7 +270,9 @@ impl Masquerading for EbpfBackend {
             {
                 match addr {
                     IpAddr::V4(addr) if info.addr_v4 == [0; 4] => info.addr_v4 = addr.octets(),
-                    IpAddr::V6(addr) if info.addr_v6 == [0; 16] => info.addr_v6 = addr.octets(),
+                    IpAddr::V6(addr) if info.addr_v6.is_unspecified() => {
+                        info.addr_v6 = Address::from_bytes(addr.octets());
+                    }
                     _ => {}
                 }
             }
@@ -325,7 +328,7 @@ impl EbpfBackend {
 
 fn source_key(addr: IpAddr) -> MasqSourceKey {
     MasqSourceKey {
-        addr: addr::to_bytes(addr),
+        addr: addr::to_address(addr),
         family: addr::family_of(addr),
         _pad: [0; 3],
     }
@@ -338,7 +341,7 @@ fn exclude_key(owner: u64, net: &IpNet) -> Key<MasqExcludeKey> {
         MasqExcludeKey {
             owner: owner.to_be_bytes(),
             family: addr::family_of(net.addr()),
-            addr: addr::to_bytes(net.addr()),
+            addr: addr::to_address(net.addr()).bytes,
             _pad: [0; 3],
         },
     )
@@ -349,8 +352,9 @@ pub(super) fn exclude_net(key: &Key<MasqExcludeKey>) -> Option<IpNet> {
     let data = key.data();
     // fail-closed: decoding a key read whole, no kernel result here.
     let prefix = u8::try_from(key.prefix_len().checked_sub(OWNER_FAMILY_BITS)?).ok()?;
+    let addr = addr::from_address(Address::from_bytes(data.addr), data.family);
     // fail-closed: as above.
-    IpNet::new(addr::from_bytes(data.addr, data.family), prefix).ok()
+    IpNet::new(addr, prefix).ok()
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use std::collections::HashSet;
 use aya::maps::{HashMap, MapData, MapError};
 use cnibpf_common::{
     addr,
+    address::Address,
     connection::{Connection, ConnectionKey, PART_DNAT},
     owner_port::{self, OwnerPortKey},
     port_claim::{self, PortClaim, PortClaimKey},
@@ -93,7 +94,7 @@ impl EbpfBackend {
     /// failure in between leaves the count too high (a wildcard of that port then scans
     /// `portmap` and finds no holder), never too low (which would let a wildcard overlap).
     fn claim(&mut self, key: &PortMapKey, taken: bool) -> Result<(), BackendError> {
-        if key.host_addr == [0; 16] {
+        if key.host_addr.is_unspecified() {
             return Ok(());
         }
         let claim_key = claim_key(key);
@@ -114,13 +115,13 @@ impl EbpfBackend {
     /// whose entry was never installed (an ADD that failed in between), whose count may be one
     /// too high. Rare, so a scan is fine.
     fn recount_claim(&mut self, key: &PortMapKey) -> Result<(), BackendError> {
-        if key.host_addr == [0; 16] {
+        if key.host_addr.is_unspecified() {
             return Ok(());
         }
         let mut count = 0u32;
         for entry in self.port_mapping.portmap.iter() {
             let (found, _) = entry.map_err(map_error("could not read map portmap"))?;
-            if claim_key(&found) == claim_key(key) && found.host_addr != [0; 16] {
+            if claim_key(&found) == claim_key(key) && !found.host_addr.is_unspecified() {
                 count += 1;
             }
         }
@@ -269,9 +270,9 @@ impl PortMappings for EbpfBackend {
         if let Some(holder) = other(self.port_mapping.portmap.get(&key, 0))? {
             return Ok(Some(holder));
         }
-        if key.host_addr != [0; 16] {
+        if !key.host_addr.is_unspecified() {
             let wildcard = PortMapKey {
-                host_addr: [0; 16],
+                host_addr: Address::UNSPECIFIED,
                 ..key
             };
             return other(self.port_mapping.portmap.get(&wildcard, 0));
@@ -359,7 +360,9 @@ fn owner_port_key(owner: u64, slot: u32) -> OwnerPortKey {
 fn key_for(mapping: &ResolvedMapping) -> PortMapKey {
     PortMapKey {
         // fail-closed: an Option of the configuration; the wildcard is all zeroes.
-        host_addr: mapping.host_addr.map_or([0; 16], addr::to_bytes),
+        host_addr: mapping
+            .host_addr
+            .map_or(Address::UNSPECIFIED, addr::to_address),
         host_port: mapping.host_port,
         protocol: mapping.protocol.number(),
         family: addr::family_of(mapping.container_addr),
@@ -369,7 +372,7 @@ fn key_for(mapping: &ResolvedMapping) -> PortMapKey {
 fn entry_for(endpoint: &Endpoint, mapping: &ResolvedMapping) -> (PortMapKey, PortMapValue) {
     let key = key_for(mapping);
     let value = PortMapValue {
-        container_addr: addr::to_bytes(mapping.container_addr),
+        container_addr: addr::to_address(mapping.container_addr),
         owner: endpoint.attachment.owner_id(),
         host_ifindex: endpoint.host.index,
         container_port: mapping.container_port,
@@ -397,7 +400,7 @@ fn translated_by(
     connection_key.protocol == key.protocol
         && connection_key.family == key.family
         && connection.orig_port == key.host_port
-        && (key.host_addr == [0; 16] || key.host_addr == connection.orig_addr)
+        && (key.host_addr.is_unspecified() || key.host_addr == connection.orig_addr)
         && connection_key.container_addr == value.container_addr
         && connection_key.container_port == value.container_port
 }
@@ -406,12 +409,13 @@ pub(super) fn mapping_from_entry(
     key: &PortMapKey,
     value: &PortMapValue,
 ) -> Option<ResolvedMapping> {
-    let host_addr = (key.host_addr != [0; 16]).then(|| addr::from_bytes(key.host_addr, key.family));
+    let host_addr =
+        (!key.host_addr.is_unspecified()).then(|| addr::from_address(key.host_addr, key.family));
     Some(ResolvedMapping {
         protocol: Protocol::from_number(key.protocol)?,
         host_addr,
         host_port: key.host_port,
-        container_addr: addr::from_bytes(value.container_addr, key.family),
+        container_addr: addr::from_address(value.container_addr, key.family),
         container_port: value.container_port,
     })
 }
@@ -435,7 +439,7 @@ mod tests {
     fn entry(mapping: &ResolvedMapping) -> (PortMapKey, PortMapValue) {
         let key = key_for(mapping);
         let value = PortMapValue {
-            container_addr: addr::to_bytes(mapping.container_addr),
+            container_addr: addr::to_address(mapping.container_addr),
             container_port: mapping.container_port,
             ..PortMapValue::default()
         };
@@ -454,8 +458,8 @@ mod tests {
     fn a_connection_belongs_to_the_mapping_that_translated_it() {
         let host: IpAddr = "203.0.113.1".parse().expect("literal");
         let connection_key = ConnectionKey {
-            container_addr: addr::to_bytes("10.22.0.2".parse().expect("literal")),
-            remote_addr: addr::to_bytes("198.51.100.7".parse().expect("literal")),
+            container_addr: addr::to_address("10.22.0.2".parse().expect("literal")),
+            remote_addr: addr::to_address("198.51.100.7".parse().expect("literal")),
             container_port: 80,
             remote_port: 40_000,
             protocol: Protocol::Tcp.number(),
@@ -463,7 +467,7 @@ mod tests {
             _pad: [0; 2],
         };
         let connection = Connection {
-            orig_addr: addr::to_bytes(host),
+            orig_addr: addr::to_address(host),
             orig_port: 8080,
             parts: PART_DNAT,
             ..Connection::default()

@@ -10,6 +10,7 @@ use std::net::IpAddr;
 
 use aya::maps::{MapData, PerCpuHashMap, PerCpuValues};
 use cnibpf_common::{
+    address::Address,
     source::{FLAG_OWN_COUNTED, FLAG_RECORDED, FLAG_UNCHECKED, MAX_ADDRESSES, SourceSet},
     source_drop::{self, SourceDrops},
 };
@@ -295,7 +296,7 @@ fn stored_set(owner: u64, own: &SourceCheck, admitted: &SourceCheck) -> SourceSe
             }
             IpAddr::V6(v6) => {
                 if let Some(slot) = set.ipv6.get_mut(set.ipv6_count as usize) {
-                    *slot = v6.octets();
+                    *slot = Address::from_bytes(v6.octets());
                     set.ipv6_count += 1;
                     set.own_ipv6_count += u16::from(is_own);
                 }
@@ -325,7 +326,7 @@ fn own(set: &SourceSet) -> SourceCheck {
         .map(|octets| IpAddr::from(*octets));
     let ipv6 = set.ipv6[..usize::from(set.own_ipv6_count).min(MAX_ADDRESSES)]
         .iter()
-        .map(|octets| IpAddr::from(*octets));
+        .map(|address| IpAddr::from(address.bytes));
     SourceCheck::new(ipv4.chain(ipv6))
 }
 
@@ -336,7 +337,7 @@ fn admitted(set: &SourceSet) -> SourceCheck {
         .map(|octets| IpAddr::from(*octets));
     let ipv6 = set.ipv6[..(set.ipv6_count as usize).min(MAX_ADDRESSES)]
         .iter()
-        .map(|octets| IpAddr::from(*octets));
+        .map(|address| IpAddr::from(address.bytes));
     SourceCheck::new(ipv4.chain(ipv6))
 }
 

@@ -10,6 +10,7 @@
 use std::path::Path;
 
 use cnibpf_common::{
+    address::Address,
     connection::{self, Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_SNAT},
     conntrack::STATE_ESTABLISHED,
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
@@ -62,7 +63,7 @@ fn with_part(
 fn masquerade(existing: Option<Connection>, flow: &MasqFlowV9) -> Option<Connection> {
     let opened = (DIRECTION_EGRESS, flow.state, flow.fin, flow.last_seen_ns);
     with_part(existing, flow.owner, PART_SNAT, opened, |connection| {
-        connection.nat_addr = flow.nat_addr;
+        connection.nat_addr = Address::from_bytes(flow.nat_addr);
         connection.uplink_ifindex = flow.uplink_ifindex;
         connection.nat_port = flow.nat_port;
     })
@@ -73,8 +74,8 @@ fn masquerade(existing: Option<Connection>, flow: &MasqFlowV9) -> Option<Connect
 fn translation(existing: Option<Connection>, flow: &NatFlowV9) -> Option<Connection> {
     let opened = (DIRECTION_INGRESS, STATE_ESTABLISHED, 0, flow.last_seen_ns);
     with_part(existing, flow.owner, PART_DNAT, opened, |connection| {
-        connection.orig_addr = flow.orig_addr;
-        connection.peer_addr = flow.peer_addr;
+        connection.orig_addr = Address::from_bytes(flow.orig_addr);
+        connection.peer_addr = Address::from_bytes(flow.peer_addr);
         connection.peer_ifindex = flow.peer_ifindex;
         connection.orig_port = flow.orig_port;
         connection.peer_port = flow.peer_port;
@@ -142,8 +143,8 @@ impl EbpfBackend {
         let old = open_old::<FilterFlowKeyV9, FilterFlowV9>(path)?;
         for (old_key, flow) in batch::entries(&old).map_err(read_error(FILTER_FLOWS))? {
             let key = ConnectionKey {
-                container_addr: old_key.container_addr,
-                remote_addr: old_key.remote_addr,
+                container_addr: Address::from_bytes(old_key.container_addr),
+                remote_addr: Address::from_bytes(old_key.remote_addr),
                 container_port: old_key.container_port,
                 remote_port: old_key.remote_port,
                 protocol: old_key.protocol,
@@ -212,7 +213,7 @@ mod tests {
             (connection.nat_port, connection.uplink_ifindex),
             (40_001, 3)
         );
-        assert_eq!(connection.nat_addr, masqueraded().nat_addr);
+        assert_eq!(connection.nat_addr.bytes, masqueraded().nat_addr);
     }
 
     #[test]

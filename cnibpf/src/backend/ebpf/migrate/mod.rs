@@ -41,6 +41,7 @@ use std::{fs, io, path::Path};
 
 use aya::maps::{HashMap, Map, MapData};
 use cnibpf_common::{
+    address::Address,
     endpoint::{self, EndpointInfo},
     layout,
     owner::{self, IFNAME_LEN, NAME_LEN, OwnerInfo},
@@ -119,7 +120,7 @@ impl EndpointInfoV8 {
     fn current(&self) -> EndpointInfo {
         let old = &self.v6;
         EndpointInfo {
-            gateway_v6: old.gateway_v6,
+            gateway_v6: Address::from_bytes(old.gateway_v6),
             owner: old.owner,
             gateway_v4: old.gateway_v4,
             container_mac: old.container_mac,
