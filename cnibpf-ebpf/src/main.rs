@@ -8,6 +8,8 @@
 //! ```
 #![no_std]
 #![no_main]
+// Inline assembly on the BPF target, for loads of unaligned packet fields (`packet::field`).
+#![feature(asm_experimental_arch)]
 #![expect(
     clippy::not_unsafe_ptr_arg_deref,
     reason = "aya-ebpf's #[classifier] generates the extern entry point that takes the kernel's raw context pointer"

@@ -186,12 +186,12 @@ pub fn allows_in(
     // SAFETY: an element of a hash map without preallocation, which userspace only replaces
     // whole: it stays valid and unchanged while this program runs (RCU).
     let set = unsafe { &*set };
-    // A packet whose TCP header cannot be read is not judged by a rule: dropped, fail closed.
-    let Ok(flags) = flow.tcp_flags(ctx) else {
-        drops::record_unread(ctx, DropReason::FilterUnreadable, ifindex);
-        return false;
-    };
-    let subject = subject(ctx, &Packet::of_flow(flow, flags), ifindex, direction);
+    let subject = subject(
+        ctx,
+        &Packet::of_flow(flow, flow.tcp_flags),
+        ifindex,
+        direction,
+    );
     if subject.is_null() {
         drops::record_unread(ctx, DropReason::FilterUnreadable, ifindex);
         return false;

@@ -40,7 +40,8 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
         unsafe { ((*endpoint).flags, (*endpoint).owner) }
     };
     let filtered = flags & FLAG_UNFILTERED == 0;
-    let Some(mut flow) = Flow::parse(ctx)? else {
+    let mut slot = MaybeUninit::uninit();
+    let Some(flow) = Flow::parse(ctx, &mut slot)? else {
         return Ok(filter::verdict(
             !filtered || filter::allows_other(ctx, ifindex(ctx), DIRECTION_EGRESS),
         ));
@@ -48,8 +49,8 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     // Found once for the filter, masquerade and the hostPort replies: each reads it. (A
     // connection's first packet may get an entry from the filter after this; what follows
     // then finds none, as none of theirs is in it.)
-    let connection = connections::of_packet(&flow, DIRECTION_EGRESS);
-    if filtered && !filter::allows_in(ctx, &flow, ifindex(ctx), DIRECTION_EGRESS, connection) {
+    let connection = connections::of_packet(flow, DIRECTION_EGRESS);
+    if filtered && !filter::allows_in(ctx, flow, ifindex(ctx), DIRECTION_EGRESS, connection) {
         return Ok(DROP);
     }
     // A container whose traffic is shaped on its veth: what it sends must pass the qdiscs
@@ -57,17 +58,17 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     // on from here; `uplink_egress` translates it on its way out.
     if flags & (FLAG_VIA_STACK | FLAG_HOST_FIREWALL) != 0 {
         // Only translated replies and hairpin traffic: `uplink_egress` masquerades the rest.
-        return Ok(translated(ctx, &mut flow, true, connection).tc_verdict());
+        return Ok(translated(ctx, flow, true, connection).tc_verdict());
     }
-    let answer = masquerade::established(ctx, &mut flow, flags, owner, connection);
+    let answer = masquerade::established(ctx, flow, flags, owner, connection);
     if answer != Answer::NOT_MINE {
         return Ok(answer.tc_verdict());
     }
-    let answer = translated(ctx, &mut flow, false, connection);
+    let answer = translated(ctx, flow, false, connection);
     if answer != Answer::NOT_MINE {
         return Ok(answer.tc_verdict());
     }
-    masquerade::from_container(ctx, &mut flow)
+    masquerade::from_container(ctx, flow)
 }
 
 /// A reply of a translated flow (or a fragment of one), or hairpin traffic to a hostPort:
@@ -104,7 +105,7 @@ fn translated(
             let verdict = hand_over(ctx, Some(flow), target, false, Some(connection))
                 .unwrap_or_else(|error| error.verdict(ctx));
             if verdict != DROP {
-                portmap::remember_translation(ctx, flow, connection);
+                portmap::remember_translation(flow, connection);
             }
             Answer::verdict(verdict)
         }
@@ -116,7 +117,8 @@ fn translated(
 /// itself: with the filter's early drop inside a `Result`, LLVM reads a register the verifier
 /// sees unset.
 pub fn to_container(ctx: &TcContext) -> i32 {
-    let flow = match Flow::parse(ctx) {
+    let mut slot = MaybeUninit::uninit();
+    let flow = match Flow::parse(ctx, &mut slot) {
         Ok(Some(flow)) => flow,
         Ok(None) => {
             return filter::verdict(filter::allows_other(ctx, ifindex(ctx), DIRECTION_INGRESS));
@@ -128,13 +130,13 @@ pub fn to_container(ctx: &TcContext) -> i32 {
     let connection = if flow.fragment == Fragment::Later {
         core::ptr::null_mut()
     } else {
-        connections::of_packet(&flow, DIRECTION_INGRESS)
+        connections::of_packet(flow, DIRECTION_INGRESS)
     };
-    if !filter::allows_in(ctx, &flow, ifindex(ctx), DIRECTION_INGRESS, connection) {
+    if !filter::allows_in(ctx, flow, ifindex(ctx), DIRECTION_INGRESS, connection) {
         return DROP;
     }
     if !translated {
-        portmap::forget_stale_translation(ctx, &flow, connection);
+        portmap::forget_stale_translation(flow, connection);
     }
     NEXT
 }

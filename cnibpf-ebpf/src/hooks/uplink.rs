@@ -27,10 +27,11 @@ pub fn ingress(ctx: &TcContext) -> i32 {
 }
 
 fn try_ingress(ctx: &TcContext) -> Result<i32, DatapathError> {
-    let Some(mut flow) = Flow::parse(ctx)? else {
+    let mut slot = MaybeUninit::uninit();
+    let Some(flow) = Flow::parse(ctx, &mut slot)? else {
         return Ok(icmp_error(ctx));
     };
-    Ok(from_outside(ctx, &mut flow))
+    Ok(from_outside(ctx, flow))
 }
 
 /// A packet without ports: an ICMP error about a masqueraded packet, or someone else's. Not
@@ -70,7 +71,7 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
             let connection = connections::of_packet(flow, DIRECTION_INGRESS);
             let verdict = hand_over(ctx, Some(flow), container, true, Some(connection))?;
             if verdict != DROP {
-                portmap::remember_translation(ctx, flow, connection);
+                portmap::remember_translation(flow, connection);
             }
             Ok(verdict)
         }
@@ -92,11 +93,12 @@ fn try_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
     if from_local_socket(ctx) || leaves_from_uplink_address(ctx) {
         return Ok(NEXT);
     }
-    let Some(mut flow) = Flow::parse(ctx)? else {
+    let mut slot = MaybeUninit::uninit();
+    let Some(flow) = Flow::parse(ctx, &mut slot)? else {
         return Ok(masquerade::untranslated(ctx));
     };
-    match portmap::translate_routed_reply(ctx, &mut flow)? {
-        Answer::NOT_MINE => Ok(masquerade::uplink_egress(ctx, &mut flow)),
+    match portmap::translate_routed_reply(ctx, flow)? {
+        Answer::NOT_MINE => Ok(masquerade::uplink_egress(ctx, flow)),
         answer => Ok(answer.tc_verdict()),
     }
 }

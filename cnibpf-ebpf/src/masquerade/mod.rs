@@ -39,7 +39,7 @@ pub use guard::untranslated;
 pub use replies::{lookup_reply, reply_connection, translate_icmp_error, translate_reply};
 
 use crate::{
-    clock, connections, drops, maps,
+    connections, drops, maps,
     packet::{Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, or_verdict},
     route::{Route, forward, route, route_source},
 };
@@ -120,7 +120,7 @@ pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathE
 
 /// Whether the packet's connection is live and masqueraded for the attachment `owner`.
 fn is_live(flow: &Flow, owner: u64) -> bool {
-    let now = clock::now_ns();
+    let now = flow.now;
     let entry = connections::find(&connections::key_of(flow, DIRECTION_EGRESS));
     // SAFETY: points into `connections`, read at once.
     !entry.is_null()
@@ -177,8 +177,8 @@ pub fn established(
     let Some(state) = (unsafe { connection.as_mut() }) else {
         return Answer::NOT_MINE;
     };
-    let now = clock::now_ns();
-    let flags = or_verdict!(ctx, flow.tcp_flags(ctx));
+    let now = flow.now;
+    let flags = flow.tcp_flags;
     // Not masqueraded (a hostPort's connection, one only the filter tracks), another
     // attachment's (its address was given to this one since), a new connection on the tuple,
     // or expired state: the full path.
@@ -303,7 +303,7 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
         flow.rewrite_source(ctx, &plan.nat_addr, flow.sport)?;
         return Ok(true);
     }
-    let flags = flow.tcp_flags(ctx)?;
+    let flags = flow.tcp_flags;
     let known_port = u16::try_from(masqueraded_port(flow, plan, flags)).ok();
     let nat_port = match known_port {
         Some(port) => port,
@@ -319,7 +319,7 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
                 );
                 return Ok(false);
             };
-            record_flow(flow, plan, port, clock::now_ns(), flags);
+            record_flow(flow, plan, port, flow.now, flags);
             port
         }
     };
@@ -334,7 +334,7 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
 /// registers, and the compiler passes `plan` by its fields).
 #[inline(never)]
 fn masqueraded_port(flow: &Flow, plan: &Plan, flags: u8) -> i32 {
-    let now = clock::now_ns();
+    let now = flow.now;
     let entry = connections::find(&connections::key_of(flow, DIRECTION_EGRESS));
     // SAFETY: points into `connections`; racing writers only refresh the same fields.
     match unsafe { entry.as_mut() } {

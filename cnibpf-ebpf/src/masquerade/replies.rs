@@ -14,7 +14,7 @@ use cnibpf_common::{
 
 use super::{count, icmp::Quoted, reply_key};
 use crate::{
-    clock, connections, maps,
+    connections, maps,
     packet::{Answer, DatapathError, Flow, Handover, icmp::icmp_error_scratch, ifindex},
 };
 
@@ -96,8 +96,8 @@ fn track_reply(
     reply: &MasqReply,
     connection: *mut Connection,
 ) -> Result<bool, DatapathError> {
-    let now = clock::now_ns();
-    let flags = flow.tcp_flags(ctx)?;
+    let now = flow.now;
+    let flags = flow.tcp_flags;
     // SAFETY: points into `connections`; racing writers only refresh the same fields.
     let Some(state) =
         (unsafe { connection.as_mut() }).filter(|state| state.has(reply.owner, PART_SNAT))

@@ -5,6 +5,7 @@
 //! are kept as `cnibpf_common::address::Address` (IPv4 in the first four bytes), ports in
 //! network byte order as on the wire.
 
+pub mod field;
 pub mod icmp;
 pub mod parse;
 pub mod rewrite;
@@ -16,6 +17,7 @@ use core::mem::MaybeUninit;
 use aya_ebpf::programs::TcContext;
 
 pub use cnibpf_common::packet::Fragment;
+pub use field::{Header, load};
 pub use parse::{Flow, SourceAddress, extension_headers, source_address};
 pub use rewrite::csum_diff;
 pub use skb::{
@@ -35,16 +37,14 @@ pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 /// Enough of any L4 header for ports and checksum, pulled into the linear area up front.
 const L4_PULL: usize = 20;
-/// The largest offset read directly at a variable position: the verifier must see a bound
-/// (IPv4 options and the IPv6 extension headers walked end well before it).
-const MAX_DIRECT_OFFSET: usize = 512;
 
 /// `slot` zeroed in place (see [`zero`]), for a value of integers and byte arrays only.
 #[inline(always)]
 pub fn zeroed<T: Zeroable>(slot: &mut MaybeUninit<T>) -> &mut T {
-    // SAFETY: all of `slot` is zeroed, a valid value of a `Zeroable` type.
+    // SAFETY: all of `slot` is zeroed, a valid value of a `Zeroable` type; `T`'s alignment
+    // is the widest store `zero` makes.
     unsafe {
-        zero(slot.as_mut_ptr().cast(), size_of::<T>());
+        zero(slot.as_mut_ptr().cast(), size_of::<T>(), align_of::<T>());
         slot.assume_init_mut()
     }
 }
@@ -71,27 +71,30 @@ pub fn load_anywhere<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, Datap
     ctx.load(offset).map_err(|_| DatapathError::Truncated)
 }
 
-/// Reads a packet field from the linear area, checked against its end.
-pub fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
-    let start = ctx.data();
-    if start + offset + size_of::<T>() > ctx.data_end() {
-        return Err(DatapathError::Truncated);
-    }
-    // SAFETY: the range was checked against data_end just above; unaligned reads are how
-    // packet fields are read.
-    Ok(unsafe { ((start + offset) as *const T).read_unaligned() })
-}
-
-/// Zeroes `len` bytes at `at` a byte at a time, volatile: on this target LLVM turns any zeroing
-/// it sees (a zero array, a derived `Default`) into a call of compiler-builtins' `memset`,
-/// a loop of its own, per packet.
+/// Zeroes `len` bytes at `at` with volatile stores as wide as `align` allows (up to eight
+/// bytes): on this target LLVM turns any zeroing it sees (a zero array, a derived `Default`)
+/// into a call of compiler-builtins' `memset`, a byte loop of its own, per packet.
 ///
 /// # Safety
-/// `at..at + len` must be writable.
+/// `at..at + len` must be writable, and `at` aligned to `align`.
 #[inline(always)]
-unsafe fn zero(at: *mut u8, len: usize) {
-    for index in 0..len {
-        // SAFETY: within the range the caller vouches for.
-        unsafe { at.add(index).write_volatile(0) };
+unsafe fn zero(at: *mut u8, len: usize, align: usize) {
+    let width = align.min(8);
+    let mut done = 0;
+    // SAFETY: within the range the caller vouches for, each store aligned to its width.
+    unsafe {
+        while done + width <= len {
+            match width {
+                8 => at.add(done).cast::<u64>().write_volatile(0),
+                4 => at.add(done).cast::<u32>().write_volatile(0),
+                2 => at.add(done).cast::<u16>().write_volatile(0),
+                _ => at.add(done).write_volatile(0),
+            }
+            done += width;
+        }
+        while done < len {
+            at.add(done).write_volatile(0);
+            done += 1;
+        }
     }
 }

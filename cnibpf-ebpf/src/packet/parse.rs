@@ -4,6 +4,8 @@
 //! request's reversed. A later fragment, which carries no transport header, takes the ports
 //! its datagram's first fragment left in `fragments`, and with them the path of its flow.
 
+use core::mem::MaybeUninit;
+
 use aya_ebpf::{bindings::BPF_ANY, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
@@ -14,29 +16,52 @@ use cnibpf_common::{
 };
 
 use super::{
-    DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF,
-    IPV6_HLEN, IPV6_SADDR_OFF, L4_PULL, MAX_DIRECT_OFFSET, ensure_linear, load, load_anywhere,
+    DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Header, IPV4_DADDR_OFF, IPV4_SADDR_OFF,
+    IPV6_DADDR_OFF, IPV6_HLEN, IPV6_SADDR_OFF, L4_PULL, ensure_linear, load, load_anywhere,
 };
 use crate::{clock, maps};
 
 /// A TCP, UDP, SCTP or ICMP echo packet over IPv4 or IPv6 (no extension headers but a
-/// fragment header).
+/// fragment header). Laid out by hand, words first: the hooks keep it in one slot that
+/// [`Flow::parse`] fills, and the features copy its addresses a word at a time. The fields
+/// after the addresses sit off the verifier's 8-byte grid on purpose (but `sport`, whose
+/// value no path fixes): a value stored there reads back as unknown, so the verifier does not
+/// carry each parse path's exact offsets and protocol into the hooks, which it would
+/// otherwise follow apart, path by path, past its limit.
+#[repr(C)]
 #[derive(Clone, Copy)]
 pub struct Flow {
-    pub family: u8,
-    pub protocol: u8,
     pub saddr: Address,
     pub daddr: Address,
+    /// When the packet was parsed ([`clock::now_ns`]): the one clock read of a program run,
+    /// for every timestamp and expiry its features check.
+    pub now: u64,
+    /// The datagram's identification (IPv4's 16 bits or the IPv6 fragment header's 32) as on
+    /// the wire; zero for a whole datagram.
+    pub fragment_id: u32,
+    /// Where the transport header starts (see [`Self::l4_off`]).
+    l4_offset: u32,
     /// Network byte order; in a later fragment its first fragment's, zero when that was not
     /// seen.
     pub sport: u16,
     /// Network byte order; as `sport`.
     pub dport: u16,
+    pub family: u8,
+    pub protocol: u8,
     pub fragment: Fragment,
-    /// The datagram's identification (IPv4's 16 bits or the IPv6 fragment header's 32) as on
-    /// the wire; zero for a whole datagram.
-    pub fragment_id: u32,
-    pub(super) l4_off: usize,
+    /// The TCP flags byte as the packet arrived (zero for other protocols and for a later
+    /// fragment, which has no TCP header).
+    pub tcp_flags: u8,
+}
+const _: () = assert!(size_of::<Flow>() == 56);
+
+/// What [`Flow::parse_into`] found.
+#[derive(Clone, Copy)]
+#[repr(u8)]
+enum Parsed {
+    Flow,
+    NotAFlow,
+    Truncated,
 }
 
 /// The IPv6 fragment header's next-header value.
@@ -91,24 +116,49 @@ pub fn extension_headers(
 
 impl Flow {
     /// A whole datagram, a first fragment (with ports) or a later fragment (without) of TCP,
-    /// UDP, SCTP or ICMP echo; `None` for anything else.
-    pub fn parse(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
+    /// UDP, SCTP or ICMP echo, parsed into the caller's `slot`; `None` for anything else.
+    /// Filled in place: a flow returned by value inside a `Result<Option<_>>` is copied out
+    /// of it byte by byte. Inlined around [`Self::parse_into`], whose one-byte answer fits
+    /// the one register a BPF call returns (a `Result` of two bytes does not).
+    #[inline(always)]
+    pub fn parse<'slot>(
+        ctx: &TcContext,
+        slot: &'slot mut MaybeUninit<Self>,
+    ) -> Result<Option<&'slot mut Self>, DatapathError> {
+        match Self::parse_into(ctx, slot) {
+            // SAFETY: `parse_into` wrote the whole flow: it answered `Parsed::Flow`.
+            Parsed::Flow => Ok(Some(unsafe { slot.assume_init_mut() })),
+            Parsed::NotAFlow => Ok(None),
+            Parsed::Truncated => Err(DatapathError::Truncated),
+        }
+    }
+
+    /// [`Self::parse`]'s work.
+    #[inline(never)]
+    fn parse_into(ctx: &TcContext, slot: &mut MaybeUninit<Self>) -> Parsed {
         ensure_linear(ctx, ETH_HLEN);
-        let ethertype: u16 = load(ctx, 12)?;
+        let Ok(ethertype) = load::<u16>(ctx, 12) else {
+            return Parsed::Truncated;
+        };
         let parsed = if ethertype == ETH_P_IP.to_be() {
-            Self::parse_ipv4(ctx)?
+            Self::parse_ipv4(ctx, slot)
         } else if ethertype == ETH_P_IPV6.to_be() {
-            Self::parse_ipv6(ctx)?
+            Self::parse_ipv6(ctx, slot)
         } else {
-            return Ok(None);
+            return Parsed::NotAFlow;
         };
-        let Some(mut flow) = parsed else {
-            return Ok(None);
-        };
+        match parsed {
+            Ok(true) => {}
+            Ok(false) => return Parsed::NotAFlow,
+            // Parsing only reads: its one error is a packet shorter than its headers.
+            Err(_) => return Parsed::Truncated,
+        }
+        // SAFETY: both parsers write the whole flow before they answer `true`.
+        let flow = unsafe { slot.assume_init_mut() };
         if flow.fragment != Fragment::Whole {
             flow.follow_datagram();
         }
-        Ok(Some(flow))
+        Parsed::Flow
     }
 
     /// A first fragment leaves its ports in `fragments` for the rest of its datagram (an entry
@@ -118,7 +168,7 @@ impl Flow {
     #[inline(never)]
     fn follow_datagram(&mut self) {
         let key = self.fragment_key();
-        let now = clock::now_ns();
+        let now = self.now;
         let known = maps::fragments.get_ptr(&key);
         if self.fragment == Fragment::Later {
             // SAFETY: points into `fragments`, read at once.
@@ -150,17 +200,17 @@ impl Flow {
     }
 
     #[inline(always)]
-    fn parse_ipv4(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
+    fn parse_ipv4(ctx: &TcContext, slot: &mut MaybeUninit<Self>) -> Result<bool, DatapathError> {
         let version_ihl: u8 = load(ctx, ETH_HLEN)?;
         let header_len = usize::from(version_ihl & 0x0f) * 4;
         if version_ihl >> 4 != 4 || header_len < 20 {
-            return Ok(None);
+            return Ok(false);
         }
         // A datagram that claims more than arrived is the stack's to drop, not ours to
         // translate (0: a segmentation offload's, whose length the stack fixes).
         let total = usize::from(u16::from_be(load::<u16>(ctx, ETH_HLEN + 2)?));
         if total != 0 && (total < header_len || (ctx.len() as usize) < ETH_HLEN + total) {
-            return Ok(None);
+            return Ok(false);
         }
         // Identification and flags/offset, read together.
         let id_and_fragment: [u8; 4] = load(ctx, ETH_HLEN + 4)?;
@@ -169,59 +219,65 @@ impl Flow {
         ensure_linear(ctx, ETH_HLEN + header_len + L4_PULL);
         let protocol: u8 = load(ctx, ETH_HLEN + 9)?;
         let l4_off = ETH_HLEN + header_len;
-        let (translated, sport, dport) = ports(ctx, protocol, l4_off, fragment)?;
-        if !translated {
-            return Ok(None);
+        let transport = ports(ctx, protocol, l4_off, fragment)?;
+        if !transport.translated {
+            return Ok(false);
         }
         let saddr: [u8; 4] = load(ctx, IPV4_SADDR_OFF)?;
         let daddr: [u8; 4] = load(ctx, IPV4_DADDR_OFF)?;
-        Ok(Some(Self {
-            family: FAMILY_IPV4,
-            protocol,
+        slot.write(Self {
             saddr: Address::ipv4(saddr),
             daddr: Address::ipv4(daddr),
-            sport,
-            dport,
-            fragment,
+            now: clock::now_ns(),
+            l4_offset: l4_off as u32,
             fragment_id: if fragment == Fragment::Whole {
                 0
             } else {
                 u32::from(u16::from_ne_bytes([id_and_fragment[0], id_and_fragment[1]]))
             },
-            l4_off,
-        }))
+            sport: transport.sport,
+            dport: transport.dport,
+            family: FAMILY_IPV4,
+            protocol,
+            fragment,
+            tcp_flags: transport.tcp_flags,
+        });
+        Ok(true)
     }
 
     #[inline(always)]
-    fn parse_ipv6(ctx: &TcContext) -> Result<Option<Self>, DatapathError> {
+    fn parse_ipv6(ctx: &TcContext, slot: &mut MaybeUninit<Self>) -> Result<bool, DatapathError> {
         let version: u8 = load(ctx, ETH_HLEN)?;
         if version >> 4 != 6 {
-            return Ok(None);
+            return Ok(false);
         }
         let payload = usize::from(u16::from_be(load::<u16>(ctx, ETH_HLEN + 4)?));
         if payload != 0 && (ctx.len() as usize) < ETH_HLEN + IPV6_HLEN + payload {
-            return Ok(None);
+            return Ok(false);
         }
         let (protocol, l4_off, fragment, fragment_id) = match extension_headers(ctx)? {
             Some(walked) => walked,
-            None => return Ok(None),
+            None => return Ok(false),
         };
         ensure_linear(ctx, l4_off + L4_PULL);
-        let (translated, sport, dport) = ports(ctx, protocol, l4_off, fragment)?;
-        if !translated {
-            return Ok(None);
+        let transport = ports(ctx, protocol, l4_off, fragment)?;
+        if !transport.translated {
+            return Ok(false);
         }
-        Ok(Some(Self {
-            family: FAMILY_IPV6,
-            protocol,
+        slot.write(Self {
             saddr: load(ctx, IPV6_SADDR_OFF)?,
             daddr: load(ctx, IPV6_DADDR_OFF)?,
-            sport,
-            dport,
-            fragment,
+            now: clock::now_ns(),
+            l4_offset: l4_off as u32,
             fragment_id,
-            l4_off,
-        }))
+            sport: transport.sport,
+            dport: transport.dport,
+            family: FAMILY_IPV6,
+            protocol,
+            fragment,
+            tcp_flags: transport.tcp_flags,
+        });
+        Ok(true)
     }
 
     /// The `fragments` key of the datagram this packet is a fragment of, under its addresses
@@ -237,30 +293,14 @@ impl Flow {
         }
     }
 
-    /// Whether a TCP packet opens a connection (SYN without ACK).
-    pub fn is_tcp_syn(&self, ctx: &TcContext) -> Result<bool, DatapathError> {
-        Ok(conntrack::is_opening(self.tcp_flags(ctx)?))
+    /// Offset of the transport header.
+    pub(super) fn l4_off(&self) -> usize {
+        self.l4_offset as usize
     }
 
-    /// The TCP flags byte (zero for other protocols): read directly where parsing left the
-    /// header (the linear area), else with `bpf_skb_load_bytes`. A `Flow` passed between
-    /// functions loses the verifier's bounds on `l4_off`: the offset is bounded again here.
-    /// Not inlined: its two ways of reading would double the paths the verifier walks after
-    /// each caller's read.
-    #[inline(never)]
-    pub fn tcp_flags(&self, ctx: &TcContext) -> Result<u8, DatapathError> {
-        if self.protocol != PROTO_TCP || self.fragment == Fragment::Later {
-            return Ok(0);
-        }
-        // The data offset byte too: for a one-byte read LLVM turns the bounds check into a
-        // comparison the verifier takes as one byte short.
-        let offset = self.l4_off + 12;
-        if offset < MAX_DIRECT_OFFSET
-            && let Ok([_, flags]) = load::<[u8; 2]>(ctx, offset)
-        {
-            return Ok(flags);
-        }
-        load_anywhere(ctx, offset + 1)
+    /// Whether a TCP packet opens a connection (SYN without ACK).
+    pub fn is_tcp_syn(&self) -> bool {
+        conntrack::is_opening(self.tcp_flags)
     }
 }
 
@@ -271,64 +311,83 @@ fn is_translated_protocol(protocol: u8) -> bool {
     )
 }
 
-/// The ports of a TCP, UDP or SCTP header at `l4_off`, or an ICMP echo's identifier in the
-/// place of the side that chose it (zeros in a later fragment, which has no L4 header), after
-/// `true`; `false` for any other packet. Inlined: as a BPF call, LLVM packs the return value
-/// from a register the verifier sees uninitialised. Not an `Option` either: LLVM fills the
-/// unused bits of a `None` from whatever register is at hand, a packet pointer among them,
-/// which the verifier refuses to mask.
+/// What the parser reads of a transport header: its ports (or an ICMP echo's identifier in
+/// the place of the side that chose it) in network byte order, and TCP's flags. Zeros in a
+/// later fragment, which has no transport header.
+struct Transport {
+    /// Whether the packet is one the datapath translates at all.
+    translated: bool,
+    sport: u16,
+    dport: u16,
+    tcp_flags: u8,
+}
+
+/// The transport header at `l4_off`. Inlined: as a BPF call, LLVM packs the return value from
+/// a register the verifier sees uninitialised. No `Option` either: LLVM fills the unused bits
+/// of a `None` from whatever register is at hand, a packet pointer among them, which the
+/// verifier refuses to mask.
 #[inline(always)]
 fn ports(
     ctx: &TcContext,
     protocol: u8,
     l4_off: usize,
     fragment: Fragment,
-) -> Result<(bool, u16, u16), DatapathError> {
-    const NONE: (bool, u16, u16) = (false, 0, 0);
+) -> Result<Transport, DatapathError> {
+    let ported = |sport, dport, tcp_flags| Transport {
+        translated: true,
+        sport,
+        dport,
+        tcp_flags,
+    };
     if fragment == Fragment::Later {
-        return Ok((is_translated_protocol(protocol), 0, 0));
+        return Ok(Transport {
+            translated: is_translated_protocol(protocol),
+            ..ported(0, 0, 0)
+        });
     }
     match protocol {
         // The whole transport header must be there, not only its ports: a cut one is the
         // stack's to drop.
         PROTO_TCP => {
-            let header: [u8; 20] = load(ctx, l4_off)?;
-            Ok(header_ports(&header))
+            let header = Header::at(ctx, l4_off, 20)?;
+            let (sport, dport) = split_ports(header.field(0)?);
+            Ok(ported(sport, dport, header.field(13)?))
         }
-        PROTO_UDP => {
-            let header: [u8; 8] = load(ctx, l4_off)?;
-            Ok(header_ports(&header))
-        }
-        PROTO_SCTP => {
-            let header: [u8; 12] = load(ctx, l4_off)?;
-            Ok(header_ports(&header))
+        PROTO_UDP | PROTO_SCTP => {
+            let length = if protocol == PROTO_UDP { 8 } else { 12 };
+            let (sport, dport) = split_ports(Header::at(ctx, l4_off, length)?.field(0)?);
+            Ok(ported(sport, dport, 0))
         }
         PROTO_ICMP | PROTO_ICMPV6 => {
-            // One read of the whole echo header: LLVM merges separate bounds checks into one
-            // the verifier cannot follow.
-            let header: [u8; 8] = load(ctx, l4_off)?;
-            let icmp_type = header[0];
-            let identifier = u16::from_ne_bytes([header[4], header[5]]);
+            // One check of the whole echo header: LLVM merges separate bounds checks into
+            // one the verifier cannot follow.
+            let header = Header::at(ctx, l4_off, 8)?;
+            let icmp_type: u8 = header.field(0)?;
+            let identifier: u16 = header.field(4)?;
             Ok(if is_echo_request(protocol, icmp_type) {
-                (true, identifier, 0)
+                ported(identifier, 0, 0)
             } else if is_echo_reply(protocol, icmp_type) {
-                (true, 0, identifier)
+                ported(0, identifier, 0)
             } else {
-                NONE
+                Transport {
+                    translated: false,
+                    ..ported(0, 0, 0)
+                }
             })
         }
-        _ => Ok(NONE),
+        _ => Ok(Transport {
+            translated: false,
+            ..ported(0, 0, 0)
+        }),
     }
 }
 
-/// The ports at the start of a transport header, in network byte order, after `true`.
+/// The two ports at the start of a transport header, read as one word: source, destination,
+/// each in network byte order.
 #[inline(always)]
-fn header_ports(header: &[u8]) -> (bool, u16, u16) {
-    (
-        true,
-        u16::from_ne_bytes([header[0], header[1]]),
-        u16::from_ne_bytes([header[2], header[3]]),
-    )
+fn split_ports(word: u32) -> (u16, u16) {
+    let [a, b, c, d] = word.to_ne_bytes();
+    (u16::from_ne_bytes([a, b]), u16::from_ne_bytes([c, d]))
 }
 
 /// A packet's source address, read from its linear headers.

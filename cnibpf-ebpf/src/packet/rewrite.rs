@@ -51,9 +51,9 @@ impl Flow {
             return None;
         }
         match self.protocol {
-            PROTO_TCP => Some(self.l4_off + 16),
-            PROTO_UDP => Some(self.l4_off + 6),
-            PROTO_ICMPV6 => Some(self.l4_off + 2),
+            PROTO_TCP => Some(self.l4_off() + 16),
+            PROTO_UDP => Some(self.l4_off() + 6),
+            PROTO_ICMPV6 => Some(self.l4_off() + 2),
             _ => None,
         }
     }
@@ -64,18 +64,18 @@ impl Flow {
             return None;
         }
         match self.protocol {
-            PROTO_TCP => Some(self.l4_off + 16),
-            PROTO_UDP => Some(self.l4_off + 6),
-            PROTO_ICMP | PROTO_ICMPV6 => Some(self.l4_off + 2),
+            PROTO_TCP => Some(self.l4_off() + 16),
+            PROTO_UDP => Some(self.l4_off() + 6),
+            PROTO_ICMP | PROTO_ICMPV6 => Some(self.l4_off() + 2),
             _ => None,
         }
     }
 
     fn port_off(&self, side: Side) -> usize {
         match (self.protocol, side) {
-            (PROTO_ICMP | PROTO_ICMPV6, _) => self.l4_off + 4,
-            (_, Side::Source) => self.l4_off,
-            (_, Side::Destination) => self.l4_off + 2,
+            (PROTO_ICMP | PROTO_ICMPV6, _) => self.l4_off() + 4,
+            (_, Side::Source) => self.l4_off(),
+            (_, Side::Destination) => self.l4_off() + 2,
         }
     }
 
@@ -320,7 +320,7 @@ impl Flow {
         side: Side,
         new: u16,
     ) -> Result<(), DatapathError> {
-        let ports: [u8; 4] = load_anywhere(ctx, self.l4_off)?;
+        let ports: [u8; 4] = load_anywhere(ctx, self.l4_off())?;
         let mut changed = ports;
         let [high, low] = new.to_ne_bytes();
         match side {
@@ -330,9 +330,9 @@ impl Flow {
         let (low, high) = sctp_checksum::length_factors(self.l4_length(ctx)?);
         let factor = product(low, high);
         let change = product(factor, sctp_checksum::difference(ports, changed));
-        let checksum: u32 = load_anywhere(ctx, self.l4_off + SCTP_CHECKSUM_OFF)?;
+        let checksum: u32 = load_anywhere(ctx, self.l4_off() + SCTP_CHECKSUM_OFF)?;
         let updated = u32::from_le(checksum) ^ change;
-        ctx.store(self.l4_off + SCTP_CHECKSUM_OFF, &updated.to_le(), 0)
+        ctx.store(self.l4_off() + SCTP_CHECKSUM_OFF, &updated.to_le(), 0)
             .map_err(|_| DatapathError::RewriteFailed)
     }
 
@@ -345,9 +345,9 @@ impl Flow {
             (ETH_HLEN + 4, ETH_HLEN + IPV6_HLEN)
         };
         let length = u32::from(u16::from_be(load_anywhere::<u16>(ctx, length_off)?));
-        let header = (self.l4_off - counted_from) as u32;
+        let header = (self.l4_off() - counted_from) as u32;
         Ok(if length == 0 {
-            ctx.len().saturating_sub(self.l4_off as u32)
+            ctx.len().saturating_sub(self.l4_off() as u32)
         } else {
             length.saturating_sub(header)
         })

@@ -25,7 +25,7 @@ use cnibpf_common::{
 };
 
 use crate::{
-    clock, connections, maps,
+    connections, maps,
     packet::{
         Answer, DatapathError, Flow, Fragment, Handover, NEXT, ifindex, mark_translated, or_verdict,
     },
@@ -144,7 +144,7 @@ fn try_translate_hairpin(
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
     flow.rewrite_source(ctx, &source, flow.sport)?;
     if via_stack && !to_itself {
-        remember_translation(ctx, flow, core::ptr::null_mut());
+        remember_translation(flow, core::ptr::null_mut());
         mark_translated(ctx);
         return Ok(Answer::NEXT);
     }
@@ -166,7 +166,7 @@ pub fn translate_reply(
     client: &mut Handover,
     connection: *mut Connection,
 ) -> Answer {
-    let Some(entry) = reverse_of(ctx, flow, connection) else {
+    let Some(entry) = reverse_of(flow, connection) else {
         return Answer::NOT_MINE;
     };
     // SAFETY: entry points into connections; it is copied out field by field before any
@@ -212,7 +212,7 @@ pub fn translate_reply(
 /// `Answer::NOT_MINE`.
 pub fn translate_routed_reply(ctx: &TcContext, flow: &mut Flow) -> Result<Answer, DatapathError> {
     let connection = connections::of_packet(flow, DIRECTION_EGRESS);
-    let Some(entry) = reverse_of(ctx, flow, connection) else {
+    let Some(entry) = reverse_of(flow, connection) else {
         return Ok(Answer::NOT_MINE);
     };
     // SAFETY: entry points into connections; the fields are copied out before any rewrite.
@@ -226,24 +226,19 @@ pub fn translate_routed_reply(ctx: &TcContext, flow: &mut Flow) -> Result<Answer
 /// keep the connection alive too). The pointer is into `connections`. Inlined: as a BPF call,
 /// LLVM returns the option in two registers, and a BPF call returns one.
 #[inline(always)]
-fn reverse_of(
-    ctx: &TcContext,
-    flow: &Flow,
-    connection: *mut Connection,
-) -> Option<*const Connection> {
+fn reverse_of(flow: &Flow, connection: *mut Connection) -> Option<*const Connection> {
     // SAFETY: points into `connections`; racing writers only refresh the same fields.
     let connection = unsafe { connection.as_mut() }?;
     if connection.parts & PART_DNAT == 0 {
         return None;
     }
-    // A header that cannot be read moves no state; the translation holds all the same.
-    let flags = flow.tcp_flags(ctx).unwrap_or(0);
+    let flags = flow.tcp_flags;
     // A connection the container opens on a closed one's tuple is its own, not a reply.
     if connection.reopened_by(flags) {
         return None;
     }
     let side = connection.side(DIRECTION_EGRESS);
-    conntrack::advance(connection, flow.protocol, flags, side, clock::now_ns());
+    conntrack::advance(connection, flow.protocol, flags, side, flow.now);
     Some(core::ptr::from_mut(connection).cast_const())
 }
 
@@ -252,9 +247,9 @@ fn reverse_of(
 /// translation is stale (the client now talks to the container directly with the same
 /// ports), and its replies must not be rewritten: the connection loses its DNAT part.
 /// `connection` is the packet's `connections` entry as the hook found it.
-pub fn forget_stale_translation(ctx: &TcContext, flow: &Flow, connection: *mut Connection) {
+pub fn forget_stale_translation(flow: &Flow, connection: *mut Connection) {
     let opens = match flow.protocol {
-        PROTO_TCP => flow.is_tcp_syn(ctx).unwrap_or(false),
+        PROTO_TCP => flow.is_tcp_syn(),
         _ => true,
     };
     if flow.fragment != Fragment::Whole || !opens {
@@ -273,14 +268,14 @@ pub fn forget_stale_translation(ctx: &TcContext, flow: &Flow, connection: *mut C
 /// be there), and moves the connection's state on. `found` is the packet's `connections` entry
 /// as the hook found it, or null: looked up here.
 #[inline(never)]
-pub fn remember_translation(ctx: &TcContext, flow: &Flow, found: *mut Connection) {
+pub fn remember_translation(flow: &Flow, found: *mut Connection) {
     let Some(translation) = translation_scratch.get_ptr(0) else {
         return;
     };
     // SAFETY: this CPU's slot, filled by the translation of this very packet.
     let translation = unsafe { &*translation };
-    let now = clock::now_ns();
-    let flags = flow.tcp_flags(ctx).unwrap_or(0);
+    let now = flow.now;
+    let flags = flow.tcp_flags;
     // The key is put together only where the hook's entry will not do (a connection's first
     // packet).
     let (entry, fresh) =

@@ -28,10 +28,7 @@ mod next_hop;
 
 use next_hop::{NEXT_HOP_SLOTS, NEXT_HOP_SLOTS_LOG2, NextHop};
 
-use crate::{
-    clock,
-    packet::{DatapathError, Flow, ifindex, set_macs},
-};
+use crate::packet::{DatapathError, Flow, ifindex, set_macs};
 
 /// The source address the FIB chose for the packet at hand (see [`route`]); private to
 /// each loaded object, not pinned.
@@ -133,7 +130,7 @@ fn next_hop(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Option<*mut Ne
     let hop = next_hops.get_ptr_mut(slot(flow, ifindex))?;
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
     let kept = unsafe { &*hop };
-    let now = clock::now_ns();
+    let now = flow.now;
     if kept.looked_up_ns != now || !kept.answers(flow, ifindex, choose_source) {
         look_up(ctx, flow, choose_source, hop, now);
     }
