@@ -48,8 +48,12 @@ enum Task {
     Image,
     /// Benchmarks against same-run baselines; results in target/bench (table, JSON, PNG).
     Bench {
-        /// Which suite (default: all): portmap, masquerade, filter, packets, pods.
+        /// Which suite (default: all): portmap, masquerade, filter, packets, hot, pods.
         suite: Option<String>,
+        /// An older commit to measure beside the last release and this build (hot, packets);
+        /// repeat for more.
+        #[arg(long = "baseline")]
+        baselines: Vec<String>,
     },
 }
 
@@ -70,13 +74,13 @@ fn main() -> Result<()> {
             demo::run()
         }
         Task::Image => image(),
-        Task::Bench { suite } => {
+        Task::Bench { suite, baselines } => {
             build()?;
             run(
                 cargo(&["build", "--release", "--package", "cnibpf"]),
                 "build cnibpf (release) for benchmarks",
             )?;
-            bench::run(suite.as_deref())
+            bench::run(suite.as_deref(), &baselines)
         }
     }
 }

@@ -2,11 +2,18 @@
 //! (`BPF_PROG_TEST_RUN`) one run per call, so that every run meets the segment as sent (a run
 //! rewrites it in place): what a path costs with its maps hot and its segment uncloned, to set
 //! beside what the same path costs in traffic. The median of single runs, less that of a
-//! program that does nothing (the test run's own clock reads).
+//! program that does nothing (the test run's own clock reads). Each case names how its segment
+//! leaves the program, checked on a run before the timed ones: a figure is only taken of the
+//! path it is named for.
 
-use std::{ffi::CString, net::Ipv4Addr, os::fd::OwnedFd, path::Path};
+use std::{
+    ffi::CString,
+    net::Ipv4Addr,
+    os::fd::{AsRawFd as _, OwnedFd},
+    path::Path,
+};
 
-use anyhow::{Context as _, Result};
+use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
     packet,
     raw_bpf::{bpf, instruction, load_classifier, owned},
@@ -14,23 +21,35 @@ use cnibpf_tests::{
 
 use super::{
     median,
-    prices::{SK_BUFF_IFINDEX_OFF, SK_BUFF_SIZE, test_run},
+    prices::{BPF_PROG_TEST_RUN, SK_BUFF_IFINDEX_OFF, SK_BUFF_SIZE, test_run},
 };
 
 /// Single runs per case.
 const RUNS: usize = 4_001;
 const BPF_OBJ_GET: libc::c_long = 7;
 
-/// A segment to run a program on: where it runs, and the segment's addresses and ports.
+/// An IPv4 address and port.
+pub type Endpoint = (Ipv4Addr, u16);
+
+/// A segment to run a program on: where it runs, the segment's addresses and ports, and theirs
+/// as the program leaves them.
+#[derive(Clone)]
 pub struct Case {
     pub name: String,
     /// The pinned program's name under `programs/`.
     pub program: &'static str,
     /// The host namespace's interface it runs on.
     pub interface: String,
-    pub source: (Ipv4Addr, u16),
-    pub destination: (Ipv4Addr, u16),
+    pub source: Endpoint,
+    pub destination: Endpoint,
+    /// Source and destination of the segment as it leaves the program, and its verdict.
+    pub leaves: (Endpoint, Endpoint),
+    pub verdict: i32,
 }
+
+/// Verdicts: sent on by the program itself, or left to the host stack.
+pub const REDIRECTED: i32 = 7;
+pub const TO_THE_STACK: i32 = -1;
 
 /// Each case's program time on its segment, net of the test run's own. Run in the host
 /// namespace the programs are hooked in.
@@ -52,6 +71,18 @@ pub fn times(pin_path: &Path, cases: &[Case]) -> Result<Vec<f64>> {
             context[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4]
                 .copy_from_slice(&ifindex.to_ne_bytes());
             let segment = tcp_segment(case.source, case.destination);
+            let (verdict, left) = test_run_output(&program, &segment, &context)?;
+            if ends(&left) != Some(case.leaves) || verdict != case.verdict {
+                bail!(
+                    "{}: the segment left {} as {:?} with verdict {verdict}, not as {:?} with \
+                     {}: the path measured would not be the one named",
+                    case.name,
+                    case.program,
+                    ends(&left),
+                    case.leaves,
+                    case.verdict,
+                );
+            }
             let time = median_run(&program, &segment, Some(&context))
                 .with_context(|| format!("test runs of {} ({})", case.program, case.name))?;
             Ok((time - overhead).max(0.0))
@@ -68,6 +99,41 @@ fn median_run(
         .map(|_| test_run(program, segment, 1, context).map(f64::from))
         .collect::<Result<Vec<f64>>>()?;
     Ok(median(runs))
+}
+
+/// One run of `program` on `segment`: its verdict and the segment as it left.
+fn test_run_output(
+    program: &OwnedFd,
+    segment: &[u8],
+    context: &[u8; SK_BUFF_SIZE],
+) -> Result<(i32, Vec<u8>)> {
+    let mut out = vec![0u8; segment.len() + 256];
+    let mut attr = [0u8; 128];
+    attr[0..4].copy_from_slice(&(program.as_raw_fd() as u32).to_ne_bytes());
+    attr[8..12].copy_from_slice(&(segment.len() as u32).to_ne_bytes());
+    attr[12..16].copy_from_slice(&(out.len() as u32).to_ne_bytes());
+    attr[16..24].copy_from_slice(&(segment.as_ptr() as u64).to_ne_bytes());
+    attr[24..32].copy_from_slice(&(out.as_mut_ptr() as u64).to_ne_bytes());
+    attr[32..36].copy_from_slice(&1u32.to_ne_bytes());
+    attr[40..44].copy_from_slice(&(context.len() as u32).to_ne_bytes());
+    attr[48..56].copy_from_slice(&(context.as_ptr() as u64).to_ne_bytes());
+    bpf(BPF_PROG_TEST_RUN, &mut attr).context("BPF_PROG_TEST_RUN")?;
+    let verdict = i32::from_ne_bytes(attr[4..8].try_into().expect("four bytes"));
+    let length = u32::from_ne_bytes(attr[12..16].try_into().expect("four bytes")) as usize;
+    out.truncate(length);
+    Ok((verdict, out))
+}
+
+/// Source and destination of an Ethernet frame's IPv4 TCP segment.
+fn ends(frame: &[u8]) -> Option<(Endpoint, Endpoint)> {
+    let ip = frame.get(14..34)?;
+    let header = usize::from(ip[0] & 0x0f) * 4;
+    let tcp = frame.get(14 + header..14 + header + 4)?;
+    let address = |at: usize| Ipv4Addr::new(ip[at], ip[at + 1], ip[at + 2], ip[at + 3]);
+    Some((
+        (address(12), u16::from_be_bytes([tcp[0], tcp[1]])),
+        (address(16), u16::from_be_bytes([tcp[2], tcp[3]])),
+    ))
 }
 
 fn pinned_program(path: &Path) -> Result<OwnedFd> {

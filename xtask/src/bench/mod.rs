@@ -4,6 +4,7 @@
 
 mod chart;
 mod filter;
+mod hot;
 mod isolated;
 mod masquerade;
 mod packets;
@@ -33,7 +34,9 @@ pub const RATE_CLIENTS: usize = 2;
 /// the load.
 pub const BUSY_CLIENTS: usize = 8;
 
-pub fn run(suite: Option<&str>) -> Result<()> {
+/// Runs `suite` (every suite when `None`); `older` are commits measured beside the last
+/// release by the suites that compare builds (`hot`, `packets`).
+pub fn run(suite: Option<&str>, older: &[String]) -> Result<()> {
     let release = crate::workspace_root().join("target/release/cnibpf");
     // SAFETY: set before any thread of this process starts; the simulated host reads it to run
     // the optimised plugin, the build users install.
@@ -45,17 +48,18 @@ pub fn run(suite: Option<&str>) -> Result<()> {
             portmap::run(&out_dir)?;
             masquerade::run(&out_dir)?;
             filter::run(&out_dir)?;
-            packets::run(&out_dir)?;
+            packets::run(&out_dir, older)?;
             pods::run(&out_dir)
         }
         Some("portmap") => portmap::run(&out_dir),
         Some("masquerade") => masquerade::run(&out_dir),
         Some("filter") => filter::run(&out_dir),
-        Some("packets") => packets::run(&out_dir),
+        Some("packets") => packets::run(&out_dir, older),
+        Some("hot") => hot::run(&out_dir, older),
         Some("pods") => pods::run(&out_dir),
         Some(other) => {
             bail!(
-                "unknown bench suite {other:?}; suites: portmap, masquerade, filter, packets, pods"
+                "unknown bench suite {other:?}; suites: portmap, masquerade, filter, packets, hot, pods"
             )
         }
     }

@@ -1,48 +1,48 @@
 //! `cargo xtask bench packets`: what the eBPF datapath costs per packet on each path an
 //! operator pays for — masquerade and its replies, DNAT to a hostPort and its replies, a filter
-//! of 1 and 256 rules — and the forwarding-bound loads, for this build beside the last release
-//! `releases.toml` lists, in one run whose rounds alternate between the two. Where the time
-//! goes: the same hooks on packets that miss every lookup and are left to the host stack, the
-//! prices of the lookups and helper calls a packet makes (`prices`), and this build's programs
-//! on one crafted segment per path with their maps hot (`isolated`).
+//! of 1 and 256 rules — in traffic and hot (`hot`), the instructions of its programs, and the
+//! forwarding-bound loads, for this build beside the last release `releases.toml` lists (and
+//! any older commit asked for), in one run whose rounds alternate between the builds. Where
+//! the time goes: the same hooks on packets that miss every lookup and are left to the host
+//! stack, and the prices of the lookups and helper calls a packet makes (`prices`).
 
 use std::{net::SocketAddr, path::Path};
 
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
     Container, Netns, SimHost,
-    topology::{Family, HOST_UPLINK_ADDR, OUTSIDE_ADDR, UPLINK, port_mappings},
+    topology::{Family, OUTSIDE_ADDR, UPLINK, port_mappings},
     traffic::{EchoServer, connection_rate},
 };
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::{
-    BUSY_CLIENTS, Hook, IPERF_SECONDS, Iperf3Server, Measured, Progress, RATE_WINDOW, Row,
+    BUSY_CLIENTS, Hook, IPERF_SECONDS, Iperf3Server, Measured, Progress, RATE_WINDOW,
     chart::{self, BarPanel},
     filter::filter_keys,
-    iperf3, iperf3_udp_rate, isolated, median, prices,
+    hot::{self, Build, Compared},
+    iperf3, iperf3_udp_rate, median, prices,
     stats::{Counts, count},
-    write_report,
 };
 
 const ROUNDS: usize = 5;
 /// The outside's iperf3 servers: the masqueraded container's, and each filtered one's.
-const MASQUERADED_SERVER: u16 = 5201;
-const FILTERED_SERVERS: [u16; 2] = [5202, 5203];
+pub(super) const MASQUERADED_SERVER: u16 = 5201;
+pub(super) const FILTERED_SERVERS: [u16; 2] = [5202, 5203];
 /// Rules of the filtered containers' filters (see `filter_keys`: each new connection walks
 /// them all, its later packets take the verdict kept with the connection).
-const RULE_COUNTS: [usize; 2] = [1, 256];
+pub(super) const RULE_COUNTS: [usize; 2] = [1, 256];
 /// The hostPort the outside uploads through, and the container's iperf3 server behind it.
-const HOST_PORT: u16 = 8080;
-const CONTAINER_PORT: u16 = 5201;
+pub(super) const HOST_PORT: u16 = 8080;
+pub(super) const CONTAINER_PORT: u16 = 5201;
 /// A host process's iperf3 server: packets for it miss every lookup of either hook.
-const HOST_SERVER: u16 = 5301;
+pub(super) const HOST_SERVER: u16 = 5301;
 /// The outside's echo server, for the connection rate of `BUSY_CLIENTS` clients.
 const ECHO_PORT: u16 = 7000;
 
 /// What a round measures, in this order (see `Node::round`); `TARGETS` are the budgets of
 /// the per-packet ones.
-const METRICS: [(&str, &str, &str); 13] = [
+const METRICS: [(&str, &str, &str); 14] = [
     (
         "masquerade, one TCP upload",
         "from_container time per packet",
@@ -89,6 +89,11 @@ const METRICS: [(&str, &str, &str); 13] = [
         "ns",
     ),
     (
+        "hostPort, 64-byte UDP datagrams from outside (not clones)",
+        "uplink_ingress time per packet (DNAT)",
+        "ns",
+    ),
+    (
         "masquerade, statistics' own cost",
         "empty program's time per run (taken off above)",
         "ns",
@@ -121,108 +126,81 @@ const TARGETS: [Option<f64>; 7] = [
     Some(60.0),
 ];
 
-pub fn run(out_dir: &Path) -> Result<()> {
+pub fn run(out_dir: &Path, older: &[String]) -> Result<()> {
     let progress = Progress::new();
-    let previous = cnibpf_tests::history::released_commits()
-        .pop()
-        .context("releases.toml lists no release")?;
-    progress.step(&format!(
-        "building cnibpf of {previous}, the last release (once, into target/history)"
-    ));
-    let previous_binary = cnibpf_tests::history::cnibpf_of(&previous);
-    let this_binary = cnibpf_tests::topology::cnibpf_binary();
-    progress
-        .step("two simulated hosts, one per build: masqueraded, hostPort and filtered containers");
-    let mut nodes = Vec::new();
-    for (id, binary) in [("bench-pkp", &previous_binary), ("bench-pkt", &this_binary)] {
-        // SAFETY: the bench runs one thread that reads the environment, this one (the echo
-        // servers, whose threads read none, start below).
-        unsafe { std::env::set_var("CNIBPF_BIN", binary) };
-        nodes.push(Node::new(SimHost::new(
-            id,
-            json!({ "backend": "ebpf", "ipMasq": true }),
-        ))?);
-    }
-    // SAFETY: as above; the DELs when the hosts are dropped run this build.
-    unsafe { std::env::set_var("CNIBPF_BIN", &this_binary) };
+    let builds = hot::builds(&progress, older)?;
+    progress.step(
+        "one simulated host per build: masqueraded, hostPort and filtered containers, servers",
+    );
+    let nodes = hot::nodes(&builds, "bench-pk")?;
     let echo: Vec<EchoServer> = nodes
         .iter()
         .map(|node| EchoServer::start(&node.sim.outside, Family::V4.any(ECHO_PORT), BUSY_CLIENTS))
         .collect();
-    let labels = [
-        format!("{previous} (last release)"),
-        "this build".to_owned(),
-    ];
-    let mut rounds: [Vec<[f64; METRICS.len()]>; 2] = Default::default();
+    let mut rounds: Vec<Vec<[f64; METRICS.len()]>> = vec![Vec::new(); nodes.len()];
     for round in 1..=ROUNDS {
-        for (index, node) in nodes.iter().enumerate() {
-            progress.step(&format!("round {round}/{ROUNDS}: {}", labels[index]));
-            rounds[index].push(node.round()?);
+        for ((node, build), rounds) in nodes.iter().zip(&builds).zip(&mut rounds) {
+            progress.step(&format!("round {round}/{ROUNDS}: {}", build.label));
+            rounds.push(node.round()?);
         }
     }
     drop(echo);
+    let traffic: Vec<[f64; METRICS.len()]> = rounds
+        .iter()
+        .map(|rounds| {
+            std::array::from_fn(|metric| median(rounds.iter().map(|round| round[metric]).collect()))
+        })
+        .collect();
+    progress.step("each build's programs on one crafted segment per path (BPF_PROG_TEST_RUN)");
+    let times = hot::path_times(&nodes)?;
+    let counts = nodes
+        .iter()
+        .map(hot::instructions)
+        .collect::<Result<Vec<_>>>()?;
     progress
         .step("prices of the datapath's building blocks (BPF_PROG_TEST_RUN), in this build's host");
-    let this = &nodes[1];
+    let this = nodes.last().context("a host per build")?;
     let route = prices::Route {
         interface: this.sim.host_interface(&this.masqueraded),
         source: this.masqueraded.address,
         destination: OUTSIDE_ADDR,
     };
-    let mut prices = this.sim.host.run(move || prices::rows(&route))?;
-    progress.step("each build's programs on one crafted segment per path (BPF_PROG_TEST_RUN)");
-    // Alternating between the builds, as the traffic rounds do: one build measured after the
-    // other would carry the machine's drift (its clock, its caches) into the ratio.
-    let mut crafted_rounds: [Vec<Vec<f64>>; 2] = Default::default();
-    for _ in 0..ROUNDS {
-        for (index, node) in nodes.iter().enumerate() {
-            let cases = node.crafted_cases();
-            let pin_path = node.sim.pin_path.clone();
-            crafted_rounds[index].push(
-                node.sim
-                    .host
-                    .run(move || isolated::times(&pin_path, &cases))?,
-            );
-        }
-    }
-    let [crafted_before, crafted_now] = crafted_rounds.map(|rounds| {
-        (0..rounds[0].len())
-            .map(|case| median(rounds.iter().map(|round| round[case]).collect()))
-            .collect::<Vec<f64>>()
-    });
-    let crafted = nodes[1]
-        .crafted_cases()
-        .into_iter()
-        .zip(crafted_before.iter().zip(&crafted_now));
-    prices.extend(crafted.map(|(case, (before, now))| Row {
-        scenario: format!("{}, one crafted segment, caches hot", case.name),
-        metric: "program time per run, BPF_PROG_TEST_RUN",
-        unit: "ns",
-        value: *now,
-        baseline: Some((format!("{previous} (last release)"), *before)),
-    }));
-    let [before, now] = rounds.map(|rounds| {
-        std::array::from_fn::<f64, { METRICS.len() }, _>(|metric| {
-            median(rounds.iter().map(|round| round[metric]).collect())
-        })
-    });
-    let mut rows: Vec<Row> = METRICS
+    let prices = this.sim.host.run(move || prices::rows(&route))?;
+    let mut rows: Vec<Compared> = METRICS
         .iter()
         .enumerate()
-        .map(|(index, (scenario, metric, unit))| Row {
-            scenario: (*scenario).to_owned(),
-            metric,
+        .map(|(index, (scenario, metric, unit))| Compared {
+            what: format!("{scenario}: {metric}"),
             unit,
-            value: now[index],
-            baseline: Some((labels[0].clone(), before[index])),
+            values: traffic.iter().map(|build| build[index]).collect(),
+            target: TARGETS.get(index).copied().flatten(),
         })
         .collect();
-    rows.extend(prices);
-    let notes = notes(&labels, &now, &before);
-    let report = write_report(
+    rows.extend(hot::compared(&times, &counts));
+    rows.extend(prices.into_iter().map(|price| {
+        Compared {
+            what: format!("{}: {} (this build's host)", price.scenario, price.metric),
+            unit: price.unit,
+            values: builds
+                .iter()
+                .map(|build| {
+                    if build.label == "this build" {
+                        price.value
+                    } else {
+                        f64::NAN
+                    }
+                })
+                .collect(),
+            target: None,
+        }
+    }));
+    let mut notes = notes(&builds);
+    notes.extend(hot::notes());
+    let report = hot::write_compared(
         out_dir,
         "packets",
-        "cnibpf bench: time per packet, this build beside the last release",
+        "cnibpf bench: time per packet in traffic and hot, and the programs' instructions, by build",
+        &builds,
         &rows,
         &notes,
     )?;
@@ -237,6 +215,7 @@ pub fn run(out_dir: &Path) -> Result<()> {
             "+256 rules",
             "miss, veth",
             "miss, uplink",
+            "DNAT, UDP",
         ]
         .iter()
         .zip(values)
@@ -245,61 +224,41 @@ pub fn run(out_dir: &Path) -> Result<()> {
     };
     chart::bars(
         &out_dir.join("packets.png"),
-        "cnibpf eBPF datapath: own time per packet (ns, net of the statistics' cost)",
-        &[
-            BarPanel {
-                title: labels[0].as_str(),
+        "cnibpf eBPF datapath: own time per packet in traffic (ns, net of the statistics' cost)",
+        &builds
+            .iter()
+            .zip(&traffic)
+            .map(|(build, values)| BarPanel {
+                title: build.label.as_str(),
                 y_label: "ns",
-                bars: per_packet(&before),
+                bars: per_packet(values),
                 reference: Some(400.0),
-            },
-            BarPanel {
-                title: "this build (line: the 400 ns budget)",
-                y_label: "ns",
-                bars: per_packet(&now),
-                reference: Some(400.0),
-            },
-        ],
+            })
+            .collect::<Vec<_>>(),
     )?;
     progress.step(&format!("report: {} and packets.png", report.display()));
     Ok(())
 }
 
-/// How the figures were taken, and each budget met or not by this build.
-fn notes(labels: &[String; 2], now: &[f64], before: &[f64]) -> Vec<String> {
-    let mut budgets = String::from("Budgets, this build: ");
-    let judged: Vec<String> = TARGETS
-        .iter()
-        .enumerate()
-        .filter_map(|(index, target)| {
-            let target = (*target)?;
-            let (scenario, metric, _) = METRICS[index];
-            let verdict = if now[index] <= target {
-                "met"
-            } else {
-                "not met"
-            };
-            Some(format!(
-                "{scenario}, {metric}: {:.0} ns against ≤ {target:.0} ns, {verdict} ({}: {:.0} ns)",
-                now[index], labels[0], before[index]
-            ))
-        })
-        .collect();
-    budgets.push_str(&judged.join("; "));
-    budgets.push('.');
+/// How the traffic figures and the prices were taken.
+fn notes(builds: &[Build]) -> Vec<String> {
+    let labels: Vec<&str> = builds.iter().map(|build| build.label.as_str()).collect();
     vec![
         format!(
-            "Medians of {ROUNDS} rounds alternating between {} and this build, each in its own simulated host \
+            "Traffic: medians of {ROUNDS} rounds alternating between the builds ({}), each in its own simulated host \
              (cnibpf with ipMasq, eBPF backend) in the same run. Per-packet figures: a program's run time over \
              its runs as the kernel counts them (kernel.bpf_stats_enabled) during one {IPERF_SECONDS} s iperf3 \
              TCP upload, less an empty program's at the same hook over the same packets (the statistics' own \
-             cost, shown in its own row). \"The connection\": the datapath's time over a container's upload — from_container on its segments, \
+             cost, shown in its own row). A local TCP stack keeps a clone of every segment it sends, which the \
+             datapath's first write copies; the UDP datagrams to the hostPort are not clones, as a NIC's \
+             packets are not. \"The connection\": the datapath's time over a container's upload — from_container on its segments, \
              uplink_ingress on the replies, to_container where they pass it (a reply handed straight to the \
              container does not) — over its packets, each counted once (the empty programs count them); the \
              filter rows are that figure with the filter less without. The filters: filterDefault DROP, the upload's ALLOW after rules that differ from it \
-             only in the destination port. The last release is built from its commit (its userspace in \
-             debug; its eBPF object is optimised, as every build's is).",
-            labels[0]
+             only in the destination port. Older builds are built from their commits (their userspace in \
+             debug; their eBPF objects are optimised, as every build's is). Targets of the traffic rows are the \
+             budgets of the previous round; those of the hot paths below are this round's.",
+            labels.join(", ")
         ),
         "Where the time goes: the two \"every lookup misses\" rows are the same hooks on packets for a \
          host process — parsed, looked up in every table the path consults (endpoint, source check, \
@@ -318,38 +277,36 @@ fn notes(labels: &[String; 2], now: &[f64], before: &[f64]) -> Vec<String> {
              clone) first copies its headers, which a test run cannot show.",
             "FIB lookup from the masqueraded container's veth to the outside"
         ),
-        "Crafted segments: each build's pinned programs run by the kernel on one segment each, on the \
-         interface they are hooked to (BPF_PROG_TEST_RUN, one run per call so that each run meets the \
-         segment as sent; the median of 4,001, less that of a program that does nothing; the median of \
-         5 such rounds alternating between the builds): the same paths \
-         with their maps hot and an uncloned segment. Beside the per-packet rows above they split a path's \
-         time in traffic into the program's own work and what traffic adds; beside the prices, the \
-         program's work into its lookups and helper calls and its own instructions."
-            .to_owned(),
         format!(
             "Forwarding-bound loads (no statistics): 64-byte UDP datagrams from one iperf3 client at its highest rate, \
              received per second; {BUSY_CLIENTS} clients' connection rate (connect + 1-byte request/response + close, \
              {} s windows) and the 99th percentile of one connection's time under that load.",
             RATE_WINDOW.as_secs()
         ),
-        budgets,
     ]
 }
 
 /// One build's simulated host: a masqueraded container, one with a hostPort, one per filter,
 /// and their servers.
-struct Node {
-    sim: SimHost,
-    masqueraded: Container,
-    host_port: Container,
-    filtered: Vec<Container>,
+pub(super) struct Node {
+    pub(super) sim: SimHost,
+    pub(super) masqueraded: Container,
+    pub(super) host_port: Container,
+    pub(super) filtered: Vec<Container>,
     _servers: Vec<Iperf3Server>,
 }
 
 impl Node {
-    fn new(sim: SimHost) -> Result<Self> {
+    pub(super) fn new(sim: SimHost) -> Result<Self> {
         let masqueraded = sim.container("m", Value::Null);
-        let host_port = sim.container("p", port_mappings(&[(HOST_PORT, CONTAINER_PORT, "tcp")]));
+        // UDP too: iperf3 sends its datagrams where its TCP control connection goes.
+        let host_port = sim.container(
+            "p",
+            port_mappings(&[
+                (HOST_PORT, CONTAINER_PORT, "tcp"),
+                (HOST_PORT, CONTAINER_PORT, "udp"),
+            ]),
+        );
         let filtered = RULE_COUNTS
             .iter()
             .map(|rules| {
@@ -374,66 +331,6 @@ impl Node {
             filtered,
             _servers: servers,
         })
-    }
-
-    /// The crafted segments of the paths measured in traffic, on this host's interfaces.
-    fn crafted_cases(&self) -> Vec<isolated::Case> {
-        let veth = self.sim.host_interface(&self.masqueraded);
-        let container = self.masqueraded.address;
-        let uplink = |name: &str, source_port, destination_port| isolated::Case {
-            name: name.to_owned(),
-            program: "uplink_ingress",
-            interface: UPLINK.to_owned(),
-            source: (OUTSIDE_ADDR, source_port),
-            destination: (HOST_UPLINK_ADDR, destination_port),
-        };
-        let mut cases = vec![
-            uplink(
-                "uplink_ingress, a segment for a host process (every lookup misses)",
-                40_000,
-                HOST_SERVER,
-            ),
-            uplink(
-                "uplink_ingress, a segment to a hostPort (DNAT)",
-                40_001,
-                HOST_PORT,
-            ),
-            isolated::Case {
-                name: "from_container, a segment for a host process (every lookup misses)"
-                    .to_owned(),
-                program: "from_container",
-                interface: veth.clone(),
-                source: (container, 40_002),
-                destination: (HOST_UPLINK_ADDR, HOST_SERVER),
-            },
-            isolated::Case {
-                name: "from_container, a masqueraded segment (its flow begun by the first run)"
-                    .to_owned(),
-                program: "from_container",
-                interface: veth,
-                source: (container, 40_003),
-                destination: (OUTSIDE_ADDR, MASQUERADED_SERVER),
-            },
-        ];
-        // The same segment of a filtered container's connection: the first run walks the
-        // rules, the others take the verdict kept with the connection.
-        cases.extend(
-            self.filtered
-                .iter()
-                .zip(RULE_COUNTS.iter().zip(FILTERED_SERVERS))
-                .zip([40_004, 40_005])
-                .map(|((container, (rules, server)), source_port)| isolated::Case {
-                    name: format!(
-                        "from_container, a masqueraded segment of a connection its filter of {rules} rule{} allowed",
-                        if *rules == 1 { "" } else { "s" }
-                    ),
-                    program: "from_container",
-                    interface: self.sim.host_interface(container),
-                    source: (container.address, source_port),
-                    destination: (OUTSIDE_ADDR, server),
-                }),
-        );
-        cases
     }
 
     fn outside(port: u16) -> SocketAddr {
@@ -474,6 +371,15 @@ impl Node {
             &self.host_port,
             upload(&self.sim.outside, self.sim.uplink_target(HOST_PORT)),
         )?;
+        let [_, _, dnat_datagrams] = self.count_hooks(&self.host_port, || {
+            iperf3_udp_rate(
+                &self.sim.outside,
+                self.sim.uplink_target(HOST_PORT),
+                IPERF_SECONDS,
+                64,
+            )
+            .map(drop)
+        })?;
         let unfiltered = per_packet_of_the_connection(&masq, &masq_to, &masq_replies);
         let mut filter_costs = Vec::new();
         for (container, port) in self.filtered.iter().zip(FILTERED_SERVERS) {
@@ -512,6 +418,7 @@ impl Node {
             filter_costs[1],
             own_per_run(&veth_miss, "from_container, to a host process")?,
             own_per_run(&uplink_miss, "uplink_ingress, to a host process")?,
+            own_per_run(&dnat_datagrams, "uplink_ingress, DNAT of UDP datagrams")?,
             statistics,
             datagrams,
             busy.per_second,

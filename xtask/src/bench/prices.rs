@@ -31,7 +31,7 @@ const ENDPOINTS: u32 = 4_096;
 /// `bpf(2)` commands, map and program types, helpers (uapi).
 const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-const BPF_PROG_TEST_RUN: libc::c_long = 10;
+pub(super) const BPF_PROG_TEST_RUN: libc::c_long = 10;
 const BPF_MAP_TYPE_HASH: u32 = 1;
 const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
 const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
