@@ -30,7 +30,7 @@ use cnibpf_common::{
 };
 
 use crate::{
-    clock, connections, drops, maps,
+    connections, drops, maps,
     packet::{DROP, Flow, Fragment, NEXT},
 };
 
@@ -104,18 +104,21 @@ struct Packet {
     destination: Address,
     source_port: u16,
     destination_port: u16,
+    /// The program run's clock read (a flow's, taken when it was parsed).
+    now: u64,
 }
 
 impl Packet {
-    fn of_flow(flow: &Flow, flags: u8) -> Self {
+    fn of_flow(flow: &Flow) -> Self {
         Self {
             family: flow.family,
             protocol: flow.protocol,
-            flags,
+            flags: flow.tcp_flags,
             source: flow.saddr,
             destination: flow.daddr,
             source_port: flow.sport,
             destination_port: flow.dport,
+            now: flow.now,
         }
     }
 }
@@ -147,7 +150,7 @@ fn subject(ctx: &TcContext, packet: &Packet, ifindex: u32, direction: u8) -> *mu
     key._pad = [0; 2];
     scratch.source = packet.source.words();
     scratch.destination = packet.destination.words();
-    scratch.now = clock::now_ns();
+    scratch.now = packet.now;
     scratch.bytes = ctx.len();
     scratch.source_port = u16::from_be(packet.source_port);
     scratch.destination_port = u16::from_be(packet.destination_port);
@@ -186,12 +189,7 @@ pub fn allows_in(
     // SAFETY: an element of a hash map without preallocation, which userspace only replaces
     // whole: it stays valid and unchanged while this program runs (RCU).
     let set = unsafe { &*set };
-    let subject = subject(
-        ctx,
-        &Packet::of_flow(flow, flow.tcp_flags),
-        ifindex,
-        direction,
-    );
+    let subject = subject(ctx, &Packet::of_flow(flow), ifindex, direction);
     if subject.is_null() {
         drops::record_unread(ctx, DropReason::FilterUnreadable, ifindex);
         return false;

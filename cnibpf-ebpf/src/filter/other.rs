@@ -133,6 +133,7 @@ fn read_other(ctx: &TcContext) -> Result<Option<Packet>, DatapathError> {
         destination,
         source_port: 0,
         destination_port: 0,
+        now: clock::now_ns(),
     }))
 }
 

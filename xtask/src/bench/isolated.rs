@@ -52,8 +52,13 @@ pub const REDIRECTED: i32 = 7;
 pub const TO_THE_STACK: i32 = -1;
 
 /// Each case's program time on its segment, net of the test run's own. Run in the host
-/// namespace the programs are hooked in.
+/// namespace the programs are hooked in, on CPU 0 (the kernel runs a test on the caller's
+/// CPU: a thread the scheduler moved between runs would mix two CPUs' caches and clocks).
 pub fn times(pin_path: &Path, cases: &[Case]) -> Result<Vec<f64>> {
+    let mut first_cpu = nix::sched::CpuSet::new();
+    first_cpu.set(0)?;
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &first_cpu)
+        .context("pin the test runs to CPU 0")?;
     let nothing = load_classifier(&[instruction(0xb7, 0, 0, 0, 0), instruction(0x95, 0, 0, 0, 0)])
         .context("load a program that does nothing")?;
     let overhead = median_run(
