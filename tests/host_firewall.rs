@@ -6,10 +6,12 @@
 //! of the firewall that flushes the ruleset takes nothing the next call of the instance, or
 //! `install --watch`, does not put back.
 
-use std::{net::SocketAddr, process::Child, time::Duration};
+use std::{net::SocketAddr, time::Duration};
 
 use cnibpf_tests::{
-    Container, SimHost, eventually, for_both_backends,
+    Container, SimHost,
+    daemon::Daemon,
+    eventually, for_both_backends,
     observe::call_log,
     topology::{Backend, OUTSIDE_ADDR, UPLINK, port_mappings},
     traffic::{TcpServer, tcp_request},
@@ -245,13 +247,13 @@ fn install_watch_puts_a_flushed_ruleset_back_and_follows_the_nodes_addresses(bac
         "a new address of the node serves the hostPort within 5 s"
     );
     assert_eq!(reloaded.calls(), calls, "no CNI call did it");
-    stop(watcher);
+    watcher.terminate();
 }
 
 for_both_backends!(install_watch_puts_a_flushed_ruleset_back_and_follows_the_nodes_addresses);
 
 /// `cnibpf install --watch` for `sim`'s instance, as the DaemonSet runs it.
-fn watch(sim: &SimHost, backend: Backend) -> Child {
+fn watch(sim: &SimHost, backend: Backend) -> Daemon {
     let conf_dir = sim.work_dir.join("net.d");
     let bin_dir = sim.work_dir.join("bin");
     for dir in [&conf_dir, &bin_dir] {
@@ -286,6 +288,7 @@ fn watch(sim: &SimHost, backend: Backend) -> Child {
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
+        .map(Daemon::from)
         .expect("start cnibpf install --watch");
     // The watcher is up once it has chained cnibpf into its own conflist.
     let own = sim.work_dir.join("net.d/10-primary.cnibpf.conflist");
@@ -294,14 +297,4 @@ fn watch(sim: &SimHost, backend: Backend) -> Child {
         "install --watch wrote cnibpf's conflist"
     );
     watcher
-}
-
-fn stop(mut watcher: Child) {
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(watcher.id()).expect("a pid")),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .expect("SIGTERM");
-    let status = watcher.wait().expect("wait for the watcher");
-    assert!(status.success(), "the watcher stops cleanly: {status}");
 }

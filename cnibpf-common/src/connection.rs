@@ -41,7 +41,7 @@ pub struct ConnectionKey {
     pub remote_port: u16,
     pub protocol: u8,
     pub family: u8,
-    pub _pad: [u8; 2],
+    pub _pad: u16,
 }
 const _: () = assert!(size_of::<ConnectionKey>() == 40);
 
@@ -97,7 +97,8 @@ pub struct Connection {
     /// Filter: `TARGET_*` of the latest packet in the originating direction: replies, and ICMP
     /// errors about the connection, pass while it is ALLOW.
     pub last_verdict: u8,
-    pub _pad: [u8; 6],
+    pub _pad: u16,
+    pub _pad2: u32,
 }
 const _: () = assert!(size_of::<Connection>() == 112);
 

@@ -81,7 +81,8 @@ pub struct FilterSet {
     pub rule_count: u32,
     /// `TARGET_*` when no rule matches.
     pub default_target: u8,
-    pub _pad: [u8; 3],
+    pub _pad: u8,
+    pub _pad2: u16,
     pub rules: [FilterRule; MAX_RULES],
 }
 const _: () = assert!(size_of::<FilterSet>() == 24 + 84 * MAX_RULES);
@@ -93,7 +94,8 @@ impl Default for FilterSet {
             generation: 0,
             rule_count: 0,
             default_target: TARGET_ALLOW,
-            _pad: [0; 3],
+            _pad: 0,
+            _pad2: 0,
             rules: [FilterRule::default(); MAX_RULES],
         }
     }

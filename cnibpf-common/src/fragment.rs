@@ -33,7 +33,7 @@ pub struct FragmentKey {
     pub id: u32,
     pub protocol: u8,
     pub family: u8,
-    pub _pad: [u8; 2],
+    pub _pad: u16,
 }
 const _: () = assert!(size_of::<FragmentKey>() == 40);
 
@@ -47,7 +47,8 @@ pub struct FirstFragment {
     pub dst_port: u16,
     /// `PASSED_*` bits.
     pub passed: u8,
-    pub _pad: [u8; 3],
+    pub _pad: u8,
+    pub _pad2: u16,
 }
 const _: () = assert!(size_of::<FirstFragment>() == 16);
 

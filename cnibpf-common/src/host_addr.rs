@@ -19,7 +19,8 @@ pub const MAX_ENTRIES: u32 = 4_096;
 pub struct HostAddrKey {
     pub addr: Address,
     pub family: u8,
-    pub _pad: [u8; 3],
+    pub _pad: u8,
+    pub _pad2: u16,
 }
 const _: () = assert!(size_of::<HostAddrKey>() == 20);
 

@@ -23,7 +23,7 @@ pub struct ReplyKey {
     pub dst_port: u16,
     pub protocol: u8,
     pub family: u8,
-    pub _pad: [u8; 2],
+    pub _pad: u16,
 }
 const _: () = assert!(size_of::<ReplyKey>() == 40);
 
@@ -38,10 +38,10 @@ pub struct MasqReply {
     pub host_ifindex: u32,
     /// The container's own source port (ICMP echo: identifier).
     pub container_port: u16,
-    pub _pad: [u8; 2],
+    pub _pad: u16,
     pub container_mac: [u8; 6],
     pub gateway_mac: [u8; 6],
-    pub _pad2: [u8; 4],
+    pub _pad2: u32,
 }
 const _: () = assert!(size_of::<MasqReply>() == 48);
 

@@ -16,7 +16,8 @@ pub const MAX_ENTRIES: u32 = 8_192;
 pub struct MasqSourceKey {
     pub addr: Address,
     pub family: u8,
-    pub _pad: [u8; 3],
+    pub _pad: u8,
+    pub _pad2: u16,
 }
 const _: () = assert!(size_of::<MasqSourceKey>() == 20);
 

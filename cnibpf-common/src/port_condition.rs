@@ -29,7 +29,9 @@ pub struct PortConditionsKey {
     pub owner: u64,
     /// `FAMILY_IPV4` or `FAMILY_IPV6`.
     pub family: u8,
-    pub _pad: [u8; 7],
+    pub _pad: u8,
+    pub _pad2: u16,
+    pub _pad3: u32,
 }
 const _: () = assert!(size_of::<PortConditionsKey>() == 16);
 
@@ -44,7 +46,7 @@ pub struct ConditionTerm {
     pub kind: u8,
     /// The clause the term belongs to (0 to 15).
     pub clause: u8,
-    pub _pad: [u8; 2],
+    pub _pad: u16,
 }
 const _: () = assert!(size_of::<ConditionTerm>() == 40);
 

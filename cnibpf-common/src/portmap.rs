@@ -46,7 +46,8 @@ pub struct PortMapValue {
     pub gateway_mac: [u8; 6],
     /// `FLAG_*`.
     pub flags: u8,
-    pub _pad: [u8; 5],
+    pub _pad: u8,
+    pub _pad2: u32,
 }
 const _: () = assert!(size_of::<PortMapValue>() == 48);
 

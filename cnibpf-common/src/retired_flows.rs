@@ -34,7 +34,7 @@ impl FlowKeyV9 {
             remote_port: self.dst_port,
             protocol: self.protocol,
             family: self.family,
-            _pad: [0; 2],
+            _pad: 0,
         }
     }
 }

@@ -18,7 +18,8 @@ pub struct SockRevKey {
     pub addr: Address,
     pub port: u16,
     pub family: u8,
-    pub _pad: [u8; 5],
+    pub _pad: u8,
+    pub _pad2: u32,
 }
 const _: () = assert!(size_of::<SockRevKey>() == 32);
 
@@ -27,7 +28,8 @@ const _: () = assert!(size_of::<SockRevKey>() == 32);
 pub struct SockRevValue {
     pub orig_addr: Address,
     pub orig_port: u16,
-    pub _pad: [u8; 6],
+    pub _pad: u16,
+    pub _pad2: u32,
 }
 const _: () = assert!(size_of::<SockRevValue>() == 24);
 

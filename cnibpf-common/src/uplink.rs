@@ -18,7 +18,7 @@ pub struct UplinkInfo {
     pub addr_v6: Address,
     /// The uplink's primary IPv4 address, all zero when it has none.
     pub addr_v4: [u8; 4],
-    pub _pad: [u8; 4],
+    pub _pad: u32,
 }
 const _: () = assert!(size_of::<UplinkInfo>() == 24);
 

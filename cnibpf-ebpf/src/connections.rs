@@ -42,7 +42,7 @@ pub fn key_of(flow: &Flow, direction: u8) -> ConnectionKey {
         remote_port: u16::from_be(remote_port),
         protocol: flow.protocol,
         family: flow.family,
-        _pad: [0; 2],
+        _pad: 0,
     }
 }
 

@@ -10,7 +10,7 @@ use cnibpf_common::{
     filter_event::FilterEvent,
 };
 
-use crate::{clock, maps};
+use crate::{clock, maps, zero::zero};
 
 /// Counts one dropped packet of `bytes` bytes.
 #[inline(always)]
@@ -50,9 +50,14 @@ pub fn report(reason: DropReason, fill: impl FnOnce(&mut FilterEvent)) {
     };
     let event = entry.as_mut_ptr();
     // SAFETY: `event` points to the reserved record, which only this program writes until it
-    // is submitted; zeroing it first makes every field written.
+    // is submitted (the ring aligns records to 8 bytes); zeroing it first makes every field
+    // written.
     let event = unsafe {
-        core::ptr::write_bytes(event, 0, 1);
+        zero(
+            event.cast(),
+            size_of::<FilterEvent>(),
+            align_of::<FilterEvent>(),
+        );
         &mut *event
     };
     event.time_ns = clock::now_ns();

@@ -4,7 +4,7 @@
 //! with `connections`, `packet` and `maps` below them. Modules only use modules below them:
 //!
 //! ```text
-//! main → hooks → portmap, masquerade, filter, sources → connections, route → packet → drops → maps, clock
+//! main → hooks → portmap, masquerade, filter, sources → connections, route → packet → drops → maps, clock, zero
 //! ```
 #![no_std]
 #![no_main]
@@ -26,6 +26,7 @@ mod packet;
 mod portmap;
 mod route;
 mod sources;
+mod zero;
 
 use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier, raw_tracepoint},

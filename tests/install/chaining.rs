@@ -297,7 +297,7 @@ fn watch_keeps_the_runtime_on_a_chained_network_while_the_primary_rewrites_its_f
             "10-calico.conflist"
         ]
     );
-    terminate(watcher);
+    watcher.terminate();
 }
 
 #[test]

@@ -31,7 +31,7 @@ fn an_upgrade_replaces_the_binary_while_the_old_one_runs() {
                 attempts += 1;
                 std::thread::sleep(Duration::from_millis(10));
             }
-            spawned => break spawned.expect("run the old binary"),
+            spawned => break Daemon::from(spawned.expect("run the old binary")),
         }
     };
     assert!(
@@ -47,7 +47,7 @@ fn an_upgrade_replaces_the_binary_while_the_old_one_runs() {
         std::fs::read(cnibpf_binary()).expect("cnibpf"),
         "the new release is in place"
     );
-    terminate(running);
+    running.terminate();
 }
 
 /// A reference portmap and where it keeps a pod's rules.

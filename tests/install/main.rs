@@ -9,7 +9,7 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::{Child, Command, Output, Stdio},
+    process::{Command, Output, Stdio},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -20,6 +20,7 @@ use std::{
 use cnibpf_tests::{
     assertions::assert_uninstalled,
     chain::{Attachment, Chain, plugin_command, run_with_stdin},
+    daemon::Daemon,
     eventually,
     topology::{Chained, DefaultPaths, SimHost, cnibpf_binary, port_mappings},
 };
@@ -176,13 +177,14 @@ impl NodeDirs {
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
-    fn watch(&self, extra: &[&str]) -> Child {
+    fn watch(&self, extra: &[&str]) -> Daemon {
         Command::new(cnibpf_binary())
             .args(self.args("install", extra))
             .arg("--watch")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
+            .map(Daemon::from)
             .expect("start cnibpf install --watch")
     }
 }
@@ -201,19 +203,6 @@ fn types(conflist: &Value) -> Vec<String> {
         .flatten()
         .filter_map(|plugin| plugin["type"].as_str().map(str::to_owned))
         .collect()
-}
-
-fn terminate(mut child: Child) {
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("a pid")),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .expect("SIGTERM");
-    let status = child.wait().expect("wait for the watcher");
-    assert!(
-        status.success(),
-        "the watcher exits cleanly on SIGTERM: {status}"
-    );
 }
 
 /// A primary network as its CNI ships it, and what cnibpf's install must make of it.

@@ -192,7 +192,8 @@ fn del_gc_and_check_manage_the_masquerade_state(backend: Backend) {
             let key = MasqSourceKey {
                 addr: Address::ipv4(kept.address.octets()),
                 family: 2,
-                _pad: [0; 3],
+                _pad: 0,
+                _pad2: 0,
             };
             sources.remove(&key).expect("remove the entry");
         }

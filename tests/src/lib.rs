@@ -9,6 +9,7 @@
 pub mod assertions;
 pub mod chain;
 pub mod cri;
+pub mod daemon;
 pub mod faults;
 pub mod foreign;
 pub mod history;

@@ -195,7 +195,7 @@ impl SimHost {
                 remote_port: 80,
                 protocol: 6,
                 family: 2,
-                _pad: [0; 2],
+                _pad: 0,
             };
             let connection = Connection {
                 last_seen_ns: u64::MAX / 2,

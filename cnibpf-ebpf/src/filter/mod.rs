@@ -147,7 +147,7 @@ fn subject(ctx: &TcContext, packet: &Packet, ifindex: u32, direction: u8) -> *mu
     scratch.ifindex = ifindex;
     key.protocol = packet.protocol;
     key.family = packet.family;
-    key._pad = [0; 2];
+    key._pad = 0;
     scratch.source = packet.source.words();
     scratch.destination = packet.destination.words();
     scratch.now = packet.now;
@@ -373,7 +373,8 @@ fn mark_first_fragment(flow: &Flow, direction: u8, allowed: bool, now: u64) {
         src_port: u16::from_be(flow.sport),
         dst_port: u16::from_be(flow.dport),
         passed,
-        _pad: [0; 3],
+        _pad: 0,
+        _pad2: 0,
     };
     let _ = maps::fragments.insert(&key, &first, u64::from(BPF_ANY));
 }

@@ -169,7 +169,7 @@ fn error_of_allowed_connection(ctx: &TcContext, owner: u64, direction: u8) -> bo
         remote_port: u16::from_be(remote.1),
         protocol: error.inner_protocol,
         family: error.family,
-        _pad: [0; 2],
+        _pad: 0,
     };
     let Some(entry) = maps::connections.get_ptr(&key) else {
         return false;

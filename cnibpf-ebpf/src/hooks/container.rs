@@ -17,10 +17,9 @@ use cnibpf_common::{
 use super::hand_over;
 use crate::{
     connections, filter, maps, masquerade,
-    packet::{
-        Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, take_translated_mark, zeroed,
-    },
+    packet::{Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, take_translated_mark},
     portmap, sources,
+    zero::zeroed,
 };
 
 pub fn from_container(ctx: &TcContext) -> i32 {

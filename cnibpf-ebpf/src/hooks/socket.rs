@@ -78,12 +78,14 @@ pub fn to_container(ctx: &SockAddrContext, family: u8) {
         addr: container_addr,
         port: container_port,
         family,
-        _pad: [0; 5],
+        _pad: 0,
+        _pad2: 0,
     };
     let original = SockRevValue {
         orig_addr: addr,
         orig_port: port,
-        _pad: [0; 6],
+        _pad: 0,
+        _pad2: 0,
     };
     // A full LRU map evicts the oldest socket's entry; failing here only means the application
     // sees the container address in recvmsg/getpeername, so the connection proceeds regardless.
@@ -105,7 +107,8 @@ pub fn to_host_port(ctx: &SockAddrContext, family: u8) {
         addr,
         port,
         family,
-        _pad: [0; 5],
+        _pad: 0,
+        _pad2: 0,
     };
     if let Some(original) = maps::sock_rev.get_ptr(&key) {
         // SAFETY: read at once from the entry just looked up.

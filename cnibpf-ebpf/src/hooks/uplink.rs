@@ -17,9 +17,10 @@ use crate::{
     connections, maps, masquerade,
     packet::{
         Answer, DROP, DatapathError, Flow, NEXT, SourceAddress, from_local_socket, ifindex,
-        source_address, zeroed,
+        source_address,
     },
     portmap,
+    zero::zeroed,
 };
 
 pub fn ingress(ctx: &TcContext) -> i32 {

@@ -182,7 +182,8 @@ pub fn is_host_address(addr: &Address, family: u8) -> bool {
     let key = HostAddrKey {
         addr: *addr,
         family,
-        _pad: [0; 3],
+        _pad: 0,
+        _pad2: 0,
     };
     host_addrs.get_ptr(&key).is_some()
 }

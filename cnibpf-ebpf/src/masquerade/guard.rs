@@ -76,7 +76,7 @@ fn translate_icmp_error(ctx: &TcContext) -> Result<bool, DatapathError> {
         remote_port: u16::from_be(error.inner_sport),
         protocol: error.inner_protocol,
         family: error.family,
-        _pad: [0; 2],
+        _pad: 0,
     };
     // SAFETY: points into `connections`, read at once.
     let Some(connection) = (unsafe { connections::find(&key).as_ref() }) else {

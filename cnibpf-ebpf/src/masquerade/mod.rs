@@ -14,6 +14,8 @@
 //! plugin's DEL and GC sweep expired entries away, and the LRU maps evict the least recently
 //! used entries when full.
 
+use core::mem::MaybeUninit;
+
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
@@ -42,6 +44,7 @@ use crate::{
     connections, drops, maps,
     packet::{Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, or_verdict},
     route::{Route, forward, route, route_source},
+    zero::{Zeroable, zeroed},
 };
 use ports::{claim_port, host_socket_holds};
 
@@ -394,7 +397,8 @@ fn masqueraded_address(family: u8, addr: &Address) -> Option<MasqSource> {
     let key = MasqSourceKey {
         addr: *addr,
         family,
-        _pad: [0; 3],
+        _pad: 0,
+        _pad2: 0,
     };
     // SAFETY: points into `masq_sources`, copied at once.
     maps::masq_sources
@@ -412,17 +416,20 @@ fn source_attached_here(ctx: &TcContext, flow: &Flow) -> Option<MasqSource> {
 
 /// Whether `destination` is one the attachment's traffic is never masqueraded towards.
 fn is_excluded(owner: u64, family: u8, destination: &Address) -> bool {
-    let key = aya_ebpf::btf_maps::lpm_trie::Key::new(
-        OWNER_FAMILY_BITS + 128,
-        MasqExcludeKey {
-            owner: owner.to_be_bytes(),
-            family,
-            addr: destination.bytes,
-            _pad: [0; 3],
-        },
-    );
-    maps::masq_excludes.get(&key).is_some()
+    let mut slot = MaybeUninit::uninit();
+    let key = zeroed::<ExcludeLookup>(&mut slot);
+    key.0.prefix_len = OWNER_FAMILY_BITS + 128;
+    key.0.data.owner = owner.to_be_bytes();
+    key.0.data.family = family;
+    key.0.data.addr = destination.bytes;
+    maps::masq_excludes.get(&key.0).is_some()
 }
+
+/// A `masq_excludes` lookup key, zeroed a word at a time (its padding would be a `memset`).
+struct ExcludeLookup(aya_ebpf::btf_maps::lpm_trie::Key<MasqExcludeKey>);
+
+// SAFETY: a prefix length and a key of byte arrays.
+unsafe impl Zeroable for ExcludeLookup {}
 
 fn uplink_address(uplink: &UplinkInfo, family: u8) -> Option<Address> {
     let address = if family == FAMILY_IPV4 {
@@ -442,7 +449,7 @@ fn reply_key(flow: &Flow) -> ReplyKey {
         dst_port: u16::from_be(flow.dport),
         protocol: flow.protocol,
         family: flow.family,
-        _pad: [0; 2],
+        _pad: 0,
     }
 }
 

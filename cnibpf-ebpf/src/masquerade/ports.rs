@@ -115,17 +115,17 @@ pub(super) fn claim_port(flow: &Flow, plan: &Plan, keep_own_port: bool) -> Optio
         dst_port: if keep_own_port { original } else { 0 },
         protocol: flow.protocol,
         family: flow.family,
-        _pad: [0; 2],
+        _pad: 0,
     };
     search.reply = MasqReply {
         container_addr: flow.saddr,
         owner: plan.source.owner,
         host_ifindex: plan.source.host_ifindex,
         container_port: original,
-        _pad: [0; 2],
+        _pad: 0,
         container_mac: plan.source.container_mac,
         gateway_mac: plan.source.gateway_mac,
-        _pad2: [0; 4],
+        _pad2: 0,
     };
     search.span = span;
     search.low = low;
@@ -202,7 +202,7 @@ fn claim(reverse: &ReplyKey, reply: &MasqReply, holder_key: &mut ConnectionKey) 
         holder_key.remote_port = reverse.src_port;
         holder_key.protocol = reverse.protocol;
         holder_key.family = reverse.family;
-        holder_key._pad = [0; 2];
+        holder_key._pad = 0;
         let now = clock::now_ns();
         let state = connections::find(holder_key);
         // SAFETY: points into `connections`, read at once.

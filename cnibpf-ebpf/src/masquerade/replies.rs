@@ -43,7 +43,7 @@ fn connection_key(flow: &Flow, reply: &MasqReply) -> ConnectionKey {
         remote_port: u16::from_be(flow.sport),
         protocol: flow.protocol,
         family: flow.family,
-        _pad: [0; 2],
+        _pad: 0,
     }
 }
 
@@ -168,7 +168,7 @@ fn try_translate_icmp_error(
         dst_port: u16::from_be(error.inner_sport),
         protocol: error.inner_protocol,
         family: error.family,
-        _pad: [0; 2],
+        _pad: 0,
     };
     let Some(reply) = maps::masq_replies.get_ptr(&key) else {
         return Ok(Answer::NOT_MINE);

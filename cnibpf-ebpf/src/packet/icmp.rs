@@ -1,23 +1,24 @@
-//! ICMP errors and the packet they quote, read with `bpf_skb_load_bytes` (the quote need not be
-//! in the linear area). Features translate them (`masquerade`) or judge them by the connection
-//! they quote (`filter`).
+//! ICMP errors and the packet they quote. Features translate them (`masquerade`) or judge them
+//! by the connection they quote (`filter`).
 
-use aya_ebpf::{
-    EbpfContext as _, btf_maps::PerCpuArray, helpers::bpf_skb_load_bytes, macros::btf_map,
-    programs::TcContext,
-};
+use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
     address::Address,
     packet::{Fragment, is_echo_request, is_icmp_error},
 };
 
-use super::{DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV6_HLEN, load_anywhere};
+use super::{
+    DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Header, IPV6_HLEN, ensure_linear, load,
+};
 
 const ICMP_HLEN: usize = 8;
+const IPV4_MIN_HLEN: usize = 20;
+/// What an error's parse reads at most: its IP header with options, its ICMP header, the
+/// quoted IP header with options, and the first bytes of the quoted transport header.
+const ICMP_ERROR_PULL: usize = ETH_HLEN + 60 + ICMP_HLEN + 60 + 8;
 
-/// An ICMP error quoting a TCP, UDP or ICMP echo packet, read with `bpf_skb_load_bytes`
-/// (the quoted packet need not be in the linear area). Kept in [`icmp_error_scratch`]:
+/// An ICMP error quoting a TCP, UDP or ICMP echo packet. Kept in [`icmp_error_scratch`]:
 /// on the stack it would push the call chain past 512 bytes.
 pub struct IcmpError {
     pub family: u8,
@@ -48,67 +49,73 @@ pub static icmp_error_scratch: PerCpuArray<IcmpError, 1> = PerCpuArray::new();
 
 impl IcmpError {
     /// Reads the packet into `self`; `false` when it is not such an error (what it read so
-    /// far is then meaningless). Field by field into the scratch, addresses straight from the
-    /// packet: a whole `Self` or address copies on the stack would push the call chains that
-    /// reach it past the verifier's 512 bytes.
+    /// far is then meaningless). The error's headers and its quote's are pulled into the
+    /// linear area first (a short packet whole) and read there a word at a time; the offsets
+    /// stay in registers, where the verifier knows their bounds, and are kept last.
     #[inline(never)]
     pub fn parse(&mut self, ctx: &TcContext) -> Result<bool, DatapathError> {
-        let ethertype: u16 = load_anywhere(ctx, 12)?;
-        let protocol = if ethertype == ETH_P_IP.to_be() {
-            let version_ihl: u8 = load_anywhere(ctx, ETH_HLEN)?;
-            let fragment: u16 = load_anywhere(ctx, ETH_HLEN + 6)?;
+        ensure_linear(ctx, (ctx.len() as usize).min(ICMP_ERROR_PULL));
+        let ethertype: u16 = load(ctx, 12)?;
+        let (protocol, icmp_off) = if ethertype == ETH_P_IP.to_be() {
+            let ip = Header::at(ctx, ETH_HLEN, IPV4_MIN_HLEN)?;
+            let version_ihl: u8 = ip.field(0)?;
+            let fragment: u16 = ip.field(6)?;
             if version_ihl >> 4 != 4 || Fragment::of_ipv4(u16::from_be(fragment)) != Fragment::Whole
             {
                 return Ok(false);
             }
             self.family = FAMILY_IPV4;
-            self.icmp_off = ETH_HLEN + usize::from(version_ihl & 0x0f) * 4;
-            read_address(ctx, ETH_HLEN + 12, FAMILY_IPV4, &mut self.saddr)?;
-            read_address(ctx, ETH_HLEN + 16, FAMILY_IPV4, &mut self.daddr)?;
-            load_anywhere::<u8>(ctx, ETH_HLEN + 9)?
+            self.saddr = Address::ipv4(ip.field(12)?);
+            self.daddr = Address::ipv4(ip.field(16)?);
+            (
+                ip.field::<u8>(9)?,
+                ETH_HLEN + usize::from(version_ihl & 0x0f) * 4,
+            )
         } else if ethertype == ETH_P_IPV6.to_be() {
+            let ip = Header::at(ctx, ETH_HLEN, IPV6_HLEN)?;
             self.family = FAMILY_IPV6;
-            self.icmp_off = ETH_HLEN + IPV6_HLEN;
-            read_address(ctx, ETH_HLEN + 8, FAMILY_IPV6, &mut self.saddr)?;
-            read_address(ctx, ETH_HLEN + 24, FAMILY_IPV6, &mut self.daddr)?;
-            load_anywhere::<u8>(ctx, ETH_HLEN + 6)?
+            self.saddr = ip.field(8)?;
+            self.daddr = ip.field(24)?;
+            (ip.field::<u8>(6)?, ETH_HLEN + IPV6_HLEN)
         } else {
             return Ok(false);
         };
-        let icmp_type: u8 = load_anywhere(ctx, self.icmp_off)?;
-        if !is_icmp_error(protocol, icmp_type) {
+        // The whole ICMP header: a one-byte read at a variable offset gets a bounds check
+        // that LLVM words in a way the verifier takes as one byte short.
+        if !is_icmp_error(protocol, Header::at(ctx, icmp_off, ICMP_HLEN)?.field(0)?) {
             return Ok(false);
         }
-        self.inner_off = self.icmp_off + ICMP_HLEN;
-        let inner_off = self.inner_off;
-        if self.family == FAMILY_IPV4 {
-            let version_ihl: u8 = load_anywhere(ctx, inner_off)?;
-            self.inner_protocol = load_anywhere::<u8>(ctx, inner_off + 9)?;
-            self.inner_l4_off = inner_off + usize::from(version_ihl & 0x0f) * 4;
-            read_address(ctx, inner_off + 12, FAMILY_IPV4, &mut self.inner_saddr)?;
-            read_address(ctx, inner_off + 16, FAMILY_IPV4, &mut self.inner_daddr)?;
+        let inner_off = icmp_off + ICMP_HLEN;
+        let inner_l4_off = if self.family == FAMILY_IPV4 {
+            let ip = Header::at(ctx, inner_off, IPV4_MIN_HLEN)?;
+            let version_ihl: u8 = ip.field(0)?;
+            self.inner_protocol = ip.field(9)?;
+            self.inner_saddr = Address::ipv4(ip.field(12)?);
+            self.inner_daddr = Address::ipv4(ip.field(16)?);
+            inner_off + usize::from(version_ihl & 0x0f) * 4
         } else {
-            self.inner_protocol = load_anywhere::<u8>(ctx, inner_off + 6)?;
-            self.inner_l4_off = inner_off + IPV6_HLEN;
-            read_address(ctx, inner_off + 8, FAMILY_IPV6, &mut self.inner_saddr)?;
-            read_address(ctx, inner_off + 24, FAMILY_IPV6, &mut self.inner_daddr)?;
-        }
-        let inner_l4_off = self.inner_l4_off;
+            let ip = Header::at(ctx, inner_off, IPV6_HLEN)?;
+            self.inner_protocol = ip.field(6)?;
+            self.inner_saddr = ip.field(8)?;
+            self.inner_daddr = ip.field(24)?;
+            inner_off + IPV6_HLEN
+        };
         (self.inner_sport, self.inner_dport) = match self.inner_protocol {
-            PROTO_TCP | PROTO_UDP => (
-                load_anywhere::<u16>(ctx, inner_l4_off)?,
-                load_anywhere::<u16>(ctx, inner_l4_off + 2)?,
-            ),
+            PROTO_TCP | PROTO_UDP => {
+                let ports = Header::at(ctx, inner_l4_off, 4)?;
+                (ports.field(0)?, ports.field(2)?)
+            }
             // Only a quoted echo request: its identifier is what was translated.
             PROTO_ICMP | PROTO_ICMPV6 => {
-                let quoted_type: u8 = load_anywhere(ctx, inner_l4_off)?;
-                if !is_echo_request(self.inner_protocol, quoted_type) {
+                let echo = Header::at(ctx, inner_l4_off, 6)?;
+                if !is_echo_request(self.inner_protocol, echo.field(0)?) {
                     return Ok(false);
                 }
-                (load_anywhere::<u16>(ctx, inner_l4_off + 4)?, 0)
+                (echo.field(4)?, 0)
             }
             _ => return Ok(false),
         };
+        (self.icmp_off, self.inner_off, self.inner_l4_off) = (icmp_off, inner_off, inner_l4_off);
         Ok(true)
     }
 
@@ -120,34 +127,5 @@ impl IcmpError {
             PROTO_ICMPV6 => (self.inner_l4_off + 2, true),
             _ => (self.inner_l4_off + 2, false),
         }
-    }
-}
-
-/// Reads the address of `family` at `offset` into `address`, in the 16-byte map form (an IPv4
-/// address in its first four bytes, the rest zero): straight from the packet into the
-/// scratch, with a length the verifier sees as never zero.
-#[inline(always)]
-fn read_address(
-    ctx: &TcContext,
-    offset: usize,
-    family: u8,
-    address: &mut Address,
-) -> Result<(), DatapathError> {
-    *address = Address::UNSPECIFIED;
-    let length: u32 = if family == FAMILY_IPV4 { 4 } else { 16 };
-    // SAFETY: `address` is 16 bytes of map value, at least `length`; the helper checks the
-    // packet's bounds itself.
-    let read = unsafe {
-        bpf_skb_load_bytes(
-            ctx.as_ptr().cast(),
-            offset as u32,
-            address.bytes.as_mut_ptr().cast(),
-            length,
-        )
-    };
-    if read == 0 {
-        Ok(())
-    } else {
-        Err(DatapathError::Truncated)
     }
 }

@@ -12,8 +12,6 @@ pub mod rewrite;
 pub mod skb;
 pub mod verdict;
 
-use core::mem::MaybeUninit;
-
 use aya_ebpf::programs::TcContext;
 
 pub use cnibpf_common::packet::Fragment;
@@ -38,23 +36,6 @@ pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 /// Enough of any L4 header for ports and checksum, pulled into the linear area up front.
 const L4_PULL: usize = 20;
 
-/// `slot` zeroed in place (see [`zero`]), for a value of integers and byte arrays only.
-#[inline(always)]
-pub fn zeroed<T: Zeroable>(slot: &mut MaybeUninit<T>) -> &mut T {
-    // SAFETY: all of `slot` is zeroed, a valid value of a `Zeroable` type; `T`'s alignment
-    // is the widest store `zero` makes.
-    unsafe {
-        zero(slot.as_mut_ptr().cast(), size_of::<T>(), align_of::<T>());
-        slot.assume_init_mut()
-    }
-}
-
-/// Types whose all-zero bytes are a valid value.
-///
-/// # Safety
-/// Only for types made of integers and arrays of them.
-pub unsafe trait Zeroable {}
-
 /// Brings the first `length` bytes into the linear area, where direct reads can see them —
 /// only when they are not there already: pulling also makes a cloned packet (every TCP
 /// segment a container sends is one) writable, which copies its headers even when nothing is
@@ -69,32 +50,4 @@ fn ensure_linear(ctx: &TcContext, length: usize) {
 /// and whatever bounds the verifier knows of `offset`.
 pub fn load_anywhere<T: Copy>(ctx: &TcContext, offset: usize) -> Result<T, DatapathError> {
     ctx.load(offset).map_err(|_| DatapathError::Truncated)
-}
-
-/// Zeroes `len` bytes at `at` with volatile stores as wide as `align` allows (up to eight
-/// bytes): on this target LLVM turns any zeroing it sees (a zero array, a derived `Default`)
-/// into a call of compiler-builtins' `memset`, a byte loop of its own, per packet.
-///
-/// # Safety
-/// `at..at + len` must be writable, and `at` aligned to `align`.
-#[inline(always)]
-unsafe fn zero(at: *mut u8, len: usize, align: usize) {
-    let width = align.min(8);
-    let mut done = 0;
-    // SAFETY: within the range the caller vouches for, each store aligned to its width.
-    unsafe {
-        while done + width <= len {
-            match width {
-                8 => at.add(done).cast::<u64>().write_volatile(0),
-                4 => at.add(done).cast::<u32>().write_volatile(0),
-                2 => at.add(done).cast::<u16>().write_volatile(0),
-                _ => at.add(done).write_volatile(0),
-            }
-            done += width;
-        }
-        while done < len {
-            at.add(done).write_volatile(0);
-            done += 1;
-        }
-    }
 }

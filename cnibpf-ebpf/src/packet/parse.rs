@@ -192,7 +192,8 @@ impl Flow {
             src_port,
             dst_port,
             passed: 0,
-            _pad: [0; 3],
+            _pad: 0,
+            _pad2: 0,
         };
         // A full LRU map evicts; a failed insert leaves the later fragments without ports,
         // as when their first was not seen.
@@ -289,7 +290,7 @@ impl Flow {
             id: self.fragment_id,
             protocol: self.protocol,
             family: self.family,
-            _pad: [0; 2],
+            _pad: 0,
         }
     }
 

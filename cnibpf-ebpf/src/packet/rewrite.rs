@@ -117,8 +117,10 @@ impl Flow {
             if !decrement_ipv6_hop_limit(ctx)? {
                 return Ok(false);
             }
-            self.rewrite_address(ctx, Side::Source, addr)?;
-        } else if !self.rewrite_forwarded_ipv4_header(ctx, addr)? {
+            self.rewrite(ctx, Side::Source, addr, port)?;
+            return Ok(true);
+        }
+        if !self.rewrite_forwarded_ipv4_header(ctx, addr)? {
             return Ok(false);
         }
         self.saddr = *addr;
@@ -195,35 +197,45 @@ impl Flow {
         }
     }
 
-    /// Rewrites the source address and port (network byte order), fixing checksums. Not
-    /// inlined (nor is `rewrite_destination` or `route`): each needs scratch space, and the
-    /// verifier caps the stack of a whole call chain at 512 bytes.
-    #[inline(never)]
+    /// Rewrites the source address and port (network byte order), fixing checksums.
+    #[inline(always)]
     pub fn rewrite_source(
         &mut self,
         ctx: &TcContext,
         addr: &Address,
         port: u16,
     ) -> Result<(), DatapathError> {
-        self.rewrite_address(ctx, Side::Source, addr)?;
-        self.rewrite_port(ctx, Side::Source, port)?;
-        self.saddr = *addr;
-        self.sport = port;
-        Ok(())
+        self.rewrite(ctx, Side::Source, addr, port)
     }
 
     /// Rewrites the destination address and port (network byte order), fixing checksums.
-    #[inline(never)]
+    #[inline(always)]
     pub fn rewrite_destination(
         &mut self,
         ctx: &TcContext,
         addr: &Address,
         port: u16,
     ) -> Result<(), DatapathError> {
-        self.rewrite_address(ctx, Side::Destination, addr)?;
-        self.rewrite_port(ctx, Side::Destination, port)?;
-        self.daddr = *addr;
-        self.dport = port;
+        self.rewrite(ctx, Side::Destination, addr, port)
+    }
+
+    /// Rewrites one side's address and port, fixing checksums: one body for both sides. Not
+    /// inlined (nor is `route`): it needs scratch space, and the verifier caps the stack of a
+    /// whole call chain at 512 bytes.
+    #[inline(never)]
+    fn rewrite(
+        &mut self,
+        ctx: &TcContext,
+        side: Side,
+        addr: &Address,
+        port: u16,
+    ) -> Result<(), DatapathError> {
+        self.rewrite_address(ctx, side, addr)?;
+        self.rewrite_port(ctx, side, port)?;
+        match side {
+            Side::Source => (self.saddr, self.sport) = (*addr, port),
+            Side::Destination => (self.daddr, self.dport) = (*addr, port),
+        }
         Ok(())
     }
 

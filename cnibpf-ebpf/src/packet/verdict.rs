@@ -6,8 +6,9 @@ use aya_ebpf::{
 };
 use cnibpf_common::drop_stats::DropReason;
 
-use super::{Zeroable, skb::ifindex};
+use super::skb::ifindex;
 use crate::drops;
+use crate::zero::Zeroable;
 
 /// The verdict for a packet cnibpf leaves alone, or rewrote and leaves to the stack: on to the
 /// next tcx program or tc filter, then the stack (`TCX_NEXT`, `TC_ACT_UNSPEC`). Never

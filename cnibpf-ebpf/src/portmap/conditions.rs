@@ -43,7 +43,9 @@ fn conditions_hold(
     let key = PortConditionsKey {
         owner,
         family,
-        _pad: [0; 7],
+        _pad: 0,
+        _pad2: 0,
+        _pad3: 0,
     };
     let Some(conditions) = maps::port_conditions.get_ptr(&key) else {
         return false;

@@ -236,8 +236,26 @@ pub fn run(out_dir: &Path, older: &[String]) -> Result<()> {
             })
             .collect::<Vec<_>>(),
     )?;
-    progress.step(&format!("report: {} and packets.png", report.display()));
+    if older.is_empty() {
+        progress.step(&format!("report: {} and packets.png", report.display()));
+    } else {
+        // A run beside older builds is the one the documentation shows.
+        super::publish(out_dir, "packets", &publish_command(older))?;
+        progress.step(&format!(
+            "report: {} and packets.png, published to docs/",
+            report.display()
+        ));
+    }
     Ok(())
+}
+
+/// The command a published run was made with, as the documentation names it.
+fn publish_command(older: &[String]) -> String {
+    let baselines: String = older
+        .iter()
+        .map(|commit| format!(" --baseline {commit}"))
+        .collect();
+    format!("./dev bench packets{baselines}")
 }
 
 /// How the traffic figures and the prices were taken.

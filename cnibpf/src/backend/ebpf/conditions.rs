@@ -88,7 +88,9 @@ fn conditions_key(owner: u64, ipv4: bool) -> PortConditionsKey {
     PortConditionsKey {
         owner,
         family: if ipv4 { FAMILY_IPV4 } else { FAMILY_IPV6 },
-        _pad: [0; 7],
+        _pad: 0,
+        _pad2: 0,
+        _pad3: 0,
     }
 }
 
@@ -106,7 +108,7 @@ fn encode(conditions: &[Condition], interfaces: &[(String, u32)]) -> PortConditi
             ifindex: 0,
             kind,
             clause,
-            _pad: [0; 2],
+            _pad: 0,
         };
         match &condition.subject {
             Subject::Source(nets) => {

@@ -150,7 +150,8 @@ impl EbpfBackend {
                 let key = HostAddrKey {
                     addr: addr::to_address(*addr),
                     family: addr::family_of(*addr),
-                    _pad: [0; 3],
+                    _pad: 0,
+                    _pad2: 0,
                 };
                 (key, *ifindex)
             })

@@ -60,7 +60,7 @@ impl MasqueradeMaps {
             dst_port: connection.nat_port,
             protocol: key.protocol,
             family: key.family,
-            _pad: [0; 2],
+            _pad: 0,
         };
         let leads_here = found(self.masq_replies.get(&reply_key, 0), masq_reply::MAP_NAME)?
             .is_some_and(|reply| {
@@ -330,7 +330,8 @@ fn source_key(addr: IpAddr) -> MasqSourceKey {
     MasqSourceKey {
         addr: addr::to_address(addr),
         family: addr::family_of(addr),
-        _pad: [0; 3],
+        _pad: 0,
+        _pad2: 0,
     }
 }
 

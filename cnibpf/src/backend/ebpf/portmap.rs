@@ -383,7 +383,8 @@ fn entry_for(endpoint: &Endpoint, mapping: &ResolvedMapping) -> (PortMapKey, Por
         } else {
             portmap::FLAG_CONDITIONED
         },
-        _pad: [0; 5],
+        _pad: 0,
+        _pad2: 0,
     };
     (key, value)
 }
@@ -464,7 +465,7 @@ mod tests {
             remote_port: 40_000,
             protocol: Protocol::Tcp.number(),
             family: addr::family_of(host),
-            _pad: [0; 2],
+            _pad: 0,
         };
         let connection = Connection {
             orig_addr: addr::to_address(host),

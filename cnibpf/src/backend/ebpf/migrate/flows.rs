@@ -149,7 +149,7 @@ impl EbpfBackend {
                 remote_port: old_key.remote_port,
                 protocol: old_key.protocol,
                 family: old_key.family,
-                _pad: [0; 2],
+                _pad: 0,
             };
             let merged = filtered(self.connection(&key)?, &flow);
             self.write_connection(&key, merged)?;
