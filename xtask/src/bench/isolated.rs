@@ -24,8 +24,9 @@ use super::{
     prices::{BPF_PROG_TEST_RUN, SK_BUFF_IFINDEX_OFF, SK_BUFF_SIZE, test_run},
 };
 
-/// Single runs per case.
-const RUNS: usize = 4_001;
+/// Single runs per case, in `PASSES` passes.
+const RUNS: usize = 4_000;
+const PASSES: usize = 8;
 const BPF_OBJ_GET: libc::c_long = 7;
 
 /// An IPv4 address and port.
@@ -54,6 +55,9 @@ pub const TO_THE_STACK: i32 = -1;
 /// Each case's program time on its segment, net of the test run's own. Run in the host
 /// namespace the programs are hooked in, on CPU 0 (the kernel runs a test on the caller's
 /// CPU: a thread the scheduler moved between runs would mix two CPUs' caches and clocks).
+/// Every case is checked once in order (a reply's case after the one that opened its
+/// connection), then timed in passes that take turns between the cases and the empty
+/// program, so that a slow spell of the machine falls on all of them alike.
 pub fn times(pin_path: &Path, cases: &[Case]) -> Result<Vec<f64>> {
     let mut first_cpu = nix::sched::CpuSet::new();
     first_cpu.set(0)?;
@@ -61,49 +65,49 @@ pub fn times(pin_path: &Path, cases: &[Case]) -> Result<Vec<f64>> {
         .context("pin the test runs to CPU 0")?;
     let nothing = load_classifier(&[instruction(0xb7, 0, 0, 0, 0), instruction(0x95, 0, 0, 0, 0)])
         .context("load a program that does nothing")?;
-    let overhead = median_run(
-        &nothing,
-        &tcp_segment(cases[0].source, cases[0].destination),
-        None,
-    )?;
-    cases
+    let runs = cases
         .iter()
-        .map(|case| {
-            let program = pinned_program(&pin_path.join("programs").join(case.program))?;
-            let mut context = [0u8; SK_BUFF_SIZE];
-            let ifindex = nix::net::if_::if_nametoindex(case.interface.as_str())
-                .with_context(|| format!("no interface {}", case.interface))?;
-            context[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4]
-                .copy_from_slice(&ifindex.to_ne_bytes());
-            let segment = tcp_segment(case.source, case.destination);
-            let (verdict, left) = test_run_output(&program, &segment, &context)?;
-            if ends(&left) != Some(case.leaves) || verdict != case.verdict {
-                bail!(
-                    "{}: the segment left {} as {:?} with verdict {verdict}, not as {:?} with \
-                     {}: the path measured would not be the one named",
-                    case.name,
-                    case.program,
-                    ends(&left),
-                    case.leaves,
-                    case.verdict,
-                );
+        .map(|case| prepared(pin_path, case))
+        .collect::<Result<Vec<_>>>()?;
+    let empty_segment = tcp_segment(cases[0].source, cases[0].destination);
+    let mut samples = vec![Vec::with_capacity(RUNS); cases.len() + 1];
+    for _ in 0..PASSES {
+        for _ in 0..RUNS / PASSES {
+            samples[0].push(f64::from(test_run(&nothing, &empty_segment, 1, None)?));
+        }
+        for ((program, segment, context), samples) in runs.iter().zip(&mut samples[1..]) {
+            for _ in 0..RUNS / PASSES {
+                samples.push(f64::from(test_run(program, segment, 1, Some(context))?));
             }
-            let time = median_run(&program, &segment, Some(&context))
-                .with_context(|| format!("test runs of {} ({})", case.program, case.name))?;
-            Ok((time - overhead).max(0.0))
-        })
-        .collect()
+        }
+    }
+    let mut medians = samples.into_iter().map(median);
+    let overhead = medians.next().unwrap_or(0.0);
+    Ok(medians.map(|time| (time - overhead).max(0.0)).collect())
 }
 
-fn median_run(
-    program: &OwnedFd,
-    segment: &[u8],
-    context: Option<&[u8; SK_BUFF_SIZE]>,
-) -> Result<f64> {
-    let runs = (0..RUNS)
-        .map(|_| test_run(program, segment, 1, context).map(f64::from))
-        .collect::<Result<Vec<f64>>>()?;
-    Ok(median(runs))
+/// A case's pinned program, segment and context, checked by one run to leave as the case
+/// says it does (which also opens the case's connection).
+fn prepared(pin_path: &Path, case: &Case) -> Result<(OwnedFd, Vec<u8>, [u8; SK_BUFF_SIZE])> {
+    let program = pinned_program(&pin_path.join("programs").join(case.program))?;
+    let mut context = [0u8; SK_BUFF_SIZE];
+    let ifindex = nix::net::if_::if_nametoindex(case.interface.as_str())
+        .with_context(|| format!("no interface {}", case.interface))?;
+    context[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4].copy_from_slice(&ifindex.to_ne_bytes());
+    let segment = tcp_segment(case.source, case.destination);
+    let (verdict, left) = test_run_output(&program, &segment, &context)?;
+    if ends(&left) != Some(case.leaves) || verdict != case.verdict {
+        bail!(
+            "{}: the segment left {} as {:?} with verdict {verdict}, not as {:?} with {}: the \
+             path measured would not be the one named",
+            case.name,
+            case.program,
+            ends(&left),
+            case.leaves,
+            case.verdict,
+        );
+    }
+    Ok((program, segment, context))
 }
 
 /// One run of `program` on `segment`: its verdict and the segment as it left.
