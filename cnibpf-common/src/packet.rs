@@ -5,9 +5,10 @@
 use crate::{PROTO_ICMP, PROTO_ICMPV6};
 
 /// Where a packet stands in its datagram.
+#[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fragment {
-    Whole,
+    Whole = 0,
     /// The first fragment, which carries the L4 header.
     First,
     /// A later fragment: no L4 header, so no ports; only addresses can be rewritten.

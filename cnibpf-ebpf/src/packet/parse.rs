@@ -16,10 +16,13 @@ use cnibpf_common::{
 };
 
 use super::{
-    DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Header, IPV4_DADDR_OFF, IPV4_SADDR_OFF,
-    IPV6_DADDR_OFF, IPV6_HLEN, IPV6_SADDR_OFF, L4_PULL, ensure_linear, load, load_anywhere,
+    DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Header, IPV4_SADDR_OFF, IPV6_HLEN,
+    IPV6_SADDR_OFF, L4_PULL, ensure_linear, load, load_anywhere,
 };
-use crate::{clock, maps};
+use crate::{
+    clock, maps,
+    zero::{Zeroable, zeroed},
+};
 
 /// A TCP, UDP, SCTP or ICMP echo packet over IPv4 or IPv6 (no extension headers but a
 /// fragment header). Laid out by hand, words first: the hooks keep it in one slot that
@@ -54,6 +57,18 @@ pub struct Flow {
     pub tcp_flags: u8,
 }
 const _: () = assert!(size_of::<Flow>() == 56);
+
+// SAFETY: addresses, integers, and a `Fragment`, whose zero is `Whole`.
+unsafe impl Zeroable for Flow {}
+
+/// What a network header's read tells the transport header's.
+struct Network {
+    protocol: u8,
+    l4_off: usize,
+    fragment: Fragment,
+    /// As [`Flow::fragment_id`].
+    fragment_id: u32,
+}
 
 /// What [`Flow::parse_into`] found.
 #[derive(Clone, Copy)]
@@ -126,39 +141,57 @@ impl Flow {
         slot: &'slot mut MaybeUninit<Self>,
     ) -> Result<Option<&'slot mut Self>, DatapathError> {
         match Self::parse_into(ctx, slot) {
-            // SAFETY: `parse_into` wrote the whole flow: it answered `Parsed::Flow`.
+            // SAFETY: `parse_into` zeroed the slot, a valid flow, then filled it.
             Parsed::Flow => Ok(Some(unsafe { slot.assume_init_mut() })),
             Parsed::NotAFlow => Ok(None),
             Parsed::Truncated => Err(DatapathError::Truncated),
         }
     }
 
-    /// [`Self::parse`]'s work.
+    /// [`Self::parse`]'s work, into `slot` zeroed.
     #[inline(never)]
     fn parse_into(ctx: &TcContext, slot: &mut MaybeUninit<Self>) -> Parsed {
-        ensure_linear(ctx, ETH_HLEN);
-        let Ok(ethertype) = load::<u16>(ctx, 12) else {
-            return Parsed::Truncated;
-        };
-        let parsed = if ethertype == ETH_P_IP.to_be() {
-            Self::parse_ipv4(ctx, slot)
-        } else if ethertype == ETH_P_IPV6.to_be() {
-            Self::parse_ipv6(ctx, slot)
-        } else {
-            return Parsed::NotAFlow;
-        };
-        match parsed {
-            Ok(true) => {}
-            Ok(false) => return Parsed::NotAFlow,
+        match zeroed(slot).read(ctx) {
+            Ok(true) => Parsed::Flow,
+            Ok(false) => Parsed::NotAFlow,
             // Parsing only reads: its one error is a packet shorter than its headers.
-            Err(_) => return Parsed::Truncated,
+            Err(_) => Parsed::Truncated,
         }
-        // SAFETY: both parsers write the whole flow before they answer `true`.
-        let flow = unsafe { slot.assume_init_mut() };
-        if flow.fragment != Fragment::Whole {
-            flow.follow_datagram();
+    }
+
+    /// Reads the packet into `self`; `false` when it is not a flow. The network header of
+    /// either family, then one transport header read for both.
+    #[inline(always)]
+    fn read(&mut self, ctx: &TcContext) -> Result<bool, DatapathError> {
+        ensure_linear(ctx, ETH_HLEN);
+        let ethertype: u16 = load(ctx, 12)?;
+        let network = if ethertype == ETH_P_IP.to_be() {
+            self.read_ipv4(ctx)?
+        } else if ethertype == ETH_P_IPV6.to_be() {
+            self.read_ipv6(ctx)?
+        } else {
+            None
+        };
+        let Some(network) = network else {
+            return Ok(false);
+        };
+        ensure_linear(ctx, network.l4_off + L4_PULL);
+        let transport = ports(ctx, network.protocol, network.l4_off, network.fragment)?;
+        if !transport.translated {
+            return Ok(false);
         }
-        Parsed::Flow
+        self.now = clock::now_ns();
+        self.l4_offset = network.l4_off as u32;
+        self.fragment_id = network.fragment_id;
+        self.sport = transport.sport;
+        self.dport = transport.dport;
+        self.protocol = network.protocol;
+        self.fragment = network.fragment;
+        self.tcp_flags = transport.tcp_flags;
+        if network.fragment != Fragment::Whole {
+            self.follow_datagram();
+        }
+        Ok(true)
     }
 
     /// A first fragment leaves its ports in `fragments` for the rest of its datagram (an entry
@@ -200,85 +233,61 @@ impl Flow {
         let _ = maps::fragments.insert(&key, &first, u64::from(BPF_ANY));
     }
 
+    /// An IPv4 header: the addresses and family into `self`, what the transport header's read
+    /// needs returned; `None` for a header this datapath does not translate past.
     #[inline(always)]
-    fn parse_ipv4(ctx: &TcContext, slot: &mut MaybeUninit<Self>) -> Result<bool, DatapathError> {
-        let version_ihl: u8 = load(ctx, ETH_HLEN)?;
+    fn read_ipv4(&mut self, ctx: &TcContext) -> Result<Option<Network>, DatapathError> {
+        let header = Header::at(ctx, ETH_HLEN, 20)?;
+        let version_ihl: u8 = header.field(0)?;
         let header_len = usize::from(version_ihl & 0x0f) * 4;
         if version_ihl >> 4 != 4 || header_len < 20 {
-            return Ok(false);
+            return Ok(None);
         }
         // A datagram that claims more than arrived is the stack's to drop, not ours to
         // translate (0: a segmentation offload's, whose length the stack fixes).
-        let total = usize::from(u16::from_be(load::<u16>(ctx, ETH_HLEN + 2)?));
+        let total = usize::from(u16::from_be(header.field(2)?));
         if total != 0 && (total < header_len || (ctx.len() as usize) < ETH_HLEN + total) {
-            return Ok(false);
+            return Ok(None);
         }
-        // Identification and flags/offset, read together.
-        let id_and_fragment: [u8; 4] = load(ctx, ETH_HLEN + 4)?;
-        let fragment_bits = u16::from_be_bytes([id_and_fragment[2], id_and_fragment[3]]);
-        let fragment = Fragment::of_ipv4(fragment_bits);
-        ensure_linear(ctx, ETH_HLEN + header_len + L4_PULL);
-        let protocol: u8 = load(ctx, ETH_HLEN + 9)?;
-        let l4_off = ETH_HLEN + header_len;
-        let transport = ports(ctx, protocol, l4_off, fragment)?;
-        if !transport.translated {
-            return Ok(false);
-        }
-        let saddr: [u8; 4] = load(ctx, IPV4_SADDR_OFF)?;
-        let daddr: [u8; 4] = load(ctx, IPV4_DADDR_OFF)?;
-        slot.write(Self {
-            saddr: Address::ipv4(saddr),
-            daddr: Address::ipv4(daddr),
-            now: clock::now_ns(),
-            l4_offset: l4_off as u32,
+        let fragment = Fragment::of_ipv4(u16::from_be(header.field(6)?));
+        self.family = FAMILY_IPV4;
+        self.saddr = Address::ipv4(header.field(12)?);
+        self.daddr = Address::ipv4(header.field(16)?);
+        Ok(Some(Network {
+            protocol: header.field(9)?,
+            l4_off: ETH_HLEN + header_len,
+            fragment,
             fragment_id: if fragment == Fragment::Whole {
                 0
             } else {
-                u32::from(u16::from_ne_bytes([id_and_fragment[0], id_and_fragment[1]]))
+                u32::from(header.field::<u16>(4)?)
             },
-            sport: transport.sport,
-            dport: transport.dport,
-            family: FAMILY_IPV4,
-            protocol,
-            fragment,
-            tcp_flags: transport.tcp_flags,
-        });
-        Ok(true)
+        }))
     }
 
+    /// An IPv6 header and the extension headers it may pass, as [`Self::read_ipv4`].
     #[inline(always)]
-    fn parse_ipv6(ctx: &TcContext, slot: &mut MaybeUninit<Self>) -> Result<bool, DatapathError> {
-        let version: u8 = load(ctx, ETH_HLEN)?;
+    fn read_ipv6(&mut self, ctx: &TcContext) -> Result<Option<Network>, DatapathError> {
+        let header = Header::at(ctx, ETH_HLEN, IPV6_HLEN)?;
+        let version: u8 = header.field(0)?;
         if version >> 4 != 6 {
-            return Ok(false);
+            return Ok(None);
         }
-        let payload = usize::from(u16::from_be(load::<u16>(ctx, ETH_HLEN + 4)?));
+        let payload = usize::from(u16::from_be(header.field(4)?));
         if payload != 0 && (ctx.len() as usize) < ETH_HLEN + IPV6_HLEN + payload {
-            return Ok(false);
+            return Ok(None);
         }
-        let (protocol, l4_off, fragment, fragment_id) = match extension_headers(ctx)? {
-            Some(walked) => walked,
-            None => return Ok(false),
-        };
-        ensure_linear(ctx, l4_off + L4_PULL);
-        let transport = ports(ctx, protocol, l4_off, fragment)?;
-        if !transport.translated {
-            return Ok(false);
-        }
-        slot.write(Self {
-            saddr: load(ctx, IPV6_SADDR_OFF)?,
-            daddr: load(ctx, IPV6_DADDR_OFF)?,
-            now: clock::now_ns(),
-            l4_offset: l4_off as u32,
-            fragment_id,
-            sport: transport.sport,
-            dport: transport.dport,
-            family: FAMILY_IPV6,
-            protocol,
-            fragment,
-            tcp_flags: transport.tcp_flags,
-        });
-        Ok(true)
+        self.family = FAMILY_IPV6;
+        self.saddr = header.field(8)?;
+        self.daddr = header.field(24)?;
+        Ok(
+            extension_headers(ctx)?.map(|(protocol, l4_off, fragment, fragment_id)| Network {
+                protocol,
+                l4_off,
+                fragment,
+                fragment_id,
+            }),
+        )
     }
 
     /// The `fragments` key of the datagram this packet is a fragment of, under its addresses
