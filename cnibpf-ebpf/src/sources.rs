@@ -132,7 +132,7 @@ fn spoofed(ctx: &TcContext, set: &SourceSet) -> Option<Spoofed> {
         // extension headers the kernel would walk; one this check cannot walk past (more than
         // four, a routing header with segments left) hides what it carries, and goes.
         let (protocol, l4_off) = match extension_headers(ctx) {
-            Ok(Some((protocol, l4_off, _, _))) => (protocol, l4_off),
+            Ok(Some(walked)) => (walked.protocol, walked.l4_off),
             Ok(None) => return Some(spoofed(DropReason::SourceCheckNotIp, 0, source)),
             Err(_) => return None,
         };

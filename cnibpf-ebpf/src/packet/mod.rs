@@ -5,6 +5,7 @@
 //! are kept as `cnibpf_common::address::Address` (IPv4 in the first four bytes), ports in
 //! network byte order as on the wire.
 
+pub mod extension;
 pub mod field;
 pub mod icmp;
 pub mod parse;
@@ -15,8 +16,9 @@ pub mod verdict;
 use aya_ebpf::programs::TcContext;
 
 pub use cnibpf_common::packet::Fragment;
+pub use extension::extension_headers;
 pub use field::{Header, load};
-pub use parse::{Flow, SourceAddress, extension_headers, source_address};
+pub use parse::{Flow, SourceAddress, source_address};
 pub use rewrite::csum_diff;
 pub use skb::{
     from_local_socket, ifindex, mark_translated, redirect_to_peer, set_macs, take_translated_mark,

@@ -17,7 +17,7 @@ use cnibpf_common::{
 
 use super::{
     DatapathError, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Header, IPV4_SADDR_OFF, IPV6_HLEN,
-    IPV6_SADDR_OFF, L4_PULL, ensure_linear, load, load_anywhere,
+    IPV6_SADDR_OFF, L4_PULL, ensure_linear, extension_headers, load,
 };
 use crate::{
     clock, maps,
@@ -77,56 +77,6 @@ enum Parsed {
     Flow,
     NotAFlow,
     Truncated,
-}
-
-/// The IPv6 fragment header's next-header value.
-const IPV6_FRAGMENT_HEADER: u8 = 44;
-const IPV6_FRAGMENT_HLEN: usize = 8;
-
-/// IPv6 extension headers a translation may pass: hop-by-hop options, destination options, a
-/// routing header with no segments left (the destination is final), and a fragment header.
-const IPV6_HOP_BY_HOP: u8 = 0;
-const IPV6_ROUTING: u8 = 43;
-const IPV6_DESTINATION_OPTIONS: u8 = 60;
-/// How many extension headers are walked: a packet with more is left alone.
-const MAX_EXTENSION_HEADERS: usize = 4;
-
-/// Walks an IPv6 packet's extension headers to its transport header: (protocol, its offset,
-/// where the packet stands in its datagram, the fragment identification); `None` for a
-/// routing header with segments left (its destination is not the final one), or more headers
-/// than are walked. Read with `bpf_skb_load_bytes`: the headers need not be linear, and the
-/// offsets grow with each.
-#[inline(always)]
-pub fn extension_headers(
-    ctx: &TcContext,
-) -> Result<Option<(u8, usize, Fragment, u32)>, DatapathError> {
-    let mut next_header: u8 = load_anywhere(ctx, ETH_HLEN + 6)?;
-    let mut offset = ETH_HLEN + IPV6_HLEN;
-    let mut fragment = Fragment::Whole;
-    let mut fragment_id = 0;
-    for _ in 0..MAX_EXTENSION_HEADERS {
-        match next_header {
-            IPV6_HOP_BY_HOP | IPV6_DESTINATION_OPTIONS | IPV6_ROUTING => {
-                // Next header, length in 8-byte units beyond the first 8; a routing header's
-                // type and segments left.
-                let header: [u8; 4] = load_anywhere(ctx, offset)?;
-                if next_header == IPV6_ROUTING && header[3] != 0 {
-                    return Ok(None);
-                }
-                next_header = header[0];
-                offset += (usize::from(header[1]) + 1) * 8;
-            }
-            IPV6_FRAGMENT_HEADER => {
-                let header: [u8; 8] = load_anywhere(ctx, offset)?;
-                fragment = Fragment::of_ipv6(u16::from_be_bytes([header[2], header[3]]));
-                fragment_id = u32::from_ne_bytes([header[4], header[5], header[6], header[7]]);
-                next_header = header[0];
-                offset += IPV6_FRAGMENT_HLEN;
-            }
-            _ => return Ok(Some((next_header, offset, fragment, fragment_id))),
-        }
-    }
-    Ok(None)
 }
 
 impl Flow {
@@ -280,14 +230,12 @@ impl Flow {
         self.family = FAMILY_IPV6;
         self.saddr = header.field(8)?;
         self.daddr = header.field(24)?;
-        Ok(
-            extension_headers(ctx)?.map(|(protocol, l4_off, fragment, fragment_id)| Network {
-                protocol,
-                l4_off,
-                fragment,
-                fragment_id,
-            }),
-        )
+        Ok(extension_headers(ctx)?.map(|walked| Network {
+            protocol: walked.protocol,
+            l4_off: walked.l4_off,
+            fragment: walked.fragment,
+            fragment_id: walked.fragment_id,
+        }))
     }
 
     /// The `fragments` key of the datagram this packet is a fragment of, under its addresses
