@@ -59,10 +59,23 @@ pub fn builds(progress: &Progress, older: &[String]) -> Result<Vec<Build>> {
         binary: cnibpf_tests::history::cnibpf_of(&release),
     });
     builds.push(Build {
-        label: "this build".to_owned(),
+        label: format!("this build ({})", this_commit()?),
         binary: cnibpf_tests::topology::cnibpf_binary(),
     });
     Ok(builds)
+}
+
+/// The commit this build is made from, `+` marking changes not yet committed.
+fn this_commit() -> Result<String> {
+    let output = Command::new("git")
+        .args(["describe", "--always", "--dirty=+", "--abbrev=7"])
+        .current_dir(crate::workspace_root())
+        .output()
+        .context("run git describe")?;
+    if !output.status.success() {
+        bail!("git describe: {}", String::from_utf8_lossy(&output.stderr));
+    }
+    Ok(String::from_utf8(output.stdout)?.trim().to_owned())
 }
 
 /// One simulated host per build (masqueraded, hostPort and filtered containers), named after
@@ -421,12 +434,6 @@ pub fn write_compared(
         };
         writeln!(table, " {verdict} |")?;
     }
-    for note in notes {
-        writeln!(table, "\n{note}")?;
-    }
-    let markdown = out_dir.join(format!("{name}.md"));
-    std::fs::write(&markdown, &table)?;
-    println!("{table}");
     let json: Vec<Value> = rows
         .iter()
         .map(|row| {
@@ -440,11 +447,7 @@ pub fn write_compared(
             })
         })
         .collect();
-    std::fs::write(
-        out_dir.join(format!("{name}.json")),
-        serde_json::to_string_pretty(&json)?,
-    )?;
-    Ok(markdown)
+    super::save(out_dir, name, table, notes, &json)
 }
 
 fn figure(value: f64, unit: &str) -> String {

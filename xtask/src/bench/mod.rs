@@ -132,12 +132,6 @@ pub fn write_report(
             ratio
         )?;
     }
-    for note in notes {
-        writeln!(table, "\n{note}")?;
-    }
-    let markdown = out_dir.join(format!("{name}.md"));
-    std::fs::write(&markdown, &table)?;
-    println!("{table}");
     let json: Vec<_> = rows
         .iter()
         .map(|row| {
@@ -148,9 +142,27 @@ pub fn write_report(
             })
         })
         .collect();
+    save(out_dir, name, table, notes, &json)
+}
+
+/// Appends `notes` to `table` and writes it as `<name>.md` (printing it too), and `json` as
+/// `<name>.json`, into `out_dir`; the table's path.
+pub fn save(
+    out_dir: &Path,
+    name: &str,
+    mut table: String,
+    notes: &[String],
+    json: &[serde_json::Value],
+) -> Result<PathBuf> {
+    for note in notes {
+        writeln!(table, "\n{note}")?;
+    }
+    let markdown = out_dir.join(format!("{name}.md"));
+    std::fs::write(&markdown, &table)?;
+    println!("{table}");
     std::fs::write(
         out_dir.join(format!("{name}.json")),
-        serde_json::to_string_pretty(&json)?,
+        serde_json::to_string_pretty(json)?,
     )?;
     Ok(markdown)
 }

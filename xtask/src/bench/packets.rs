@@ -181,10 +181,10 @@ pub fn run(out_dir: &Path, older: &[String]) -> Result<()> {
         Compared {
             what: format!("{}: {} (this build's host)", price.scenario, price.metric),
             unit: price.unit,
-            values: builds
-                .iter()
-                .map(|build| {
-                    if build.label == "this build" {
+            // Priced in this build's host only, the last.
+            values: (1..=builds.len())
+                .map(|position| {
+                    if position == builds.len() {
                         price.value
                     } else {
                         f64::NAN
