@@ -236,16 +236,18 @@ pub fn run(out_dir: &Path, older: &[String]) -> Result<()> {
             })
             .collect::<Vec<_>>(),
     )?;
-    if older.is_empty() {
-        progress.step(&format!("report: {} and packets.png", report.display()));
-    } else {
-        // A run beside older builds is the one the documentation shows.
-        super::publish(out_dir, "packets", &publish_command(older))?;
-        progress.step(&format!(
-            "report: {} and packets.png, published to docs/",
-            report.display()
-        ));
-    }
+    // A run beside the older builds the documentation shows is published there.
+    let published =
+        !older.is_empty() && super::publish(out_dir, "packets", &publish_command(older))?;
+    progress.step(&format!(
+        "report: {} and packets.png{}",
+        report.display(),
+        if published {
+            ", published to docs/"
+        } else {
+            ""
+        }
+    ));
     Ok(())
 }
 
