@@ -1,6 +1,7 @@
-//! Zeroing without `memset`: on this target LLVM turns any zeroing it sees (a zero array, a
-//! derived `Default`, `write_bytes`) into a call of compiler-builtins' `memset`, a byte loop
-//! of its own, per packet. Here it is volatile stores as wide as the value's alignment allows.
+//! Zeroing as stores as wide as the value's alignment allows, volatile so that they stay the
+//! stores written: LLVM merges plain zero stores into a `memset`, and how that is expanded
+//! depends on the linker's settings (with bpf-linker's default in-order expansion, which this
+//! object is built without, it is a call of compiler-builtins' byte loop, per packet).
 
 use core::mem::MaybeUninit;
 

@@ -425,7 +425,8 @@ fn is_excluded(owner: u64, family: u8, destination: &Address) -> bool {
     maps::masq_excludes.get(&key.0).is_some()
 }
 
-/// A `masq_excludes` lookup key, zeroed a word at a time (its padding would be a `memset`).
+/// A `masq_excludes` lookup key, zeroed a word at a time: its padding is a byte array (the
+/// key's layout is the trie's, byte-aligned).
 struct ExcludeLookup(aya_ebpf::btf_maps::lpm_trie::Key<MasqExcludeKey>);
 
 // SAFETY: a prefix length and a key of byte arrays.

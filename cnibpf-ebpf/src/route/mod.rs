@@ -220,9 +220,8 @@ fn fib_params<'a>(
     flow: &Flow,
     params: &'a mut MaybeUninit<bpf_fib_lookup>,
 ) -> &'a mut bpf_fib_lookup {
-    // Zeroed (the documented initial state) in place, a word at a time and volatile: LLVM
-    // makes zeroing or moving a zeroed struct a call to a byte-at-a-time `memset` on this
-    // target, 60 bytes per lookup.
+    // Zeroed (the documented initial state) in place, a word at a time and volatile, as
+    // `crate::zero` does for the datapath's own types (this one is the kernel's).
     let zeros = params.as_mut_ptr().cast::<u32>();
     for index in 0..size_of::<bpf_fib_lookup>() / size_of::<u32>() {
         // SAFETY: within `params`, which is aligned for u32 (it holds u32 fields).
