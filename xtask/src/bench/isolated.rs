@@ -9,7 +9,7 @@
 use std::{
     ffi::CString,
     net::Ipv4Addr,
-    os::fd::{AsRawFd as _, OwnedFd},
+    os::fd::OwnedFd,
     path::Path,
 };
 
@@ -21,7 +21,7 @@ use cnibpf_tests::{
 
 use super::{
     median,
-    prices::{BPF_PROG_TEST_RUN, SK_BUFF_IFINDEX_OFF, SK_BUFF_SIZE, test_run},
+    prices::{SK_BUFF_IFINDEX_OFF, SK_BUFF_SIZE, test_run},
 };
 
 /// Single runs per case, in `PASSES` passes.
@@ -73,11 +73,15 @@ pub fn times(pin_path: &Path, cases: &[Case]) -> Result<Vec<f64>> {
     let mut samples = vec![Vec::with_capacity(RUNS); cases.len() + 1];
     for _ in 0..PASSES {
         for _ in 0..RUNS / PASSES {
-            samples[0].push(f64::from(test_run(&nothing, &empty_segment, 1, None)?));
+            samples[0].push(f64::from(
+                test_run(&nothing, &empty_segment, 1, None)?.duration_ns,
+            ));
         }
         for ((program, segment, context), samples) in runs.iter().zip(&mut samples[1..]) {
             for _ in 0..RUNS / PASSES {
-                samples.push(f64::from(test_run(program, segment, 1, Some(context))?));
+                samples.push(f64::from(
+                    test_run(program, segment, 1, Some(context))?.duration_ns,
+                ));
             }
         }
     }
@@ -95,7 +99,8 @@ fn prepared(pin_path: &Path, case: &Case) -> Result<(OwnedFd, Vec<u8>, [u8; SK_B
         .with_context(|| format!("no interface {}", case.interface))?;
     context[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4].copy_from_slice(&ifindex.to_ne_bytes());
     let segment = tcp_segment(case.source, case.destination);
-    let (verdict, left) = test_run_output(&program, &segment, &context)?;
+    let run = test_run(&program, &segment, 1, Some(&context))?;
+    let (verdict, left) = (run.verdict, run.output);
     if ends(&left) != Some(case.leaves) || verdict != case.verdict {
         bail!(
             "{}: the segment left {} as {:?} with verdict {verdict}, not as {:?} with {}: the \
@@ -108,29 +113,6 @@ fn prepared(pin_path: &Path, case: &Case) -> Result<(OwnedFd, Vec<u8>, [u8; SK_B
         );
     }
     Ok((program, segment, context))
-}
-
-/// One run of `program` on `segment`: its verdict and the segment as it left.
-fn test_run_output(
-    program: &OwnedFd,
-    segment: &[u8],
-    context: &[u8; SK_BUFF_SIZE],
-) -> Result<(i32, Vec<u8>)> {
-    let mut out = vec![0u8; segment.len() + 256];
-    let mut attr = [0u8; 128];
-    attr[0..4].copy_from_slice(&(program.as_raw_fd() as u32).to_ne_bytes());
-    attr[8..12].copy_from_slice(&(segment.len() as u32).to_ne_bytes());
-    attr[12..16].copy_from_slice(&(out.len() as u32).to_ne_bytes());
-    attr[16..24].copy_from_slice(&(segment.as_ptr() as u64).to_ne_bytes());
-    attr[24..32].copy_from_slice(&(out.as_mut_ptr() as u64).to_ne_bytes());
-    attr[32..36].copy_from_slice(&1u32.to_ne_bytes());
-    attr[40..44].copy_from_slice(&(context.len() as u32).to_ne_bytes());
-    attr[48..56].copy_from_slice(&(context.as_ptr() as u64).to_ne_bytes());
-    bpf(BPF_PROG_TEST_RUN, &mut attr).context("BPF_PROG_TEST_RUN")?;
-    let verdict = i32::from_ne_bytes(attr[4..8].try_into().expect("four bytes"));
-    let length = u32::from_ne_bytes(attr[12..16].try_into().expect("four bytes")) as usize;
-    out.truncate(length);
-    Ok((verdict, out))
 }
 
 /// Source and destination of an Ethernet frame's IPv4 TCP segment.

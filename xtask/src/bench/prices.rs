@@ -31,7 +31,7 @@ const ENDPOINTS: u32 = 4_096;
 /// `bpf(2)` commands, map and program types, helpers (uapi).
 const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-pub(super) const BPF_PROG_TEST_RUN: libc::c_long = 10;
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
 const BPF_MAP_TYPE_HASH: u32 = 1;
 const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
 const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
@@ -326,7 +326,9 @@ pub fn rows(route: &Route) -> Result<Vec<Row>> {
         let program = load_classifier(&program(operation))
             .with_context(|| format!("load the program pricing {}", operation.name))?;
         let samples = (0..SAMPLES)
-            .map(|_| test_run(&program, &SEGMENT, REPEAT, None).map(f64::from))
+            .map(|_| {
+                test_run(&program, &SEGMENT, REPEAT, None).map(|run| f64::from(run.duration_ns))
+            })
             .collect::<Result<Vec<f64>>>()
             .with_context(|| format!("run the program pricing {}", operation.name))?;
         means.push(median(samples));
@@ -364,30 +366,44 @@ fn update(map: &OwnedFd, key: &[u8], value: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// The kernel's mean time of one run of `program` over `repeat` runs on `packet`, in ns, with
-/// the `struct __sk_buff` fields `context` sets (the interface it runs on).
+/// What `BPF_PROG_TEST_RUN` answered.
+pub(super) struct TestRun {
+    /// The kernel's mean time of one run, in ns.
+    pub duration_ns: u32,
+    /// The program's return value (of its last run).
+    pub verdict: i32,
+    /// The packet as the (last) run left it.
+    pub output: Vec<u8>,
+}
+
+/// Runs `program` `repeat` times on `packet`, with the `struct __sk_buff` fields `context` sets
+/// (the interface it runs on).
 pub(super) fn test_run(
     program: &OwnedFd,
     packet: &[u8],
     repeat: u32,
     context: Option<&[u8; SK_BUFF_SIZE]>,
-) -> Result<u32> {
-    let mut out = [0u8; 256];
+) -> Result<TestRun> {
+    let mut output = vec![0u8; packet.len() + 256];
     let mut attr = [0u8; 128];
     attr[0..4].copy_from_slice(&(program.as_raw_fd() as u32).to_ne_bytes());
     attr[8..12].copy_from_slice(&(packet.len() as u32).to_ne_bytes());
-    attr[12..16].copy_from_slice(&(out.len() as u32).to_ne_bytes());
+    attr[12..16].copy_from_slice(&(output.len() as u32).to_ne_bytes());
     attr[16..24].copy_from_slice(&(packet.as_ptr() as u64).to_ne_bytes());
-    attr[24..32].copy_from_slice(&(out.as_mut_ptr() as u64).to_ne_bytes());
+    attr[24..32].copy_from_slice(&(output.as_mut_ptr() as u64).to_ne_bytes());
     attr[32..36].copy_from_slice(&repeat.to_ne_bytes());
     if let Some(context) = context {
         attr[40..44].copy_from_slice(&(context.len() as u32).to_ne_bytes());
         attr[48..56].copy_from_slice(&(context.as_ptr() as u64).to_ne_bytes());
     }
     bpf(BPF_PROG_TEST_RUN, &mut attr).context("BPF_PROG_TEST_RUN")?;
-    Ok(u32::from_ne_bytes(
-        attr[36..40].try_into().expect("four bytes"),
-    ))
+    let word = |at: usize| attr[at..at + 4].try_into().expect("four bytes");
+    output.truncate(u32::from_ne_bytes(word(12)) as usize);
+    Ok(TestRun {
+        duration_ns: u32::from_ne_bytes(word(36)),
+        verdict: i32::from_ne_bytes(word(4)),
+        output,
+    })
 }
 
 /// `sizeof(struct __sk_buff)` (uapi), and where its `ifindex` is.
