@@ -6,12 +6,7 @@
 //! leaves the program, checked on a run before the timed ones: a figure is only taken of the
 //! path it is named for.
 
-use std::{
-    ffi::CString,
-    net::Ipv4Addr,
-    os::fd::OwnedFd,
-    path::Path,
-};
+use std::{ffi::CString, net::Ipv4Addr, os::fd::OwnedFd, path::Path};
 
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
