@@ -20,6 +20,7 @@ use serde_json::{Value, json};
 use super::{
     Progress,
     chart::{self, BarPanel},
+    instructions,
     isolated::{self, Case, Endpoint},
     median,
     packets::{CONTAINER_PORT, FILTERED_SERVERS, HOST_PORT, HOST_SERVER, MASQUERADED_SERVER, Node},
@@ -304,46 +305,6 @@ pub fn path_times(nodes: &[Node]) -> Result<Vec<Vec<f64>>> {
         .collect())
 }
 
-/// Instructions (as the kernel translated them) of every program a node's build loaded, by
-/// name, and their total.
-pub fn instructions(node: &Node) -> Result<Vec<(String, u64)>> {
-    let programs = node.sim.pin_path.join("programs");
-    let mut counts = Vec::new();
-    for entry in
-        std::fs::read_dir(&programs).with_context(|| format!("list {}", programs.display()))?
-    {
-        let path = entry?.path();
-        let output = Command::new("bpftool")
-            .args(["--json", "prog", "show", "pinned"])
-            .arg(&path)
-            .output()
-            .context("run bpftool")?;
-        let shown: Value = serde_json::from_slice(&output.stdout)
-            .with_context(|| format!("bpftool prog show {}", path.display()))?;
-        let bytes = shown["bytes_xlated"]
-            .as_u64()
-            .with_context(|| format!("no bytes_xlated for {}", path.display()))?;
-        let name = path
-            .file_name()
-            .map(|name| name.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        counts.push((name, bytes / 8));
-    }
-    counts.sort();
-    Ok(counts)
-}
-
-/// The four TC programs, whose instructions the budget counts apart.
-const TC_PROGRAMS: [&str; 4] = [
-    "from_container",
-    "to_container",
-    "uplink_ingress",
-    "uplink_egress",
-];
-/// Instruction budgets: the TC programs together, and everything `cnibpf load` loads.
-pub const TC_INSTRUCTIONS_TARGET: u64 = 16_000;
-pub const ALL_INSTRUCTIONS_TARGET: u64 = 17_700;
-
 /// A table row across builds: what, its unit, each build's figure, its target.
 pub struct Compared {
     pub what: String,
@@ -364,42 +325,7 @@ pub fn compared(times: &[Vec<f64>], counts: &[Vec<(String, u64)>]) -> Vec<Compar
             target: path.target,
         })
         .collect();
-    let total = |build: &[(String, u64)], tc_only: bool| {
-        build
-            .iter()
-            .filter(|(name, _)| !tc_only || TC_PROGRAMS.contains(&name.as_str()))
-            .map(|(_, count)| *count)
-            .sum::<u64>() as f64
-    };
-    rows.push(Compared {
-        what: "instructions of the four TC programs".to_owned(),
-        unit: "insns",
-        values: counts.iter().map(|build| total(build, true)).collect(),
-        target: Some(TC_INSTRUCTIONS_TARGET as f64),
-    });
-    rows.push(Compared {
-        what: "instructions of every program `cnibpf load` loads".to_owned(),
-        unit: "insns",
-        values: counts.iter().map(|build| total(build, false)).collect(),
-        target: Some(ALL_INSTRUCTIONS_TARGET as f64),
-    });
-    let this_build = counts.last().map(Vec::as_slice).unwrap_or_default();
-    for (program, _) in this_build {
-        rows.push(Compared {
-            what: format!("instructions of {program}"),
-            unit: "insns",
-            values: counts
-                .iter()
-                .map(|build| {
-                    build
-                        .iter()
-                        .find(|(name, _)| name == program)
-                        .map_or(f64::NAN, |(_, count)| *count as f64)
-                })
-                .collect(),
-            target: None,
-        });
-    }
+    rows.extend(instructions::rows(counts));
     rows
 }
 
@@ -481,7 +407,9 @@ pub fn notes() -> Vec<String> {
          segment runs after the segment that opened its connection; a filtered container's \
          connection was allowed by its first run (filterDefault DROP, its ALLOW after rules that \
          differ from it only in the destination port). Instructions: bytes_xlated / 8 of every \
-         program pinned under the instance's programs/ (`bpftool prog show`)."
+         program pinned under the instance's programs/ (`bpftool prog show`); by function, this \
+         build's four TC programs listed by `bpftool prog dump xlated`, each function from its \
+         first instruction to the next one's, summed over the programs that carry a copy."
     )]
 }
 
@@ -496,8 +424,15 @@ pub fn run(out_dir: &Path, older: &[String]) -> Result<()> {
     }
     progress.step("each build's programs on one crafted segment per path (BPF_PROG_TEST_RUN)");
     let times = path_times(&nodes)?;
-    let counts = nodes.iter().map(instructions).collect::<Result<Vec<_>>>()?;
-    let rows = compared(&times, &counts);
+    let counts = nodes
+        .iter()
+        .map(instructions::by_program)
+        .collect::<Result<Vec<_>>>()?;
+    let mut rows = compared(&times, &counts);
+    rows.extend(instructions::by_function_rows(
+        nodes.last().context("a host per build")?,
+        builds.len(),
+    )?);
     let report = write_compared(
         out_dir,
         "hot",

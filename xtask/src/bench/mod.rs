@@ -5,6 +5,7 @@
 mod chart;
 mod filter;
 mod hot;
+mod instructions;
 mod isolated;
 mod masquerade;
 mod packets;

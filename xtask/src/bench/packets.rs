@@ -21,7 +21,7 @@ use super::{
     chart::{self, BarPanel},
     filter::filter_keys,
     hot::{self, Build, Compared},
-    iperf3, iperf3_udp_rate, median, prices,
+    instructions, iperf3, iperf3_udp_rate, median, prices,
     stats::{Counts, count},
 };
 
@@ -155,7 +155,7 @@ pub fn run(out_dir: &Path, older: &[String]) -> Result<()> {
     let times = hot::path_times(&nodes)?;
     let counts = nodes
         .iter()
-        .map(hot::instructions)
+        .map(instructions::by_program)
         .collect::<Result<Vec<_>>>()?;
     progress
         .step("prices of the datapath's building blocks (BPF_PROG_TEST_RUN), in this build's host");
@@ -177,6 +177,7 @@ pub fn run(out_dir: &Path, older: &[String]) -> Result<()> {
         })
         .collect();
     rows.extend(hot::compared(&times, &counts));
+    rows.extend(instructions::by_function_rows(this, builds.len())?);
     rows.extend(prices.into_iter().map(|price| {
         Compared {
             what: format!("{}: {} (this build's host)", price.scenario, price.metric),
