@@ -1,10 +1,12 @@
 //! cnibpf as an earlier commit of this repository built it, for tests that meet the state an
-//! older release left behind (a live upgrade). Built from the repository's own history, once
-//! per commit: the commit's tree is built in `target/history/<commit>.build`, its binary kept
-//! as `target/history/<commit>/cnibpf` and the tree removed (a debug tree takes gigabytes, and
-//! the upgrade test builds a dozen commits). One cargo target directory goes from each build to
-//! the next (`target/history/carried-target`): the releases share most of their dependencies
-//! and the eBPF crate's `core`, which are then compiled once, not once per release.
+//! older release left behind (a live upgrade) and benchmarks beside older builds. Built from the
+//! repository's own history once per machine, not per clone: in the cache outside the work tree
+//! ([`cache_dir`]), the commit's tree is built in `<commit>.build`, its binary kept as
+//! `<commit>/cnibpf` (keyed by the full commit hash) and the tree removed (a debug tree takes
+//! gigabytes). One cargo target directory goes from each build to the next (`carried-target`):
+//! the releases share most of their dependencies and the eBPF crate's `core`, which are then
+//! compiled once, not once per release. A lock on the cache serialises builds from several
+//! clones or test processes.
 
 use std::{
     path::{Path, PathBuf},
@@ -18,6 +20,8 @@ pub struct Release {
     pub commit: String,
     /// The eBPF state layout it writes.
     pub ebpf_layout: u32,
+    /// The nftables table layout it writes, as `releases.toml` names it (`cnibpf layout 3`).
+    pub nftables_layout: String,
 }
 
 /// Every release `releases.toml` lists, oldest first.
@@ -28,31 +32,68 @@ pub fn releases() -> Vec<Release> {
         .join("releases.toml");
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|error| panic!("read {}: {error}", path.display()));
-    let mut listed: Vec<(String, Option<u32>)> = Vec::new();
+    let mut listed: Vec<(String, Option<u32>, Option<String>)> = Vec::new();
     for line in text.lines().map(str::trim) {
-        if let Some(commit) = line
-            .strip_prefix("commit = \"")
-            .and_then(|rest| rest.strip_suffix('"'))
-        {
-            listed.push((commit.to_owned(), None));
-        } else if let Some(layout) = line.strip_prefix("ebpf_layout = ") {
-            let (commit, slot) = listed
-                .last_mut()
-                .unwrap_or_else(|| panic!("{}: an ebpf_layout before any commit", path.display()));
-            *slot = Some(layout.parse().unwrap_or_else(|error| {
+        let quoted = |key: &str| {
+            line.strip_prefix(key)
+                .and_then(|rest| rest.strip_prefix(" = \""))
+                .and_then(|rest| rest.strip_suffix('"'))
+                .map(str::to_owned)
+        };
+        if let Some(commit) = quoted("commit") {
+            listed.push((commit, None, None));
+            continue;
+        }
+        let Some((commit, ebpf, nftables)) = listed.last_mut() else {
+            continue;
+        };
+        if let Some(layout) = line.strip_prefix("ebpf_layout = ") {
+            *ebpf = Some(layout.parse().unwrap_or_else(|error| {
                 panic!("{}: ebpf_layout of {commit}: {error}", path.display())
             }));
+        } else if let Some(layout) = quoted("nftables_layout") {
+            *nftables = Some(layout);
         }
     }
     listed
         .into_iter()
-        .map(|(commit, layout)| Release {
-            ebpf_layout: layout.unwrap_or_else(|| {
+        .map(|(commit, ebpf, nftables)| Release {
+            ebpf_layout: ebpf.unwrap_or_else(|| {
                 panic!("{}: release {commit} names no ebpf_layout", path.display())
+            }),
+            nftables_layout: nftables.unwrap_or_else(|| {
+                panic!(
+                    "{}: release {commit} names no nftables_layout",
+                    path.display()
+                )
             }),
             commit,
         })
         .collect()
+}
+
+/// How many of the last releases an upgrade is supported from (docs/upgrades.md): `./dev
+/// test` upgrades from each; the releases before them are CI's upgrade layer.
+pub const SUPPORTED_RELEASES: usize = 2;
+
+/// The releases an upgrade is supported from, oldest first: the last [`SUPPORTED_RELEASES`].
+pub fn supported_releases() -> Vec<Release> {
+    let mut releases = releases();
+    releases.drain(..releases.len().saturating_sub(SUPPORTED_RELEASES));
+    releases
+}
+
+/// Where built releases are kept: `$CNIBPF_RELEASE_CACHE`, else `$XDG_CACHE_HOME/cnibpf/releases`,
+/// else `~/.cache/cnibpf/releases`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CNIBPF_RELEASE_CACHE") {
+        return PathBuf::from(dir);
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| Path::new(&home).join(".cache")))
+        .expect("HOME or XDG_CACHE_HOME names a cache directory (or set CNIBPF_RELEASE_CACHE)");
+    cache.join("cnibpf/releases")
 }
 
 /// Every commit `releases.toml` lists, oldest first.
@@ -69,13 +110,25 @@ pub fn cnibpf_of(commit: &str) -> PathBuf {
     let repository = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("the tests crate lives in the workspace");
-    let history = repository.join("target/history");
-    let kept = history.join(commit);
+    let history = cache_dir();
+    let full = rev_parse(repository, commit, "--verify");
+    let kept = history.join(&full);
     let binary = kept.join("cnibpf");
     if binary.exists() {
         return binary;
     }
-    let tree = history.join(format!("{commit}.build"));
+    std::fs::create_dir_all(&history)
+        .unwrap_or_else(|error| panic!("create {}: {error}", history.display()));
+    let lock_path = history.join(".lock");
+    let lock = std::fs::File::create(&lock_path)
+        .unwrap_or_else(|error| panic!("open {}: {error}", lock_path.display()));
+    lock.lock()
+        .unwrap_or_else(|error| panic!("lock {}: {error}", lock_path.display()));
+    // Another process may have built it while this one waited.
+    if binary.exists() {
+        return binary;
+    }
+    let tree = history.join(format!("{full}.build"));
     let carried = history.join("carried-target");
     remove_if_present(&tree);
     std::fs::create_dir_all(&tree)
@@ -111,7 +164,7 @@ pub fn cnibpf_of(commit: &str) -> PathBuf {
     build.args(["xtask", "build"]).current_dir(&tree);
     // The tree has no history of its own, and git would answer for the repository around it
     // (`target/` is inside it): the commit is named to the builds that print it.
-    build.env("CNIBPF_COMMIT", short_commit(repository, commit));
+    build.env("CNIBPF_COMMIT", rev_parse(repository, commit, "--short=12"));
     for (name, _) in std::env::vars_os() {
         let name = name.to_string_lossy();
         let leaks = (name.starts_with("CARGO") && name != "CARGO_HOME")
@@ -154,12 +207,13 @@ pub fn cnibpf_of(commit: &str) -> PathBuf {
     binary
 }
 
-/// `commit` the way `cnibpf --version` names a commit: its first twelve hex digits.
-fn short_commit(repository: &Path, commit: &str) -> String {
+/// `commit` as `git rev-parse <how>` names it: `--verify` the full hash, `--short=12` the way
+/// `cnibpf --version` names a commit.
+fn rev_parse(repository: &Path, commit: &str, how: &str) -> String {
     let output = Command::new("git")
         .arg("-C")
         .arg(repository)
-        .args(["rev-parse", "--short=12", commit])
+        .args(["rev-parse", how, &format!("{commit}^{{commit}}")])
         .output()
         .expect("run git rev-parse");
     assert!(

@@ -5,12 +5,15 @@
 //! translations, filters, source checks and counters live on; DEL works across layouts in both
 //! directions; a migration killed at any point is completed by the next run.
 //!
-//! One test, run in phases: the simulated hosts run the cnibpf binary installed at one path,
-//! replaced in place as an upgrade replaces it.
+//! Two tests, each run in phases, one after the other: the supported window (the last
+//! releases, `./dev test`) and the releases before it (CI's upgrade layer). The simulated
+//! hosts run the cnibpf binary installed at one path, replaced in place as an upgrade
+//! replaces it.
 
 use std::{
     path::{Path, PathBuf},
     process::Command,
+    sync::{Mutex, MutexGuard},
     time::Duration,
 };
 
@@ -440,17 +443,71 @@ fn a_release_upgrades_live(installed: &Installed, release: &str, new: &Path) {
     }
 }
 
-#[test]
-fn pods_live_on_across_layouts_and_del_works_both_ways() {
+/// One upgrade test at a time: each replaces the one installed binary the simulated hosts run.
+static INSTALLED: Mutex<()> = Mutex::new(());
+
+/// This build, and the installed binary (`first` in place) that `CNIBPF_BIN` names to the
+/// simulated hosts; held alone until the guard drops.
+fn installed_first(first: &Path) -> (MutexGuard<'static, ()>, Installed, PathBuf) {
+    let serial = INSTALLED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let new = cnibpf_binary();
-    let old = history::cnibpf_of(LAYOUT_6);
     let workspace_target = new
         .parent()
         .and_then(Path::parent)
         .expect("the binary lives in target/debug");
-    let installed = Installed::at(workspace_target.join("upgrade/cnibpf"), &old);
-    // SAFETY: the only test of this binary, before it starts any thread.
+    let installed = Installed::at(workspace_target.join("upgrade/cnibpf"), first);
+    // SAFETY: set under `INSTALLED`, to the same path by every test of this binary, before
+    // the test starts a thread of its own.
     unsafe { std::env::set_var("CNIBPF_BIN", &installed.path) };
+    (serial, installed, new)
+}
+
+/// The nftables layout this build writes, as `cnibpf --version` names it.
+fn nftables_layout_of(binary: &Path) -> String {
+    let output = Command::new(binary)
+        .arg("--version")
+        .output()
+        .unwrap_or_else(|error| panic!("run {} --version: {error}", binary.display()));
+    let version = String::from_utf8_lossy(&output.stdout);
+    version
+        .split_once("nftables ")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .map(|(layout, _)| layout.to_owned())
+        .unwrap_or_else(|| panic!("no nftables layout in {version:?}"))
+}
+
+/// The supported window (`history::SUPPORTED_RELEASES`, what `./dev test` upgrades from):
+/// each release upgraded live on both backends, and the newest one's migrations, of each
+/// backend whose layout this build changed, killed and faulted.
+#[test]
+fn the_supported_releases_upgrade_live() {
+    let window = history::supported_releases();
+    let newest = window.last().expect("releases.toml lists releases");
+    let newest_binary = history::cnibpf_of(&newest.commit);
+    let (_serial, installed, new) = installed_first(&newest_binary);
+    for release in &window {
+        a_release_upgrades_live(&installed, &release.commit, &new);
+    }
+    if newest.ebpf_layout < cnibpf_common::layout::VERSION {
+        killed_migrations_converge(&installed, &newest_binary, &new, Backend::Ebpf);
+        faulted_migrations_converge(&installed, &newest_binary, &new, Backend::Ebpf);
+    }
+    if newest.nftables_layout != nftables_layout_of(&new) {
+        killed_migrations_converge(&installed, &newest_binary, &new, Backend::Nftables);
+        faulted_migrations_converge(&installed, &newest_binary, &new, Backend::Nftables);
+    }
+}
+
+/// Every release before the supported window (CI's upgrade layer, `./dev test-ci`): layout 6
+/// upgraded and downgraded, its migrations killed and faulted, its nftables table drained;
+/// nftables layout 2 migrated, killed and faulted; every later release upgraded live; the
+/// newest release of an older eBPF layout killed, faulted and rolled back over this build.
+#[test]
+fn the_releases_before_the_supported_window_upgrade_live() {
+    let old = history::cnibpf_of(LAYOUT_6);
+    let (_serial, installed, new) = installed_first(&old);
     upgrade_then_downgrade(&installed, &old, &new);
     killed_migrations_converge(&installed, &old, &new, Backend::Ebpf);
     faulted_migrations_converge(&installed, &old, &new, Backend::Ebpf);
@@ -459,10 +516,11 @@ fn pods_live_on_across_layouts_and_del_works_both_ways() {
     nftables::nftables_table_of_the_previous_layout_migrates(&installed, &previous_nftables, &new);
     killed_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
     faulted_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
-    // Every later release, the same way (5da8470's nftables table is drained above: no build
-    // migrates its layout).
+    // Every later release before the window, the same way (5da8470's nftables table is
+    // drained above: no build migrates its layout).
     let releases = releases();
-    for release in &releases[1..] {
+    let window_starts = releases.len() - history::SUPPORTED_RELEASES;
+    for release in &releases[1..window_starts] {
         a_release_upgrades_live(&installed, &release.commit, &new);
     }
     // The migration from the newest release of an older eBPF layout (the last release may

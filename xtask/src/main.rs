@@ -5,6 +5,7 @@ mod bench;
 mod demo;
 mod fail_closed;
 mod modules;
+mod test;
 
 use std::{
     path::{Path, PathBuf},
@@ -35,9 +36,16 @@ enum Task {
     Lint,
     /// The module graph of the eBPF and userspace crates, and whether it has a cycle.
     Modules,
-    /// Everything CI checks: build, lint, unit and integration tests.
+    /// What a contributor runs before every commit: build, lint, unit and integration tests.
     Test {
         /// Arguments passed on to `cargo test` after `--` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true)]
+        filter: Vec<String>,
+    },
+    /// What CI runs beyond `test`: the node image's tests (static builds for amd64 and arm64)
+    /// and upgrades from the releases before the supported window.
+    TestCi {
+        /// Arguments passed on to `cargo test` after `--`.
         #[arg(trailing_var_arg = true)]
         filter: Vec<String>,
     },
@@ -64,7 +72,8 @@ fn main() -> Result<()> {
         Task::Objdump => objdump(),
         Task::Lint => lint(),
         Task::Modules => modules::run(true),
-        Task::Test { filter } => test(&filter),
+        Task::Test { filter } => test::contributor(&filter),
+        Task::TestCi { filter } => test::ci_layer(&filter),
         Task::Demo => {
             build()?;
             run(
@@ -291,118 +300,4 @@ fn lint() -> Result<()> {
     modules::run(false)?;
     modules::check_lengths()?;
     fail_closed::run()
-}
-
-fn test(filter: &[String]) -> Result<()> {
-    let started = Instant::now();
-    build()?;
-    lint()?;
-    // Unit tests first: seconds, no root, and a failure there says more than any suite.
-    let mut unit = cargo(&[
-        "test",
-        "--workspace",
-        "--exclude",
-        "cnibpf-ebpf",
-        "--lib",
-        "--bins",
-        "--",
-    ]);
-    unit.args(filter);
-    let (unit_passed, unit_failed) = run_counting_tests(unit, "unit tests")?;
-    if unit_failed > 0 {
-        println!("tests: {unit_passed} passed, {unit_failed} failed, 0 skipped");
-        bail!("{unit_failed} unit tests failed");
-    }
-    // The deploy suite builds the node image from them, and runs the arm64 one under qemu.
-    for (target, _, _) in IMAGE_TARGETS {
-        build_static_for(target)?;
-    }
-    let mut integration = cargo(&[
-        "test",
-        // The same package set as the unit tests, so that nothing is rebuilt with other
-        // features; only the tests crate has integration tests.
-        "--workspace",
-        "--exclude",
-        "cnibpf-ebpf",
-        "--test",
-        "*",
-        // Every suite runs even when one fails, so the summary counts all of them.
-        "--no-fail-fast",
-        "--",
-    ]);
-    integration.args(filter);
-    // Tests that cannot run on this machine record themselves (cnibpf_tests::skip): they are
-    // counted as skipped, not passed.
-    let skip_log = workspace_root().join("target/test-skips.log");
-    match std::fs::remove_file(&skip_log) {
-        Ok(()) => {}
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-        Err(error) => return Err(error).with_context(|| format!("remove {}", skip_log.display())),
-    }
-    integration.env(cnibpf_tests::SKIP_LOG_ENV, &skip_log);
-    let (passed, failed) = run_counting_tests(integration, "integration tests")?;
-    let skipped: Vec<String> = match std::fs::read_to_string(&skip_log) {
-        Ok(text) => text.lines().map(str::to_owned).collect(),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-        Err(error) => return Err(error).with_context(|| format!("read {}", skip_log.display())),
-    };
-    let passed = passed + unit_passed - skipped.len() as u64;
-    eprintln!(
-        "\x1b[1mbuild, lint and tests took {:.1}s\x1b[0m",
-        started.elapsed().as_secs_f64()
-    );
-    for line in &skipped {
-        println!("skipped {line}");
-    }
-    // One plain closing line, last, for whoever reads the end of the log (CI included).
-    println!(
-        "tests: {passed} passed, {failed} failed, {} skipped",
-        skipped.len()
-    );
-    if failed > 0 {
-        bail!("{failed} tests failed");
-    }
-    Ok(())
-}
-
-/// Runs `cargo test`, echoing its output, and sums the "test result" lines of every binary.
-fn run_counting_tests(mut command: Command, what: &str) -> Result<(u64, u64)> {
-    use std::io::{BufRead as _, BufReader};
-    let started = Instant::now();
-    eprintln!("\x1b[1m==> {what}\x1b[0m");
-    let mut child = command
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .context("could not start cargo test")?;
-    let stdout = child.stdout.take().context("piped stdout")?;
-    let (mut passed, mut failed) = (0, 0);
-    for line in BufReader::new(stdout).lines() {
-        let line = line?;
-        println!("{line}");
-        if let Some(summary) = line.strip_prefix("test result: ") {
-            let count = |word: &str| {
-                summary
-                    .split(';')
-                    .find_map(|part| {
-                        part.trim()
-                            .trim_start_matches("ok. ")
-                            .trim_start_matches("FAILED. ")
-                            .strip_suffix(word)
-                    })
-                    .and_then(|number| number.trim().parse::<u64>().ok())
-                    .unwrap_or(0)
-            };
-            passed += count("passed");
-            failed += count("failed");
-        }
-    }
-    let status = child.wait()?;
-    eprintln!(
-        "\x1b[1m<== {what}: {:.1}s\x1b[0m",
-        started.elapsed().as_secs_f64()
-    );
-    if !status.success() && failed == 0 {
-        bail!("cargo test failed ({status})");
-    }
-    Ok((passed, failed))
 }

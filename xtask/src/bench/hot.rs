@@ -37,7 +37,7 @@ pub struct Build {
 }
 
 /// The builds a comparison runs, this build last: the commits in `older` (built once into
-/// target/history), then the last release `releases.toml` lists.
+/// the release cache, `cnibpf_tests::history`), then the last release `releases.toml` lists.
 pub fn builds(progress: &Progress, older: &[String]) -> Result<Vec<Build>> {
     let release = cnibpf_tests::history::released_commits()
         .pop()
@@ -45,7 +45,7 @@ pub fn builds(progress: &Progress, older: &[String]) -> Result<Vec<Build>> {
     let mut builds = Vec::new();
     for commit in older {
         progress.step(&format!(
-            "building cnibpf of {commit} (once, into target/history)"
+            "building cnibpf of {commit} (once per machine, into the release cache)"
         ));
         builds.push(Build {
             label: commit.clone(),
@@ -53,7 +53,7 @@ pub fn builds(progress: &Progress, older: &[String]) -> Result<Vec<Build>> {
         });
     }
     progress.step(&format!(
-        "building cnibpf of {release}, the last release (once, into target/history)"
+        "building cnibpf of {release}, the last release (once per machine, into the release cache)"
     ));
     builds.push(Build {
         label: format!("{release} (last release)"),
