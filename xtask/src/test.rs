@@ -15,6 +15,8 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::{IMAGE_TARGETS, build, build_static_for, cargo, lint, workspace_root};
 
+mod suites;
+
 /// The integration tests only `test-ci` runs, as (suite, test).
 const CI_LAYER: [(&str, &str); 3] = [
     (
@@ -33,7 +35,7 @@ const CI_LAYER: [(&str, &str); 3] = [
 
 /// Passed, failed and skipped tests of a layer so far.
 #[derive(Default)]
-struct Tally {
+pub struct Tally {
     passed: u64,
     failed: u64,
     skipped: Vec<String>,
@@ -60,24 +62,11 @@ pub fn contributor(filter: &[String]) -> Result<()> {
     if tally.failed > 0 {
         return tally.close(started);
     }
-    let mut integration = cargo(&[
-        "test",
-        // The same package set as the unit tests, so that nothing is rebuilt with other
-        // features; only the tests crate has integration tests.
-        "--workspace",
-        "--exclude",
-        "cnibpf-ebpf",
-        "--test",
-        "*",
-        // Every suite runs even when one fails, so the summary counts all of them.
-        "--no-fail-fast",
-        "--",
-    ]);
-    integration.args(filter);
+    let mut args: Vec<String> = filter.to_vec();
     for (_, test) in CI_LAYER {
-        integration.args(["--skip", test]);
+        args.extend(["--skip".to_owned(), test.to_owned()]);
     }
-    tally.add(&mut integration, "integration tests")?;
+    suites::run(&mut tally, &args)?;
     tally.close(started)
 }
 
@@ -116,8 +105,7 @@ impl Tally {
     /// result" lines; tests that cannot run on this machine record themselves
     /// (`cnibpf_tests::skip`) and count as skipped, not passed.
     fn add(&mut self, command: &mut Command, what: &str) -> Result<()> {
-        let skip_log = workspace_root().join("target/test-skips.log");
-        remove_if_present(&skip_log)?;
+        let skip_log = fresh_skip_log()?;
         command.env(cnibpf_tests::SKIP_LOG_ENV, &skip_log);
         let started = Instant::now();
         eprintln!("\x1b[1m==> {what}\x1b[0m");
@@ -143,15 +131,21 @@ impl Tally {
         if !status.success() && failed == 0 {
             bail!("cargo test failed ({status})");
         }
-        let skipped: Vec<String> = match std::fs::read_to_string(&skip_log) {
+        self.passed += passed;
+        self.failed += failed;
+        self.take_skips(&skip_log)
+    }
+
+    /// Moves the tests a skip log names from passed to skipped.
+    fn take_skips(&mut self, skip_log: &Path) -> Result<()> {
+        let skipped: Vec<String> = match std::fs::read_to_string(skip_log) {
             Ok(text) => text.lines().map(str::to_owned).collect(),
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(error) => {
                 return Err(error).with_context(|| format!("read {}", skip_log.display()));
             }
         };
-        self.passed += passed - skipped.len() as u64;
-        self.failed += failed;
+        self.passed -= skipped.len() as u64;
         self.skipped.extend(skipped);
         Ok(())
     }
@@ -177,6 +171,13 @@ impl Tally {
         }
         Ok(())
     }
+}
+
+/// The file tests that cannot run on this machine record themselves in, emptied.
+fn fresh_skip_log() -> Result<std::path::PathBuf> {
+    let skip_log = workspace_root().join("target/test-skips.log");
+    remove_if_present(&skip_log)?;
+    Ok(skip_log)
 }
 
 /// The count of `word` ("passed", "failed") in a "test result:" summary.

@@ -107,6 +107,9 @@ pub struct SimHost {
     pub cgroup: PathBuf,
     pub chain: Chain,
     attached: Mutex<Vec<Attachment>>,
+    /// Held while the host lives (released after its `Drop` cleaned up): a test of another
+    /// suite running at the same time with the same id waits instead of taking its names.
+    _claim: std::fs::File,
 }
 
 /// The datapath backend a simulated host's cnibpf is forced to, for suites that run for both.
@@ -195,6 +198,7 @@ impl SimHost {
     }
 
     fn build(id: &str, cni_version: &str, chained: Vec<Chained>, bridge_masquerades: bool) -> Self {
+        let claim = claim(id);
         let host = Netns::create(&format!("cbt-{id}-host"));
         let outside = Netns::create(&format!("cbt-{id}-out"));
         let pin_path = PathBuf::from(format!("/sys/fs/bpf/cnibpf-test-{id}"));
@@ -334,8 +338,19 @@ impl SimHost {
             cgroup,
             chain,
             attached: Mutex::new(Vec::new()),
+            _claim: claim,
         }
     }
+}
+
+/// An exclusive lock on `id`'s names, across processes (the suites run side by side).
+fn claim(id: &str) -> std::fs::File {
+    let path = std::env::temp_dir().join(format!("cnibpf-test-{id}.lock"));
+    let file = std::fs::File::create(&path)
+        .unwrap_or_else(|error| panic!("create {}: {error}", path.display()));
+    file.lock()
+        .unwrap_or_else(|error| panic!("lock {}: {error}", path.display()));
+    file
 }
 
 impl Drop for SimHost {
