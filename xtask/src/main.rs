@@ -27,8 +27,12 @@ struct Cli {
 enum Task {
     /// Build the eBPF object (with BTF) that the cnibpf binary embeds.
     BuildEbpf,
-    /// Build the eBPF object and the cnibpf binary.
-    Build,
+    /// Build the eBPF object and the cnibpf binary that embeds it (target/debug/cnibpf).
+    Build {
+        /// Optimised, for installing: target/release/cnibpf.
+        #[arg(long)]
+        release: bool,
+    },
     /// Disassemble the eBPF object with source lines (the nightly's llvm-objdump).
     Objdump,
     /// cargo fmt --check, clippy -D warnings (userspace and eBPF), no module import cycle, and
@@ -68,7 +72,8 @@ enum Task {
 fn main() -> Result<()> {
     match Cli::parse().command {
         Task::BuildEbpf => build_ebpf(),
-        Task::Build => build(),
+        Task::Build { release: false } => build(),
+        Task::Build { release: true } => build_release(),
         Task::Objdump => objdump(),
         Task::Lint => lint(),
         Task::Modules => modules::run(true),
@@ -85,10 +90,7 @@ fn main() -> Result<()> {
         Task::Image => image(),
         Task::Bench { suite, baselines } => {
             build()?;
-            run(
-                cargo(&["build", "--release", "--package", "cnibpf"]),
-                "build cnibpf (release) for benchmarks",
-            )?;
+            build_release()?;
             bench::run(suite.as_deref(), &baselines)
         }
     }
@@ -216,6 +218,19 @@ fn cargo(args: &[&str]) -> Command {
 fn build() -> Result<()> {
     build_ebpf()?;
     run(cargo(&["build", "--package", "cnibpf"]), "build cnibpf")
+}
+
+fn build_release() -> Result<()> {
+    build_ebpf()?;
+    run(
+        cargo(&["build", "--release", "--package", "cnibpf"]),
+        "build cnibpf (release)",
+    )?;
+    eprintln!(
+        "    {}",
+        workspace_root().join("target/release/cnibpf").display()
+    );
+    Ok(())
 }
 
 /// The architectures of the node image: (Rust target, the image's architecture, the cross
