@@ -296,7 +296,7 @@ fn main() -> ExitCode {
                     entry,
                     replace_portmap,
                 };
-                install.report_unmigrated_datapath();
+                install.refuse_unmigrated_datapath()?;
                 if load {
                     install.load_datapath();
                 }

@@ -276,26 +276,41 @@ fn a_cached_configurations_del_finishes_an_uninstall_and_an_install_calls_it_off
 }
 
 /// A node whose nftables datapath is of a layout no cnibpf migrates (layout 1: a table without
-/// a comment, as 5da8470 wrote it) is told so by `install`, in one line, with what to do;
-/// the install itself goes on.
+/// a comment, as 5da8470 wrote it) is not given this build, which would refuse its new pods:
+/// `install` says why and what to do, and replaces neither the binary nor the conflist; once
+/// the table is gone, it installs.
 #[test]
-fn install_says_when_the_nftables_datapath_cannot_be_migrated() {
+fn install_refuses_a_node_whose_nftables_datapath_cannot_be_migrated() {
     let netns = cnibpf_tests::Netns::create("cbt-install-layout1");
     let node = NodeDirs::new("layout1");
     node.write("10-flannel.conflist", &flannel());
-    let install = |expect_note: bool| {
+    let install = || {
         let mut command = netns.command(&[&cnibpf_binary().display().to_string()]);
         command.args(node.args("install", &["--replace-portmap"]));
-        let output = command.output().expect("run cnibpf install");
-        assert!(output.status.success(), "{output:?}");
-        let said = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(
-            said.contains("which no cnibpf migrates") && said.contains("drain the node"),
-            expect_note,
-            "{said}"
-        );
+        command.output().expect("run cnibpf install")
     };
-    install(false);
     netns.exec(&["nft", "add", "table", "inet", "cnibpf"]);
-    install(true);
+    let refused = install();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{refused:?}");
+    assert!(
+        said.contains("which this build does not migrate") && said.contains("drain the node"),
+        "{said}"
+    );
+    assert_eq!(
+        node.files(),
+        ["10-flannel.conflist"],
+        "nothing of cnibpf's written"
+    );
+    assert!(
+        !node.bin_dir().join("cnibpf").exists(),
+        "the binary is not replaced"
+    );
+    netns.exec(&["nft", "delete", "table", "inet", "cnibpf"]);
+    let installed = install();
+    assert!(installed.status.success(), "{installed:?}");
+    assert!(
+        node.bin_dir().join("cnibpf").exists(),
+        "installed once the table is gone"
+    );
 }

@@ -58,6 +58,10 @@ pub enum InstallError {
         "the runtime's network is Multus's ({0}) and no cluster network follows it for cnibpf to chain into"
     )]
     MultusOnly(PathBuf),
+    #[error(
+        "table inet cnibpf has {found}, which this build does not migrate: the cnibpf in place is left to serve the node, whose pods' DELs drain the table; drain the node (or wait for its pods to go), then install this build (docs/upgrades.md)"
+    )]
+    UnmigratedDatapath { found: String },
     #[error("the datapath")]
     Datapath(#[from] BackendError),
     #[error(transparent)]
@@ -113,25 +117,27 @@ impl Install {
         }
     }
 
-    /// Says, in one line, when the node's nftables datapath is of a layout no cnibpf
-    /// migrates: its pods keep working and their DELs drain it, but until the last is gone
-    /// every ADD is refused (106), so the node should be drained before this upgrade. A node
-    /// that cannot be asked is said so, without failing the install.
-    pub fn report_unmigrated_datapath(&self) {
+    /// Refuses to replace the binary while the node's nftables datapath is of a layout this
+    /// build does not migrate (layout 1, or a newer one): the binary in place serves the node
+    /// on, where this build would refuse every ADD (106) until the table drained. A node that
+    /// cannot be asked is said so, and the install goes on (nothing is removed on it).
+    pub fn refuse_unmigrated_datapath(&self) -> Result<(), InstallError> {
         match crate::backend::nftables::unmigrated_layout() {
-            Ok(None) => {}
-            Ok(Some(found)) => log_line!(
-                "cnibpf install: table inet cnibpf has layout {:?}, which no cnibpf migrates: until every pod it serves is deleted, this node refuses new pods (106); drain the node now, and its pods come back through this build (CHANGELOG.md)",
-                if found.is_empty() {
-                    "cnibpf layout 1"
+            Ok(None) => Ok(()),
+            Ok(Some(found)) => Err(InstallError::UnmigratedDatapath {
+                found: if found.is_empty() {
+                    "layout \"cnibpf layout 1\" (no comment)".to_owned()
                 } else {
-                    found.as_str()
-                }
-            ),
-            Err(error) => log_line!(
-                "cnibpf install: could not tell the layout of the nftables datapath: {}",
-                with_causes(&error)
-            ),
+                    format!("layout {found:?}")
+                },
+            }),
+            Err(error) => {
+                log_line!(
+                    "cnibpf install: could not tell the layout of the nftables datapath: {}",
+                    with_causes(&error)
+                );
+                Ok(())
+            }
         }
     }
 
