@@ -5,10 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use std::time::Duration;
 
-use cnibpf_common::{
-    connection::{Connection, ConnectionKey},
-    conntrack::timeout_ns,
-};
+use cnibpf_common::connections::{Connection, ConnectionKey, conntrack::timeout_ns};
 use cnibpf_tests::{
     SimHost, eventually, for_both_backends,
     state::dual_stack,

@@ -1,51 +1,61 @@
-//! Map key and value types shared by the cnibpf eBPF programs and userspace.
+//! The datapath's state, shared by the cnibpf eBPF programs and userspace: one module per
+//! capability — port mapping, masquerade, the filter, the source check, connection tracking,
+//! the endpoints — holding its maps' keys, values and [`map_spec::MapSpec`]s, and what the
+//! datapath as a whole keeps (drops, layout, settings).
 //!
-//! One module per map. Every type is `#[repr(C)]` with explicit padding so both sides agree on
-//! the bytes, and so that bpftool prints named fields from the BTF the eBPF object carries.
-//! Addresses are stored as 16 bytes: an IPv4 address occupies the first four bytes, the rest is
-//! zero, and a `family` field says which it is. Ports are in host byte order, so that
+//! Every type is `#[repr(C)]` with explicit padding so both sides agree on the bytes, and so
+//! that bpftool prints named fields from the BTF the eBPF object carries. Addresses are
+//! [`address::Address`], 16 bytes aligned to a word; an IPv4 address occupies the first four
+//! bytes, and a `family` field says which it is. Ports are in host byte order, so that
 //! `bpftool map dump` shows them as people write them; the programs convert when they compare.
 //!
-//! A module's `MAX_ENTRIES` is the size the object declares. For the maps that grow with the
-//! node — flows, attachments, hostPorts — it is the default: the loader sizes them from the
-//! operator's `maxFlows`, `maxAttachments` and `maxHostPorts` (userspace
-//! `backend::ebpf::sizes`), so a pinned map may have another size.
+//! A spec's `max_entries` is the size the object declares. For the maps that grow with the
+//! node — flows, attachments, hostPorts — it is the default: the loader sizes them by their
+//! [`map_spec::Sizing`] from the operator's `maxFlows`, `maxAttachments` and `maxHostPorts`, so
+//! a pinned map may have another size.
 #![no_std]
 
 #[cfg(feature = "user")]
 pub mod addr;
 pub mod address;
-pub mod connection;
-pub mod conntrack;
-pub mod drop_event_budget;
-pub mod drop_stats;
-pub mod endpoint;
-pub mod filter;
-pub mod filter_event;
-pub mod filter_hits;
-pub mod filter_stats;
-pub mod fragment;
-pub mod host_addr;
-pub mod internet_checksum;
-pub mod layout;
-pub mod masq_exclude;
-pub mod masq_reply;
-pub mod masq_source;
-pub mod masq_stats;
-pub mod owner;
-pub mod owner_port;
-pub mod packet;
-pub mod port_claim;
-pub mod port_condition;
-pub mod portmap;
 #[cfg(feature = "user")]
-pub mod retired_flows;
+pub mod compat;
+pub mod connections;
+pub mod datapath;
+pub mod drops;
+pub mod endpoints;
+pub mod filter;
+pub mod internet_checksum;
+pub mod map_spec;
+pub mod masquerade;
+pub mod packet;
+pub mod portmap;
 pub mod sctp_checksum;
-pub mod settings;
-pub mod sock_rev;
-pub mod source;
-pub mod source_drop;
-pub mod uplink;
+pub mod sources;
+
+use map_spec::MapSpec;
+
+/// Every pinned map, by capability.
+pub const CAPABILITIES: [&[MapSpec]; 8] = [
+    &portmap::MAPS,
+    &masquerade::MAPS,
+    &filter::MAPS,
+    &sources::MAPS,
+    &connections::MAPS,
+    &endpoints::MAPS,
+    &drops::MAPS,
+    &datapath::MAPS,
+];
+
+/// Every pinned map.
+pub fn maps() -> impl Iterator<Item = &'static MapSpec> {
+    CAPABILITIES.iter().flat_map(|maps| maps.iter())
+}
+
+/// The pinned map named `name`.
+pub fn map(name: &str) -> Option<&'static MapSpec> {
+    maps().find(|spec| spec.name == name)
+}
 
 /// `AF_INET`, as stored in the `family` field of keys.
 pub const FAMILY_IPV4: u8 = 2;

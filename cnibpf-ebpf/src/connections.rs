@@ -8,8 +8,10 @@
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map};
 use cnibpf_common::{
     PROTO_TCP,
-    connection::{Connection, ConnectionKey},
-    conntrack::{self, STATE_ESTABLISHED, STATE_OPENING},
+    connections::{
+        Connection, ConnectionKey,
+        conntrack::{self, STATE_ESTABLISHED, STATE_OPENING},
+    },
     filter::DIRECTION_EGRESS,
 };
 

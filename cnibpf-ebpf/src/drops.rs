@@ -4,10 +4,8 @@
 
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
-    drop_event_budget::{self, DropEventBudget},
-    drop_stats::DropReason,
+    drops::{self, DropEventBudget, DropReason, FilterEvent},
     filter::DIRECTION_EGRESS,
-    filter_event::FilterEvent,
 };
 
 use crate::{clock, maps, zero::zero};
@@ -32,7 +30,7 @@ fn may_report() -> bool {
     };
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
     let budget: &mut DropEventBudget = unsafe { &mut *budget };
-    drop_event_budget::spend(budget, clock::now_ns())
+    drops::budget::spend(budget, clock::now_ns())
 }
 
 /// Reports a dropped packet in `filter_events` if this CPU's budget allows: the record is

@@ -11,9 +11,12 @@
 
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
-    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, address::Address,
-    drop_stats::DropReason, endpoint::EndpointInfo, filter::DIRECTION_EGRESS, source::SourceSet,
-    source_drop::SourceDrops,
+    FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    address::Address,
+    drops::DropReason,
+    endpoints::EndpointInfo,
+    filter::DIRECTION_EGRESS,
+    sources::{SourceDrops, SourceSet},
 };
 
 use crate::{

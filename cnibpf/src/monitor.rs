@@ -10,8 +10,9 @@ use std::{
 };
 
 use cnibpf_common::{
-    PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, addr, drop_stats::DropReason,
-    filter::DIRECTION_INGRESS, filter_event::FilterEvent,
+    PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, addr,
+    drops::{DropReason, FilterEvent},
+    filter::DIRECTION_INGRESS,
 };
 use nix::time::{ClockId, clock_gettime};
 use serde_json::json;

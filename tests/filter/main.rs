@@ -3,7 +3,7 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use cnibpf_common::{connection::PART_FILTER, filter::FilterSet};
+use cnibpf_common::{connections::PART_FILTER, filter::FilterSet};
 use cnibpf_tests::{
     Container, Netns, SimHost, eventually, for_both_backends,
     monitor::{first_line_matching, interrupt, monitor_lines, start_monitor},

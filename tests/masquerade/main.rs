@@ -8,10 +8,11 @@ use std::{
 
 use cnibpf_common::{
     address::Address,
-    connection::{Connection, ConnectionKey},
-    conntrack::{STATE_CLOSING, STATE_ESTABLISHED, timeout_ns},
-    masq_reply::{MasqReply, ReplyKey},
-    masq_source::{MasqSource, MasqSourceKey},
+    connections::{
+        Connection, ConnectionKey,
+        conntrack::{STATE_CLOSING, STATE_ESTABLISHED, timeout_ns},
+    },
+    masquerade::{MasqReply, MasqSource, MasqSourceKey, ReplyKey},
 };
 use cnibpf_tests::{
     Container, SimHost, for_both_backends,

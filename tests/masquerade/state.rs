@@ -113,7 +113,7 @@ fn a_full_table_keeps_live_flows_lets_new_ones_through_and_shows_the_pressure() 
         .run(move || std::net::TcpStream::connect_timeout(&target, CLIENT_TIMEOUT))
         .expect("connect");
     // Fill the table with other flows, as a busy host would.
-    let capacity = cnibpf_common::connection::MAX_ENTRIES;
+    let capacity = cnibpf_common::connections::CONNECTIONS.max_entries;
     host.fill_connections(capacity);
     let mut map = host.pinned_hash_map::<ConnectionKey, Connection>("connections");
     // The LRU keeps entries in use, so the live connection survived the filling; evict its

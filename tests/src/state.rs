@@ -5,10 +5,11 @@ use std::path::PathBuf;
 
 use cnibpf_common::{
     address::Address,
-    connection::{Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_SNAT},
-    conntrack::STATE_ESTABLISHED,
-    filter_hits::FilterHits,
-    masq_stats::MasqStats,
+    connections::{
+        Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_SNAT, conntrack::STATE_ESTABLISHED,
+    },
+    filter::FilterHits,
+    masquerade::MasqStats,
 };
 use serde_json::Value;
 
@@ -377,14 +378,11 @@ impl SimHost {
     /// when nothing of it is left (or no eBPF state is).
     pub fn ebpf_maps_holding(&self, owner: u64) -> Vec<&'static str> {
         use cnibpf_common::{
-            endpoint::EndpointInfo,
+            endpoints::{EndpointInfo, OwnerInfo},
             filter::FilterSet,
-            masq_exclude::MasqExcludeKey,
-            masq_reply::{MasqReply, ReplyKey},
-            masq_source::{MasqSource, MasqSourceKey},
-            owner::OwnerInfo,
+            masquerade::{MasqExcludeKey, MasqReply, MasqSource, MasqSourceKey, ReplyKey},
             portmap::{PortMapKey, PortMapValue},
-            source::FLAG_RECORDED,
+            sources::FLAG_RECORDED,
         };
         if !self.pin_path.join("owners").exists() {
             return Vec::new();
@@ -472,7 +470,7 @@ impl SimHost {
     /// The counts of address-specific hostPorts in `port_claims`: (hostPort, protocol, family,
     /// count), empty without eBPF state.
     pub fn port_claims(&self) -> Vec<(u16, u8, u8, u32)> {
-        use cnibpf_common::port_claim::{PortClaim, PortClaimKey};
+        use cnibpf_common::portmap::{PortClaim, PortClaimKey};
         if !self.pin_path.join("port_claims").exists() {
             return Vec::new();
         }

@@ -3,8 +3,8 @@
 
 use cnibpf_common::{
     address::Address,
-    connection::{Connection, ConnectionKey, PART_SNAT},
-    retired_flows::{FlowKeyV9, MASQ_FLOWS, MasqFlowV9},
+    compat::retired_flows::{FlowKeyV9, MASQ_FLOWS, MasqFlowV9},
+    connections::{Connection, ConnectionKey, PART_SNAT},
 };
 use cnibpf_tests::SimHost;
 

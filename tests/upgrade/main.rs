@@ -18,8 +18,8 @@ use std::{
 };
 
 use cnibpf_common::{
-    layout::{LayoutInfo, MAGIC},
-    source::SourceSet,
+    datapath::{LayoutInfo, layout::MAGIC},
+    sources::SourceSet,
 };
 use cnibpf_tests::{
     Container, SimHost, chain, faults, history,
@@ -89,7 +89,10 @@ fn half_migrated(sim: &SimHost) -> bool {
 }
 
 fn assert_migrated(sim: &SimHost) {
-    assert_eq!(sim.layout_version(), cnibpf_common::layout::VERSION);
+    assert_eq!(
+        sim.layout_version(),
+        cnibpf_common::datapath::layout::VERSION
+    );
     assert!(!half_migrated(sim), "the old pins are gone");
 }
 
@@ -155,7 +158,7 @@ fn upgrade_then_downgrade(installed: &Installed, old: &Path, new: &Path) {
     let c1 = pod.assert_carried_on("across the upgrade");
 
     // A downgrade: this build meets the layout of a newer one.
-    sim.write_layout(&layout_bytes(cnibpf_common::layout::VERSION + 1));
+    sim.write_layout(&layout_bytes(cnibpf_common::datapath::layout::VERSION + 1));
     let refused = sim
         .add_container("c3", port_mappings(&[]))
         .expect_err("ADD into a newer layout is refused");
@@ -197,7 +200,7 @@ fn migration_state(sim: &SimHost, backend: Backend) -> (bool, bool) {
     match backend {
         Backend::Ebpf => (
             half_migrated(sim),
-            sim.layout_version() == cnibpf_common::layout::VERSION,
+            sim.layout_version() == cnibpf_common::datapath::layout::VERSION,
         ),
         Backend::Nftables => {
             let migrated = sim.nft_ruleset().contains(nftables::LAYOUT_4_MARKER);
@@ -490,7 +493,7 @@ fn the_supported_releases_upgrade_live() {
     for release in &window {
         a_release_upgrades_live(&installed, &release.commit, &new);
     }
-    if newest.ebpf_layout < cnibpf_common::layout::VERSION {
+    if newest.ebpf_layout < cnibpf_common::datapath::layout::VERSION {
         killed_migrations_converge(&installed, &newest_binary, &new, Backend::Ebpf);
         faulted_migrations_converge(&installed, &newest_binary, &new, Backend::Ebpf);
     }
@@ -528,7 +531,7 @@ fn the_releases_before_the_supported_window_upgrade_live() {
     let last_older = releases
         .iter()
         .rev()
-        .find(|release| release.ebpf_layout < cnibpf_common::layout::VERSION)
+        .find(|release| release.ebpf_layout < cnibpf_common::datapath::layout::VERSION)
         .expect("a release of an older eBPF layout than this build's");
     let last_older = history::cnibpf_of(&last_older.commit);
     killed_migrations_converge(&installed, &last_older, &new, Backend::Ebpf);

@@ -20,13 +20,16 @@ mod rules;
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     address::Address,
-    connection::{Connection, ConnectionKey, PART_FILTER},
-    conntrack::{self, SIDE_ORIGIN, SIDE_REPLY, STATE_CLOSING},
-    drop_stats::DropReason,
-    filter::{DIRECTION_EGRESS, FilterSet, FirstMatches, RULE_DEFAULT, TARGET_ALLOW},
-    filter_hits::DEFAULT_SLOT,
-    filter_stats::FilterStats,
-    fragment::{FirstFragment, PASSED_EGRESS, PASSED_INGRESS},
+    connections::{
+        Connection, ConnectionKey, FirstFragment, PART_FILTER,
+        conntrack::{self, SIDE_ORIGIN, SIDE_REPLY, STATE_CLOSING},
+        fragments::{PASSED_EGRESS, PASSED_INGRESS},
+    },
+    drops::DropReason,
+    filter::{
+        DIRECTION_EGRESS, FilterSet, FilterStats, FirstMatches, RULE_DEFAULT, TARGET_ALLOW,
+        hits::DEFAULT_SLOT,
+    },
 };
 
 use crate::{

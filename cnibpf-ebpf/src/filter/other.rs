@@ -5,8 +5,8 @@ use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6,
     address::Address,
-    connection::{ConnectionKey, PART_FILTER},
-    drop_stats::DropReason,
+    connections::{ConnectionKey, PART_FILTER},
+    drops::DropReason,
     filter::{DIRECTION_EGRESS, TARGET_ALLOW},
     packet::is_icmpv6_link_control,
 };

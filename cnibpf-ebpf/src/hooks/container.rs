@@ -9,8 +9,8 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
-    connection::Connection,
-    endpoint::{FLAG_HOST_FIREWALL, FLAG_UNFILTERED, FLAG_VIA_STACK},
+    connections::Connection,
+    endpoints::{FLAG_HOST_FIREWALL, FLAG_UNFILTERED, FLAG_VIA_STACK},
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
 };
 

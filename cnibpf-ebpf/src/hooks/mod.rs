@@ -11,8 +11,8 @@ pub mod uplink;
 
 use aya_ebpf::{helpers::bpf_redirect, programs::TcContext};
 use cnibpf_common::{
-    connection::Connection,
-    endpoint::{FLAG_HOST_FIREWALL, FLAG_UNFILTERED, FLAG_VIA_STACK},
+    connections::Connection,
+    endpoints::{FLAG_HOST_FIREWALL, FLAG_UNFILTERED, FLAG_VIA_STACK},
     filter::DIRECTION_INGRESS,
 };
 

@@ -11,7 +11,7 @@
 //! offsets from the kernel's BTF. Unset (`u32::MAX`), the watcher does nothing.
 
 use aya_ebpf::{helpers::bpf_probe_read_kernel, programs::RawTracePointContext};
-use cnibpf_common::endpoint::FLAG_VIA_STACK;
+use cnibpf_common::endpoints::FLAG_VIA_STACK;
 
 use crate::maps;
 

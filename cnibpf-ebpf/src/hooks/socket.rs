@@ -17,8 +17,7 @@ use aya_ebpf::{
 use cnibpf_common::{
     FAMILY_IPV4,
     address::Address,
-    portmap::PortMapKey,
-    sock_rev::{SockRevKey, SockRevValue},
+    portmap::{PortMapKey, SockRevKey, SockRevValue},
 };
 
 use crate::{maps, portmap};

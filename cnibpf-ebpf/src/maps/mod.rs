@@ -13,91 +13,97 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     address::Address,
-    connection::{self, Connection, ConnectionKey},
-    drop_event_budget::{self, DropEventBudget},
-    drop_stats::{self, DropCount},
-    endpoint::{self, EndpointInfo},
-    filter::{self, FilterSet},
-    filter_event::{self, FilterEvent},
-    filter_hits::{self, FilterHits},
-    filter_stats::{self, FilterStats},
-    fragment::{self, FirstFragment, FragmentKey},
-    host_addr::{self, HostAddrKey},
-    layout::{self, LayoutInfo},
-    masq_exclude::{self, MasqExcludeKey},
-    masq_reply::{self, MasqReply, ReplyKey},
-    masq_source::{self, MasqSource, MasqSourceKey},
-    masq_stats::{self, MasqStats},
-    owner::{self, OwnerInfo},
-    owner_port::{self, OwnerPortKey},
-    port_claim::{self, PortClaim, PortClaimKey},
-    port_condition::{self, PortConditions, PortConditionsKey},
-    portmap::{self, PortMapKey, PortMapValue},
-    settings::{self, Settings},
-    sock_rev::{self, SockRevKey, SockRevValue},
-    source_drop::{self, SourceDrops},
-    uplink::{self, UplinkInfo},
+    connections::{self, Connection, ConnectionKey, FirstFragment, FragmentKey},
+    datapath::{LayoutInfo, Settings, layout, settings},
+    drops::{self, DropCount, DropEventBudget, FilterEvent},
+    endpoints::{self, EndpointInfo, OwnerInfo},
+    filter::{self, FilterHits, FilterSet, FilterStats},
+    masquerade::{
+        self, MasqExcludeKey, MasqReply, MasqSource, MasqSourceKey, MasqStats, ReplyKey, UplinkInfo,
+    },
+    portmap::{
+        self, HostAddrKey, OwnerPortKey, PortClaim, PortClaimKey, PortConditions,
+        PortConditionsKey, PortMapKey, PortMapValue, SockRevKey, SockRevValue,
+    },
+    sources::{self, SourceDrops},
 };
 
 /// Map names are the pin names users pass to bpftool, so they are lowercase like the files.
 #[btf_map(pin_by_name)]
-pub static portmap: HashMap<PortMapKey, PortMapValue, { portmap::MAX_ENTRIES as usize }> =
+pub static portmap: HashMap<PortMapKey, PortMapValue, { portmap::MAPPINGS.max_entries as usize }> =
     HashMap::new();
 
 #[btf_map(pin_by_name)]
 pub static connections: LruHashMap<
     ConnectionKey,
     Connection,
-    { connection::MAX_ENTRIES as usize },
+    { connections::CONNECTIONS.max_entries as usize },
 > = LruHashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static owners: HashMap<u64, OwnerInfo, { owner::MAX_ENTRIES as usize }> = HashMap::new();
+pub static owners: HashMap<u64, OwnerInfo, { endpoints::OWNERS.max_entries as usize }> =
+    HashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static layout: Array<LayoutInfo, { layout::MAX_ENTRIES as usize }> = Array::new();
+pub static layout: Array<LayoutInfo, { layout::LAYOUT.max_entries as usize }> = Array::new();
 
 /// Replaced whole by userspace, like `filters`.
 #[btf_map(pin_by_name)]
 pub static endpoints: HashMap<
     u32,
     EndpointInfo,
-    { endpoint::MAX_ENTRIES as usize },
+    { endpoints::ENDPOINTS.max_entries as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static host_addrs: HashMap<HostAddrKey, u32, { host_addr::MAX_ENTRIES as usize }> =
+pub static host_addrs: HashMap<HostAddrKey, u32, { portmap::HOST_ADDRS.max_entries as usize }> =
     HashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static settings: Array<Settings, { settings::MAX_ENTRIES as usize }> = Array::new();
+pub static settings: Array<Settings, { settings::SETTINGS.max_entries as usize }> = Array::new();
 
 #[btf_map(pin_by_name)]
-pub static sock_rev: LruHashMap<SockRevKey, SockRevValue, { sock_rev::MAX_ENTRIES as usize }> =
-    LruHashMap::new();
+pub static sock_rev: LruHashMap<
+    SockRevKey,
+    SockRevValue,
+    { portmap::HOST_SOCKETS.max_entries as usize },
+> = LruHashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static masq_sources: HashMap<MasqSourceKey, MasqSource, { masq_source::MAX_ENTRIES as usize }> =
+pub static masq_sources: HashMap<
+    MasqSourceKey,
+    MasqSource,
+    { masquerade::SOURCES.max_entries as usize },
+> = HashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static masq_excludes: LpmTrie<
+    MasqExcludeKey,
+    u32,
+    { masquerade::EXCLUDES.max_entries as usize },
+> = LpmTrie::new();
+
+#[btf_map(pin_by_name)]
+pub static uplinks: HashMap<u32, UplinkInfo, { masquerade::UPLINKS.max_entries as usize }> =
     HashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static masq_excludes: LpmTrie<MasqExcludeKey, u32, { masq_exclude::MAX_ENTRIES as usize }> =
-    LpmTrie::new();
+pub static masq_replies: LruHashMap<
+    ReplyKey,
+    MasqReply,
+    { masquerade::REPLIES.max_entries as usize },
+> = LruHashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static uplinks: HashMap<u32, UplinkInfo, { uplink::MAX_ENTRIES as usize }> = HashMap::new();
+pub static fragments: LruHashMap<
+    FragmentKey,
+    FirstFragment,
+    { connections::FRAGMENTS.max_entries as usize },
+> = LruHashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static masq_replies: LruHashMap<ReplyKey, MasqReply, { masq_reply::MAX_ENTRIES as usize }> =
-    LruHashMap::new();
-
-#[btf_map(pin_by_name)]
-pub static fragments: LruHashMap<FragmentKey, FirstFragment, { fragment::MAX_ENTRIES as usize }> =
-    LruHashMap::new();
-
-#[btf_map(pin_by_name)]
-pub static masq_stats: PerCpuArray<MasqStats, { masq_stats::MAX_ENTRIES as usize }> =
+pub static masq_stats: PerCpuArray<MasqStats, { masquerade::STATS.max_entries as usize }> =
     PerCpuArray::new();
 
 /// Replaced whole by userspace, like `filters`.
@@ -105,7 +111,7 @@ pub static masq_stats: PerCpuArray<MasqStats, { masq_stats::MAX_ENTRIES as usize
 pub static port_conditions: HashMap<
     PortConditionsKey,
     PortConditions,
-    { port_condition::MAX_ENTRIES as usize },
+    { portmap::CONDITIONS.max_entries as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
 
@@ -115,7 +121,7 @@ pub static port_conditions: HashMap<
 pub static filters: HashMap<
     u32,
     FilterSet,
-    { filter::MAX_ENTRIES as usize },
+    { filter::FILTERS.max_entries as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
 
@@ -123,43 +129,46 @@ pub static filters: HashMap<
 pub static filter_hits: PerCpuHashMap<
     u32,
     FilterHits,
-    { filter_hits::MAX_ENTRIES as usize },
+    { filter::HITS.max_entries as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static filter_events: RingBuf<FilterEvent, { filter_event::RING_BYTES as usize }> =
+pub static filter_events: RingBuf<FilterEvent, { drops::EVENTS.max_entries as usize }> =
     RingBuf::new();
 
 #[btf_map(pin_by_name)]
 pub static source_drops: PerCpuHashMap<
     u32,
     SourceDrops,
-    { source_drop::MAX_ENTRIES as usize },
+    { sources::DROPS.max_entries as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static filter_stats: PerCpuArray<FilterStats, { filter_stats::MAX_ENTRIES as usize }> =
+pub static filter_stats: PerCpuArray<FilterStats, { filter::STATS.max_entries as usize }> =
     PerCpuArray::new();
 
 #[btf_map(pin_by_name)]
-pub static drop_stats: PerCpuArray<DropCount, { drop_stats::MAX_ENTRIES as usize }> =
+pub static drop_stats: PerCpuArray<DropCount, { drops::DROP_STATS.max_entries as usize }> =
     PerCpuArray::new();
 
 #[btf_map(pin_by_name)]
 pub static drop_event_budget: PerCpuArray<
     DropEventBudget,
-    { drop_event_budget::MAX_ENTRIES as usize },
+    { drops::EVENT_BUDGET.max_entries as usize },
 > = PerCpuArray::new();
 
 /// Userspace-only bookkeeping, declared here so that it is created and pinned with the rest.
 #[btf_map(pin_by_name)]
-pub static owner_ports: HashMap<OwnerPortKey, PortMapKey, { owner_port::MAX_ENTRIES as usize }> =
-    HashMap::new();
+pub static owner_ports: HashMap<
+    OwnerPortKey,
+    PortMapKey,
+    { portmap::OWNER_PORTS.max_entries as usize },
+> = HashMap::new();
 
 #[btf_map(pin_by_name)]
-pub static port_claims: HashMap<PortClaimKey, PortClaim, { port_claim::MAX_ENTRIES as usize }> =
+pub static port_claims: HashMap<PortClaimKey, PortClaim, { portmap::CLAIMS.max_entries as usize }> =
     HashMap::new();
 
 /// Whether `port` (host byte order) of host address `addr` is a hostPort.

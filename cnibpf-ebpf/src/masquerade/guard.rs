@@ -12,8 +12,8 @@ use aya_ebpf::{
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6,
     address::Address,
-    connection::{ConnectionKey, PART_DNAT, PART_SNAT},
-    drop_stats::DropReason,
+    connections::{ConnectionKey, PART_DNAT, PART_SNAT},
+    drops::DropReason,
 };
 
 use super::{count, icmp::Quoted, is_excluded, masqueraded_address};

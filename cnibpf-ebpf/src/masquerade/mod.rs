@@ -20,16 +20,14 @@ use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
     address::Address,
-    connection::{Connection, PART_SNAT},
-    conntrack,
-    drop_stats::DropReason,
-    endpoint::{FLAG_MASQUERADED, FLAG_UNMASQUERADED},
+    connections::{Connection, PART_SNAT, conntrack},
+    drops::DropReason,
+    endpoints::{FLAG_MASQUERADED, FLAG_UNMASQUERADED},
     filter::DIRECTION_EGRESS,
-    masq_exclude::{MasqExcludeKey, OWNER_FAMILY_BITS},
-    masq_reply::ReplyKey,
-    masq_source::{MasqSource, MasqSourceKey},
-    masq_stats::MasqStats,
-    uplink::UplinkInfo,
+    masquerade::{
+        MasqExcludeKey, MasqSource, MasqSourceKey, MasqStats, ReplyKey, UplinkInfo,
+        excludes::OWNER_FAMILY_BITS,
+    },
 };
 
 mod guard;

@@ -15,8 +15,8 @@ use aya_ebpf::{
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP, PROTO_UDP,
     address::Address,
-    connection::{ConnectionKey, PART_SNAT},
-    masq_reply::{MasqReply, ReplyKey},
+    connections::{ConnectionKey, PART_SNAT},
+    masquerade::{MasqReply, ReplyKey},
     packet::masquerade_port_range,
 };
 

@@ -6,10 +6,12 @@ use aya_ebpf::{
     EbpfContext as _, bindings::BPF_CSUM_LEVEL_RESET, helpers::bpf_csum_level, programs::TcContext,
 };
 use cnibpf_common::{
-    connection::{Connection, ConnectionKey, PART_SNAT},
-    conntrack::{self, STATE_ESTABLISHED},
+    connections::{
+        Connection, ConnectionKey, PART_SNAT,
+        conntrack::{self, STATE_ESTABLISHED},
+    },
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
-    masq_reply::{MasqReply, ReplyKey},
+    masquerade::{MasqReply, ReplyKey},
 };
 
 use super::{count, icmp::Quoted, reply_key};

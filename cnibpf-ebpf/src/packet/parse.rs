@@ -10,8 +10,7 @@ use aya_ebpf::{bindings::BPF_ANY, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
     address::Address,
-    conntrack,
-    fragment::{FirstFragment, FragmentKey},
+    connections::{FirstFragment, FragmentKey, conntrack},
     packet::{Fragment, is_echo_reply, is_echo_request},
 };
 

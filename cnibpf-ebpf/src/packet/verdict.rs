@@ -4,7 +4,7 @@ use aya_ebpf::{
     bindings::{TC_ACT_SHOT, TC_ACT_UNSPEC},
     programs::TcContext,
 };
-use cnibpf_common::drop_stats::DropReason;
+use cnibpf_common::drops::DropReason;
 
 use super::skb::ifindex;
 use crate::drops;

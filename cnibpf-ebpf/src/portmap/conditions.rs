@@ -5,11 +5,10 @@
 use aya_ebpf::{cty::c_void, helpers::bpf_loop};
 use cnibpf_common::{
     address::Address,
-    port_condition::{
-        KIND_DESTINATION, KIND_IN_INTERFACE, KIND_SOURCE, MAX_TERMS, PortConditions,
-        PortConditionsKey,
+    portmap::{
+        FLAG_CONDITIONED, PortConditions, PortConditionsKey, PortMapValue,
+        conditions::{KIND_DESTINATION, KIND_IN_INTERFACE, KIND_SOURCE, MAX_TERMS},
     },
-    portmap::{FLAG_CONDITIONED, PortMapValue},
 };
 
 use crate::maps;

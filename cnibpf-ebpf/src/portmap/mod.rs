@@ -17,9 +17,8 @@ use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
     address::Address,
-    connection::{Connection, PART_DNAT},
-    conntrack,
-    endpoint::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
+    connections::{Connection, PART_DNAT, conntrack},
+    endpoints::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
     portmap::{PortMapKey, PortMapValue},
 };

@@ -3,7 +3,7 @@
 //! but which attachments it holds; an attachment's hostPorts, masquerade, filter and source
 //! check leave with its endpoint, whose teardown each such backend implements itself.
 
-use cnibpf_common::drop_stats::{DropCount, DropReason};
+use cnibpf_common::drops::{DropCount, DropReason};
 
 use super::{
     AttachmentRecord, BackendError, Endpoint, FilterRecord, Filtering, FlowTable, Inspect,

@@ -62,13 +62,13 @@ pub enum BackendError {
     },
     #[error(
         "the pinned state in {path} has layout v{found}, older than this cnibpf's v{}: ADD, DEL and GC migrate it in place{}",
-        cnibpf_common::layout::VERSION,
+        cnibpf_common::datapath::layout::VERSION,
         if *.found < crate::backend::ebpf::MIGRATES_FROM { format!(" from v{} only: upgrade through the releases between", crate::backend::ebpf::MIGRATES_FROM) } else { String::new() }
     )]
     OlderState { path: PathBuf, found: u32 },
     #[error(
         "the pinned state in {path} has layout v{found}, written by a newer cnibpf (this one writes v{}): it adds no attachment to it, but DEL and GC release them, and once none is left it starts afresh",
-        cnibpf_common::layout::VERSION
+        cnibpf_common::datapath::layout::VERSION
     )]
     NewerState { path: PathBuf, found: u32 },
     /// The instance's release file (`cnibpf uninstall`'s) holds something cnibpf cannot read.
@@ -98,7 +98,7 @@ pub enum BackendError {
     CheckFailed(String),
     #[error(
         "container {container_id} has more addresses over its attachments than a source check holds ({admitted}; at most {} of a family): set sourceCheck to false for it",
-        cnibpf_common::source::MAX_ADDRESSES
+        cnibpf_common::sources::MAX_ADDRESSES
     )]
     TooManySources {
         container_id: String,

@@ -13,7 +13,7 @@ use std::{
     path::PathBuf,
 };
 
-use cnibpf_common::drop_stats::{DropCount, DropReason};
+use cnibpf_common::drops::{DropCount, DropReason};
 use ipnet::IpNet;
 
 pub use self::{draining::Draining, error::BackendError};
@@ -345,7 +345,7 @@ pub(crate) fn fits_a_source_check(
     admitted: &SourceCheck,
 ) -> Result<(), BackendError> {
     let (ipv4, ipv6) = admitted.counts();
-    let most = cnibpf_common::source::MAX_ADDRESSES;
+    let most = cnibpf_common::sources::MAX_ADDRESSES;
     if ipv4 <= most && ipv6 <= most {
         return Ok(());
     }

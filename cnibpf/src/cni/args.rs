@@ -6,9 +6,9 @@
 use crate::model::attachment::Pod;
 
 /// Longest pod namespace kept (a Kubernetes namespace is a DNS label, at most 63 bytes).
-pub const POD_NAMESPACE_MAX: usize = cnibpf_common::owner::POD_NAMESPACE_LEN - 1;
+pub const POD_NAMESPACE_MAX: usize = cnibpf_common::endpoints::owners::POD_NAMESPACE_LEN - 1;
 /// Longest pod name kept (a DNS subdomain, at most 253 bytes).
-pub const POD_NAME_MAX: usize = cnibpf_common::owner::POD_NAME_LEN - 1;
+pub const POD_NAME_MAX: usize = cnibpf_common::endpoints::owners::POD_NAME_LEN - 1;
 
 /// The arguments cnibpf reads from `CNI_ARGS`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -105,7 +105,7 @@ impl Env {
             let container_id = container_id
                 .clone()
                 .ok_or(EnvError::Missing("CNI_CONTAINERID"))?;
-            let valid_id = container_id.len() < cnibpf_common::owner::NAME_LEN
+            let valid_id = container_id.len() < cnibpf_common::endpoints::owners::NAME_LEN
                 && container_id.starts_with(|c: char| c.is_ascii_alphanumeric())
                 && container_id
                     .chars()

@@ -146,12 +146,12 @@ fn source_check_plan(
             .iter()
             .filter(|address| is_family(address))
             .count();
-        if count > cnibpf_common::source::MAX_ADDRESSES {
+        if count > cnibpf_common::sources::MAX_ADDRESSES {
             return Err(ConfigError::Invalid {
                 key: "sourceCheck".to_owned(),
                 reason: format!(
                     "the container has {count} {family} addresses ({check}), and at most {} of a family are checked: set sourceCheck to false for it",
-                    cnibpf_common::source::MAX_ADDRESSES
+                    cnibpf_common::sources::MAX_ADDRESSES
                 ),
             });
         }

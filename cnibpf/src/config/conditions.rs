@@ -14,7 +14,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use cnibpf_common::port_condition::MAX_TERMS;
+use cnibpf_common::portmap::conditions::MAX_TERMS;
 
 use super::{ConfigError, ifname_problem};
 pub use crate::model::conditions::{Condition, Conditions, Subject};

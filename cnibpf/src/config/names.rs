@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use super::ConfigError;
 
 pub(super) fn validate_network_name(name: &str) -> Result<(), ConfigError> {
-    let valid = name.len() < cnibpf_common::owner::NAME_LEN
+    let valid = name.len() < cnibpf_common::endpoints::owners::NAME_LEN
         && name.starts_with(|c: char| c.is_ascii_alphanumeric())
         && name
             .chars()
@@ -18,7 +18,7 @@ pub(super) fn validate_network_name(name: &str) -> Result<(), ConfigError> {
             "name",
             format!(
                 "{name:?} is not a valid network name (letters, digits, '_', '.', '-', starting with a letter or digit, under {} bytes)",
-                cnibpf_common::owner::NAME_LEN
+                cnibpf_common::endpoints::owners::NAME_LEN
             ),
         ))
     }
@@ -28,7 +28,7 @@ pub(super) fn validate_network_name(name: &str) -> Result<(), ConfigError> {
 pub fn ifname_problem(name: &str) -> Option<&'static str> {
     if name.is_empty() {
         Some("is empty")
-    } else if name.len() >= cnibpf_common::owner::IFNAME_LEN {
+    } else if name.len() >= cnibpf_common::endpoints::owners::IFNAME_LEN {
         Some("is longer than 15 bytes")
     } else if name == "." || name == ".." {
         Some("is not a valid interface name")

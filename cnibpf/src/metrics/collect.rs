@@ -4,7 +4,7 @@
 
 use std::{collections::BTreeMap, time::Instant};
 
-use cnibpf_common::drop_stats::{DropCount, DropReason};
+use cnibpf_common::drops::{DropCount, DropReason};
 
 use super::Exporter;
 use crate::{

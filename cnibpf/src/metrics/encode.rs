@@ -132,7 +132,10 @@ impl Collector for Encoded {
                 vec![
                     label("version", env!("CARGO_PKG_VERSION")),
                     label("commit", env!("CNIBPF_COMMIT")),
-                    label("layout", cnibpf_common::layout::VERSION.to_string()),
+                    label(
+                        "layout",
+                        cnibpf_common::datapath::layout::VERSION.to_string(),
+                    ),
                     label("nftables_layout", nftables::TABLE_LAYOUT),
                 ],
                 1,
@@ -231,7 +234,7 @@ impl Collector for Encoded {
             "Packets of new masqueraded flows for which no free source port was found (eBPF; the nftables backend's are the kernel's NAT)",
             drops()
                 .filter(|(_, reason, _)| {
-                    *reason == cnibpf_common::drop_stats::DropReason::MasqueradePortsExhausted
+                    *reason == cnibpf_common::drops::DropReason::MasqueradePortsExhausted
                 })
                 .map(|(name, _, count)| (vec![label("backend", name)], count.packets)),
         )?;

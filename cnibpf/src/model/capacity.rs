@@ -4,72 +4,15 @@
 
 use std::fmt;
 
-/// A dimension of the datapath's capacity.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dimension {
-    /// Tracked connections per connection table (DNAT, masquerade, filter).
-    Flows,
-    /// Attachments (container interfaces) on the node.
-    Attachments,
-    /// Port mappings of all attachments together.
-    HostPorts,
-}
+pub use cnibpf_common::map_spec::Dimension;
 
-impl Dimension {
-    pub const ALL: [Self; 3] = [Self::Flows, Self::Attachments, Self::HostPorts];
-
-    /// The configuration key.
-    pub fn key(self) -> &'static str {
-        match self {
-            Self::Flows => "maxFlows",
-            Self::Attachments => "maxAttachments",
-            Self::HostPorts => "maxHostPorts",
-        }
-    }
-
-    /// The flag of `cnibpf load` and `install`.
-    pub fn flag(self) -> &'static str {
-        match self {
-            Self::Flows => "max-flows",
-            Self::Attachments => "max-attachments",
-            Self::HostPorts => "max-host-ports",
-        }
-    }
-
-    /// The size of a datapath created without a setting: one that fits a small node (the
-    /// maps at these sizes lock about 50 MiB, see docs/kubernetes.md, "Memory").
-    pub fn default_size(self) -> u32 {
-        match self {
-            Self::Flows => 65_536,
-            Self::Attachments => 4_096,
-            Self::HostPorts => 16_384,
-        }
-    }
-
-    /// The sizes a setting may ask for. The smallest still serve a node with a handful of
-    /// pods; the largest keep the datapath's memory within a few GiB.
-    pub fn bounds(self) -> (u32, u32) {
-        match self {
-            Self::Flows => (1_024, 4_194_304),
-            Self::Attachments => (64, 65_536),
-            Self::HostPorts => (64, 262_144),
-        }
-    }
-
-    /// `value` as a size of this dimension, or why it is not one.
-    pub fn check(self, value: u64) -> Result<u32, String> {
-        let (low, high) = self.bounds();
-        u32::try_from(value)
-            .ok()
-            .filter(|size| (low..=high).contains(size))
-            .ok_or_else(|| format!("must be between {low} and {high}, got {value}"))
-    }
-}
-
-impl fmt::Display for Dimension {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.key())
-    }
+/// `value` as a size of `dimension`, or why it is not one.
+pub fn checked_size(dimension: Dimension, value: u64) -> Result<u32, String> {
+    let (low, high) = dimension.bounds();
+    u32::try_from(value)
+        .ok()
+        .filter(|size| (low..=high).contains(size))
+        .ok_or_else(|| format!("must be between {low} and {high}, got {value}"))
 }
 
 /// The capacity an operator asks for: a dimension left `None` keeps the size a loaded
@@ -99,7 +42,7 @@ impl Capacity {
     ) -> Result<Self, (Dimension, String)> {
         let check = |dimension: Dimension, value: Option<u64>| {
             value
-                .map(|value| dimension.check(value))
+                .map(|value| checked_size(dimension, value))
                 .transpose()
                 .map_err(|reason| (dimension, reason))
         };
@@ -138,22 +81,18 @@ mod tests {
 
     #[test]
     fn sizes_outside_the_bounds_are_refused_with_the_bounds() {
-        assert_eq!(Dimension::Flows.check(65_536), Ok(65_536));
+        assert_eq!(checked_size(Dimension::Flows, 65_536), Ok(65_536));
         assert_eq!(
-            Dimension::Flows.check(1_000),
+            checked_size(Dimension::Flows, 1_000),
             Err("must be between 1024 and 4194304, got 1000".to_owned())
         );
-        assert!(
-            Dimension::Attachments
-                .check(u64::from(u32::MAX) + 1)
-                .is_err()
-        );
-        assert!(Dimension::HostPorts.check(262_145).is_err());
+        assert!(checked_size(Dimension::Attachments, u64::from(u32::MAX) + 1).is_err());
+        assert!(checked_size(Dimension::HostPorts, 262_145).is_err());
         for dimension in Dimension::ALL {
             let (low, high) = dimension.bounds();
             assert!(
                 (low..=high).contains(&dimension.default_size()),
-                "{dimension}"
+                "{dimension:?}"
             );
         }
     }

@@ -3,7 +3,7 @@
 
 use std::{fmt, net::IpAddr};
 
-pub use cnibpf_common::masq_exclude::Reason as ExcludeReason;
+pub use cnibpf_common::masquerade::excludes::Reason as ExcludeReason;
 use ipnet::IpNet;
 
 /// How one attachment is masqueraded.

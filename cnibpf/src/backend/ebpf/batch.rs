@@ -1,19 +1,25 @@
 //! Reading a whole hash map with `BPF_MAP_LOOKUP_BATCH`: thousands of entries per system call
 //! instead of two calls per entry (aya 0.16 has no batch operations). DEL and GC read the flow
-//! tables whole; with 262,144 entries entry-by-entry reading takes about a second.
+//! tables whole; with 262,144 entries entry-by-entry reading takes about a second. The core
+//! reads bytes of the sizes a map's [`MapSpec`] gives, so that a resize copies any map by its
+//! spec alone; typed readers sit on it.
 
 use std::{
     io,
-    os::fd::{AsFd as _, AsRawFd as _},
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
 };
 
 use aya::{
     Pod,
     maps::{IterableMap, MapData},
 };
+use cnibpf_common::map_spec::MapSpec;
 
-/// `BPF_MAP_LOOKUP_BATCH` from the kernel's `enum bpf_cmd`.
+/// `BPF_MAP_UPDATE_ELEM` and `BPF_MAP_LOOKUP_BATCH` from the kernel's `enum bpf_cmd`.
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+/// `BPF_NOEXIST`: an update that leaves an existing entry alone.
+const BPF_NOEXIST: u64 = 1;
 /// Entries asked for by the first call, and at most per call. A call's buffers are allocated
 /// (and touched) in this process and again in the kernel, whatever the map's fill: a DEL
 /// beside nearly empty flow tables starts small, a read of a full table doubles its way up.
@@ -34,25 +40,125 @@ struct BatchAttr {
     flags: u64,
 }
 
+/// The element members of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default)]
+struct ElementAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// A map's entries as bytes: `count` keys and values laid end to end.
+#[derive(Debug, Default)]
+pub struct RawEntries {
+    keys: Vec<u8>,
+    values: Vec<u8>,
+    key_size: usize,
+    value_size: usize,
+}
+
+impl RawEntries {
+    pub fn len(&self) -> usize {
+        self.keys.len() / self.key_size.max(1)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.keys
+            .chunks_exact(self.key_size.max(1))
+            .zip(self.values.chunks_exact(self.value_size.max(1)))
+    }
+}
+
+/// The bytes of one value of the map of `spec` as the kernel reads and writes it: every
+/// possible CPU's for a per-CPU map.
+pub fn value_bytes(spec: &MapSpec) -> io::Result<usize> {
+    if !spec.kind.per_cpu() {
+        return Ok(spec.value_size);
+    }
+    let cpus = aya::util::nr_cpus().map_err(|(_, error)| error)?;
+    Ok(spec.value_stride() * cpus.get() as usize)
+}
+
+/// Every entry of a hash, LRU hash or per-CPU hash map, as bytes of the sizes `spec` gives.
+pub fn raw_entries(map: &MapData, spec: &MapSpec) -> io::Result<RawEntries> {
+    let (key_size, value_size) = (spec.key_size, value_bytes(spec)?);
+    read_all(map.fd().as_fd(), key_size, value_size)
+}
+
 /// Every entry of a hash or LRU hash map.
 pub fn entries<K, V, M>(map: &M) -> io::Result<Vec<(K, V)>>
 where
-    K: Pod + Default,
-    V: Pod + Default,
+    K: Pod,
+    V: Pod,
     M: IterableMap<K, V>,
 {
     let data: &MapData = map.map();
-    let fd = u32::try_from(data.fd().as_fd().as_raw_fd())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let raw = read_all(data.fd().as_fd(), size_of::<K>(), size_of::<V>())?;
+    Ok(raw
+        .iter()
+        // SAFETY: each chunk holds exactly the bytes of one K (one V), and both are `Pod`:
+        // every bit pattern is a value.
+        .map(|(key, value)| unsafe {
+            (
+                key.as_ptr().cast::<K>().read_unaligned(),
+                value.as_ptr().cast::<V>().read_unaligned(),
+            )
+        })
+        .collect())
+}
+
+/// Inserts `key` → `value` (bytes of the map's sizes) unless the key is there: whether it
+/// was inserted.
+pub fn insert_new(map: &MapData, key: &[u8], value: &[u8]) -> io::Result<bool> {
+    let mut attr = ElementAttr {
+        map_fd: fd_number(map.fd().as_fd())?,
+        key: key.as_ptr() as u64,
+        value: value.as_ptr() as u64,
+        flags: BPF_NOEXIST,
+        ..ElementAttr::default()
+    };
+    // SAFETY: bpf(2) with an element attribute whose key and value buffers have the map's
+    // key and value sizes (the caller's, from the map's spec) and outlive the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_UPDATE_ELEM,
+            &raw mut attr,
+            size_of::<ElementAttr>(),
+        )
+    };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let error = io::Error::last_os_error();
+    match error.raw_os_error() {
+        Some(libc::EEXIST) => Ok(false),
+        _ => Err(error),
+    }
+}
+
+fn fd_number(fd: BorrowedFd<'_>) -> io::Result<u32> {
+    u32::try_from(fd.as_raw_fd()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+fn read_all(fd: BorrowedFd<'_>, key_size: usize, value_size: usize) -> io::Result<RawEntries> {
+    let fd = fd_number(fd)?;
     let mut chunk = FIRST_CHUNK;
     let (mut keys, mut values) = (Vec::new(), Vec::new());
     // Hash maps' batch position is a bucket index (u32); the first call passes none.
     let mut position: Option<u32> = None;
     let mut next_position: u32 = 0;
-    let mut all = Vec::new();
+    let mut all = RawEntries {
+        key_size,
+        value_size,
+        ..RawEntries::default()
+    };
     loop {
-        keys.resize(chunk, K::default());
-        values.resize(chunk, V::default());
+        keys.resize(chunk * key_size, 0u8);
+        values.resize(chunk * value_size, 0u8);
         let mut attr = BatchAttr {
             in_batch: position
                 .as_ref()
@@ -66,7 +172,7 @@ where
             ..BatchAttr::default()
         };
         // SAFETY: bpf(2) with a correctly laid out batch attribute whose buffers hold `count`
-        // keys and values of the map's sizes (the map types were checked when aya opened it)
+        // keys and values of the map's sizes (the caller's, from the map's types or spec)
         // and a u32 for each batch position; all outlive the call.
         let rc = unsafe {
             libc::syscall(
@@ -93,12 +199,8 @@ where
             }
         };
         let filled = attr.count as usize;
-        all.extend(
-            keys[..filled]
-                .iter()
-                .copied()
-                .zip(values[..filled].iter().copied()),
-        );
+        all.keys.extend_from_slice(&keys[..filled * key_size]);
+        all.values.extend_from_slice(&values[..filled * value_size]);
         if done {
             return Ok(all);
         }

@@ -2,9 +2,9 @@
 
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, addr,
-    port_condition::{
-        self, ConditionTerm, KIND_DESTINATION, KIND_IN_INTERFACE, KIND_SOURCE, MAX_TERMS,
-        PortConditions, PortConditionsKey,
+    portmap::{
+        self, ConditionTerm, PortConditions, PortConditionsKey,
+        conditions::{KIND_DESTINATION, KIND_IN_INTERFACE, KIND_SOURCE, MAX_TERMS},
     },
 };
 use ipnet::IpNet;
@@ -30,14 +30,14 @@ impl EbpfBackend {
                 remove_entry(
                     &mut self.port_mapping.port_conditions,
                     &key,
-                    port_condition::MAP_NAME,
+                    portmap::CONDITIONS.name,
                 )?;
                 continue;
             }
             let value = encode(conditions, &endpoint.condition_interfaces);
             if found(
                 self.port_mapping.port_conditions.get(&key, 0),
-                port_condition::MAP_NAME,
+                portmap::CONDITIONS.name,
             )? != Some(value)
             {
                 self.port_mapping
@@ -54,7 +54,7 @@ impl EbpfBackend {
             remove_entry(
                 &mut self.port_mapping.port_conditions,
                 &conditions_key(owner, ipv4),
-                port_condition::MAP_NAME,
+                portmap::CONDITIONS.name,
             )?;
         }
         Ok(())
@@ -70,7 +70,7 @@ impl EbpfBackend {
             let key = conditions_key(owner, ipv4);
             if found(
                 self.port_mapping.port_conditions.get(&key, 0),
-                port_condition::MAP_NAME,
+                portmap::CONDITIONS.name,
             )? != wanted
             {
                 return Err(BackendError::CheckFailed(format!(

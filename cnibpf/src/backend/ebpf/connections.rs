@@ -4,7 +4,7 @@
 //! pass without a part to take). The datapath writes the entries; the plugin only removes.
 
 use aya::maps::{HashMap, MapData};
-use cnibpf_common::connection::{
+use cnibpf_common::connections::{
     self, Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_SNAT,
 };
 
@@ -27,7 +27,7 @@ pub(super) struct ConnectionMaps {
 impl ConnectionMaps {
     pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
-            connections: open_pinned(pins, connection::MAP_NAME)?,
+            connections: open_pinned(pins, connections::CONNECTIONS.name)?,
             swept: false,
         })
     }
@@ -59,7 +59,7 @@ impl EbpfBackend {
     ) -> Result<(), BackendError> {
         let now = monotonic_now_ns();
         let entries = batch::entries(&self.connections.connections)
-            .map_err(read_error(connection::MAP_NAME))?;
+            .map_err(read_error(connections::CONNECTIONS.name))?;
         for (key, read) in entries {
             if parts_to_take(&key, &read, now, &release) == 0 {
                 continue;
@@ -67,7 +67,7 @@ impl EbpfBackend {
             // As it is now: the datapath may have moved it on, or replaced it with another
             // connection of the tuple, since the table was read.
             let map = &mut self.connections.connections;
-            let Some(mut entry) = found(map.get(&key, 0), connection::MAP_NAME)? else {
+            let Some(mut entry) = found(map.get(&key, 0), connections::CONNECTIONS.name)? else {
                 continue;
             };
             let taken = parts_to_take(&key, &entry, now, &release);
@@ -80,7 +80,7 @@ impl EbpfBackend {
             entry.parts &= !taken;
             let map = &mut self.connections.connections;
             if entry.parts == 0 {
-                remove_entry(map, &key, connection::MAP_NAME)?;
+                remove_entry(map, &key, connections::CONNECTIONS.name)?;
             } else {
                 // (A write racing a packet's may undo that packet's refresh of the entry: the
                 // next packet refreshes it again.)

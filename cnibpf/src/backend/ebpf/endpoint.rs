@@ -8,10 +8,9 @@ use aya::maps::{HashMap, MapData};
 use cnibpf_common::{
     addr,
     address::Address,
-    endpoint::{self, EndpointInfo},
-    host_addr::{self, HostAddrKey},
-    owner::{self, OwnerInfo},
-    source::{FLAG_RECORDED, SourceSet},
+    endpoints::{self, EndpointInfo, OwnerInfo},
+    portmap::{self, HostAddrKey},
+    sources::{FLAG_RECORDED, SourceSet},
 };
 
 use super::{
@@ -39,15 +38,15 @@ pub(super) struct EndpointMaps {
 impl EndpointMaps {
     pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
-            owners: open_pinned(pins, owner::MAP_NAME)?,
-            endpoints: open_pinned(pins, endpoint::MAP_NAME)?,
-            host_addrs: open_pinned(pins, host_addr::MAP_NAME)?,
+            owners: open_pinned(pins, endpoints::OWNERS.name)?,
+            endpoints: open_pinned(pins, endpoints::ENDPOINTS.name)?,
+            host_addrs: open_pinned(pins, portmap::HOST_ADDRS.name)?,
         })
     }
 
     /// The `owners` record of attachment `owner`; `None` when the kernel has none.
     pub(super) fn owner(&self, owner: u64) -> Result<Option<OwnerInfo>, BackendError> {
-        found(self.owners.get(&owner, 0), owner::MAP_NAME)
+        found(self.owners.get(&owner, 0), endpoints::OWNERS.name)
     }
 
     /// Writes the `owners` record of attachment `owner`.
@@ -63,20 +62,22 @@ impl EndpointMaps {
 
     /// Every attachment's `owners` record.
     pub(super) fn owner_records(&self) -> Result<Vec<(u64, OwnerInfo)>, BackendError> {
-        batch::entries(&self.owners).map_err(read_error(owner::MAP_NAME))
+        batch::entries(&self.owners).map_err(read_error(endpoints::OWNERS.name))
     }
 
     /// The source set recorded for interface `ifindex`; `None` when its record holds none.
     pub(super) fn source_set(&self, ifindex: u32) -> Result<Option<SourceSet>, BackendError> {
-        Ok(found(self.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)?
-            .map(|info| info.sources)
-            .filter(|set| set.flags & FLAG_RECORDED != 0))
+        Ok(
+            found(self.endpoints.get(&ifindex, 0), endpoints::ENDPOINTS.name)?
+                .map(|info| info.sources)
+                .filter(|set| set.flags & FLAG_RECORDED != 0),
+        )
     }
 
     /// Every interface's recorded source set.
     pub(super) fn source_sets(&self) -> Result<Vec<(u32, SourceSet)>, BackendError> {
         Ok(batch::entries(&self.endpoints)
-            .map_err(read_error(endpoint::MAP_NAME))?
+            .map_err(read_error(endpoints::ENDPOINTS.name))?
             .into_iter()
             .filter(|(_, info)| info.sources.flags & FLAG_RECORDED != 0)
             .map(|(ifindex, info)| (ifindex, info.sources))
@@ -97,7 +98,7 @@ impl EndpointMaps {
             flags: set.flags | FLAG_RECORDED,
             ..*set
         };
-        let info = match found(self.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? {
+        let info = match found(self.endpoints.get(&ifindex, 0), endpoints::ENDPOINTS.name)? {
             Some(info) if info.sources == sources => return Ok(()),
             Some(info) => EndpointInfo { sources, ..info },
             None => EndpointInfo {
@@ -115,14 +116,14 @@ impl EndpointMaps {
     /// `owners` does not hold is one `record_source_set` began for an ADD that never completed
     /// it: it goes whole.
     pub(super) fn clear_source_set(&mut self, ifindex: u32) -> Result<(), BackendError> {
-        let Some(info) = found(self.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? else {
+        let Some(info) = found(self.endpoints.get(&ifindex, 0), endpoints::ENDPOINTS.name)? else {
             return Ok(());
         };
         if info.sources.flags & FLAG_RECORDED == 0 {
             return Ok(());
         }
         if info.owner == info.sources.owner && self.owner(info.owner)?.is_none() {
-            return remove_entry(&mut self.endpoints, &ifindex, endpoint::MAP_NAME);
+            return remove_entry(&mut self.endpoints, &ifindex, endpoints::ENDPOINTS.name);
         }
         let cleared = EndpointInfo {
             sources: SourceSet::default(),
@@ -164,10 +165,18 @@ impl EbpfBackend {
             }
         }
         for key in stale {
-            remove_entry(&mut self.endpoint.host_addrs, &key, host_addr::MAP_NAME)?;
+            remove_entry(
+                &mut self.endpoint.host_addrs,
+                &key,
+                portmap::HOST_ADDRS.name,
+            )?;
         }
         for (key, ifindex) in current {
-            if found(self.endpoint.host_addrs.get(&key, 0), host_addr::MAP_NAME)? != Some(ifindex) {
+            if found(
+                self.endpoint.host_addrs.get(&key, 0),
+                portmap::HOST_ADDRS.name,
+            )? != Some(ifindex)
+            {
                 self.endpoint
                     .host_addrs
                     .insert(&key, &ifindex, 0)
@@ -184,10 +193,17 @@ impl EbpfBackend {
         for link_pin in self.endpoint_link_pins(owner) {
             remove_pin(&link_pin)?;
         }
-        match found(self.endpoint.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? {
+        match found(
+            self.endpoint.endpoints.get(&ifindex, 0),
+            endpoints::ENDPOINTS.name,
+        )? {
             Some(info) if info.owner == owner => {
                 self.remove_filter(owner, ifindex)?;
-                remove_entry(&mut self.endpoint.endpoints, &ifindex, endpoint::MAP_NAME)
+                remove_entry(
+                    &mut self.endpoint.endpoints,
+                    &ifindex,
+                    endpoints::ENDPOINTS.name,
+                )
             }
             _ => Ok(()),
         }
@@ -197,9 +213,12 @@ impl EbpfBackend {
     /// that the datapath looks for the rules about to be added from the first packet on
     /// (clearing a hint is always safe; `setup_endpoint` writes the whole record again).
     pub(super) fn expect_filter(&mut self, ifindex: u32) -> Result<(), BackendError> {
-        match found(self.endpoint.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)? {
-            Some(mut info) if info.flags & endpoint::FLAG_UNFILTERED != 0 => {
-                info.flags &= !endpoint::FLAG_UNFILTERED;
+        match found(
+            self.endpoint.endpoints.get(&ifindex, 0),
+            endpoints::ENDPOINTS.name,
+        )? {
+            Some(mut info) if info.flags & endpoints::FLAG_UNFILTERED != 0 => {
+                info.flags &= !endpoints::FLAG_UNFILTERED;
                 self.endpoint
                     .endpoints
                     .insert(&ifindex, &info, 0)
@@ -223,7 +242,7 @@ impl EbpfBackend {
 impl Endpoints for EbpfBackend {
     fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let existing = found(self.endpoint.owners.get(&owner, 0), owner::MAP_NAME)?;
+        let existing = found(self.endpoint.owners.get(&owner, 0), endpoints::OWNERS.name)?;
         if let Some(existing) = existing {
             let holder = attachment_of(&existing);
             if holder != endpoint.attachment {
@@ -275,22 +294,23 @@ impl Endpoints for EbpfBackend {
     }
 
     fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
-        if let Some(info) = found(self.endpoint.owners.get(&owner, 0), owner::MAP_NAME)? {
+        if let Some(info) = found(self.endpoint.owners.get(&owner, 0), endpoints::OWNERS.name)? {
             self.forget_endpoint(owner, info.host_ifindex)?;
         }
-        remove_entry(&mut self.endpoint.owners, &owner, owner::MAP_NAME)?;
+        remove_entry(&mut self.endpoint.owners, &owner, endpoints::OWNERS.name)?;
         self.teardown_shared_if_unused()
     }
 
     fn check_endpoint(&self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let info =
-            found(self.endpoint.owners.get(&owner, 0), owner::MAP_NAME)?.ok_or_else(|| {
+        let info = found(self.endpoint.owners.get(&owner, 0), endpoints::OWNERS.name)?.ok_or_else(
+            || {
                 BackendError::CheckFailed(format!(
                     "{} is not recorded in map owners",
                     endpoint.attachment
                 ))
-            })?;
+            },
+        )?;
         if info.host_ifindex != endpoint.host.index {
             return Err(BackendError::CheckFailed(format!(
                 "{} was attached to interface {} (index {}), its host interface is now {} (index {})",
@@ -303,7 +323,7 @@ impl Endpoints for EbpfBackend {
         }
         match found(
             self.endpoint.endpoints.get(&endpoint.host.index, 0),
-            endpoint::MAP_NAME,
+            endpoints::ENDPOINTS.name,
         )? {
             // The source set is the source check's to judge.
             Some(record)
@@ -367,31 +387,31 @@ fn receives_through_hook(endpoint: &Endpoint) -> bool {
 /// knew none of the hint flags (the datapath then looks up what they would have told it).
 fn is_current(found: &EndpointInfo, wanted: &EndpointInfo) -> bool {
     let unhinted = |info: &EndpointInfo| EndpointInfo {
-        flags: info.flags & !endpoint::HINT_FLAGS,
+        flags: info.flags & !endpoints::HINT_FLAGS,
         ..*info
     };
-    found == wanted || (found.flags & endpoint::HINT_FLAGS == 0 && *found == unhinted(wanted))
+    found == wanted || (found.flags & endpoints::HINT_FLAGS == 0 && *found == unhinted(wanted))
 }
 
 /// What the datapath keeps about a container's host-side interface.
 fn endpoint_info(endpoint: &Endpoint) -> EndpointInfo {
     let mut flags = 0;
     if endpoint.shaped {
-        flags |= endpoint::FLAG_VIA_STACK;
+        flags |= endpoints::FLAG_VIA_STACK;
     }
     if endpoint.host_ports.no_hairpin_snat {
-        flags |= endpoint::FLAG_NO_HAIRPIN_SNAT;
+        flags |= endpoints::FLAG_NO_HAIRPIN_SNAT;
     }
     if endpoint.host_firewall {
-        flags |= endpoint::FLAG_HOST_FIREWALL;
+        flags |= endpoints::FLAG_HOST_FIREWALL;
     }
     if !endpoint.filtered {
-        flags |= endpoint::FLAG_UNFILTERED;
+        flags |= endpoints::FLAG_UNFILTERED;
     }
     flags |= if endpoint.masqueraded {
-        endpoint::FLAG_MASQUERADED
+        endpoints::FLAG_MASQUERADED
     } else {
-        endpoint::FLAG_UNMASQUERADED
+        endpoints::FLAG_UNMASQUERADED
     };
     EndpointInfo {
         gateway_v6: Address::from_bytes(
@@ -424,9 +444,9 @@ mod tests {
         EndpointInfo {
             owner: 7,
             gateway_v4: [10, 22, 0, 1],
-            flags: endpoint::FLAG_VIA_STACK
-                | endpoint::FLAG_UNFILTERED
-                | endpoint::FLAG_MASQUERADED,
+            flags: endpoints::FLAG_VIA_STACK
+                | endpoints::FLAG_UNFILTERED
+                | endpoints::FLAG_MASQUERADED,
             gateway_ifindex: 3,
             ..EndpointInfo::default()
         }
@@ -437,7 +457,7 @@ mod tests {
         let wanted = wanted();
         assert!(is_current(&wanted, &wanted));
         let older_build = EndpointInfo {
-            flags: endpoint::FLAG_VIA_STACK,
+            flags: endpoints::FLAG_VIA_STACK,
             ..wanted
         };
         assert!(
@@ -445,7 +465,7 @@ mod tests {
             "made by a build without hints"
         );
         let filter_missed = EndpointInfo {
-            flags: endpoint::FLAG_VIA_STACK | endpoint::FLAG_MASQUERADED,
+            flags: endpoints::FLAG_VIA_STACK | endpoints::FLAG_MASQUERADED,
             ..wanted
         };
         assert!(!is_current(&filter_missed, &wanted), "a hint that differs");
@@ -455,7 +475,7 @@ mod tests {
             "a flag that is not a hint"
         );
         let other_gateway = EndpointInfo {
-            flags: endpoint::FLAG_VIA_STACK,
+            flags: endpoints::FLAG_VIA_STACK,
             gateway_ifindex: 4,
             ..wanted
         };

@@ -9,13 +9,12 @@ use aya::maps::{HashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues};
 use cnibpf_common::{
     FAMILY_IPV4, FAMILY_IPV6, addr,
     address::Address,
-    connection::PART_FILTER,
+    connections::PART_FILTER,
     filter::{
         self, CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS, DIRECTION_INGRESS,
-        FilterRule as StoredRule, FilterSet, MAX_RULES, NO_PREFIX, TARGET_ALLOW, TARGET_DROP,
+        FilterHits, FilterRule as StoredRule, FilterSet, FilterStats, MAX_RULES, NO_PREFIX,
+        TARGET_ALLOW, TARGET_DROP,
     },
-    filter_hits::{self, FilterHits},
-    filter_stats::{self, FilterStats},
 };
 use ipnet::IpNet;
 
@@ -36,9 +35,9 @@ pub(super) struct FilterMaps {
 impl FilterMaps {
     pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
-            filters: open_pinned(pins, filter::MAP_NAME)?,
-            filter_hits: open_pinned(pins, filter_hits::MAP_NAME)?,
-            filter_stats: open_pinned(pins, filter_stats::MAP_NAME)?,
+            filters: open_pinned(pins, filter::FILTERS.name)?,
+            filter_hits: open_pinned(pins, filter::HITS.name)?,
+            filter_stats: open_pinned(pins, filter::STATS.name)?,
         })
     }
 }
@@ -55,13 +54,9 @@ impl Filtering for EbpfBackend {
             return self.remove_filter(owner, ifindex);
         };
         let wanted = stored_set(owner, filter);
-        let current = found(self.filter.filters.get(&ifindex, 0), filter::MAP_NAME)?;
+        let current = found(self.filter.filters.get(&ifindex, 0), filter::FILTERS.name)?;
         if current.is_some_and(|current| same_rules(&current, &wanted))
-            && found(
-                self.filter.filter_hits.get(&ifindex, 0),
-                filter_hits::MAP_NAME,
-            )?
-            .is_some()
+            && found(self.filter.filter_hits.get(&ifindex, 0), filter::HITS.name)?.is_some()
         {
             return Ok(());
         }
@@ -69,12 +64,12 @@ impl Filtering for EbpfBackend {
         // Counters first: a packet judged by the new rules never counts on the old ones'
         // positions (one judged by the old rules meanwhile may count on the new ones').
         let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
-            name: filter_hits::MAP_NAME,
+            name: filter::HITS.name,
             source,
         })?;
         let zeroed = PerCpuValues::try_from(vec![FilterHits::default(); cpus.get() as usize])
             .map_err(|source| BackendError::MapRead {
-                name: filter_hits::MAP_NAME,
+                name: filter::HITS.name,
                 source,
             })?;
         self.filter
@@ -102,7 +97,7 @@ impl Filtering for EbpfBackend {
         let owner = endpoint.attachment.owner_id();
         let current = found(
             self.filter.filters.get(&endpoint.host.index, 0),
-            filter::MAP_NAME,
+            filter::FILTERS.name,
         )?;
         match (filter, current) {
             (None, None) => Ok(()),
@@ -122,7 +117,7 @@ impl Filtering for EbpfBackend {
                     )));
                 }
                 let hits = self.filter.filter_hits.get(&endpoint.host.index, 0);
-                if found(hits, filter_hits::MAP_NAME)?.is_none() {
+                if found(hits, filter::HITS.name)?.is_none() {
                     return Err(BackendError::CheckFailed(format!(
                         "the rule counters of {} are missing from map filter_hits",
                         endpoint.attachment
@@ -138,7 +133,8 @@ impl EbpfBackend {
     /// Removes the attachment's filter (if the element on `ifindex` is still its own) and its
     /// connections' state; expired state of others goes in the same pass.
     pub(super) fn remove_filter(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
-        let Some(current) = found(self.filter.filters.get(&ifindex, 0), filter::MAP_NAME)? else {
+        let Some(current) = found(self.filter.filters.get(&ifindex, 0), filter::FILTERS.name)?
+        else {
             // Never filtered (or already cleaned up): it tracked no connections either, so
             // the scans of the flow tables are skipped.
             return Ok(());
@@ -146,11 +142,8 @@ impl EbpfBackend {
         if current.owner != owner {
             return Ok(());
         }
-        remove_entry(&mut self.filter.filters, &ifindex, filter::MAP_NAME)?;
-        removed(
-            self.filter.filter_hits.remove(&ifindex),
-            filter_hits::MAP_NAME,
-        )?;
+        remove_entry(&mut self.filter.filters, &ifindex, filter::FILTERS.name)?;
+        removed(self.filter.filter_hits.remove(&ifindex), filter::HITS.name)?;
         self.release_connections(|_, connection| {
             if connection.owner == owner {
                 PART_FILTER

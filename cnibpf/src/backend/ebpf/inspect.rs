@@ -6,14 +6,11 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use aya::maps::{HashMap, IterableMap, MapData, PerCpuArray};
 use cnibpf_common::{
     addr,
-    connection::{self, PART_FILTER, PART_SNAT},
-    drop_event_budget::{self, DropEventBudget},
-    drop_stats::{self, DropCount, DropReason},
-    filter::{MAX_RULES, TARGET_DROP},
-    filter_hits::{self, DEFAULT_SLOT, RuleHits},
-    filter_stats::FilterStats,
-    fragment::{self, FirstFragment, FragmentKey},
-    masq_reply, owner as owner_map,
+    connections::{self, FirstFragment, FragmentKey, PART_FILTER, PART_SNAT},
+    drops::{self, DropCount, DropEventBudget, DropReason},
+    endpoints::owners as owner_map,
+    filter::{self, FilterStats, MAX_RULES, RuleHits, TARGET_DROP, hits::DEFAULT_SLOT},
+    masquerade,
 };
 
 use super::{
@@ -51,7 +48,7 @@ impl Inspect for EbpfBackend {
     }
 
     fn holds(&self, owner: u64) -> Result<bool, BackendError> {
-        Ok(found(self.endpoint.owners.get(&owner, 0), owner_map::MAP_NAME)?.is_some())
+        Ok(found(self.endpoint.owners.get(&owner, 0), owner_map::OWNERS.name)?.is_some())
     }
 
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
@@ -95,7 +92,7 @@ impl Inspect for EbpfBackend {
             records[position].1.masquerade.excludes.push((net, reason));
         }
         for (_, connection) in batch::entries(&self.connections.connections)
-            .map_err(read_error(connection::MAP_NAME))?
+            .map_err(read_error(connections::CONNECTIONS.name))?
         {
             if connection.parts & PART_SNAT != 0 {
                 let position = record_of(&mut records, connection.owner);
@@ -128,10 +125,7 @@ impl Inspect for EbpfBackend {
         for entry in self.filter.filters.iter() {
             let (ifindex, set) = entry.map_err(map_error("could not read map filters"))?;
             let rule_count = (set.rule_count as usize).min(MAX_RULES);
-            let hits = found(
-                self.filter.filter_hits.get(&ifindex, 0),
-                filter_hits::MAP_NAME,
-            )?;
+            let hits = found(self.filter.filter_hits.get(&ifindex, 0), filter::HITS.name)?;
             let summed = |slot: usize| {
                 hits.iter().flat_map(|per_cpu| per_cpu.iter()).fold(
                     (0, 0),
@@ -165,7 +159,7 @@ impl Inspect for EbpfBackend {
             return Ok(records);
         }
         let connections = batch::entries(&self.connections.connections)
-            .map_err(read_error(connection::MAP_NAME))?;
+            .map_err(read_error(connections::CONNECTIONS.name))?;
         for (_, connection) in connections {
             if connection.parts & PART_FILTER == 0 {
                 continue;
@@ -188,7 +182,7 @@ impl Inspect for EbpfBackend {
 
     fn drops(&self) -> Result<Option<Vec<(DropReason, DropCount)>>, BackendError> {
         let Some(stats) =
-            self.optional_map::<PerCpuArray<MapData, DropCount>>(drop_stats::MAP_NAME)?
+            self.optional_map::<PerCpuArray<MapData, DropCount>>(drops::DROP_STATS.name)?
         else {
             return Ok(None);
         };
@@ -214,11 +208,11 @@ impl Inspect for EbpfBackend {
     fn flow_tables(&self) -> Result<Vec<FlowTable>, BackendError> {
         // No capability owns the datagrams in flight: only read here.
         let fragments: HashMap<MapData, FragmentKey, FirstFragment> =
-            open_pinned(&self.pins, fragment::MAP_NAME)?;
+            open_pinned(&self.pins, connections::FRAGMENTS.name)?;
         Ok(vec![
-            fill(connection::MAP_NAME, &self.connections.connections)?,
-            fill(masq_reply::MAP_NAME, &self.masquerade.masq_replies)?,
-            fill(fragment::MAP_NAME, &fragments)?,
+            fill(connections::CONNECTIONS.name, &self.connections.connections)?,
+            fill(masquerade::REPLIES.name, &self.masquerade.masq_replies)?,
+            fill(connections::FRAGMENTS.name, &fragments)?,
         ])
     }
 }
@@ -251,9 +245,7 @@ impl EbpfBackend {
             .masq_stats
             .get(&0, 0)
             .map_err(map_error("could not read map masq_stats"))?;
-        let sum = |field: fn(&cnibpf_common::masq_stats::MasqStats) -> u64| {
-            per_cpu.iter().map(field).sum::<u64>()
-        };
+        let sum = |field: fn(&masquerade::MasqStats) -> u64| per_cpu.iter().map(field).sum::<u64>();
         Ok(vec![
             ("flows created", sum(|stats| stats.flows_created)),
             ("port collisions", sum(|stats| stats.port_collisions)),
@@ -283,7 +275,7 @@ impl EbpfBackend {
             ),
         ];
         if let Some(budget) =
-            self.optional_map::<PerCpuArray<MapData, DropEventBudget>>(drop_event_budget::MAP_NAME)?
+            self.optional_map::<PerCpuArray<MapData, DropEventBudget>>(drops::EVENT_BUDGET.name)?
         {
             let per_cpu = budget
                 .get(&0, 0)

@@ -8,12 +8,11 @@ use aya::maps::{HashMap, LpmTrie, MapData, PerCpuArray, lpm_trie::Key};
 use cnibpf_common::{
     addr,
     address::Address,
-    connection::{Connection, ConnectionKey, PART_SNAT},
-    masq_exclude::{self, MasqExcludeKey, OWNER_FAMILY_BITS},
-    masq_reply::{self, MasqReply, ReplyKey},
-    masq_source::{self, MasqSource, MasqSourceKey},
-    masq_stats::{self, MasqStats},
-    uplink::{self, UplinkInfo},
+    connections::{Connection, ConnectionKey, PART_SNAT},
+    masquerade::{
+        self, MasqExcludeKey, MasqReply, MasqSource, MasqSourceKey, MasqStats, ReplyKey,
+        UplinkInfo, excludes::OWNER_FAMILY_BITS,
+    },
 };
 use ipnet::IpNet;
 
@@ -38,11 +37,11 @@ pub(super) struct MasqueradeMaps {
 impl MasqueradeMaps {
     pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
-            masq_sources: open_pinned(pins, masq_source::MAP_NAME)?,
-            masq_excludes: open_pinned(pins, masq_exclude::MAP_NAME)?,
-            uplinks: open_pinned(pins, uplink::MAP_NAME)?,
-            masq_replies: open_pinned(pins, masq_reply::MAP_NAME)?,
-            masq_stats: open_pinned(pins, masq_stats::MAP_NAME)?,
+            masq_sources: open_pinned(pins, masquerade::SOURCES.name)?,
+            masq_excludes: open_pinned(pins, masquerade::EXCLUDES.name)?,
+            uplinks: open_pinned(pins, masquerade::UPLINKS.name)?,
+            masq_replies: open_pinned(pins, masquerade::REPLIES.name)?,
+            masq_stats: open_pinned(pins, masquerade::STATS.name)?,
         })
     }
 
@@ -62,13 +61,15 @@ impl MasqueradeMaps {
             family: key.family,
             _pad: 0,
         };
-        let leads_here = found(self.masq_replies.get(&reply_key, 0), masq_reply::MAP_NAME)?
-            .is_some_and(|reply| {
-                reply.container_addr == key.container_addr
-                    && reply.container_port == key.container_port
-            });
+        let leads_here = found(
+            self.masq_replies.get(&reply_key, 0),
+            masquerade::REPLIES.name,
+        )?
+        .is_some_and(|reply| {
+            reply.container_addr == key.container_addr && reply.container_port == key.container_port
+        });
         if leads_here {
-            remove_entry(&mut self.masq_replies, &reply_key, masq_reply::MAP_NAME)?;
+            remove_entry(&mut self.masq_replies, &reply_key, masquerade::REPLIES.name)?;
         }
         Ok(())
     }
@@ -98,7 +99,7 @@ impl Masquerading for EbpfBackend {
         for key in &wanted_sources {
             if found(
                 self.masquerade.masq_sources.get(key, 0),
-                masq_source::MAP_NAME,
+                masquerade::SOURCES.name,
             )? != Some(value)
             {
                 self.masquerade
@@ -114,7 +115,7 @@ impl Masquerading for EbpfBackend {
                 remove_entry(
                     &mut self.masquerade.masq_sources,
                     &key,
-                    masq_source::MAP_NAME,
+                    masquerade::SOURCES.name,
                 )?;
                 dropped_sources = true;
             }
@@ -127,7 +128,7 @@ impl Masquerading for EbpfBackend {
         for (key, reason) in &wanted_excludes {
             if found(
                 self.masquerade.masq_excludes.get(key, 0),
-                masq_exclude::MAP_NAME,
+                masquerade::EXCLUDES.name,
             )? != Some(*reason)
             {
                 self.masquerade
@@ -169,7 +170,7 @@ impl Masquerading for EbpfBackend {
             remove_entry(
                 &mut self.masquerade.masq_sources,
                 &key,
-                masq_source::MAP_NAME,
+                masquerade::SOURCES.name,
             )?;
         }
         for (key, _) in excludes {
@@ -186,7 +187,7 @@ impl Masquerading for EbpfBackend {
         // Reply entries whose connection was evicted are found by their owner.
         remove_where(
             &mut self.masquerade.masq_replies,
-            masq_reply::MAP_NAME,
+            masquerade::REPLIES.name,
             |reply| reply.owner == owner,
         )
     }
@@ -212,7 +213,7 @@ impl Masquerading for EbpfBackend {
             let key = source_key(*addr);
             match found(
                 self.masquerade.masq_sources.get(&key, 0),
-                masq_source::MAP_NAME,
+                masquerade::SOURCES.name,
             )? {
                 Some(source)
                     if source.owner == owner && source.host_ifindex == endpoint.host.index => {}
@@ -241,7 +242,7 @@ impl Masquerading for EbpfBackend {
         for uplink in &endpoint.uplinks {
             if found(
                 self.masquerade.uplinks.get(&uplink.index, 0),
-                uplink::MAP_NAME,
+                masquerade::UPLINKS.name,
             )?
             .is_none()
             {
@@ -278,7 +279,7 @@ impl Masquerading for EbpfBackend {
             }
             if found(
                 self.masquerade.uplinks.get(&uplink.index, 0),
-                uplink::MAP_NAME,
+                masquerade::UPLINKS.name,
             )? != Some(info)
             {
                 self.masquerade
@@ -321,7 +322,7 @@ impl EbpfBackend {
     fn remove_exclude(&mut self, key: &Key<MasqExcludeKey>) -> Result<(), BackendError> {
         removed(
             self.masquerade.masq_excludes.remove(key),
-            masq_exclude::MAP_NAME,
+            masquerade::EXCLUDES.name,
         )
     }
 }

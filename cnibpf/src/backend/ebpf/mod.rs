@@ -218,11 +218,11 @@ impl EbpfBackend {
             ),
             PinnedState::Older(found) => Err(format!(
                 "the pinned state has layout {found}, older than this build's {} (`cnibpf load` migrates it)",
-                cnibpf_common::layout::VERSION
+                cnibpf_common::datapath::layout::VERSION
             )),
             PinnedState::Newer(found) => Err(format!(
                 "the pinned state has layout {found}, newer than this build's {}",
-                cnibpf_common::layout::VERSION
+                cnibpf_common::datapath::layout::VERSION
             )),
         })
     }
@@ -241,7 +241,7 @@ impl EbpfBackend {
 
     /// The ring buffer of the datapath's drop events, for `cnibpf monitor`.
     pub fn drop_events(&self) -> Result<aya::maps::RingBuf<MapData>, BackendError> {
-        open_pinned(&self.pins, cnibpf_common::filter_event::MAP_NAME)
+        open_pinned(&self.pins, cnibpf_common::drops::EVENTS.name)
     }
 
     pub(super) fn open_maps(pins: &PinLayout) -> Result<Self, BackendError> {

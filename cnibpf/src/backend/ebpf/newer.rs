@@ -16,8 +16,9 @@ use std::{
 };
 
 use aya::maps::MapData;
-use cnibpf_common::owner::{
-    self, HOST_IFINDEX_OFFSET, HOST_IFNAME_OFFSET, IFNAME_LEN, NAME_LEN, STABLE_PREFIX,
+use cnibpf_common::endpoints::{
+    self,
+    owners::{HOST_IFINDEX_OFFSET, HOST_IFNAME_OFFSET, IFNAME_LEN, NAME_LEN, STABLE_PREFIX},
 };
 
 use super::{
@@ -41,10 +42,13 @@ pub struct NewerLayout {
 
 impl NewerLayout {
     pub fn open(pins: &PinLayout, found: u32) -> Result<Self, BackendError> {
-        let path = pins.map(owner::MAP_NAME);
+        let path = pins.map(endpoints::OWNERS.name);
         let owners = if map_pinned(pins, &path)? {
             Some(RawMap::open(&path).map_err(|source| BackendError::Pin {
-                action: format!("could not open map {} of layout v{found}", owner::MAP_NAME),
+                action: format!(
+                    "could not open map {} of layout v{found}",
+                    endpoints::OWNERS.name
+                ),
                 source: Box::new(source),
             })?)
         } else {
@@ -57,7 +61,7 @@ impl NewerLayout {
                 path: pins.root().to_owned(),
                 reason: format!(
                     "its map {} of layout v{found} has {}-byte keys and {}-byte values, not what every layout keeps",
-                    owner::MAP_NAME,
+                    endpoints::OWNERS.name,
                     owners.key_size,
                     owners.value_size
                 ),
@@ -73,7 +77,7 @@ impl NewerLayout {
     fn map_error(&self, action: &str) -> impl Fn(io::Error) -> BackendError {
         let action = format!(
             "could not {action} map {} of layout v{}",
-            owner::MAP_NAME,
+            endpoints::OWNERS.name,
             self.found
         );
         move |source| BackendError::Pin {
@@ -303,7 +307,7 @@ impl RawMap {
 
 #[cfg(test)]
 mod tests {
-    use cnibpf_common::owner::OwnerInfo;
+    use cnibpf_common::endpoints::OwnerInfo;
 
     use super::*;
     use crate::{backend::ebpf::owner::owner_info, netlink::Link};

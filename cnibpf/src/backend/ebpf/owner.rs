@@ -1,6 +1,9 @@
 //! `owners` entries: an attachment's identity, host interface and pod as fixed-size fields.
 
-use cnibpf_common::owner::{IFNAME_LEN, NAME_LEN, OwnerInfo};
+use cnibpf_common::endpoints::{
+    OwnerInfo,
+    owners::{IFNAME_LEN, NAME_LEN},
+};
 
 use crate::{
     model::{Attachment, Pod},

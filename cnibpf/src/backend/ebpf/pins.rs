@@ -14,10 +14,7 @@ use aya::{
         tc::SchedClassifierLink,
     },
 };
-use cnibpf_common::{
-    layout::{self, LayoutInfo},
-    settings::{self, Settings},
-};
+use cnibpf_common::datapath::{LayoutInfo, Settings, layout, settings};
 use nix::{
     mount::{MsFlags, mount},
     sys::statfs::statfs,
@@ -137,7 +134,7 @@ pub(super) fn map_pinned(pins: &PinLayout, path: &Path) -> Result<bool, BackendE
 /// What is pinned under `pins`. An error names its real cause: a lack of privilege, or a
 /// directory that holds something else than cnibpf's state.
 pub(super) fn check_layout(pins: &PinLayout) -> Result<PinnedState, BackendError> {
-    let path = pins.map(layout::MAP_NAME);
+    let path = pins.map(layout::LAYOUT.name);
     if !map_pinned(pins, &path)? {
         return Ok(PinnedState::Absent);
     }
@@ -418,7 +415,7 @@ pub(super) fn load_object(pins: &PinLayout, sizes: &[MapSize]) -> Result<(), Bac
     })?;
     set_only_entry(
         &mut ebpf,
-        settings::MAP_NAME,
+        settings::SETTINGS.name,
         &Settings { host_netns_cookie },
     )?;
     Ok(())
@@ -437,7 +434,7 @@ pub(super) fn stamp(pins: &PinLayout) -> Result<(), BackendError> {
     for name in RETIRED_MAPS {
         remove_pin(&pins.map(name))?;
     }
-    let path = pins.map(layout::MAP_NAME);
+    let path = pins.map(layout::LAYOUT.name);
     let error = |source| BackendError::Map {
         action: format!("could not stamp {}", path.display()),
         source: Box::new(source),

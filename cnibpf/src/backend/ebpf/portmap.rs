@@ -9,11 +9,11 @@ use aya::maps::{HashMap, MapData, MapError};
 use cnibpf_common::{
     addr,
     address::Address,
-    connection::{Connection, ConnectionKey, PART_DNAT},
-    owner_port::{self, OwnerPortKey},
-    port_claim::{self, PortClaim, PortClaimKey},
-    port_condition::{self, PortConditions, PortConditionsKey},
-    portmap::{self, PortMapKey, PortMapValue},
+    connections::{Connection, ConnectionKey, PART_DNAT},
+    portmap::{
+        self, OwnerPortKey, PortClaim, PortClaimKey, PortConditions, PortConditionsKey, PortMapKey,
+        PortMapValue,
+    },
 };
 
 use super::{EbpfBackend, found, map_error, open_pinned, remove_entry};
@@ -36,10 +36,10 @@ pub(super) struct PortMapMaps {
 impl PortMapMaps {
     pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
-            portmap: open_pinned(pins, portmap::MAP_NAME)?,
-            owner_ports: open_pinned(pins, owner_port::MAP_NAME)?,
-            port_claims: open_pinned(pins, port_claim::MAP_NAME)?,
-            port_conditions: open_pinned(pins, port_condition::MAP_NAME)?,
+            portmap: open_pinned(pins, portmap::MAPPINGS.name)?,
+            owner_ports: open_pinned(pins, portmap::OWNER_PORTS.name)?,
+            port_claims: open_pinned(pins, portmap::CLAIMS.name)?,
+            port_conditions: open_pinned(pins, portmap::CONDITIONS.name)?,
         })
     }
 }
@@ -82,7 +82,7 @@ impl EbpfBackend {
             remove_entry(
                 &mut self.port_mapping.owner_ports,
                 &owner_port_key(owner, slot),
-                owner_port::MAP_NAME,
+                portmap::OWNER_PORTS.name,
             )?;
         }
         info.port_count = count;
@@ -100,7 +100,7 @@ impl EbpfBackend {
         let claim_key = claim_key(key);
         let current = found(
             self.port_mapping.port_claims.get(&claim_key, 0),
-            port_claim::MAP_NAME,
+            portmap::CLAIMS.name,
         )?
         .map_or(0, |claim| claim.specific); // fail-closed: `found` kept the errors.
         let next = if taken {
@@ -133,7 +133,7 @@ impl EbpfBackend {
             remove_entry(
                 &mut self.port_mapping.port_claims,
                 claim_key,
-                port_claim::MAP_NAME,
+                portmap::CLAIMS.name,
             )
         } else {
             self.port_mapping
@@ -153,9 +153,12 @@ impl EbpfBackend {
     /// Removes one of the attachment's mappings, unless another attachment holds the key now;
     /// one recorded but never installed has its port's count set right.
     fn remove_owned_mapping(&mut self, owner: u64, key: &PortMapKey) -> Result<(), BackendError> {
-        match found(self.port_mapping.portmap.get(key, 0), portmap::MAP_NAME)? {
+        match found(
+            self.port_mapping.portmap.get(key, 0),
+            portmap::MAPPINGS.name,
+        )? {
             Some(value) if value.owner == owner => {
-                remove_entry(&mut self.port_mapping.portmap, key, portmap::MAP_NAME)?;
+                remove_entry(&mut self.port_mapping.portmap, key, portmap::MAPPINGS.name)?;
                 if let Some(mapping) = mapping_from_entry(key, &value) {
                     journal::note(journal::Change::HostPortReleased(mapping.to_string()));
                 }
@@ -192,7 +195,10 @@ impl PortMappings for EbpfBackend {
         // Whether a flow translated before could now be reversed wrongly.
         let mut flows_stale = false;
         for (key, value) in &wanted {
-            let before = found(self.port_mapping.portmap.get(key, 0), portmap::MAP_NAME)?;
+            let before = found(
+                self.port_mapping.portmap.get(key, 0),
+                portmap::MAPPINGS.name,
+            )?;
             if !previous.contains(key) {
                 self.claim(key, true)?;
             }
@@ -262,7 +268,7 @@ impl PortMappings for EbpfBackend {
         let key = key_for(mapping);
         let other = |outcome: Result<PortMapValue, MapError>| {
             Ok::<_, BackendError>(
-                found(outcome, portmap::MAP_NAME)?
+                found(outcome, portmap::MAPPINGS.name)?
                     .map(|value| value.owner)
                     .filter(|holder| *holder != owner),
             )
@@ -279,7 +285,7 @@ impl PortMappings for EbpfBackend {
         }
         if found(
             self.port_mapping.port_claims.get(&claim_key(&key), 0),
-            port_claim::MAP_NAME,
+            portmap::CLAIMS.name,
         )?
         .is_none()
         {
@@ -316,7 +322,10 @@ impl PortMappings for EbpfBackend {
         let installed: HashSet<PortMapKey> = self.owned_portmap_keys(owner)?.into_iter().collect();
         for mapping in mappings {
             let (key, value) = entry_for(endpoint, mapping);
-            match found(self.port_mapping.portmap.get(&key, 0), portmap::MAP_NAME)? {
+            match found(
+                self.port_mapping.portmap.get(&key, 0),
+                portmap::MAPPINGS.name,
+            )? {
                 Some(installed) if installed == value => {}
                 Some(_) => {
                     return Err(BackendError::CheckFailed(format!(

@@ -23,29 +23,11 @@
 
 use std::{fs, io, path::Path};
 
-use aya::{
-    Pod,
-    maps::{HashMap, Map, MapData, MapError, PerCpuHashMap},
-};
-use cnibpf_common::{
-    connection::{self, Connection, ConnectionKey},
-    endpoint::{self, EndpointInfo},
-    filter::{self, FilterSet},
-    filter_hits::{self, FilterHits},
-    fragment::{self, FirstFragment, FragmentKey},
-    masq_reply::{self, MasqReply, ReplyKey},
-    masq_source::{self, MasqSource, MasqSourceKey},
-    owner::{self, OwnerInfo},
-    owner_port::{self, OwnerPortKey},
-    port_claim::{self, PortClaim, PortClaimKey},
-    port_condition::{self, PortConditions, PortConditionsKey},
-    portmap::{self, PortMapKey, PortMapValue},
-    sock_rev::{self, SockRevKey, SockRevValue},
-    source_drop::{self, SourceDrops},
-};
+use aya::maps::MapData;
+use cnibpf_common::map_spec::{MapSpec, Sizing};
 
 use super::{
-    EbpfBackend, batch, map_error,
+    EbpfBackend, batch,
     pins::{MapSize, load_object, map_pinned, relink, remove_tree, stamp},
 };
 use crate::{
@@ -55,84 +37,17 @@ use crate::{
     paths::PinLayout,
 };
 
-/// How a map's size follows its dimension's.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Scale {
-    Times(u32),
-    /// A fraction, never below [`MIN_SCALED`].
-    Over(u32),
+/// Every map sized from the capacity, by its spec's [`Sizing`].
+fn sized_maps() -> impl Iterator<Item = &'static MapSpec> {
+    cnibpf_common::maps().filter(|spec| spec.sizing != Sizing::Fixed)
 }
 
-/// The smallest size a fraction of a dimension gives.
-const MIN_SCALED: u32 = 64;
-
-impl Scale {
-    fn entries(self, dimension_size: u32) -> u32 {
-        match self {
-            Self::Times(factor) => dimension_size.saturating_mul(factor),
-            Self::Over(divisor) => (dimension_size / divisor).max(MIN_SCALED),
-        }
-    }
-}
-
-/// A map sized from the capacity, and how to count and carry over its entries.
-struct SizedMap {
-    name: &'static str,
-    dimension: Dimension,
-    scale: Scale,
-    entries: fn(&Path) -> Result<usize, BackendError>,
-    copy: fn(&Path, &Path) -> Result<(), BackendError>,
-}
-
-macro_rules! sized {
-    ($module:ident, $dimension:ident, $scale:expr, hash < $key:ty, $value:ty >) => {
-        SizedMap {
-            name: $module::MAP_NAME,
-            dimension: Dimension::$dimension,
-            scale: $scale,
-            entries: count_hash::<$key, $value>,
-            copy: copy_hash::<$key, $value>,
-        }
-    };
-    ($module:ident, $dimension:ident, $scale:expr, per_cpu < $key:ty, $value:ty >) => {
-        SizedMap {
-            name: $module::MAP_NAME,
-            dimension: Dimension::$dimension,
-            scale: $scale,
-            entries: count_per_cpu::<$key, $value>,
-            copy: copy_per_cpu::<$key, $value>,
-        }
-    };
-}
-
-/// Every sized map; the first of each dimension is its measure (`Times(1)`): `masq_replies`
-/// for the flows, a map every layout has, so that a datapath migrated from one that had other
-/// connection tables keeps its size. Fragments are
-/// short-lived (a datagram's reassembly), socket translations a share of the flows; an
-/// attachment has a masquerade source and a set of conditions per family.
-const SIZED_MAPS: [SizedMap; 14] = [
-    sized!(masq_reply, Flows, Scale::Times(1), hash<ReplyKey, MasqReply>),
-    sized!(connection, Flows, Scale::Times(1), hash<ConnectionKey, Connection>),
-    sized!(fragment, Flows, Scale::Over(8), hash<FragmentKey, FirstFragment>),
-    sized!(sock_rev, Flows, Scale::Over(4), hash<SockRevKey, SockRevValue>),
-    sized!(owner, Attachments, Scale::Times(1), hash<u64, OwnerInfo>),
-    sized!(endpoint, Attachments, Scale::Times(1), hash<u32, EndpointInfo>),
-    sized!(source_drop, Attachments, Scale::Times(1), per_cpu<u32, SourceDrops>),
-    sized!(filter, Attachments, Scale::Times(1), hash<u32, FilterSet>),
-    sized!(filter_hits, Attachments, Scale::Times(1), per_cpu<u32, FilterHits>),
-    sized!(masq_source, Attachments, Scale::Times(2), hash<MasqSourceKey, MasqSource>),
-    sized!(port_condition, Attachments, Scale::Times(2), hash<PortConditionsKey, PortConditions>),
-    sized!(portmap, HostPorts, Scale::Times(1), hash<PortMapKey, PortMapValue>),
-    sized!(owner_port, HostPorts, Scale::Times(1), hash<OwnerPortKey, PortMapKey>),
-    sized!(port_claim, HostPorts, Scale::Times(1), hash<PortClaimKey, PortClaim>),
-];
-
-/// The map a dimension is measured by: its first, which holds one entry per unit.
-fn measure(dimension: Dimension) -> &'static SizedMap {
-    SIZED_MAPS
-        .iter()
-        .find(|map| map.dimension == dimension && map.scale == Scale::Times(1))
-        .expect("every dimension has a map of scale 1 (see SIZED_MAPS)")
+/// The map a dimension is measured by (its spec's [`Sizing::Measure`]): one entry per unit,
+/// in every layout, so that a datapath migrated from another keeps its size.
+fn measure(dimension: Dimension) -> &'static MapSpec {
+    sized_maps()
+        .find(|spec| spec.sizing == Sizing::Measure(dimension))
+        .expect("every dimension has a measure (see cnibpf_common::map_spec::Sizing)")
 }
 
 /// The dimension's size a datapath created with `capacity` has.
@@ -160,13 +75,14 @@ impl Pinned {
 /// What each sized map is to be: its dimension's size, scaled, where the operator named the
 /// dimension; else its pinned size; else (a map not pinned yet) its dimension's, scaled.
 fn plan(capacity: &Capacity, pinned: &Pinned) -> Vec<MapSize> {
-    SIZED_MAPS
-        .iter()
+    sized_maps()
         .map(|map| {
+            let dimension = sized_dimension(map);
             let wanted = map
-                .scale
-                .entries(dimension_size(capacity, map.dimension, pinned));
-            let entries = match (capacity.get(map.dimension), pinned.size(map.name)) {
+                .sizing
+                .entries(dimension_size(capacity, dimension, pinned))
+                .expect("sized_maps() holds sized maps only");
+            let entries = match (capacity.get(dimension), pinned.size(map.name)) {
                 (None, Some(size)) => size,
                 _ => wanted,
             };
@@ -202,9 +118,15 @@ fn pinned_size(pins: &PinLayout, path: &Path) -> Result<Option<u32>, BackendErro
     Ok(Some(info.max_entries()))
 }
 
+/// The dimension a sized map follows.
+fn sized_dimension(map: &MapSpec) -> Dimension {
+    map.sizing
+        .dimension()
+        .expect("sized_maps() holds sized maps only")
+}
+
 fn read_pinned(pins: &PinLayout) -> Result<Pinned, BackendError> {
-    SIZED_MAPS
-        .iter()
+    sized_maps()
         .map(|map| Ok((map.name, pinned_size(pins, &pins.map(map.name))?)))
         .collect::<Result<_, _>>()
         .map(Pinned)
@@ -242,16 +164,17 @@ pub(super) fn resize(pins: &PinLayout, capacity: &Capacity) -> Result<bool, Back
     }
     // Expired flows are no reason to refuse a smaller table.
     EbpfBackend::open_maps(pins)?.sweep_expired()?;
-    for (map, size) in SIZED_MAPS.iter().zip(&sizes) {
+    for (map, size) in sized_maps().zip(&sizes) {
         if !size.resized {
             continue;
         }
-        let held = (map.entries)(&pins.map(map.name))?;
+        let held = entries(&pins.map(map.name), map)?.len();
         if held > size.entries as usize {
+            let dimension = sized_dimension(map);
             return Err(BackendError::CapacityTooSmall {
-                key: map.dimension.key(),
+                key: dimension.key(),
                 // fail-closed: an Option of the request; a resized map's dimension was named.
-                size: capacity.get(map.dimension).unwrap_or(size.entries),
+                size: capacity.get(dimension).unwrap_or(size.entries),
                 map: map.name,
                 held,
                 entries: size.entries,
@@ -309,9 +232,9 @@ fn describe(sizes: &[MapSize]) -> String {
 fn carry_over(pins: &PinLayout, sizes: &[MapSize]) -> Result<(), BackendError> {
     load_object(pins, sizes)?;
     let copy_all = || -> Result<(), BackendError> {
-        for (map, size) in SIZED_MAPS.iter().zip(sizes) {
+        for (map, size) in sized_maps().zip(sizes) {
             if size.resized {
-                (map.copy)(&pins.map(map.name), &pins.resized_map(map.name))?;
+                copy(map, &pins.map(map.name), &pins.resized_map(map.name))?;
             }
         }
         Ok(())
@@ -333,72 +256,26 @@ fn carry_over(pins: &PinLayout, sizes: &[MapSize]) -> Result<(), BackendError> {
     stamp(pins)
 }
 
-fn open<T: TryFrom<Map, Error = MapError>>(path: &Path) -> Result<T, BackendError> {
-    let error = |source| BackendError::Map {
+fn open(path: &Path) -> Result<MapData, BackendError> {
+    MapData::from_pin(path).map_err(|source| BackendError::Map {
         action: format!("could not open map {}", path.display()),
         source: Box::new(source),
-    };
-    let data = MapData::from_pin(path).map_err(error)?;
-    T::try_from(Map::from_map_data(data).map_err(error)?).map_err(error)
+    })
 }
 
-/// An insert with `BPF_NOEXIST` into the map at `to`: meeting an entry already there (the new
-/// programs wrote it, or a resumed run copied it) is no failure.
-fn unless_there(inserted: Result<(), MapError>, to: &Path) -> Result<(), BackendError> {
-    match inserted {
-        Err(MapError::SyscallError(call)) if call.io_error.raw_os_error() == Some(libc::EEXIST) => {
-            Ok(())
-        }
-        other => other.map_err(map_error(&format!("could not write map {}", to.display()))),
-    }
+/// Every entry of the map of `spec` pinned at `path`, as bytes.
+fn entries(path: &Path, spec: &MapSpec) -> Result<batch::RawEntries, BackendError> {
+    batch::raw_entries(&open(path)?, spec)
+        .map_err(pin_error(format!("could not read map {}", path.display())))
 }
 
-/// `BPF_NOEXIST`: an insert that leaves an existing entry alone.
-const NO_EXIST: u64 = 1;
-
-fn count_hash<K: Pod + Default, V: Pod + Default>(path: &Path) -> Result<usize, BackendError> {
-    let map: HashMap<MapData, K, V> = open(path)?;
-    batch::entries(&map)
-        .map(|entries| entries.len())
-        .map_err(|source| BackendError::Pin {
-            action: format!("could not read map {}", path.display()),
-            source: Box::new(source),
-        })
-}
-
-fn copy_hash<K: Pod + Default, V: Pod + Default>(
-    from: &Path,
-    to: &Path,
-) -> Result<(), BackendError> {
-    let old: HashMap<MapData, K, V> = open(from)?;
-    let mut new: HashMap<MapData, K, V> = open(to)?;
-    let entries = batch::entries(&old).map_err(|source| BackendError::Pin {
-        action: format!("could not read map {}", from.display()),
-        source: Box::new(source),
-    })?;
-    for (key, value) in entries {
-        unless_there(new.insert(&key, &value, NO_EXIST), to)?;
-    }
-    Ok(())
-}
-
-fn count_per_cpu<K: Pod, V: Pod>(path: &Path) -> Result<usize, BackendError> {
-    let map: PerCpuHashMap<MapData, K, V> = open(path)?;
-    let mut held = 0;
-    for key in map.keys() {
-        key.map_err(map_error(&format!("could not read map {}", path.display())))?;
-        held += 1;
-    }
-    Ok(held)
-}
-
-fn copy_per_cpu<K: Pod, V: Pod>(from: &Path, to: &Path) -> Result<(), BackendError> {
-    let old: PerCpuHashMap<MapData, K, V> = open(from)?;
-    let mut new: PerCpuHashMap<MapData, K, V> = open(to)?;
-    for entry in old.iter() {
-        let (key, values) =
-            entry.map_err(map_error(&format!("could not read map {}", from.display())))?;
-        unless_there(new.insert(&key, values, NO_EXIST), to)?;
+/// Copies every entry of the map of `spec` pinned at `from` into the one at `to`, leaving
+/// what is there alone (the new programs wrote it, or a resumed run copied it).
+fn copy(spec: &MapSpec, from: &Path, to: &Path) -> Result<(), BackendError> {
+    let new = open(to)?;
+    for (key, value) in entries(from, spec)?.iter() {
+        batch::insert_new(&new, key, value)
+            .map_err(pin_error(format!("could not write map {}", to.display())))?;
     }
     Ok(())
 }
@@ -465,6 +342,8 @@ pub fn memory(pins: &PinLayout) -> Result<Memory, BackendError> {
 
 #[cfg(test)]
 mod tests {
+    use cnibpf_common::{connections, endpoints, map_spec::MIN_SCALED, masquerade, portmap};
+
     use super::*;
 
     /// The sizes a datapath created with `capacity` has, by map.
@@ -477,8 +356,7 @@ mod tests {
 
     fn pinned(sizes: &[(&'static str, u32)]) -> Pinned {
         Pinned(
-            SIZED_MAPS
-                .iter()
+            sized_maps()
                 .map(|map| {
                     let size = sizes
                         .iter()
@@ -493,39 +371,26 @@ mod tests {
     #[test]
     fn every_dimension_has_its_measure() {
         for dimension in Dimension::ALL {
-            assert_eq!(measure(dimension).dimension, dimension);
+            assert_eq!(measure(dimension).sizing.dimension(), Some(dimension));
         }
     }
 
     #[test]
     fn the_object_declares_the_default_sizes() {
-        let declared = [
-            (masq_reply::MAP_NAME, masq_reply::MAX_ENTRIES),
-            (connection::MAP_NAME, connection::MAX_ENTRIES),
-            (fragment::MAP_NAME, fragment::MAX_ENTRIES),
-            (sock_rev::MAP_NAME, sock_rev::MAX_ENTRIES),
-            (owner::MAP_NAME, owner::MAX_ENTRIES),
-            (endpoint::MAP_NAME, endpoint::MAX_ENTRIES),
-            (source_drop::MAP_NAME, source_drop::MAX_ENTRIES),
-            (filter::MAP_NAME, filter::MAX_ENTRIES),
-            (filter_hits::MAP_NAME, filter_hits::MAX_ENTRIES),
-            (masq_source::MAP_NAME, masq_source::MAX_ENTRIES),
-            (port_condition::MAP_NAME, port_condition::MAX_ENTRIES),
-            (portmap::MAP_NAME, portmap::MAX_ENTRIES),
-            (owner_port::MAP_NAME, owner_port::MAX_ENTRIES),
-            (port_claim::MAP_NAME, port_claim::MAX_ENTRIES),
-        ];
-        assert_eq!(created_with(&Capacity::default()), declared);
+        for (name, entries) in created_with(&Capacity::default()) {
+            let spec = cnibpf_common::map(name).expect("a spec");
+            assert_eq!(entries, spec.max_entries, "{name}");
+        }
     }
 
     #[test]
     fn a_named_dimension_sizes_its_maps_and_only_those_are_resized() {
         let pinned = pinned(&[
-            (connection::MAP_NAME, 262_144),
-            (masq_reply::MAP_NAME, 262_144),
-            (sock_rev::MAP_NAME, 65_536),
-            (owner::MAP_NAME, 16_384),
-            (masq_source::MAP_NAME, 16_384),
+            (connections::CONNECTIONS.name, 262_144),
+            (masquerade::REPLIES.name, 262_144),
+            (portmap::HOST_SOCKETS.name, 65_536),
+            (endpoints::OWNERS.name, 16_384),
+            (masquerade::SOURCES.name, 16_384),
         ]);
         let capacity = Capacity {
             flows: Some(65_536),
@@ -533,20 +398,28 @@ mod tests {
         };
         let sizes = plan(&capacity, &pinned);
         let size = |name: &str| sizes.iter().find(|size| size.name == name).expect(name);
-        assert_eq!(size(connection::MAP_NAME).entries, 65_536);
-        assert!(size(connection::MAP_NAME).resized);
-        assert_eq!(size(sock_rev::MAP_NAME).entries, 16_384);
-        assert!(size(sock_rev::MAP_NAME).resized);
-        assert_eq!(size(fragment::MAP_NAME).entries, 8_192);
-        assert!(!size(fragment::MAP_NAME).resized, "not pinned: created");
+        assert_eq!(size(connections::CONNECTIONS.name).entries, 65_536);
+        assert!(size(connections::CONNECTIONS.name).resized);
+        assert_eq!(size(portmap::HOST_SOCKETS.name).entries, 16_384);
+        assert!(size(portmap::HOST_SOCKETS.name).resized);
+        assert_eq!(size(connections::FRAGMENTS.name).entries, 8_192);
+        assert!(
+            !size(connections::FRAGMENTS.name).resized,
+            "not pinned: created"
+        );
         // Attachments were not named: pinned maps keep their size (even one that is not what
         // the scale says), a missing one follows the pinned measure.
-        assert_eq!(size(owner::MAP_NAME).entries, 16_384);
-        assert_eq!(size(masq_source::MAP_NAME).entries, 16_384);
-        assert_eq!(size(port_condition::MAP_NAME).entries, 32_768);
-        assert!(!sizes[4..].iter().any(|size| size.resized));
+        assert_eq!(size(endpoints::OWNERS.name).entries, 16_384);
+        assert_eq!(size(masquerade::SOURCES.name).entries, 16_384);
+        assert_eq!(size(portmap::CONDITIONS.name).entries, 32_768);
+        assert!(
+            sized_maps()
+                .zip(&sizes)
+                .filter(|(map, _)| sized_dimension(map) != Dimension::Flows)
+                .all(|(_, size)| !size.resized)
+        );
         // Host ports: nothing pinned, nothing named: the default.
-        assert_eq!(size(portmap::MAP_NAME).entries, 16_384);
+        assert_eq!(size(portmap::MAPPINGS.name).entries, 16_384);
     }
 
     #[test]
@@ -557,7 +430,7 @@ mod tests {
         };
         let sizes = created_with(&capacity);
         let size = |name: &str| sizes.iter().find(|(map, _)| *map == name).expect(name).1;
-        assert_eq!(size(fragment::MAP_NAME), MIN_SCALED);
-        assert_eq!(size(sock_rev::MAP_NAME), 64);
+        assert_eq!(size(connections::FRAGMENTS.name), MIN_SCALED);
+        assert_eq!(size(portmap::HOST_SOCKETS.name), 64);
     }
 }

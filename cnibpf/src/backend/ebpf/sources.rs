@@ -11,8 +11,10 @@ use std::net::IpAddr;
 use aya::maps::{MapData, PerCpuHashMap, PerCpuValues};
 use cnibpf_common::{
     address::Address,
-    source::{FLAG_OWN_COUNTED, FLAG_RECORDED, FLAG_UNCHECKED, MAX_ADDRESSES, SourceSet},
-    source_drop::{self, SourceDrops},
+    sources::{
+        self, FLAG_OWN_COUNTED, FLAG_RECORDED, FLAG_UNCHECKED, MAX_ADDRESSES, SourceDrops,
+        SourceSet,
+    },
 };
 
 use super::{EbpfBackend, found, map_error, open_pinned, owner::read_name, removed};
@@ -30,7 +32,7 @@ pub(super) struct SourceMaps {
 impl SourceMaps {
     pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
-            source_drops: open_pinned(pins, source_drop::MAP_NAME)?,
+            source_drops: open_pinned(pins, sources::DROPS.name)?,
         })
     }
 }
@@ -54,7 +56,7 @@ impl SourceChecking for EbpfBackend {
         let Some(check) = check else {
             removed(
                 self.source_check.source_drops.remove(&ifindex),
-                source_drop::MAP_NAME,
+                sources::DROPS.name,
             )?;
             self.endpoint
                 .record_source_set(ifindex, &unchecked_set(owner))?;
@@ -67,17 +69,17 @@ impl SourceChecking for EbpfBackend {
         let wanted = stored_set(owner, check, &admitted);
         let counted = found(
             self.source_check.source_drops.get(&ifindex, 0),
-            source_drop::MAP_NAME,
+            sources::DROPS.name,
         )?
         .is_some();
         if !counted {
             let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
-                name: source_drop::MAP_NAME,
+                name: sources::DROPS.name,
                 source,
             })?;
             let zeroed = PerCpuValues::try_from(vec![SourceDrops::default(); cpus.get() as usize])
                 .map_err(|source| BackendError::MapRead {
-                    name: source_drop::MAP_NAME,
+                    name: sources::DROPS.name,
                     source,
                 })?;
             self.source_check
@@ -221,7 +223,7 @@ impl EbpfBackend {
         self.endpoint.clear_source_set(ifindex)?;
         removed(
             self.source_check.source_drops.remove(&ifindex),
-            source_drop::MAP_NAME,
+            sources::DROPS.name,
         )
     }
 
@@ -251,7 +253,7 @@ impl EbpfBackend {
             }
             let counters = found(
                 self.source_check.source_drops.get(&ifindex, 0),
-                source_drop::MAP_NAME,
+                sources::DROPS.name,
             )?;
             let dropped = counters
                 .iter()

@@ -4,7 +4,7 @@
 
 use std::net::IpAddr;
 
-use cnibpf_common::drop_stats::{DropCount, DropReason};
+use cnibpf_common::drops::{DropCount, DropReason};
 use nftables::{
     schema::Rule,
     stmt::{Counter, Statement},

@@ -14,7 +14,7 @@
 
 use std::{borrow::Cow, net::IpAddr};
 
-use cnibpf_common::drop_stats::DropReason;
+use cnibpf_common::drops::DropReason;
 use nftables::{
     expr::{Expression, MetaKey, NamedExpression},
     schema::NfListObject,

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use cnibpf_common::drop_stats::{DropCount, DropReason};
+use cnibpf_common::drops::{DropCount, DropReason};
 
 use super::{
     LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack, guard_chain,

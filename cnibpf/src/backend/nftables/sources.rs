@@ -20,7 +20,7 @@ use nftables::{
     types::{NfChainPolicy, NfChainType, NfFamily, NfHook},
 };
 
-use cnibpf_common::drop_stats::DropReason;
+use cnibpf_common::drops::DropReason;
 
 use super::{NftablesBackend, host, nft, parse_owner, record::Sources};
 use crate::{

@@ -11,13 +11,15 @@ use std::path::Path;
 
 use cnibpf_common::{
     address::Address,
-    connection::{self, Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_SNAT},
-    conntrack::STATE_ESTABLISHED,
-    filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
-    retired_flows::{
+    compat::retired_flows::{
         FILTER_FLOWS, FilterFlowKeyV9, FilterFlowV9, FlowKeyV9, MASQ_FLOWS, MasqFlowV9, NAT_FLOWS,
         NatFlowV9,
     },
+    connections::{
+        self, Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_SNAT,
+        conntrack::STATE_ESTABLISHED,
+    },
+    filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
 };
 
 use super::open_old;
@@ -160,7 +162,7 @@ impl EbpfBackend {
     fn connection(&self, key: &ConnectionKey) -> Result<Option<Connection>, BackendError> {
         found(
             self.connections.connections.get(key, 0),
-            connection::MAP_NAME,
+            connections::CONNECTIONS.name,
         )
     }
 
@@ -181,7 +183,7 @@ impl EbpfBackend {
 
 #[cfg(test)]
 mod tests {
-    use cnibpf_common::conntrack::{SIDE_ORIGIN, STATE_OPENING};
+    use cnibpf_common::connections::conntrack::{SIDE_ORIGIN, STATE_OPENING};
 
     use super::*;
 

@@ -42,10 +42,12 @@ use std::{fs, io, path::Path};
 use aya::maps::{HashMap, Map, MapData};
 use cnibpf_common::{
     address::Address,
-    endpoint::{self, EndpointInfo},
-    layout,
-    owner::{self, IFNAME_LEN, NAME_LEN, OwnerInfo},
-    source::{FLAG_RECORDED, SourceSet},
+    datapath::layout,
+    endpoints::{
+        self, EndpointInfo, OwnerInfo,
+        owners::{IFNAME_LEN, NAME_LEN},
+    },
+    sources::{FLAG_RECORDED, SourceSet},
 };
 
 use super::{
@@ -133,7 +135,7 @@ impl EndpointInfoV8 {
 }
 
 /// The maps whose types changed since layout 6.
-const CHANGED: [&str; 2] = [owner::MAP_NAME, endpoint::MAP_NAME];
+const CHANGED: [&str; 2] = [endpoints::OWNERS.name, endpoints::ENDPOINTS.name];
 
 /// Layout 6's container hooks: a cls_bpf filter in this slot of clsact ingress and egress.
 const LEGACY_FILTER: TcFilterSlot = TcFilterSlot {
@@ -248,7 +250,12 @@ pub fn from_6(pins: &PinLayout) -> Result<(), BackendError> {
 /// Migrates `pins` from layout 7 or 8, `found` (see the module's steps).
 pub fn from_sources_apart(pins: &PinLayout, found: u32) -> Result<(), BackendError> {
     let aside = aside(pins, SOURCES_APART[1]);
-    move_aside(pins, &aside, &[endpoint::MAP_NAME, SOURCES], &[SOURCES])?;
+    move_aside(
+        pins,
+        &aside,
+        &[endpoints::ENDPOINTS.name, SOURCES],
+        &[SOURCES],
+    )?;
     move_aside(pins, &aside, &flows::TABLES, &flows::TABLES)?;
     journal::note(journal::Change::Migrated(format!(
         "eBPF layout {found}: endpoints, sources and connection tables moved aside"
@@ -318,7 +325,7 @@ impl EbpfBackend {
     /// Step 3: every old `owners` and `endpoints` entry into the new maps (written again
     /// when a resumed run meets it twice).
     fn convert(&mut self, aside: &Path) -> Result<(), BackendError> {
-        let old_owners = open_old::<u64, OwnerInfoV6>(&aside.join(owner::MAP_NAME))?;
+        let old_owners = open_old::<u64, OwnerInfoV6>(&aside.join(endpoints::OWNERS.name))?;
         for entry in old_owners.iter() {
             let (id, old) = entry.map_err(map_error("could not read the old map owners"))?;
             let info = OwnerInfo {
@@ -335,7 +342,8 @@ impl EbpfBackend {
                 .insert(&id, &info, 0)
                 .map_err(map_error("could not write map owners"))?;
         }
-        let old_endpoints = open_old::<u32, EndpointInfoV6>(&aside.join(endpoint::MAP_NAME))?;
+        let old_endpoints =
+            open_old::<u32, EndpointInfoV6>(&aside.join(endpoints::ENDPOINTS.name))?;
         for entry in old_endpoints.iter() {
             let (ifindex, old) =
                 entry.map_err(map_error("could not read the old map endpoints"))?;
@@ -350,7 +358,7 @@ impl EbpfBackend {
                 // Layout 6 knew no `snat: false`. Its own clsact qdisc goes in step 4; any
                 // other qdisc is shaping (as an ADD would find it).
                 flags: if shaped(ifindex)? {
-                    endpoint::FLAG_VIA_STACK
+                    endpoints::FLAG_VIA_STACK
                 } else {
                     0
                 },
@@ -369,12 +377,16 @@ impl EbpfBackend {
     /// interface's set from the old `sources` (written again when a resumed run meets it
     /// twice).
     fn merge_source_sets(&mut self, aside: &Path) -> Result<(), BackendError> {
-        let old_endpoints = open_old::<u32, EndpointInfoV8>(&aside.join(endpoint::MAP_NAME))?;
+        let old_endpoints =
+            open_old::<u32, EndpointInfoV8>(&aside.join(endpoints::ENDPOINTS.name))?;
         for entry in old_endpoints.iter() {
             let (ifindex, old) =
                 entry.map_err(map_error("could not read the old map endpoints"))?;
-            if found(self.endpoint.endpoints.get(&ifindex, 0), endpoint::MAP_NAME)?
-                .is_some_and(|current| current.sources.flags & FLAG_RECORDED != 0)
+            if found(
+                self.endpoint.endpoints.get(&ifindex, 0),
+                endpoints::ENDPOINTS.name,
+            )?
+            .is_some_and(|current| current.sources.flags & FLAG_RECORDED != 0)
             {
                 // Merged by the run this one resumes; the set is written again below.
                 continue;

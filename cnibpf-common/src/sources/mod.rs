@@ -16,6 +16,15 @@
 //! own first (`own_ipv4_count`, `own_ipv6_count`, valid with [`FLAG_OWN_COUNTED`]), then its
 //! siblings'. ADD and DEL of one rewrite the others'.
 
+pub mod drops;
+
+pub use drops::{DROPS, SourceDrops};
+
+use crate::map_spec::MapSpec;
+
+/// The maps of the source check (its sets live in `endpoints`).
+pub const MAPS: [MapSpec; 1] = [DROPS];
+
 use crate::{address::Address, impl_pod};
 
 /// Addresses of each family one container may have checked.

@@ -3,7 +3,7 @@
 //! reads them — the migration that merges them into `connections`, and the upgrade test that
 //! compares a pod's connections across it.
 
-use crate::{address::Address, connection::ConnectionKey, impl_pod};
+use crate::{address::Address, connections::ConnectionKey, impl_pod};
 
 pub const MASQ_FLOWS: &str = "masq_flows";
 pub const NAT_FLOWS: &str = "nat_flows";

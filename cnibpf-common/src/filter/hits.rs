@@ -7,10 +7,12 @@
 //! every packet a rule (or the default) decides — the first packet of a connection and its
 //! later packets in the originating direction; replies pass by state and count nowhere.
 
+use crate::map_spec::{Dimension, MapKind, MapSpec, Sizing};
 use crate::{filter::MAX_RULES, impl_pod};
 
-pub const MAP_NAME: &str = "filter_hits";
-pub const MAX_ENTRIES: u32 = 4_096;
+pub const HITS: MapSpec =
+    MapSpec::new::<u32, FilterHits>("filter_hits", MapKind::PerCpuHash, 4_096)
+        .sized(Sizing::Times(Dimension::Attachments, 1));
 /// Position of the default verdict's counters.
 pub const DEFAULT_SLOT: usize = MAX_RULES;
 

@@ -7,12 +7,12 @@
 //!
 //! What every layout keeps, so that any build can tell what it meets and a downgraded one can
 //! still release attachments: this map's name and type, the key of `owners` and the prefix of
-//! its value up to [`crate::owner::STABLE_PREFIX`], and the link pin names of `PinLayout`.
+//! its value up to [`crate::endpoints::owners::STABLE_PREFIX`], and the link pin names of `PinLayout`.
 
 use crate::impl_pod;
+use crate::map_spec::{MapKind, MapSpec};
 
-pub const MAP_NAME: &str = "layout";
-pub const MAX_ENTRIES: u32 = 1;
+pub const LAYOUT: MapSpec = MapSpec::new::<u32, LayoutInfo>("layout", MapKind::Array, 1);
 
 /// `"cnibpf\0\0"` read as a little-endian integer: marks a `layout` map written by cnibpf.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"cnibpf\0\0");

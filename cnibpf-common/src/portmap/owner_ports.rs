@@ -6,9 +6,11 @@
 //! everyone's.
 
 use crate::impl_pod;
+use crate::map_spec::{Dimension, MapKind, MapSpec, Sizing};
 
-pub const MAP_NAME: &str = "owner_ports";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const OWNER_PORTS: MapSpec =
+    MapSpec::new::<OwnerPortKey, crate::portmap::PortMapKey>("owner_ports", MapKind::Hash, 16_384)
+        .sized(Sizing::Times(Dimension::HostPorts, 1));
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -8,10 +8,15 @@
 //! read by `uplink_ingress` for replies and for ICMP errors about masqueraded packets; deleted
 //! with the connection's masquerade. An LRU map, as `connections`.
 
+use core::mem::offset_of;
+
+use crate::map_spec::{Dimension, MapKind, MapSpec, OwnerField, Sizing};
 use crate::{address::Address, impl_pod};
 
-pub const MAP_NAME: &str = "masq_replies";
-pub const MAX_ENTRIES: u32 = 65_536;
+pub const REPLIES: MapSpec =
+    MapSpec::new::<ReplyKey, MasqReply>("masq_replies", MapKind::LruHash, 65_536)
+        .sized(Sizing::Measure(Dimension::Flows))
+        .owned(OwnerField::Value(offset_of!(MasqReply, owner)));
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -9,10 +9,12 @@
 //! datagrams in flight, not attachments: no owner, nothing for DEL to remove; an entry older
 //! than [`TIMEOUT_NS`] (the kernel's reassembly time) describes no datagram any more.
 
+use crate::map_spec::{Dimension, MapKind, MapSpec, Sizing};
 use crate::{address::Address, impl_pod};
 
-pub const MAP_NAME: &str = "fragments";
-pub const MAX_ENTRIES: u32 = 8_192;
+pub const FRAGMENTS: MapSpec =
+    MapSpec::new::<FragmentKey, FirstFragment>("fragments", MapKind::LruHash, 8_192)
+        .sized(Sizing::Over(Dimension::Flows, 8));
 
 /// How long the fragments of one datagram may keep coming after its first (the kernel's
 /// `ipfrag_time`, 30 s).

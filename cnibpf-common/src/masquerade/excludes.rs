@@ -6,10 +6,15 @@
 //! ff00::/8 and `ipMasqExclude`), removed on DEL and GC; read by `from_container` and
 //! `uplink_egress` before they masquerade a packet.
 
-use crate::impl_pod;
+use core::mem::offset_of;
 
-pub const MAP_NAME: &str = "masq_excludes";
-pub const MAX_ENTRIES: u32 = 65_536;
+use crate::impl_pod;
+use crate::map_spec::{MapSpec, OwnerField};
+
+pub const EXCLUDES: MapSpec = MapSpec::lpm_trie::<MasqExcludeKey, u32>("masq_excludes", 65_536)
+    .owned(OwnerField::KeyBigEndian(
+        4 + offset_of!(MasqExcludeKey, owner),
+    ));
 
 /// Bits of the key before the destination address: the owner id and the family.
 pub const OWNER_FAMILY_BITS: u32 = 72;

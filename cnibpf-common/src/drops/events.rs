@@ -7,12 +7,16 @@
 //! monitor`, which resolves the owner to its network, container and interface.
 
 #[cfg(doc)]
-use crate::drop_stats::DropReason;
-use crate::{address::Address, impl_pod};
+use crate::drops::DropReason;
+use crate::{
+    address::Address,
+    impl_pod,
+    map_spec::{MapKind, MapSpec},
+};
 
-pub const MAP_NAME: &str = "filter_events";
-/// Bytes of the ring (a power of two of pages): about 3,000 events.
-pub const RING_BYTES: u32 = 256 * 1024;
+/// A ring of 256 KiB (its `max_entries` are bytes, a power of two of pages): about 3,000
+/// events.
+pub const EVENTS: MapSpec = MapSpec::new::<(), ()>("filter_events", MapKind::RingBuf, 256 * 1024);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -7,9 +7,11 @@
 //! in the entries they create.
 
 use crate::impl_pod;
+use crate::map_spec::{Dimension, MapKind, MapSpec, OwnerField, Sizing};
 
-pub const MAP_NAME: &str = "owners";
-pub const MAX_ENTRIES: u32 = 4_096;
+pub const OWNERS: MapSpec = MapSpec::new::<u64, OwnerInfo>("owners", MapKind::Hash, 4_096)
+    .sized(Sizing::Measure(Dimension::Attachments))
+    .owned(OwnerField::Key);
 
 /// Longest network name or container id stored, in bytes (the rest is zero).
 pub const NAME_LEN: usize = 256;

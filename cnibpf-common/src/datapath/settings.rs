@@ -4,9 +4,9 @@
 //! programs; read by the socket hooks.
 
 use crate::impl_pod;
+use crate::map_spec::{MapKind, MapSpec};
 
-pub const MAP_NAME: &str = "settings";
-pub const MAX_ENTRIES: u32 = 1;
+pub const SETTINGS: MapSpec = MapSpec::new::<u32, Settings>("settings", MapKind::Array, 1);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

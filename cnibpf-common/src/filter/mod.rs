@@ -8,10 +8,23 @@
 //! unfiltered (no rules, default ALLOW): an attachment without an entry is not filtered at all.
 //! Read by every program that delivers a packet to or takes one from a container.
 
+pub mod hits;
+pub mod stats;
+
+pub use hits::{FilterHits, HITS, RuleHits};
+pub use stats::{FilterStats, STATS};
+
+use core::mem::offset_of;
+
+use crate::map_spec::{Dimension, MapKind, MapSpec, OwnerField, Sizing};
 use crate::{address::Address, impl_pod};
 
-pub const MAP_NAME: &str = "filters";
-pub const MAX_ENTRIES: u32 = 4_096;
+pub const FILTERS: MapSpec = MapSpec::new::<u32, FilterSet>("filters", MapKind::Hash, 4_096)
+    .sized(Sizing::Times(Dimension::Attachments, 1))
+    .owned(OwnerField::Value(offset_of!(FilterSet, owner)));
+
+/// The maps of the filter.
+pub const MAPS: [MapSpec; 3] = [FILTERS, HITS, STATS];
 /// Rules one attachment may have.
 pub const MAX_RULES: usize = 256;
 

@@ -1,6 +1,6 @@
 //! `connections`: every connection the datapath tracks, one entry each, holding what each
 //! feature keeps of it — its masquerade (SNAT), its hostPort translation (DNAT), the filter's
-//! verdict — and the one state machine they share ([`crate::conntrack`]).
+//! verdict — and the one state machine they share ([`conntrack`]).
 //!
 //! Key: [`ConnectionKey`] — the connection's tuple from its container's side: the container's
 //! address and port, the remote's, the same for packets either way (ICMP echo: the identifier
@@ -17,10 +17,23 @@
 //! Masquerade replies arrive with another tuple (the uplink's address and port): `masq_replies`
 //! finds their connection's key.
 
-use crate::{address::Address, conntrack, impl_pod};
+pub mod conntrack;
+pub mod fragments;
 
-pub const MAP_NAME: &str = "connections";
-pub const MAX_ENTRIES: u32 = 65_536;
+pub use fragments::{FRAGMENTS, FirstFragment, FragmentKey};
+
+use core::mem::offset_of;
+
+use crate::map_spec::{Dimension, MapKind, MapSpec, OwnerField, Sizing};
+use crate::{address::Address, impl_pod};
+
+pub const CONNECTIONS: MapSpec =
+    MapSpec::new::<ConnectionKey, Connection>("connections", MapKind::LruHash, 65_536)
+        .sized(Sizing::Times(Dimension::Flows, 1))
+        .owned(OwnerField::Value(offset_of!(Connection, owner)));
+
+/// The maps of connection tracking.
+pub const MAPS: [MapSpec; 2] = [CONNECTIONS, FRAGMENTS];
 
 /// [`Connection::parts`]: the container's side is masqueraded (the `nat_*` and
 /// `uplink_ifindex` fields).
@@ -146,13 +159,13 @@ impl_pod!(ConnectionKey, Connection);
 
 #[cfg(test)]
 mod tests {
+    use super::conntrack::{
+        SIDE_ORIGIN, SIDE_REPLY, STATE_CLOSING, STATE_ESTABLISHED, STATE_OPENING, TCP_ACK, TCP_SYN,
+        UDP_ESTABLISHED_TIMEOUT_NS, UDP_OPENING_TIMEOUT_NS,
+    };
     use super::*;
     use crate::{
         PROTO_TCP, PROTO_UDP,
-        conntrack::{
-            SIDE_ORIGIN, SIDE_REPLY, STATE_CLOSING, STATE_ESTABLISHED, STATE_OPENING, TCP_ACK,
-            TCP_SYN, UDP_ESTABLISHED_TIMEOUT_NS, UDP_OPENING_TIMEOUT_NS,
-        },
         filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
     };
 

@@ -9,10 +9,11 @@
 //! hostPort is addressed to the node; the FIB cannot tell a Service's local address from the
 //! node's.
 
+use crate::map_spec::{MapKind, MapSpec};
 use crate::{address::Address, impl_pod};
 
-pub const MAP_NAME: &str = "host_addrs";
-pub const MAX_ENTRIES: u32 = 4_096;
+pub const HOST_ADDRS: MapSpec =
+    MapSpec::new::<HostAddrKey, u32>("host_addrs", MapKind::Hash, 4_096);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

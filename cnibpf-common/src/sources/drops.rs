@@ -6,9 +6,11 @@
 //! its source. `cnibpf inspect` sums the CPUs.
 
 use crate::impl_pod;
+use crate::map_spec::{Dimension, MapKind, MapSpec, Sizing};
 
-pub const MAP_NAME: &str = "source_drops";
-pub const MAX_ENTRIES: u32 = 4_096;
+pub const DROPS: MapSpec =
+    MapSpec::new::<u32, SourceDrops>("source_drops", MapKind::PerCpuHash, 4_096)
+        .sized(Sizing::Times(Dimension::Attachments, 1));
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

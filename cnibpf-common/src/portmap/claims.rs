@@ -5,9 +5,11 @@
 //! there any?" without scanning `portmap`.
 
 use crate::impl_pod;
+use crate::map_spec::{Dimension, MapKind, MapSpec, Sizing};
 
-pub const MAP_NAME: &str = "port_claims";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const CLAIMS: MapSpec =
+    MapSpec::new::<PortClaimKey, PortClaim>("port_claims", MapKind::Hash, 16_384)
+        .sized(Sizing::Times(Dimension::HostPorts, 1));
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -8,11 +8,13 @@
 //! `uplink_ingress`, `from_container` (hairpin) and the socket hooks for mappings whose
 //! `PortMapValue::flags` has [`crate::portmap::FLAG_CONDITIONED`].
 
+use crate::map_spec::{Dimension, MapKind, MapSpec, Sizing};
 use crate::{address::Address, impl_pod};
 
-pub const MAP_NAME: &str = "port_conditions";
 /// One entry per attachment and family at most.
-pub const MAX_ENTRIES: u32 = 8_192;
+pub const CONDITIONS: MapSpec =
+    MapSpec::new::<PortConditionsKey, PortConditions>("port_conditions", MapKind::Hash, 8_192)
+        .sized(Sizing::Times(Dimension::Attachments, 2));
 /// Terms per entry (all clauses together).
 pub const MAX_TERMS: usize = 16;
 

@@ -6,10 +6,28 @@
 //! `from_container` and `uplink_egress`, which masquerade only packets whose source is listed
 //! here and that arrive from the interface recorded with it.
 
+pub mod excludes;
+pub mod replies;
+pub mod stats;
+pub mod uplinks;
+
+pub use excludes::{EXCLUDES, MasqExcludeKey};
+pub use replies::{MasqReply, REPLIES, ReplyKey};
+pub use stats::{MasqStats, STATS};
+pub use uplinks::{UPLINKS, UplinkInfo};
+
+use core::mem::offset_of;
+
+use crate::map_spec::{Dimension, MapKind, MapSpec, OwnerField, Sizing};
 use crate::{address::Address, impl_pod};
 
-pub const MAP_NAME: &str = "masq_sources";
-pub const MAX_ENTRIES: u32 = 8_192;
+pub const SOURCES: MapSpec =
+    MapSpec::new::<MasqSourceKey, MasqSource>("masq_sources", MapKind::Hash, 8_192)
+        .sized(Sizing::Times(Dimension::Attachments, 2))
+        .owned(OwnerField::Value(offset_of!(MasqSource, owner)));
+
+/// The maps of masquerade.
+pub const MAPS: [MapSpec; 5] = [SOURCES, EXCLUDES, REPLIES, STATS, UPLINKS];
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

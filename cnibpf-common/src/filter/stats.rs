@@ -4,9 +4,10 @@
 //! `cnibpf inspect` sums the CPUs.
 
 use crate::impl_pod;
+use crate::map_spec::{MapKind, MapSpec};
 
-pub const MAP_NAME: &str = "filter_stats";
-pub const MAX_ENTRIES: u32 = 1;
+pub const STATS: MapSpec =
+    MapSpec::new::<u32, FilterStats>("filter_stats", MapKind::PerCpuArray, 1);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -5,11 +5,21 @@
 //! stack untranslated is not a drop); read by `cnibpf inspect` and `cnibpf metrics`, which
 //! sum the CPUs. The nftables backend counts the same reasons on its drop rules.
 
-use crate::impl_pod;
+pub mod budget;
+pub mod events;
 
-pub const MAP_NAME: &str = "drop_stats";
+pub use budget::{DropEventBudget, EVENT_BUDGET};
+pub use events::{EVENTS, FilterEvent};
+
+use crate::impl_pod;
+use crate::map_spec::{MapKind, MapSpec};
+
 /// One slot per [`DropReason`] value, with room for reasons to come.
-pub const MAX_ENTRIES: u32 = 32;
+pub const DROP_STATS: MapSpec =
+    MapSpec::new::<u32, DropCount>("drop_stats", MapKind::PerCpuArray, 32);
+
+/// The maps of drop accounting.
+pub const MAPS: [MapSpec; 3] = [DROP_STATS, EVENTS, EVENT_BUDGET];
 
 /// Why a packet was dropped. The values are stable: they index `drop_stats` and are the
 /// `reason` of a `filter_events` record, which every build since the first monitor reads.
@@ -115,7 +125,7 @@ impl_pod!(DropCount);
 const _: () = {
     let mut index = 0;
     while index < DropReason::ALL.len() {
-        assert!((DropReason::ALL[index] as u32) < MAX_ENTRIES);
+        assert!((DropReason::ALL[index] as u32) < DROP_STATS.max_entries);
         index += 1;
     }
 };

@@ -4,9 +4,9 @@
 //! `cnibpf inspect` sums the CPUs, `bpftool map dump pinned <pinPath>/masq_stats` shows each.
 
 use crate::impl_pod;
+use crate::map_spec::{MapKind, MapSpec};
 
-pub const MAP_NAME: &str = "masq_stats";
-pub const MAX_ENTRIES: u32 = 1;
+pub const STATS: MapSpec = MapSpec::new::<u32, MasqStats>("masq_stats", MapKind::PerCpuArray, 1);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

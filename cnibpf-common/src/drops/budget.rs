@@ -6,9 +6,10 @@
 //! whenever they drop a packet; `suppressed` read by `cnibpf inspect` and `cnibpf metrics`.
 
 use crate::impl_pod;
+use crate::map_spec::{MapKind, MapSpec};
 
-pub const MAP_NAME: &str = "drop_event_budget";
-pub const MAX_ENTRIES: u32 = 1;
+pub const EVENT_BUDGET: MapSpec =
+    MapSpec::new::<u32, DropEventBudget>("drop_event_budget", MapKind::PerCpuArray, 1);
 
 /// Events a CPU may write in a burst, and the bucket's size.
 pub const BURST: u64 = 256;

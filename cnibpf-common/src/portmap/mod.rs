@@ -6,10 +6,37 @@
 //! `uplink_ingress` for traffic from outside, by `from_container` for hairpin traffic and by the
 //! socket hooks for connections of host processes.
 
+pub mod claims;
+pub mod conditions;
+pub mod host_addrs;
+pub mod host_sockets;
+pub mod owner_ports;
+
+pub use claims::{CLAIMS, PortClaim, PortClaimKey};
+pub use conditions::{CONDITIONS, ConditionTerm, PortConditions, PortConditionsKey};
+pub use host_addrs::{HOST_ADDRS, HostAddrKey};
+pub use host_sockets::{HOST_SOCKETS, SockRevKey, SockRevValue};
+pub use owner_ports::{OWNER_PORTS, OwnerPortKey};
+
+use core::mem::offset_of;
+
+use crate::map_spec::{Dimension, MapKind, MapSpec, OwnerField, Sizing};
 use crate::{address::Address, impl_pod};
 
-pub const MAP_NAME: &str = "portmap";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const MAPPINGS: MapSpec =
+    MapSpec::new::<PortMapKey, PortMapValue>("portmap", MapKind::Hash, 16_384)
+        .sized(Sizing::Measure(Dimension::HostPorts))
+        .owned(OwnerField::Value(offset_of!(PortMapValue, owner)));
+
+/// The maps of port mapping.
+pub const MAPS: [MapSpec; 6] = [
+    MAPPINGS,
+    CONDITIONS,
+    CLAIMS,
+    OWNER_PORTS,
+    HOST_SOCKETS,
+    HOST_ADDRS,
+];
 
 /// `PortMapValue::flags`: the attachment's `port_conditions` gate the mapping.
 pub const FLAG_CONDITIONED: u8 = 1;

@@ -6,10 +6,10 @@
 //! leaves through. An uplink without an address of a family drops masqueraded packets of that
 //! family, as the kernel's MASQUERADE does.
 
+use crate::map_spec::{MapKind, MapSpec};
 use crate::{address::Address, impl_pod};
 
-pub const MAP_NAME: &str = "uplinks";
-pub const MAX_ENTRIES: u32 = 256;
+pub const UPLINKS: MapSpec = MapSpec::new::<u32, UplinkInfo>("uplinks", MapKind::Hash, 256);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

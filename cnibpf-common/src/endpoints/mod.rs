@@ -9,10 +9,21 @@
 //! the gateway it may translate hairpin traffic to, and by every hook that hands a packet to a
 //! container.
 
-use crate::{address::Address, impl_pod, source::SourceSet};
+pub mod owners;
 
-pub const MAP_NAME: &str = "endpoints";
-pub const MAX_ENTRIES: u32 = 4_096;
+pub use owners::{OWNERS, OwnerInfo};
+
+use core::mem::offset_of;
+
+use crate::map_spec::{Dimension, MapKind, MapSpec, OwnerField, Sizing};
+use crate::{address::Address, impl_pod, sources::SourceSet};
+
+pub const ENDPOINTS: MapSpec = MapSpec::new::<u32, EndpointInfo>("endpoints", MapKind::Hash, 4_096)
+    .sized(Sizing::Times(Dimension::Attachments, 1))
+    .owned(OwnerField::Value(offset_of!(EndpointInfo, owner)));
+
+/// The maps of the endpoints and their attachments.
+pub const MAPS: [MapSpec; 2] = [ENDPOINTS, OWNERS];
 
 /// `EndpointInfo::flags`: what this container sends goes through its veth's qdiscs and the
 /// host stack, and what is translated for it through that veth's egress, so that what sits on

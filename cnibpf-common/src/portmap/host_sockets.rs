@@ -6,10 +6,12 @@
 //! read by recvmsg (the source of UDP replies) and getpeername. An LRU map: entries of closed
 //! sockets age out.
 
+use crate::map_spec::{Dimension, MapKind, MapSpec, Sizing};
 use crate::{address::Address, impl_pod};
 
-pub const MAP_NAME: &str = "sock_rev";
-pub const MAX_ENTRIES: u32 = 16_384;
+pub const HOST_SOCKETS: MapSpec =
+    MapSpec::new::<SockRevKey, SockRevValue>("sock_rev", MapKind::LruHash, 16_384)
+        .sized(Sizing::Over(Dimension::Flows, 4));
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
