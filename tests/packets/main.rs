@@ -20,6 +20,7 @@ use serde_json::json;
 
 mod headers;
 mod random;
+mod scenarios;
 mod translation;
 
 /// `TCX_NEXT` (`TC_ACT_UNSPEC`): on to whatever comes after cnibpf.
