@@ -17,6 +17,19 @@ pub enum MapKind {
 }
 
 impl MapKind {
+    /// The kernel's `enum bpf_map_type` value.
+    pub const fn kernel_type(self) -> u32 {
+        match self {
+            Self::Hash => 1,
+            Self::Array => 2,
+            Self::PerCpuHash => 5,
+            Self::PerCpuArray => 6,
+            Self::LruHash => 9,
+            Self::LpmTrie => 11,
+            Self::RingBuf => 27,
+        }
+    }
+
     /// Whether each CPU has a value of its own.
     pub const fn per_cpu(self) -> bool {
         matches!(self, Self::PerCpuHash | Self::PerCpuArray)

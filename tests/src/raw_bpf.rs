@@ -4,7 +4,7 @@
 
 use std::{
     io,
-    os::fd::{FromRawFd as _, OwnedFd},
+    os::fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
 };
 
 /// `bpf(2)` commands and the program type (uapi).
@@ -73,6 +73,48 @@ pub fn load_classifier(instructions: &[u64]) -> io::Result<OwnedFd> {
                 ),
             ))
         }
+    }
+}
+
+/// `BPF_MAP_LOOKUP_ELEM` and `BPF_MAP_GET_NEXT_KEY`.
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+
+/// Every entry of the hash or LRU hash map behind `map`, as keys of `key_size` and values of
+/// `value_size` bytes (a map's spec says them), read one key at a time.
+pub fn map_entries(
+    map: BorrowedFd<'_>,
+    key_size: usize,
+    value_size: usize,
+) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    let fd = u32::try_from(map.as_raw_fd()).map_err(|_| io::Error::other("descriptor"))?;
+    let mut entries = Vec::new();
+    let mut key: Option<Vec<u8>> = None;
+    loop {
+        let mut next = vec![0u8; key_size];
+        // union bpf_attr, map element commands: map_fd, key, value / next_key, flags.
+        let mut attr = [0u8; 128];
+        attr[0..4].copy_from_slice(&fd.to_ne_bytes());
+        let key_pointer = key.as_ref().map_or(0, |key| key.as_ptr() as u64);
+        attr[8..16].copy_from_slice(&key_pointer.to_ne_bytes());
+        attr[16..24].copy_from_slice(&(next.as_mut_ptr() as u64).to_ne_bytes());
+        match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+            Ok(_) => {}
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(entries),
+            Err(error) => return Err(error),
+        }
+        let mut value = vec![0u8; value_size];
+        let mut attr = [0u8; 128];
+        attr[0..4].copy_from_slice(&fd.to_ne_bytes());
+        attr[8..16].copy_from_slice(&(next.as_ptr() as u64).to_ne_bytes());
+        attr[16..24].copy_from_slice(&(value.as_mut_ptr() as u64).to_ne_bytes());
+        match bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) {
+            Ok(_) => entries.push((next.clone(), value)),
+            // Deleted since its key was listed (an LRU map evicts as it likes).
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(error) => return Err(error),
+        }
+        key = Some(next);
     }
 }
 

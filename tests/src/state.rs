@@ -1,7 +1,7 @@
 //! What the datapath holds, read as the tests assert it: tcx programs on an interface, pinned
 //! programs and maps (through aya and bpftool), the nftables ruleset, `cnibpf inspect`.
 
-use std::path::PathBuf;
+use std::{os::fd::AsFd as _, path::PathBuf};
 
 use cnibpf_common::{
     address::Address,
@@ -9,6 +9,7 @@ use cnibpf_common::{
         Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_SNAT, conntrack::STATE_ESTABLISHED,
     },
     filter::FilterHits,
+    map_spec::MapSpec,
     masquerade::MasqStats,
 };
 use serde_json::Value;
@@ -373,96 +374,59 @@ pub fn dual_stack(container_id: &str, host_port: u64) -> Vec<(String, u64, u8)> 
 }
 
 impl SimHost {
-    /// The eBPF maps that still hold an entry of the attachment `owner` (its hostPorts,
-    /// masquerade, exclusions, filter, source check, record, connections and their replies); empty
-    /// when nothing of it is left (or no eBPF state is).
+    /// The eBPF maps that still hold an entry of the attachment `owner`: every map whose spec
+    /// says where its entries name their owner, and `endpoints.sources` for a source set
+    /// another attachment's record still holds; empty when nothing of it is left (or no eBPF
+    /// state is).
     pub fn ebpf_maps_holding(&self, owner: u64) -> Vec<&'static str> {
         use cnibpf_common::{
-            endpoints::{EndpointInfo, OwnerInfo},
-            filter::FilterSet,
-            masquerade::{MasqExcludeKey, MasqReply, MasqSource, MasqSourceKey, ReplyKey},
-            portmap::{PortMapKey, PortMapValue},
+            endpoints::{ENDPOINTS, EndpointInfo},
+            map_spec::OwnerField,
             sources::FLAG_RECORDED,
         };
         if !self.pin_path.join("owners").exists() {
             return Vec::new();
         }
-        fn owned_values<K: aya::Pod, V: aya::Pod>(
-            sim: &SimHost,
-            name: &str,
-            owner_of: impl Fn(&V) -> u64,
-            owner: u64,
-        ) -> bool {
-            sim.pinned_hash_map::<K, V>(name)
-                .iter()
-                .map(|entry| entry.unwrap_or_else(|error| panic!("read {name}: {error}")))
-                .any(|(_, value)| owner_of(&value) == owner)
-        }
-        let mut holding = Vec::new();
-        let checks: [(&'static str, bool); 8] = [
-            (
-                "owners",
-                self.pinned_hash_map::<u64, OwnerInfo>("owners")
-                    .get(&owner, 0)
-                    .is_ok(),
-            ),
-            (
-                "endpoints",
-                owned_values::<u32, EndpointInfo>(self, "endpoints", |v| v.owner, owner),
-            ),
-            (
-                "portmap",
-                owned_values::<PortMapKey, PortMapValue>(self, "portmap", |v| v.owner, owner),
-            ),
-            (
-                "masq_sources",
-                owned_values::<MasqSourceKey, MasqSource>(self, "masq_sources", |v| v.owner, owner),
-            ),
-            (
-                "connections",
-                owned_values::<ConnectionKey, Connection>(self, "connections", |v| v.owner, owner),
-            ),
-            (
-                "masq_replies",
-                owned_values::<ReplyKey, MasqReply>(self, "masq_replies", |v| v.owner, owner),
-            ),
-            (
-                "filters",
-                owned_values::<u32, FilterSet>(self, "filters", |v| v.owner, owner),
-            ),
-            (
-                "endpoints.sources",
-                owned_values::<u32, EndpointInfo>(
-                    self,
-                    "endpoints",
-                    |v| {
-                        if v.sources.flags & FLAG_RECORDED != 0 {
-                            v.sources.owner
-                        } else {
-                            0
-                        }
-                    },
-                    owner,
-                ),
-            ),
-        ];
-        holding.extend(
-            checks
-                .into_iter()
-                .filter(|(_, held)| *held)
-                .map(|(name, _)| name),
-        );
-        let excludes: aya::maps::LpmTrie<_, MasqExcludeKey, u32> =
-            aya::maps::LpmTrie::try_from(self.pinned_map("masq_excludes"))
-                .expect("masq_excludes as an LPM trie");
-        let excluded = excludes
+        let word = |bytes: &[u8], at: usize| -> [u8; 8] {
+            bytes[at..at + 8]
+                .try_into()
+                .expect("an owner id's eight bytes")
+        };
+        let mut holding: Vec<&'static str> = cnibpf_common::maps()
+            .filter(|spec| {
+                let owner_of = |key: &[u8], value: &[u8]| match spec.owner {
+                    OwnerField::None => None,
+                    OwnerField::Key => Some(u64::from_ne_bytes(word(key, 0))),
+                    OwnerField::Value(at) => Some(u64::from_ne_bytes(word(value, at))),
+                    OwnerField::KeyBigEndian(at) => Some(u64::from_be_bytes(word(key, at))),
+                };
+                spec.owner != OwnerField::None
+                    && self
+                        .raw_entries(spec)
+                        .iter()
+                        .any(|(key, value)| owner_of(key, value) == Some(owner))
+            })
+            .map(|spec| spec.name)
+            .collect();
+        let sources_held = self
+            .pinned_hash_map::<u32, EndpointInfo>(ENDPOINTS.name)
             .iter()
-            .map(|entry| entry.expect("read masq_excludes"))
-            .any(|(key, _)| key.data().owner == owner.to_be_bytes());
-        if excluded {
-            holding.push("masq_excludes");
+            .map(|entry| entry.unwrap_or_else(|error| panic!("read endpoints: {error}")))
+            .any(|(_, record)| {
+                record.sources.flags & FLAG_RECORDED != 0 && record.sources.owner == owner
+            });
+        if sources_held {
+            holding.push("endpoints.sources");
         }
         holding
+    }
+
+    /// Every entry of the pinned map of `spec`, as bytes.
+    pub fn raw_entries(&self, spec: &MapSpec) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let map = aya::maps::MapData::from_pin(self.pin_path.join(spec.name))
+            .unwrap_or_else(|error| panic!("open map {}: {error}", spec.name));
+        crate::raw_bpf::map_entries(map.fd().as_fd(), spec.key_size, spec.value_size)
+            .unwrap_or_else(|error| panic!("read map {}: {error}", spec.name))
     }
 }
 

@@ -16,7 +16,8 @@ use crate::{
 
 /// A ring of 256 KiB (its `max_entries` are bytes, a power of two of pages): about 3,000
 /// events.
-pub const EVENTS: MapSpec = MapSpec::new::<(), ()>("filter_events", MapKind::RingBuf, 256 * 1024);
+pub const EVENTS: MapSpec =
+    MapSpec::new::<(), FilterEvent>("filter_events", MapKind::RingBuf, 256 * 1024);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

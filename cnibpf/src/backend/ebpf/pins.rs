@@ -52,7 +52,7 @@ pub(super) const SOCK_PROGRAMS: [(&str, CgroupSockAddrAttachType); 8] = [
 ];
 
 /// The datapath object built by `cargo xtask build-ebpf`, embedded at compile time.
-static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("CNIBPF_EBPF_OBJECT"));
+pub(super) static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("CNIBPF_EBPF_OBJECT"));
 /// Hash of [`OBJECT`] (computed by build.rs), recorded in the `layout` map with the programs.
 const OBJECT_ID: &str = env!("CNIBPF_EBPF_OBJECT_ID");
 

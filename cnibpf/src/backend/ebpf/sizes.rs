@@ -342,9 +342,46 @@ pub fn memory(pins: &PinLayout) -> Result<Memory, BackendError> {
 
 #[cfg(test)]
 mod tests {
+    use aya_obj::{Object, maps::PinningType};
     use cnibpf_common::{connections, endpoints, map_spec::MIN_SCALED, masquerade, portmap};
 
-    use super::*;
+    use super::{super::pins::OBJECT, *};
+
+    /// The specs in `cnibpf_common` are the maps: every map the object pins by name is a spec,
+    /// of the spec's kind, key and value sizes and declared entries, and every spec is pinned.
+    #[test]
+    fn every_pinned_map_of_the_object_is_declared_by_its_spec() {
+        let object = Object::parse(OBJECT).expect("the embedded object parses");
+        let mut pinned = 0;
+        for (name, map) in &object.maps {
+            if map.pinning() != PinningType::ByName {
+                continue;
+            }
+            pinned += 1;
+            let spec = cnibpf_common::map(name)
+                .unwrap_or_else(|| panic!("map {name} is pinned but has no spec"));
+            assert_eq!(
+                (
+                    map.map_type(),
+                    map.key_size() as usize,
+                    map.value_size() as usize,
+                    map.max_entries()
+                ),
+                (
+                    spec.kind.kernel_type(),
+                    spec.key_size,
+                    spec.value_size,
+                    spec.max_entries
+                ),
+                "{name}: (type, key, value, entries) as the object declares it and as its spec does"
+            );
+        }
+        assert_eq!(
+            pinned,
+            cnibpf_common::maps().count(),
+            "every spec is pinned"
+        );
+    }
 
     /// The sizes a datapath created with `capacity` has, by map.
     fn created_with(capacity: &Capacity) -> Vec<(&'static str, u32)> {
