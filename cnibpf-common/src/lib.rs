@@ -18,8 +18,6 @@
 #[cfg(feature = "user")]
 pub mod addr;
 pub mod address;
-#[cfg(feature = "user")]
-pub mod compat;
 pub mod connections;
 pub mod datapath;
 pub mod drops;

@@ -319,16 +319,6 @@ fn link_from_message(message: LinkMessage) -> Link {
     link
 }
 
-/// Position of one TC filter on the clsact ingress hook: its priority and handle.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TcFilterSlot {
-    pub priority: u16,
-    pub handle: u32,
-}
-
-/// `ETH_P_ALL` in network byte order, as filters carry their protocol.
-const ETH_P_ALL_BE: u16 = 0x0003u16.to_be();
-
 /// The qdiscs someone put on an interface (its default root qdisc, `noqueue`, and the
 /// placeholder `noop` aside), by kind (`tbf`, `ingress`, `clsact`, …): its root and its
 /// ingress qdisc, asked for by name. A dump
@@ -370,77 +360,6 @@ pub fn added_qdiscs(ifindex: u32) -> Result<Vec<String>, NetlinkError> {
         }
     }
     Ok(kinds)
-}
-
-/// Whether any filter is on the clsact hooks of an interface (either direction).
-pub fn clsact_has_filters(ifindex: u32) -> Result<bool, NetlinkError> {
-    for minor in [TcHandle::MIN_INGRESS, TcHandle::MIN_EGRESS] {
-        let mut message = TcMessage::with_index(ifindex_i32(ifindex));
-        message.header.parent = TcHandle {
-            major: TcHandle::CLSACT.major,
-            minor,
-        };
-        let request = RouteNetlinkMessage::GetTrafficFilter(message);
-        let found = dump("filter", request, |message| {
-            matches!(message, RouteNetlinkMessage::NewTrafficFilter(_)).then_some(())
-        })?;
-        if !found.is_empty() {
-            return Ok(true);
-        }
-    }
-    Ok(false)
-}
-
-/// Removes the clsact qdisc of an interface, with whatever filters are on it; one that is not
-/// there (or whose interface is gone) is fine.
-pub fn delete_clsact(ifindex: u32) -> Result<(), NetlinkError> {
-    let mut message = TcMessage::with_index(ifindex_i32(ifindex));
-    message.header.parent = TcHandle::CLSACT;
-    message.header.handle = TcHandle {
-        major: TcHandle::CLSACT.major,
-        minor: 0,
-    };
-    delete_if_there(
-        "clsact qdisc",
-        RouteNetlinkMessage::DelQueueDiscipline(message),
-    )
-}
-
-/// Sends a deletion; what is not there (or whose interface is gone) is fine.
-fn delete_if_there(what: &'static str, request: RouteNetlinkMessage) -> Result<(), NetlinkError> {
-    match exchange(what, request, NLM_F_ACK, |_| None::<()>) {
-        Ok(_) => Ok(()),
-        Err(NetlinkError::Request { source, .. })
-            if matches!(
-                source.raw_os_error(),
-                Some(libc::ENOENT | libc::ENODEV | libc::EINVAL)
-            ) =>
-        {
-            Ok(())
-        }
-        Err(error) => Err(error),
-    }
-}
-
-/// Deletes the filter in `slot` of the clsact ingress (or `egress`) hook; one that is not
-/// there (or whose interface is gone) is fine.
-pub fn delete_filter(ifindex: u32, slot: TcFilterSlot, egress: bool) -> Result<(), NetlinkError> {
-    let mut message = filter_message(ifindex, slot);
-    if egress {
-        message.header.parent.minor = TcHandle::MIN_EGRESS;
-    }
-    delete_if_there("filter", RouteNetlinkMessage::DelTrafficFilter(message))
-}
-
-fn filter_message(ifindex: u32, slot: TcFilterSlot) -> TcMessage {
-    let mut message = TcMessage::with_index(ifindex_i32(ifindex));
-    message.header.parent = TcHandle {
-        major: TcHandle::CLSACT.major,
-        minor: TcHandle::MIN_INGRESS,
-    };
-    message.header.handle = TcHandle::from(slot.handle);
-    message.header.info = (u32::from(slot.priority) << 16) | u32::from(ETH_P_ALL_BE);
-    message
 }
 
 fn ifindex_i32(ifindex: u32) -> i32 {

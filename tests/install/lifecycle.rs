@@ -314,3 +314,46 @@ fn install_refuses_a_node_whose_nftables_datapath_cannot_be_migrated() {
         "installed once the table is gone"
     );
 }
+
+/// A node whose eBPF datapath is of a layout before the supported window (here layout 9, as
+/// a 0.4 release stamped it) is not given this build either: `install` names the release to
+/// pass through and writes nothing; once its pods are gone (their DELs drain the state, which
+/// the last one removes), it installs.
+#[test]
+fn install_refuses_a_node_whose_ebpf_datapath_is_before_the_window() {
+    let sim = SimHost::new("inst-l9", json!({}));
+    let pod = sim.container("c1", Value::Null);
+    let mut stamp = sim.layout_bytes();
+    stamp[8..12].copy_from_slice(&9u32.to_le_bytes());
+    sim.write_layout(&stamp);
+    let (node, entry) = NodeDirs::under(&sim, "layout9");
+    let args = node.args("install", &["--entry", &entry]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let install = || sim.cnibpf(&args);
+    let refused = install();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{refused:?}");
+    assert!(
+        said.contains("has layout v9, which this build does not migrate")
+            && said.contains("upgrade it through 0.5.1 (7d1bccd) first"),
+        "{said}"
+    );
+    assert_eq!(
+        node.files(),
+        ["10-net.conflist"],
+        "nothing of cnibpf's written"
+    );
+    assert!(
+        !node.bin_dir().join("cnibpf").exists(),
+        "the binary is not replaced"
+    );
+    sim.del(&pod)
+        .unwrap_or_else(|error| panic!("the DEL of the release's pod: {error}"));
+    assert!(!sim.pin_path.exists(), "the last DEL removed the state");
+    let installed = install();
+    assert!(installed.status.success(), "{installed:?}");
+    assert!(
+        node.bin_dir().join("cnibpf").exists(),
+        "installed once the state is gone"
+    );
+}

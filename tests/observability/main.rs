@@ -30,43 +30,6 @@ mod drops;
 mod metrics;
 
 /// The value of the `layout` map, as bpftool writes it (hex bytes).
-fn layout_bytes(host: &SimHost) -> Vec<u8> {
-    let path = host.pin_path.join("layout").display().to_string();
-    let raw = host.host.exec(&[
-        "bpftool", "-j", "map", "lookup", "pinned", &path, "key", "0", "0", "0", "0",
-    ]);
-    let value: Value = serde_json::from_str(&raw).expect("bpftool JSON");
-    value["value"]
-        .as_array()
-        .expect("the raw value")
-        .iter()
-        .map(|byte| {
-            u8::from_str_radix(byte.as_str().expect("hex").trim_start_matches("0x"), 16)
-                .expect("a hex byte")
-        })
-        .collect()
-}
-
-fn set_layout_bytes(host: &SimHost, bytes: &[u8]) {
-    let path = host.pin_path.join("layout").display().to_string();
-    let mut args = vec![
-        "bpftool".to_owned(),
-        "map".to_owned(),
-        "update".to_owned(),
-        "pinned".to_owned(),
-        path,
-        "key".to_owned(),
-        "0".to_owned(),
-        "0".to_owned(),
-        "0".to_owned(),
-        "0".to_owned(),
-        "value".to_owned(),
-    ];
-    args.extend(bytes.iter().map(|byte| byte.to_string()));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    host.host.exec(&args);
-}
-
 /// `/readyz` of a node set up by `cnibpf install --load`: ready; not ready once cnibpf's entry
 /// is gone from the network the runtime uses, ready again when `install --watch` (serving the
 /// same endpoint) puts it back; not ready while the datapath has an older layout.
@@ -157,14 +120,14 @@ fn readyz_follows_the_chain_and_the_datapath() {
     );
     drop(watch_endpoint);
 
-    let stamped = layout_bytes(&host);
+    let stamped = host.layout_bytes();
     let mut older = stamped.clone();
     older[8..12].copy_from_slice(
         &(u32::from_le_bytes(stamped[8..12].try_into().expect("4 bytes")) - 1).to_le_bytes(),
     );
-    set_layout_bytes(&host, &older);
+    host.write_layout(&older);
     let (status, body) = readiness();
-    set_layout_bytes(&host, &stamped);
+    host.write_layout(&stamped);
     assert_eq!(status, 503, "an older layout is not ready: {body}");
     assert!(body.contains("older than this build's"), "{body}");
     assert_eq!(readiness().0, 200, "the layout restored");

@@ -94,6 +94,35 @@ fn pinned_state_of_a_newer_layout_is_error_106_for_add_only() {
     assert_silent_success(&invoke(&sim, "DEL", Some(&never), &config));
 }
 
+/// State of a layout before the supported window (layout 9, as a 0.4 release pinned it): ADD
+/// is refused with the release to pass through; DEL still answers.
+#[test]
+fn pinned_state_of_a_layout_before_the_window_is_error_106_naming_the_release_between() {
+    let sim = SimHost::new("proto-older", json!({}));
+    pin_layout(&sim, *b"cnibpf\0\0", 9);
+    let error = sim
+        .add_container("c1", port_mappings(&[(8080, 80, "tcp")]))
+        .expect_err("a layout before the window must be refused");
+    assert_cni_error(&error.0, 106, "has layout v9, older than this cnibpf's");
+    assert!(
+        error
+            .0
+            .error_msg()
+            .contains("upgrade through 0.5.1 (7d1bccd) first"),
+        "names the release to pass through: {error}"
+    );
+    assert!(sim.tcx_programs(UPLINK).is_empty(), "nothing attached");
+    let never = Attachment {
+        container_id: "never-added".to_owned(),
+        ifname: "eth0".to_owned(),
+        netns: sim.host.path(),
+        capability_args: Value::Null,
+        cni_args: String::new(),
+    };
+    let config = cnibpf_config(&sim, "1.0.0", None);
+    assert_silent_success(&invoke(&sim, "DEL", Some(&never), &config));
+}
+
 #[test]
 fn a_pin_path_holding_something_else_is_error_106_naming_it() {
     let sim = SimHost::new("proto-foreign", json!({}));

@@ -260,6 +260,24 @@ impl SimHost {
             .unwrap_or_else(|| panic!("no version in {entries}"))
     }
 
+    /// The `layout` map's single value as bytes: magic, version, padding, object id.
+    pub fn layout_bytes(&self) -> Vec<u8> {
+        let path = self.pin_path.join("layout").display().to_string();
+        let raw = self.host.exec(&[
+            "bpftool", "-j", "map", "lookup", "pinned", &path, "key", "0", "0", "0", "0",
+        ]);
+        let value: Value = serde_json::from_str(&raw).expect("bpftool JSON");
+        value["value"]
+            .as_array()
+            .expect("the raw value")
+            .iter()
+            .map(|byte| {
+                u8::from_str_radix(byte.as_str().expect("hex").trim_start_matches("0x"), 16)
+                    .expect("a hex byte")
+            })
+            .collect()
+    }
+
     /// Writes the `layout` map's single value, as another build of cnibpf could have left it.
     pub fn write_layout(&self, value: &[u8]) {
         let layout = self.pin_path.join("layout");

@@ -1,14 +1,14 @@
-//! Live upgrade across datapath layouts, with a real older cnibpf: commit 5da8470 (eBPF layout
-//! 6, container interfaces hooked by cls_bpf filters; nftables table layout 1), commit
-//! 8a7f4ca (nftables layout 2) and every later release `releases.toml` lists, built from this
-//! repository's history. A node upgrades while its pods run, and its connections,
-//! translations, filters, source checks and counters live on; DEL works across layouts in both
-//! directions; a migration killed at any point is completed by the next run.
+//! Live upgrade across datapath layouts, with real older cnibpf builds: every release
+//! `releases.toml` lists, built from this repository's history. A node of the supported window
+//! upgrades while its pods run, and its connections, translations, filters, source checks and
+//! counters live on; a migration killed at any point is completed by the next run; a rollback
+//! to the window drains this build's newer state. A node on a release before the window passes
+//! through the window's newest release, live, and this build adds nothing to its state
+//! meanwhile but lets its pods go.
 //!
-//! Two tests, each run in phases, one after the other: the supported window (the last
-//! releases, `./dev test`) and the releases before it (CI's upgrade layer). The simulated
-//! hosts run the cnibpf binary installed at one path, replaced in place as an upgrade
-//! replaces it.
+//! Two tests, each run in phases, one after the other: the supported window (`./dev test`) and
+//! the releases before it (CI's upgrade layer). The simulated hosts run the cnibpf binary
+//! installed at one path, replaced in place as an upgrade replaces it.
 
 use std::{
     path::{Path, PathBuf},
@@ -17,10 +17,7 @@ use std::{
     time::Duration,
 };
 
-use cnibpf_common::{
-    datapath::{LayoutInfo, layout::MAGIC},
-    sources::SourceSet,
-};
+use cnibpf_common::sources::SourceSet;
 use cnibpf_tests::{
     Container, SimHost, chain, faults, history,
     live::{LivePod, pod_keys},
@@ -94,105 +91,6 @@ fn assert_migrated(sim: &SimHost) {
         cnibpf_common::datapath::layout::VERSION
     );
     assert!(!half_migrated(sim), "the old pins are gone");
-}
-
-fn layout_bytes(version: u32) -> Vec<u8> {
-    let info = LayoutInfo {
-        magic: MAGIC,
-        version,
-        _pad: 0,
-        object_id: 0,
-    };
-    [
-        info.magic.to_ne_bytes().as_slice(),
-        &info.version.to_ne_bytes(),
-        &info._pad.to_ne_bytes(),
-        &info.object_id.to_ne_bytes(),
-    ]
-    .concat()
-}
-
-fn endpoint_links(sim: &SimHost) -> usize {
-    std::fs::read_dir(sim.pin_path.join("links"))
-        .map(|entries| {
-            entries
-                .filter_map(Result::ok)
-                .filter(|entry| entry.file_name().to_string_lossy().starts_with("endpoint-"))
-                .count()
-        })
-        .unwrap_or(0)
-}
-
-/// The new cnibpf's next ADD migrates the state with the pod's traffic flowing; the old
-/// pod passes CHECK and DEL of the new one; then a downgrade: ADD refused, DEL still works,
-/// and the last DEL leaves the node to the older build.
-fn upgrade_then_downgrade(installed: &Installed, old: &Path, new: &Path) {
-    installed.put(old);
-    let sim = SimHost::new("upg", pod_keys("ebpf"));
-    let pod = LivePod::start(&sim);
-    assert_eq!(sim.layout_version(), 6, "the older cnibpf made layout 6");
-    let hits = sim.filter_rule_packets(0);
-    assert!(hits > 0, "the DROP rule counted its drops");
-    let flows = flows::masqueraded(&sim);
-
-    installed.put(new);
-    let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
-    assert_migrated(&sim);
-    assert_hooked_by_tcx(&sim, &pod.container);
-    assert_hooked_by_tcx(&sim, &c2);
-    assert_eq!(sim.filter_rule_packets(0), hits, "the counters were kept");
-    let flows_after = flows::masqueraded(&sim);
-    assert_eq!(
-        flows_after, flows,
-        "the masqueraded flows were kept as they were"
-    );
-    pod.assert_translations(&sim, "after the upgrade");
-    assert!(sim.filter_rule_packets(0) > hits, "the filter counts on");
-    sim.check(&pod.container)
-        .unwrap_or_else(|error| panic!("CHECK of the older ADD's pod: {error}"));
-    let _c2_server = TcpServer::start(&c2.netns, c2.socket(80), "c2");
-    assert_eq!(
-        tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
-        Ok("c2")
-    );
-    let c1 = pod.assert_carried_on("across the upgrade");
-
-    // A downgrade: this build meets the layout of a newer one.
-    sim.write_layout(&layout_bytes(cnibpf_common::datapath::layout::VERSION + 1));
-    let refused = sim
-        .add_container("c3", port_mappings(&[]))
-        .expect_err("ADD into a newer layout is refused");
-    assert_eq!(refused.0.error_code(), Some(106), "{refused}");
-    let message = refused.0.error_msg();
-    assert!(
-        message.contains("newer") && message.contains("DEL"),
-        "{message}"
-    );
-    assert!(
-        !message.contains("delete every"),
-        "no advice to delete state: {message}"
-    );
-    assert_eq!(endpoint_links(&sim), 4);
-    sim.del(&c1)
-        .unwrap_or_else(|error| panic!("DEL across a downgrade: {error}"));
-    assert_eq!(endpoint_links(&sim), 2, "c1's hooks went with its DEL");
-    assert_eq!(
-        tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
-        Ok("c2")
-    );
-    sim.del(&c2)
-        .unwrap_or_else(|error| panic!("DEL of the last pod across a downgrade: {error}"));
-    assert!(
-        !sim.pin_path.exists(),
-        "the last DEL removed the newer state"
-    );
-    let c4 = sim.container("c4", port_mappings(&[(8090, 80, "tcp")]));
-    assert_migrated(&sim);
-    let _c4_server = TcpServer::start(&c4.netns, c4.socket(80), "c4");
-    assert_eq!(
-        tcp_request(&sim.outside, sim.uplink_target(8090)).as_deref(),
-        Ok("c4")
-    );
 }
 
 /// Whether a migration of `backend`'s state was left half done, and whether it is complete.
@@ -352,16 +250,17 @@ fn checks_sources(sim: &SimHost, backend: Backend) -> bool {
     }
 }
 
-/// A rollback to a release of an older layout after this build migrated the node: the release
-/// refuses ADD into the newer layout, the pods carry on, their DELs work, and the last one
-/// leaves nothing of the newer state, so that the release starts afresh at its own layout.
+/// A rollback to a release of the window whose nftables layout is older than this build's,
+/// after this build migrated the node: the release refuses ADD into the newer layout, the pods
+/// carry on, their DELs work, and the last one leaves nothing of the newer state, so that the
+/// release starts afresh at its own layout.
 fn a_rollback_over_a_newer_layout_still_dels(installed: &Installed, older: &Path, new: &Path) {
     installed.put(older);
-    let sim = SimHost::new("rbk", pod_keys("ebpf"));
+    let sim = SimHost::on(Backend::Nftables, "rbk", pod_keys("nftables"));
     let pod = LivePod::start(&sim);
     installed.put(new);
     let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
-    assert_migrated(&sim);
+    assert_eq!(migration_state(&sim, Backend::Nftables), (false, true));
     installed.put(older);
     let refused = sim
         .add_container("c3", port_mappings(&[]))
@@ -378,9 +277,92 @@ fn a_rollback_over_a_newer_layout_still_dels(installed: &Installed, older: &Path
     );
     sim.del(&c2)
         .unwrap_or_else(|error| panic!("the older release's DEL of c2: {error}"));
+    let ruleset = sim.nft_ruleset();
     assert!(
-        !sim.pin_path.exists(),
-        "the last DEL removed the newer state"
+        !ruleset.contains("table inet cnibpf"),
+        "the last DEL removed the newer table:\n{ruleset}"
+    );
+    // The release knows no state file, and leaves the source checks' chains of the pods its
+    // drain released: this build, back again, drops what they name rather than makes it
+    // again.
+    installed.put(new);
+    let c4 = sim.container("c4", port_mappings(&[(8090, 80, "tcp")]));
+    assert_eq!(
+        sim.attached_ids(),
+        std::slice::from_ref(&c4.attachment.container_id),
+        "only the new pod is served"
+    );
+    sim.del(&c4)
+        .unwrap_or_else(|error| panic!("DEL after the rollback's drain: {error}"));
+    assert!(sim.holds_no_state(), "nothing left");
+}
+
+/// A release before the window on `backend`, with a live pod and another: this build adds no
+/// pod to its state (106, naming the release to pass through) but lets the other go (DEL),
+/// while the pod carries on; the window's newest release (`through`) migrates the state, and
+/// this build takes it over from there — the pod's connections, translations and filter
+/// counters carry on, a new pod starts and is reached, CHECK passes, every DEL leaves nothing.
+fn passes_through(installed: &Installed, old: &Path, through: &Path, new: &Path, backend: Backend) {
+    let case = format!("{} on {}", old.display(), backend.name());
+    installed.put(old);
+    let sim = SimHost::on(backend, "thr", pod_keys(backend.name()));
+    let pod = LivePod::start(&sim);
+    let other = sim.container("c0", port_mappings(&[(8091, 80, "tcp")]));
+    installed.put(new);
+    let refused = sim
+        .add_container("refused", port_mappings(&[(8090, 80, "tcp")]))
+        .expect_err("this build adds no pod to a layout before the window");
+    let message = refused.0.error_msg();
+    assert_eq!(refused.0.error_code(), Some(106), "{case}: {refused}");
+    assert!(
+        message.contains("0.5.1 (7d1bccd)"),
+        "{case}: names the release to pass through: {message}"
+    );
+    sim.del(&other)
+        .unwrap_or_else(|error| panic!("{case}: this build's DEL of the release's pod: {error}"));
+    pod.assert_translations(&sim, &format!("{case}: beside the refused ADD"));
+    installed.put(through);
+    let c2 = sim.container("c2", port_mappings(&[(8090, 80, "tcp")]));
+    let hits = inspected_rule_packets(&sim, &pod.container);
+    installed.put(new);
+    let c3 = sim.container("c3", port_mappings(&[(8092, 80, "tcp")]));
+    if backend == Backend::Ebpf {
+        assert_migrated(&sim);
+        assert_hooked_by_tcx(&sim, &pod.container);
+    }
+    assert!(
+        inspected_rule_packets(&sim, &pod.container) >= hits,
+        "{case}: the filter's counters were kept"
+    );
+    pod.assert_translations(&sim, &format!("{case}: after passing through"));
+    sim.check(&pod.container)
+        .unwrap_or_else(|error| panic!("{case}: CHECK of the release's pod: {error}"));
+    let _servers = [(&c2, "c2"), (&c3, "c3")]
+        .map(|(container, name)| TcpServer::start(&container.netns, container.socket(80), name));
+    for (port, name) in [(8090, "c2"), (8092, "c3")] {
+        assert_eq!(
+            tcp_request(&sim.outside, sim.uplink_target(port)).as_deref(),
+            Ok(name),
+            "{case}"
+        );
+    }
+    let c1 = pod.assert_carried_on(&format!("{case}: through the window"));
+    for container in [&c1, &c2, &c3] {
+        sim.del(container)
+            .unwrap_or_else(|error| panic!("{case}: DEL: {error}"));
+    }
+    // The pod this build let go while it could not serve the state is reclaimed as a
+    // vanished one, as the DaemonSet's periodic `gc --stale` does.
+    let pin_path = sim.pin_path.display().to_string();
+    let reclaimed = sim.cnibpf(&["gc", "--stale", "--pin-path", &pin_path]);
+    assert!(
+        reclaimed.status.success(),
+        "{case}: gc --stale: {reclaimed:?}"
+    );
+    assert!(
+        sim.holds_no_state(),
+        "{case}: nothing left: {}",
+        sim.inspect()["attachments"]
     );
 }
 
@@ -482,8 +464,9 @@ fn nftables_layout_of(binary: &Path) -> String {
 }
 
 /// The supported window (`history::SUPPORTED_RELEASES`, what `./dev test` upgrades from):
-/// each release upgraded live on both backends, and the newest one's migrations, of each
-/// backend whose layout this build changed, killed and faulted.
+/// each release upgraded live on both backends; the newest one's migrations, of each backend
+/// whose layout this build changed, killed and faulted; and a rollback to it over this build's
+/// newer nftables layout.
 #[test]
 fn the_supported_releases_upgrade_live() {
     let window = history::supported_releases();
@@ -500,41 +483,47 @@ fn the_supported_releases_upgrade_live() {
     if newest.nftables_layout != nftables_layout_of(&new) {
         killed_migrations_converge(&installed, &newest_binary, &new, Backend::Nftables);
         faulted_migrations_converge(&installed, &newest_binary, &new, Backend::Nftables);
+        nftables::nftables_table_of_the_previous_layout_migrates(&installed, &newest_binary, &new);
+        a_rollback_over_a_newer_layout_still_dels(&installed, &newest_binary, &new);
     }
 }
 
-/// Every release before the supported window (CI's upgrade layer, `./dev test-ci`): layout 6
-/// upgraded and downgraded, its migrations killed and faulted, its nftables table drained;
-/// nftables layout 2 migrated, killed and faulted; every later release upgraded live; the
-/// newest release of an older eBPF layout killed, faulted and rolled back over this build.
+/// The releases before the supported window (CI's upgrade layer, `./dev test-ci`), each
+/// passing through the window's newest release (see [`passes_through`]): the first (eBPF
+/// layout 6, its containers hooked by cls_bpf filters), the newest of an older eBPF layout,
+/// and the last of nftables layout 2; the first's nftables table (layout 1), which no build
+/// migrates, drained pod by pod.
 #[test]
-fn the_releases_before_the_supported_window_upgrade_live() {
-    let old = history::cnibpf_of(LAYOUT_6);
-    let (_serial, installed, new) = installed_first(&old);
-    upgrade_then_downgrade(&installed, &old, &new);
-    killed_migrations_converge(&installed, &old, &new, Backend::Ebpf);
-    faulted_migrations_converge(&installed, &old, &new, Backend::Ebpf);
-    nftables::nftables_table_of_an_older_layout_drains(&installed, &old, &new);
-    let previous_nftables = history::cnibpf_of(NFTABLES_LAYOUT_2);
-    nftables::nftables_table_of_the_previous_layout_migrates(&installed, &previous_nftables, &new);
-    killed_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
-    faulted_migrations_converge(&installed, &previous_nftables, &new, Backend::Nftables);
-    // Every later release before the window, the same way (5da8470's nftables table is
-    // drained above: no build migrates its layout).
+fn the_releases_before_the_supported_window_pass_through_it() {
+    let window = history::supported_releases();
+    let through = history::cnibpf_of(&window.last().expect("releases.toml lists releases").commit);
+    let (_serial, installed, new) = installed_first(&through);
     let releases = releases();
-    let window_starts = releases.len() - history::SUPPORTED_RELEASES;
-    for release in &releases[1..window_starts] {
-        a_release_upgrades_live(&installed, &release.commit, &new);
-    }
-    // The migration from the newest release of an older eBPF layout (the last release may
-    // write this build's own, which nothing migrates), killed and faulted the same way.
     let last_older = releases
         .iter()
         .rev()
-        .find(|release| release.ebpf_layout < cnibpf_common::datapath::layout::VERSION)
-        .expect("a release of an older eBPF layout than this build's");
-    let last_older = history::cnibpf_of(&last_older.commit);
-    killed_migrations_converge(&installed, &last_older, &new, Backend::Ebpf);
-    faulted_migrations_converge(&installed, &last_older, &new, Backend::Ebpf);
-    a_rollback_over_a_newer_layout_still_dels(&installed, &last_older, &new);
+        .find(|release| release.ebpf_layout < window[0].ebpf_layout)
+        .expect("a release of an eBPF layout older than the window's");
+    for release in [LAYOUT_6, last_older.commit.as_str()] {
+        passes_through(
+            &installed,
+            &history::cnibpf_of(release),
+            &through,
+            &new,
+            Backend::Ebpf,
+        );
+    }
+    let nftables_layout_2 = history::cnibpf_of(NFTABLES_LAYOUT_2);
+    passes_through(
+        &installed,
+        &nftables_layout_2,
+        &through,
+        &new,
+        Backend::Nftables,
+    );
+    nftables::nftables_table_of_an_older_layout_drains(
+        &installed,
+        &history::cnibpf_of(LAYOUT_6),
+        &new,
+    );
 }

@@ -42,7 +42,7 @@ const PURE: [&str; 11] = [
     "install/chain.rs",
     "backend/error.rs",
     "backend/nftables/record.rs",
-    "backend/nftables/migrate/comments.rs",
+    "backend/nftables/compat/comments.rs",
     "code.rs",
     "fuzz.rs",
 ];

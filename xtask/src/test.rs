@@ -29,7 +29,7 @@ const CI_LAYER: [(&str, &str); 3] = [
     ),
     (
         "upgrade",
-        "the_releases_before_the_supported_window_upgrade_live",
+        "the_releases_before_the_supported_window_pass_through_it",
     ),
 ];
 

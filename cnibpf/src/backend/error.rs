@@ -61,9 +61,9 @@ pub enum BackendError {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
     #[error(
-        "the pinned state in {path} has layout v{found}, older than this cnibpf's v{}: ADD, DEL and GC migrate it in place{}",
+        "the pinned state in {path} has layout v{found}, older than this cnibpf's v{} and than the releases it upgrades from: it adds no attachment to it (upgrade through {} first), but DEL and GC release them, and once none is left it starts afresh",
         cnibpf_common::datapath::layout::VERSION,
-        if *.found < crate::backend::ebpf::MIGRATES_FROM { format!(" from v{} only: upgrade through the releases between", crate::backend::ebpf::MIGRATES_FROM) } else { String::new() }
+        crate::backend::compat::PASS_THROUGH
     )]
     OlderState { path: PathBuf, found: u32 },
     #[error(

@@ -2,7 +2,7 @@
 //! CHECK's verification and inspect's view beside them); a backend is every capability plus
 //! what spans them. Handles to kernel objects stay inside the backend that made them.
 
-mod draining;
+pub mod compat;
 pub mod ebpf;
 mod error;
 pub mod nftables;
@@ -16,7 +16,7 @@ use std::{
 use cnibpf_common::drops::{DropCount, DropReason};
 use ipnet::IpNet;
 
-pub use self::{draining::Draining, error::BackendError};
+pub use self::{compat::Draining, error::BackendError};
 use crate::{
     journal,
     model::{

@@ -59,7 +59,8 @@ pub enum InstallError {
     )]
     MultusOnly(PathBuf),
     #[error(
-        "table inet cnibpf has {found}, which this build does not migrate: the cnibpf in place is left to serve the node, whose pods' DELs drain the table; drain the node (or wait for its pods to go), then install this build (docs/upgrades.md)"
+        "{found}, which this build does not migrate: the cnibpf in place is left to serve the node; upgrade it through {} first (docs/upgrades.md), or drain the node (its pods' DELs drain the state) and install this build",
+        crate::backend::compat::PASS_THROUGH
     )]
     UnmigratedDatapath { found: String },
     #[error("the datapath")]
@@ -117,28 +118,49 @@ impl Install {
         }
     }
 
-    /// Refuses to replace the binary while the node's nftables datapath is of a layout this
-    /// build does not migrate (layout 1, or a newer one): the binary in place serves the node
-    /// on, where this build would refuse every ADD (106) until the table drained. A node that
+    /// Refuses to replace the binary while the node's datapath (either backend's, at the
+    /// entry's pinPath) is of a layout this build neither writes nor migrates — from a release
+    /// before the supported window, or a newer one: the binary in place serves the node on,
+    /// where this build would refuse every ADD (106) until the state drained. A node that
     /// cannot be asked is said so, and the install goes on (nothing is removed on it).
     pub fn refuse_unmigrated_datapath(&self) -> Result<(), InstallError> {
-        match crate::backend::nftables::unmigrated_layout() {
-            Ok(None) => Ok(()),
-            Ok(Some(found)) => Err(InstallError::UnmigratedDatapath {
-                found: if found.is_empty() {
-                    "layout \"cnibpf layout 1\" (no comment)".to_owned()
-                } else {
-                    format!("layout {found:?}")
-                },
-            }),
-            Err(error) => {
-                log_line!(
-                    "cnibpf install: could not tell the layout of the nftables datapath: {}",
+        let pins = self.pins();
+        let ebpf = crate::backend::ebpf::EbpfBackend::unmigrated_layout(&pins).map(|found| {
+            found.map(|found| {
+                format!(
+                    "the eBPF state in {} has layout v{found}",
+                    pins.root().display()
+                )
+            })
+        });
+        let nftables = crate::backend::nftables::unmigrated_layout().map(|found| {
+            found.map(|found| match found.as_str() {
+                "" => "table inet cnibpf has layout \"cnibpf layout 1\" (no comment)".to_owned(),
+                _ => format!("table inet cnibpf has layout {found:?}"),
+            })
+        });
+        for (backend, asked) in [("eBPF", ebpf), ("nftables", nftables)] {
+            match asked {
+                Ok(None) => {}
+                Ok(Some(found)) => return Err(InstallError::UnmigratedDatapath { found }),
+                Err(error) => log_line!(
+                    "cnibpf install: could not tell the layout of the {backend} datapath: {}",
                     with_causes(&error)
-                );
-                Ok(())
+                ),
             }
         }
+        Ok(())
+    }
+
+    /// The instance the entry names: its pinPath, or the default.
+    fn pins(&self) -> PinLayout {
+        PinLayout::new(
+            self.entry
+                .get("pinPath")
+                .and_then(Value::as_str)
+                // fail-closed: a value of the entry: none is the default pinPath.
+                .unwrap_or(DEFAULT_PIN_PATH),
+        )
     }
 
     /// The binary in place and cnibpf's conflist written, once.
@@ -156,13 +178,7 @@ impl Install {
     /// An uninstall that left the instance to be removed by its last DEL is called off: cnibpf
     /// serves the node again, and that DEL must leave it be.
     fn cancel_release(&self) -> Result<(), InstallError> {
-        let pins = PinLayout::new(
-            self.entry
-                .get("pinPath")
-                .and_then(Value::as_str)
-                // fail-closed: a value of the entry: none is the default pinPath.
-                .unwrap_or(DEFAULT_PIN_PATH),
-        );
+        let pins = self.pins();
         let release = pins.release_file();
         if !release
             .try_exists()

@@ -10,6 +10,7 @@
 //! hooks attached after the plugin exits (removing a link pin detaches it).
 
 mod batch;
+mod compat;
 mod conditions;
 mod connections;
 mod endpoint;
@@ -18,8 +19,6 @@ mod hooks;
 mod inspect;
 mod kernel_btf;
 mod masquerade;
-mod migrate;
-mod newer;
 mod owner;
 mod pins;
 mod portmap;
@@ -31,7 +30,6 @@ use std::{fs, io, net::IpAddr};
 
 use aya::maps::{HashMap, Map, MapData, MapError};
 
-pub use self::migrate::FROM as MIGRATES_FROM;
 use self::pins::{
     PinnedState, all_programs_pinned, check_layout, load_object, prepare_pin_dir, relink, stamp,
 };
@@ -105,8 +103,10 @@ impl EbpfBackend {
         let state = check_layout(pins)?;
         let programs_current = match state {
             PinnedState::Older(found) => {
-                Self::migrate(pins, found)?;
-                true
+                return Err(BackendError::OlderState {
+                    path: pins.root().to_owned(),
+                    found,
+                });
             }
             PinnedState::Newer(found) => {
                 return Err(BackendError::NewerState {
@@ -115,7 +115,7 @@ impl EbpfBackend {
                 });
             }
             PinnedState::Current => {
-                migrate::finish(pins)?;
+                compat::remove_migration_leftovers(pins)?;
                 sizes::resume(pins)?;
                 true
             }
@@ -149,12 +149,10 @@ impl EbpfBackend {
         Self::load(pins, capacity)
     }
 
-    /// The pinned state if there is any, without loading anything. State of an older layout
-    /// is migrated first when `access` allows changes (the caller holds the instance lock).
+    /// The pinned state if there is any, without loading anything.
     pub fn open_existing(pins: &PinLayout, access: Access) -> Result<Option<Self>, BackendError> {
         match check_layout(pins)? {
             PinnedState::Absent => return Ok(None),
-            PinnedState::Older(found) if access == Access::Changes => Self::migrate(pins, found)?,
             PinnedState::Older(found) => {
                 return Err(BackendError::OlderState {
                     path: pins.root().to_owned(),
@@ -170,7 +168,7 @@ impl EbpfBackend {
             // What a migration that stamped the new layout left behind goes with the next run
             // that may change the state, whichever verb it is.
             PinnedState::Current if access == Access::Changes => {
-                migrate::finish(pins)?;
+                compat::remove_migration_leftovers(pins)?;
                 sizes::resume(pins)?;
             }
             PinnedState::OtherPrograms if access == Access::Changes => {
@@ -181,29 +179,25 @@ impl EbpfBackend {
         Self::open_maps(pins).map(Some)
     }
 
-    /// [`Self::open_existing`] for DEL and GC: state of a newer layout (a downgrade) is
-    /// opened for releasing attachments, never refused (see `newer`).
+    /// [`Self::open_existing`] for DEL and GC: state of another layout (older than the
+    /// supported window's, or newer: a rollback) is opened for releasing attachments, never
+    /// refused (see `compat`).
     pub fn open_for_removal(pins: &PinLayout) -> Result<Option<Box<dyn Backend>>, BackendError> {
-        if let PinnedState::Newer(found) = check_layout(pins)? {
-            return Ok(Some(Box::new(newer::NewerLayout::open(pins, found)?)));
+        if let PinnedState::Newer(found) | PinnedState::Older(found) = check_layout(pins)? {
+            return Ok(Some(Box::new(compat::OtherLayout::open(pins, found)?)));
         }
         Ok(Self::open_existing(pins, Access::Changes)?
             .map(|backend| Box::new(backend) as Box<dyn Backend>))
     }
 
-    /// Migrates state of layout `found` to this one, or says it cannot.
-    fn migrate(pins: &PinLayout, found: u32) -> Result<(), BackendError> {
-        match found {
-            migrate::FROM => migrate::from_6(pins),
-            found if migrate::SOURCES_APART.contains(&found) => {
-                migrate::from_sources_apart(pins, found)
-            }
-            migrate::FLOWS_APART => migrate::from_9(pins),
-            _ => Err(BackendError::OlderState {
-                path: pins.root().to_owned(),
-                found,
-            }),
-        }
+    /// The layout of the state pinned under `pins` when it is one this build neither writes nor
+    /// migrates (older than the supported window's, or newer): its attachments drain, and no
+    /// ADD is served until the last is gone.
+    pub fn unmigrated_layout(pins: &PinLayout) -> Result<Option<u32>, BackendError> {
+        Ok(match check_layout(pins)? {
+            PinnedState::Older(found) | PinnedState::Newer(found) => Some(found),
+            PinnedState::Absent | PinnedState::Current | PinnedState::OtherPrograms => None,
+        })
     }
 
     /// Whether the datapath pinned under `pins` is this build's, at this layout: `Ok(())`, or
@@ -217,8 +211,9 @@ impl EbpfBackend {
                 "the programs loaded are another build's (`cnibpf load` replaces them)".to_owned(),
             ),
             PinnedState::Older(found) => Err(format!(
-                "the pinned state has layout {found}, older than this build's {} (`cnibpf load` migrates it)",
-                cnibpf_common::datapath::layout::VERSION
+                "the pinned state has layout {found}, older than this build's {} and than the releases it upgrades from (upgrade through {} first)",
+                cnibpf_common::datapath::layout::VERSION,
+                super::compat::PASS_THROUGH
             )),
             PinnedState::Newer(found) => Err(format!(
                 "the pinned state has layout {found}, newer than this build's {}",

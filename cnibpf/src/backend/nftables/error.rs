@@ -2,7 +2,9 @@
 
 use std::path::PathBuf;
 
-use super::{COMMENT_MAX, LAYOUT, migrate, skeleton};
+use super::compat;
+use super::{COMMENT_MAX, LAYOUT, skeleton};
+use crate::backend::compat::PASS_THROUGH;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftablesError {
@@ -22,7 +24,7 @@ pub enum NftablesError {
     Record {
         chain: String,
         #[source]
-        source: migrate::RecordError,
+        source: compat::RecordError,
     },
     #[error("could not read or write the nftables state file {}", .path.display())]
     State {
@@ -47,13 +49,12 @@ pub enum NftablesError {
     #[error("a rule of chain {chain} is unreadable: {reason}")]
     Rule { chain: String, reason: String },
     #[error(
-        "table inet cnibpf has another layout ({}) than this cnibpf writes (\"{LAYOUT}\"): it adds no attachment to it, but DEL and GC remove its attachments, and once none is left it starts afresh",
+        "table inet cnibpf has a layout ({}) this cnibpf neither writes (\"{LAYOUT}\") nor migrates: it adds no attachment to it (a node on a release before the supported window upgrades through {PASS_THROUGH} first), but DEL and GC remove its attachments, and once none is left it starts afresh",
         if .found.is_empty() { "\"cnibpf layout 1\", uncommented" } else { .found.as_str() }
     )]
     Layout { found: String },
     #[error(
-        "table inet cnibpf has an older layout (\"{}\" or \"{}\") than this cnibpf's (\"{LAYOUT}\"): ADD, DEL and GC migrate it in place",
-        skeleton::LAYOUT_2,
+        "table inet cnibpf has an older layout (\"{}\") than this cnibpf's (\"{LAYOUT}\"): ADD, DEL and GC migrate it in place",
         skeleton::LAYOUT_3
     )]
     Older,

@@ -321,23 +321,6 @@ fn read_match(
 /// An attachment's filter as its chains hold it, with the counters; `None` when it has none.
 /// A chain that lost its default, or holds a rule cnibpf did not write, is an error.
 pub fn filter_of(listing: &Listing, owner: u64) -> Result<Option<FilterRecord>, BackendError> {
-    read_filter(listing, owner, false)
-}
-
-/// [`filter_of`] of a table of layout 2, whose filter chains began with what passes every
-/// filter (the rules without a comment, which later layouts keep in the hook chains).
-pub fn filter_of_layout_2(
-    listing: &Listing,
-    owner: u64,
-) -> Result<Option<FilterRecord>, BackendError> {
-    read_filter(listing, owner, true)
-}
-
-fn read_filter(
-    listing: &Listing,
-    owner: u64,
-    skip_uncommented: bool,
-) -> Result<Option<FilterRecord>, BackendError> {
     let [out_chain, in_chain] = filter_chains(owner);
     if !listing.has_chain(&out_chain) {
         return Ok(None);
@@ -353,11 +336,7 @@ fn read_filter(
             chain: chain.clone(),
             reason,
         };
-        for rule in listing
-            .rules(chain)
-            .iter()
-            .filter(|rule| !skip_uncommented || rule.comment.is_some())
-        {
+        for rule in listing.rules(chain) {
             let comment = rule
                 .comment
                 .as_deref()

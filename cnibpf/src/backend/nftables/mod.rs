@@ -27,6 +27,7 @@
 //! of hostPorts that changed hands.
 
 mod commit;
+mod compat;
 mod conntrack;
 mod elements;
 mod endpoint;
@@ -36,10 +37,8 @@ mod host;
 mod inspect;
 mod listing;
 mod masquerade;
-mod migrate;
 mod names;
 mod nft;
-mod other_layout;
 mod portmap;
 mod record;
 mod restore;
@@ -51,13 +50,13 @@ mod store;
 use std::{collections::BTreeMap, net::IpAddr};
 
 use self::{
+    compat::other_layout::{OtherLayout, Refusal},
     conntrack::forget_connections,
     listing::Listing,
     names::{
         conditions_chain, family_suffix, filter_chains, guard_chain, nat_chain, owner_comment,
         parse_owner,
     },
-    other_layout::Refusal,
     record::Record,
     skeleton::{LOCALNET_GUARD_CHAIN, TableLayout, layout},
     store::Store,
@@ -174,7 +173,7 @@ impl NftablesBackend {
                     true
                 }
             }
-            TableLayout::Previous if access == Access::Changes => migrate::migrate(&mut store)?,
+            TableLayout::Previous if access == Access::Changes => compat::migrate(&mut store)?,
             TableLayout::Previous => return Err(NftablesError::Older.into()),
             TableLayout::Other(found) => return Err(NftablesError::Layout { found }.into()),
         };
@@ -212,11 +211,11 @@ impl NftablesBackend {
             return Ok(None);
         }
         match layout(comment)? {
-            TableLayout::Other(comment) => Ok(Some(Box::new(other_layout::OtherLayout::open(
-                Refusal::Layout(comment),
-            )?))),
+            TableLayout::Other(comment) => {
+                Ok(Some(Box::new(OtherLayout::open(Refusal::Layout(comment))?)))
+            }
             TableLayout::Current { .. } if store.state().is_none() => Ok(Some(Box::new(
-                other_layout::OtherLayout::open(Refusal::StateMissing(store.path().to_owned()))?,
+                OtherLayout::open(Refusal::StateMissing(store.path().to_owned()))?,
             ))),
             layout => Ok(Some(Box::new(Self::open_as(
                 layout,
@@ -365,8 +364,7 @@ pub fn table_at_this_layout() -> Result<Result<(), String>, BackendError> {
     Ok(match layout(existing_table_comment()?)? {
         TableLayout::Absent | TableLayout::Current { .. } => Ok(()),
         TableLayout::Previous => Err(format!(
-            "table inet cnibpf has an older layout (\"{}\" or \"{}\"; the next ADD, DEL or GC migrates it)",
-            skeleton::LAYOUT_2,
+            "table inet cnibpf has an older layout (\"{}\"; the next ADD, DEL or GC migrates it)",
             skeleton::LAYOUT_3
         )),
         TableLayout::Other(found) => Err(format!(

@@ -346,9 +346,13 @@ fn dnat(family: &str, key: Value, map: &str) -> Value {
     } })
 }
 
-/// The comments of the tables of the layouts this build migrates from (see `migrate`).
+/// The comments of the tables of layout 3, which this build migrates from
+/// (`compat`): a table made at layout 3, or one of layout 2 that a release of the
+/// supported window migrated to 3 (marked by chain [`LAYOUT_3_MARKER`]).
 pub(super) const LAYOUT_2: &str = "cnibpf layout 2";
 pub(super) const LAYOUT_3: &str = "cnibpf layout 3";
+/// The chain a `cnibpf layout 2` table migrated to layout 3 carries.
+pub(super) const LAYOUT_3_MARKER: &str = "layout_3";
 
 /// The chain of the localnet guard, whose counter is the drops of its reason.
 pub(super) const LOCALNET_GUARD_CHAIN: &str = "localnet_guard";
@@ -361,15 +365,19 @@ pub(super) enum TableLayout {
     Current {
         instance: u64,
     },
-    /// A layout this build migrates from (2 or 3; see `migrate`).
+    /// Layout 3, which this build migrates from (`compat`).
     Previous,
     /// Any other: its comment (empty for layout 1, which had none).
     Other(String),
 }
 
-/// The layout of the table whose comment is `comment` (`None`: no table) and whose marker sets
-/// are `markers`.
-pub(super) fn layout_of(comment: Option<String>, markers: &[String]) -> TableLayout {
+/// The layout of the table whose comment is `comment` (`None`: no table), whose marker sets
+/// are `markers`, and which has chain [`LAYOUT_3_MARKER`] or not.
+pub(super) fn layout_of(
+    comment: Option<String>,
+    markers: &[String],
+    layout_3_marker: bool,
+) -> TableLayout {
     let Some(comment) = comment else {
         return TableLayout::Absent;
     };
@@ -380,20 +388,25 @@ pub(super) fn layout_of(comment: Option<String>, markers: &[String]) -> TableLay
     if let Some(instance) = instance {
         return TableLayout::Current { instance };
     }
-    if comment == LAYOUT_3 || comment == LAYOUT_2 {
+    if comment == LAYOUT_3 || (comment == LAYOUT_2 && layout_3_marker) {
         return TableLayout::Previous;
     }
     TableLayout::Other(comment)
 }
 
-/// The layout of table `inet cnibpf` as the kernel has it: its comment, and for a table
-/// without one its marker set (one more netlink question).
+/// The layout of table `inet cnibpf` as the kernel has it: its comment, for a table without
+/// one its marker set, for one of layout 2 whether it was migrated to 3 (one more netlink
+/// question each).
 pub(super) fn layout(comment: Option<String>) -> Result<TableLayout, NftablesError> {
     let markers = match &comment {
         Some(comment) if comment.is_empty() => host::sets_named(MARKER)?,
         _ => Vec::new(),
     };
-    Ok(layout_of(comment, &markers))
+    let layout_3_marker = match &comment {
+        Some(comment) if comment == LAYOUT_2 => host::has_chain(LAYOUT_3_MARKER)?,
+        _ => false,
+    };
+    Ok(layout_of(comment, &markers, layout_3_marker))
 }
 
 #[cfg(test)]
@@ -403,20 +416,30 @@ mod tests {
     #[test]
     fn a_marker_set_names_the_layout_and_instance() {
         assert_eq!(
-            layout_of(Some(String::new()), &[marker(0xc0ffee)]),
+            layout_of(Some(String::new()), &[marker(0xc0ffee)], false),
             TableLayout::Current { instance: 0xc0ffee }
         );
-        assert_eq!(layout_of(None, &[]), TableLayout::Absent);
+        assert_eq!(layout_of(None, &[], false), TableLayout::Absent);
         assert_eq!(
-            layout_of(Some("cnibpf layout 3".to_owned()), &[]),
+            layout_of(Some("cnibpf layout 3".to_owned()), &[], false),
             TableLayout::Previous
         );
         assert_eq!(
-            layout_of(Some(String::new()), &[]),
+            layout_of(Some("cnibpf layout 2".to_owned()), &[], true),
+            TableLayout::Previous,
+            "layout 2 migrated to 3 by a release of the window"
+        );
+        assert_eq!(
+            layout_of(Some("cnibpf layout 2".to_owned()), &[], false),
+            TableLayout::Other("cnibpf layout 2".to_owned()),
+            "layout 2 is older than the window"
+        );
+        assert_eq!(
+            layout_of(Some(String::new()), &[], false),
             TableLayout::Other(String::new())
         );
         assert_eq!(
-            layout_of(Some("cnibpf layout 9".to_owned()), &[]),
+            layout_of(Some("cnibpf layout 9".to_owned()), &[], false),
             TableLayout::Other("cnibpf layout 9".to_owned())
         );
     }

@@ -1,15 +1,19 @@
-//! Pinned state of a newer layout, met after a downgrade. This build cannot read that layout's
-//! maps, so it adds no attachment to it — but DEL must keep working (a runtime retries a
-//! failed DEL for ever, and its pod stays Terminating). What every layout keeps (see
-//! `cnibpf_common::layout`) is enough to release an attachment:
+//! Pinned eBPF state of a layout this build neither writes nor migrates: one older than the
+//! supported window's (a node that skipped its releases), or a newer one (a rollback). This
+//! build cannot read that layout's maps, so it adds no attachment to it — but DEL must keep
+//! working (a runtime retries a failed DEL for ever, and its pod stays Terminating). What every
+//! layout keeps (see `cnibpf_common::datapath::layout`) is enough to release an attachment:
 //!
 //! - its interface's links are unpinned, so its hooks go at once;
-//! - its `owners` entry is marked released (interface index 0, never a live interface): the
-//!   newer cnibpf, when it comes back, reclaims the rest as it reclaims a vanished pod's;
+//! - in a newer layout, its `owners` entry is marked released (interface index 0, never a
+//!   live interface): the cnibpf of that layout, when it comes back, reclaims the rest as it
+//!   reclaims a vanished pod's; in an older one the entry stays as it is, and the release that
+//!   migrates it reclaims it so once its interface is gone;
 //! - once no attachment with a live interface is left, the whole state goes (links, programs,
 //!   maps), and this build starts afresh at its own layout with the next ADD.
 
 use std::{
+    collections::BTreeSet,
     fs, io,
     os::fd::{AsFd as _, AsRawFd as _},
     path::Path,
@@ -31,16 +35,19 @@ use crate::{
     paths::PinLayout,
 };
 
-/// The eBPF state of layout `found` (newer than this build's), for DEL and GC only.
-pub struct NewerLayout {
+/// The eBPF state of layout `found` (another than this build's), for DEL and GC only.
+pub struct OtherLayout {
     pins: PinLayout,
     found: u32,
     /// `None` when the state has no `owners` map (a load that died before creating it): no
     /// attachment at all.
     owners: Option<RawMap>,
+    /// Attachments this operation let go: none of them keeps the state in use, whatever its
+    /// interface (the rest of their DEL removes it).
+    leaving: BTreeSet<u64>,
 }
 
-impl NewerLayout {
+impl OtherLayout {
     pub fn open(pins: &PinLayout, found: u32) -> Result<Self, BackendError> {
         let path = pins.map(endpoints::OWNERS.name);
         let owners = if map_pinned(pins, &path)? {
@@ -71,6 +78,7 @@ impl NewerLayout {
             pins: pins.clone(),
             found,
             owners,
+            leaving: BTreeSet::new(),
         })
     }
 
@@ -104,11 +112,11 @@ impl NewerLayout {
         Ok(records)
     }
 
-    /// Removes everything once no attachment has a live interface: nothing uses the state.
-    /// One that cannot be told gone counts as live.
+    /// Removes everything once no attachment has a live interface but those this operation let
+    /// go: nothing uses the state. One that cannot be told gone counts as live.
     fn remove_if_unused(&self) -> Result<(), BackendError> {
         for record in self.records()? {
-            if !is_stale(&record)? {
+            if !self.leaving.contains(&record.owner) && !is_stale(&record)? {
                 return Ok(());
             }
         }
@@ -154,12 +162,12 @@ fn record_of(key: &[u8], value: &[u8]) -> AttachmentRecord {
     }
 }
 
-impl Endpoints for NewerLayout {
+impl Endpoints for OtherLayout {
     fn setup_endpoint(&mut self, _: &Endpoint) -> Result<(), BackendError> {
         Err(self.refused())
     }
 
-    /// Unhooks the attachment and marks its entry released.
+    /// Unhooks the attachment and, in a newer layout, marks its entry released.
     fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
         let key = owner.to_ne_bytes();
         let Some(owners) = &self.owners else {
@@ -171,6 +179,13 @@ impl Endpoints for NewerLayout {
         for hook in ["from", "to"] {
             remove_pin(&self.pins.endpoint_link(owner, hook))?;
         }
+        self.leaving.insert(owner);
+        if self.found < cnibpf_common::datapath::layout::VERSION {
+            // The release that takes an older layout over (the window's, which migrates it)
+            // knows no released mark: it reclaims the entry as a vanished pod's once the
+            // interface is gone, which the rest of this DEL sees to.
+            return Ok(());
+        }
         value[HOST_IFINDEX_OFFSET..HOST_IFINDEX_OFFSET + 4]
             .copy_from_slice(&RELEASED.to_ne_bytes());
         owners.set(&key, &value).map_err(self.map_error("write"))
@@ -181,11 +196,13 @@ impl Endpoints for NewerLayout {
     }
 }
 
-impl Draining for NewerLayout {
+impl Draining for OtherLayout {
     fn refused(&self) -> BackendError {
-        BackendError::NewerState {
-            path: self.pins.root().to_owned(),
-            found: self.found,
+        let (path, found) = (self.pins.root().to_owned(), self.found);
+        if found > cnibpf_common::datapath::layout::VERSION {
+            BackendError::NewerState { path, found }
+        } else {
+            BackendError::OlderState { path, found }
         }
     }
 
@@ -194,7 +211,7 @@ impl Draining for NewerLayout {
     }
 }
 
-impl Backend for NewerLayout {
+impl Backend for OtherLayout {
     fn name(&self) -> &'static str {
         "ebpf"
     }
@@ -303,6 +320,16 @@ impl RawMap {
         );
         self.call(BPF_MAP_UPDATE_ELEM, key.as_ptr(), value.as_ptr().cast_mut())
     }
+}
+
+/// Removes what a release of the supported window left of a migration it stamped but did not
+/// finish: the old maps it set aside (`layout-6-maps/`, `layout-8-maps/`, `layout-9-maps/`),
+/// which the kernel keeps while they are pinned.
+pub fn remove_migration_leftovers(pins: &PinLayout) -> Result<(), BackendError> {
+    for from in [6, 8, 9] {
+        remove_tree(&pins.root().join(format!("layout-{from}-maps")))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! Table `inet cnibpf` of a layout this build neither writes nor migrates — one older than
-//! layout 2 (see `migrate`) or a newer one (a downgrade) — or one of this layout whose state
-//! file is missing. This build adds nothing to it, but DEL and GC must keep working (a runtime
+//! layout 3 (see `compat`) or a newer one (a rollback) — or one of this layout whose
+//! state file is missing. This build adds nothing to it, but DEL and GC must keep working (a runtime
 //! retries a failed DEL for ever). Every layout keeps an attachment's parts findable
 //! the same way: elements whose comment is its `<network>/<ifname>/<container id>`, chains
 //! whose name holds its owner id in hex, and its host interface as an element of
@@ -11,7 +11,7 @@ use std::{collections::BTreeSet, path::PathBuf};
 
 use nftables::{batch::Batch, expr::Expression, schema::NfListObject};
 
-use super::{NftablesError, host, listing::Listing, nft, parse_owner};
+use super::super::{NftablesError, host, listing::Listing, nft, parse_owner};
 use crate::{
     backend::{
         AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, GONE_IFINDEX,

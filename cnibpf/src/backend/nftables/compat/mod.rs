@@ -1,42 +1,35 @@
-//! Tables of layouts 2 and 3, whose records lived in the table itself (the comments of each
-//! attachment's chain `a_<owner>`), migrated to this layout under the instance lock with every
-//! attachment's traffic flowing: the records, the filters' rules and the hostPort conditions
-//! are read back from the table into the state file, then the table is replaced by one made
-//! from it, in one transaction (`restore`). Connection tracking keeps each connection's
-//! translation, so no connection notices; the filters' counters start again.
-//!
-//! Layout 2 tables (`cnibpf layout 2`, without chain `layout_3`) began each filter chain with
-//! what passes every filter, rules without a comment; layout 3 (`cnibpf layout 3`, or a
-//! migrated `cnibpf layout 2` with chain `layout_3`) kept it in the hook chains. Both keep the
-//! records in the same lines (`comments`).
+//! The nftables backend's compatibility. A table of layout 3 (the supported window's), whose
+//! records lived in the table itself (the comments of each attachment's chain `a_<owner>`), is
+//! migrated to this layout under the instance lock with every attachment's traffic flowing:
+//! the records, the filters' rules and the hostPort conditions are read back from the table
+//! into the state file (`comments`), then the table is replaced by one made from it, in one
+//! transaction (`restore`). Connection tracking keeps each connection's translation, so no
+//! connection notices; the filters' counters are carried over. A table of any other layout is
+//! drained (`other_layout`).
 
 mod comments;
+pub mod other_layout;
 
 use super::{
     NftablesError,
-    filter::{filter_of, filter_of_layout_2},
+    filter::filter_of,
     host,
     listing::Listing,
     portmap::conditions_of,
     restore::{self, Cause, Counters},
-    skeleton::LAYOUT_2,
     store::{OwnerId, Store},
 };
 use crate::{backend::BackendError, journal};
 
 pub use comments::RecordError;
 
-/// The chain a `cnibpf layout 2` table migrated to layout 3 carries.
-const LAYOUT_3_MARKER: &str = "layout_3";
-
-/// Migrates table `inet cnibpf` of layout 2 or 3 to this layout: its records into `store`
-/// (a new state), then the table made anew from them. Whether the table exists now.
+/// Migrates table `inet cnibpf` of layout 3 to this layout: its records into `store` (a new
+/// state), then the table made anew from them. Whether the table exists now.
 pub fn migrate(store: &mut Store) -> Result<bool, BackendError> {
     let comment = host::table_comment()
         .map_err(NftablesError::Netlink)?
         // fail-closed: a table gone since it was looked at leaves nothing to migrate.
         .unwrap_or_default();
-    let layout_2 = comment == LAYOUT_2 && !host::has_chain(LAYOUT_3_MARKER)?;
     // fail-closed: `read` kept the errors; no table lists nothing.
     let listing = Listing::read()?.unwrap_or_default();
     let mut state = store.state_or_new()?;
@@ -53,12 +46,7 @@ pub fn migrate(store: &mut Store) -> Result<bool, BackendError> {
             })?;
         let mut record = read.record;
         if read.filtered {
-            let filter = if layout_2 {
-                filter_of_layout_2(&listing, owner)?
-            } else {
-                filter_of(&listing, owner)?
-            };
-            record.filter = filter.map(|held| held.filter);
+            record.filter = filter_of(&listing, owner)?.map(|held| held.filter);
         }
         if read.conditioned_v4 || read.conditioned_v6 {
             let [v4, v6] = conditions_of(&listing, owner)?;
@@ -93,7 +81,7 @@ pub fn migrate(store: &mut Store) -> Result<bool, BackendError> {
     restore::restore(store, Cause::Migrated, &Counters::of(&listing))
 }
 
-/// The record chains of a table of layout 2 or 3: `a_<owner id>`.
+/// The record chains of a table of layout 3: `a_<owner id>`.
 fn record_chains(listing: &Listing) -> Vec<(u64, String)> {
     listing
         .chain_names()

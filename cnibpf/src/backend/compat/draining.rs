@@ -5,7 +5,7 @@
 
 use cnibpf_common::drops::{DropCount, DropReason};
 
-use super::{
+use crate::backend::{
     AttachmentRecord, BackendError, Endpoint, FilterRecord, Filtering, FlowTable, Inspect,
     MasqueradeRecord, Masquerading, PortMappings, SourceCheckRecord, SourceChecking,
     UplinkAddresses,

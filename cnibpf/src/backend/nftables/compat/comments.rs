@@ -1,5 +1,6 @@
-//! The records of layouts 2 and 3, kept in the table as the comments of each attachment's
-//! chain `a_<owner>` (one fact per line), read for the migration to this layout.
+//! The records of layout 3 (and of layout 2 tables migrated to it), kept in the table as the
+//! comments of each attachment's chain `a_<owner>` (one fact per line), read for the
+//! migration to this layout.
 
 use std::net::IpAddr;
 
@@ -8,7 +9,7 @@ use crate::{
     model::{ExcludeReason, Masquerade, Pod, Protocol, ResolvedMapping, SourceCheck},
 };
 
-/// A record of layout 2 or 3: what this layout records, but for the filter's rules and the
+/// A record of layout 3: what this layout records, but for the filter's rules and the
 /// hostPort conditions, which only their chains held.
 #[derive(Debug, Default)]
 pub struct CommentRecord {
