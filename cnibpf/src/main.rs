@@ -110,46 +110,7 @@ enum AdminCommand {
     /// own, `<primary>.cnibpf.conflist`, holding the network the runtime uses with cnibpf
     /// chained in, which the runtime reads in its place (written atomically; the primary's
     /// files never written).
-    Install {
-        #[arg(long, default_value = paths::CNI_CONF_DIR)]
-        conf_dir: PathBuf,
-        #[arg(long, default_value = paths::CNI_BIN_DIR)]
-        bin_dir: PathBuf,
-        /// Chain into the network of this name instead of the one the runtime uses (the
-        /// first file of the conf dir, by name, that parses; the cluster network after it
-        /// when that is Multus).
-        #[arg(long)]
-        network: Option<String>,
-        /// A JSON file holding cnibpf's keys for its entry (the portMappings capability is
-        /// added when it names no capabilities).
-        #[arg(long)]
-        entry: Option<PathBuf>,
-        /// Put cnibpf in the place of the reference portmap plugin instead of refusing.
-        #[arg(long)]
-        replace_portmap: bool,
-        /// Keep running: render cnibpf's conflist again whenever the conf dir changes (the
-        /// primary rewrote its file, another network became the first), until SIGTERM.
-        #[arg(long)]
-        watch: bool,
-        /// With --watch: every so often (e.g. "5m"), remove the attachments whose host
-        /// interface is gone, as `cnibpf gc --stale` does.
-        #[arg(long, value_parser = humantime::parse_duration, requires = "watch")]
-        reclaim_every: Option<Duration>,
-        /// The pinPath --reclaim-every works on.
-        #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
-        pin_path: PathBuf,
-        /// Also load the datapath of the entry's backend and pinPath first, as `cnibpf load`
-        /// does, so that the node's first pod does not wait for it.
-        #[arg(long)]
-        load: bool,
-        /// With --watch: serve /metrics, /healthz and /readyz on this address (as
-        /// `cnibpf metrics` does) for the entry's pinPath and backend.
-        #[arg(long, requires = "watch")]
-        listen: Option<SocketAddr>,
-        /// Written into cnibpf's entry (over the entry file's keys), and used by --load.
-        #[command(flatten)]
-        capacity: CapacityArgs,
-    },
+    Install(InstallArgs),
     /// Serve Prometheus metrics, /healthz and /readyz over HTTP until SIGTERM: the datapath's
     /// state and counters and the plugin's calls, read at each scrape.
     Metrics {
@@ -221,6 +182,49 @@ enum AdminCommand {
     },
 }
 
+/// `cnibpf install`'s flags.
+#[derive(Debug, clap::Args)]
+struct InstallArgs {
+    #[arg(long, default_value = paths::CNI_CONF_DIR)]
+    conf_dir: PathBuf,
+    #[arg(long, default_value = paths::CNI_BIN_DIR)]
+    bin_dir: PathBuf,
+    /// Chain into the network of this name instead of the one the runtime uses (the
+    /// first file of the conf dir, by name, that parses; the cluster network after it
+    /// when that is Multus).
+    #[arg(long)]
+    network: Option<String>,
+    /// A JSON file holding cnibpf's keys for its entry (the portMappings capability is
+    /// added when it names no capabilities).
+    #[arg(long)]
+    entry: Option<PathBuf>,
+    /// Put cnibpf in the place of the reference portmap plugin instead of refusing.
+    #[arg(long)]
+    replace_portmap: bool,
+    /// Keep running: render cnibpf's conflist again whenever the conf dir changes (the
+    /// primary rewrote its file, another network became the first), until SIGTERM.
+    #[arg(long)]
+    watch: bool,
+    /// With --watch: every so often (e.g. "5m"), remove the attachments whose host
+    /// interface is gone, as `cnibpf gc --stale` does.
+    #[arg(long, value_parser = humantime::parse_duration, requires = "watch")]
+    reclaim_every: Option<Duration>,
+    /// The pinPath --reclaim-every works on.
+    #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
+    pin_path: PathBuf,
+    /// Also load the datapath of the entry's backend and pinPath first, as `cnibpf load`
+    /// does, so that the node's first pod does not wait for it.
+    #[arg(long)]
+    load: bool,
+    /// With --watch: serve /metrics, /healthz and /readyz on this address (as
+    /// `cnibpf metrics` does) for the entry's pinPath and backend.
+    #[arg(long, requires = "watch")]
+    listen: Option<SocketAddr>,
+    /// Written into cnibpf's entry (over the entry file's keys), and used by --load.
+    #[command(flatten)]
+    capacity: CapacityArgs,
+}
+
 /// The metrics endpoint of `install --watch --listen`, for the entry's pinPath and backend.
 fn serve_beside(
     install: &install::Install,
@@ -253,119 +257,53 @@ fn main() -> ExitCode {
     if let Ok(command) = std::env::var("CNI_COMMAND") {
         return ExitCode::from(u8::try_from(cni::run(&command)).unwrap_or(1));
     }
-    match Cli::parse().command {
-        AdminCommand::Inspect { pin_path, json } => match inspect::run(&pin_path, json) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(error) => {
-                log_line!("cnibpf inspect: {}", with_causes(&error));
-                ExitCode::FAILURE
-            }
-        },
-        AdminCommand::Gc { pin_path, stale } => match reclaim::run(&pin_path, stale) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(error) => {
-                log_line!("cnibpf gc: {}", with_causes(&error));
-                ExitCode::FAILURE
-            }
-        },
-        AdminCommand::Install {
-            conf_dir,
-            bin_dir,
-            network,
-            entry,
-            replace_portmap,
-            watch,
-            reclaim_every,
-            pin_path,
-            load,
-            listen,
-            capacity,
-        } => {
-            let installed = install::Install::entry_from(entry.as_deref()).and_then(|mut entry| {
-                for (key, size) in capacity
-                    .checked()
-                    .map_err(install::InstallError::Argument)?
-                    .keys()
-                {
-                    entry.insert(key.to_owned(), size.into());
-                }
-                let install = install::Install {
-                    conf_dir,
-                    bin_dir,
-                    network,
-                    entry,
-                    replace_portmap,
-                };
-                install.refuse_unmigrated_datapath()?;
-                if load {
-                    install.load_datapath();
-                }
-                if watch {
-                    install.run_and_watch(reclaim_every.map(|period| (period, pin_path)), || {
-                        listen.map_or(Ok(()), |address| serve_beside(&install, address))
-                    })
-                } else {
-                    install.run()
-                }
-            });
-            match installed {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(error) => {
-                    log_line!("cnibpf install: {}", with_causes(&error));
-                    ExitCode::FAILURE
-                }
-            }
+    let command = Cli::parse().command;
+    let name = command.name();
+    match run(command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            log_line!("cnibpf {name}: {error}");
+            ExitCode::FAILURE
         }
+    }
+}
+
+/// Runs an admin command: what failed, with its causes.
+fn run(command: AdminCommand) -> Result<(), String> {
+    let causes = |error: &dyn std::error::Error| with_causes(error);
+    match command {
+        AdminCommand::Inspect { pin_path, json } => {
+            inspect::run(&pin_path, json).map_err(|error| causes(&error))
+        }
+        AdminCommand::Gc { pin_path, stale } => {
+            reclaim::run(&pin_path, stale).map_err(|error| causes(&error))
+        }
+        AdminCommand::Install(args) => install_command(args).map_err(|error| causes(&error)),
         AdminCommand::Uninstall {
             conf_dir,
             bin_dir,
             purge,
-        } => match install::uninstall(&conf_dir, &bin_dir, purge) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(error) => {
-                log_line!("cnibpf uninstall: {}", with_causes(&error));
-                ExitCode::FAILURE
-            }
-        },
+        } => install::uninstall(&conf_dir, &bin_dir, purge).map_err(|error| causes(&error)),
         AdminCommand::Load {
             pin_path,
             backend,
             capacity,
         } => {
-            let loaded = backend
-                .parse()
-                .map_err(|error: UnknownWord| {
-                    format!("--backend: expected {}, got {backend:?}", error.expected)
-                })
-                .and_then(|choice| Ok((choice, capacity.checked()?)))
-                .and_then(|(choice, capacity)| {
-                    preload::run(&pin_path, choice, &capacity).map_err(|error| with_causes(&error))
-                });
-            match loaded {
-                Ok(done) => {
-                    say!("{done}");
-                    ExitCode::SUCCESS
-                }
-                Err(error) => {
-                    log_line!("cnibpf load: {error}");
-                    ExitCode::FAILURE
-                }
-            }
+            let choice = parse_backend(&backend)?;
+            let capacity = capacity.checked()?;
+            let done =
+                preload::run(&pin_path, choice, &capacity).map_err(|error| causes(&error))?;
+            say!("{done}");
+            Ok(())
         }
-        AdminCommand::MountBpffs { path } => match backend::ebpf::mount_bpffs(&path) {
-            Ok(true) => {
+        AdminCommand::MountBpffs { path } => {
+            if backend::ebpf::mount_bpffs(&path).map_err(|error| causes(&error))? {
                 say!("mounted bpffs on {}", path.display());
-                ExitCode::SUCCESS
-            }
-            Ok(false) => {
+            } else {
                 say!("{} is a bpffs already", path.display());
-                ExitCode::SUCCESS
             }
-            Err(error) => {
-                log_line!("cnibpf mount-bpffs: {}", with_causes(&error));
-                ExitCode::FAILURE
-            }
-        },
+            Ok(())
+        }
         AdminCommand::Metrics {
             listen,
             pin_path,
@@ -374,51 +312,93 @@ fn main() -> ExitCode {
             bin_dir,
             network,
         } => {
-            let served = backend
-                .parse()
-                .map_err(|error: UnknownWord| {
-                    format!("--backend: expected {}, got {backend:?}", error.expected)
-                })
-                .and_then(|backend| {
-                    metrics::serve(
-                        listen,
-                        metrics::Exporter {
-                            pins: paths::PinLayout::new(pin_path),
-                            conf_dir,
-                            bin_dir,
-                            network,
-                            backend,
-                            binary_check: Mutex::default(),
-                        },
-                    )
-                    .map_err(|error| with_causes(&error))
-                });
-            match served {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(error) => {
-                    log_line!("cnibpf metrics: {error}");
-                    ExitCode::FAILURE
-                }
-            }
+            let exporter = metrics::Exporter {
+                pins: paths::PinLayout::new(pin_path),
+                conf_dir,
+                bin_dir,
+                network,
+                backend: parse_backend(&backend)?,
+                binary_check: Mutex::default(),
+            };
+            metrics::serve(listen, exporter).map_err(|error| causes(&error))
         }
         AdminCommand::Monitor {
             pin_path,
             json,
             drops,
-        } => match monitor::run(
-            &pin_path,
-            json,
-            if drops {
+        } => {
+            let shown = if drops {
                 monitor::Shown::Every
             } else {
                 monitor::Shown::Policy
-            },
-        ) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(error) => {
-                log_line!("cnibpf monitor: {}", with_causes(&error));
-                ExitCode::FAILURE
-            }
-        },
+            };
+            monitor::run(&pin_path, json, shown).map_err(|error| causes(&error))
+        }
+    }
+}
+
+/// `--backend`'s word.
+fn parse_backend(word: &str) -> Result<model::BackendChoice, String> {
+    word.parse().map_err(|error: UnknownWord| {
+        format!("--backend: expected {}, got {word:?}", error.expected)
+    })
+}
+
+/// `cnibpf install`: the entry with the capacity flags in it, the node checked, the datapath
+/// loaded if asked, then the binary and conflist installed once or watched.
+fn install_command(args: InstallArgs) -> Result<(), install::InstallError> {
+    let InstallArgs {
+        conf_dir,
+        bin_dir,
+        network,
+        entry,
+        replace_portmap,
+        watch,
+        reclaim_every,
+        pin_path,
+        load,
+        listen,
+        capacity,
+    } = args;
+    let mut entry = install::Install::entry_from(entry.as_deref())?;
+    for (key, size) in capacity
+        .checked()
+        .map_err(install::InstallError::Argument)?
+        .keys()
+    {
+        entry.insert(key.to_owned(), size.into());
+    }
+    let install = install::Install {
+        conf_dir,
+        bin_dir,
+        network,
+        entry,
+        replace_portmap,
+    };
+    install.refuse_unmigrated_datapath()?;
+    if load {
+        install.load_datapath();
+    }
+    if !watch {
+        return install.run();
+    }
+    install.run_and_watch(reclaim_every.map(|period| (period, pin_path)), || {
+        listen.map_or(Ok(()), |address| serve_beside(&install, address))
+    })
+}
+
+impl AdminCommand {
+    /// The command's name, as its messages start.
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Inspect { .. } => "inspect",
+            Self::Gc { .. } => "gc",
+            Self::Install(_) => "install",
+            Self::Uninstall { .. } => "uninstall",
+            Self::Load { .. } => "load",
+            Self::MountBpffs { .. } => "mount-bpffs",
+            Self::Metrics { .. } => "metrics",
+            Self::Monitor { .. } => "monitor",
+        }
     }
 }

@@ -28,37 +28,10 @@ pub(super) fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Pla
         source_check_plan(&prev, Vec::new())?;
     }
     let condition_interfaces = condition_interfaces(&conf.plugin.host_ports)?;
-    let netns = env.netns.clone().ok_or(EnvError::Missing("CNI_NETNS"))?;
-    match netns.try_exists() {
-        Ok(true) => {}
-        Ok(false) => return Err(EnvError::Netns(netns.display().to_string()).into()),
-        Err(source) => {
-            return Err(EnvError::NetnsUnreadable {
-                path: netns.display().to_string(),
-                source,
-            }
-            .into());
-        }
-    }
+    let netns = existing_netns(env)?;
     let link = link::find_container_link(&prev, &netns, &env.ifname).map_err(EnvError::from)?;
     let uplinks = resolve_uplinks(conf)?;
-    let cgroup = match &conf.plugin.cgroup_path {
-        Some(path) => path.clone(),
-        None => crate::paths::cgroup2_root()
-            .map_err(EnvError::Mounts)?
-            .ok_or_else(|| ConfigError::Invalid {
-                key: "cgroupPath".to_owned(),
-                reason: "no cgroup v2 hierarchy is mounted: mount one or name a cgroupPath"
-                    .to_owned(),
-            })?,
-    };
-    if !cgroup.is_dir() {
-        return Err(ConfigError::Invalid {
-            key: "cgroupPath".to_owned(),
-            reason: format!("{} is not a directory", cgroup.display()),
-        }
-        .into());
-    }
+    let cgroup = cgroup_of(conf)?;
     let (source_check, may_have_siblings) = if conf.plugin.source_check {
         let link_locals = link::container_link_locals(&netns, &env.ifname, link.container_mac)
             .map_err(EnvError::from)?;
@@ -69,12 +42,7 @@ pub(super) fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Pla
     };
     // fail-closed: an Option of the interface; without a bridge the interface is the gateway.
     let gateway_ifindex = link.host.master.unwrap_or(link.host.index);
-    // Shaping on the host-side veth (the `bandwidth` plugin chained before cnibpf), or asked
-    // for in runtimeConfig (chained after it, when cnibpf declares the capability too).
-    let shaped = conf.shaped
-        || !netlink::added_qdiscs(link.host.index)
-            .map_err(|error| Error::from(EnvError::HostInterface(error.into())))?
-            .is_empty();
+    let shaped = is_shaped(conf, &link.host)?;
     if (!mappings.is_empty() || conf.plugin.ip_masq) && uplinks.is_empty() {
         return Err(ConfigError::Invalid {
             key: "uplinks".to_owned(),
@@ -123,6 +91,55 @@ pub(super) fn plan(env: &Env, conf: &NetConf, prev_result: &Value) -> Result<Pla
         filter,
         source_check,
     })
+}
+
+/// CNI_NETNS, which must be there.
+fn existing_netns(env: &Env) -> Result<std::path::PathBuf, Error> {
+    let netns = env.netns.clone().ok_or(EnvError::Missing("CNI_NETNS"))?;
+    match netns.try_exists() {
+        Ok(true) => Ok(netns),
+        Ok(false) => Err(EnvError::Netns(netns.display().to_string()).into()),
+        Err(source) => Err(EnvError::NetnsUnreadable {
+            path: netns.display().to_string(),
+            source,
+        }
+        .into()),
+    }
+}
+
+/// The cgroup v2 directory the host-socket hooks attach to: `cgroupPath`, else the mounted
+/// hierarchy's root.
+fn cgroup_of(conf: &NetConf) -> Result<std::path::PathBuf, Error> {
+    let invalid = |reason: String| ConfigError::Invalid {
+        key: "cgroupPath".to_owned(),
+        reason,
+    };
+    let cgroup = match &conf.plugin.cgroup_path {
+        Some(path) => path.clone(),
+        None => crate::paths::cgroup2_root()
+            .map_err(EnvError::Mounts)?
+            .ok_or_else(|| {
+                invalid(
+                    "no cgroup v2 hierarchy is mounted: mount one or name a cgroupPath".to_owned(),
+                )
+            })?,
+    };
+    if !cgroup.is_dir() {
+        return Err(invalid(format!("{} is not a directory", cgroup.display())).into());
+    }
+    Ok(cgroup)
+}
+
+/// Whether the container's traffic is shaped on its host-side veth: by the `bandwidth`
+/// plugin chained before cnibpf (its qdiscs are there), or as asked in runtimeConfig (chained
+/// after it, when cnibpf declares the capability too).
+fn is_shaped(conf: &NetConf, host: &Link) -> Result<bool, Error> {
+    if conf.shaped {
+        return Ok(true);
+    }
+    let qdiscs = netlink::added_qdiscs(host.index)
+        .map_err(|error| Error::from(EnvError::HostInterface(error.into())))?;
+    Ok(!qdiscs.is_empty())
 }
 
 /// The addresses the container may send from: prevResult's for CNI_IFNAME and its interface's

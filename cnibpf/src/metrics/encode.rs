@@ -8,7 +8,9 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use super::collect::Snapshot;
+use cnibpf_common::drops::DropReason;
+
+use super::collect::{BackendSnapshot, Snapshot};
 use crate::{backend::nftables, call_stats};
 
 /// The snapshot as exposition text: OpenMetrics, or with `classic` Prometheus' own text
@@ -124,23 +126,7 @@ impl Collector for Encoded {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let snapshot = &self.0;
         let encoder = &mut encoder;
-        gauges(
-            encoder,
-            "cnibpf_build_info",
-            "The build serving these metrics: its version, commit, and the eBPF layout and nftables table layout it writes",
-            [(
-                vec![
-                    label("version", env!("CARGO_PKG_VERSION")),
-                    label("commit", env!("CNIBPF_COMMIT")),
-                    label(
-                        "layout",
-                        cnibpf_common::datapath::layout::VERSION.to_string(),
-                    ),
-                    label("nftables_layout", nftables::TABLE_LAYOUT),
-                ],
-                1,
-            )],
-        )?;
+        encode_build(encoder)?;
         gauges(
             encoder,
             "cnibpf_datapath_readable",
@@ -150,126 +136,9 @@ impl Collector for Encoded {
                 .iter()
                 .map(|(name, read)| (vec![label("backend", *name)], u64::from(read.is_some()))),
         )?;
-        let read = || {
-            snapshot
-                .backends
-                .iter()
-                .filter_map(|(name, read)| read.as_ref().map(|read| (*name, read)))
-        };
-        gauges(
-            encoder,
-            "cnibpf_attachments",
-            "Attachments the backend holds state for",
-            read().map(|(name, backend)| (vec![label("backend", name)], backend.attachments)),
-        )?;
-        gauges(
-            encoder,
-            "cnibpf_host_ports",
-            "hostPorts installed, by protocol",
-            read().flat_map(|(name, backend)| {
-                backend.host_ports.iter().map(move |(protocol, count)| {
-                    (
-                        vec![label("backend", name), label("protocol", *protocol)],
-                        *count,
-                    )
-                })
-            }),
-        )?;
-        gauges(
-            encoder,
-            "cnibpf_flows",
-            "Entries of each connection-tracking table the datapath relies on (expired ones included until swept)",
-            read().flat_map(|(_, backend)| {
-                backend
-                    .flow_tables
-                    .iter()
-                    .map(|table| (vec![label("table", table.name)], table.entries))
-            }),
-        )?;
-        gauges(
-            encoder,
-            "cnibpf_flows_max",
-            "Capacity of each connection-tracking table (an eBPF table evicts its oldest entries when full; conntrack drops new connections)",
-            read().flat_map(|(_, backend)| {
-                backend
-                    .flow_tables
-                    .iter()
-                    .map(|table| (vec![label("table", table.name)], table.capacity))
-            }),
-        )?;
-        let drops = || {
-            read().flat_map(|(name, backend)| {
-                backend
-                    .drops
-                    .iter()
-                    .flatten()
-                    .map(move |(reason, count)| (name, *reason, *count))
-            })
-        };
-        counters(
-            encoder,
-            "cnibpf_packets_dropped",
-            "Packets the datapath dropped, by reason",
-            drops().map(|(name, reason, count)| {
-                (
-                    vec![label("backend", name), label("reason", reason.name())],
-                    count.packets,
-                )
-            }),
-        )?;
-        counters(
-            encoder,
-            "cnibpf_bytes_dropped",
-            "Bytes of the packets the datapath dropped, by reason",
-            drops().map(|(name, reason, count)| {
-                (
-                    vec![label("backend", name), label("reason", reason.name())],
-                    count.bytes,
-                )
-            }),
-        )?;
-        counters(
-            encoder,
-            "cnibpf_masquerade_port_allocation_failures",
-            "Packets of new masqueraded flows for which no free source port was found (eBPF; the nftables backend's are the kernel's NAT)",
-            drops()
-                .filter(|(_, reason, _)| {
-                    *reason == cnibpf_common::drops::DropReason::MasqueradePortsExhausted
-                })
-                .map(|(name, _, count)| (vec![label("backend", name)], count.packets)),
-        )?;
-        counters(
-            encoder,
-            "cnibpf_drop_events_suppressed",
-            "Drop events not written to the monitor's ring by the per-CPU rate limit (the drops themselves are all counted)",
-            read().flat_map(|(name, backend)| {
-                backend
-                    .counters
-                    .iter()
-                    .filter(|(counter, _)| counter.starts_with("drop events suppressed"))
-                    .map(move |(_, value)| (vec![label("backend", name)], *value))
-            }),
-        )?;
-        counters(
-            encoder,
-            "cnibpf_filter_rule_packets",
-            "Packets each filter rule (index \"default\": the default verdict) of each attachment decided",
-            read().flat_map(|(_, backend)| {
-                backend.rules.iter().map(|rule| {
-                    (
-                        vec![
-                            label("pod_namespace", rule.pod_namespace.clone()),
-                            label("pod", rule.pod.clone()),
-                            label("container_id", rule.container_id.clone()),
-                            label("ifname", rule.ifname.clone()),
-                            label("index", rule.index.clone()),
-                            label("target", rule.target),
-                        ],
-                        rule.packets,
-                    )
-                })
-            }),
-        )?;
+        encode_state(encoder, snapshot)?;
+        encode_drops(encoder, snapshot)?;
+        encode_filter_rules(encoder, snapshot)?;
         gauges(
             encoder,
             "cnibpf_call_statistics_readable",
@@ -288,6 +157,150 @@ impl Collector for Encoded {
             |metric, seconds| metric.encode_gauge(seconds),
         )
     }
+}
+
+/// The backends whose state this scrape read, by name.
+fn read(snapshot: &Snapshot) -> impl Iterator<Item = (&'static str, &BackendSnapshot)> {
+    snapshot
+        .backends
+        .iter()
+        .filter_map(|(name, read)| read.as_ref().map(|read| (*name, read)))
+}
+
+fn encode_build(encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    gauges(
+        encoder,
+        "cnibpf_build_info",
+        "The build serving these metrics: its version, commit, and the eBPF layout and nftables table layout it writes",
+        [(
+            vec![
+                label("version", env!("CARGO_PKG_VERSION")),
+                label("commit", env!("CNIBPF_COMMIT")),
+                label(
+                    "layout",
+                    cnibpf_common::datapath::layout::VERSION.to_string(),
+                ),
+                label("nftables_layout", nftables::TABLE_LAYOUT),
+            ],
+            1,
+        )],
+    )
+}
+
+/// What the backends hold: attachments, hostPorts, connection-tracking tables.
+fn encode_state(
+    encoder: &mut DescriptorEncoder,
+    snapshot: &Snapshot,
+) -> Result<(), std::fmt::Error> {
+    gauges(
+        encoder,
+        "cnibpf_attachments",
+        "Attachments the backend holds state for",
+        read(snapshot).map(|(name, backend)| (vec![label("backend", name)], backend.attachments)),
+    )?;
+    gauges(
+        encoder,
+        "cnibpf_host_ports",
+        "hostPorts installed, by protocol",
+        read(snapshot).flat_map(|(name, backend)| {
+            backend.host_ports.iter().map(move |(protocol, count)| {
+                (
+                    vec![label("backend", name), label("protocol", *protocol)],
+                    *count,
+                )
+            })
+        }),
+    )?;
+    let tables = || read(snapshot).flat_map(|(_, backend)| backend.flow_tables.iter());
+    gauges(
+        encoder,
+        "cnibpf_flows",
+        "Entries of each connection-tracking table the datapath relies on (expired ones included until swept)",
+        tables().map(|table| (vec![label("table", table.name)], table.entries)),
+    )?;
+    gauges(
+        encoder,
+        "cnibpf_flows_max",
+        "Capacity of each connection-tracking table (an eBPF table evicts its oldest entries when full; conntrack drops new connections)",
+        tables().map(|table| (vec![label("table", table.name)], table.capacity)),
+    )
+}
+
+/// The datapath's drops, by reason, and what they say of masquerade and the monitor.
+fn encode_drops(
+    encoder: &mut DescriptorEncoder,
+    snapshot: &Snapshot,
+) -> Result<(), std::fmt::Error> {
+    let drops = || {
+        read(snapshot).flat_map(|(name, backend)| {
+            backend
+                .drops
+                .iter()
+                .flatten()
+                .map(move |(reason, count)| (name, *reason, *count))
+        })
+    };
+    let by_reason = |name: &'static str, reason: DropReason| {
+        vec![label("backend", name), label("reason", reason.name())]
+    };
+    counters(
+        encoder,
+        "cnibpf_packets_dropped",
+        "Packets the datapath dropped, by reason",
+        drops().map(|(name, reason, count)| (by_reason(name, reason), count.packets)),
+    )?;
+    counters(
+        encoder,
+        "cnibpf_bytes_dropped",
+        "Bytes of the packets the datapath dropped, by reason",
+        drops().map(|(name, reason, count)| (by_reason(name, reason), count.bytes)),
+    )?;
+    counters(
+        encoder,
+        "cnibpf_masquerade_port_allocation_failures",
+        "Packets of new masqueraded flows for which no free source port was found (eBPF; the nftables backend's are the kernel's NAT)",
+        drops()
+            .filter(|(_, reason, _)| *reason == DropReason::MasqueradePortsExhausted)
+            .map(|(name, _, count)| (vec![label("backend", name)], count.packets)),
+    )?;
+    counters(
+        encoder,
+        "cnibpf_drop_events_suppressed",
+        "Drop events not written to the monitor's ring by the per-CPU rate limit (the drops themselves are all counted)",
+        read(snapshot).flat_map(|(name, backend)| {
+            backend
+                .counters
+                .iter()
+                .filter(|(counter, _)| counter.starts_with("drop events suppressed"))
+                .map(move |(_, value)| (vec![label("backend", name)], *value))
+        }),
+    )
+}
+
+fn encode_filter_rules(
+    encoder: &mut DescriptorEncoder,
+    snapshot: &Snapshot,
+) -> Result<(), std::fmt::Error> {
+    counters(
+        encoder,
+        "cnibpf_filter_rule_packets",
+        "Packets each filter rule (index \"default\": the default verdict) of each attachment decided",
+        read(snapshot).flat_map(|(_, backend)| {
+            backend.rules.iter().map(|rule| {
+                (
+                    vec![
+                        label("pod_namespace", rule.pod_namespace.clone()),
+                        label("pod", rule.pod.clone()),
+                        label("container_id", rule.container_id.clone()),
+                        label("ifname", rule.ifname.clone()),
+                        label("index", rule.index.clone()),
+                        label("target", rule.target),
+                    ],
+                    rule.packets,
+                )
+            })
+        }),
+    )
 }
 
 fn encode_calls(

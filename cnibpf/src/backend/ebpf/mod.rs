@@ -34,7 +34,7 @@ use self::pins::{
     PinnedState, all_programs_pinned, check_layout, load_object, prepare_pin_dir, relink, stamp,
 };
 pub use self::pins::{mount_bpffs, remove_pinned};
-pub use self::sizes::memory;
+pub use self::sizes::{Memory, memory};
 use self::{
     connections::ConnectionMaps, endpoint::EndpointMaps, filter::FilterMaps,
     masquerade::MasqueradeMaps, portmap::PortMapMaps, sources::SourceMaps,

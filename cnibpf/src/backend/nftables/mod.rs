@@ -61,7 +61,10 @@ use self::{
     skeleton::{LOCALNET_GUARD_CHAIN, TableLayout, layout},
     store::Store,
 };
-pub use self::{error::NftablesError, host::firewall_chains};
+pub use self::{
+    error::NftablesError,
+    host::{HostChain, firewall_chains},
+};
 use super::{Access, Backend, BackendError};
 use crate::{
     model::{Protocol, ResolvedMapping, SourceCheck},

@@ -136,158 +136,166 @@ fn chains() -> Vec<Value> {
 }
 
 fn rules() -> Vec<Value> {
+    [
+        host_port_rules(),
+        vec![localnet_guard_rule()],
+        nat_rules(),
+        filter_hook_rules(),
+    ]
+    .concat()
+}
+
+fn rule(chain: &str, expr: Vec<Value>) -> Value {
+    json!({ "rule": { "chain": chain, "expr": expr } })
+}
+
+fn loopback() -> Value {
+    prefix("127.0.0.0", 8)
+}
+
+/// Chain `hostports`: a mapping's conditions by (address, protocol, port), then the node's
+/// own addresses' (and 127.0.0.0/8's) by (protocol, port); chain `hostports_dnat`: the
+/// translation, specific mappings before wildcard ones.
+fn host_port_rules() -> Vec<Value> {
     let mut rules = Vec::new();
-    let mut add = |chain: &str, expr: Vec<Value>| {
-        rules.push(json!({ "rule": { "chain": chain, "expr": expr } }));
+    let by_port = || concat([meta("l4proto"), payload("th", "dport")]);
+    let own = |ip: &str, suffix: &str| {
+        let daddr = payload(ip, "daddr");
+        let mut own = vec![matches(
+            "==",
+            daddr.clone(),
+            json!(format!("@node_addrs{suffix}")),
+        )];
+        if ip == "ip" {
+            own.push(matches("==", daddr, loopback()));
+        }
+        own
     };
-    let loopback = prefix("127.0.0.0", 8);
+    for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
+        let specific = concat([
+            payload(ip, "daddr"),
+            meta("l4proto"),
+            payload("th", "dport"),
+        ]);
+        rules.push(rule(
+            "hostports",
+            vec![vmap(specific, &format!("@conditions{suffix}"))],
+        ));
+        for destination in own(ip, suffix) {
+            let any = format!("@conditions{suffix}_any");
+            rules.push(rule("hostports", vec![destination, vmap(by_port(), &any)]));
+        }
+    }
+    rules.push(rule(
+        "hostports",
+        vec![json!({ "goto": { "target": "hostports_dnat" } })],
+    ));
     let translated_protocols = matches(
         "==",
         meta("l4proto"),
         json!({ "set": ["tcp", "udp", "sctp"] }),
     );
     for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
-        let daddr = payload(ip, "daddr");
-        let node = matches("==", daddr.clone(), json!(format!("@node_addrs{suffix}")));
-        let conditions = format!("@conditions{suffix}");
-        let any = format!("@conditions{suffix}_any");
-        add(
-            "hostports",
-            vec![vmap(
-                concat([daddr.clone(), meta("l4proto"), payload("th", "dport")]),
-                &conditions,
-            )],
-        );
-        add(
-            "hostports",
-            vec![
-                node.clone(),
-                vmap(concat([meta("l4proto"), payload("th", "dport")]), &any),
-            ],
-        );
-        if ip == "ip" {
-            let local = matches("==", daddr.clone(), loopback.clone());
-            add(
-                "hostports",
-                vec![
-                    local,
-                    vmap(concat([meta("l4proto"), payload("th", "dport")]), &any),
-                ],
-            );
-        }
-    }
-    add(
-        "hostports",
-        vec![json!({ "goto": { "target": "hostports_dnat" } })],
-    );
-    for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
-        let daddr = payload(ip, "daddr");
-        let specific = format!("@hostports{suffix}");
-        let any = format!("@hostports{suffix}_any");
-        add(
+        let specific = concat([
+            payload(ip, "daddr"),
+            meta("l4proto"),
+            payload("th", "dport"),
+        ]);
+        rules.push(rule(
             "hostports_dnat",
             vec![
                 translated_protocols.clone(),
-                dnat(
-                    ip,
-                    concat([daddr.clone(), meta("l4proto"), payload("th", "dport")]),
-                    &specific,
-                ),
+                dnat(ip, specific, &format!("@hostports{suffix}")),
             ],
-        );
-        let mut local = vec![matches(
-            "==",
-            daddr.clone(),
-            json!(format!("@node_addrs{suffix}")),
-        )];
-        if ip == "ip" {
-            local.push(matches("==", daddr.clone(), loopback.clone()));
-        }
-        for destination in local {
-            add(
+        ));
+        for destination in own(ip, suffix) {
+            let any = format!("@hostports{suffix}_any");
+            rules.push(rule(
                 "hostports_dnat",
                 vec![
                     destination,
                     translated_protocols.clone(),
-                    dnat(ip, concat([meta("l4proto"), payload("th", "dport")]), &any),
+                    dnat(ip, by_port(), &any),
                 ],
-            );
+            ));
         }
     }
-    rules.push(json!({ "rule": { "chain": LOCALNET_GUARD_CHAIN, "expr": [
+    rules
+}
+
+/// What comes to 127.0.0.0/8 from elsewhere than the loopback is dropped (CVE-2020-8558).
+fn localnet_guard_rule() -> Value {
+    json!({ "rule": { "chain": LOCALNET_GUARD_CHAIN, "expr": [
         matches("!=", meta("iifname"), json!("lo")),
-        matches("==", payload("ip", "daddr"), loopback.clone()),
+        matches("==", payload("ip", "daddr"), loopback()),
         json!({ "counter": null }),
         json!({ "drop": null }),
-    ], "comment": "drop reason localnet_guard" } }));
-    let mut add = |chain: &str, expr: Vec<Value>| {
-        rules.push(json!({ "rule": { "chain": chain, "expr": expr } }));
-    };
-    add(
-        "prerouting",
-        vec![json!({ "jump": { "target": "hostports" } })],
-    );
-    add("output", vec![json!({ "jump": { "target": "hostports" } })]);
+    ], "comment": "drop reason localnet_guard" } })
+}
+
+/// The NAT hooks: hostPorts from outside and from the host, the source of translated
+/// loopback and hairpin traffic, masquerade out of the uplinks, and its guard.
+fn nat_rules() -> Vec<Value> {
+    let to_host_ports = || vec![json!({ "jump": { "target": "hostports" } })];
     let dnatted = matches("in", ct("status"), json!("dnat"));
-    add(
-        "postrouting",
-        vec![
-            matches("==", payload("ip", "saddr"), loopback),
-            dnatted.clone(),
-            json!({ "masquerade": null }),
-        ],
-    );
+    let mut rules = vec![
+        rule("prerouting", to_host_ports()),
+        rule("output", to_host_ports()),
+        rule(
+            "postrouting",
+            vec![
+                matches("==", payload("ip", "saddr"), loopback()),
+                dnatted.clone(),
+                json!({ "masquerade": null }),
+            ],
+        ),
+    ];
+    for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
+        let nat = format!("@nat{suffix}");
+        rules.push(rule(
+            "postrouting",
+            vec![dnatted.clone(), vmap(payload(ip, "daddr"), &nat)],
+        ));
+    }
     let uplinks = matches("==", meta("oifname"), json!("@uplinks"));
     for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
-        add(
+        let (nat, guard) = (format!("@nat{suffix}"), format!("@guard{suffix}"));
+        rules.push(rule(
             "postrouting",
-            vec![
-                dnatted.clone(),
-                vmap(payload(ip, "daddr"), &format!("@nat{suffix}")),
-            ],
-        );
-    }
-    for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
-        add(
-            "postrouting",
-            vec![
-                uplinks.clone(),
-                vmap(payload(ip, "saddr"), &format!("@nat{suffix}")),
-            ],
-        );
-        add(
+            vec![uplinks.clone(), vmap(payload(ip, "saddr"), &nat)],
+        ));
+        rules.push(rule(
             "masquerade_guard",
-            vec![
-                uplinks.clone(),
-                vmap(payload(ip, "saddr"), &format!("@guard{suffix}")),
-            ],
-        );
+            vec![uplinks.clone(), vmap(payload(ip, "saddr"), &guard)],
+        ));
     }
+    rules
+}
+
+/// The filter hooks: replies, related errors and IPv6 control pass; then a container's
+/// traffic by its address, each way — the host's input sees only what containers send it,
+/// its output only what it sends them.
+fn filter_hook_rules() -> Vec<Value> {
+    let mut rules = Vec::new();
+    let accept = |condition: Value| vec![condition, json!({ "accept": null })];
     for chain in ["forward", "input", "local_out"] {
-        add(
+        rules.push(rule(
             chain,
-            vec![
-                matches("==", ct("direction"), json!("reply")),
-                json!({ "accept": null }),
-            ],
-        );
-        add(
+            accept(matches("==", ct("direction"), json!("reply"))),
+        ));
+        rules.push(rule(
             chain,
-            vec![
-                matches("in", ct("state"), json!("related")),
-                json!({ "accept": null }),
-            ],
-        );
-        add(
+            accept(matches("in", ct("state"), json!("related"))),
+        ));
+        rules.push(rule(
             chain,
-            vec![
-                matches("==", payload("icmpv6", "type"), json!("@icmpv6_control")),
-                json!({ "accept": null }),
-            ],
-        );
+            accept(matches(
+                "==",
+                payload("icmpv6", "type"),
+                json!("@icmpv6_control"),
+            )),
+        ));
     }
-    // The filter chains: a container's traffic by its address, each way; the host's input
-    // sees only what containers send it, its output only what it sends them.
     for (chain, directions) in [
         (
             "forward",
@@ -298,10 +306,10 @@ fn rules() -> Vec<Value> {
     ] {
         for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
             for (field, map) in directions {
-                add(
+                rules.push(rule(
                     chain,
                     vec![vmap(payload(ip, field), &format!("@{map}{suffix}"))],
-                );
+                ));
             }
         }
     }

@@ -267,46 +267,49 @@ fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
             IpAddr::V4(_) => None,
         })
         .collect();
-    let protocol = |name: &'static str| {
-        nft::matches(nft::meta(MetaKey::Protocol), Operator::EQ, nft::text(name))
-    };
-    let not_in = |field: Expression<'static>, words: Vec<String>| {
-        nft::matches(
-            field,
-            Operator::NEQ,
-            Expression::Named(NamedExpression::Set(
-                words
-                    .into_iter()
-                    .map(|word| SetItem::Element(nft::text(word)))
-                    .collect(),
-            )),
-        )
-    };
-    // The unspecified address of a family, then the container's own.
-    let unspecified_or = |unspecified: &str, own: Vec<String>| {
-        let mut words = vec![unspecified.to_owned()];
-        words.extend(own);
-        words
-    };
-    let words = |addresses: &[Ipv4Addr]| addresses.iter().map(ToString::to_string).collect();
-    let words6 = |addresses: &[Ipv6Addr]| addresses.iter().map(ToString::to_string).collect();
-    let mut rules = Vec::new();
-    // IPv4: the source; a container without IPv4 addresses sends no IPv4.
+    let mut rules = vec![
+        ipv4_source(&ipv4),
+        ipv6_source(&ipv6),
+        advertised_target(&ipv6),
+        arp_sender(&ipv4),
+        // Anything else carries no address of the container's (a VLAN tag would hide one).
+        vec![not_in(
+            nft::meta(MetaKey::Protocol),
+            ["ip", "ip6", "arp"].map(str::to_owned).to_vec(),
+        )],
+    ];
+    for rule in &mut rules {
+        rule.push(Statement::Counter(Counter::Anonymous(Some(
+            AnonymousCounter::default(),
+        ))));
+        rule.push(Statement::Drop(None));
+    }
+    rules
+}
+
+/// IPv4: the source; a container without IPv4 addresses sends no IPv4.
+fn ipv4_source(ipv4: &[Ipv4Addr]) -> Vec<Statement<'static>> {
     let mut rule = vec![protocol("ip")];
     if !ipv4.is_empty() {
-        rule.push(not_in(nft::payload("ip", "saddr"), words(&ipv4)));
+        rule.push(not_in(nft::payload("ip", "saddr"), words(ipv4)));
     }
-    rules.push(rule);
-    // IPv6: the source, or the unspecified address (duplicate address detection, MLD).
-    rules.push(vec![
+    rule
+}
+
+/// IPv6: the source, or the unspecified address (duplicate address detection, MLD).
+fn ipv6_source(ipv6: &[Ipv6Addr]) -> Vec<Statement<'static>> {
+    vec![
         protocol("ip6"),
         not_in(
             nft::payload("ip6", "saddr"),
-            unspecified_or("::", words6(&ipv6)),
+            unspecified_or("::", words(ipv6)),
         ),
-    ]);
-    // A neighbour advertisement's target: nft 1.0.6 names no such field, so it is read raw
-    // (64 bits into the ICMPv6 header, 128 long) and compared as a number.
+    ]
+}
+
+/// A neighbour advertisement's target: nft 1.0.6 names no such field, so it is read raw (64
+/// bits into the ICMPv6 header, 128 long) and compared as a number.
+fn advertised_target(ipv6: &[Ipv6Addr]) -> Vec<Statement<'static>> {
     let mut rule = vec![
         protocol("ip6"),
         nft::matches(
@@ -334,27 +337,47 @@ fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
             numbers,
         ));
     }
-    rules.push(rule);
-    // ARP: the sender address, or none (a probe).
-    rules.push(vec![
+    rule
+}
+
+/// ARP: the sender address, or none (a probe).
+fn arp_sender(ipv4: &[Ipv4Addr]) -> Vec<Statement<'static>> {
+    vec![
         protocol("arp"),
         not_in(
             nft::payload("arp", "saddr ip"),
-            unspecified_or("0.0.0.0", words(&ipv4)),
+            unspecified_or("0.0.0.0", words(ipv4)),
         ),
-    ]);
-    // Anything else carries no address of the container's (a VLAN tag would hide one).
-    rules.push(vec![not_in(
-        nft::meta(MetaKey::Protocol),
-        ["ip", "ip6", "arp"].map(str::to_owned).to_vec(),
-    )]);
-    for rule in &mut rules {
-        rule.push(Statement::Counter(Counter::Anonymous(Some(
-            AnonymousCounter::default(),
-        ))));
-        rule.push(Statement::Drop(None));
-    }
-    rules
+    ]
+}
+
+fn protocol(name: &'static str) -> Statement<'static> {
+    nft::matches(nft::meta(MetaKey::Protocol), Operator::EQ, nft::text(name))
+}
+
+/// `field` is none of `words`.
+fn not_in(field: Expression<'static>, words: Vec<String>) -> Statement<'static> {
+    nft::matches(
+        field,
+        Operator::NEQ,
+        Expression::Named(NamedExpression::Set(
+            words
+                .into_iter()
+                .map(|word| SetItem::Element(nft::text(word)))
+                .collect(),
+        )),
+    )
+}
+
+/// The unspecified address of a family, then the container's own.
+fn unspecified_or(unspecified: &str, own: Vec<String>) -> Vec<String> {
+    let mut words = vec![unspecified.to_owned()];
+    words.extend(own);
+    words
+}
+
+fn words(addresses: &[impl ToString]) -> Vec<String> {
+    addresses.iter().map(ToString::to_string).collect()
 }
 
 /// (packets, bytes) each chain of the table dropped, by chain name.
