@@ -150,6 +150,29 @@ const DEFAULT_DROP: &[Scenario] = &[
         ],
     },
     Scenario {
+        name: "an ICMP error about an allowed connection reaches the container without a rule",
+        steps: &[
+            step(
+                FromContainer,
+                v4(C1, 43_104, Far, 443, Body::Tcp(SYN)),
+                Redirected(at(Uplink, 43_104), at(Far, 443)),
+                Rule(ALLOW_443),
+            ),
+            step(
+                UplinkIngress,
+                v4(
+                    Far,
+                    0,
+                    Uplink,
+                    0,
+                    Body::Unreachable(&v4(Uplink, 43_104, Far, 443, Body::Tcp(SYN))),
+                ),
+                Redirected(at(Far, 0), at(C1, 43_104)),
+                Nothing,
+            ),
+        ],
+    },
+    Scenario {
         name: "what no rule matches is dropped by the default, and counted as such",
         steps: &[step(
             FromContainer,

@@ -6,7 +6,7 @@
 //! Both containers are masqueraded, `ipMasqExclude` is 192.168.0.0/16 and fd00:99::/64.
 
 use cnibpf_common::connections::PART_SNAT;
-use cnibpf_tests::packet::{ACK, SYN};
+use cnibpf_tests::packet::{ACK, RST, SYN};
 use serde_json::{Value, json};
 
 use super::{
@@ -103,6 +103,57 @@ const TABLE: &[Scenario] = &[
                 UplinkIngress,
                 v4(Far, 0, Uplink, 42_005, Body::EchoReply),
                 Redirected(at(Far, 0), at(C1, 0)),
+                Nothing,
+            ),
+        ],
+    },
+    Scenario {
+        name: "an IPv6 ping goes out and its echo reply comes back",
+        steps: &[
+            step(
+                FromContainer,
+                v6(C1, 42_016, Far, 0, Body::EchoRequest),
+                Redirected(at(Uplink, 0), at(Far, 0)),
+                Nothing,
+            ),
+            step(
+                UplinkIngress,
+                v6(Far, 0, Uplink, 42_016, Body::EchoReply),
+                Redirected(at(Far, 0), at(C1, 0)),
+                Nothing,
+            ),
+        ],
+    },
+    Scenario {
+        name: "an SCTP association leaves masqueraded, its CRC32c valid, and its reply comes back",
+        steps: &[
+            step(
+                FromContainer,
+                v4(C1, 42_017, Far, 9_000, Body::Sctp),
+                Redirected(at(Uplink, 42_017), at(Far, 9_000)),
+                Parts(PART_SNAT),
+            ),
+            step(
+                UplinkIngress,
+                v4(Far, 9_000, Uplink, 42_017, Body::Sctp),
+                Redirected(at(Far, 9_000), at(C1, 42_017)),
+                Parts(PART_SNAT),
+            ),
+        ],
+    },
+    Scenario {
+        name: "a reset from the remote reaches the container",
+        steps: &[
+            step(
+                FromContainer,
+                v4(C1, 42_018, Far, 443, Body::Tcp(SYN)),
+                Redirected(at(Uplink, 42_018), at(Far, 443)),
+                Parts(PART_SNAT),
+            ),
+            step(
+                UplinkIngress,
+                v4(Far, 443, Uplink, 42_018, Body::Tcp(RST | ACK)),
+                Redirected(at(Far, 443), at(C1, 42_018)),
                 Nothing,
             ),
         ],

@@ -15,6 +15,7 @@ use cnibpf_common::drops::DropReason;
 use super::{DROP, NEXT, REDIRECT};
 
 mod bench;
+mod conditions;
 mod craft;
 mod dnat;
 mod filter;
