@@ -177,7 +177,16 @@ pub fn run(out_dir: &Path) -> Result<()> {
             panel("nftables: connection rate", &nftables.2),
         ],
     )?;
-    progress.step(&format!("report: {} and filter.png", report.display()));
+    let published = super::publish(out_dir, "filter", "./dev bench filter")?;
+    progress.step(&format!(
+        "report: {} and filter.png{}",
+        report.display(),
+        if published {
+            ", published to docs/"
+        } else {
+            ""
+        }
+    ));
     Ok(())
 }
 

@@ -7,7 +7,6 @@
 use std::{
     fmt::Write as _,
     path::{Path, PathBuf},
-    process::Command,
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -60,23 +59,10 @@ pub fn builds(progress: &Progress, older: &[String]) -> Result<Vec<Build>> {
         binary: cnibpf_tests::history::cnibpf_of(&release),
     });
     builds.push(Build {
-        label: format!("this build ({})", this_commit()?),
+        label: format!("this build ({})", super::this_commit()?),
         binary: cnibpf_tests::topology::cnibpf_binary(),
     });
     Ok(builds)
-}
-
-/// The commit this build is made from, `+` marking changes not yet committed.
-fn this_commit() -> Result<String> {
-    let output = Command::new("git")
-        .args(["describe", "--always", "--dirty=+", "--abbrev=7"])
-        .current_dir(crate::workspace_root())
-        .output()
-        .context("run git describe")?;
-    if !output.status.success() {
-        bail!("git describe: {}", String::from_utf8_lossy(&output.stderr));
-    }
-    Ok(String::from_utf8(output.stdout)?.trim().to_owned())
 }
 
 /// One simulated host per build (masqueraded, hostPort and filtered containers), named after

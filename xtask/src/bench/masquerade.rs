@@ -151,7 +151,16 @@ pub fn run(out_dir: &Path) -> Result<()> {
             reference: Some(1.0),
         }],
     )?;
-    progress.step(&format!("report: {} and masquerade.png", report.display()));
+    let published = super::publish(out_dir, "masquerade", "./dev bench masquerade")?;
+    progress.step(&format!(
+        "report: {} and masquerade.png{}",
+        report.display(),
+        if published {
+            ", published to docs/"
+        } else {
+            ""
+        }
+    ));
     Ok(())
 }
 

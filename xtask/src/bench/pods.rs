@@ -190,5 +190,6 @@ pub fn run(out_dir: &Path) -> Result<()> {
             },
         ],
     )?;
+    super::publish(out_dir, "pods", "./dev bench pods")?;
     Ok(())
 }

@@ -225,7 +225,16 @@ pub fn run(out_dir: &Path) -> Result<()> {
             },
         ],
     )?;
-    progress.step(&format!("report: {} and portmap.png", report.display()));
+    let published = super::publish(out_dir, "portmap", "./dev bench portmap")?;
+    progress.step(&format!(
+        "report: {} and portmap.png{}",
+        report.display(),
+        if published {
+            ", published to docs/"
+        } else {
+            ""
+        }
+    ));
     Ok(())
 }
 
