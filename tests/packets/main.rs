@@ -62,14 +62,7 @@ fn bench_with(id: &str, keys: serde_json::Value) -> Bench {
     let container = sim.container("c1", mappings);
     let uplink = interface_index(&sim, UPLINK);
     let veth = interface_index(&sim, &sim.host_interface(&container));
-    let container_mac = container.result["interfaces"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|interface| interface.get("sandbox").is_some())
-        .and_then(|interface| interface["mac"].as_str())
-        .map(mac)
-        .expect("the container's MAC in its result");
+    let container_mac = container_mac(&container);
     Bench {
         sim,
         container,
@@ -77,6 +70,18 @@ fn bench_with(id: &str, keys: serde_json::Value) -> Bench {
         veth,
         container_mac,
     }
+}
+
+/// The MAC address of the container's interface, from its result.
+fn container_mac(container: &Container) -> [u8; 6] {
+    container.result["interfaces"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|interface| interface.get("sandbox").is_some())
+        .and_then(|interface| interface["mac"].as_str())
+        .map(mac)
+        .expect("the container's MAC in its result")
 }
 
 fn interface_index(sim: &SimHost, name: &str) -> u32 {

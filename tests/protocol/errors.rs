@@ -82,16 +82,7 @@ fn pinned_state_of_a_newer_layout_is_error_106_for_add_only() {
         sim.tcx_programs(UPLINK).is_empty(),
         "nothing may be attached over state of another layout"
     );
-    // DEL of something it never held answers success, as a runtime retrying it needs.
-    let never = Attachment {
-        container_id: "never-added".to_owned(),
-        ifname: "eth0".to_owned(),
-        netns: sim.host.path(),
-        capability_args: Value::Null,
-        cni_args: String::new(),
-    };
-    let config = cnibpf_config(&sim, "1.0.0", None);
-    assert_silent_success(&invoke(&sim, "DEL", Some(&never), &config));
+    assert_del_of_what_it_never_held_succeeds(&sim);
 }
 
 /// State of a layout before the supported window (layout 9, as a 0.4 release pinned it): ADD
@@ -112,6 +103,11 @@ fn pinned_state_of_a_layout_before_the_window_is_error_106_naming_the_release_be
         "names the release to pass through: {error}"
     );
     assert!(sim.tcx_programs(UPLINK).is_empty(), "nothing attached");
+    assert_del_of_what_it_never_held_succeeds(&sim);
+}
+
+/// A DEL of something the state never held answers success, as a runtime retrying it needs.
+fn assert_del_of_what_it_never_held_succeeds(sim: &SimHost) {
     let never = Attachment {
         container_id: "never-added".to_owned(),
         ifname: "eth0".to_owned(),
@@ -119,8 +115,8 @@ fn pinned_state_of_a_layout_before_the_window_is_error_106_naming_the_release_be
         capability_args: Value::Null,
         cni_args: String::new(),
     };
-    let config = cnibpf_config(&sim, "1.0.0", None);
-    assert_silent_success(&invoke(&sim, "DEL", Some(&never), &config));
+    let config = cnibpf_config(sim, "1.0.0", None);
+    assert_silent_success(&invoke(sim, "DEL", Some(&never), &config));
 }
 
 #[test]

@@ -13,7 +13,7 @@ use cnibpf_tests::{
 use serde_json::Value;
 
 use super::{Hook, Peer};
-use crate::{interface_index, mac};
+use crate::{container_mac, interface_index};
 
 /// A simulated host with two containers attached by the area's configuration.
 pub struct Bench {
@@ -36,16 +36,7 @@ impl Bench {
         let uplink = interface_index(&sim, UPLINK);
         let veths =
             [&c1, &c2].map(|container| interface_index(&sim, &sim.host_interface(container)));
-        let macs = [&c1, &c2].map(|container| {
-            container.result["interfaces"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|interface| interface.get("sandbox").is_some())
-                .and_then(|interface| interface["mac"].as_str())
-                .map(mac)
-                .expect("the container's MAC in its result")
-        });
+        let macs = [&c1, &c2].map(container_mac);
         let (uplink_mac, gateway_mac) = (sim.host.mac(UPLINK), sim.host.mac(BRIDGE));
         Self {
             sim,
