@@ -6,6 +6,7 @@
 
 use std::process::Command;
 
+use cnibpf_common::map_spec::Dimension;
 use cnibpf_tests::{
     SimHost, chain, faults,
     live::{LivePod, pod_keys},
@@ -13,9 +14,6 @@ use cnibpf_tests::{
     traffic::{TcpServer, tcp_request},
 };
 use serde_json::{Value, json};
-
-/// The maps of each dimension whose sizes the tests read (the first is the dimension's measure).
-const FLOW_MAPS: [&str; 2] = ["connections", "masq_replies"];
 
 fn sized_keys(flows: u32, attachments: u32, host_ports: u32) -> Value {
     let mut keys = pod_keys("ebpf");
@@ -25,16 +23,22 @@ fn sized_keys(flows: u32, attachments: u32, host_ports: u32) -> Value {
     keys
 }
 
+/// Every sized map has its spec's share of the dimension it follows.
 fn assert_sizes(sim: &SimHost, flows: u32, attachments: u32, host_ports: u32, when: &str) {
-    for map in FLOW_MAPS {
-        assert_eq!(sim.map_size(map), flows, "{when}: {map}");
+    for spec in cnibpf_common::maps() {
+        let size = match spec.sizing.dimension() {
+            None => continue,
+            Some(Dimension::Flows) => flows,
+            Some(Dimension::Attachments) => attachments,
+            Some(Dimension::HostPorts) => host_ports,
+        };
+        assert_eq!(
+            Some(sim.map_size(spec.name)),
+            spec.sizing.entries(size),
+            "{when}: {}",
+            spec.name
+        );
     }
-    assert_eq!(sim.map_size("fragments"), flows / 8, "{when}");
-    assert_eq!(sim.map_size("sock_rev"), flows / 4, "{when}");
-    assert_eq!(sim.map_size("owners"), attachments, "{when}");
-    assert_eq!(sim.map_size("masq_sources"), attachments * 2, "{when}");
-    assert_eq!(sim.map_size("portmap"), host_ports, "{when}");
-    assert_eq!(sim.map_size("port_claims"), host_ports, "{when}");
     assert!(
         !sim.pin_path.join("resize").exists(),
         "{when}: no resize left half done"
@@ -63,15 +67,26 @@ fn a_live_datapath_is_resized_with_its_flows_translations_and_counters() {
     let dropped = sim.filter_rule_packets(0);
     assert!(dropped > 0, "the filter counted its drops");
 
-    // Grown by `cnibpf load` (what `install --load --max-flows` runs), attachments kept.
-    let output = load(&sim, &["--max-flows", "131072", "--max-host-ports", "2048"]);
+    // Grown by `cnibpf load` (what `install --load --max-flows` runs), every dimension: the
+    // per-CPU maps (the filter's counters) are copied CPU by CPU.
+    let output = load(
+        &sim,
+        &[
+            "--max-flows",
+            "131072",
+            "--max-attachments",
+            "512",
+            "--max-host-ports",
+            "2048",
+        ],
+    );
     assert!(output.status.success(), "load: {output:?}");
     let said = String::from_utf8_lossy(&output.stdout);
     assert!(
-        said.contains("maxFlows 131072, maxAttachments 256, maxHostPorts 2048"),
+        said.contains("maxFlows 131072, maxAttachments 512, maxHostPorts 2048"),
         "{said}"
     );
-    assert_sizes(&sim, 131_072, 256, 2_048, "after load --max-flows");
+    assert_sizes(&sim, 131_072, 512, 2_048, "after load --max-flows");
     let carried = sim.flow_counts();
     for (before, after) in flows.iter().zip(carried) {
         assert!(
