@@ -176,17 +176,23 @@ fn format_value(value: f64) -> String {
     }
 }
 
-/// The commit this build is made from, `+` marking changes not yet committed.
+/// The commit this build is made from, `+` marking changes not yet committed (but to docs/,
+/// which a run of several suites writes as it goes).
 pub fn this_commit() -> Result<String> {
-    let output = std::process::Command::new("git")
-        .args(["describe", "--always", "--dirty=+", "--abbrev=7"])
-        .current_dir(crate::workspace_root())
-        .output()
-        .context("run git describe")?;
-    if !output.status.success() {
-        bail!("git describe: {}", String::from_utf8_lossy(&output.stderr));
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .current_dir(crate::workspace_root())
+            .output()
+            .with_context(|| format!("run git {}", args.join(" ")))
+    };
+    let head = git(&["rev-parse", "--short=7", "HEAD"])?;
+    if !head.status.success() {
+        bail!("git rev-parse: {}", String::from_utf8_lossy(&head.stderr));
     }
-    Ok(String::from_utf8(output.stdout)?.trim().to_owned())
+    let changed = git(&["status", "--porcelain", "--", ".", ":(exclude)docs"])?;
+    let dirty = if changed.stdout.is_empty() { "" } else { "+" };
+    Ok(format!("{}{dirty}", String::from_utf8(head.stdout)?.trim()))
 }
 
 /// Publishes a suite's last run for users when docs/benchmarks.md shows the run `command`
