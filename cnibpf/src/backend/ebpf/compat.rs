@@ -14,7 +14,7 @@
 
 use std::{
     collections::BTreeSet,
-    fs, io,
+    io,
     os::fd::{AsFd as _, AsRawFd as _},
     path::Path,
 };
@@ -27,7 +27,8 @@ use cnibpf_common::endpoints::{
 
 use super::{
     owner::read_name,
-    pins::{map_pinned, remove_pin, remove_tree},
+    pins::map_pinned,
+    unpin::{detach_link, detach_links, remove_tree},
 };
 use crate::{
     backend::{AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, is_stale},
@@ -120,22 +121,8 @@ impl OtherLayout {
                 return Ok(());
             }
         }
-        // Unpinning the links first detaches every hook even if removing the rest fails.
-        let links = self.pins.links_dir();
-        let list_error = |source: io::Error| BackendError::Pin {
-            action: format!("could not list {}", links.display()),
-            source: Box::new(source),
-        };
-        let entries = match fs::read_dir(&links) {
-            Ok(entries) => entries,
-            Err(error) if error.kind() == io::ErrorKind::NotFound => {
-                return remove_tree(self.pins.root());
-            }
-            Err(error) => return Err(list_error(error)),
-        };
-        for entry in entries {
-            remove_pin(&entry.map_err(list_error)?.path())?;
-        }
+        // The hooks go first, so that they are gone even if removing the rest fails.
+        detach_links(&self.pins)?;
         remove_tree(self.pins.root())
     }
 }
@@ -177,7 +164,7 @@ impl Endpoints for OtherLayout {
             return Ok(());
         };
         for hook in ["from", "to"] {
-            remove_pin(&self.pins.endpoint_link(owner, hook))?;
+            detach_link(&self.pins.endpoint_link(owner, hook))?;
         }
         self.leaving.insert(owner);
         if self.found < cnibpf_common::datapath::layout::VERSION {

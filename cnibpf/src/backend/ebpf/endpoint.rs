@@ -18,10 +18,9 @@ use super::{
     hooks::link_pinned,
     map_error, open_pinned,
     owner::{attachment_of, owner_info, read_name},
-    pins::{
-        QDISC_TRACEPOINT, QDISC_WATCHER, SOCK_PROGRAMS, attach_tracepoint, remove_pin, remove_tree,
-    },
+    pins::{QDISC_TRACEPOINT, QDISC_WATCHER, SOCK_PROGRAMS, attach_tracepoint},
     read_error, remove_entry,
+    unpin::{detach_link, remove_tree},
 };
 use crate::{
     backend::{BackendError, Endpoint, Endpoints, node_addresses},
@@ -189,9 +188,8 @@ impl EbpfBackend {
     /// Removes the `endpoints` entry of `ifindex` if `owner` still holds it (an interface index
     /// can be reused by another container once the first one's veth is gone).
     fn forget_endpoint(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {
-        // Unpinning detaches (a link whose interface is gone is only a pin).
         for link_pin in self.endpoint_link_pins(owner) {
-            remove_pin(&link_pin)?;
+            detach_link(&link_pin)?;
         }
         match found(
             self.endpoint.endpoints.get(&ifindex, 0),

@@ -10,9 +10,8 @@ use aya::programs::{
 
 use super::{
     EbpfBackend,
-    pins::{
-        FROM_CONTAINER, SOCK_PROGRAMS, TO_CONTAINER, UPLINK_EGRESS, UPLINK_INGRESS, remove_pin,
-    },
+    pins::{FROM_CONTAINER, SOCK_PROGRAMS, TO_CONTAINER, UPLINK_EGRESS, UPLINK_INGRESS},
+    unpin::detach_link,
 };
 use crate::{backend::BackendError, phases};
 
@@ -50,7 +49,7 @@ impl EbpfBackend {
                 return Ok(());
             }
             // The link outlived its interface, or points at an older program instance.
-            remove_pin(hook.link_pin)?;
+            detach_link(hook.link_pin)?;
         }
         let program_error = |action: String| {
             move |source| BackendError::Program {
@@ -197,8 +196,7 @@ impl EbpfBackend {
         if receives {
             self.attach(ifindex, &to)
         } else {
-            // Unpinning detaches.
-            remove_pin(to.link_pin)
+            detach_link(to.link_pin)
         }
     }
 

@@ -25,6 +25,7 @@ mod portmap;
 mod probe;
 mod sizes;
 mod sources;
+mod unpin;
 
 use std::{fs, io, net::IpAddr};
 

@@ -20,7 +20,10 @@ use nix::{
     sys::statfs::statfs,
 };
 
-use super::kernel_btf;
+use super::{
+    kernel_btf,
+    unpin::{detach_link, detach_links, remove_pin},
+};
 use crate::{
     backend::BackendError,
     netns,
@@ -79,30 +82,6 @@ pub(super) fn all_programs_pinned(pins: &PinLayout) -> Result<bool, BackendError
         }
     }
     Ok(true)
-}
-
-pub(super) fn remove_pin(path: &Path) -> Result<(), BackendError> {
-    match fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(BackendError::Pin {
-            action: format!("could not remove pin {}", path.display()),
-            source: Box::new(source),
-        }),
-    }
-}
-
-/// Removes a directory of pins with all it holds (the instance's whole state, a migration's
-/// leftovers); one already gone is fine.
-pub(super) fn remove_tree(root: &Path) -> Result<(), BackendError> {
-    match fs::remove_dir_all(root) {
-        Ok(()) => Ok(()),
-        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(BackendError::Pin {
-            action: format!("could not remove {}", root.display()),
-            source: Box::new(source),
-        }),
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -191,8 +170,8 @@ fn os_error(error: &MapError) -> Option<io::Error> {
 fn relink_cgroup(pins: &PinLayout, path: &Path, program_name: &str) -> Result<(), BackendError> {
     let Some((name, attach_type)) = SOCK_PROGRAMS.iter().find(|(name, _)| *name == program_name)
     else {
-        // A hook this build no longer has: unpinning detaches it.
-        return remove_pin(path);
+        // A hook this build no longer has.
+        return detach_link(path);
     };
     let link_error = |source: Box<dyn std::error::Error + Send + Sync>| BackendError::Pin {
         action: format!("could not move link {} to the new {name}", path.display()),
@@ -217,7 +196,7 @@ fn relink_tracepoint(
     path: &Path,
     program_name: &str,
 ) -> Result<(), BackendError> {
-    remove_pin(path)?;
+    detach_link(path)?;
     if program_name == QDISC_WATCHER {
         attach_tracepoint(pins, QDISC_WATCHER, QDISC_TRACEPOINT)?;
     }
@@ -498,8 +477,8 @@ pub(super) fn prepare_pin_dir(pins: &PinLayout) -> Result<(), BackendError> {
     Ok(())
 }
 
-/// Removes every pinned object of the instance and its directory: maps and programs are freed
-/// and links detached (tcx hooks, socket hooks, the tracepoint) once no process holds them.
+/// Removes every pinned object of the instance and its directory: links detached (tcx hooks,
+/// socket hooks, the tracepoint), maps and programs freed once no process holds them.
 /// What it removed, by kind; nothing when there was no instance.
 pub fn remove_pinned(pins: &PinLayout) -> Result<Vec<String>, BackendError> {
     let root = pins.root();
@@ -532,6 +511,7 @@ pub fn remove_pinned(pins: &PinLayout) -> Result<Vec<String>, BackendError> {
         count(root)?,
     );
     // Links first: a hook is detached before the program it runs is unpinned.
+    detach_links(pins)?;
     for dir in [pins.links_dir(), pins.programs_dir()] {
         match fs::remove_dir_all(&dir) {
             Ok(()) => {}

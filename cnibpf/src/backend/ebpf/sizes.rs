@@ -28,7 +28,8 @@ use cnibpf_common::map_spec::{MapSpec, Sizing};
 
 use super::{
     EbpfBackend, batch,
-    pins::{MapSize, load_object, map_pinned, relink, remove_tree, stamp},
+    pins::{MapSize, load_object, map_pinned, relink, stamp},
+    unpin::remove_tree,
 };
 use crate::{
     backend::{Backend as _, BackendError},
