@@ -15,7 +15,7 @@ use cnibpf_common::{
     masquerade::{MasqReply, MasqSource, MasqSourceKey, ReplyKey},
 };
 use cnibpf_tests::{
-    Container, SimHost, for_both_backends,
+    Container, SimHost, eventually, for_both_backends,
     packet::{
         ACK, ETH_P_IP, ETH_P_IPV6, FIN, ICMP, ICMPV6, RST, SYN, TCP, UDP, ethernet, icmp, icmpv6,
         ipv4, ipv6, tcp, udp,

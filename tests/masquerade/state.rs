@@ -32,7 +32,7 @@ fn tcp_state_follows_the_connection_and_expired_state_goes_away() {
         reset_on_close(&open);
         drop(open);
         assert!(
-            cnibpf_tests::eventually(Duration::from_secs(2), || state_towards(7000)
+            eventually(Duration::from_secs(2), || state_towards(7000)
                 == STATE_CLOSING),
             "{family:?}: a reset connection is closing"
         );
@@ -42,7 +42,7 @@ fn tcp_state_follows_the_connection_and_expired_state_goes_away() {
             Ok("bye")
         );
         assert!(
-            cnibpf_tests::eventually(Duration::from_secs(2), || state_towards(8080)
+            eventually(Duration::from_secs(2), || state_towards(8080)
                 == STATE_CLOSING),
             "{family:?}: a closed connection is closing"
         );
