@@ -15,8 +15,10 @@ use aya::{
 };
 use cnibpf_common::map_spec::MapSpec;
 
-/// `BPF_MAP_UPDATE_ELEM` and `BPF_MAP_LOOKUP_BATCH` from the kernel's `enum bpf_cmd`.
-const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+/// Commands from the kernel's `enum bpf_cmd`.
+pub(super) const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+pub(super) const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+pub(super) const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 /// `BPF_NOEXIST`: an update that leaves an existing entry alone.
 const BPF_NOEXIST: u64 = 1;
@@ -42,11 +44,11 @@ struct BatchAttr {
 
 /// The element members of `union bpf_attr`.
 #[repr(C)]
-#[derive(Default)]
 struct ElementAttr {
     map_fd: u32,
     _pad: u32,
     key: u64,
+    /// The value, or the next key for `BPF_MAP_GET_NEXT_KEY`.
     value: u64,
     flags: u64,
 }
@@ -113,31 +115,58 @@ where
 /// Inserts `key` → `value` (bytes of the map's sizes) unless the key is there: whether it
 /// was inserted.
 pub fn insert_new(map: &MapData, key: &[u8], value: &[u8]) -> io::Result<bool> {
-    let mut attr = ElementAttr {
-        map_fd: fd_number(map.fd().as_fd())?,
-        key: key.as_ptr() as u64,
-        value: value.as_ptr() as u64,
-        flags: BPF_NOEXIST,
-        ..ElementAttr::default()
+    // SAFETY: the caller's buffers have the map's key and value sizes (from the map's spec);
+    // the kernel only reads them for an update.
+    let inserted = unsafe {
+        element_command(
+            map.fd().as_fd(),
+            BPF_MAP_UPDATE_ELEM,
+            key.as_ptr(),
+            value.as_ptr().cast_mut(),
+            BPF_NOEXIST,
+        )
     };
-    // SAFETY: bpf(2) with an element attribute whose key and value buffers have the map's
-    // key and value sizes (the caller's, from the map's spec) and outlive the call.
+    match inserted {
+        Ok(()) => Ok(true),
+        Err(error) if error.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
+/// `bpf(command)` on one element of the map `map`: lookup, update or the next key.
+///
+/// # Safety
+///
+/// `key` points at a buffer of the map's key size (or is null, for the first key), `value` at
+/// one of its value size (of its key size for `BPF_MAP_GET_NEXT_KEY`, which writes it there);
+/// both outlive the call.
+pub(super) unsafe fn element_command(
+    map: BorrowedFd<'_>,
+    command: libc::c_long,
+    key: *const u8,
+    value: *mut u8,
+    flags: u64,
+) -> io::Result<()> {
+    let attr = ElementAttr {
+        map_fd: fd_number(map)?,
+        _pad: 0,
+        key: key as u64,
+        value: value as u64,
+        flags,
+    };
+    // SAFETY: bpf(2) with an element attribute whose buffers are as the caller promised.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_bpf,
-            BPF_MAP_UPDATE_ELEM,
-            &raw mut attr,
+            command,
+            &raw const attr,
             size_of::<ElementAttr>(),
         )
     };
-    if rc == 0 {
-        return Ok(true);
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
     }
-    let error = io::Error::last_os_error();
-    match error.raw_os_error() {
-        Some(libc::EEXIST) => Ok(false),
-        _ => Err(error),
-    }
+    Ok(())
 }
 
 fn fd_number(fd: BorrowedFd<'_>) -> io::Result<u32> {

@@ -12,12 +12,7 @@
 //! - once no attachment with a live interface is left, the whole state goes (links, programs,
 //!   maps), and this build starts afresh at its own layout with the next ADD.
 
-use std::{
-    collections::BTreeSet,
-    io,
-    os::fd::{AsFd as _, AsRawFd as _},
-    path::Path,
-};
+use std::{collections::BTreeSet, io, os::fd::AsFd as _, path::Path};
 
 use aya::maps::MapData;
 use cnibpf_common::endpoints::{
@@ -26,6 +21,7 @@ use cnibpf_common::endpoints::{
 };
 
 use super::{
+    batch,
     owner::read_name,
     pins::map_pinned,
     unpin::{detach_link, detach_links, remove_tree},
@@ -221,22 +217,6 @@ struct RawMap {
     max_entries: usize,
 }
 
-/// `bpf(2)` commands on map elements (`enum bpf_cmd`).
-const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
-const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
-
-/// The map-element member of `union bpf_attr`.
-#[repr(C)]
-struct ElementAttr {
-    map_fd: u32,
-    _pad: u32,
-    key: u64,
-    /// The value, or the next key for `BPF_MAP_GET_NEXT_KEY`.
-    value: u64,
-    flags: u64,
-}
-
 impl RawMap {
     fn open(path: &Path) -> io::Result<Self> {
         let data = MapData::from_pin(path).map_err(io::Error::other)?;
@@ -250,28 +230,9 @@ impl RawMap {
     }
 
     fn call(&self, command: libc::c_long, key: *const u8, value: *mut u8) -> io::Result<()> {
-        let attr = ElementAttr {
-            map_fd: self.data.fd().as_fd().as_raw_fd() as u32,
-            _pad: 0,
-            key: key as u64,
-            value: value as u64,
-            flags: 0,
-        };
-        // SAFETY: `attr` is a valid bpf_attr prefix for the element commands; `key` and
-        // `value` point at buffers of the map's key and value sizes (checked by the callers).
-        let outcome = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                command,
-                &raw const attr,
-                size_of::<ElementAttr>(),
-            )
-        };
-        if outcome < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(())
-        }
+        // SAFETY: `key` and `value` point at buffers of the map's key and value sizes
+        // (checked by the callers).
+        unsafe { batch::element_command(self.data.fd().as_fd(), command, key, value, 0) }
     }
 
     fn keys(&self) -> io::Result<Vec<Vec<u8>>> {
@@ -281,7 +242,7 @@ impl RawMap {
             let mut next = vec![0; self.key_size];
             // fail-closed: an Option (the walk's start), no error to lose.
             let current = keys.last().map_or(std::ptr::null(), |key| key.as_ptr());
-            match self.call(BPF_MAP_GET_NEXT_KEY, current, next.as_mut_ptr()) {
+            match self.call(batch::BPF_MAP_GET_NEXT_KEY, current, next.as_mut_ptr()) {
                 Ok(()) => keys.push(next),
                 Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(keys),
                 Err(error) => return Err(error),
@@ -293,7 +254,7 @@ impl RawMap {
     fn get(&self, key: &[u8]) -> io::Result<Option<Vec<u8>>> {
         assert_eq!(key.len(), self.key_size, "key of the map's size");
         let mut value = vec![0; self.value_size];
-        match self.call(BPF_MAP_LOOKUP_ELEM, key.as_ptr(), value.as_mut_ptr()) {
+        match self.call(batch::BPF_MAP_LOOKUP_ELEM, key.as_ptr(), value.as_mut_ptr()) {
             Ok(()) => Ok(Some(value)),
             Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(error) => Err(error),
@@ -305,7 +266,11 @@ impl RawMap {
             key.len() == self.key_size && value.len() == self.value_size,
             "key and value of the map's sizes"
         );
-        self.call(BPF_MAP_UPDATE_ELEM, key.as_ptr(), value.as_ptr().cast_mut())
+        self.call(
+            batch::BPF_MAP_UPDATE_ELEM,
+            key.as_ptr(),
+            value.as_ptr().cast_mut(),
+        )
     }
 }
 

@@ -5,17 +5,14 @@
 use std::net::IpAddr;
 
 use cnibpf_common::drops::{DropCount, DropReason};
-use nftables::{
-    schema::Rule,
-    stmt::{Counter, Statement},
-};
+use nftables::schema::Rule;
 
 use super::{
     LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack,
     filter::filter_of,
     guard_chain,
     masquerade::guard_drop_comment,
-    parse_owner,
+    nft, parse_owner,
     scrape::{add_drops, counted_drops},
     sources,
 };
@@ -194,15 +191,5 @@ impl Inspect for NftablesBackend {
 
 /// The (packets, bytes) of the counter of the first counted rule among `rules`.
 fn counted_by(rules: &[Rule<'static>]) -> Option<(u64, u64)> {
-    rules.iter().find_map(|rule| {
-        rule.expr.iter().find_map(|statement| match statement {
-            Statement::Counter(Counter::Anonymous(Some(counter))) => Some((
-                // fail-closed: a counter nft lists without values has counted nothing.
-                counter.packets.unwrap_or(0) as u64,
-                // fail-closed: as above.
-                counter.bytes.unwrap_or(0) as u64,
-            )),
-            _ => None,
-        })
-    })
+    rules.iter().find_map(|rule| nft::counter_of(&rule.expr))
 }

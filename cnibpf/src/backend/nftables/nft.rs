@@ -13,7 +13,7 @@ use nftables::{
     batch::Batch,
     expr::{Elem, Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, Prefix},
     schema::{Chain, Element, NfListObject, Rule},
-    stmt::{JumpTarget, Match, Operator, Statement},
+    stmt::{Counter, JumpTarget, Match, Operator, Statement},
     types::NfFamily,
 };
 use serde::Deserialize as _;
@@ -282,4 +282,17 @@ pub fn port_of(expression: &Expression<'_>) -> Option<u16> {
         Expression::Number(number) => u16::try_from(*number).ok(),
         _ => None,
     }
+}
+
+/// The (packets, bytes) of a listed rule's counter, if it has one.
+pub fn counter_of(statements: &[Statement<'_>]) -> Option<(u64, u64)> {
+    statements.iter().find_map(|statement| match statement {
+        Statement::Counter(Counter::Anonymous(Some(counter))) => Some((
+            // fail-closed: a counter nft lists without values has counted nothing.
+            counter.packets.unwrap_or(0) as u64,
+            // fail-closed: as above.
+            counter.bytes.unwrap_or(0) as u64,
+        )),
+        _ => None,
+    })
 }

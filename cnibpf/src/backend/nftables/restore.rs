@@ -5,10 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use nftables::{
-    batch::Batch,
-    stmt::{Counter, Statement},
-};
+use nftables::batch::Batch;
 use serde_json::Value;
 
 use super::{
@@ -219,16 +216,7 @@ impl Counters {
                 let Some(comment) = &rule.comment else {
                     continue;
                 };
-                let counter = rule.expr.iter().find_map(|statement| match statement {
-                    Statement::Counter(Counter::Anonymous(Some(counter))) => Some((
-                        // fail-closed: a counter listed without values has counted nothing.
-                        counter.packets.unwrap_or(0) as u64,
-                        // fail-closed: as above.
-                        counter.bytes.unwrap_or(0) as u64,
-                    )),
-                    _ => None,
-                });
-                if let Some(counter) = counter {
+                if let Some(counter) = nft::counter_of(&rule.expr) {
                     counted.insert((chain.to_owned(), comment.to_string()), counter);
                 }
             }

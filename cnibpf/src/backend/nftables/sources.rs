@@ -411,19 +411,10 @@ fn counted_rules() -> Result<Vec<CountedRule>, BackendError> {
     // fail-closed: `list` kept the errors; no table counted nothing.
     let listed = nft::list(&["table", "netdev", TABLE])?.unwrap_or_default();
     for object in listed {
-        if let nft::Listed::Rule(rule) = object {
-            let counter = rule.expr.iter().find_map(|statement| match statement {
-                Statement::Counter(Counter::Anonymous(Some(counter))) => Some((
-                    // fail-closed: a counter nft lists without values has counted nothing.
-                    counter.packets.unwrap_or(0) as u64,
-                    // fail-closed: as above.
-                    counter.bytes.unwrap_or(0) as u64,
-                )),
-                _ => None,
-            });
-            if let Some(counter) = counter {
-                counted.push((rule.chain.to_string(), reason_of(&rule.expr), counter));
-            }
+        if let nft::Listed::Rule(rule) = object
+            && let Some(counter) = nft::counter_of(&rule.expr)
+        {
+            counted.push((rule.chain.to_string(), reason_of(&rule.expr), counter));
         }
     }
     Ok(counted)
