@@ -172,11 +172,7 @@ fn host_port_rules() -> Vec<Value> {
         own
     };
     for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
-        let specific = concat([
-            payload(ip, "daddr"),
-            meta("l4proto"),
-            payload("th", "dport"),
-        ]);
+        let specific = exact_key(ip);
         rules.push(rule(
             "hostports",
             vec![vmap(specific, &format!("@conditions{suffix}"))],
@@ -196,11 +192,7 @@ fn host_port_rules() -> Vec<Value> {
         json!({ "set": ["tcp", "udp", "sctp"] }),
     );
     for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
-        let specific = concat([
-            payload(ip, "daddr"),
-            meta("l4proto"),
-            payload("th", "dport"),
-        ]);
+        let specific = exact_key(ip);
         rules.push(rule(
             "hostports_dnat",
             vec![
@@ -334,6 +326,15 @@ fn prefix(addr: &str, len: u8) -> Value {
 
 fn concat<const N: usize>(parts: [Value; N]) -> Value {
     json!({ "concat": Vec::from(parts) })
+}
+
+/// The key of a hostPort mapped for one address: destination address, protocol, port.
+fn exact_key(ip: &str) -> Value {
+    concat([
+        payload(ip, "daddr"),
+        meta("l4proto"),
+        payload("th", "dport"),
+    ])
 }
 
 fn matches(op: &str, left: Value, right: Value) -> Value {
