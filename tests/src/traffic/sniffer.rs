@@ -10,6 +10,11 @@ use std::{
     thread,
 };
 
+use nix::sys::{
+    socket::{setsockopt, sockopt},
+    time::TimeVal,
+};
+
 use crate::Netns;
 
 /// Every frame interface `ifname` of a namespace sends or receives while it runs: a packet
@@ -110,25 +115,8 @@ fn bind(ifname: &str) -> OwnedFd {
         "bind to {ifname}: {}",
         std::io::Error::last_os_error()
     );
-    let timeout = libc::timeval {
-        tv_sec: 0,
-        tv_usec: 50_000,
-    };
-    // SAFETY: a timeval of the right size for SO_RCVTIMEO.
-    let set = unsafe {
-        libc::setsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&raw const timeout).cast(),
-            size_of::<libc::timeval>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(
-        set,
-        0,
-        "receive timeout: {}",
-        std::io::Error::last_os_error()
-    );
+    let timeout = TimeVal::new(0, 50_000);
+    setsockopt(&socket, sockopt::ReceiveTimeout, &timeout)
+        .unwrap_or_else(|error| panic!("receive timeout: {error}"));
     socket
 }

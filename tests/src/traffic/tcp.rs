@@ -195,21 +195,12 @@ pub fn connection_rate(
 
 /// Makes closing `stream` send an RST (SO_LINGER 0): no TIME_WAIT piles up.
 pub fn reset_on_close(stream: &TcpStream) {
-    use std::os::fd::AsRawFd as _;
     let linger = libc::linger {
         l_onoff: 1,
         l_linger: 0,
     };
-    // SAFETY: setsockopt(2) on a descriptor `stream` owns, with a correctly sized value.
-    unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            (&raw const linger).cast(),
-            size_of::<libc::linger>() as libc::socklen_t,
-        );
-    }
+    // A socket that keeps its linger only leaves a TIME_WAIT behind.
+    let _ = nix::sys::socket::setsockopt(stream, nix::sys::socket::sockopt::Linger, &linger);
 }
 
 /// A TCP server that reads each connection to its end and answers with the number of bytes

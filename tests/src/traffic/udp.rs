@@ -1,6 +1,8 @@
 //! UDP: servers that answer, echo or count, clients that ask from a given port, senders
 //! of steady streams, and the ICMP error a datagram gets back.
 
+use nix::sys::socket::{setsockopt, sockopt};
+
 use super::*;
 
 /// A UDP server answering each datagram with its greeting, recording the peers. Stops on
@@ -162,22 +164,7 @@ pub struct UdpCounter {
 /// A counter's receive buffer: room for the datagrams of a stream while its thread waits for
 /// a CPU (a 2-core machine running two suites), so that what it misses is what the datapath
 /// dropped, not what its socket had no room for.
-const COUNTER_BUFFER: libc::c_int = 8 << 20;
-
-/// `SO_RCVBUFFORCE` (root may exceed `net.core.rmem_max`).
-fn force_receive_buffer(socket: &UdpSocket, bytes: libc::c_int) {
-    // SAFETY: setsockopt(2) on a socket this process owns, reading one c_int.
-    let rc = unsafe {
-        libc::setsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(socket),
-            libc::SOL_SOCKET,
-            libc::SO_RCVBUFFORCE,
-            (&raw const bytes).cast(),
-            size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(rc, 0, "SO_RCVBUFFORCE: {}", std::io::Error::last_os_error());
-}
+const COUNTER_BUFFER: usize = 8 << 20;
 
 impl UdpCounter {
     pub fn start(netns: &Netns, bind: SocketAddr) -> Self {
@@ -186,7 +173,8 @@ impl UdpCounter {
         socket
             .set_read_timeout(Some(Duration::from_millis(50)))
             .expect("timeout");
-        force_receive_buffer(&socket, COUNTER_BUFFER);
+        // SO_RCVBUFFORCE: root may exceed net.core.rmem_max.
+        setsockopt(&socket, sockopt::RcvBufForce, &COUNTER_BUFFER).expect("SO_RCVBUFFORCE");
         let counted = Arc::clone(&received);
         let receiving = Background::spawn(move |stop| {
             let mut buffer = [0u8; 2048];
