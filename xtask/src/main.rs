@@ -4,6 +4,7 @@
 mod bench;
 mod demo;
 mod fail_closed;
+mod ksyms;
 mod modules;
 mod test;
 
@@ -175,6 +176,10 @@ fn run(mut command: Command, what: &str) -> Result<()> {
 fn build_ebpf() -> Result<()> {
     run(ebpf_cargo(&["build", "--release"])?, "build eBPF object")?;
     let object = workspace_root().join("target/bpfel-unknown-none/release/cnibpf");
+    let declared = ksyms::declare(&object)?;
+    if !declared.is_empty() {
+        eprintln!("    kfuncs declared in .ksyms: {}", declared.join(", "));
+    }
     eprintln!(
         "    {} ({} bytes)",
         object.display(),
