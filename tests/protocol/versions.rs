@@ -243,3 +243,19 @@ fn status_answers_ready_and_gc_succeeds_silently() {
     gc["cni.dev/valid-attachments"] = json!([]);
     assert_silent_success(&invoke(&sim, "GC", None, &gc));
 }
+
+/// CRI-O with cniVersion 1.1.0 calls GC at start-up, and sends the list of valid attachments
+/// as null when it has no pods: the reference plugins take that for an empty list, and so does
+/// cnibpf — every attachment of the network goes. A list left out is still refused (above).
+#[test]
+fn gc_takes_a_null_list_of_valid_attachments_for_an_empty_one() {
+    let sim = SimHost::new("proto-gcnull", json!({}));
+    let _c1 = sim.container("c1", json!({}));
+    let mut gc = cnibpf_config(&sim, "1.1.0", None);
+    gc["cni.dev/valid-attachments"] = Value::Null;
+    assert_silent_success(&invoke(&sim, "GC", None, &gc));
+    assert!(
+        sim.holds_no_state(),
+        "GC with a null list removed the network's only attachment"
+    );
+}

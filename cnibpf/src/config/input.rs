@@ -27,10 +27,20 @@ pub struct NetConfInput {
         reason = "validated by decoding; the runtime acts on capabilities"
     )]
     pub capabilities: Option<BTreeMap<String, bool>>,
-    #[serde(rename = "cni.dev/valid-attachments")]
+    /// A list given as null is empty (CRI-O sends null when it has no pods), as the reference
+    /// plugins take it; a list left out is absent.
+    #[serde(
+        rename = "cni.dev/valid-attachments",
+        default,
+        deserialize_with = "null_as_empty"
+    )]
     pub valid_attachments: Option<Vec<AttachmentInput>>,
     /// libcni's earlier spelling of `cni.dev/valid-attachments`.
-    #[serde(rename = "cni.dev/attachments")]
+    #[serde(
+        rename = "cni.dev/attachments",
+        default,
+        deserialize_with = "null_as_empty"
+    )]
     pub legacy_valid_attachments: Option<Vec<AttachmentInput>>,
 
     pub backend: Option<String>,
@@ -112,6 +122,15 @@ pub struct PortMappingInput {
     pub protocol: Option<String>,
     #[serde(rename = "hostIP")]
     pub host_ip: Option<String>,
+}
+
+/// A list that is present, null read as empty: the field's `default` is for a key left out.
+fn null_as_empty<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    deserializer: D,
+) -> Result<Option<Vec<T>>, D::Error> {
+    Ok(Some(
+        Option::<Vec<T>>::deserialize(deserializer)?.unwrap_or_default(),
+    ))
 }
 
 /// One `cni.dev/valid-attachments` entry (GC).

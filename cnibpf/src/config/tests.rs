@@ -234,6 +234,19 @@ fn versions_order_and_verb_minimums() {
 }
 
 #[test]
+fn gc_takes_a_null_list_of_valid_attachments_as_empty_and_a_missing_one_as_absent() {
+    let null = parse(json!({ "cni.dev/valid-attachments": null }));
+    assert_eq!(
+        null.valid_attachments,
+        Some(Vec::new()),
+        "CRI-O without pods"
+    );
+    let legacy_null = parse(json!({ "cni.dev/attachments": null }));
+    assert_eq!(legacy_null.valid_attachments, Some(Vec::new()));
+    assert_eq!(parse(json!({})).valid_attachments, None);
+}
+
+#[test]
 fn gc_reads_either_spelling_of_the_valid_attachments() {
     let conf = parse(json!({ "cni.dev/attachments": [{ "ContainerID": "a", "IfName": "eth0" }] }));
     assert_eq!(
