@@ -1,6 +1,7 @@
-//! The host's own firewall and what cnibpf translates: the eBPF datapath hands hostPort and
-//! masqueraded traffic past the host's forward chain unless `hostFirewall` keeps it in the
-//! stack; the nftables backend always leaves it there. An operator's iptables FORWARD drops
+//! The host's own firewall and what cnibpf translates: the eBPF datapath hands hostPort
+//! traffic past the host's forward chain, and a container's connections once their first
+//! packet crossed it, unless `hostFirewall` keeps every packet in the stack; the nftables
+//! backend always leaves it there. An operator's iptables FORWARD drops
 //! show which. The INPUT chain never judges it (it is forwarded, not for the host), as with
 //! the reference portmap: a host that locks its INPUT down keeps its pods reachable. A reload
 //! of the firewall that flushes the ruleset takes nothing the next call of the instance, or
@@ -76,13 +77,13 @@ fn reach_with(
 }
 
 #[test]
-fn the_ebpf_datapath_passes_the_host_firewall_by_unless_asked_not_to() {
+fn the_ebpf_datapath_shows_the_host_firewall_new_connections_of_containers_only_unless_asked() {
     let [open, dropped] = reach(Backend::Ebpf, false, "fwb");
     assert_eq!(open, (true, true), "hostPort and masquerade work");
     assert_eq!(
         dropped,
-        (true, true),
-        "eBPF: translated traffic does not meet the host's FORWARD chain"
+        (true, false),
+        "eBPF: hostPort traffic does not meet the host's FORWARD chain; a container's new connection does"
     );
     let [open, dropped] = reach(Backend::Ebpf, true, "fwk");
     assert_eq!(

@@ -58,6 +58,12 @@ impl Address {
         let [a, b, c, d] = self.words();
         a | b | c | d == 0
     }
+
+    /// Whether an IPv6 address is link-local (fe80::/10): no source for what leaves its link.
+    #[inline(always)]
+    pub const fn is_ipv6_link_local(&self) -> bool {
+        self.bytes[0] == 0xfe && self.bytes[1] & 0xc0 == 0x80
+    }
 }
 
 /// Compared a word at a time, without a branch per word (equal exactly when the bytes are, as
@@ -86,6 +92,14 @@ mod tests {
         assert_eq!(address.ipv4_octets(), [10, 22, 0, 2]);
         assert_eq!(Address::from_words(address.words()), address);
         assert!(Address::UNSPECIFIED.is_unspecified() && !address.is_unspecified());
+        let mut link_local = Address::UNSPECIFIED;
+        link_local.bytes[..2].copy_from_slice(&[0xfe, 0x80]);
+        assert!(link_local.is_ipv6_link_local() && !address.is_ipv6_link_local());
+        link_local.bytes[1] = 0xc0;
+        assert!(
+            !link_local.is_ipv6_link_local(),
+            "fec0::/10 is not fe80::/10"
+        );
         let mut other = address;
         other.bytes[15] = 1;
         assert_ne!(other, address);

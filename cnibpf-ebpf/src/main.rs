@@ -4,7 +4,7 @@
 //! with `connections`, `packet` and `maps` below them. Modules only use modules below them:
 //!
 //! ```text
-//! main → hooks → portmap, masquerade, filter, sources → connections, route → packet → drops → maps, clock, zero
+//! main → hooks → portmap, masquerade, filter, sources → connections, route, netfilter → packet → drops → maps, clock, zero
 //! ```
 #![no_std]
 #![no_main]
@@ -22,6 +22,7 @@ mod filter;
 mod hooks;
 mod maps;
 mod masquerade;
+mod netfilter;
 mod packet;
 mod portmap;
 mod route;

@@ -142,9 +142,11 @@ fn every_drop_of_the_ebpf_datapath_has_its_reason() {
     unanswered_from_outside(&host, SocketAddr::new(IpAddr::V4(sender.address), 9000));
     send_policy_violations(&sender, &victim, true);
     exhaust_masquerade_ports(&sender, &victim);
-    // An uplink without a global IPv6 address (CHECK records it so) that still routes IPv6:
-    // the container's datagrams, handed to the host's stack (hostFirewall), leave by it, and
-    // masquerade has no address to give them (the kernel's MASQUERADE drops such packets too).
+    // A host without a global IPv6 address to send from (CHECK records the uplink without
+    // one) that still routes IPv6: the container's datagrams, handed to the host's stack, leave
+    // by the uplink, and masquerade has no address to give them (the kernel's MASQUERADE drops
+    // such packets too; with an address on another interface both would take that one). The
+    // bridge's address goes last, after the container has its gateway's MAC address fresh.
     host.host.exec(&[
         "ip", "-6", "addr", "flush", "dev", UPLINK, "scope", "global",
     ]);
@@ -162,6 +164,19 @@ fn every_drop_of_the_ebpf_datapath_has_its_reason() {
     ]);
     host.check(&sender)
         .unwrap_or_else(|error| panic!("CHECK taking the uplink's addresses: {error}"));
+    assert!(
+        ping(&sender.netns, IpAddr::V6(GATEWAY6)),
+        "the container reaches its gateway"
+    );
+    host.host.exec(&[
+        "ip",
+        "-6",
+        "addr",
+        "del",
+        &format!("{GATEWAY6}/64"),
+        "dev",
+        BRIDGE,
+    ]);
     let outside6 = SocketAddr::new("2001:db8:1::2".parse().expect("literal"), 53);
     sender.netns.run(move || {
         let socket = UdpSocket::bind((Ipv6Addr::UNSPECIFIED, 0)).expect("bind");

@@ -21,8 +21,8 @@ use cnibpf_tests::{
         ETH_P_IP, ETH_P_IPV6, ICMPV6, UDP, arp_announcement, ethernet, ipv4, ipv6,
         neighbour_advertisement, udp,
     },
-    topology::{Backend, OUTSIDE_ADDR, OUTSIDE_ADDR6, UPLINK, cnibpf_binary},
-    traffic::{send_frame, tcp_exchange},
+    topology::{BRIDGE, Backend, GATEWAY6, OUTSIDE_ADDR, OUTSIDE_ADDR6, UPLINK, cnibpf_binary},
+    traffic::{ping, send_frame, tcp_exchange},
 };
 use serde_json::{Value, json};
 

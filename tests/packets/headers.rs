@@ -159,8 +159,8 @@ fn extension_chains(next: u8) -> Vec<(u8, Vec<u8>)> {
 }
 
 /// IPv6 extension headers in front of what masquerade and the filter read: a container's
-/// segment with each arrangement leaves masqueraded (from the uplink's address, one hop fewer,
-/// the headers as they were, every checksum valid); the filter's rules see the ports past
+/// segment with each arrangement leaves masqueraded (from the uplink's address, the headers as
+/// they were, every checksum valid; its connection's later segment one hop fewer); the filter's rules see the ports past
 /// them, both ways — an egress rule drops the container's segment to its port and an ingress
 /// rule the hostPort segment to its container port, while the next port passes.
 #[test]
@@ -185,16 +185,29 @@ fn ipv6_extension_headers_are_masqueraded_and_filtered_past() {
             &with_headers(tcp(own.into(), far.into(), 41_200, 443, SYN, b"")),
         );
         let (verdict, out) = bench
-            .run_from_container(&frame)
+            .run_first_out(&frame)
             .unwrap_or_else(|| panic!("{what}: the kernel refused the run"));
-        assert_eq!(verdict, REDIRECT, "{what}: masqueraded out of the uplink");
+        assert_eq!(verdict, NEXT, "{what}: masqueraded out of the uplink");
         let parsed = verify(&out).unwrap_or_else(|error| panic!("{what}: {error}: {out:02x?}"));
         assert_eq!(
             parsed.src,
             IpAddr::V6(HOST_UPLINK_ADDR6),
             "{what}: from the uplink's address"
         );
-        assert_eq!(out[14 + 7], frame[14 + 7] - 1, "{what}: one hop fewer");
+        let later = bench.sent_by_container_v6(
+            first,
+            far,
+            &with_headers(tcp(own.into(), far.into(), 41_200, 443, ACK, b"")),
+        );
+        let (verdict, fast) = bench
+            .run_from_container(&later)
+            .unwrap_or_else(|| panic!("{what}: the kernel refused the run"));
+        assert_eq!(
+            verdict, REDIRECT,
+            "{what}: the later segment sent out of the uplink"
+        );
+        verify(&fast).unwrap_or_else(|error| panic!("{what}, later: {error}: {fast:02x?}"));
+        assert_eq!(fast[14 + 7], later[14 + 7] - 1, "{what}: one hop fewer");
         assert_eq!(
             out[14 + 40..14 + 40 + headers.len()],
             headers[..],

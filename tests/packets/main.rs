@@ -149,6 +149,20 @@ impl Bench {
         self.sim.test_run("from_container", self.veth, frame)
     }
 
+    /// Runs a frame the container sends as a connection's first packet goes: on to the host
+    /// stack from its veth, untouched, then through the uplink's egress as the stack forwarded
+    /// it (the stack's own hop, and its routing, are not run here): the egress's verdict and
+    /// frame.
+    fn run_first_out(&self, frame: &[u8]) -> Option<(i32, Vec<u8>)> {
+        let (verdict, out) = self.run_from_container(frame)?;
+        assert_eq!(
+            (verdict, &out[..]),
+            (NEXT, frame),
+            "a connection's first packet goes on to the host stack untouched"
+        );
+        self.sim.test_run("uplink_egress", self.uplink, frame)
+    }
+
     /// A frame the container sends to `dst` (IPv4).
     fn sent_by_container(&self, protocol: u8, dst: Ipv4Addr, l4: &[u8]) -> Vec<u8> {
         ethernet(

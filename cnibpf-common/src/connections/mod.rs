@@ -44,6 +44,17 @@ pub const PART_DNAT: u8 = 2;
 /// The filter tracks the connection (`generation`, `rule`, `verdict`, `last_verdict`).
 pub const PART_FILTER: u8 = 4;
 
+/// [`Connection::flags`]: the connection's packets cross the host stack both ways, where the
+/// node's netfilter keeps translating them (it translated the connection's first packet — a
+/// Service's `dnat` — or it cannot be asked about the protocol); cnibpf masquerades them at the
+/// uplink only. Its owner is the attachment, or [`HOST`] for a host flow moved off a port.
+pub const FLAG_THROUGH_STACK: u8 = 1;
+
+/// [`Connection::owner`] of a connection of the host's own (a local socket's) that cnibpf moved
+/// to another source port, because a container's masqueraded connection held its own towards
+/// the same remote (`nat_*` is the port it leaves with). No attachment's owner id is zero.
+pub const HOST: u64 = 0;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ConnectionKey {
@@ -110,7 +121,9 @@ pub struct Connection {
     /// Filter: `TARGET_*` of the latest packet in the originating direction: replies, and ICMP
     /// errors about the connection, pass while it is ALLOW.
     pub last_verdict: u8,
-    pub _pad: u16,
+    /// `FLAG_*` bits.
+    pub flags: u8,
+    pub _pad: u8,
     pub _pad2: u32,
 }
 const _: () = assert!(size_of::<Connection>() == 112);

@@ -7,11 +7,13 @@
 //! here and that arrive from the interface recorded with it.
 
 pub mod excludes;
+pub mod host_clashes;
 pub mod replies;
 pub mod stats;
 pub mod uplinks;
 
 pub use excludes::{EXCLUDES, MasqExcludeKey};
+pub use host_clashes::{HOST_CLASHES, HostClashes};
 pub use replies::{MasqReply, REPLIES, ReplyKey};
 pub use stats::{MasqStats, STATS};
 pub use uplinks::{UPLINKS, UplinkInfo};
@@ -27,7 +29,7 @@ pub const SOURCES: MapSpec =
         .owned(OwnerField::Value(offset_of!(MasqSource, owner)));
 
 /// The maps of masquerade.
-pub const MAPS: [MapSpec; 5] = [SOURCES, EXCLUDES, REPLIES, STATS, UPLINKS];
+pub const MAPS: [MapSpec; 6] = [SOURCES, EXCLUDES, REPLIES, STATS, UPLINKS, HOST_CLASHES];
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

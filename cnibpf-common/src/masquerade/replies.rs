@@ -39,7 +39,9 @@ pub struct MasqReply {
     pub container_addr: Address,
     /// Owner id of the attachment the flow belongs to.
     pub owner: u64,
-    /// The container's host-side veth: the reply is handed to its peer.
+    /// The container's host-side veth: the reply is handed to its peer. Zero for a host flow
+    /// moved to another port (owner `connections::HOST`): the reply goes to the host stack,
+    /// with `container_addr` and `container_port` the host socket's own.
     pub host_ifindex: u32,
     /// The container's own source port (ICMP echo: identifier).
     pub container_port: u16,

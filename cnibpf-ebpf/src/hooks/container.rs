@@ -1,8 +1,8 @@
 //! A container's host-side veth. Ingress (what the container sends): its source address
 //! checked first, then the filter, as it sees the container's own addresses; then a packet of
 //! a flow masquerade already tracks for this attachment (its translation holds, as a conntrack
-//! entry keeps its NAT binding), replies of translated flows, hairpin traffic to a hostPort,
-//! and masquerade of new flows. Egress (what reaches the container through the bridge or the
+//! entry keeps its NAT binding), replies of translated flows and hairpin traffic to a hostPort;
+//! the rest — a new connection's first packet among it — goes on to the host stack. Egress (what reaches the container through the bridge or the
 //! host stack): the filter, and a translation a direct connection has made stale is forgotten.
 
 use core::mem::MaybeUninit;
@@ -63,11 +63,9 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     if answer != Answer::NOT_MINE {
         return Ok(answer.tc_verdict());
     }
-    let answer = translated(ctx, flow, false, connection);
-    if answer != Answer::NOT_MINE {
-        return Ok(answer.tc_verdict());
-    }
-    masquerade::from_container(ctx, flow)
+    // Anything else — a new connection among it — crosses the host stack, where the node's
+    // netfilter sees it; `uplink_egress` masquerades what leaves by an uplink.
+    Ok(translated(ctx, flow, false, connection).tc_verdict())
 }
 
 /// A reply of a translated flow (or a fragment of one), or hairpin traffic to a hostPort:

@@ -11,7 +11,7 @@ pub mod uplink;
 
 use aya_ebpf::{helpers::bpf_redirect, programs::TcContext};
 use cnibpf_common::{
-    connections::Connection,
+    connections::{Connection, FLAG_THROUGH_STACK},
     endpoints::{FLAG_HOST_FIREWALL, FLAG_UNFILTERED, FLAG_VIA_STACK},
     filter::DIRECTION_INGRESS,
 };
@@ -31,9 +31,11 @@ use crate::{
 /// the host stack and the veth's own hooks — so the filter judges the packet here. A container
 /// marked `FLAG_VIA_STACK` (something shapes its traffic, e.g. the `bandwidth` plugin's TBF on
 /// its veth) gets it through that veth's egress instead (`bpf_redirect`): its `to_container`
-/// filters it and its qdiscs shape it. A container marked `FLAG_HOST_FIREWALL` gets what came in
-/// by an uplink (`from_uplink`) through the host stack, from where it was translated: the kernel
-/// routes it through the host's own chains, and `to_container` filters it. (Hairpin traffic
+/// filters it and its qdiscs shape it. A container marked `FLAG_HOST_FIREWALL`, and a reply of a
+/// connection that crosses the host stack (`FLAG_THROUGH_STACK`: the node's netfilter
+/// translated it), get what came in by an uplink (`from_uplink`) through the host stack, from
+/// where it was translated: the kernel routes it through the host's own chains (netfilter
+/// reversing its own translation), and `to_container` filters it. (Hairpin traffic
 /// reaches the stack from the client's hook already translated; what is handed over from a
 /// container's hook carries a host address as its source, which the stack would not forward.)
 /// Inlined: as a call of its own it would push the deepest
@@ -48,7 +50,11 @@ fn hand_over(
 ) -> Result<i32, DatapathError> {
     let ifindex = container.host_ifindex;
     let flags = maps::endpoint_flags(ifindex);
-    if from_uplink && flags & FLAG_HOST_FIREWALL != 0 {
+    // SAFETY: points into `connections`, read at once.
+    let crosses_stack = connection
+        .and_then(|connection| unsafe { connection.as_ref() })
+        .is_some_and(|connection| connection.flags & FLAG_THROUGH_STACK != 0);
+    if from_uplink && (flags & FLAG_HOST_FIREWALL != 0 || crosses_stack) {
         // Addressed to the container now; the kernel routes it there through the host's
         // chains, and its `to_container` filters it.
         mark_translated(ctx);

@@ -1,8 +1,10 @@
 //! An uplink. Ingress: ICMP errors about masqueraded packets, a reply to a masqueraded flow
 //! (matched by its exact tuple before any hostPort, as conntrack matches a connection before a
 //! DNAT rule), then traffic to a hostPort — each translated and handed to its container (a
-//! later fragment goes where its first went, by the ports the parser recovered). Egress: the
-//! host's own traffic (a local socket's, or from the uplink's address) goes on at once; then
+//! later fragment goes where its first went, by the ports the parser recovered); replies of a
+//! host flow moved off a container's port go back to the host stack, translated. Egress: the
+//! host's own traffic (a local socket's, or from the uplink's address) goes on, moved to
+//! another port where a container's masqueraded flow holds its tuple; then
 //! replies of translated flows the host stack routed, and container traffic it forwarded to be
 //! masqueraded; what carries no flow the parser could read goes through masquerade's guard
 //! (`masquerade::untranslated`): nothing leaves with a masqueraded container's own address.
@@ -10,14 +12,14 @@
 use core::mem::MaybeUninit;
 
 use aya_ebpf::programs::TcContext;
-use cnibpf_common::{address::Address, filter::DIRECTION_INGRESS};
+use cnibpf_common::address::Address;
 
 use super::hand_over;
 use crate::{
-    connections, maps, masquerade,
+    maps, masquerade,
     packet::{
         Answer, DROP, DatapathError, Flow, NEXT, SourceAddress, from_local_socket, ifindex,
-        source_address,
+        source_address, take_translated_mark,
     },
     portmap,
     zero::zeroed,
@@ -68,15 +70,14 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
         };
     }
     match portmap::translate_from_outside(ctx, flow, container)? {
-        Answer::TO_CONTAINER => {
-            let connection = connections::of_packet(flow, DIRECTION_INGRESS);
+        (Answer::TO_CONTAINER, connection) => {
             let verdict = hand_over(ctx, Some(flow), container, true, Some(connection))?;
             if verdict != DROP {
                 portmap::remember_translation(flow, connection);
             }
             Ok(verdict)
         }
-        answer => Ok(answer.tc_verdict()),
+        (answer, _) => Ok(answer.tc_verdict()),
     }
 }
 
@@ -91,8 +92,12 @@ pub fn egress(ctx: &TcContext) -> i32 {
 }
 
 fn try_egress(ctx: &TcContext) -> Result<i32, DatapathError> {
-    if from_local_socket(ctx) || leaves_from_uplink_address(ctx) {
+    // Sent here by the datapath itself, translated already.
+    if take_translated_mark(ctx) {
         return Ok(NEXT);
+    }
+    if from_local_socket(ctx) || leaves_from_uplink_address(ctx) {
+        return Ok(masquerade::host::egress(ctx));
     }
     let mut slot = MaybeUninit::uninit();
     let Some(flow) = Flow::parse(ctx, &mut slot)? else {

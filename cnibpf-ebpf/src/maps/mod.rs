@@ -19,7 +19,8 @@ use cnibpf_common::{
     endpoints::{self, EndpointInfo, OwnerInfo},
     filter::{self, FilterHits, FilterSet, FilterStats},
     masquerade::{
-        self, MasqExcludeKey, MasqReply, MasqSource, MasqSourceKey, MasqStats, ReplyKey, UplinkInfo,
+        self, HostClashes, MasqExcludeKey, MasqReply, MasqSource, MasqSourceKey, MasqStats,
+        ReplyKey, UplinkInfo,
     },
     portmap::{
         self, HostAddrKey, OwnerPortKey, PortClaim, PortClaimKey, PortConditions,
@@ -105,6 +106,12 @@ pub static fragments: LruHashMap<
 #[btf_map(pin_by_name)]
 pub static masq_stats: PerCpuArray<MasqStats, { masquerade::STATS.max_entries as usize }> =
     PerCpuArray::new();
+
+#[btf_map(pin_by_name)]
+pub static masq_host_clashes: Array<
+    HostClashes,
+    { masquerade::HOST_CLASHES.max_entries as usize },
+> = Array::new();
 
 /// Replaced whole by userspace, like `filters`.
 #[btf_map(pin_by_name)]

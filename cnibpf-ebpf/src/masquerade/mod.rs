@@ -3,11 +3,19 @@
 //! its replies arrive with.
 //!
 //! A container's packet is masqueraded when its source is in `masq_sources`, its destination is
-//! not excluded (`masq_excludes`) and the FIB sends it out of an uplink (`uplinks`); anything
-//! for the host itself or for another local interface is never an uplink's. At the container's
-//! veth it is done and the packet sent straight out of the uplink; at the uplink's egress for
-//! packets the host stack forwarded instead. Replies, and ICMP errors about masqueraded
-//! packets, are translated back at the uplink's ingress for the hook to hand over.
+//! not excluded (`masq_excludes`) and it leaves through an uplink (`uplinks`). A connection's
+//! first packet crosses the host stack, so that the node's netfilter sees it (a Service's
+//! `dnat`, the host's firewall): at the uplink's egress it is masqueraded, its state created,
+//! and the node's conntrack asked what netfilter did with it (`netfilter::view`). A connection
+//! netfilter left alone takes the fast path from then on: at the container's veth its packets
+//! are rewritten and sent straight out of the uplink (`established`). One it translated keeps
+//! crossing the stack both ways ([`FLAG_THROUGH_STACK`]); one the container only answers is not
+//! masqueraded. Replies, and ICMP errors about masqueraded packets, are translated back at the
+//! uplink's ingress for the hook to hand over.
+//!
+//! The host's own flows (`host`) never share a tuple with a container's on the wire: a host
+//! socket's connection that would leave with a masqueraded connection's address and port
+//! towards the same remote is moved to another port and translated back, as conntrack does.
 //!
 //! State is reclaimed without a daemon: an entry expires after its state's timeout
 //! (`conntrack::timeout_ns`); the packet that meets an expired entry replaces it, the CNI
@@ -16,11 +24,11 @@
 
 use core::mem::MaybeUninit;
 
-use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
+use aya_ebpf::programs::TcContext;
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
     address::Address,
-    connections::{Connection, PART_SNAT, conntrack},
+    connections::{Connection, FLAG_THROUGH_STACK, PART_SNAT, conntrack},
     drops::DropReason,
     endpoints::{FLAG_MASQUERADED, FLAG_UNMASQUERADED},
     filter::DIRECTION_EGRESS,
@@ -31,6 +39,7 @@ use cnibpf_common::{
 };
 
 mod guard;
+pub mod host;
 mod icmp;
 mod ports;
 mod replies;
@@ -39,85 +48,19 @@ pub use guard::untranslated;
 pub use replies::{lookup_reply, reply_connection, translate_icmp_error, translate_reply};
 
 use crate::{
-    connections, drops, maps,
+    connections, drops, maps, netfilter,
     packet::{Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, or_verdict},
-    route::{Route, forward, route, route_source},
+    route::{Route, chosen_source, forward, route, route_source},
     zero::{Zeroable, zeroed},
 };
 use ports::{claim_port, host_socket_holds};
 
-/// What `masquerade::established` found of a container packet's source, for
-/// `masquerade::from_container`, which runs after the hostPort checks ([`masquerade_scratch`]):
-/// carried by the hook, the answer would make the verifier walk those checks once for each.
-pub struct MasqueradedSource {
-    /// The `masq_sources` entry of the source address, when `found` is [`SOURCE_FOUND`].
-    pub source: MasqSource,
-    /// `SOURCE_*`.
-    pub found: u32,
-}
-
-/// [`MasqueradedSource::found`]: the source is not masqueraded through the interface at hand.
-pub const SOURCE_NOT_MASQUERADED: u32 = 0;
-/// It is, as `source` says.
-pub const SOURCE_FOUND: u32 = 1;
-/// The endpoint's record says its traffic is masqueraded, and `masq_sources` was not asked.
-pub const SOURCE_NOT_LOOKED_UP: u32 = 2;
-
-/// What masquerade found of the packet's source (see [`MasqueradedSource`]); private to each
-/// loaded object, not pinned.
-#[expect(
-    non_upper_case_globals,
-    reason = "the static's name is the map's name, like the pinned ones"
-)]
-#[btf_map]
-pub static masquerade_scratch: PerCpuArray<MasqueradedSource, 1> = PerCpuArray::new();
-
-/// A container's packet at its host-side veth that `established` did not send on, nor the
-/// hostPort checks: masqueraded and sent out of the uplink the FIB chooses when its source is
-/// masqueraded (as `established` found it), or left alone. Not inlined (nor are the functions
-/// it calls): the verifier caps the stack of a whole call chain at 512 bytes.
-#[inline(never)]
-pub fn from_container(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathError> {
-    let Some(found) = masquerade_scratch.get_ptr(0) else {
-        return Ok(NEXT);
-    };
-    // SAFETY: this CPU's slot, written by `established` for this very packet.
-    let state = unsafe { (*found).found };
-    let source = match state {
-        // SAFETY: as above.
-        SOURCE_FOUND => unsafe { (*found).source },
-        SOURCE_NOT_LOOKED_UP => match source_attached_here(ctx, flow) {
-            Some(source) => source,
-            None => return Ok(NEXT),
-        },
-        _ => return Ok(NEXT),
-    };
-    if is_excluded(source.owner, flow.family, &flow.daddr) {
-        return Ok(NEXT);
-    }
-    // With the address the host sends from on that route, as its addresses are now: an
-    // address added, removed or changed takes effect at the next packet, as with MASQUERADE.
-    let next_hop = route(ctx, flow, true);
-    let uplink_ifindex = match next_hop {
-        Route::Neighbour { ifindex, .. } | Route::Unresolved { ifindex } => ifindex,
-        // Local, unroutable, too big for the route, or no source address the FIB could
-        // choose: the host stack decides, and `uplink_egress` masquerades what it forwards
-        // out of an uplink.
-        Route::Other => return Ok(NEXT),
-    };
-    let plan = match Plan::new(ctx, flow, source, uplink_ifindex, true) {
-        Ok(Some(plan)) => plan,
-        Ok(None) => return Ok(NEXT),
-        Err(verdict) => return Ok(verdict),
-    };
-    if !flow.decrement_hop_limit(ctx)? {
-        return Ok(NEXT);
-    }
-    if !masquerade(ctx, flow, &plan)? {
-        return Ok(DROP);
-    }
-    Ok(forward(ctx, &next_hop)?.unwrap_or(NEXT))
-}
+/// [`masquerade`]'s answers.
+const MASQUERADED: u8 = 0;
+/// No port was free: the packet is dropped.
+const NO_PORT: u8 = 1;
+/// The packet answers a connection the other side opened: not masqueraded.
+const ANSWER: u8 = 2;
 
 /// Whether the packet's connection is live and masqueraded for the attachment `owner`.
 fn is_live(flow: &Flow, owner: u64) -> bool {
@@ -131,15 +74,15 @@ fn is_live(flow: &Flow, owner: u64) -> bool {
 /// A container's packet at its host-side veth, of a connection masqueraded for the attachment
 /// its source is masqueraded for: masqueraded with the flow's translation and sent
 /// out of its uplink, when the FIB still sends it there from the address that translation uses
-/// (`NOT_MINE` otherwise: the hostPort checks and `from_container` decide, the latter replacing
-/// a translation whose address changed). An established flow keeps its translation as a
-/// conntrack entry keeps its NAT binding: the exclusions and hostPorts it was checked against
-/// when it began are not looked up again. What it finds of the source is left in
-/// `masquerade_scratch` for `from_container`.
+/// (`NOT_MINE` otherwise: the hostPort checks decide, then the host stack, whose forward
+/// `uplink_egress` masquerades — replacing a translation whose address changed). An
+/// established flow keeps its translation as a conntrack entry keeps its NAT binding: the
+/// exclusions and hostPorts it was checked against when it began are not looked up again. A
+/// connection netfilter translated ([`FLAG_THROUGH_STACK`]) is left to the stack.
 ///
 /// `flags` and `owner` are from the interface's `endpoints` record: one that says whether the
 /// container is masqueraded spares the `masq_sources` lookup (a flow of `owner` was begun by
-/// `from_container`, which checked the source against it); one of an older build says
+/// `uplink_egress`, which checked the source against it); one of an older build says
 /// neither, and the source is looked up. `connection` is the packet's `connections` entry as
 /// the hook found it.
 #[inline(never)]
@@ -150,24 +93,14 @@ pub fn established(
     owner: u64,
     connection: *mut Connection,
 ) -> Answer {
-    let Some(found) = masquerade_scratch.get_ptr_mut(0) else {
-        return Answer::NOT_MINE;
-    };
-    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
-    let found = unsafe { &mut *found };
-    found.found = SOURCE_NOT_MASQUERADED;
     if flags & FLAG_UNMASQUERADED != 0 {
         return Answer::NOT_MINE;
     }
     let owner = if flags & FLAG_MASQUERADED != 0 {
-        found.found = SOURCE_NOT_LOOKED_UP;
         owner
     } else {
         match source_attached_here(ctx, flow) {
-            Some(source) => {
-                (found.source, found.found) = (source, SOURCE_FOUND);
-                source.owner
-            }
+            Some(source) => source.owner,
             None => return Answer::NOT_MINE,
         }
     };
@@ -181,9 +114,10 @@ pub fn established(
     let now = flow.now;
     let flags = flow.tcp_flags;
     // Not masqueraded (a hostPort's connection, one only the filter tracks), another
-    // attachment's (its address was given to this one since), a new connection on the tuple,
-    // or expired state: the full path.
+    // attachment's (its address was given to this one since), one netfilter translated, a new
+    // connection on the tuple, or expired state: the host stack.
     if !state.has(owner, PART_SNAT)
+        || state.flags & FLAG_THROUGH_STACK != 0
         || conntrack::is_opening(flags)
         || state.is_expired(flow.protocol, now)
     {
@@ -214,9 +148,10 @@ pub fn established(
 }
 
 /// A packet the host stack sends out of an uplink: masqueraded when it comes from a container
-/// that `from_container` did not forward itself. Its verdict is final (the packet is no one
-/// else's), returned as a plain integer: LLVM returns an `Option` from a BPF call with bits the
-/// verifier sees uninitialised.
+/// — a connection's first packet, every packet of one netfilter translated, and what the fast
+/// path left to the stack. Its verdict is final (the packet is no one else's), returned as a
+/// plain integer: LLVM returns an `Option` from a BPF call with bits the verifier sees
+/// uninitialised.
 #[inline(never)]
 pub fn uplink_egress(ctx: &TcContext, flow: &mut Flow) -> i32 {
     try_uplink_egress(ctx, flow).unwrap_or_else(|error| error.verdict(ctx))
@@ -231,15 +166,20 @@ fn try_uplink_egress(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathEr
     if is_excluded(source.owner, flow.family, &flow.daddr) && !is_live(flow, source.owner) {
         return Ok(NEXT);
     }
-    let plan = match Plan::new(ctx, flow, source, ifindex(ctx), false) {
+    // The address the host sends from on the route the container's packets take, as its
+    // addresses are now (what `established` checks the flow against): an address added,
+    // removed or changed takes effect at the next packet, as with MASQUERADE.
+    let uplink_ifindex = ifindex(ctx);
+    let routed = chosen_source(ctx, flow, source.host_ifindex) == uplink_ifindex;
+    let plan = match Plan::new(ctx, flow, source, uplink_ifindex, routed) {
         Ok(Some(plan)) => plan,
         Ok(None) => return Ok(NEXT),
         Err(verdict) => return Ok(verdict),
     };
-    if !masquerade(ctx, flow, &plan)? {
-        return Ok(DROP);
-    }
-    Ok(NEXT)
+    Ok(match masquerade(ctx, flow, &plan)? {
+        NO_PORT => DROP,
+        _ => NEXT,
+    })
 }
 
 /// What `masquerade` translates a packet with.
@@ -251,7 +191,7 @@ struct Plan {
 
 impl Plan {
     /// The plan for `flow`'s packet from `source` leaving through `uplink_ifindex`, from
-    /// the address the FIB chose for it (`routed`: see `packet::route`) or else the uplink's
+    /// the address the FIB chose for it (`routed`: in `route_source`) or else the uplink's
     /// address as the plugin recorded it;
     /// `None` when that interface is not an uplink (the packet is not masqueraded), the
     /// verdict `DROP` (the drop recorded) when the uplink has no address of the family (as the
@@ -272,9 +212,11 @@ impl Plan {
         } else {
             None
         };
-        // SAFETY: both point into maps, read at once.
+        // SAFETY: both point into maps, read at once. A link-local address the FIB chose where
+        // the host has no other is no source for what leaves the link.
         let Some(nat_addr) = chosen
             .map(|slot| unsafe { *slot })
+            .filter(|chosen| !chosen.is_ipv6_link_local())
             .or_else(|| uplink_address(unsafe { &*uplink }, flow.family))
         else {
             count(|stats| &mut stats.no_uplink_address);
@@ -295,20 +237,27 @@ impl Plan {
 }
 
 /// Rewrites the packet's source to the uplink's address and the flow's port, creating the
-/// flow's state when it has none (or only an expired one); `false` when no port was free.
+/// flow's state when it has none (or only an expired one): [`MASQUERADED`], [`NO_PORT`] when no
+/// port was free, [`ANSWER`] (left alone) when the packet answers a connection the other side
+/// opened, as the node's conntrack says. A new flow's state says whether netfilter translated
+/// it, which keeps it off the fast path.
 #[inline(never)]
-fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, DatapathError> {
+fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<u8, DatapathError> {
     if flow.fragment == Fragment::Later {
         // No transport header, no state: the first fragment's translation covers the
         // datagram's checksum; the later ones need only the source address.
         flow.rewrite_source(ctx, &plan.nat_addr, flow.sport)?;
-        return Ok(true);
+        return Ok(MASQUERADED);
     }
     let flags = flow.tcp_flags;
     let known_port = u16::try_from(masqueraded_port(flow, plan, flags)).ok();
     let nat_port = match known_port {
         Some(port) => port,
         None => {
+            let seen = netfilter::view(ctx, flow);
+            if seen == netfilter::ANSWER {
+                return Ok(ANSWER);
+            }
             let keep_own_port = !host_socket_holds(ctx, flow, &plan.nat_addr);
             let Some(port) = claim_port(flow, plan, keep_own_port) else {
                 count(|stats| &mut stats.ports_exhausted);
@@ -318,14 +267,20 @@ fn masquerade(ctx: &TcContext, flow: &mut Flow, plan: &Plan) -> Result<bool, Dat
                     plan.source.owner,
                     DropReason::MasqueradePortsExhausted,
                 );
-                return Ok(false);
+                return Ok(NO_PORT);
             };
-            record_flow(flow, plan, port, flow.now, flags);
+            let through_stack = if seen == netfilter::UNTRANSLATED {
+                0
+            } else {
+                FLAG_THROUGH_STACK
+            };
+            record_flow(flow, plan, port, flags, through_stack);
+            count(|stats| &mut stats.flows_created);
             port
         }
     };
     flow.rewrite_source(ctx, &plan.nat_addr, nat_port.to_be())?;
-    Ok(true)
+    Ok(MASQUERADED)
 }
 
 /// The port the packet's live connection is masqueraded to (its state moved on), or -1 when
@@ -358,10 +313,12 @@ fn masqueraded_port(flow: &Flow, plan: &Plan, flags: u8) -> i32 {
 }
 
 /// Records the masquerade of a connection whose port `claim_port` claimed, in the entry its
-/// owner has (the filter's part may be there) or a new one. Called after `claim_port` rather
-/// than from it, so that their stack frames are not stacked on each other.
+/// owner has (the filter's part may be there) or a new one, with its `FLAG_*` bits
+/// `connection_flags`. Called after `claim_port` rather than from it, so that their stack
+/// frames are not stacked on each other.
 #[inline(never)]
-fn record_flow(flow: &Flow, plan: &Plan, nat_port: u16, now: u64, flags: u8) {
+fn record_flow(flow: &Flow, plan: &Plan, nat_port: u16, flags: u8, connection_flags: u8) {
+    let now = flow.now;
     let key = connections::key_of(flow, DIRECTION_EGRESS);
     let (entry, fresh) = connections::for_part(
         &key,
@@ -380,10 +337,10 @@ fn record_flow(flow: &Flow, plan: &Plan, nat_port: u16, now: u64, flags: u8) {
     connection.uplink_ifindex = plan.uplink_ifindex;
     connection.nat_port = nat_port;
     connection.parts |= PART_SNAT;
+    connection.flags = (connection.flags & !FLAG_THROUGH_STACK) | connection_flags;
     if fresh {
         connections::insert(&key, entry);
     }
-    count(|stats| &mut stats.flows_created);
 }
 
 fn masqueraded_source(flow: &Flow) -> Option<MasqSource> {

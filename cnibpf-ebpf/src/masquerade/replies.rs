@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use cnibpf_common::{
     connections::{
-        Connection, ConnectionKey, PART_SNAT,
+        Connection, ConnectionKey, FLAG_THROUGH_STACK, PART_SNAT,
         conntrack::{self, STATE_ESTABLISHED},
     },
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
@@ -17,7 +17,9 @@ use cnibpf_common::{
 use super::{count, icmp::Quoted, reply_key};
 use crate::{
     connections, maps,
-    packet::{Answer, DatapathError, Flow, Handover, icmp::icmp_error_scratch, ifindex},
+    packet::{
+        Answer, DatapathError, Flow, Handover, icmp::icmp_error_scratch, ifindex, mark_translated,
+    },
 };
 
 /// The `masq_replies` entry of a packet that is a reply to a masqueraded flow. The pointer is into the map; see `reply`.
@@ -50,7 +52,9 @@ fn connection_key(flow: &Flow, reply: &MasqReply) -> ConnectionKey {
 }
 
 /// A reply to a masqueraded flow at the uplink's ingress, translated back towards its container
-/// (`TO_CONTAINER`, `container` filled in), or `NEXT` when the flow's state has expired;
+/// (`TO_CONTAINER`, `container` filled in), or towards the host socket of a host flow moved
+/// to another port (`NEXT`: the host stack delivers it), or `NEXT` untranslated when the
+/// flow's state has expired;
 /// `entry` is its `masq_replies` entry (`lookup_reply`), `connection` its connection's entry
 /// ([`reply_connection`]). An LRU map may recycle an entry under a reader; the worst that does
 /// is misdirect the packet at hand.
@@ -78,6 +82,9 @@ fn try_translate_reply(
         return Ok(Answer::NEXT);
     }
     flow.rewrite_destination(ctx, &entry.container_addr, entry.container_port.to_be())?;
+    if entry.host_ifindex == 0 {
+        return Ok(Answer::NEXT);
+    }
     hand_over_to(entry, container);
     Ok(Answer::TO_CONTAINER)
 }
@@ -121,7 +128,8 @@ fn track_reply(
 }
 
 /// The masquerade of a connection whose entry was lost, from its reply and `masq_replies`
-/// entry: established.
+/// entry: established, and through the host stack (whether netfilter translated it is not
+/// known any more; the stack is right either way).
 #[inline(never)]
 fn rebuild(key: &ConnectionKey, flow: &Flow, reply: &MasqReply, uplink_ifindex: u32, now: u64) {
     let (entry, fresh) =
@@ -135,6 +143,7 @@ fn rebuild(key: &ConnectionKey, flow: &Flow, reply: &MasqReply, uplink_ifindex: 
     connection.uplink_ifindex = uplink_ifindex;
     connection.nat_port = u16::from_be(flow.dport);
     connection.parts |= PART_SNAT;
+    connection.flags |= FLAG_THROUGH_STACK;
     if fresh {
         connection.state = STATE_ESTABLISHED;
         connections::insert(key, entry);
@@ -144,8 +153,9 @@ fn rebuild(key: &ConnectionKey, flow: &Flow, reply: &MasqReply, uplink_ifindex: 
 /// ICMP errors (destination unreachable, packet too big, time exceeded, parameter problem)
 /// about a masqueraded packet, at the uplink's ingress: the quoted packet's source and the
 /// error's destination become the container's again (`TO_CONTAINER`, `container` filled in),
-/// so that "port unreachable" and path MTU discovery work through the NAT; `NOT_MINE` for
-/// anything else.
+/// so that "port unreachable" and path MTU discovery work through the NAT; those about a
+/// connection that crosses the host stack (netfilter translated it, or a host flow moved to
+/// another port) go on to the stack translated (`NEXT`); `NOT_MINE` for anything else.
 #[inline(never)]
 pub fn translate_icmp_error(ctx: &TcContext, container: &mut Handover) -> Answer {
     try_translate_icmp_error(ctx, container).unwrap_or_else(|error| error.answer(ctx))
@@ -187,6 +197,27 @@ fn try_translate_icmp_error(
     // SAFETY: the context pointer is this program's __sk_buff.
     unsafe { bpf_csum_level(ctx.as_ptr().cast(), u64::from(BPF_CSUM_LEVEL_RESET)) };
     count(|stats| &mut stats.icmp_errors);
+    let key = ConnectionKey {
+        container_addr: reply.container_addr,
+        remote_addr: error.inner_daddr,
+        container_port: reply.container_port,
+        remote_port: u16::from_be(error.inner_dport),
+        protocol: error.inner_protocol,
+        family: error.family,
+        _pad: 0,
+    };
+    if reply.host_ifindex == 0 || crosses_stack(&key) {
+        mark_translated(ctx);
+        return Ok(Answer::NEXT);
+    }
     hand_over_to(reply, container);
     Ok(Answer::TO_CONTAINER)
+}
+
+/// Whether the connection of `key` crosses the host stack ([`FLAG_THROUGH_STACK`]).
+#[inline(never)]
+fn crosses_stack(key: &ConnectionKey) -> bool {
+    // SAFETY: points into `connections`, read at once.
+    unsafe { connections::find(key).as_ref() }
+        .is_some_and(|connection| connection.flags & FLAG_THROUGH_STACK != 0)
 }

@@ -79,28 +79,6 @@ impl Flow {
         }
     }
 
-    /// Decrements the TTL (hop limit) of a packet the datapath forwards itself, as a router
-    /// does; `false` when it must not be forwarded (the host stack then answers with ICMP time
-    /// exceeded).
-    #[inline(never)]
-    pub fn decrement_hop_limit(&self, ctx: &TcContext) -> Result<bool, DatapathError> {
-        let failed = |_| DatapathError::RewriteFailed;
-        if self.family == FAMILY_IPV4 {
-            // TTL and protocol share the 16-bit word the checksum update works on.
-            let word: u16 = load(ctx, ETH_HLEN + 8)?;
-            if u16::from_be(word) >> 8 <= 1 {
-                return Ok(false);
-            }
-            let new = (u16::from_be(word) - 0x0100).to_be();
-            ctx.l3_csum_replace(IPV4_CSUM_OFF, u64::from(word), u64::from(new), 2)
-                .map_err(failed)?;
-            ctx.store(ETH_HLEN + 8, &new, 0).map_err(failed)?;
-        } else if !decrement_ipv6_hop_limit(ctx)? {
-            return Ok(false);
-        }
-        Ok(true)
-    }
-
     /// Rewrites the source address and port (network byte order) of a packet the datapath
     /// forwards itself and decrements its TTL (hop limit), as masquerade does to every packet
     /// of a flow; `false` when the TTL runs out (nothing is written: the host stack answers

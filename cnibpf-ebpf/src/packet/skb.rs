@@ -2,7 +2,10 @@
 //! addresses and redirects.
 
 use aya_ebpf::{
-    EbpfContext as _, bindings::__sk_buff, helpers::bpf_redirect_peer, programs::TcContext,
+    EbpfContext as _,
+    bindings::__sk_buff,
+    helpers::{bpf_redirect_peer, bpf_sk_fullsock},
+    programs::TcContext,
 };
 
 use super::DatapathError;
@@ -40,16 +43,20 @@ pub fn ifindex(ctx: &TcContext) -> u32 {
 
 /// Whether a local socket sent the packet: the host's own traffic. A forwarded packet never
 /// carries one (the stack drops one that does), nor does one that crossed a veth from a
-/// container (its socket is released at the crossing).
+/// container (its socket is released at the crossing). A full socket of no protocol is
+/// nobody's: `BPF_PROG_TEST_RUN` gives every packet it runs one, and its packets are taken as
+/// the stack forwards them.
 #[inline(always)]
 pub fn from_local_socket(ctx: &TcContext) -> bool {
     // SAFETY: the context is this program's __sk_buff; TC programs may read its socket
-    // pointer (a full 8-byte read, compared only).
+    // pointer, and a full socket's protocol.
     unsafe {
-        !(*ctx.as_ptr().cast::<__sk_buff>())
-            .__bindgen_anon_2
-            .sk
-            .is_null()
+        let socket = (*ctx.as_ptr().cast::<__sk_buff>()).__bindgen_anon_2.sk;
+        if socket.is_null() {
+            return false;
+        }
+        let full = bpf_sk_fullsock(socket);
+        full.is_null() || (*full).protocol != 0
     }
 }
 

@@ -12,12 +12,13 @@
 //! Hairpin traffic is translated whole only.
 
 mod conditions;
+mod host;
 
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, programs::TcContext};
 use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP,
     address::Address,
-    connections::{Connection, PART_DNAT, conntrack},
+    connections::{Connection, ConnectionKey, PART_DNAT, conntrack},
     endpoints::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
     portmap::{PortMapKey, PortMapValue},
@@ -60,28 +61,71 @@ pub struct Translation {
 pub static translation_scratch: PerCpuArray<Translation, 1> = PerCpuArray::new();
 
 /// A packet from outside, at an uplink: translated towards the container behind its hostPort
-/// (`Answer::TO_CONTAINER`, `container` filled in), or `Answer::NOT_MINE`. Its flow is recorded by
-/// [`remember_translation`] once the packet was handed over.
-#[inline(never)]
+/// (`Answer::TO_CONTAINER`, `container` filled in), or `Answer::NOT_MINE`; with the
+/// `connections` entry of the connection it is translated into, null when there is none yet.
+/// Its flow is recorded by [`remember_translation`] once the packet was handed over. A packet
+/// of no connection of the mapping's attachment (the first of a connection) is translated only
+/// to one of the node's own addresses for a wildcard hostPort, and not when it belongs to a
+/// connection of the host's own (`host`). Inlined into the hook, which takes the entry on.
+#[inline(always)]
 pub fn translate_from_outside(
     ctx: &TcContext,
     flow: &mut Flow,
     container: &mut Handover,
-) -> Result<Answer, DatapathError> {
-    let Some(mapping) = lookup_mapping(flow) else {
-        return Ok(Answer::NOT_MINE);
+) -> Result<(Answer, *mut Connection), DatapathError> {
+    let none = core::ptr::null_mut();
+    let Some((mapping, wildcard)) = lookup_mapping(flow) else {
+        return Ok((Answer::NOT_MINE, none));
     };
     // SAFETY: mapping points into portmap and is read at once; see `lookup_mapping`.
     let mapping = unsafe { &*mapping };
+    let connection = translated_connection(flow, mapping);
+    if !carries(connection, mapping.owner, flow) && not_the_host_ports(ctx, flow, wildcard) {
+        return Ok((Answer::NOT_MINE, none));
+    }
     if !admit(mapping, &flow.saddr, &flow.daddr, ifindex(ctx), flow.family) {
-        return Ok(Answer::NOT_MINE);
+        return Ok((Answer::NOT_MINE, none));
     }
     if begin_translation(flow, mapping.owner, 0).is_none() {
-        return Ok(Answer::NOT_MINE);
+        return Ok((Answer::NOT_MINE, none));
     }
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
     hand_to(container, mapping);
-    Ok(Answer::TO_CONTAINER)
+    Ok((Answer::TO_CONTAINER, connection))
+}
+
+/// The `connections` entry of the connection `mapping` translates a packet from outside into:
+/// the container's side the mapping's, the remote the packet's source. Null when there is none.
+#[inline(never)]
+fn translated_connection(flow: &Flow, mapping: &PortMapValue) -> *mut Connection {
+    connections::find(&ConnectionKey {
+        container_addr: mapping.container_addr,
+        remote_addr: flow.saddr,
+        container_port: mapping.container_port,
+        remote_port: u16::from_be(flow.sport),
+        protocol: flow.protocol,
+        family: flow.family,
+        _pad: 0,
+    })
+}
+
+/// Whether a packet to a hostPort that carries none of its attachment's connections is not
+/// the hostPort's: a wildcard one's to an address that is not the node's own, or one of a
+/// connection of the host's own (`host`).
+#[inline(always)]
+fn not_the_host_ports(ctx: &TcContext, flow: &Flow, wildcard: bool) -> bool {
+    wildcard && !host::is_node_address(ctx, flow) || host::owns_connection(ctx, flow)
+}
+
+/// Whether `connection` (null: none) is a live connection to a hostPort of `owner`'s that the
+/// packet goes on, rather than opens anew.
+#[inline(always)]
+fn carries(connection: *mut Connection, owner: u64, flow: &Flow) -> bool {
+    // SAFETY: points into `connections`, read at once.
+    unsafe { connection.as_ref() }.is_some_and(|connection| {
+        connection.has(owner, PART_DNAT)
+            && connection.takes_part(owner, flow.protocol, flow.tcp_flags, flow.now)
+    })
 }
 
 /// Hairpin traffic: a container's packet to a hostPort of this host, translated towards the
@@ -106,7 +150,7 @@ fn try_translate_hairpin(
     via_stack: bool,
     target: &mut Handover,
 ) -> Result<Answer, DatapathError> {
-    let Some(mapping) = lookup_mapping(flow) else {
+    let Some((mapping, wildcard)) = lookup_mapping(flow) else {
         return Ok(Answer::NOT_MINE);
     };
     let ifindex = ifindex(ctx);
@@ -124,11 +168,6 @@ fn try_translate_hairpin(
     ) {
         return Ok(Answer::NEXT);
     }
-    let Some(translation) = begin_translation(flow, mapping.owner, ifindex) else {
-        return Ok(Answer::NEXT);
-    };
-    translation.client_mac = client.container_mac;
-    translation.gateway_mac = client.gateway_mac;
     // A container reaching its own hostPort would receive a packet from its own address, which
     // its stack drops as martian: the source becomes its gateway instead (unless `snat: false`).
     let to_itself = mapping.container_addr == flow.saddr;
@@ -140,6 +179,16 @@ fn try_translate_hairpin(
     } else {
         flow.saddr
     };
+    let (owner, client_mac, gateway_mac) =
+        (mapping.owner, client.container_mac, client.gateway_mac);
+    if !hairpin_carries(flow, mapping, &source) && not_the_host_ports(ctx, flow, wildcard) {
+        return Ok(Answer::NEXT);
+    }
+    let Some(translation) = begin_translation(flow, owner, ifindex) else {
+        return Ok(Answer::NEXT);
+    };
+    translation.client_mac = client_mac;
+    translation.gateway_mac = gateway_mac;
     flow.rewrite_destination(ctx, &mapping.container_addr, mapping.container_port.to_be())?;
     flow.rewrite_source(ctx, &source, flow.sport)?;
     if via_stack && !to_itself {
@@ -321,6 +370,23 @@ pub fn remember_translation(flow: &Flow, found: *mut Connection) {
     }
 }
 
+/// Whether a hairpin packet goes on a live connection of `mapping`'s attachment (translated,
+/// its source becomes `source`), rather than opens one. Not inlined: the key's stack slot is
+/// then not held under the translation's calls.
+#[inline(never)]
+fn hairpin_carries(flow: &Flow, mapping: &PortMapValue, source: &Address) -> bool {
+    let connection = connections::find(&ConnectionKey {
+        container_addr: mapping.container_addr,
+        remote_addr: *source,
+        container_port: mapping.container_port,
+        remote_port: u16::from_be(flow.sport),
+        protocol: flow.protocol,
+        family: flow.family,
+        _pad: 0,
+    });
+    carries(connection, mapping.owner, flow)
+}
+
 fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<Address> {
     let address = if family == FAMILY_IPV4 {
         Address::ipv4(endpoint.gateway_v4)
@@ -330,29 +396,27 @@ fn gateway(endpoint: &EndpointInfo, family: u8) -> Option<Address> {
     (address != Address::UNSPECIFIED).then_some(address)
 }
 
-/// The mapping for the packet's destination: the wildcard, which applies only when the
-/// destination is one of the node's own addresses (`host_addrs`, which the plugin keeps: every
-/// local address but a Service's, such as the ClusterIPs kube-proxy's IPVS mode binds to
-/// `kube-ipvs0` — routed traffic and Services are never captured), else the one of that exact
-/// address. The wildcard is asked first because it is the common mapping and the two never
-/// coexist (a wildcard hostIP overlaps every other: an attachment's own list refuses the pair,
-/// another attachment's ADD the holder's port).
+/// The mapping for the packet's destination, and whether it is the port's wildcard one: the
+/// wildcard, which applies only to the node's own addresses (the caller asks, `host`), else
+/// the one of that exact address. The wildcard is asked first because it is the common mapping
+/// and the two never coexist (a wildcard hostIP overlaps every other: an attachment's own list
+/// refuses the pair, another attachment's ADD the holder's port).
 ///
 /// The pointer is into `portmap`; callers read what they need at once. Userspace replaces
 /// values whole, and a value freed under a reader can at worst misdirect the packet at hand.
-pub fn lookup_mapping(flow: &Flow) -> Option<*const PortMapValue> {
+#[inline(always)]
+pub fn lookup_mapping(flow: &Flow) -> Option<(*const PortMapValue, bool)> {
     let mut key = PortMapKey {
-        host_addr: flow.daddr,
+        host_addr: Address::UNSPECIFIED,
         host_port: u16::from_be(flow.dport),
         protocol: flow.protocol,
         family: flow.family,
     };
-    key.host_addr = Address::UNSPECIFIED;
     if let Some(wildcard) = maps::portmap.get_ptr(&key) {
-        return maps::is_host_address(&flow.daddr, flow.family).then_some(wildcard);
+        return Some((wildcard, true));
     }
     key.host_addr = flow.daddr;
-    maps::portmap.get_ptr(&key)
+    maps::portmap.get_ptr(&key).map(|mapping| (mapping, false))
 }
 
 pub use conditions::admit;

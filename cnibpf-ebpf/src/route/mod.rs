@@ -14,8 +14,8 @@ use core::mem::MaybeUninit;
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC,
-        bpf_check_mtu_flags, bpf_fib_lookup,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS,
+        BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC, bpf_check_mtu_flags, bpf_fib_lookup,
     },
     btf_maps::PerCpuArray,
     helpers::{bpf_check_mtu, bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
@@ -28,7 +28,7 @@ mod next_hop;
 
 use next_hop::{NEXT_HOP_SLOTS, NEXT_HOP_SLOTS_LOG2, NextHop};
 
-use crate::packet::{DatapathError, Flow, ifindex, set_macs};
+use crate::packet::{DatapathError, Flow, ifindex, mark_translated, set_macs};
 
 /// The source address the FIB chose for the packet at hand (see [`route`]); private to
 /// each loaded object, not pinned.
@@ -70,9 +70,16 @@ pub enum Route {
 /// route (`BPF_FIB_LOOKUP_SRC`, as the host's addresses are now), left in `route_source`;
 /// where the kernel cannot (older than 6.7, or no address), the route is `Other` and the host
 /// stack decides.
-#[inline(never)]
+#[inline(always)]
 pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
-    let Some(hop) = next_hop(ctx, flow, choose_source) else {
+    route_from(ctx, flow, ifindex(ctx), choose_source)
+}
+
+/// [`route`] for a packet received on `input_ifindex` (at an uplink's egress, the container's
+/// veth that a packet the host stack forwarded came in by).
+#[inline(never)]
+pub fn route_from(ctx: &TcContext, flow: &Flow, input_ifindex: u32, choose_source: bool) -> Route {
+    let Some(hop) = next_hop(ctx, flow, input_ifindex, choose_source) else {
         return Route::Other;
     };
     // SAFETY: this CPU's `next_hops` slot, which only this program run touches now.
@@ -100,6 +107,96 @@ pub fn route(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Route {
     }
 }
 
+/// The interface the FIB forwards the flow out of, as received on `input_ifindex`, whatever
+/// the packet's size, with the source address it chooses left in `route_source`; zero where it
+/// would not forward it (local, unroutable, no source address it could choose).
+#[inline(never)]
+pub fn chosen_source(ctx: &TcContext, flow: &Flow, input_ifindex: u32) -> u32 {
+    let Some(hop) = next_hop(ctx, flow, input_ifindex, true) else {
+        return 0;
+    };
+    // SAFETY: this CPU's `next_hops` slot, which only this program run touches now.
+    let hop = unsafe { &*hop };
+    if hop.answer != BPF_FIB_LKUP_RET_SUCCESS && hop.answer != BPF_FIB_LKUP_RET_NO_NEIGH {
+        return 0;
+    }
+    let Some(slot) = route_source.get_ptr_mut(0) else {
+        return 0;
+    };
+    // SAFETY: the slot is this CPU's, written and read within one program run.
+    unsafe { slot.write(hop.source) };
+    hop.ifindex
+}
+
+/// [`local_destination`]: the flow's destination is no address of the host's.
+pub const NOT_LOCAL: u8 = 0;
+/// A local address the host does not answer the packet's source from by the interface it
+/// came in by (a Service address a kube-proxy binds to its dummy interface, another
+/// interface's address, a second address of that interface).
+pub const LOCAL: u8 = 1;
+/// A local address the host answers the packet's source from, by the interface it came in
+/// by: the address it chooses to send from on its route back to the source.
+pub const LOCAL_SOURCE: u8 = 2;
+
+/// What the flow's destination is to the host as its addresses are now, by two FIB lookups
+/// (the FIB's answer for a local address names no interface, and a table lookup meets the
+/// local route first): whether the host delivers it locally, and whether it is the address
+/// the host would answer the packet's source from, out of the interface it came in by. A
+/// plain integer: a BPF call returns one register.
+#[inline(never)]
+pub fn local_destination(ctx: &TcContext, flow: &Flow) -> u8 {
+    let mut storage = MaybeUninit::uninit();
+    let params = fib_params(flow, ifindex(ctx), &mut storage);
+    // SAFETY: skb is this program's context and params a correctly sized, initialised struct.
+    let answer = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            &raw mut *params,
+            size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    } as u32;
+    if answer != BPF_FIB_LKUP_RET_NOT_FWDED {
+        return NOT_LOCAL;
+    }
+    // The way back: to the packet's source, from an address the kernel chooses.
+    let params = fib_params(flow, ifindex(ctx), &mut storage);
+    params.sport = flow.dport;
+    params.dport = flow.sport;
+    if flow.family == FAMILY_IPV4 {
+        params.__bindgen_anon_3.ipv4_src = 0;
+        params.__bindgen_anon_4.ipv4_dst = flow.saddr.words()[0];
+    } else {
+        params.__bindgen_anon_3.ipv6_src = [0; 4];
+        params.__bindgen_anon_4.ipv6_dst = flow.saddr.words();
+    }
+    // SAFETY: as above.
+    let answer = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            &raw mut *params,
+            size_of::<bpf_fib_lookup>() as i32,
+            BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH,
+        )
+    } as u32;
+    if answer != BPF_FIB_LKUP_RET_SUCCESS || params.ifindex != ifindex(ctx) {
+        return LOCAL;
+    }
+    // SAFETY: the kernel wrote the source address's union member of the lookup's family.
+    let source = unsafe {
+        if flow.family == FAMILY_IPV4 {
+            Address::ipv4(params.__bindgen_anon_3.ipv4_src.to_ne_bytes())
+        } else {
+            Address::from_words(params.__bindgen_anon_3.ipv6_src)
+        }
+    };
+    if source == flow.daddr {
+        LOCAL_SOURCE
+    } else {
+        LOCAL
+    }
+}
+
 /// Whether the packet fits the MTU of the answer's output interface, by the kernel's check
 /// (which compares the whole frame with the MTU plus the link header, and a GSO packet's
 /// segments with the MTU); the MTU it reports is kept with the answer.
@@ -124,15 +221,19 @@ fn fits_mtu(ctx: &TcContext, hop: &mut NextHop) -> bool {
 /// This CPU's `next_hops` slot for the flow, holding the FIB's answer: the one found there
 /// when it is for the same question and of this clock tick, else a new lookup's.
 #[inline(always)]
-fn next_hop(ctx: &TcContext, flow: &Flow, choose_source: bool) -> Option<*mut NextHop> {
-    let ifindex = ifindex(ctx);
+fn next_hop(
+    ctx: &TcContext,
+    flow: &Flow,
+    ifindex: u32,
+    choose_source: bool,
+) -> Option<*mut NextHop> {
     let choose_source = u8::from(choose_source);
     let hop = next_hops.get_ptr_mut(slot(flow, ifindex))?;
     // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
     let kept = unsafe { &*hop };
     let now = flow.now;
     if kept.looked_up_ns != now || !kept.answers(flow, ifindex, choose_source) {
-        look_up(ctx, flow, choose_source, hop, now);
+        look_up(ctx, flow, ifindex, choose_source, hop, now);
     }
     Some(hop)
 }
@@ -166,9 +267,16 @@ impl NextHop {
 /// Asks the FIB about the flow and keeps the question and the answer in `hop`. Inlined: a
 /// frame of its own would deepen the call chains under `route` past the verifier's 512 bytes.
 #[inline(always)]
-fn look_up(ctx: &TcContext, flow: &Flow, choose_source: u8, hop: *mut NextHop, now: u64) {
+fn look_up(
+    ctx: &TcContext,
+    flow: &Flow,
+    ifindex: u32,
+    choose_source: u8,
+    hop: *mut NextHop,
+    now: u64,
+) {
     let mut storage = MaybeUninit::uninit();
-    let params = fib_params(ctx, flow, &mut storage);
+    let params = fib_params(flow, ifindex, &mut storage);
     let flags = if choose_source != 0 {
         BPF_FIB_LOOKUP_SRC
     } else {
@@ -187,7 +295,7 @@ fn look_up(ctx: &TcContext, flow: &Flow, choose_source: u8, hop: *mut NextHop, n
     let hop = unsafe { &mut *hop };
     hop.query_source = flow.saddr;
     hop.query_destination = flow.daddr;
-    hop.query_ifindex = ifindex(ctx);
+    hop.query_ifindex = ifindex;
     hop.query_source_port = flow.sport;
     hop.query_destination_port = flow.dport;
     hop.query_family = flow.family;
@@ -212,12 +320,12 @@ fn look_up(ctx: &TcContext, flow: &Flow, choose_source: u8, hop: *mut NextHop, n
     }
 }
 
-/// The FIB lookup of the flow's current addresses and ports, as for a packet received on the
-/// program's interface.
+/// The FIB lookup of the flow's current addresses and ports, as for a packet received on
+/// `ifindex`.
 #[inline(always)]
 fn fib_params<'a>(
-    ctx: &TcContext,
     flow: &Flow,
+    ifindex: u32,
     params: &'a mut MaybeUninit<bpf_fib_lookup>,
 ) -> &'a mut bpf_fib_lookup {
     // Zeroed (the documented initial state) in place, a word at a time and volatile, as
@@ -240,12 +348,17 @@ fn fib_params<'a>(
         params.__bindgen_anon_3.ipv6_src = flow.saddr.words();
         params.__bindgen_anon_4.ipv6_dst = flow.daddr.words();
     }
-    params.ifindex = ifindex(ctx);
+    params.ifindex = ifindex;
     params
 }
 
-/// Sends the packet on along `route`; `None` when the route is not one to send it on.
+/// Sends the packet on along `route`; `None` when the route is not one to send it on. The
+/// packet is marked translated: the egress hook of its output interface takes it as the
+/// datapath's own (at an uplink, not as the host's traffic that leaves from its address).
 pub fn forward(ctx: &TcContext, route: &Route) -> Result<Option<i32>, DatapathError> {
+    if !matches!(route, Route::Other) {
+        mark_translated(ctx);
+    }
     match route {
         Route::Neighbour {
             ifindex,

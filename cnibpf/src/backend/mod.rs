@@ -26,6 +26,10 @@ use crate::{
     netlink::{self, Link},
 };
 
+/// The datapath counter (`Inspect`) of the host's own flows moved off a port that a container's
+/// masqueraded flow held towards the same remote.
+pub const HOST_FLOWS_MOVED: &str = "host flows moved off a container's port";
+
 /// Where an attachment's traffic passes: its host-side interface and the uplinks.
 #[derive(Clone, Debug)]
 pub struct Endpoint {

@@ -265,6 +265,18 @@ fn encode_drops(
     )?;
     counters(
         encoder,
+        "cnibpf_masquerade_host_flow_clashes",
+        "Connections of the host's own moved to another source port because a container's masqueraded connection held theirs towards the same remote (eBPF; on nftables, the kernel's NAT moves them)",
+        read(snapshot).flat_map(|(name, backend)| {
+            backend
+                .counters
+                .iter()
+                .filter(|(counter, _)| *counter == crate::backend::HOST_FLOWS_MOVED)
+                .map(move |(_, value)| (vec![label("backend", name)], *value))
+        }),
+    )?;
+    counters(
+        encoder,
         "cnibpf_drop_events_suppressed",
         "Drop events not written to the monitor's ring by the per-CPU rate limit (the drops themselves are all counted)",
         read(snapshot).flat_map(|(name, backend)| {

@@ -21,6 +21,8 @@ impl Attachment {
 
     /// 64-bit FNV-1a of the three names, NUL separated: stable across invocations and hosts,
     /// so every run of the plugin finds the same attachment's state without a lookup table.
+    /// Never zero, the datapath's owner of the host's own flows
+    /// (`cnibpf_common::connections::HOST`).
     pub fn owner_id(&self) -> u64 {
         const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
         const PRIME: u64 = 0x0000_0100_0000_01b3;
@@ -30,6 +32,7 @@ impl Attachment {
             .fold(OFFSET_BASIS, |hash, byte| {
                 (hash ^ u64::from(byte)).wrapping_mul(PRIME)
             })
+            .max(1)
     }
 }
 

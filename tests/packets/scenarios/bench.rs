@@ -57,6 +57,7 @@ impl Bench {
             Hook::FromContainer => ("from_container", veth),
             Hook::ToContainer => ("to_container", veth),
             Hook::UplinkIngress => ("uplink_ingress", self.uplink),
+            Hook::UplinkEgress => ("uplink_egress", self.uplink),
         };
         self.sim.test_run(program, ifindex, frame)
     }

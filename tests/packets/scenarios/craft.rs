@@ -174,6 +174,7 @@ impl Bench {
             Hook::FromContainer => (self.gateway_mac, self.mac_of(packet.src)),
             Hook::ToContainer => (self.mac_of(packet.dst), self.gateway_mac),
             Hook::UplinkIngress => (self.uplink_mac, OUTSIDE_MAC),
+            Hook::UplinkEgress => (OUTSIDE_MAC, self.uplink_mac),
         };
         ethernet(dst_mac, src_mac, ethertype, &self.ip(packet))
     }

@@ -103,12 +103,20 @@ const TABLE: &[Scenario] = &[
     },
     Scenario {
         name: "what no rule matches takes the default, ALLOW",
-        steps: &[step(
-            FromContainer,
-            v4(C1, 43_006, Far, 443, Body::Tcp(SYN)),
-            Redirected(at(Uplink, 43_006), at(Far, 443)),
-            Nothing,
-        )],
+        steps: &[
+            step(
+                FromContainer,
+                v4(C1, 43_006, Far, 443, Body::Tcp(SYN)),
+                Untouched,
+                Nothing,
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 43_006, Far, 443, Body::Tcp(SYN)),
+                Rewritten(at(Uplink, 43_006), at(Far, 443)),
+                Nothing,
+            ),
+        ],
     },
 ];
 
@@ -138,8 +146,14 @@ const DEFAULT_DROP: &[Scenario] = &[
             step(
                 FromContainer,
                 v4(C1, 43_101, Far, 443, Body::Tcp(SYN)),
-                Redirected(at(Uplink, 43_101), at(Far, 443)),
+                Untouched,
                 Rule(ALLOW_443),
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 43_101, Far, 443, Body::Tcp(SYN)),
+                Rewritten(at(Uplink, 43_101), at(Far, 443)),
+                Nothing,
             ),
             step(
                 UplinkIngress,
@@ -155,8 +169,14 @@ const DEFAULT_DROP: &[Scenario] = &[
             step(
                 FromContainer,
                 v4(C1, 43_104, Far, 443, Body::Tcp(SYN)),
-                Redirected(at(Uplink, 43_104), at(Far, 443)),
+                Untouched,
                 Rule(ALLOW_443),
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 43_104, Far, 443, Body::Tcp(SYN)),
+                Rewritten(at(Uplink, 43_104), at(Far, 443)),
+                Nothing,
             ),
             step(
                 UplinkIngress,

@@ -1,5 +1,6 @@
-//! Masquerade: a container's new connections leave from the uplink's address, their replies
-//! come back to it, ICMP errors are translated both ways (packet too big included), a port
+//! Masquerade: a container's new connection crosses the host stack and leaves the uplink's
+//! egress from the uplink's address, its replies come back to it, its later packets take the
+//! fast path, ICMP errors are translated both ways (packet too big included), a port
 //! another container holds is not taken twice, exclusions and the containers' own subnet are
 //! left alone, and what cannot be translated makes no state.
 //!
@@ -22,21 +23,37 @@ const fn sent_from(port: u16) -> super::Packet {
 const TABLE: &[Scenario] = &[
     Scenario {
         name: "a TCP SYN leaves from the uplink's address, keeping its port",
-        steps: &[step(
-            FromContainer,
-            v4(C1, 42_001, Far, 443, Body::Tcp(SYN)),
-            Redirected(at(Uplink, 42_001), at(Far, 443)),
-            Parts(PART_SNAT),
-        )],
+        steps: &[
+            step(
+                FromContainer,
+                v4(C1, 42_001, Far, 443, Body::Tcp(SYN)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 42_001, Far, 443, Body::Tcp(SYN)),
+                Rewritten(at(Uplink, 42_001), at(Far, 443)),
+                Parts(PART_SNAT),
+            ),
+        ],
     },
     Scenario {
         name: "the same over IPv6",
-        steps: &[step(
-            FromContainer,
-            v6(C1, 42_002, Far, 443, Body::Tcp(SYN)),
-            Redirected(at(Uplink, 42_002), at(Far, 443)),
-            Parts(PART_SNAT),
-        )],
+        steps: &[
+            step(
+                FromContainer,
+                v6(C1, 42_002, Far, 443, Body::Tcp(SYN)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v6(C1, 42_002, Far, 443, Body::Tcp(SYN)),
+                Rewritten(at(Uplink, 42_002), at(Far, 443)),
+                Parts(PART_SNAT),
+            ),
+        ],
     },
     Scenario {
         name: "a TCP connection's replies come back to the container, its later segments go out alike",
@@ -44,7 +61,13 @@ const TABLE: &[Scenario] = &[
             step(
                 FromContainer,
                 v4(C1, 42_003, Far, 443, Body::Tcp(SYN)),
-                Redirected(at(Uplink, 42_003), at(Far, 443)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 42_003, Far, 443, Body::Tcp(SYN)),
+                Rewritten(at(Uplink, 42_003), at(Far, 443)),
                 Parts(PART_SNAT),
             ),
             step(
@@ -67,7 +90,13 @@ const TABLE: &[Scenario] = &[
             step(
                 FromContainer,
                 v4(C1, 42_004, Far, 53, Body::Udp),
-                Redirected(at(Uplink, 42_004), at(Far, 53)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 42_004, Far, 53, Body::Udp),
+                Rewritten(at(Uplink, 42_004), at(Far, 53)),
                 Parts(PART_SNAT),
             ),
             step(
@@ -79,7 +108,13 @@ const TABLE: &[Scenario] = &[
             step(
                 FromContainer,
                 v6(C1, 42_004, Far, 53, Body::Udp),
-                Redirected(at(Uplink, 42_004), at(Far, 53)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v6(C1, 42_004, Far, 53, Body::Udp),
+                Rewritten(at(Uplink, 42_004), at(Far, 53)),
                 Parts(PART_SNAT),
             ),
             step(
@@ -91,52 +126,70 @@ const TABLE: &[Scenario] = &[
         ],
     },
     Scenario {
-        name: "a ping goes out and its echo reply comes back",
+        name: "a ping goes out and its echo reply comes back (through the host stack: conntrack is not asked about ICMP)",
         steps: &[
             step(
                 FromContainer,
                 v4(C1, 42_005, Far, 0, Body::EchoRequest),
-                Redirected(at(Uplink, 0), at(Far, 0)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 42_005, Far, 0, Body::EchoRequest),
+                Rewritten(at(Uplink, 0), at(Far, 0)),
                 Nothing,
             ),
             step(
                 UplinkIngress,
                 v4(Far, 0, Uplink, 42_005, Body::EchoReply),
-                Redirected(at(Far, 0), at(C1, 0)),
+                Rewritten(at(Far, 0), at(C1, 0)),
                 Nothing,
             ),
         ],
     },
     Scenario {
-        name: "an IPv6 ping goes out and its echo reply comes back",
+        name: "an IPv6 ping goes out and its echo reply comes back, through the host stack",
         steps: &[
             step(
                 FromContainer,
                 v6(C1, 42_016, Far, 0, Body::EchoRequest),
-                Redirected(at(Uplink, 0), at(Far, 0)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v6(C1, 42_016, Far, 0, Body::EchoRequest),
+                Rewritten(at(Uplink, 0), at(Far, 0)),
                 Nothing,
             ),
             step(
                 UplinkIngress,
                 v6(Far, 0, Uplink, 42_016, Body::EchoReply),
-                Redirected(at(Far, 0), at(C1, 0)),
+                Rewritten(at(Far, 0), at(C1, 0)),
                 Nothing,
             ),
         ],
     },
     Scenario {
-        name: "an SCTP association leaves masqueraded, its CRC32c valid, and its reply comes back",
+        name: "an SCTP association leaves masqueraded, its CRC32c valid, and its reply comes back through the host stack",
         steps: &[
             step(
                 FromContainer,
                 v4(C1, 42_017, Far, 9_000, Body::Sctp),
-                Redirected(at(Uplink, 42_017), at(Far, 9_000)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 42_017, Far, 9_000, Body::Sctp),
+                Rewritten(at(Uplink, 42_017), at(Far, 9_000)),
                 Parts(PART_SNAT),
             ),
             step(
                 UplinkIngress,
                 v4(Far, 9_000, Uplink, 42_017, Body::Sctp),
-                Redirected(at(Far, 9_000), at(C1, 42_017)),
+                Rewritten(at(Far, 9_000), at(C1, 42_017)),
                 Parts(PART_SNAT),
             ),
         ],
@@ -147,7 +200,13 @@ const TABLE: &[Scenario] = &[
             step(
                 FromContainer,
                 v4(C1, 42_018, Far, 443, Body::Tcp(SYN)),
-                Redirected(at(Uplink, 42_018), at(Far, 443)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 42_018, Far, 443, Body::Tcp(SYN)),
+                Rewritten(at(Uplink, 42_018), at(Far, 443)),
                 Parts(PART_SNAT),
             ),
             step(
@@ -164,13 +223,25 @@ const TABLE: &[Scenario] = &[
             step(
                 FromContainer,
                 v4(C1, 42_006, Far, 443, Body::Tcp(SYN)),
-                Redirected(at(Uplink, 42_006), at(Far, 443)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 42_006, Far, 443, Body::Tcp(SYN)),
+                Rewritten(at(Uplink, 42_006), at(Far, 443)),
                 Parts(PART_SNAT),
             ),
             step(
                 FromContainer,
                 v4(C2, 42_006, Far, 443, Body::Tcp(SYN)),
-                Redirected((Uplink, Port::Not(42_006)), at(Far, 443)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v4(C2, 42_006, Far, 443, Body::Tcp(SYN)),
+                Rewritten((Uplink, Port::Not(42_006)), at(Far, 443)),
                 Parts(PART_SNAT),
             ),
         ],
@@ -181,7 +252,13 @@ const TABLE: &[Scenario] = &[
             step(
                 FromContainer,
                 v4(C1, 42_007, Far, 53, Body::Udp),
-                Redirected(at(Uplink, 42_007), at(Far, 53)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 42_007, Far, 53, Body::Udp),
+                Rewritten(at(Uplink, 42_007), at(Far, 53)),
                 Parts(PART_SNAT),
             ),
             step(
@@ -198,7 +275,13 @@ const TABLE: &[Scenario] = &[
             step(
                 FromContainer,
                 v4(C1, 42_008, Far, 53, Body::Udp),
-                Redirected(at(Uplink, 42_008), at(Far, 53)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 42_008, Far, 53, Body::Udp),
+                Rewritten(at(Uplink, 42_008), at(Far, 53)),
                 Parts(PART_SNAT),
             ),
             step(
@@ -215,7 +298,13 @@ const TABLE: &[Scenario] = &[
             step(
                 FromContainer,
                 v6(C1, 42_009, Far, 53, Body::Udp),
-                Redirected(at(Uplink, 42_009), at(Far, 53)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v6(C1, 42_009, Far, 53, Body::Udp),
+                Rewritten(at(Uplink, 42_009), at(Far, 53)),
                 Parts(PART_SNAT),
             ),
             step(
@@ -238,7 +327,13 @@ const TABLE: &[Scenario] = &[
             step(
                 FromContainer,
                 v4(C1, 42_010, Far, 53, Body::Udp),
-                Redirected(at(Uplink, 42_010), at(Far, 53)),
+                Untouched,
+                NoState,
+            ),
+            step(
+                UplinkEgress,
+                v4(C1, 42_010, Far, 53, Body::Udp),
+                Rewritten(at(Uplink, 42_010), at(Far, 53)),
                 Parts(PART_SNAT),
             ),
             step(

@@ -43,11 +43,7 @@ pub enum Frame {
     Custom(fn(&Bench) -> Vec<u8>),
 }
 
-/// The hook a frame runs through, on the interface it is attached to. (Not the uplink's
-/// egress: `BPF_PROG_TEST_RUN` gives every packet a socket, which that hook takes for the
-/// host's own traffic and passes on; what it does to forwarded packets — masquerade behind the
-/// host stack, container ICMP errors translated, untranslatable packets dropped — is shown by
-/// live traffic in the masquerade suite.)
+/// The hook a frame runs through, on the interface it is attached to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Hook {
     /// The container's veth, what the container sends (c1's, or c2's for [`Peer::C2`]).
@@ -55,6 +51,11 @@ pub enum Hook {
     /// The container's veth, what is sent to it.
     ToContainer,
     UplinkIngress,
+    /// The uplink, what the host stack forwards out of it (a container's packet the stack
+    /// forwarded: the frame as the container sent it). `BPF_PROG_TEST_RUN` gives the packet a
+    /// socket of no protocol, which the hook takes for nobody's; what it does to the host's
+    /// own traffic is shown by live traffic (the `kubernetes` suite).
+    UplinkEgress,
 }
 
 /// What must come out of a step.
@@ -65,6 +66,8 @@ pub enum Expect {
     Redirected(End, End),
     /// Passed on unchanged.
     Untouched,
+    /// Passed on (to the host stack, or out of the interface) rewritten to these ends.
+    Rewritten(End, End),
     /// Dropped, and counted with this reason.
     Dropped(DropReason),
 }
@@ -178,6 +181,10 @@ fn run_step(bench: &Bench, step: &Step) -> Result<(), String> {
             "verdict {verdict}, expected {REDIRECT} (redirected)"
         )),
         Expect::Redirected(src, dst) => check_ends(bench, step, &out, src, dst),
+        Expect::Rewritten(..) if verdict != NEXT => {
+            Err(format!("verdict {verdict}, expected it passed on"))
+        }
+        Expect::Rewritten(src, dst) => check_ends(bench, step, &out, src, dst),
     }?;
     check_then(bench, step, &frame, &out, &before)
 }

@@ -28,6 +28,17 @@ use crate::{
     chain::{self, Attachment},
 };
 
+/// Set (to anything) to run the simulated hosts as a Kubernetes node runs: `br_netfilter` on
+/// (`bridge-nf-call-iptables=1`, as kube-proxy requires), so that the bridge hands the frames
+/// it forwards between containers to the IP hooks. `cargo xtask test` runs the datapath's
+/// suites once without and once with it.
+pub const BRIDGE_NETFILTER_ENV: &str = "CNIBPF_TEST_BRIDGE_NETFILTER";
+
+/// Whether this run's simulated hosts keep `br_netfilter` on ([`BRIDGE_NETFILTER_ENV`]).
+pub fn bridge_netfilter() -> bool {
+    std::env::var_os(BRIDGE_NETFILTER_ENV).is_some()
+}
+
 /// The file name of a simulated host's call log, in its work dir.
 pub const CALL_LOG: &str = "cnibpf.log";
 pub const UPLINK: &str = "up0";
@@ -197,7 +208,22 @@ impl SimHost {
         Self::build(id, "1.0.0", chained, false)
     }
 
+    /// [`Self::on`] on a host shaped as a Kubernetes node: `br_netfilter` on whatever the run
+    /// says (its tests put kube-proxy's rules in, `crate::kube_proxy`).
+    pub fn kubernetes_node(backend: Backend, id: &str, cnibpf_keys: Value) -> Self {
+        let sim = Self::on(backend, id, cnibpf_keys);
+        sim.set_bridge_netfilter(true);
+        sim
+    }
+
     fn build(id: &str, cni_version: &str, chained: Vec<Chained>, bridge_masquerades: bool) -> Self {
+        // A run with br_netfilter on may run beside one without: its hosts have names of their
+        // own.
+        let id = &if bridge_netfilter() {
+            format!("{id}-k")
+        } else {
+            id.to_owned()
+        };
         let claim = claim(id);
         let host = Netns::create(&format!("cbt-{id}-host"));
         let outside = Netns::create(&format!("cbt-{id}-out"));
@@ -284,12 +310,6 @@ impl SimHost {
         ]);
         host.sysctl("net.ipv4.ip_forward", "1");
         host.sysctl("net.ipv6.conf.all.forwarding", "1");
-        // br_netfilter is built into this kernel and on in every new namespace: cnibpf must not
-        // depend on it, so the simulated host runs without it.
-        if Path::new("/proc/sys/net/bridge").exists() {
-            host.sysctl("net.bridge.bridge-nf-call-iptables", "0");
-            host.sysctl("net.bridge.bridge-nf-call-ip6tables", "0");
-        }
 
         let chained: Vec<Value> = chained
             .into_iter()
@@ -329,7 +349,7 @@ impl SimHost {
         // Counted once the host exists (its Drop uncounts it): a build that panics halfway
         // must not keep the last host's cleanup from running.
         defaults::host_made();
-        Self {
+        let sim = Self {
             id: id.to_owned(),
             host,
             outside,
@@ -339,6 +359,21 @@ impl SimHost {
             chain,
             attached: Mutex::new(Vec::new()),
             _claim: claim,
+        };
+        // br_netfilter is built into this kernel and on in every new namespace: cnibpf must not
+        // depend on it, so the simulated host runs without it unless the run asks for it.
+        sim.set_bridge_netfilter(bridge_netfilter());
+        sim
+    }
+
+    /// Turns `br_netfilter` on or off for the host's bridges (both families).
+    pub fn set_bridge_netfilter(&self, on: bool) {
+        if Path::new("/proc/sys/net/bridge").exists() {
+            let value = if on { "1" } else { "0" };
+            self.host
+                .sysctl("net.bridge.bridge-nf-call-iptables", value);
+            self.host
+                .sysctl("net.bridge.bridge-nf-call-ip6tables", value);
         }
     }
 }

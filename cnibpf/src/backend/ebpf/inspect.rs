@@ -3,7 +3,7 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use aya::maps::{HashMap, IterableMap, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap, MapData, PerCpuArray};
 use cnibpf_common::{
     addr,
     connections::{self, FirstFragment, FragmentKey, PART_FILTER, PART_SNAT},
@@ -246,7 +246,7 @@ impl EbpfBackend {
             .get(&0, 0)
             .map_err(map_error("could not read map masq_stats"))?;
         let sum = |field: fn(&masquerade::MasqStats) -> u64| per_cpu.iter().map(field).sum::<u64>();
-        Ok(vec![
+        let mut counters = vec![
             ("flows created", sum(|stats| stats.flows_created)),
             ("port collisions", sum(|stats| stats.port_collisions)),
             ("ports exhausted", sum(|stats| stats.ports_exhausted)),
@@ -254,7 +254,16 @@ impl EbpfBackend {
             ("expired state met", sum(|stats| stats.expired)),
             ("icmp errors translated", sum(|stats| stats.icmp_errors)),
             ("no uplink address", sum(|stats| stats.no_uplink_address)),
-        ])
+        ];
+        if let Some(clashes) = self.optional_map::<Array<MapData, masquerade::HostClashes>>(
+            masquerade::HOST_CLASHES.name,
+        )? {
+            let clashes = clashes
+                .get(&0, 0)
+                .map_err(map_error("could not read map masq_host_clashes"))?;
+            counters.push((crate::backend::HOST_FLOWS_MOVED, clashes.moved));
+        }
+        Ok(counters)
     }
 
     fn filter_counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {

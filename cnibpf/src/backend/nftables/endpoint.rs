@@ -7,11 +7,12 @@ use crate::backend::{BackendError, Endpoint, Endpoints};
 
 impl Endpoints for NftablesBackend {
     fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
-        // On a bridge that hands its frames to the IP hooks (one with a filtered container),
-        // the container reaches its own hostPorts only with its port in hairpin mode.
-        if let Some(bridge) = endpoint.host.master
-            && host::bridge_netfilter_is_on(bridge)?
-        {
+        // On a bridge that hands its frames to the IP hooks — a Kubernetes node's (kube-proxy
+        // needs br_netfilter), one with a filtered container — a container reaches its own
+        // hostPorts only with its port in hairpin mode. br_netfilter may come on after the
+        // ADD (the sysctl is global), so the port of a container with hostPorts gets it
+        // whatever the bridge does now, as kubelet's hairpin-veth mode gives it.
+        if endpoint.host.master.is_some() && endpoint.host_ports_mapped {
             host::hairpin_on(&endpoint.host.name)?;
         }
         self.attach(endpoint).map(|_| ())

@@ -401,17 +401,6 @@ pub fn bridge_netfilter_on(bridge: &netlink::Link) -> Result<bool, NftablesError
     Ok(true)
 }
 
-/// Whether bridge `index` hands its bridged frames to the IP hooks (cnibpf switched it on to
-/// filter between neighbours, or someone else did).
-pub fn bridge_netfilter_is_on(index: u32) -> Result<bool, NftablesError> {
-    let (ipv4, ipv6) =
-        netlink::bridge_netfilter(index).map_err(|source| NftablesError::HostSetting {
-            action: format!("read nf_call_iptables of bridge {index}"),
-            source: io::Error::other(source.to_string()),
-        })?;
-    Ok(ipv4 || ipv6)
-}
-
 /// Switches hairpin mode on for bridge port `port` (a container's host-side veth, by name).
 ///
 /// A bridge that hands its frames to the IP hooks (br_netfilter) applies a hostPort's DNAT to a

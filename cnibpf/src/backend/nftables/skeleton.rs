@@ -20,9 +20,12 @@ pub(super) fn marker(instance: u64) -> String {
 
 /// The commands that add the table made from the state named `instance`, whole but for its
 /// attachments. Chains: `hostports`, run from prerouting and from output (host processes),
-/// hands conditioned hostPorts to their attachment's `c_` chain and everything else to
-/// `hostports_dnat` (DNAT by exact hostIP, then by port for the node's own addresses —
-/// `node_addrs4`/`6`, never a Service's — and 127.0.0.0/8 for host processes;
+/// takes the hostPorts of an exact hostIP; `hostports_any4`/`6` the wildcard ones, run from
+/// those hooks for a destination that is the node's own address as the kernel has it now — on
+/// the interface the packet came in by (prerouting: `fib daddr . iif type local`), or recorded
+/// in `node_addrs4`/`6` and still local, never a Service's — and for 127.0.0.0/8 from host
+/// processes; each hands a conditioned hostPort to its attachment's `c_` chain, which goes on
+/// to `hostports_dnat` once the conditions hold;
 /// `localnet_guard` drops what arrives from elsewhere for 127.0.0.0/8, as kube-proxy does
 /// against CVE-2020-8558); `postrouting` masquerades host processes reaching a hostPort through
 /// 127.0.0.1 and hands DNATed traffic (by destination) and traffic leaving by an uplink (by
@@ -122,6 +125,8 @@ fn chains() -> Vec<Value> {
     let hooked = |name: &str, kind: &str, hook: &str, priority: i32| json!({ "chain": { "name": name, "type": kind, "hook": hook, "prio": priority, "policy": "accept" } });
     vec![
         regular("hostports"),
+        regular("hostports_any4"),
+        regular("hostports_any6"),
         regular("hostports_dnat"),
         hooked(LOCALNET_GUARD_CHAIN, "filter", "prerouting", -300),
         hooked("prerouting", "nat", "prerouting", -100),
@@ -153,66 +158,97 @@ fn loopback() -> Value {
     prefix("127.0.0.0", 8)
 }
 
-/// Chain `hostports`: a mapping's conditions by (address, protocol, port), then the node's
-/// own addresses' (and 127.0.0.0/8's) by (protocol, port); chain `hostports_dnat`: the
-/// translation, specific mappings before wildcard ones.
+/// Chain `hostports`: the mappings of an exact hostIP, by (address, protocol, port): their
+/// conditions, then the translation; chains `hostports_any4`/`6`: the wildcard mappings of a
+/// destination the hook found to be the node's own ([`own_destinations`]), by (protocol,
+/// port), alike; chain `hostports_dnat`, where a conditions chain goes once they hold: the
+/// translation, exact before wildcard (the two never coexist for a port).
 fn host_port_rules() -> Vec<Value> {
     let mut rules = Vec::new();
     let by_port = || concat([meta("l4proto"), payload("th", "dport")]);
-    let own = |ip: &str, suffix: &str| {
-        let daddr = payload(ip, "daddr");
-        let mut own = vec![matches(
+    let translated_protocols = || {
+        matches(
             "==",
-            daddr.clone(),
-            json!(format!("@node_addrs{suffix}")),
-        )];
-        if ip == "ip" {
-            own.push(matches("==", daddr, loopback()));
-        }
-        own
+            meta("l4proto"),
+            json!({ "set": ["tcp", "udp", "sctp"] }),
+        )
     };
     for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
-        let specific = exact_key(ip);
-        rules.push(rule(
-            "hostports",
-            vec![vmap(specific, &format!("@conditions{suffix}"))],
-        ));
-        for destination in own(ip, suffix) {
-            let any = format!("@conditions{suffix}_any");
-            rules.push(rule("hostports", vec![destination, vmap(by_port(), &any)]));
-        }
-    }
-    rules.push(rule(
-        "hostports",
-        vec![json!({ "goto": { "target": "hostports_dnat" } })],
-    ));
-    let translated_protocols = matches(
-        "==",
-        meta("l4proto"),
-        json!({ "set": ["tcp", "udp", "sctp"] }),
-    );
-    for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
-        let specific = exact_key(ip);
-        rules.push(rule(
-            "hostports_dnat",
-            vec![
-                translated_protocols.clone(),
-                dnat(ip, specific, &format!("@hostports{suffix}")),
-            ],
-        ));
-        for destination in own(ip, suffix) {
-            let any = format!("@hostports{suffix}_any");
-            rules.push(rule(
+        let any_chain = format!("hostports_any{suffix}");
+        let (specific, any) = (
+            format!("@hostports{suffix}"),
+            format!("@hostports{suffix}_any"),
+        );
+        rules.extend([
+            rule(
+                "hostports",
+                vec![vmap(exact_key(ip), &format!("@conditions{suffix}"))],
+            ),
+            rule(
+                "hostports",
+                vec![translated_protocols(), dnat(ip, exact_key(ip), &specific)],
+            ),
+            rule(
+                &any_chain,
+                vec![vmap(by_port(), &format!("@conditions{suffix}_any"))],
+            ),
+            rule(
+                &any_chain,
+                vec![translated_protocols(), dnat(ip, by_port(), &any)],
+            ),
+            rule(
+                "hostports_dnat",
+                vec![translated_protocols(), dnat(ip, exact_key(ip), &specific)],
+            ),
+            rule(
                 "hostports_dnat",
                 vec![
-                    destination,
-                    translated_protocols.clone(),
+                    family_is(ip),
+                    translated_protocols(),
                     dnat(ip, by_port(), &any),
                 ],
-            ));
-        }
+            ),
+        ]);
     }
     rules
+}
+
+/// The matches, one rule each, of a destination that is the node's own address in `hook`, by
+/// family (`ip`): recorded in `node_addrs` and still local (an address removed is not served
+/// from its next packet on); one of the interface the packet came in by, as the kernel has
+/// them now (prerouting: an address added is served from its first packet, with no call);
+/// 127.0.0.0/8 (host processes). A Service address is none of these: kube-proxy's IPVS mode
+/// binds it to a dummy interface no packet comes in by, and the records leave it out.
+fn own_destinations(hook: &str, ip: &str) -> Vec<Vec<Value>> {
+    let suffix = if ip == "ip" { "4" } else { "6" };
+    let local = |flags: &[&str]| {
+        matches(
+            "==",
+            json!({ "fib": { "result": "type", "flags": flags } }),
+            json!("local"),
+        )
+    };
+    let mut own = vec![vec![
+        matches(
+            "==",
+            payload(ip, "daddr"),
+            json!(format!("@node_addrs{suffix}")),
+        ),
+        local(&["daddr"]),
+    ]];
+    if hook == "prerouting" {
+        own.push(vec![family_is(ip), local(&["daddr", "iif"])]);
+    }
+    if ip == "ip" {
+        own.push(vec![matches("==", payload(ip, "daddr"), loopback())]);
+    }
+    own
+}
+
+/// The match of packets of family `ip` (`ip` or `ip6`).
+fn family_is(ip: &str) -> Value {
+    let family = if ip == "ip" { "ipv4" } else { "ipv6" };
+    matches("==", meta("nfproto"), json!(family))
 }
 
 /// What comes to 127.0.0.0/8 from elsewhere than the loopback is dropped (CVE-2020-8558).
@@ -228,20 +264,26 @@ fn localnet_guard_rule() -> Value {
 /// The NAT hooks: hostPorts from outside and from the host, the source of translated
 /// loopback and hairpin traffic, masquerade out of the uplinks, and its guard.
 fn nat_rules() -> Vec<Value> {
-    let to_host_ports = || vec![json!({ "jump": { "target": "hostports" } })];
+    let jump = |target: &str| json!({ "jump": { "target": target } });
+    let mut rules = Vec::new();
+    for hook in ["prerouting", "output"] {
+        rules.push(rule(hook, vec![jump("hostports")]));
+        for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
+            for mut destination in own_destinations(hook, ip) {
+                destination.push(jump(&format!("hostports_any{suffix}")));
+                rules.push(rule(hook, destination));
+            }
+        }
+    }
     let dnatted = matches("in", ct("status"), json!("dnat"));
-    let mut rules = vec![
-        rule("prerouting", to_host_ports()),
-        rule("output", to_host_ports()),
-        rule(
-            "postrouting",
-            vec![
-                matches("==", payload("ip", "saddr"), loopback()),
-                dnatted.clone(),
-                json!({ "masquerade": null }),
-            ],
-        ),
-    ];
+    rules.extend([rule(
+        "postrouting",
+        vec![
+            matches("==", payload("ip", "saddr"), loopback()),
+            dnatted.clone(),
+            json!({ "masquerade": null }),
+        ],
+    )]);
     for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
         let nat = format!("@nat{suffix}");
         rules.push(rule(
