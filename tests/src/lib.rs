@@ -14,6 +14,7 @@ pub mod faults;
 pub mod foreign;
 pub mod history;
 pub mod image;
+pub mod kube_proxy;
 pub mod live;
 pub mod monitor;
 pub mod netns;

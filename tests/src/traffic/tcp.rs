@@ -46,33 +46,7 @@ pub fn tcp_request_from(
     target: SocketAddr,
 ) -> Result<String, String> {
     netns.run(move || {
-        let socket = match source {
-            IpAddr::V4(_) => nix::sys::socket::socket(
-                nix::sys::socket::AddressFamily::Inet,
-                nix::sys::socket::SockType::Stream,
-                nix::sys::socket::SockFlag::empty(),
-                None,
-            ),
-            IpAddr::V6(_) => nix::sys::socket::socket(
-                nix::sys::socket::AddressFamily::Inet6,
-                nix::sys::socket::SockType::Stream,
-                nix::sys::socket::SockFlag::empty(),
-                None,
-            ),
-        }
-        .map_err(|error| error.to_string())?;
-        let local = nix::sys::socket::SockaddrStorage::from(SocketAddr::new(source, 0));
-        nix::sys::socket::bind(std::os::fd::AsRawFd::as_raw_fd(&socket), &local)
-            .map_err(|error| format!("bind {source}: {error}"))?;
-        let stream = TcpStream::from(socket);
-        stream
-            .set_write_timeout(Some(CLIENT_TIMEOUT))
-            .map_err(|error| error.to_string())?;
-        let remote = nix::sys::socket::SockaddrStorage::from(target);
-        // A blocking connect bounded by the send timeout (SO_SNDTIMEO applies to connect).
-        nix::sys::socket::connect(std::os::fd::AsRawFd::as_raw_fd(&stream), &remote)
-            .map_err(|error| error.to_string())?;
-        let mut stream = stream;
+        let mut stream = connect_from(SocketAddr::new(source, 0), target)?;
         stream
             .set_read_timeout(Some(CLIENT_TIMEOUT))
             .map_err(|error| error.to_string())?;
@@ -82,6 +56,37 @@ pub fn tcp_request_from(
             .map_err(|error| error.to_string())?;
         Ok(answer)
     })
+}
+
+/// A TCP connection from the current namespace's `local` address and port (port 0: any) to
+/// `target`, its connect bounded by [`CLIENT_TIMEOUT`].
+pub fn connect_from(local: SocketAddr, target: SocketAddr) -> Result<TcpStream, String> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect};
+    use std::os::fd::AsRawFd as _;
+    let family = if local.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let socket = nix::sys::socket::socket(family, SockType::Stream, SockFlag::empty(), None)
+        .map_err(|error| error.to_string())?;
+    // A port an earlier connection of the test left in TIME_WAIT may be bound again (towards
+    // another remote).
+    nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::ReuseAddr, &true)
+        .map_err(|error| error.to_string())?;
+    bind(socket.as_raw_fd(), &SockaddrStorage::from(local))
+        .map_err(|error| format!("bind {local}: {error}"))?;
+    let stream = TcpStream::from(socket);
+    stream
+        .set_write_timeout(Some(CLIENT_TIMEOUT))
+        .map_err(|error| error.to_string())?;
+    // A blocking connect bounded by the send timeout (SO_SNDTIMEO applies to connect, which
+    // reports running out of it as EINPROGRESS).
+    connect(stream.as_raw_fd(), &SockaddrStorage::from(target)).map_err(|error| match error {
+        nix::errno::Errno::EINPROGRESS => "connection timed out".to_owned(),
+        error => error.to_string(),
+    })?;
+    Ok(stream)
 }
 
 /// Connects to `target` from the current namespace and reads what the server sends until it
@@ -314,6 +319,19 @@ impl Conversation {
         Ok(Self {
             stream: stream.map_err(|error| error.to_string())?,
         })
+    }
+
+    /// [`Self::open`] from a given local address and port of `netns` (port 0: any).
+    pub fn open_from(netns: &Netns, local: SocketAddr, target: SocketAddr) -> Result<Self, String> {
+        let stream = netns.run(move || connect_from(local, target))?;
+        Ok(Self { stream })
+    }
+
+    /// The local address and port of the connection.
+    pub fn local(&self) -> SocketAddr {
+        self.stream
+            .local_addr()
+            .expect("a connected socket's address")
     }
 
     /// Sends `message` and waits up to `timeout` for it to come back whole.

@@ -3,6 +3,8 @@
 //! simulated hosts' traffic and on processes they start), the longest first by the durations
 //! the last run recorded, each suite's output printed whole when it ends. Every test names its
 //! own namespaces, pinPath and cgroup, so suites, like the tests inside one, run side by side.
+//! The suites of the datapath's traffic run a second time on simulated hosts shaped as a
+//! Kubernetes node's, `br_netfilter` on ([`BRIDGE_NETFILTER_SUITES`]).
 
 use std::{
     collections::VecDeque,
@@ -23,9 +25,16 @@ use crate::{cargo, workspace_root};
 const DURATIONS: &str = "target/test-durations";
 const DEFAULT_JOBS: usize = 2;
 
+/// The suites that run once more with `br_netfilter` on (kube-proxy requires it): the traffic
+/// through hostPorts, masquerade and host processes' sockets, whose packets a bridge that
+/// hands its frames to the IP hooks could change. (The `kubernetes` suite has it on itself.)
+const BRIDGE_NETFILTER_SUITES: [&str; 4] = ["masquerade", "hostport", "portmap", "host_access"];
+
 struct Suite {
     name: String,
     executable: PathBuf,
+    /// The run's simulated hosts keep `br_netfilter` on.
+    bridge_netfilter: bool,
 }
 
 /// What one suite's run came to.
@@ -128,9 +137,17 @@ fn built() -> Result<Vec<Suite>> {
             message["target"]["name"].as_str(),
             message["executable"].as_str(),
         ) {
+            if BRIDGE_NETFILTER_SUITES.contains(&name) {
+                suites.push(Suite {
+                    name: format!("{name}+br_netfilter"),
+                    executable: PathBuf::from(executable),
+                    bridge_netfilter: true,
+                });
+            }
             suites.push(Suite {
                 name: name.to_owned(),
                 executable: PathBuf::from(executable),
+                bridge_netfilter: false,
             });
         }
     }
@@ -146,10 +163,15 @@ fn built() -> Result<Vec<Suite>> {
 fn run_one(suite: &Suite, args: &[String], skip_log: &std::path::Path) -> Result<Ran> {
     let started = Instant::now();
     eprintln!("    {} started", suite.name);
-    let output = Command::new(&suite.executable)
+    let mut command = Command::new(&suite.executable);
+    command
         .args(args)
         .current_dir(workspace_root().join("tests"))
-        .env(cnibpf_tests::SKIP_LOG_ENV, skip_log)
+        .env(cnibpf_tests::SKIP_LOG_ENV, skip_log);
+    if suite.bridge_netfilter {
+        command.env(cnibpf_tests::topology::BRIDGE_NETFILTER_ENV, "1");
+    }
+    let output = command
         .output()
         .with_context(|| format!("run {}", suite.executable.display()))?;
     let seconds = started.elapsed().as_secs_f64();
