@@ -161,7 +161,7 @@ const PATHS: [HotPath; 9] = [
 /// The crafted segments of [`PATHS`], on `node`'s interfaces, in the order of the constants
 /// above. A reply's case follows the case that opened its connection.
 fn cases(node: &Node) -> Vec<Case> {
-    let masqueraded = node.masqueraded.address;
+    let masqueraded_addr = node.masqueraded.address;
     let served = node.host_port.address;
     let veth = node.sim.host_interface(&node.masqueraded);
     let on = |name: &str,
@@ -180,18 +180,25 @@ fn cases(node: &Node) -> Vec<Case> {
             isolated::REDIRECTED
         },
         leaves,
+        opened_by: None,
+    };
+    // A masqueraded connection is opened where the build opens it: its first packet at the
+    // uplink's egress, behind the host stack.
+    let masqueraded = |case: Case| Case {
+        opened_by: Some("uplink_egress"),
+        ..case
     };
     let mut cases = vec![
-        on(
+        masqueraded(on(
             "masquerade",
             "from_container",
             &veth,
-            ((masqueraded, 40_003), (OUTSIDE_ADDR, MASQUERADED_SERVER)),
+            ((masqueraded_addr, 40_003), (OUTSIDE_ADDR, MASQUERADED_SERVER)),
             (
                 (HOST_UPLINK_ADDR, 40_003),
                 (OUTSIDE_ADDR, MASQUERADED_SERVER),
             ),
-        ),
+        )),
         on(
             "masquerade reply",
             "uplink_ingress",
@@ -200,7 +207,7 @@ fn cases(node: &Node) -> Vec<Case> {
                 (OUTSIDE_ADDR, MASQUERADED_SERVER),
                 (HOST_UPLINK_ADDR, 40_003),
             ),
-            ((OUTSIDE_ADDR, MASQUERADED_SERVER), (masqueraded, 40_003)),
+            ((OUTSIDE_ADDR, MASQUERADED_SERVER), (masqueraded_addr, 40_003)),
         ),
         on(
             "DNAT",
@@ -220,8 +227,8 @@ fn cases(node: &Node) -> Vec<Case> {
             "hairpin",
             "from_container",
             &veth,
-            ((masqueraded, 40_006), (HOST_UPLINK_ADDR, HOST_PORT)),
-            ((masqueraded, 40_006), (served, CONTAINER_PORT)),
+            ((masqueraded_addr, 40_006), (HOST_UPLINK_ADDR, HOST_PORT)),
+            ((masqueraded_addr, 40_006), (served, CONTAINER_PORT)),
         ),
     ];
     // A filtered container's connection: the first run walks the rules, the others take the
@@ -232,17 +239,17 @@ fn cases(node: &Node) -> Vec<Case> {
         .zip(FILTERED_SERVERS)
         .zip([40_004, 40_005])
     {
-        cases.push(on(
+        cases.push(masqueraded(on(
             "filtered masquerade",
             "from_container",
             &node.sim.host_interface(container),
             ((container.address, source_port), (OUTSIDE_ADDR, server)),
             ((HOST_UPLINK_ADDR, source_port), (OUTSIDE_ADDR, server)),
-        ));
+        )));
     }
     let unchanged = |sent: (Endpoint, Endpoint)| (sent, sent);
     let (veth_miss, veth_sent) =
-        unchanged(((masqueraded, 40_002), (HOST_UPLINK_ADDR, HOST_SERVER)));
+        unchanged(((masqueraded_addr, 40_002), (HOST_UPLINK_ADDR, HOST_SERVER)));
     cases.push(on("miss", "from_container", &veth, veth_miss, veth_sent));
     let (uplink_miss, uplink_sent) =
         unchanged(((OUTSIDE_ADDR, 40_000), (HOST_UPLINK_ADDR, HOST_SERVER)));

@@ -41,6 +41,11 @@ pub struct Case {
     /// Source and destination of the segment as it leaves the program, and its verdict.
     pub leaves: (Endpoint, Endpoint),
     pub verdict: i32,
+    /// A program the segment runs through first, unchecked, on the uplink: where the build
+    /// opens the segment's connection when it is not `program` (a masqueraded connection's
+    /// first packet crosses the host stack, and the uplink's egress masquerades it; builds
+    /// before 0.6.0 take a test run's packet there for the host's own and leave it alone).
+    pub opened_by: Option<&'static str>,
 }
 
 /// Verdicts: sent on by the program itself, or left to the host stack.
@@ -94,6 +99,15 @@ fn prepared(pin_path: &Path, case: &Case) -> Result<(OwnedFd, Vec<u8>, [u8; SK_B
         .with_context(|| format!("no interface {}", case.interface))?;
     context[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4].copy_from_slice(&ifindex.to_ne_bytes());
     let segment = tcp_segment(case.source, case.destination);
+    if let Some(opener) = case.opened_by {
+        let opener = pinned_program(&pin_path.join("programs").join(opener))?;
+        let mut on_uplink = [0u8; SK_BUFF_SIZE];
+        let uplink = nix::net::if_::if_nametoindex(cnibpf_tests::topology::UPLINK)
+            .context("no uplink")?;
+        on_uplink[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4]
+            .copy_from_slice(&uplink.to_ne_bytes());
+        test_run(&opener, &segment, 1, Some(&on_uplink))?;
+    }
     let run = test_run(&program, &segment, 1, Some(&context))?;
     let (verdict, left) = (run.verdict, run.output);
     if ends(&left) != Some(case.leaves) || verdict != case.verdict {
