@@ -9,11 +9,17 @@
 //!
 //! Only a TCP connection's opening or a UDP datagram can begin a clash, and the host's packets
 //! of a moved flow are looked up only once any flow has been moved since the datapath was
-//! loaded: the host's traffic pays a parse and one `masq_replies` lookup per SYN and datagram.
+//! loaded: the host's traffic pays a parse and one `masq_replies` lookup per SYN and datagram,
+//! and the other packets of its TCP sockets a look at the socket.
 
 use core::mem::MaybeUninit;
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::{__sk_buff, BPF_TCP_SYN_SENT as SYN_SENT},
+    helpers::bpf_sk_fullsock,
+    programs::TcContext,
+};
 use cnibpf_common::{
     PROTO_TCP, PROTO_UDP,
     connections::{ConnectionKey, HOST, PART_SNAT, conntrack},
@@ -31,6 +37,11 @@ use crate::{
 /// was (or must be now).
 #[inline(never)]
 pub fn egress(ctx: &TcContext) -> i32 {
+    // A TCP socket that is not opening a connection begins no clash: while no flow was ever
+    // moved, its packets go on unread.
+    if !any_moved() && socket_state(ctx).is_some_and(|state| state != SYN_SENT) {
+        return NEXT;
+    }
     let mut slot = MaybeUninit::uninit();
     let flow = match Flow::parse(ctx, &mut slot) {
         Ok(Some(flow)) => flow,
@@ -124,6 +135,21 @@ fn held_by_a_container(flow: &Flow) -> bool {
     unsafe { connection.as_ref() }.is_some_and(|connection| {
         connection.has(holder.owner, PART_SNAT) && !connection.is_expired(reverse.protocol, now)
     })
+}
+
+/// The TCP state of the full socket that sent the packet, if a TCP socket did.
+#[inline(always)]
+fn socket_state(ctx: &TcContext) -> Option<u32> {
+    // SAFETY: the context is this program's __sk_buff; TC programs may read its socket pointer
+    // and a full socket's protocol and state.
+    unsafe {
+        let socket = (*ctx.as_ptr().cast::<__sk_buff>()).__bindgen_anon_2.sk;
+        if socket.is_null() {
+            return None;
+        }
+        let full = bpf_sk_fullsock(socket);
+        (!full.is_null() && (*full).protocol == u32::from(PROTO_TCP)).then(|| (*full).state)
+    }
 }
 
 /// Whether any host flow was moved since the datapath was loaded.
