@@ -193,7 +193,10 @@ fn cases(node: &Node) -> Vec<Case> {
             "masquerade",
             "from_container",
             &veth,
-            ((masqueraded_addr, 40_003), (OUTSIDE_ADDR, MASQUERADED_SERVER)),
+            (
+                (masqueraded_addr, 40_003),
+                (OUTSIDE_ADDR, MASQUERADED_SERVER),
+            ),
             (
                 (HOST_UPLINK_ADDR, 40_003),
                 (OUTSIDE_ADDR, MASQUERADED_SERVER),
@@ -207,7 +210,10 @@ fn cases(node: &Node) -> Vec<Case> {
                 (OUTSIDE_ADDR, MASQUERADED_SERVER),
                 (HOST_UPLINK_ADDR, 40_003),
             ),
-            ((OUTSIDE_ADDR, MASQUERADED_SERVER), (masqueraded_addr, 40_003)),
+            (
+                (OUTSIDE_ADDR, MASQUERADED_SERVER),
+                (masqueraded_addr, 40_003),
+            ),
         ),
         on(
             "DNAT",

@@ -102,8 +102,8 @@ fn prepared(pin_path: &Path, case: &Case) -> Result<(OwnedFd, Vec<u8>, [u8; SK_B
     if let Some(opener) = case.opened_by {
         let opener = pinned_program(&pin_path.join("programs").join(opener))?;
         let mut on_uplink = [0u8; SK_BUFF_SIZE];
-        let uplink = nix::net::if_::if_nametoindex(cnibpf_tests::topology::UPLINK)
-            .context("no uplink")?;
+        let uplink =
+            nix::net::if_::if_nametoindex(cnibpf_tests::topology::UPLINK).context("no uplink")?;
         on_uplink[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4]
             .copy_from_slice(&uplink.to_ne_bytes());
         test_run(&opener, &segment, 1, Some(&on_uplink))?;
