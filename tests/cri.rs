@@ -1,6 +1,7 @@
 //! containerd's CRI, driven the way kubelet drives it (the path of every Kubernetes node that
 //! runs containerd): RunPodSandbox with hostPorts, containers serving them, traffic from
-//! outside, from host processes and from a neighbour pod, masquerade, a filter rule, the
+//! outside, from host processes and from a neighbour pod, masquerade, a filter rule, a Service
+//! of kube-proxy's reached by its ClusterIP, the
 //! teardown kubelet does (StopPodSandbox twice, RemovePodSandbox) and a pod restart. The
 //! conflist is the simulated host's bridge + cnibpf; containerd sends the capability keys as
 //! Go field names and names the pod in CNI_ARGS.
@@ -16,8 +17,9 @@ use cnibpf_tests::{
     cri::{Containerd, Cri, Pod, host_port},
     eventually, for_both_backends,
     image::PAGE,
+    kube_proxy::{self, Mode, Service},
     observe::call_log,
-    topology::{Backend, HOST_UPLINK_ADDR, OUTSIDE_ADDR},
+    topology::{Backend, HOST_UPLINK_ADDR, OUTSIDE_ADDR, SUBNET, SUBNET6},
     traffic::{TcpServer, UdpServer, http_get, udp_request},
 };
 use k8s_cri::v1::Protocol;
@@ -226,6 +228,39 @@ fn a_pod_with_host_ports_through_containerd(backend: Backend) {
         body, "",
         "filter rule 10 keeps the pod from {OUTSIDE_ADDR}:{OUTSIDE_FORBIDDEN}"
     );
+    // A Service of kube-proxy's (its iptables mode's saved chains, br_netfilter on as it
+    // requires) whose endpoint is that outside server: the pod reaches it by its ClusterIP.
+    sim.set_bridge_netfilter(true);
+    let cluster_ip: SocketAddr = "10.96.0.10:80".parse().expect("literal");
+    let service = Service {
+        address: cluster_ip,
+        protocol: "tcp",
+        endpoint: SocketAddr::new(OUTSIDE_ADDR.into(), OUTSIDE_WEB),
+    };
+    kube_proxy::install(
+        &sim.host,
+        Mode::Iptables,
+        [SUBNET, SUBNET6],
+        &[service],
+        &[],
+    );
+    let (_, body) = cri.exec(
+        &httpd,
+        &[
+            "/bin/timeout",
+            "3",
+            "/bin/wget",
+            "-q",
+            "-O-",
+            &format!("http://{cluster_ip}/"),
+        ],
+    );
+    assert_eq!(
+        body, "from outside\n",
+        "a Service of kube-proxy's, by its ClusterIP"
+    );
+    kube_proxy::uninstall(&sim.host);
+    sim.set_bridge_netfilter(false);
 
     // kubelet's teardown: StopPodSandbox, again (its retry), RemovePodSandbox.
     cri.stop_pod(&web.id)
