@@ -97,8 +97,24 @@ pub fn ci_layer(filter: &[String]) -> Result<()> {
         &mut layer,
         "CI layer: the image's and the older releases' tests",
     )?;
+    let mut bridged = cargo(&["test", "--package", "cnibpf-tests", "--no-fail-fast"]);
+    for suite in CI_BRIDGE_NETFILTER_SUITES {
+        bridged.args(["--test", suite]);
+    }
+    bridged
+        .env(cnibpf_tests::topology::BRIDGE_NETFILTER_ENV, "1")
+        .arg("--")
+        .args(filter);
+    tally.add(
+        &mut bridged,
+        "CI layer: the traffic suites `./dev test` runs without br_netfilter only",
+    )?;
     tally.close(started)
 }
+
+/// The suites of the datapath's traffic the CI layer runs with `br_netfilter` on, beside those
+/// `./dev test` runs so (`suites::BRIDGE_NETFILTER_SUITES`), which keeps it within ten minutes.
+pub const CI_BRIDGE_NETFILTER_SUITES: [&str; 2] = ["portmap", "host_access"];
 
 impl Tally {
     /// Runs `command` (a `cargo test`), echoing its output, and adds its binaries' "test
