@@ -14,7 +14,10 @@ use cnibpf_tests::{
     Container, PluginOutput, SimHost,
     faults::{CallCounter, Counts, Fault, assert_admin_answer, assert_cni_answer, plan, wrapped},
     for_both_backends,
-    topology::{Backend, HOST_UPLINK_ADDR, OUTSIDE_ADDR, cnibpf_binary, port_mappings},
+    topology::{
+        Backend, Family, HOST_UPLINK_ADDR, OUTSIDE_ADDR, cnibpf_binary, nftables_state_file,
+        port_mappings,
+    },
     traffic::{TcpServer, tcp_request},
 };
 use serde_json::{Value, json};
@@ -489,3 +492,67 @@ fn faults_in_every_verb(backend: Backend) {
 }
 
 for_both_backends!(faults_in_every_verb);
+
+/// The temporary files of the nftables backend's state file in the instance's directory.
+fn state_temporaries(sim: &SimHost) -> Vec<String> {
+    let state_file = nftables_state_file(&sim.pin_path);
+    let name = state_file
+        .file_name()
+        .map(|name| name.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let directory = state_file.parent().expect("in a directory");
+    std::fs::read_dir(directory)
+        .unwrap_or_else(|error| panic!("list {}: {error}", directory.display()))
+        .flatten()
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .filter(|file| file.starts_with(&format!(".{name}.")) && file.ends_with(".tmp"))
+        .collect()
+}
+
+/// An ADD killed (a runtime's timeout) after it wrote the state file's temporary and before
+/// it renamed it over the file: the next call reaps it, the attachment before it keeps
+/// working, and the last DEL leaves none.
+#[test]
+fn a_state_write_killed_midway_leaves_nothing_behind() {
+    let sim = SimHost::on(Backend::Nftables, "kill", keys());
+    let kept = sim.container("kept", port_mappings(&[(8080, 80, "tcp")]));
+    // The state file's rename is the ADD's only one (the temporary is there: the asserts).
+    for round in 0..2 {
+        sim.chain.set_cnibpf_prefix(Some(
+            [
+                "strace",
+                "-f",
+                "-qq",
+                "-o",
+                "/dev/null",
+                "-e",
+                "inject=rename:signal=KILL",
+                "--",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+        ));
+        let killed = sim.add_container(&format!("k{round}"), port_mappings(&[(8090, 80, "tcp")]));
+        sim.chain.set_cnibpf_prefix(None);
+        assert!(killed.is_err(), "the ADD was killed: {killed:?}");
+        assert_eq!(
+            state_temporaries(&sim).len(),
+            1,
+            "round {round}: the killed writer's temporary is there, the one before it reaped"
+        );
+    }
+    sim.check(&kept)
+        .unwrap_or_else(|error| panic!("CHECK of the pod before the kills: {error}"));
+    let _server = TcpServer::start(&kept.netns, Family::V4.any(80), "kept");
+    assert_eq!(
+        tcp_request(&sim.outside, sim.uplink(Family::V4, 8080)).as_deref(),
+        Ok("kept"),
+        "the pod before the kills is served"
+    );
+    sim.del(&kept)
+        .unwrap_or_else(|error| panic!("DEL of the last pod: {error}"));
+    assert!(
+        state_temporaries(&sim).is_empty(),
+        "the DEL reaped the temporary"
+    );
+}

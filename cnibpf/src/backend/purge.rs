@@ -57,6 +57,14 @@ pub fn purge(pins: &PinLayout) -> Result<Vec<String>, BackendError> {
         ));
     }
     removed.extend(unpinned);
+    let state_file = pins.nftables_state_file();
+    let temporaries = crate::atomic_file::reap_temporaries(&state_file).map_err(|source| {
+        BackendError::Unpin {
+            path: state_file.clone(),
+            source,
+        }
+    })?;
+    removed.extend(temporaries.iter().map(|path| path.display().to_string()));
     for file in [
         pins.nftables_state_file(),
         pins.call_stats_file(),

@@ -114,12 +114,15 @@ impl Store {
             .is_some_and(|state| !state.attachments.is_empty())
     }
 
-    /// Makes `state` the instance's state, on disk first; `None` removes the file.
+    /// Makes `state` the instance's state, on disk first; `None` removes the file. What a
+    /// writer killed mid-write left beside it goes first (the caller holds the instance lock,
+    /// which every writer holds).
     pub fn save(&mut self, state: Option<State>) -> Result<(), NftablesError> {
         if state == self.state {
             return Ok(());
         }
-        let written = match &state {
+        let reaped = crate::atomic_file::reap_temporaries(&self.path).map(drop);
+        let written = reaped.and_then(|()| match &state {
             Some(state) => serde_json::to_vec_pretty(state)
                 .map_err(io::Error::other)
                 .and_then(|mut text| {
@@ -133,7 +136,7 @@ impl Store {
                 Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
                 other => other,
             },
-        };
+        });
         written.map_err(|source| NftablesError::State {
             path: self.path.clone(),
             source,
