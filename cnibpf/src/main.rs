@@ -160,6 +160,13 @@ enum AdminCommand {
         #[command(flatten)]
         capacity: CapacityArgs,
     },
+    /// Take the datapath and the instance's files off the node (`load`'s counterpart; the
+    /// last pod's DEL leaves them for the next pod). Refused while any attachment uses them.
+    Unload {
+        /// The instance's pinPath.
+        #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
+        pin_path: PathBuf,
+    },
     /// Mount a bpffs where the datapath pins its state, unless one is mounted there: the
     /// DaemonSet's init container does, with the mount propagated to the host.
     MountBpffs {
@@ -296,6 +303,11 @@ fn run(command: AdminCommand) -> Result<(), String> {
             say!("{done}");
             Ok(())
         }
+        AdminCommand::Unload { pin_path } => {
+            let done = preload::unload(&pin_path).map_err(|error| causes(&error))?;
+            say!("{done}");
+            Ok(())
+        }
         AdminCommand::MountBpffs { path } => {
             if backend::ebpf::mount_bpffs(&path).map_err(|error| causes(&error))? {
                 say!("mounted bpffs on {}", path.display());
@@ -396,6 +408,7 @@ impl AdminCommand {
             Self::Install(_) => "install",
             Self::Uninstall { .. } => "uninstall",
             Self::Load { .. } => "load",
+            Self::Unload { .. } => "unload",
             Self::MountBpffs { .. } => "mount-bpffs",
             Self::Metrics { .. } => "metrics",
             Self::Monitor { .. } => "monitor",

@@ -219,7 +219,10 @@ fn uninstall_purge_removes_everything_at_once_and_lists_it() {
     ] {
         assert!(purged.contains(&removed), "lists {removed}: {purged}");
     }
-    assert!(sim.holds_no_state(), "no datapath left");
+    assert!(
+        sim.holds_no_state() && !sim.pin_path.exists(),
+        "no datapath left"
+    );
     assert!(!lock.exists() && !stats.exists(), "no instance file left");
     assert_eq!(node.files(), ["10-net.conflist"]);
     assert!(!node.bin_dir().join("cnibpf").exists());
@@ -236,7 +239,7 @@ fn uninstall_purge_removes_everything_at_once_and_lists_it() {
         removed.contains(&format!("eBPF datapath {}", sim.pin_path.display())),
         "{removed}"
     );
-    assert!(sim.holds_no_state() && !lock.exists());
+    assert!(sim.holds_no_state() && !sim.pin_path.exists() && !lock.exists());
     assert_eq!(node.files(), ["10-net.conflist"]);
 }
 
@@ -355,5 +358,63 @@ fn install_refuses_a_node_whose_ebpf_datapath_is_before_the_window() {
     assert!(
         node.bin_dir().join("cnibpf").exists(),
         "installed once the state is gone"
+    );
+}
+
+/// The last pod's DEL leaves the datapath for the next pod (its ADD loads nothing); `cnibpf
+/// unload` takes it off the node, with the instance's files, and refuses while a pod uses it.
+#[test]
+fn the_datapath_outlives_the_last_pod_until_unload() {
+    let sim = SimHost::new("unload", json!({ "ipMasq": true }));
+    let pin_path = sim.pin_path.display().to_string();
+    let unload = || sim.cnibpf(&["unload", "--pin-path", &pin_path]);
+    let pod = sim.container("a", port_mappings(&[(18096, 80, "tcp")]));
+    let refused = unload();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("still serves 1 attachment"),
+        "{refused:?}"
+    );
+    assert!(!sim.holds_no_state(), "the refused unload changed nothing");
+
+    sim.del(&pod)
+        .unwrap_or_else(|error| panic!("DEL of the last pod: {error}"));
+    assert!(
+        sim.holds_no_state() && sim.pin_path.join("layout").exists(),
+        "the last DEL left the datapath, and nothing of the pod in it"
+    );
+    assert!(
+        !sim.tcx_programs(UPLINK).is_empty(),
+        "the uplink's hooks stay for the next pod"
+    );
+
+    // What a writer of the instance's state file killed mid-write (a runtime's timeout) left.
+    let state_file = nftables_state_file(&sim.pin_path);
+    let temporary = state_file.with_file_name(format!(
+        ".{}.4242.tmp",
+        state_file.file_name().expect("a file").to_string_lossy()
+    ));
+    std::fs::write(&temporary, b"{}").expect("a killed writer's temporary");
+    let unloaded = unload();
+    assert!(unloaded.status.success(), "{unloaded:?}");
+    assert!(
+        !temporary.exists(),
+        "unload removes every file of the instance"
+    );
+    let said = String::from_utf8_lossy(&unloaded.stdout);
+    assert!(
+        said.contains(&format!("removed eBPF datapath {pin_path}")),
+        "{said}"
+    );
+    assert!(!sim.pin_path.exists(), "no datapath left");
+    assert!(
+        sim.tcx_programs(UPLINK).is_empty(),
+        "no cnibpf program on the uplink"
+    );
+    let again = unload();
+    assert!(again.status.success(), "{again:?}");
+    assert!(
+        String::from_utf8_lossy(&again.stdout).contains("nothing loaded"),
+        "{again:?}"
     );
 }

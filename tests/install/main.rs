@@ -22,7 +22,9 @@ use cnibpf_tests::{
     chain::{Attachment, Chain, plugin_command, run_with_stdin},
     daemon::Daemon,
     eventually,
-    topology::{Chained, DefaultPaths, SimHost, cnibpf_binary, port_mappings},
+    topology::{
+        Chained, DefaultPaths, SimHost, UPLINK, cnibpf_binary, nftables_state_file, port_mappings,
+    },
 };
 use serde_json::{Value, json};
 

@@ -152,7 +152,7 @@ fn del_cleans_up_what_the_other_backend_made() {
     config["backend"] = json!("nftables");
     assert_silent_success(&invoke(&ebpf, "DEL", Some(&c2.attachment), &config));
     assert!(
-        !ebpf.pin_path.exists(),
-        "a DEL configured for nftables removes the eBPF state"
+        ebpf.holds_no_state(),
+        "a DEL configured for nftables removes the eBPF attachment"
     );
 }

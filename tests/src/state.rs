@@ -69,7 +69,6 @@ impl SimHost {
 
     /// `bpftool -j map dump pinned` of this instance's map `name`: what a user sees, BTF
     /// field names included.
-    /// `bpftool -j map dump pinned` of the instance's map `name`.
     pub fn bpftool_dump(&self, name: &str) -> Value {
         let output = crate::netns::run_checked(
             std::process::Command::new("bpftool")

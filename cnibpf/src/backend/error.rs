@@ -74,6 +74,10 @@ pub enum BackendError {
     /// The instance's release file (`cnibpf uninstall`'s) holds something cnibpf cannot read.
     #[error("{path} is not a release file cnibpf uninstall wrote")]
     ForeignReleaseFile { path: PathBuf },
+    #[error(
+        "the datapath in {path} still serves {count} attachment(s): their DELs go first, or `cnibpf uninstall --purge` removes them with it"
+    )]
+    StillServing { path: PathBuf, count: usize },
     #[error("{path} holds no cnibpf state ({reason}); choose another pinPath")]
     ForeignState { path: PathBuf, reason: String },
     #[error("could not read the pinned state in {path}{}", permission_hint(source))]
@@ -142,9 +146,10 @@ impl BackendError {
         match self {
             Self::Unavailable { .. } => code::BACKEND_UNAVAILABLE,
             Self::ProbeFailed { .. } => code::TRY_AGAIN,
-            Self::OlderState { .. } | Self::NewerState { .. } | Self::ForeignState { .. } => {
-                code::INCOMPATIBLE_STATE
-            }
+            Self::OlderState { .. }
+            | Self::NewerState { .. }
+            | Self::ForeignState { .. }
+            | Self::StillServing { .. } => code::INCOMPATIBLE_STATE,
             Self::UnreadableState { .. } | Self::ForeignReleaseFile { .. } => code::DATAPATH,
             Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
             Self::CheckFailed(_) => code::CHECK_FAILED,

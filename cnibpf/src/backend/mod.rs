@@ -406,28 +406,35 @@ pub struct UplinkAddresses {
     pub v6: Option<Ipv6Addr>,
 }
 
-/// The backend `choice` names, ready for changes, or why it cannot be used. `auto` asks the
-/// kernel every time (nothing cached could go stale): eBPF when it works, else nftables.
+/// The backend `choice` names, ready for changes, or why it cannot be used. A datapath already
+/// pinned under `pins` is the answer for `ebpf` and `auto` alike: the kernel that loaded it
+/// runs BPF (bpffs does not outlive a boot), and `load` checks its stamp. Without one, `auto`
+/// asks the kernel (nothing cached could go stale): eBPF when it works, else nftables; a forced
+/// `ebpf` asks too, for an error that says why the host cannot run it.
 pub fn select(
     choice: BackendChoice,
     pins: &crate::paths::PinLayout,
     capacity: &crate::model::Capacity,
 ) -> Result<Box<dyn Backend>, BackendError> {
+    let ebpf = || -> Result<Box<dyn Backend>, BackendError> {
+        Ok(Box::new(ebpf::EbpfBackend::load_for_changes(
+            pins, capacity,
+        )?))
+    };
+    if choice != BackendChoice::Nftables && ebpf::EbpfBackend::is_pinned(pins)? {
+        return ebpf();
+    }
     match choice {
         BackendChoice::Ebpf => {
             ebpf::EbpfBackend::probe()?;
             crate::phases::mark("probe");
-            Ok(Box::new(ebpf::EbpfBackend::load_for_changes(
-                pins, capacity,
-            )?))
+            ebpf()
         }
         BackendChoice::Nftables => Ok(Box::new(nftables::NftablesBackend::open_for_changes(pins)?)),
         BackendChoice::Auto => match ebpf::EbpfBackend::probe() {
             Ok(()) => {
                 crate::phases::mark("probe");
-                Ok(Box::new(ebpf::EbpfBackend::load_for_changes(
-                    pins, capacity,
-                )?))
+                ebpf()
             }
             // Only a host that refuses BPF is served by nftables; a failure to ask fails.
             Err(ebpf_error @ BackendError::Unavailable { .. }) => {

@@ -15,12 +15,29 @@ use crate::{config::ReleaseOnly, paths::PinLayout};
 /// network: its table is one for the host). A state that cannot be read is an error, never
 /// "none".
 pub fn holds_attachments(pins: &PinLayout) -> Result<bool, BackendError> {
+    Ok(attachment_count(pins)? > 0)
+}
+
+/// The attachments every backend of the instance at `pins` holds.
+fn attachment_count(pins: &PinLayout) -> Result<usize, BackendError> {
+    let mut count = 0;
     for backend in existing(pins, Access::Changes)? {
-        if !backend.attachments()?.is_empty() {
-            return Ok(true);
-        }
+        count += backend.attachments()?.len();
     }
-    Ok(false)
+    Ok(count)
+}
+
+/// `cnibpf unload`: the instance's datapath and files off the node when no attachment holds
+/// them (refused otherwise: its pods' traffic runs through it). The caller holds the instance
+/// lock. What it removed, one line each.
+pub fn unload(pins: &PinLayout) -> Result<Vec<String>, BackendError> {
+    match attachment_count(pins)? {
+        0 => purge(pins),
+        count => Err(BackendError::StillServing {
+            path: pins.root().to_owned(),
+            count,
+        }),
+    }
 }
 
 /// Removes every attachment's state from every backend, then what the instance keeps for all

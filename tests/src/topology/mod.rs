@@ -150,14 +150,34 @@ impl SimHost {
         }
     }
 
-    /// Whether neither backend holds state of this host's instance: no pinned state under
-    /// pinPath, no nftables table, no nftables state file.
+    /// Whether neither backend holds state of any attachment of this host's instance: no
+    /// nftables table or state file, and no eBPF datapath — or one (which stays for the next
+    /// pod until `cnibpf uninstall`) with no entry of an attachment in its maps and no link on
+    /// a container's interface.
     pub fn holds_no_state(&self) -> bool {
         let ruleset = self.nft_ruleset();
-        !self.pin_path.exists()
-            && !nftables_state_file(&self.pin_path).exists()
+        !nftables_state_file(&self.pin_path).exists()
             && !ruleset.contains("table inet cnibpf")
             && !ruleset.contains("table netdev cnibpf")
+            && (!self.pin_path.exists() || self.datapath_holds_no_attachment())
+    }
+
+    /// Whether the pinned eBPF datapath holds nothing of any attachment.
+    fn datapath_holds_no_attachment(&self) -> bool {
+        let endpoint_links = std::fs::read_dir(self.pin_path.join("links"))
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|entry| entry.file_name().to_string_lossy().starts_with("endpoint-"))
+                    .count()
+            })
+            .unwrap_or_else(|error| panic!("list {}/links: {error}", self.pin_path.display()));
+        endpoint_links == 0
+            && ATTACHMENT_MAPS.iter().all(|name| {
+                self.bpftool_dump(name)
+                    .as_array()
+                    .is_some_and(|entries| entries.is_empty())
+            })
     }
 
     /// The rules of cnibpf's nftables table in the host namespace, as `nft` prints them.
@@ -411,6 +431,23 @@ impl Drop for SimHost {
         defaults::host_gone();
     }
 }
+
+/// The eBPF datapath's maps that hold entries of attachments (the others hold the node's: its
+/// addresses, uplinks, counters, connections of which the attachments' DELs cleared their
+/// parts).
+const ATTACHMENT_MAPS: [&str; 11] = [
+    "owners",
+    "endpoints",
+    "portmap",
+    "owner_ports",
+    "port_claims",
+    "port_conditions",
+    "masq_sources",
+    "masq_excludes",
+    "filters",
+    "filter_hits",
+    "source_drops",
+];
 
 /// The call statistics file of the instance at `pin_path`, as `cnibpf inspect --json` names
 /// it (`callStatsFile`): read there by tests that count calls, removed with the host.

@@ -20,7 +20,7 @@ use super::{
     owner::{attachment_of, owner_info, read_name},
     pins::{QDISC_TRACEPOINT, QDISC_WATCHER, SOCK_PROGRAMS, attach_tracepoint},
     read_error, remove_entry,
-    unpin::{detach_link, remove_tree},
+    unpin::detach_link,
 };
 use crate::{
     backend::{BackendError, Endpoint, Endpoints, node_addresses},
@@ -225,16 +225,6 @@ impl EbpfBackend {
             _ => Ok(()),
         }
     }
-
-    /// Removes everything shared once no attachment is left, so that a host without
-    /// containers carries no cnibpf programs on its uplinks.
-    fn teardown_shared_if_unused(&mut self) -> Result<(), BackendError> {
-        match self.endpoint.owners.keys().next() {
-            None => remove_tree(self.pins.root()),
-            Some(Ok(_)) => Ok(()),
-            Some(Err(source)) => Err(map_error("could not read map owners")(source)),
-        }
-    }
 }
 
 impl Endpoints for EbpfBackend {
@@ -295,8 +285,9 @@ impl Endpoints for EbpfBackend {
         if let Some(info) = found(self.endpoint.owners.get(&owner, 0), endpoints::OWNERS.name)? {
             self.forget_endpoint(owner, info.host_ifindex)?;
         }
-        remove_entry(&mut self.endpoint.owners, &owner, endpoints::OWNERS.name)?;
-        self.teardown_shared_if_unused()
+        // The datapath stays for the next pod (no verifier time at its ADD) until `cnibpf
+        // uninstall` or `cnibpf unload`.
+        remove_entry(&mut self.endpoint.owners, &owner, endpoints::OWNERS.name)
     }
 
     fn check_endpoint(&self, endpoint: &Endpoint) -> Result<(), BackendError> {

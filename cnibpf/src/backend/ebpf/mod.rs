@@ -94,6 +94,15 @@ impl EbpfBackend {
             })
     }
 
+    /// Whether a datapath's layout stamp is pinned under `pins` (one `stat`), whatever its
+    /// layout and build: [`Self::load`] decides what to do with it.
+    pub fn is_pinned(pins: &PinLayout) -> Result<bool, BackendError> {
+        pins::map_pinned(
+            pins,
+            &pins.map(cnibpf_common::datapath::layout::LAYOUT.name),
+        )
+    }
+
     /// Opens the pinned state, loading and pinning the object first if it is not (all) there.
     /// Programs pinned by another build of the datapath are replaced, and every pinned link is
     /// switched to the new program atomically, so an upgrade takes effect without a packet
