@@ -12,6 +12,7 @@ use cnibpf_tests::{
 use serde_json::{Value, json};
 
 mod backends;
+mod calls;
 mod errors;
 mod versions;
 

@@ -398,3 +398,82 @@ mod tests {
         assert_eq!(sample(1, 5, 2, true), vec![1, 2, 3, 4, 5]);
     }
 }
+
+/// What cnibpf's runs made of the kernel's costliest work, from `strace -f` (`-e
+/// trace=bpf,execve`): its `bpf()` calls, the programs among them it loaded (the verifier's
+/// time), and the processes it started (`nft`, `modprobe`: every successful `execve` past the
+/// plugin's own).
+#[derive(Debug)]
+pub struct KernelWork {
+    log: PathBuf,
+}
+
+/// [`KernelWork`]'s counts over every run made with its prefix.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelWorkCounts {
+    pub runs: u32,
+    pub bpf_calls: u32,
+    pub program_loads: u32,
+    pub processes_started: u32,
+}
+
+impl KernelWork {
+    pub fn new() -> Self {
+        Self {
+            log: tempfile_path("cnibpf-kernel-work"),
+        }
+    }
+
+    /// Prefixes with `-ff`-less output in one file, each line led by its process id.
+    pub fn prefix(&self) -> Vec<String> {
+        vec![
+            "strace".to_owned(),
+            "-f".to_owned(),
+            "-qq".to_owned(),
+            "-o".to_owned(),
+            self.log.display().to_string(),
+            "-etrace=bpf,execve".to_owned(),
+            "--".to_owned(),
+        ]
+    }
+
+    /// What the runs made so far; the log starts again empty.
+    pub fn take(&self) -> KernelWorkCounts {
+        let text = std::fs::read_to_string(&self.log)
+            .unwrap_or_else(|error| panic!("read {}: {error}", self.log.display()));
+        std::fs::write(&self.log, "")
+            .unwrap_or_else(|error| panic!("empty {}: {error}", self.log.display()));
+        let mut counts = KernelWorkCounts::default();
+        for line in text.lines() {
+            let call = line
+                .split_once(char::is_whitespace)
+                .map_or("", |(_, call)| call.trim_start());
+            if call.starts_with("bpf(") {
+                counts.bpf_calls += 1;
+                counts.program_loads += u32::from(call.starts_with("bpf(BPF_PROG_LOAD"));
+            } else if let Some(arguments) = call.strip_prefix("execve(\"")
+                && call.ends_with("= 0")
+            {
+                let program = arguments.split('"').next().unwrap_or_default();
+                if Path::new(program).file_name() == Some("cnibpf".as_ref()) {
+                    counts.runs += 1;
+                } else {
+                    counts.processes_started += 1;
+                }
+            }
+        }
+        counts
+    }
+}
+
+impl Default for KernelWork {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for KernelWork {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.log);
+    }
+}

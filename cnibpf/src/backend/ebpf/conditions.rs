@@ -23,10 +23,15 @@ impl EbpfBackend {
         endpoint: &Endpoint,
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
+        // A new attachment has no entry to remove or compare.
+        let new = self.new_owner == Some(owner);
         for ipv4 in [true, false] {
             let key = conditions_key(owner, ipv4);
             let conditions = endpoint.host_ports.conditions(ipv4);
             if conditions.is_empty() {
+                if new {
+                    continue;
+                }
                 remove_entry(
                     &mut self.port_mapping.port_conditions,
                     &key,
@@ -35,10 +40,11 @@ impl EbpfBackend {
                 continue;
             }
             let value = encode(conditions, &endpoint.condition_interfaces);
-            if found(
-                self.port_mapping.port_conditions.get(&key, 0),
-                portmap::CONDITIONS.name,
-            )? != Some(value)
+            if new
+                || found(
+                    self.port_mapping.port_conditions.get(&key, 0),
+                    portmap::CONDITIONS.name,
+                )? != Some(value)
             {
                 self.port_mapping
                     .port_conditions

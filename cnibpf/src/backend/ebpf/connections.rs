@@ -9,7 +9,8 @@ use cnibpf_common::connections::{
 };
 
 use super::{
-    EbpfBackend, batch, found, map_error, monotonic_now_ns, open_pinned, read_error, remove_entry,
+    EbpfBackend, batch, found, map_error, monotonic_now_ns, on_demand::OnDemand, read_error,
+    remove_entry,
 };
 use crate::{backend::BackendError, paths::PinLayout};
 
@@ -18,7 +19,7 @@ const ALL_PARTS: u8 = PART_SNAT | PART_DNAT | PART_FILTER;
 
 /// The connection table.
 pub(super) struct ConnectionMaps {
-    pub(super) connections: HashMap<MapData, ConnectionKey, Connection>,
+    pub(super) connections: OnDemand<HashMap<MapData, ConnectionKey, Connection>>,
     /// Whether this invocation already removed the expired connections (a release of an
     /// attachment's parts does it in the same pass).
     swept: bool,
@@ -27,7 +28,7 @@ pub(super) struct ConnectionMaps {
 impl ConnectionMaps {
     pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
-            connections: open_pinned(pins, connections::CONNECTIONS.name)?,
+            connections: OnDemand::new(pins, connections::CONNECTIONS.name),
             swept: false,
         })
     }
@@ -58,7 +59,7 @@ impl EbpfBackend {
         release: impl Fn(&ConnectionKey, &Connection) -> u8,
     ) -> Result<(), BackendError> {
         let now = monotonic_now_ns();
-        let entries = batch::entries(&self.connections.connections)
+        let entries = batch::entries(self.connections.connections.open()?)
             .map_err(read_error(connections::CONNECTIONS.name))?;
         for (key, read) in entries {
             if parts_to_take(&key, &read, now, &release) == 0 {
@@ -66,7 +67,7 @@ impl EbpfBackend {
             }
             // As it is now: the datapath may have moved it on, or replaced it with another
             // connection of the tuple, since the table was read.
-            let map = &mut self.connections.connections;
+            let map = self.connections.connections.open_mut()?;
             let Some(mut entry) = found(map.get(&key, 0), connections::CONNECTIONS.name)? else {
                 continue;
             };
@@ -78,7 +79,7 @@ impl EbpfBackend {
                 self.masquerade.forget_reply(&key, &entry)?;
             }
             entry.parts &= !taken;
-            let map = &mut self.connections.connections;
+            let map = self.connections.connections.open_mut()?;
             if entry.parts == 0 {
                 remove_entry(map, &key, connections::CONNECTIONS.name)?;
             } else {

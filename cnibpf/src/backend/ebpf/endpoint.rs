@@ -156,26 +156,16 @@ impl EbpfBackend {
                 (key, *ifindex)
             })
             .collect();
-        let mut stale = Vec::new();
-        for key in self.endpoint.host_addrs.keys() {
-            let key = key.map_err(map_error("could not read map host_addrs"))?;
-            if !current.iter().any(|(wanted, _)| *wanted == key) {
-                stale.push(key);
+        // One whole-map read: the entries are few, and the kernel's batch answers them at once.
+        let recorded = batch::entries(&self.endpoint.host_addrs)
+            .map_err(read_error(portmap::HOST_ADDRS.name))?;
+        for (key, _) in &recorded {
+            if !current.iter().any(|(wanted, _)| wanted == key) {
+                remove_entry(&mut self.endpoint.host_addrs, key, portmap::HOST_ADDRS.name)?;
             }
         }
-        for key in stale {
-            remove_entry(
-                &mut self.endpoint.host_addrs,
-                &key,
-                portmap::HOST_ADDRS.name,
-            )?;
-        }
         for (key, ifindex) in current {
-            if found(
-                self.endpoint.host_addrs.get(&key, 0),
-                portmap::HOST_ADDRS.name,
-            )? != Some(ifindex)
-            {
+            if !recorded.contains(&(key, ifindex)) {
                 self.endpoint
                     .host_addrs
                     .insert(&key, &ifindex, 0)
@@ -231,6 +221,7 @@ impl Endpoints for EbpfBackend {
     fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
         let existing = found(self.endpoint.owners.get(&owner, 0), endpoints::OWNERS.name)?;
+        self.new_owner = existing.is_none().then_some(owner);
         if let Some(existing) = existing {
             let holder = attachment_of(&existing);
             if holder != endpoint.attachment {

@@ -18,7 +18,10 @@ use cnibpf_common::{
 };
 use ipnet::IpNet;
 
-use super::{EbpfBackend, found, map_error, monotonic_now_ns, open_pinned, remove_entry, removed};
+use super::{
+    EbpfBackend, found, map_error, monotonic_now_ns, on_demand::OnDemand, open_pinned,
+    remove_entry, removed,
+};
 use crate::{
     backend::{BackendError, Endpoint, Filtering},
     model::{ConnState, Direction, Filter, FilterRule, PortRange, RuleProtocol, Target},
@@ -28,16 +31,16 @@ use crate::{
 /// The maps of the filter: the rule sets, their counters, its statistics.
 pub(super) struct FilterMaps {
     pub(super) filters: HashMap<MapData, u32, FilterSet>,
-    pub(super) filter_hits: PerCpuHashMap<MapData, u32, FilterHits>,
-    pub(super) filter_stats: PerCpuArray<MapData, FilterStats>,
+    pub(super) filter_hits: OnDemand<PerCpuHashMap<MapData, u32, FilterHits>>,
+    pub(super) filter_stats: OnDemand<PerCpuArray<MapData, FilterStats>>,
 }
 
 impl FilterMaps {
     pub(super) fn open(pins: &PinLayout) -> Result<Self, BackendError> {
         Ok(Self {
             filters: open_pinned(pins, filter::FILTERS.name)?,
-            filter_hits: open_pinned(pins, filter::HITS.name)?,
-            filter_stats: open_pinned(pins, filter::STATS.name)?,
+            filter_hits: OnDemand::new(pins, filter::HITS.name),
+            filter_stats: OnDemand::new(pins, filter::STATS.name),
         })
     }
 }
@@ -56,7 +59,11 @@ impl Filtering for EbpfBackend {
         let wanted = stored_set(owner, filter);
         let current = found(self.filter.filters.get(&ifindex, 0), filter::FILTERS.name)?;
         if current.is_some_and(|current| same_rules(&current, &wanted))
-            && found(self.filter.filter_hits.get(&ifindex, 0), filter::HITS.name)?.is_some()
+            && found(
+                self.filter.filter_hits.open()?.get(&ifindex, 0),
+                filter::HITS.name,
+            )?
+            .is_some()
         {
             return Ok(());
         }
@@ -74,6 +81,7 @@ impl Filtering for EbpfBackend {
             })?;
         self.filter
             .filter_hits
+            .open_mut()?
             .insert(&ifindex, zeroed, 0)
             .map_err(map_error("could not write map filter_hits"))?;
         self.filter
@@ -116,7 +124,7 @@ impl Filtering for EbpfBackend {
                         endpoint.attachment
                     )));
                 }
-                let hits = self.filter.filter_hits.get(&endpoint.host.index, 0);
+                let hits = self.filter.filter_hits.open()?.get(&endpoint.host.index, 0);
                 if found(hits, filter::HITS.name)?.is_none() {
                     return Err(BackendError::CheckFailed(format!(
                         "the rule counters of {} are missing from map filter_hits",
@@ -143,7 +151,10 @@ impl EbpfBackend {
             return Ok(());
         }
         remove_entry(&mut self.filter.filters, &ifindex, filter::FILTERS.name)?;
-        removed(self.filter.filter_hits.remove(&ifindex), filter::HITS.name)?;
+        removed(
+            self.filter.filter_hits.open_mut()?.remove(&ifindex),
+            filter::HITS.name,
+        )?;
         self.release_connections(|_, connection| {
             if connection.owner == owner {
                 PART_FILTER

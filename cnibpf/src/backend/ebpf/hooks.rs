@@ -1,7 +1,11 @@
 //! The tcx and cgroup hooks of an attachment and of the uplinks: attaching them (or finding
 //! them attached), pinning their links, checking them.
 
-use std::{fs, path::Path};
+use std::{
+    fs, io,
+    os::fd::{AsFd as _, AsRawFd as _},
+    path::Path,
+};
 
 use aya::programs::{
     CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, links::FdLink,
@@ -11,7 +15,7 @@ use aya::programs::{
 use super::{
     EbpfBackend,
     pins::{FROM_CONTAINER, SOCK_PROGRAMS, TO_CONTAINER, UPLINK_EGRESS, UPLINK_INGRESS},
-    unpin::detach_link,
+    unpin::{detach_link, pinned_object},
 };
 use crate::{backend::BackendError, phases};
 
@@ -42,15 +46,18 @@ pub(super) fn hook_pair<'a>(
 }
 
 impl EbpfBackend {
+    /// Attaches the hook's program to `ifindex` and pins the link, unless the pinned link
+    /// attaches it there already. That link runs this build's program: a load that replaces
+    /// the programs moves every pinned link to them before it stamps the layout.
     pub(super) fn attach(&self, ifindex: u32, hook: &Hook<'_>) -> Result<(), BackendError> {
-        let mut program = self.pinned_program(hook.program)?;
         if link_pinned(hook.link_pin)? {
-            if is_attached(&program, ifindex, hook.attach_type)? {
+            if tcx_link_ifindex(hook.link_pin)? == Some(ifindex) {
                 return Ok(());
             }
-            // The link outlived its interface, or points at an older program instance.
+            // The link outlived its interface (or was made for another one).
             detach_link(hook.link_pin)?;
         }
+        let mut program = self.pinned_program(hook.program)?;
         let program_error = |action: String| {
             move |source| BackendError::Program {
                 action,
@@ -215,6 +222,64 @@ impl EbpfBackend {
     pub(super) fn endpoint_hooks<'a>(link_pins: &'a [std::path::PathBuf; 2]) -> [Hook<'a>; 2] {
         hook_pair([FROM_CONTAINER, TO_CONTAINER], link_pins)
     }
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD`.
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+/// `BPF_LINK_TYPE_TCX`.
+const LINK_TYPE_TCX: u32 = 11;
+
+/// `union bpf_attr` for `BPF_OBJ_GET_INFO_BY_FD`.
+#[repr(C)]
+struct InfoAttr {
+    bpf_fd: u32,
+    info_len: u32,
+    info: u64,
+}
+
+/// The head of `struct bpf_link_info` with its union as a tcx link fills it.
+#[repr(C)]
+#[derive(Default)]
+struct TcxLinkInfo {
+    link_type: u32,
+    id: u32,
+    program_id: u32,
+    _pad: u32,
+    ifindex: u32,
+    attach_type: u32,
+}
+
+/// The interface the tcx link pinned at `path` attaches its program to: `None` when it is no
+/// tcx link, or a defunct one (its interface gone: the kernel reports index 0). A pin open and
+/// an info read, where asking the interface costs a query, then an open and an info read for
+/// each program on it.
+fn tcx_link_ifindex(path: &Path) -> Result<Option<u32>, BackendError> {
+    let error = |source: io::Error| BackendError::Pin {
+        action: format!("could not read link {}", path.display()),
+        source: Box::new(source),
+    };
+    let link = pinned_object(path).map_err(error)?;
+    let mut info = TcxLinkInfo::default();
+    let mut attr = InfoAttr {
+        bpf_fd: link.as_fd().as_raw_fd().unsigned_abs(),
+        // fail-closed: a struct's size, no kernel result.
+        info_len: u32::try_from(size_of::<TcxLinkInfo>()).unwrap_or(u32::MAX),
+        info: (&raw mut info) as u64,
+    };
+    // SAFETY: bpf(2) reads the attribute and writes at most `info_len` bytes into `info`,
+    // which outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            &raw mut attr,
+            size_of::<InfoAttr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(error(io::Error::last_os_error()));
+    }
+    Ok((info.link_type == LINK_TYPE_TCX && info.ifindex != 0).then_some(info.ifindex))
 }
 
 /// Whether a link is pinned at `path`.

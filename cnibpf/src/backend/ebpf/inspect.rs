@@ -91,7 +91,7 @@ impl Inspect for EbpfBackend {
             let position = record_of(&mut records, u64::from_be_bytes(data.owner));
             records[position].1.masquerade.excludes.push((net, reason));
         }
-        for (_, connection) in batch::entries(&self.connections.connections)
+        for (_, connection) in batch::entries(self.connections.connections.open()?)
             .map_err(read_error(connections::CONNECTIONS.name))?
         {
             if connection.parts & PART_SNAT != 0 {
@@ -125,7 +125,10 @@ impl Inspect for EbpfBackend {
         for entry in self.filter.filters.iter() {
             let (ifindex, set) = entry.map_err(map_error("could not read map filters"))?;
             let rule_count = (set.rule_count as usize).min(MAX_RULES);
-            let hits = found(self.filter.filter_hits.get(&ifindex, 0), filter::HITS.name)?;
+            let hits = found(
+                self.filter.filter_hits.open()?.get(&ifindex, 0),
+                filter::HITS.name,
+            )?;
             let summed = |slot: usize| {
                 hits.iter().flat_map(|per_cpu| per_cpu.iter()).fold(
                     (0, 0),
@@ -158,7 +161,7 @@ impl Inspect for EbpfBackend {
         if records.is_empty() {
             return Ok(records);
         }
-        let connections = batch::entries(&self.connections.connections)
+        let connections = batch::entries(self.connections.connections.open()?)
             .map_err(read_error(connections::CONNECTIONS.name))?;
         for (_, connection) in connections {
             if connection.parts & PART_FILTER == 0 {
@@ -210,8 +213,14 @@ impl Inspect for EbpfBackend {
         let fragments: HashMap<MapData, FragmentKey, FirstFragment> =
             open_pinned(&self.pins, connections::FRAGMENTS.name)?;
         Ok(vec![
-            fill(connections::CONNECTIONS.name, &self.connections.connections)?,
-            fill(masquerade::REPLIES.name, &self.masquerade.masq_replies)?,
+            fill(
+                connections::CONNECTIONS.name,
+                self.connections.connections.open()?,
+            )?,
+            fill(
+                masquerade::REPLIES.name,
+                self.masquerade.masq_replies.open()?,
+            )?,
             fill(connections::FRAGMENTS.name, &fragments)?,
         ])
     }
@@ -243,6 +252,7 @@ impl EbpfBackend {
         let per_cpu = self
             .masquerade
             .masq_stats
+            .open()?
             .get(&0, 0)
             .map_err(map_error("could not read map masq_stats"))?;
         let sum = |field: fn(&masquerade::MasqStats) -> u64| per_cpu.iter().map(field).sum::<u64>();
@@ -270,6 +280,7 @@ impl EbpfBackend {
         let per_cpu = self
             .filter
             .filter_stats
+            .open()?
             .get(&0, 0)
             .map_err(map_error("could not read map filter_stats"))?;
         let sum = |field: fn(&FilterStats) -> u64| per_cpu.iter().map(field).sum::<u64>();

@@ -16,7 +16,10 @@ use cnibpf_common::{
 };
 use ipnet::IpNet;
 
-use super::{EbpfBackend, found, map_error, open_pinned, remove_entry, remove_where, removed};
+use super::{
+    EbpfBackend, found, map_error, on_demand::OnDemand, open_pinned, remove_entry, remove_where,
+    removed,
+};
 use crate::{
     backend::{BackendError, Endpoint, Masquerading, is_link_local},
     model::Masquerade,
@@ -30,8 +33,8 @@ pub(super) struct MasqueradeMaps {
     pub(super) masq_sources: HashMap<MapData, MasqSourceKey, MasqSource>,
     pub(super) masq_excludes: LpmTrie<MapData, MasqExcludeKey, u32>,
     pub(super) uplinks: HashMap<MapData, u32, UplinkInfo>,
-    pub(super) masq_replies: HashMap<MapData, ReplyKey, MasqReply>,
-    pub(super) masq_stats: PerCpuArray<MapData, MasqStats>,
+    pub(super) masq_replies: OnDemand<HashMap<MapData, ReplyKey, MasqReply>>,
+    pub(super) masq_stats: OnDemand<PerCpuArray<MapData, MasqStats>>,
 }
 
 impl MasqueradeMaps {
@@ -40,8 +43,8 @@ impl MasqueradeMaps {
             masq_sources: open_pinned(pins, masquerade::SOURCES.name)?,
             masq_excludes: open_pinned(pins, masquerade::EXCLUDES.name)?,
             uplinks: open_pinned(pins, masquerade::UPLINKS.name)?,
-            masq_replies: open_pinned(pins, masquerade::REPLIES.name)?,
-            masq_stats: open_pinned(pins, masquerade::STATS.name)?,
+            masq_replies: OnDemand::new(pins, masquerade::REPLIES.name),
+            masq_stats: OnDemand::new(pins, masquerade::STATS.name),
         })
     }
 
@@ -62,14 +65,18 @@ impl MasqueradeMaps {
             _pad: 0,
         };
         let leads_here = found(
-            self.masq_replies.get(&reply_key, 0),
+            self.masq_replies.open()?.get(&reply_key, 0),
             masquerade::REPLIES.name,
         )?
         .is_some_and(|reply| {
             reply.container_addr == key.container_addr && reply.container_port == key.container_port
         });
         if leads_here {
-            remove_entry(&mut self.masq_replies, &reply_key, masquerade::REPLIES.name)?;
+            remove_entry(
+                self.masq_replies.open_mut()?,
+                &reply_key,
+                masquerade::REPLIES.name,
+            )?;
         }
         Ok(())
     }
@@ -83,6 +90,9 @@ impl Masquerading for EbpfBackend {
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
         let Some(masquerade) = masquerade else {
+            if self.new_owner == Some(owner) {
+                return Ok(());
+            }
             return self.teardown_masquerade(owner);
         };
         let wanted_sources: Vec<MasqSourceKey> = masquerade
@@ -96,11 +106,14 @@ impl Masquerading for EbpfBackend {
             container_mac: endpoint.container_mac,
             gateway_mac: endpoint.gateway_mac,
         };
+        // A new attachment's entries are all to write; a changed one's only where they differ.
+        let new = self.new_owner == Some(owner);
         for key in &wanted_sources {
-            if found(
-                self.masquerade.masq_sources.get(key, 0),
-                masquerade::SOURCES.name,
-            )? != Some(value)
+            if new
+                || found(
+                    self.masquerade.masq_sources.get(key, 0),
+                    masquerade::SOURCES.name,
+                )? != Some(value)
             {
                 self.masquerade
                     .masq_sources
@@ -108,7 +121,11 @@ impl Masquerading for EbpfBackend {
                     .map_err(map_error("could not write map masq_sources"))?;
             }
         }
-        let (current_sources, current_excludes) = self.owned_masquerade(owner)?;
+        let (current_sources, current_excludes) = if new {
+            (Vec::new(), Vec::new())
+        } else {
+            self.owned_masquerade(owner)?
+        };
         let mut dropped_sources = false;
         for key in current_sources {
             if !wanted_sources.contains(&key) {
@@ -126,10 +143,11 @@ impl Masquerading for EbpfBackend {
             .map(|(net, reason)| (exclude_key(owner, net), *reason as u32))
             .collect();
         for (key, reason) in &wanted_excludes {
-            if found(
-                self.masquerade.masq_excludes.get(key, 0),
-                masquerade::EXCLUDES.name,
-            )? != Some(*reason)
+            if new
+                || found(
+                    self.masquerade.masq_excludes.get(key, 0),
+                    masquerade::EXCLUDES.name,
+                )? != Some(*reason)
             {
                 self.masquerade
                     .masq_excludes
@@ -186,7 +204,7 @@ impl Masquerading for EbpfBackend {
         })?;
         // Reply entries whose connection was evicted are found by their owner.
         remove_where(
-            &mut self.masquerade.masq_replies,
+            self.masquerade.masq_replies.open_mut()?,
             masquerade::REPLIES.name,
             |reply| reply.owner == owner,
         )

@@ -19,6 +19,7 @@ mod hooks;
 mod inspect;
 mod kernel_btf;
 mod masquerade;
+mod on_demand;
 mod owner;
 mod pins;
 mod portmap;
@@ -61,6 +62,10 @@ pub struct EbpfBackend {
     /// The node's addresses (interface index, address) as `sync_host_addresses` last read
     /// them.
     host_addresses: Vec<(u32, IpAddr)>,
+    /// The attachment `setup_endpoint` found new to the node (no `owners` entry): it holds no
+    /// entry in any other map (its teardowns go before its record), so nothing of it needs
+    /// looking for.
+    new_owner: Option<u64>,
 }
 
 impl std::fmt::Debug for EbpfBackend {
@@ -259,6 +264,7 @@ impl EbpfBackend {
             source_check: SourceMaps::open(pins)?,
             connections: ConnectionMaps::open(pins)?,
             host_addresses: Vec::new(),
+            new_owner: None,
         })
     }
 }

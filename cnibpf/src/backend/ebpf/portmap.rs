@@ -178,7 +178,11 @@ impl PortMappings for EbpfBackend {
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
         refuse_held_host_ports(self, owner, mappings)?;
-        let previous = self.owned_portmap_keys(owner)?;
+        let previous = if self.new_owner == Some(owner) {
+            Vec::new()
+        } else {
+            self.owned_portmap_keys(owner)?
+        };
         let wanted: Vec<(PortMapKey, PortMapValue)> = mappings
             .iter()
             .map(|mapping| entry_for(endpoint, mapping))
@@ -195,20 +199,19 @@ impl PortMappings for EbpfBackend {
         // Whether a flow translated before could now be reversed wrongly.
         let mut flows_stale = false;
         for (key, value) in &wanted {
-            let before = found(
-                self.port_mapping.portmap.get(key, 0),
-                portmap::MAPPINGS.name,
-            )?;
-            if !previous.contains(key) {
+            if previous.contains(key) {
+                let before = found(
+                    self.port_mapping.portmap.get(key, 0),
+                    portmap::MAPPINGS.name,
+                )?;
+                flows_stale |= before != Some(*value);
+            } else {
                 self.claim(key, true)?;
             }
             self.port_mapping
                 .portmap
                 .insert(key, value, 0)
                 .map_err(map_error("could not write map portmap"))?;
-            if previous.contains(key) {
-                flows_stale |= before != Some(*value);
-            }
         }
         for key in &previous {
             if !wanted.iter().any(|(wanted_key, _)| wanted_key == key) {
@@ -217,11 +220,15 @@ impl PortMappings for EbpfBackend {
             }
         }
         let keys: Vec<PortMapKey> = wanted.iter().map(|(key, _)| *key).collect();
-        self.record_owned_keys(owner, &keys)?;
+        if keys != recorded {
+            self.record_owned_keys(owner, &keys)?;
+        }
         // Written after the mappings that need them: a mapping marked conditioned whose
         // conditions are not there yet is closed, never open.
         if mappings.is_empty() {
-            self.remove_port_conditions(owner)?;
+            if self.new_owner != Some(owner) {
+                self.remove_port_conditions(owner)?;
+            }
         } else {
             self.write_port_conditions(endpoint)?;
         }

@@ -72,7 +72,7 @@ pub(super) fn detach_links(pins: &PinLayout) -> Result<(), BackendError> {
 }
 
 /// `BPF_OBJ_GET`: a new descriptor of the object pinned at `path`.
-fn pinned_object(path: &Path) -> io::Result<OwnedFd> {
+pub(super) fn pinned_object(path: &Path) -> io::Result<OwnedFd> {
     let path = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // union bpf_attr, BPF_OBJ_GET: pathname, bpf_fd, file_flags.
