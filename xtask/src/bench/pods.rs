@@ -2,7 +2,8 @@
 //! CRI — RunPodSandbox until the sandbox is ready, StopPodSandbox + RemovePodSandbox — for a
 //! pod with two hostPorts, with cnibpf (eBPF and nftables) against the reference chain (bridge
 //! with ipMasq + portmap) in the same run: the first pod on a fresh host (cnibpf loads, pins
-//! and hooks everything), then with 1 and 100 pods already running.
+//! and hooks everything), then with 1 and 100 pods already running; and for eBPF the first pod
+//! on a host whose datapath `cnibpf load` loaded, and the pod after the node's last one left.
 
 use std::{path::Path, time::Instant};
 
@@ -88,8 +89,34 @@ fn measure(sim: &SimHost, label: &str, progress: &Progress) -> Result<Times> {
     })
 }
 
+/// Milliseconds of the first pod's RunPodSandbox on a host whose datapath `cnibpf load` loaded
+/// (node set-up, as `install --load` does), then of the next pod's after that pod was removed
+/// (the node's last pod gone, its datapath left in place).
+fn after_load(progress: &Progress) -> Result<(f64, f64)> {
+    let sim = SimHost::new("bench-pl", json!({ "backend": "ebpf", "ipMasq": true }));
+    progress.step("cnibpf eBPF: the first pod after `cnibpf load`, then one after it left");
+    let pin_path = sim.pin_path.display().to_string();
+    let loaded = sim.cnibpf(&["load", "--pin-path", &pin_path, "--backend", "ebpf"]);
+    anyhow::ensure!(loaded.status.success(), "cnibpf load failed: {loaded:?}");
+    let containerd = Containerd::start(&sim);
+    let mut cri = containerd.client();
+    let started = Instant::now();
+    let first = cri
+        .run_pod(pod(&cri, "loaded", 0))
+        .with_context(|| format!("first RunPodSandbox after load\n{}", containerd.log()))?;
+    let first_run = milliseconds(started);
+    cri.stop_pod(&first.id)
+        .and_then(|()| cri.remove_pod(&first.id))
+        .context("StopPodSandbox + RemovePodSandbox of the only pod")?;
+    let started = Instant::now();
+    cri.run_pod(pod(&cri, "next", 1))
+        .context("RunPodSandbox after the last pod left")?;
+    Ok((first_run, milliseconds(started)))
+}
+
 pub fn run(out_dir: &Path) -> Result<()> {
     let progress = Progress::new();
+    let (first_after_load, after_last) = after_load(&progress)?;
     let ebpf = measure(
         &SimHost::new("bench-pe", json!({ "backend": "ebpf", "ipMasq": true })),
         "cnibpf eBPF",
@@ -107,6 +134,23 @@ pub fn run(out_dir: &Path) -> Result<()> {
     )?;
     let baseline = |value: f64| Some(("reference bridge ipMasq + portmap".to_owned(), value));
     let mut rows = Vec::new();
+    rows.push(Row {
+        scenario: "cnibpf eBPF: first pod after `cnibpf load`".to_owned(),
+        metric: "RunPodSandbox",
+        unit: "ms",
+        value: first_after_load,
+        baseline: baseline(reference.first_run),
+    });
+    rows.push(Row {
+        scenario: "cnibpf eBPF: the pod after the node's last pod left".to_owned(),
+        metric: "RunPodSandbox",
+        unit: "ms",
+        value: after_last,
+        baseline: Some((
+            "cnibpf eBPF beside 1 running pod".to_owned(),
+            ebpf.with_running[0].1,
+        )),
+    });
     for (name, times) in [("cnibpf eBPF", &ebpf), ("cnibpf nftables", &nftables)] {
         rows.push(Row {
             scenario: format!("{name}: first pod on a fresh host"),
@@ -164,6 +208,8 @@ pub fn run(out_dir: &Path) -> Result<()> {
                 y_label: "ms",
                 bars: vec![
                     bar("eBPF first", ebpf.first_run),
+                    bar("eBPF first, loaded", first_after_load),
+                    bar("eBPF after last", after_last),
                     bar("nft first", nftables.first_run),
                     bar("ref first", reference.first_run),
                     bar("eBPF @1", ebpf.with_running[0].1),

@@ -276,7 +276,7 @@ pub(super) fn first_add_after_load(progress: &Progress) -> Result<Vec<Row>> {
     progress.step("cnibpf load on a fresh host, then its first ADD");
     let sim = SimHost::new("bench-load", json!({ "backend": "ebpf" }));
     let containers = Netns::create(&format!("cbt-{}-c", sim.id));
-    veth_pairs(&sim, &containers, 0..1)?;
+    veth_pairs(&sim, &containers, 0..2)?;
     let pin_path = sim.pin_path.display().to_string();
     let started = Instant::now();
     let loaded = sim.cnibpf(&["load", "--pin-path", &pin_path, "--backend", "ebpf"]);
@@ -286,7 +286,41 @@ pub(super) fn first_add_after_load(progress: &Progress) -> Result<Vec<Row>> {
     }
     let args =
         json!({ "portMappings": [{ "hostPort": 30_000, "containerPort": 80, "protocol": "tcp" }] });
+    let second =
+        json!({ "portMappings": [{ "hostPort": 30_001, "containerPort": 80, "protocol": "tcp" }] });
     let first = invoke_attachment(&sim, &containers, "cnibpf", "ADD", 0, &args)?;
+    invoke_attachment(&sim, &containers, "cnibpf", "DEL", 0, &args)?;
+    progress.step(&format!(
+        "{TIMED_CYCLES} rounds: the ADD after the node's last pod left, then one beside it"
+    ));
+    let (mut after_last, mut beside) = (Vec::new(), Vec::new());
+    for _ in 0..TIMED_CYCLES {
+        after_last.push(invoke_attachment(
+            &sim,
+            &containers,
+            "cnibpf",
+            "ADD",
+            0,
+            &args,
+        )?);
+        beside.push(invoke_attachment(
+            &sim,
+            &containers,
+            "cnibpf",
+            "ADD",
+            1,
+            &second,
+        )?);
+        invoke_attachment(&sim, &containers, "cnibpf", "DEL", 1, &second)?;
+        invoke_attachment(&sim, &containers, "cnibpf", "DEL", 0, &args)?;
+    }
+    let milliseconds = |runs: &[Timed]| {
+        median(
+            runs.iter()
+                .map(|run| run.wall.as_secs_f64() * 1e3)
+                .collect(),
+        )
+    };
     let scenario = "cnibpf, the first ADD after `cnibpf load`";
     let mut rows = vec![
         Row {
@@ -303,6 +337,14 @@ pub(super) fn first_add_after_load(progress: &Progress) -> Result<Vec<Row>> {
             value: first.wall.as_secs_f64() * 1e3,
             baseline: None,
         },
+        Row {
+            scenario: "cnibpf, the ADD after the node's last pod left (vs an ADD beside a pod)"
+                .to_owned(),
+            metric: "plugin ADD",
+            unit: "ms",
+            value: milliseconds(&after_last),
+            baseline: Some(("beside a pod".to_owned(), milliseconds(&beside))),
+        },
     ];
     rows.extend(phase_rows(scenario, std::slice::from_ref(&first)));
     Ok(rows)
@@ -318,8 +360,7 @@ pub(super) fn mapping_count_time(
     counts: &[usize],
 ) -> Result<Vec<Row>> {
     let containers = Netns::create(&format!("cbt-{}-m", sim.id));
-    // Pod 0 is measured; pod 1 stays, as on any node, so that pod 0's DEL is never the last
-    // (which unloads the datapath, and its next ADD loads it again).
+    // Pod 0 is measured; pod 1 stays, as on any node, so that pod 0's DEL is never the last.
     veth_pairs(sim, &containers, 0..2)?;
     let keeper =
         json!({ "portMappings": [{ "hostPort": 19_999, "containerPort": 80, "protocol": "tcp" }] });
