@@ -24,6 +24,7 @@ use cnibpf_tests::{
     eventually,
     topology::{
         Chained, DefaultPaths, SimHost, UPLINK, cnibpf_binary, nftables_state_file, port_mappings,
+        remove_instance_files,
     },
 };
 use serde_json::{Value, json};
@@ -195,6 +196,7 @@ impl Drop for NodeDirs {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.root);
         let _ = std::fs::remove_dir_all(&self.pin_path);
+        remove_instance_files(&self.pin_path);
     }
 }
 

@@ -313,7 +313,7 @@ impl SimHost {
         })
     }
 
-    /// [`Self::lock_file`] that cannot panic, for `Drop`.
+    /// [`Self::lock_file`], or `None` when inspect names none.
     pub(crate) fn try_lock_file(&self) -> Option<PathBuf> {
         let pin_path = self.pin_path.display().to_string();
         let output = self.cnibpf(&["inspect", "--json", "--pin-path", &pin_path]);

@@ -419,14 +419,9 @@ impl Drop for SimHost {
         for attachment in attached.iter().rev() {
             let _ = self.chain.del(attachment);
         }
-        let _ = std::fs::remove_file(call_stats_file(&self.pin_path));
-        let _ = std::fs::remove_file(nftables_state_file(&self.pin_path));
+        remove_instance_files(&self.pin_path);
         let _ = std::fs::remove_dir_all(&self.pin_path);
         let _ = std::fs::remove_dir_all(&self.work_dir);
-        if let Some(lock_file) = self.try_lock_file() {
-            let _ = std::fs::remove_file(lock_file.with_extension("monitor.lock"));
-            let _ = std::fs::remove_file(lock_file);
-        }
         let _ = std::fs::remove_dir(&self.cgroup);
         defaults::host_gone();
     }
@@ -458,6 +453,15 @@ pub fn call_stats_file(pin_path: &Path) -> PathBuf {
 /// The nftables backend's state file of the instance at `pin_path`.
 pub fn nftables_state_file(pin_path: &Path) -> PathBuf {
     instance_file(pin_path, "nftables.json")
+}
+
+/// Removes the files cnibpf keeps in /run/cnibpf for the instance at `pin_path` (its state
+/// file, call statistics, locks), for a test's `Drop`: a test that ends without `cnibpf
+/// uninstall` leaves none behind.
+pub fn remove_instance_files(pin_path: &Path) {
+    for suffix in ["calls", "nftables.json", "lock", "monitor.lock", "release"] {
+        let _ = std::fs::remove_file(instance_file(pin_path, suffix));
+    }
 }
 
 /// A file of the instance at `pin_path` in /run/cnibpf, named after it.
