@@ -482,6 +482,11 @@ fn the_supported_releases_upgrade_live() {
     }
     if newest.nftables_layout != nftables_layout_of(&new) {
         killed_migrations_converge(&installed, &newest_binary, &new, Backend::Nftables);
+        nftables::a_migrations_transaction_landing_after_its_run_was_killed_loses_no_record(
+            &installed,
+            &newest_binary,
+            &new,
+        );
         faulted_migrations_converge(&installed, &newest_binary, &new, Backend::Nftables);
         nftables::nftables_table_of_the_previous_layout_migrates(&installed, &newest_binary, &new);
         a_rollback_over_a_newer_layout_still_dels(&installed, &newest_binary, &new);

@@ -1,10 +1,10 @@
 //! nftables tables of older layouts: one no build migrates, drained pod by pod; the window's,
 //! migrated in place with its pods' traffic flowing.
 
-use std::path::Path;
+use std::{path::Path, process::Command, time::Duration};
 
 use cnibpf_tests::{
-    SimHost,
+    SimHost, chain,
     live::{LivePod, pod_keys},
     topology::port_mappings,
     traffic::{Conversation, TcpServer, tcp_request},
@@ -138,4 +138,158 @@ pub fn nftables_table_of_the_previous_layout_migrates(
             .unwrap_or_else(|error| panic!("DEL after the nftables migration: {error}"));
     }
     assert!(sim.holds_no_state(), "the last DEL removed the table");
+}
+
+/// The process ids whose parent is `parent`, with their command lines (arguments split).
+fn children_of(parent: u32) -> Vec<(u32, Vec<String>)> {
+    let mut children = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap_or_else(|error| panic!("list /proc: {error}")) {
+        let Some(pid) = entry
+            .ok()
+            .and_then(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // A process gone since the listing has neither file: it is no child.
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if ppid == Some(parent)
+            && let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline"))
+        {
+            let arguments = cmdline
+                .split(|byte| *byte == 0)
+                .filter(|argument| !argument.is_empty())
+                .map(|argument| String::from_utf8_lossy(argument).into_owned())
+                .collect();
+            children.push((pid, arguments));
+        }
+    }
+    children
+}
+
+/// Waits for the first child of `parent` whose command line `matches`, and for `ready` of it.
+fn await_child(
+    parent: u32,
+    what: &str,
+    matches: impl Fn(&[String]) -> bool,
+    ready: impl Fn(u32) -> bool,
+) -> u32 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::time::Instant::now() < deadline {
+        if let Some((pid, _)) = children_of(parent)
+            .into_iter()
+            .find(|(pid, arguments)| matches(arguments) && ready(*pid))
+        {
+            return pid;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    panic!("no {what} of process {parent} within 20 s")
+}
+
+/// The system call process `pid` is in, by number (`/proc/<pid>/syscall`).
+fn in_system_call(pid: u32) -> Option<i64> {
+    std::fs::read_to_string(format!("/proc/{pid}/syscall"))
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// `sendmsg(2)` on x86_64 and aarch64.
+const SENDMSG: i64 = if cfg!(target_arch = "aarch64") {
+    211
+} else {
+    46
+};
+
+/// A migration killed after it handed its transaction (the layout-3 table replaced by one made
+/// from the records it wrote) to `nft`, which outlives it and commits only after the next run
+/// looked at the table: that run finds the table of the old layout first and a migrated one
+/// when it reads it. It keeps every record (before, it read none from the migrated table,
+/// and made the node's table and records empty); the pod is served and CHECKs.
+pub fn a_migrations_transaction_landing_after_its_run_was_killed_loses_no_record(
+    installed: &Installed,
+    old: &Path,
+    new: &Path,
+) {
+    installed.put(old);
+    let sim = SimHost::new("upl", pod_keys("nftables"));
+    let pod = LivePod::start(&sim);
+    let pin_path = sim.pin_path.display().to_string();
+    let migration = |strace: &[&str]| {
+        let mut process = Command::new("strace");
+        process
+            .args(["-f", "-qq", "-o", "/dev/null"])
+            .args(strace)
+            .arg("--")
+            .arg(new)
+            .args(["gc", "--stale", "--pin-path", &pin_path]);
+        chain::enter_netns_on_exec(&mut process, &sim.host.path());
+        process
+            .spawn()
+            .unwrap_or_else(|error| panic!("spawn strace: {error}"))
+    };
+    // The first run's transaction waits a second in nft's sendmsg; the run is killed there.
+    let mut first = migration(&[
+        "-e",
+        "trace=sendmsg",
+        "-e",
+        "inject=sendmsg:delay_enter=1000000",
+    ]);
+    let run = await_child(
+        first.id(),
+        "cnibpf run",
+        |arguments| arguments.len() > 1,
+        |_| true,
+    );
+    await_child(
+        run,
+        "nft transaction",
+        |arguments| {
+            arguments
+                .iter()
+                .map(String::as_str)
+                .eq(["nft", "-j", "-f", "-"])
+        },
+        |nft| in_system_call(nft) == Some(SENDMSG),
+    );
+    // SAFETY: a plain kill(2) of a process this test started (strace's child).
+    let killed = unsafe { libc::kill(i32::try_from(run).expect("a pid"), libc::SIGKILL) };
+    assert_eq!(killed, 0, "kill the first migration");
+    assert!(
+        !sim.nft_ruleset().contains(LAYOUT_4_MARKER),
+        "the first run's transaction has not landed yet"
+    );
+    // The next run looks at the table at once, and reads it after two seconds (its first
+    // process start, `nft list`, waits): the first run's transaction lands in between.
+    let mut next = migration(&[
+        "-e",
+        "trace=clone,clone3,vfork",
+        "-e",
+        "inject=clone,clone3,vfork:delay_enter=2000000",
+    ]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !sim.nft_ruleset().contains(LAYOUT_4_MARKER),
+        "the next run saw the table of the old layout"
+    );
+    let status = next.wait().unwrap_or_else(|error| panic!("wait: {error}"));
+    assert!(status.success(), "the next run completed: {status}");
+    first.wait().unwrap_or_else(|error| panic!("wait: {error}"));
+    let ruleset = sim.nft_ruleset();
+    assert!(ruleset.contains(LAYOUT_4_MARKER), "migrated:\n{ruleset}");
+    assert!(
+        ruleset.contains(&pod.container.attachment.container_id),
+        "the pod's elements are in the migrated table:\n{ruleset}"
+    );
+    installed.put(new);
+    sim.check(&pod.container)
+        .unwrap_or_else(|error| panic!("CHECK after the late transaction: {error}"));
+    pod.assert_translations(&sim, "after the late transaction");
 }

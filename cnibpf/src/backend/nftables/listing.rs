@@ -105,6 +105,10 @@ impl Listing {
             .filter_map(|element| element.comment.as_deref())
     }
 
+    pub fn set_names(&self) -> impl Iterator<Item = &str> {
+        self.sets.keys().map(String::as_str)
+    }
+
     pub fn chain_names(&self) -> impl Iterator<Item = &str> {
         self.chains.keys().map(String::as_str)
     }

@@ -422,6 +422,12 @@ pub(super) enum TableLayout {
     Other(String),
 }
 
+/// The instance named by the first of `sets` that marks a table of this layout.
+pub(super) fn marked_instance<'a>(mut sets: impl Iterator<Item = &'a str>) -> Option<u64> {
+    // fail-closed: decoding a set name; one that names no instance marks nothing.
+    sets.find_map(|name| u64::from_str_radix(name.strip_prefix(MARKER)?, 16).ok())
+}
+
 /// The layout of the table whose comment is `comment` (`None`: no table), whose marker sets
 /// are `markers`, and which has chain [`LAYOUT_3_MARKER`] or not.
 pub(super) fn layout_of(
@@ -432,11 +438,7 @@ pub(super) fn layout_of(
     let Some(comment) = comment else {
         return TableLayout::Absent;
     };
-    let instance = markers
-        .iter()
-        // fail-closed: decoding a set name; one that names no instance marks nothing.
-        .find_map(|name| u64::from_str_radix(name.strip_prefix(MARKER)?, 16).ok());
-    if let Some(instance) = instance {
+    if let Some(instance) = marked_instance(markers.iter().map(String::as_str)) {
         return TableLayout::Current { instance };
     }
     if comment == LAYOUT_3 || (comment == LAYOUT_2 && layout_3_marker) {

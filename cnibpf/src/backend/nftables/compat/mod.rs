@@ -17,6 +17,7 @@ use super::{
     listing::Listing,
     portmap::conditions_of,
     restore::{self, Cause, Counters},
+    skeleton,
     store::{OwnerId, Store},
 };
 use crate::{backend::BackendError, journal};
@@ -30,8 +31,22 @@ pub fn migrate(store: &mut Store) -> Result<bool, BackendError> {
         .map_err(NftablesError::Netlink)?
         // fail-closed: a table gone since it was looked at leaves nothing to migrate.
         .unwrap_or_default();
-    // fail-closed: `read` kept the errors; no table lists nothing.
-    let listing = Listing::read()?.unwrap_or_default();
+    // The table as it is now, which is not always what the caller saw: a run killed after it
+    // handed its transaction to `nft` does not take `nft` with it, and the transaction may land
+    // after the next run looked at the table. Its records are read only from a table that
+    // still has them.
+    let Some(listing) = Listing::read()? else {
+        // Gone since (a firewall reload): the records a run before this one read, if any, stand.
+        return restore::restore(store, Cause::TableGone, &Counters::default());
+    };
+    if let Some(instance) = skeleton::marked_instance(listing.set_names()) {
+        // Migrated since, from the records a run before this one wrote.
+        restore::belongs_together(store, instance)?;
+        journal::note(journal::Change::Migrated(format!(
+            "nftables {comment:?}: migrated meanwhile by an earlier run's transaction"
+        )));
+        return Ok(true);
+    }
     let mut state = store.state_or_new()?;
     state.attachments.clear();
     for (owner, chain) in record_chains(&listing) {
