@@ -89,48 +89,70 @@ pub fn wrapped(prefix: &[String], program: &Path) -> Command {
     command
 }
 
-/// Counts the calls of [`SYSCALLS`] of the runs made with its [`Self::prefix`].
+/// A log of `strace -f` over the runs made with its [`Self::prefix`], removed on drop.
 #[derive(Debug)]
-pub struct CallCounter {
+struct StraceLog {
     log: PathBuf,
 }
 
-impl CallCounter {
-    pub fn new() -> Self {
+impl StraceLog {
+    fn new(name: &str) -> Self {
         Self {
-            log: tempfile_path("cnibpf-strace"),
+            log: tempfile_path(name),
         }
     }
 
-    pub fn prefix(&self) -> Vec<String> {
+    /// `strace` following forks, writing the calls `traced` names to the log.
+    fn prefix(&self, traced: &str) -> Vec<String> {
         vec![
             "strace".to_owned(),
             "-f".to_owned(),
             "-qq".to_owned(),
             "-o".to_owned(),
             self.log.display().to_string(),
-            format!("-etrace={}", SYSCALLS.join(",")),
+            format!("-etrace={traced}"),
             "--".to_owned(),
         ]
     }
 
+    fn read(&self) -> String {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_else(|error| panic!("read {}: {error}", self.log.display()))
+    }
+}
+
+impl Drop for StraceLog {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// Counts the calls of [`SYSCALLS`] of the runs made with its [`Self::prefix`].
+#[derive(Debug)]
+pub struct CallCounter {
+    strace: StraceLog,
+}
+
+impl CallCounter {
+    pub fn new() -> Self {
+        Self {
+            strace: StraceLog::new("cnibpf-strace"),
+        }
+    }
+
+    pub fn prefix(&self) -> Vec<String> {
+        self.strace.prefix(&SYSCALLS.join(","))
+    }
+
     /// What the runs made.
     pub fn counts(self) -> Counts {
-        let text = std::fs::read_to_string(&self.log)
-            .unwrap_or_else(|error| panic!("read {}: {error}", self.log.display()));
-        parse_counts(&text)
+        parse_counts(&self.strace.read())
     }
 }
 
 impl Default for CallCounter {
     fn default() -> Self {
         Self::new()
-    }
-}
-
-impl Drop for CallCounter {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.log);
     }
 }
 
@@ -405,7 +427,7 @@ mod tests {
 /// plugin's own).
 #[derive(Debug)]
 pub struct KernelWork {
-    log: PathBuf,
+    strace: StraceLog,
 }
 
 /// [`KernelWork`]'s counts over every run made with its prefix.
@@ -420,29 +442,19 @@ pub struct KernelWorkCounts {
 impl KernelWork {
     pub fn new() -> Self {
         Self {
-            log: tempfile_path("cnibpf-kernel-work"),
+            strace: StraceLog::new("cnibpf-kernel-work"),
         }
     }
 
-    /// Prefixes with `-ff`-less output in one file, each line led by its process id.
     pub fn prefix(&self) -> Vec<String> {
-        vec![
-            "strace".to_owned(),
-            "-f".to_owned(),
-            "-qq".to_owned(),
-            "-o".to_owned(),
-            self.log.display().to_string(),
-            "-etrace=bpf,execve".to_owned(),
-            "--".to_owned(),
-        ]
+        self.strace.prefix("bpf,execve")
     }
 
     /// What the runs made so far; the log starts again empty.
     pub fn take(&self) -> KernelWorkCounts {
-        let text = std::fs::read_to_string(&self.log)
-            .unwrap_or_else(|error| panic!("read {}: {error}", self.log.display()));
-        std::fs::write(&self.log, "")
-            .unwrap_or_else(|error| panic!("empty {}: {error}", self.log.display()));
+        let text = self.strace.read();
+        std::fs::write(&self.strace.log, "")
+            .unwrap_or_else(|error| panic!("empty {}: {error}", self.strace.log.display()));
         let mut counts = KernelWorkCounts::default();
         for line in text.lines() {
             let call = line
@@ -469,11 +481,5 @@ impl KernelWork {
 impl Default for KernelWork {
     fn default() -> Self {
         Self::new()
-    }
-}
-
-impl Drop for KernelWork {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.log);
     }
 }
