@@ -29,11 +29,20 @@ fn counted_add(sim: &SimHost, name: &str, host_port: u16) -> (Container, KernelW
     (container, counts)
 }
 
+/// The `bpf()` calls of an ADD of a pod with two hostPorts (four keys: v4 and v6) and
+/// masquerade, on a node whose datapath is in place: the stamp, the maps it writes, the
+/// container's two hooks, the uplinks' stamp, the conflict check of each key.
+const MOST_BPF_CALLS_OF_AN_ADD: u32 = 60;
+
 /// The ADD was its attachment's work alone: nothing loaded, at most one process started.
 fn assert_own_work_only(backend: Backend, what: &str, counts: KernelWorkCounts) {
     assert_eq!(
         counts.program_loads, 0,
         "{backend:?}, {what}: no program loaded: {counts:?}"
+    );
+    assert!(
+        counts.bpf_calls <= MOST_BPF_CALLS_OF_AN_ADD,
+        "{backend:?}, {what}: at most {MOST_BPF_CALLS_OF_AN_ADD} bpf() calls: {counts:?}"
     );
     assert!(
         counts.processes_started <= 1,

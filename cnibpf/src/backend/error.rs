@@ -54,6 +54,12 @@ pub enum BackendError {
         #[source]
         source: std::io::Error,
     },
+    #[error("could not write map {name}")]
+    MapWrite {
+        name: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{action}")]
     Pin {
         action: String,
@@ -160,6 +166,7 @@ impl BackendError {
             | Self::Program { .. }
             | Self::Map { .. }
             | Self::MapRead { .. }
+            | Self::MapWrite { .. }
             | Self::Pin { .. }
             | Self::OwnerCollision { .. } => code::DATAPATH,
             Self::HostAddresses(_) | Self::Interface { .. } => code::INTERFACE,

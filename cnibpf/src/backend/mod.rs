@@ -167,7 +167,8 @@ pub trait Masquerading {
         endpoint: &Endpoint,
         masquerade: Option<&Masquerade>,
     ) -> Result<(), BackendError>;
-    /// Takes the uplinks' current addresses as the addresses they masquerade to.
+    /// Hooks the uplinks (the eBPF backend's tcx links) and takes their current addresses as
+    /// the addresses they masquerade to.
     fn refresh_uplinks(&mut self, uplinks: &[Link]) -> Result<(), BackendError>;
 }
 

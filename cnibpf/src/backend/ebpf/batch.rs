@@ -6,7 +6,7 @@
 
 use std::{
     io,
-    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
+    os::fd::{AsFd as _, BorrowedFd},
 };
 
 use aya::{
@@ -15,11 +15,10 @@ use aya::{
 };
 use cnibpf_common::map_spec::MapSpec;
 
-/// Commands from the kernel's `enum bpf_cmd`.
-pub(super) const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
-pub(super) const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-pub(super) const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+use super::sys::{
+    self, BPF_MAP_LOOKUP_BATCH, BPF_MAP_UPDATE_BATCH, BPF_MAP_UPDATE_ELEM, fd_number,
+};
+
 /// `BPF_NOEXIST`: an update that leaves an existing entry alone.
 const BPF_NOEXIST: u64 = 1;
 /// Entries asked for by the first call, and at most per call. A call's buffers are allocated
@@ -112,6 +111,34 @@ where
         .collect())
 }
 
+/// Writes every `(key, value)` of `entries` into a hash map with one `BPF_MAP_UPDATE_BATCH`: an
+/// attachment's few entries of one map (its hostPorts, their slots) in one call, each element
+/// updated as `BPF_MAP_UPDATE_ELEM` would (a failure leaves the ones before it written).
+pub fn insert_all<K, V, M>(map: &M, entries: &[(K, V)]) -> io::Result<()>
+where
+    K: Pod,
+    V: Pod,
+    M: IterableMap<K, V>,
+{
+    if entries.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<K> = entries.iter().map(|(key, _)| *key).collect();
+    let values: Vec<V> = entries.iter().map(|(_, value)| *value).collect();
+    let data: &MapData = map.map();
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count: u32::try_from(entries.len())
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
+        map_fd: fd_number(data.fd().as_fd())?,
+        ..BatchAttr::default()
+    };
+    // SAFETY: a batch attribute whose buffers hold `count` keys and values of the map's types
+    // (aya checked their sizes when it opened the map); the kernel only reads them.
+    unsafe { sys::bpf(BPF_MAP_UPDATE_BATCH, &mut attr) }.map(drop)
+}
+
 /// Inserts `key` → `value` (bytes of the map's sizes) unless the key is there: whether it
 /// was inserted.
 pub fn insert_new(map: &MapData, key: &[u8], value: &[u8]) -> io::Result<bool> {
@@ -147,30 +174,15 @@ pub(super) unsafe fn element_command(
     value: *mut u8,
     flags: u64,
 ) -> io::Result<()> {
-    let attr = ElementAttr {
+    let mut attr = ElementAttr {
         map_fd: fd_number(map)?,
         _pad: 0,
         key: key as u64,
         value: value as u64,
         flags,
     };
-    // SAFETY: bpf(2) with an element attribute whose buffers are as the caller promised.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            command,
-            &raw const attr,
-            size_of::<ElementAttr>(),
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-fn fd_number(fd: BorrowedFd<'_>) -> io::Result<u32> {
-    u32::try_from(fd.as_raw_fd()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+    // SAFETY: an element attribute whose buffers are as the caller promised.
+    unsafe { sys::bpf(command, &mut attr) }.map(drop)
 }
 
 fn read_all(fd: BorrowedFd<'_>, key_size: usize, value_size: usize) -> io::Result<RawEntries> {
@@ -203,29 +215,18 @@ fn read_all(fd: BorrowedFd<'_>, key_size: usize, value_size: usize) -> io::Resul
         // SAFETY: bpf(2) with a correctly laid out batch attribute whose buffers hold `count`
         // keys and values of the map's sizes (the caller's, from the map's types or spec)
         // and a u32 for each batch position; all outlive the call.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_LOOKUP_BATCH,
-                &raw mut attr,
-                size_of::<BatchAttr>(),
-            )
-        };
-        let done = if rc == 0 {
-            false
-        } else {
-            let error = io::Error::last_os_error();
-            match error.raw_os_error() {
-                // The end of the map, possibly with a last partial chunk.
-                Some(libc::ENOENT) => true,
-                // One bucket holds more entries than the buffers: the same position again,
-                // with room for it.
-                Some(libc::ENOSPC) if chunk < MAX_CHUNK => {
-                    chunk *= 2;
-                    continue;
-                }
-                _ => return Err(error),
+        let outcome = unsafe { sys::bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) };
+        let done = match outcome {
+            Ok(_) => false,
+            // The end of the map, possibly with a last partial chunk.
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => true,
+            // One bucket holds more entries than the buffers: the same position again, with
+            // room for it.
+            Err(error) if error.raw_os_error() == Some(libc::ENOSPC) && chunk < MAX_CHUNK => {
+                chunk *= 2;
+                continue;
             }
+            Err(error) => return Err(error),
         };
         let filled = attr.count as usize;
         all.keys.extend_from_slice(&keys[..filled * key_size]);

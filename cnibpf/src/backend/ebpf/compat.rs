@@ -24,6 +24,7 @@ use super::{
     batch,
     owner::read_name,
     pins::map_pinned,
+    sys,
     unpin::{detach_link, detach_links, remove_tree},
 };
 use crate::{
@@ -242,7 +243,7 @@ impl RawMap {
             let mut next = vec![0; self.key_size];
             // fail-closed: an Option (the walk's start), no error to lose.
             let current = keys.last().map_or(std::ptr::null(), |key| key.as_ptr());
-            match self.call(batch::BPF_MAP_GET_NEXT_KEY, current, next.as_mut_ptr()) {
+            match self.call(sys::BPF_MAP_GET_NEXT_KEY, current, next.as_mut_ptr()) {
                 Ok(()) => keys.push(next),
                 Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(keys),
                 Err(error) => return Err(error),
@@ -254,7 +255,7 @@ impl RawMap {
     fn get(&self, key: &[u8]) -> io::Result<Option<Vec<u8>>> {
         assert_eq!(key.len(), self.key_size, "key of the map's size");
         let mut value = vec![0; self.value_size];
-        match self.call(batch::BPF_MAP_LOOKUP_ELEM, key.as_ptr(), value.as_mut_ptr()) {
+        match self.call(sys::BPF_MAP_LOOKUP_ELEM, key.as_ptr(), value.as_mut_ptr()) {
             Ok(()) => Ok(Some(value)),
             Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(error) => Err(error),
@@ -267,7 +268,7 @@ impl RawMap {
             "key and value of the map's sizes"
         );
         self.call(
-            batch::BPF_MAP_UPDATE_ELEM,
+            sys::BPF_MAP_UPDATE_ELEM,
             key.as_ptr(),
             value.as_ptr().cast_mut(),
         )

@@ -24,7 +24,7 @@ impl EbpfBackend {
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
         // A new attachment has no entry to remove or compare.
-        let new = self.new_owner == Some(owner);
+        let new = self.is_new(owner);
         for ipv4 in [true, false] {
             let key = conditions_key(owner, ipv4);
             let conditions = endpoint.host_ports.conditions(ipv4);
@@ -33,7 +33,7 @@ impl EbpfBackend {
                     continue;
                 }
                 remove_entry(
-                    &mut self.port_mapping.port_conditions,
+                    self.port_mapping.port_conditions.open_mut()?,
                     &key,
                     portmap::CONDITIONS.name,
                 )?;
@@ -42,12 +42,13 @@ impl EbpfBackend {
             let value = encode(conditions, &endpoint.condition_interfaces);
             if new
                 || found(
-                    self.port_mapping.port_conditions.get(&key, 0),
+                    self.port_mapping.port_conditions.open()?.get(&key, 0),
                     portmap::CONDITIONS.name,
                 )? != Some(value)
             {
                 self.port_mapping
                     .port_conditions
+                    .open_mut()?
                     .insert(&key, &value, 0)
                     .map_err(map_error("could not write map port_conditions"))?;
             }
@@ -58,7 +59,7 @@ impl EbpfBackend {
     pub(super) fn remove_port_conditions(&mut self, owner: u64) -> Result<(), BackendError> {
         for ipv4 in [true, false] {
             remove_entry(
-                &mut self.port_mapping.port_conditions,
+                self.port_mapping.port_conditions.open_mut()?,
                 &conditions_key(owner, ipv4),
                 portmap::CONDITIONS.name,
             )?;
@@ -75,7 +76,7 @@ impl EbpfBackend {
                 .then(|| encode(conditions, &endpoint.condition_interfaces));
             let key = conditions_key(owner, ipv4);
             if found(
-                self.port_mapping.port_conditions.get(&key, 0),
+                self.port_mapping.port_conditions.open()?.get(&key, 0),
                 portmap::CONDITIONS.name,
             )? != wanted
             {

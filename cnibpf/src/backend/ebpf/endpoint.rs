@@ -2,7 +2,10 @@
 //! interface, the uplinks and the instance's cgroup get (attached by `hooks`), and the host's
 //! addresses the datapath tells apart from foreign ones.
 
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::{
+    cell::Cell,
+    net::{Ipv4Addr, Ipv6Addr},
+};
 
 use aya::maps::{HashMap, MapData};
 use cnibpf_common::{
@@ -32,6 +35,14 @@ pub(super) struct EndpointMaps {
     pub(super) owners: HashMap<MapData, u64, OwnerInfo>,
     pub(super) endpoints: HashMap<MapData, u32, EndpointInfo>,
     pub(super) host_addrs: HashMap<MapData, HostAddrKey, u32>,
+    /// The `owners` record this process last read or wrote, with its owner: a call's steps
+    /// ask for the record of their one attachment several times, and no other process changes
+    /// `owners` while this one holds the instance lock (programs never write it).
+    last_owner: Cell<Option<(u64, Option<OwnerInfo>)>>,
+    /// The source set of an attachment new to the node, for its interface: `setup_endpoint`
+    /// writes that interface's record whole with it, before hooking the interface, so it is
+    /// not written (and read back) first on its own.
+    deferred_sources: Option<(u32, SourceSet)>,
 }
 
 impl EndpointMaps {
@@ -40,12 +51,21 @@ impl EndpointMaps {
             owners: open_pinned(pins, endpoints::OWNERS.name)?,
             endpoints: open_pinned(pins, endpoints::ENDPOINTS.name)?,
             host_addrs: open_pinned(pins, portmap::HOST_ADDRS.name)?,
+            last_owner: Cell::new(None),
+            deferred_sources: None,
         })
     }
 
     /// The `owners` record of attachment `owner`; `None` when the kernel has none.
     pub(super) fn owner(&self, owner: u64) -> Result<Option<OwnerInfo>, BackendError> {
-        found(self.owners.get(&owner, 0), endpoints::OWNERS.name)
+        if let Some((last, info)) = self.last_owner.get()
+            && last == owner
+        {
+            return Ok(info);
+        }
+        let info = found(self.owners.get(&owner, 0), endpoints::OWNERS.name)?;
+        self.last_owner.set(Some((owner, info)));
+        Ok(info)
     }
 
     /// Writes the `owners` record of attachment `owner`.
@@ -54,9 +74,21 @@ impl EndpointMaps {
         owner: u64,
         info: &OwnerInfo,
     ) -> Result<(), BackendError> {
+        // A failed write may have changed the entry or not: the next read asks the kernel.
+        self.last_owner.set(None);
         self.owners
             .insert(&owner, info, 0)
-            .map_err(map_error("could not write map owners"))
+            .map_err(map_error("could not write map owners"))?;
+        self.last_owner.set(Some((owner, Some(*info))));
+        Ok(())
+    }
+
+    /// Removes the `owners` record of attachment `owner`.
+    pub(super) fn forget_owner(&mut self, owner: u64) -> Result<(), BackendError> {
+        self.last_owner.set(None);
+        remove_entry(&mut self.owners, &owner, endpoints::OWNERS.name)?;
+        self.last_owner.set(Some((owner, None)));
+        Ok(())
     }
 
     /// Every attachment's `owners` record.
@@ -66,6 +98,11 @@ impl EndpointMaps {
 
     /// The source set recorded for interface `ifindex`; `None` when its record holds none.
     pub(super) fn source_set(&self, ifindex: u32) -> Result<Option<SourceSet>, BackendError> {
+        if let Some((deferred, set)) = self.deferred_sources
+            && deferred == ifindex
+        {
+            return Ok(Some(set));
+        }
         Ok(
             found(self.endpoints.get(&ifindex, 0), endpoints::ENDPOINTS.name)?
                 .map(|info| info.sources)
@@ -92,11 +129,7 @@ impl EndpointMaps {
         ifindex: u32,
         set: &SourceSet,
     ) -> Result<(), BackendError> {
-        let sources = SourceSet {
-            // A set without the mark reads as no set at all.
-            flags: set.flags | FLAG_RECORDED,
-            ..*set
-        };
+        let sources = recorded(set);
         let info = match found(self.endpoints.get(&ifindex, 0), endpoints::ENDPOINTS.name)? {
             Some(info) if info.sources == sources => return Ok(()),
             Some(info) => EndpointInfo { sources, ..info },
@@ -109,6 +142,14 @@ impl EndpointMaps {
         self.endpoints
             .insert(&ifindex, &info, 0)
             .map_err(map_error("could not write map endpoints"))
+    }
+
+    /// Keeps `set` for interface `ifindex` of attachment `set.owner`, which `owners` does not
+    /// hold yet: nothing of it is hooked, and `setup_endpoint` writes the interface's record
+    /// whole, with this set, before it hooks the interface. An ADD undone before then leaves
+    /// nothing to remove.
+    pub(super) fn defer_source_set(&mut self, ifindex: u32, set: &SourceSet) {
+        self.deferred_sources = Some((ifindex, recorded(set)));
     }
 
     /// Clears the source set of interface `ifindex`. A record of the set's own attachment that
@@ -131,6 +172,14 @@ impl EndpointMaps {
         self.endpoints
             .insert(&ifindex, &cleared, 0)
             .map_err(map_error("could not write map endpoints"))
+    }
+}
+
+/// `set` as a record holds it: a set without the mark reads as no set at all.
+fn recorded(set: &SourceSet) -> SourceSet {
+    SourceSet {
+        flags: set.flags | FLAG_RECORDED,
+        ..*set
     }
 }
 
@@ -220,7 +269,7 @@ impl EbpfBackend {
 impl Endpoints for EbpfBackend {
     fn setup_endpoint(&mut self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let existing = found(self.endpoint.owners.get(&owner, 0), endpoints::OWNERS.name)?;
+        let existing = self.endpoint.owner(owner)?;
         self.new_owner = existing.is_none().then_some(owner);
         if let Some(existing) = existing {
             let holder = attachment_of(&existing);
@@ -239,10 +288,7 @@ impl Endpoints for EbpfBackend {
         if let Some(existing) = existing {
             info.port_count = existing.port_count;
         }
-        self.endpoint
-            .owners
-            .insert(&owner, &info, 0)
-            .map_err(map_error("could not record the attachment in map owners"))?;
+        self.endpoint.record_owner(owner, &info)?;
         // The source set written for this attachment before it (`record_source_set`) stays.
         let sources = self
             .endpoint
@@ -261,36 +307,29 @@ impl Endpoints for EbpfBackend {
                 0,
             )
             .map_err(map_error("could not write map endpoints"))?;
+        self.endpoint.deferred_sources = None;
         self.hook_endpoint(owner, endpoint.host.index, receives_through_hook(endpoint))?;
-        for uplink in &endpoint.uplinks {
-            let uplink_pins = self.uplink_link_pins(&uplink.name);
-            for hook in Self::uplink_hooks(&uplink_pins) {
-                self.attach(uplink.index, &hook)?;
-            }
-        }
         self.attach_socket_hooks(&endpoint.cgroup)?;
         attach_tracepoint(&self.pins, QDISC_WATCHER, QDISC_TRACEPOINT)
     }
 
     fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
-        if let Some(info) = found(self.endpoint.owners.get(&owner, 0), endpoints::OWNERS.name)? {
+        if let Some(info) = self.endpoint.owner(owner)? {
             self.forget_endpoint(owner, info.host_ifindex)?;
         }
         // The datapath stays for the next pod (no verifier time at its ADD) until `cnibpf
         // uninstall` or `cnibpf unload`.
-        remove_entry(&mut self.endpoint.owners, &owner, endpoints::OWNERS.name)
+        self.endpoint.forget_owner(owner)
     }
 
     fn check_endpoint(&self, endpoint: &Endpoint) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
-        let info = found(self.endpoint.owners.get(&owner, 0), endpoints::OWNERS.name)?.ok_or_else(
-            || {
-                BackendError::CheckFailed(format!(
-                    "{} is not recorded in map owners",
-                    endpoint.attachment
-                ))
-            },
-        )?;
+        let info = self.endpoint.owner(owner)?.ok_or_else(|| {
+            BackendError::CheckFailed(format!(
+                "{} is not recorded in map owners",
+                endpoint.attachment
+            ))
+        })?;
         if info.host_ifindex != endpoint.host.index {
             return Err(BackendError::CheckFailed(format!(
                 "{} was attached to interface {} (index {}), its host interface is now {} (index {})",

@@ -1,23 +1,19 @@
 //! The tcx and cgroup hooks of an attachment and of the uplinks: attaching them (or finding
 //! them attached), pinning their links, checking them.
 
-use std::{
-    fs, io,
-    os::fd::{AsFd as _, AsRawFd as _},
-    path::Path,
-};
+use std::{fs, io, os::fd::AsFd as _, path::Path};
 
 use aya::programs::{
-    CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, links::FdLink,
-    tc::TcAttach,
+    CgroupAttachMode, CgroupSockAddr, SchedClassifier, TcAttachType, links::FdLink,
 };
 
 use super::{
     EbpfBackend,
     pins::{FROM_CONTAINER, SOCK_PROGRAMS, TO_CONTAINER, UPLINK_EGRESS, UPLINK_INGRESS},
-    unpin::{detach_link, pinned_object},
+    sys::{self, BPF_OBJ_GET_INFO_BY_FD},
+    unpin::detach_link,
 };
-use crate::{backend::BackendError, phases};
+use crate::{backend::BackendError, netlink::Link, phases};
 
 /// One tcx hook: the program and where its link is pinned.
 pub(super) struct Hook<'a> {
@@ -57,39 +53,24 @@ impl EbpfBackend {
             // The link outlived its interface (or was made for another one).
             detach_link(hook.link_pin)?;
         }
-        let mut program = self.pinned_program(hook.program)?;
-        let program_error = |action: String| {
-            move |source| BackendError::Program {
-                action,
-                source: Box::new(source),
-            }
-        };
-        let link_id = program
-            .attach(
-                ifindex,
-                TcAttach::Tcx {
-                    attach_type: hook.attach_type,
-                    order: LinkOrder::default(),
-                },
-            )
-            .map_err(program_error(format!(
-                "could not attach {} to interface {ifindex}",
-                hook.program
-            )))?;
-        phases::mark("tcx attach");
-        let link = program.take_link(link_id).map_err(program_error(format!(
-            "could not take the link of {}",
-            hook.program
-        )))?;
-        let link: FdLink = link.try_into().map_err(|source| BackendError::Pin {
-            action: format!("link of {} is not a tcx link", hook.program),
+        // The program's descriptor alone: creating the link needs nothing of its info.
+        let program_path = self.pins.program(hook.program);
+        let program = sys::obj_get(&program_path).map_err(|source| BackendError::Pin {
+            action: format!("could not open pinned program {}", program_path.display()),
             source: Box::new(source),
         })?;
-        link.pin(hook.link_pin)
-            .map_err(|source| BackendError::Pin {
-                action: format!("could not pin link {}", hook.link_pin.display()),
-                source: Box::new(source),
+        let link =
+            sys::tcx_link_create(program.as_fd(), ifindex, hook.attach_type).map_err(|source| {
+                BackendError::Pin {
+                    action: format!("could not attach {} to interface {ifindex}", hook.program),
+                    source: Box::new(source),
+                }
             })?;
+        phases::mark("tcx attach");
+        sys::obj_pin(link.as_fd(), hook.link_pin).map_err(|source| BackendError::Pin {
+            action: format!("could not pin link {}", hook.link_pin.display()),
+            source: Box::new(source),
+        })?;
         phases::mark("pins");
         Ok(())
     }
@@ -177,6 +158,22 @@ impl EbpfBackend {
         })
     }
 
+    /// Attaches (or finds attached) the hooks of `uplink`. An uplink `recorded` in map
+    /// `uplinks` under its interface index, with both link pins there, was hooked by the call
+    /// that recorded it: a tcx link leaves its hook only with its interface (whose index then
+    /// names no interface; one made again gets another index) or by cnibpf's own detach, which
+    /// removes the pin. Its links are not read again; any other uplink's are, one by one.
+    pub(super) fn hook_uplink(&self, uplink: &Link, recorded: bool) -> Result<(), BackendError> {
+        let link_pins = self.uplink_link_pins(&uplink.name);
+        if recorded && link_pinned(&link_pins[0])? && link_pinned(&link_pins[1])? {
+            return Ok(());
+        }
+        for hook in Self::uplink_hooks(&link_pins) {
+            self.attach(uplink.index, &hook)?;
+        }
+        Ok(())
+    }
+
     pub(super) fn uplink_link_pins(&self, ifname: &str) -> [std::path::PathBuf; 2] {
         [
             self.pins.uplink_link(ifname, "ingress"),
@@ -224,8 +221,6 @@ impl EbpfBackend {
     }
 }
 
-/// `BPF_OBJ_GET_INFO_BY_FD`.
-const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 /// `BPF_LINK_TYPE_TCX`.
 const LINK_TYPE_TCX: u32 = 11;
 
@@ -258,27 +253,16 @@ fn tcx_link_ifindex(path: &Path) -> Result<Option<u32>, BackendError> {
         action: format!("could not read link {}", path.display()),
         source: Box::new(source),
     };
-    let link = pinned_object(path).map_err(error)?;
+    let link = sys::obj_get(path).map_err(error)?;
     let mut info = TcxLinkInfo::default();
     let mut attr = InfoAttr {
-        bpf_fd: link.as_fd().as_raw_fd().unsigned_abs(),
+        bpf_fd: sys::fd_number(link.as_fd()).map_err(error)?,
         // fail-closed: a struct's size, no kernel result.
         info_len: u32::try_from(size_of::<TcxLinkInfo>()).unwrap_or(u32::MAX),
         info: (&raw mut info) as u64,
     };
-    // SAFETY: bpf(2) reads the attribute and writes at most `info_len` bytes into `info`,
-    // which outlives the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET_INFO_BY_FD,
-            &raw mut attr,
-            size_of::<InfoAttr>(),
-        )
-    };
-    if rc < 0 {
-        return Err(error(io::Error::last_os_error()));
-    }
+    // SAFETY: the kernel writes at most `info_len` bytes into `info`, which outlives the call.
+    unsafe { sys::bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr) }.map_err(error)?;
     Ok((info.link_type == LINK_TYPE_TCX && info.ifindex != 0).then_some(info.ifindex))
 }
 

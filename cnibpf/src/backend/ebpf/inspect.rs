@@ -8,7 +8,6 @@ use cnibpf_common::{
     addr,
     connections::{self, FirstFragment, FragmentKey, PART_FILTER, PART_SNAT},
     drops::{self, DropCount, DropEventBudget, DropReason},
-    endpoints::owners as owner_map,
     filter::{self, FilterStats, MAX_RULES, RuleHits, TARGET_DROP, hits::DEFAULT_SLOT},
     masquerade,
 };
@@ -48,7 +47,7 @@ impl Inspect for EbpfBackend {
     }
 
     fn holds(&self, owner: u64) -> Result<bool, BackendError> {
-        Ok(found(self.endpoint.owners.get(&owner, 0), owner_map::OWNERS.name)?.is_some())
+        Ok(self.endpoint.owner(owner)?.is_some())
     }
 
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {

@@ -17,8 +17,8 @@ use cnibpf_common::{
 use ipnet::IpNet;
 
 use super::{
-    EbpfBackend, found, map_error, on_demand::OnDemand, open_pinned, remove_entry, remove_where,
-    removed,
+    EbpfBackend, batch, found, map_error, on_demand::OnDemand, open_pinned, remove_entry,
+    remove_where, removed, write_error,
 };
 use crate::{
     backend::{BackendError, Endpoint, Masquerading, is_link_local},
@@ -90,7 +90,7 @@ impl Masquerading for EbpfBackend {
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
         let Some(masquerade) = masquerade else {
-            if self.new_owner == Some(owner) {
+            if self.is_new(owner) {
                 return Ok(());
             }
             return self.teardown_masquerade(owner);
@@ -107,7 +107,8 @@ impl Masquerading for EbpfBackend {
             gateway_mac: endpoint.gateway_mac,
         };
         // A new attachment's entries are all to write; a changed one's only where they differ.
-        let new = self.new_owner == Some(owner);
+        let new = self.is_new(owner);
+        let mut changed_sources = Vec::with_capacity(wanted_sources.len());
         for key in &wanted_sources {
             if new
                 || found(
@@ -115,12 +116,11 @@ impl Masquerading for EbpfBackend {
                     masquerade::SOURCES.name,
                 )? != Some(value)
             {
-                self.masquerade
-                    .masq_sources
-                    .insert(key, &value, 0)
-                    .map_err(map_error("could not write map masq_sources"))?;
+                changed_sources.push((*key, value));
             }
         }
+        batch::insert_all(&self.masquerade.masq_sources, &changed_sources)
+            .map_err(write_error(masquerade::SOURCES.name))?;
         let (current_sources, current_excludes) = if new {
             (Vec::new(), Vec::new())
         } else {
@@ -142,6 +142,7 @@ impl Masquerading for EbpfBackend {
             .iter()
             .map(|(net, reason)| (exclude_key(owner, net), *reason as u32))
             .collect();
+        let mut changed_excludes = Vec::with_capacity(wanted_excludes.len());
         for (key, reason) in &wanted_excludes {
             if new
                 || found(
@@ -149,12 +150,11 @@ impl Masquerading for EbpfBackend {
                     masquerade::EXCLUDES.name,
                 )? != Some(*reason)
             {
-                self.masquerade
-                    .masq_excludes
-                    .insert(key, reason, 0)
-                    .map_err(map_error("could not write map masq_excludes"))?;
+                changed_excludes.push((*key, *reason));
             }
         }
+        batch::insert_all(&self.masquerade.masq_excludes, &changed_excludes)
+            .map_err(write_error(masquerade::EXCLUDES.name))?;
         for (key, _) in current_excludes {
             let still_wanted = wanted_excludes.iter().any(|(wanted, _)| {
                 wanted.prefix_len() == key.prefix_len() && wanted.data() == key.data()
@@ -273,8 +273,8 @@ impl Masquerading for EbpfBackend {
         Ok(())
     }
 
-    /// Records each uplink's first IPv4 and first global IPv6 address (the kernel lists an
-    /// interface's primary address first) as the address it masquerades to.
+    /// Hooks each uplink, and records its first IPv4 and first global IPv6 address (the kernel
+    /// lists an interface's primary address first) as the address it masquerades to.
     fn refresh_uplinks(&mut self, uplinks: &[Link]) -> Result<(), BackendError> {
         if self.host_addresses.is_empty() {
             self.host_addresses = netlink::addresses()
@@ -295,11 +295,12 @@ impl Masquerading for EbpfBackend {
                     _ => {}
                 }
             }
-            if found(
+            let recorded = found(
                 self.masquerade.uplinks.get(&uplink.index, 0),
                 masquerade::UPLINKS.name,
-            )? != Some(info)
-            {
+            )?;
+            self.hook_uplink(uplink, recorded.is_some())?;
+            if recorded != Some(info) {
                 self.masquerade
                     .uplinks
                     .insert(&uplink.index, &info, 0)

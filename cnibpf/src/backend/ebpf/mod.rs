@@ -26,6 +26,7 @@ mod portmap;
 mod probe;
 mod sizes;
 mod sources;
+mod sys;
 mod unpin;
 
 use std::{fs, io, net::IpAddr};
@@ -249,6 +250,12 @@ impl EbpfBackend {
         open_pinned(&self.pins, name).map(Some)
     }
 
+    /// Whether `setup_endpoint` found attachment `owner` new to the node in this call: it
+    /// holds no entry in any other map, so nothing of it needs looking for or comparing.
+    fn is_new(&self, owner: u64) -> bool {
+        self.new_owner == Some(owner)
+    }
+
     /// The ring buffer of the datapath's drop events, for `cnibpf monitor`.
     pub fn drop_events(&self) -> Result<aya::maps::RingBuf<MapData>, BackendError> {
         open_pinned(&self.pins, cnibpf_common::drops::EVENTS.name)
@@ -287,6 +294,11 @@ impl Backend for EbpfBackend {
 /// For a failed whole-map read (see `batch`).
 fn read_error(name: &'static str) -> impl Fn(io::Error) -> BackendError {
     move |source| BackendError::MapRead { name, source }
+}
+
+/// For a failed batch write (see `batch`).
+fn write_error(name: &'static str) -> impl Fn(io::Error) -> BackendError {
+    move |source| BackendError::MapWrite { name, source }
 }
 
 fn map_error(action: &str) -> impl Fn(MapError) -> BackendError + '_ {

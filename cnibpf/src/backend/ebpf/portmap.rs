@@ -16,7 +16,10 @@ use cnibpf_common::{
     },
 };
 
-use super::{EbpfBackend, found, map_error, open_pinned, remove_entry};
+use super::{
+    EbpfBackend, batch, found, map_error, on_demand::OnDemand, open_pinned, remove_entry,
+    write_error,
+};
 use crate::{
     backend::{BackendError, Endpoint, PortMappings, check_mapping_count, refuse_held_host_ports},
     journal,
@@ -30,7 +33,9 @@ pub(super) struct PortMapMaps {
     pub(super) portmap: HashMap<MapData, PortMapKey, PortMapValue>,
     pub(super) owner_ports: HashMap<MapData, OwnerPortKey, PortMapKey>,
     pub(super) port_claims: HashMap<MapData, PortClaimKey, PortClaim>,
-    pub(super) port_conditions: HashMap<MapData, PortConditionsKey, PortConditions>,
+    /// Written only for attachments with hostPort conditions (the reference portmap's
+    /// `conditionsV4`/`conditionsV6`).
+    pub(super) port_conditions: OnDemand<HashMap<MapData, PortConditionsKey, PortConditions>>,
 }
 
 impl PortMapMaps {
@@ -39,7 +44,7 @@ impl PortMapMaps {
             portmap: open_pinned(pins, portmap::MAPPINGS.name)?,
             owner_ports: open_pinned(pins, portmap::OWNER_PORTS.name)?,
             port_claims: open_pinned(pins, portmap::CLAIMS.name)?,
-            port_conditions: open_pinned(pins, portmap::CONDITIONS.name)?,
+            port_conditions: OnDemand::new(pins, portmap::CONDITIONS.name),
         })
     }
 }
@@ -70,12 +75,12 @@ impl EbpfBackend {
         let Some(mut info) = self.endpoint.owner(owner)? else {
             return Ok(());
         };
-        for (slot, key) in (0..).zip(keys) {
-            self.port_mapping
-                .owner_ports
-                .insert(&owner_port_key(owner, slot), key, 0)
-                .map_err(map_error("could not write map owner_ports"))?;
-        }
+        let slots: Vec<(OwnerPortKey, PortMapKey)> = (0..)
+            .zip(keys)
+            .map(|(slot, key)| (owner_port_key(owner, slot), *key))
+            .collect();
+        batch::insert_all(&self.port_mapping.owner_ports, &slots)
+            .map_err(write_error(portmap::OWNER_PORTS.name))?;
         // fail-closed: no kernel result; an attachment has at most a few hundred mappings.
         let count = u32::try_from(keys.len()).unwrap_or(u32::MAX);
         for slot in count..info.port_count {
@@ -178,7 +183,7 @@ impl PortMappings for EbpfBackend {
     ) -> Result<(), BackendError> {
         let owner = endpoint.attachment.owner_id();
         refuse_held_host_ports(self, owner, mappings)?;
-        let previous = if self.new_owner == Some(owner) {
+        let previous = if self.is_new(owner) {
             Vec::new()
         } else {
             self.owned_portmap_keys(owner)?
@@ -208,11 +213,9 @@ impl PortMappings for EbpfBackend {
             } else {
                 self.claim(key, true)?;
             }
-            self.port_mapping
-                .portmap
-                .insert(key, value, 0)
-                .map_err(map_error("could not write map portmap"))?;
         }
+        batch::insert_all(&self.port_mapping.portmap, &wanted)
+            .map_err(write_error(portmap::MAPPINGS.name))?;
         for key in &previous {
             if !wanted.iter().any(|(wanted_key, _)| wanted_key == key) {
                 self.remove_owned_mapping(owner, key)?;
@@ -226,7 +229,7 @@ impl PortMappings for EbpfBackend {
         // Written after the mappings that need them: a mapping marked conditioned whose
         // conditions are not there yet is closed, never open.
         if mappings.is_empty() {
-            if self.new_owner != Some(owner) {
+            if !self.is_new(owner) {
                 self.remove_port_conditions(owner)?;
             }
         } else {

@@ -7,20 +7,13 @@
 //! and so does tearing down a scratch namespace to attach in — in the kernel's own time, but
 //! holding the lock the next attach needs.) bpffs must be writable.
 
-use std::{
-    fs, io,
-    os::fd::{FromRawFd as _, OwnedFd},
-    path::Path,
-};
+use std::{fs, io, os::fd::OwnedFd, path::Path};
 
+use super::sys::{self, BPF_PROG_LOAD, BPF_PROG_QUERY, BPF_TCX_INGRESS};
 use crate::paths::BPFFS_MOUNT_POINT;
 
-/// `BPF_PROG_LOAD`, `BPF_PROG_TYPE_SCHED_CLS` (uapi).
-const BPF_PROG_LOAD: libc::c_long = 5;
+/// `BPF_PROG_TYPE_SCHED_CLS` (uapi).
 const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
-/// `BPF_PROG_QUERY`, `BPF_TCX_INGRESS` (uapi).
-const BPF_PROG_QUERY: libc::c_long = 16;
-const BPF_TCX_INGRESS: u32 = 46;
 
 /// `r0 = 0 (TC_ACT_OK); exit`.
 const PROGRAM: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
@@ -179,12 +172,8 @@ fn query_tcx(ifindex: u32) -> io::Result<()> {
     let mut attr = [0u8; 128];
     attr[0..4].copy_from_slice(&ifindex.to_ne_bytes());
     attr[4..8].copy_from_slice(&BPF_TCX_INGRESS.to_ne_bytes());
-    // SAFETY: as in `bpf`, with no pointers in the attribute.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_QUERY, attr.as_ptr(), attr.len()) };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    // SAFETY: no pointers in the attribute.
+    unsafe { sys::bpf(BPF_PROG_QUERY, &mut attr) }.map(drop)
 }
 
 fn load() -> io::Result<OwnedFd> {
@@ -195,18 +184,9 @@ fn load() -> io::Result<OwnedFd> {
     attr[4..8].copy_from_slice(&(PROGRAM.len() as u32).to_ne_bytes());
     attr[8..16].copy_from_slice(&(PROGRAM.as_ptr() as u64).to_ne_bytes());
     attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
-    bpf(BPF_PROG_LOAD, &attr)
-}
-
-fn bpf(command: libc::c_long, attr: &[u8; 128]) -> io::Result<OwnedFd> {
-    // SAFETY: bpf(2) reads `size` bytes of `attr`, a zero-initialised union bpf_attr whose
-    // pointers (instructions, license) outlive the call; it returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, command, attr.as_ptr(), attr.len()) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this descriptor to us, nobody else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    // SAFETY: a zero-initialised union bpf_attr whose pointers (instructions, license)
+    // outlive the call; BPF_PROG_LOAD returns a descriptor.
+    unsafe { sys::bpf_fd(BPF_PROG_LOAD, &mut attr) }
 }
 
 #[cfg(test)]

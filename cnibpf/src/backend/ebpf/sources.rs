@@ -53,13 +53,14 @@ impl SourceChecking for EbpfBackend {
         let owner = endpoint.attachment.owner_id();
         let ifindex = endpoint.host.index;
         let siblings = self.siblings_of(endpoint)?;
+        // An attachment new to the node has no counters and no record to keep or compare.
+        let new = self.endpoint.owner(owner)?.is_none();
         let Some(check) = check else {
             removed(
                 self.source_check.source_drops.remove(&ifindex),
                 sources::DROPS.name,
             )?;
-            self.endpoint
-                .record_source_set(ifindex, &unchecked_set(owner))?;
+            self.record_own_source_set(new, ifindex, &unchecked_set(owner))?;
             return self.rewrite_siblings(&siblings, None);
         };
         let sibling_owns: Vec<SourceCheck> =
@@ -67,11 +68,12 @@ impl SourceChecking for EbpfBackend {
         let admitted = check.admitting(&sibling_owns);
         fits_a_source_check(&endpoint.attachment.container_id, &admitted)?;
         let wanted = stored_set(owner, check, &admitted);
-        let counted = found(
-            self.source_check.source_drops.get(&ifindex, 0),
-            sources::DROPS.name,
-        )?
-        .is_some();
+        let counted = !new
+            && found(
+                self.source_check.source_drops.get(&ifindex, 0),
+                sources::DROPS.name,
+            )?
+            .is_some();
         if !counted {
             let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
                 name: sources::DROPS.name,
@@ -87,8 +89,7 @@ impl SourceChecking for EbpfBackend {
                 .insert(&ifindex, zeroed, 0)
                 .map_err(map_error("could not write map source_drops"))?;
         }
-        // Leaves an unchanged set unwritten.
-        self.endpoint.record_source_set(ifindex, &wanted)?;
+        self.record_own_source_set(new, ifindex, &wanted)?;
         self.rewrite_siblings(&siblings, Some(check))
     }
 
@@ -155,6 +156,21 @@ impl SourceChecking for EbpfBackend {
 }
 
 impl EbpfBackend {
+    /// Records the attachment's own source set for its interface `ifindex` (an unchanged set
+    /// stays unwritten); a `new` attachment's goes into the record `setup_endpoint` writes.
+    fn record_own_source_set(
+        &mut self,
+        new: bool,
+        ifindex: u32,
+        set: &SourceSet,
+    ) -> Result<(), BackendError> {
+        if new {
+            self.endpoint.defer_source_set(ifindex, set);
+            return Ok(());
+        }
+        self.endpoint.record_source_set(ifindex, set)
+    }
+
     /// The checked attachments of `endpoint`'s container other than its own; none looked for
     /// when the container has no other interface.
     fn siblings_of(&self, endpoint: &Endpoint) -> Result<Vec<Sibling>, BackendError> {

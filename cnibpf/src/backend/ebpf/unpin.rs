@@ -1,20 +1,10 @@
 //! Removing pins: a map's or a program's, a link's (its hook detached first), a directory of
 //! them. The kernel frees what a pin held once nothing else holds it.
 
-use std::{
-    ffi::CString,
-    fs, io,
-    os::{
-        fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd},
-        unix::ffi::OsStrExt,
-    },
-    path::Path,
-};
+use std::{fs, io, os::fd::AsFd as _, path::Path};
 
+use super::sys;
 use crate::{backend::BackendError, paths::PinLayout};
-
-const BPF_OBJ_GET: libc::c_long = 7;
-const BPF_LINK_DETACH: libc::c_long = 34;
 
 pub(super) fn remove_pin(path: &Path) -> Result<(), BackendError> {
     match fs::remove_file(path) {
@@ -40,12 +30,12 @@ pub(super) fn detach_link(path: &Path) -> Result<(), BackendError> {
             source: Box::new(source),
         }
     };
-    let link = match pinned_object(path) {
+    let link = match sys::obj_get(path) {
         Ok(link) => link,
         Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(source) => return Err(error("open")(source)),
     };
-    match detach(link.as_fd()) {
+    match sys::link_detach(link.as_fd()) {
         Ok(()) => {}
         Err(source) if source.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
         Err(source) => return Err(error("detach")(source)),
@@ -67,35 +57,6 @@ pub(super) fn detach_links(pins: &PinLayout) -> Result<(), BackendError> {
     };
     for entry in entries {
         detach_link(&entry.map_err(list_error)?.path())?;
-    }
-    Ok(())
-}
-
-/// `BPF_OBJ_GET`: a new descriptor of the object pinned at `path`.
-pub(super) fn pinned_object(path: &Path) -> io::Result<OwnedFd> {
-    let path = CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // union bpf_attr, BPF_OBJ_GET: pathname, bpf_fd, file_flags.
-    let mut attr = [0u8; 16];
-    attr[0..8].copy_from_slice(&(path.as_ptr() as u64).to_ne_bytes());
-    // SAFETY: bpf(2) reads the attribute, whose path outlives the call, and returns a new
-    // descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, attr.as_ptr(), attr.len()) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the kernel just returned this descriptor to us, nobody else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-}
-
-/// `BPF_LINK_DETACH`: the link's program leaves its hook now; the link lives on, defunct.
-fn detach(link: BorrowedFd<'_>) -> io::Result<()> {
-    // union bpf_attr, BPF_LINK_DETACH: link_fd.
-    let attr = (link.as_raw_fd() as u32).to_ne_bytes();
-    // SAFETY: bpf(2) reads the four bytes of the attribute; no pointers in it.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_LINK_DETACH, attr.as_ptr(), attr.len()) };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
     }
     Ok(())
 }
