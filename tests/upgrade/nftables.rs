@@ -188,7 +188,12 @@ fn await_child(
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    panic!("no {what} of process {parent} within 20 s")
+    let parent_state = std::fs::read_to_string(format!("/proc/{parent}/stat"))
+        .map_or_else(|_| "gone".to_owned(), |stat| stat.trim().to_owned());
+    let children = children_of(parent);
+    panic!(
+        "no {what} of process {parent} within 20 s; the process: {parent_state}; its children: {children:?}"
+    )
 }
 
 /// The system call process `pid` is in, by number (`/proc/<pid>/syscall`).
