@@ -3,13 +3,12 @@
 //! attachments through it; each backend is worked on even when another fails, and every
 //! failure is reported.
 
+pub use crate::backend::Plan;
 use crate::{
-    backend::{self, Access, AttachmentRecord, Backend, BackendError, Endpoint},
+    backend::{self, Access, AttachmentRecord, Backend, BackendError},
     journal,
     lock::{InstanceLock, LockError, lock_timeout},
-    model::{
-        Attachment, BackendChoice, Capacity, Filter, Masquerade, ResolvedMapping, SourceCheck,
-    },
+    model::{BackendChoice, Capacity},
     paths::PinLayout,
     phases,
 };
@@ -20,18 +19,6 @@ pub enum InstanceError {
     Lock(#[from] LockError),
     #[error(transparent)]
     Backend(#[from] BackendError),
-}
-
-/// What one attachment is to be, as ADD sets it up and CHECK compares it.
-pub struct Plan {
-    pub attachment: Attachment,
-    pub endpoint: Endpoint,
-    pub mappings: Vec<ResolvedMapping>,
-    pub masquerade: Option<Masquerade>,
-    /// `None`: the attachment is not filtered (no rules, default ALLOW).
-    pub filter: Option<Filter>,
-    /// `None`: `sourceCheck: false`.
-    pub source_check: Option<SourceCheck>,
 }
 
 /// What [`Instance::collect`] removed (committed) and what failed, by backend.
@@ -84,63 +71,14 @@ impl Serving {
         let backend = &mut self.backend;
         let owner = plan.attachment.owner_id();
         // A hostPort may be held by an attachment of either backend: the others' are checked
-        // here, the serving backend's own refuses in setup_port_mappings, atomically with
-        // claiming.
+        // here, the serving backend's own refuses in its apply, atomically with claiming.
         for other in &mut self.instance.backends {
             backend::refuse_held_host_ports(other.as_mut(), owner, &plan.mappings)?;
             // What it reclaimed from attachments whose interface is gone.
             other.commit()?;
         }
         phases::mark("other backends");
-        let marked = |name| {
-            move |()| {
-                phases::mark(name);
-                Ok(())
-            }
-        };
-        // The filter and the source check go first: once the datapath is hooked onto the
-        // interface, no packet may pass unfiltered or unchecked.
-        let applied = backend
-            .setup_filter(&plan.endpoint, plan.filter.as_ref())
-            .and_then(marked("filter"))
-            .and_then(|()| backend.setup_source_check(&plan.endpoint, plan.source_check.as_ref()))
-            .and_then(marked("source check"))
-            .and_then(|()| backend.setup_endpoint(&plan.endpoint))
-            .and_then(marked("endpoint"))
-            .and_then(|()| backend.refresh_host_addresses(&plan.endpoint.service_interfaces))
-            .and_then(|()| backend.refresh_uplinks(&plan.endpoint.uplinks))
-            .and_then(marked("uplinks"))
-            .and_then(|()| backend.setup_port_mappings(&plan.endpoint, &plan.mappings))
-            .and_then(marked("port mappings"))
-            .and_then(|()| backend.setup_masquerade(&plan.endpoint, plan.masquerade.as_ref()))
-            .and_then(marked("masquerade"))
-            .and_then(|()| backend.commit())
-            .and_then(marked("commit"));
-        if let Err(error) = applied {
-            // Undo: an attachment is either complete or absent. (The filter is found by its
-            // interface: the attachment may not be recorded yet; the source check by its
-            // owner.)
-            let undone = BackendError::collect(
-                [
-                    (
-                        "remove",
-                        backend::remove_attachment(backend.as_mut(), owner),
-                    ),
-                    ("unfilter", backend.setup_filter(&plan.endpoint, None)),
-                    ("commit", backend.commit()),
-                ]
-                .into_iter()
-                .filter_map(|(step, outcome)| outcome.err().map(|error| (step, error)))
-                .collect(),
-            );
-            return Err(match undone {
-                Ok(()) => error,
-                Err(undo) => BackendError::UndoFailed {
-                    failed: Box::new(error),
-                    undo: Box::new(undo),
-                },
-            });
-        }
+        backend.apply(plan)?;
         for mapping in &plan.mappings {
             journal::note(journal::Change::HostPortHeld(mapping.to_string()));
         }
@@ -149,7 +87,7 @@ impl Serving {
         // new one serves it.
         for other in &mut self.instance.backends {
             if other.holds(owner)? {
-                backend::remove_attachment(other.as_mut(), owner)?;
+                other.remove(owner)?;
                 other.commit()?;
             }
         }
@@ -220,7 +158,7 @@ impl Instance {
         let mut failures = Vec::new();
         for backend in &mut self.backends {
             journal::backend(backend.name());
-            let removed = backend::remove_attachment(backend.as_mut(), owner);
+            let removed = backend.remove(owner);
             phases::mark("remove");
             let committed = backend.commit();
             phases::mark("commit");
@@ -255,14 +193,7 @@ impl Instance {
             )));
         };
         journal::backend(backend.name());
-        backend.check_endpoint(&plan.endpoint)?;
-        backend.check_port_mappings(&plan.endpoint, &plan.mappings)?;
-        backend.refresh_host_addresses(&plan.endpoint.service_interfaces)?;
-        backend.refresh_uplinks(&plan.endpoint.uplinks)?;
-        backend.check_masquerade(&plan.endpoint, plan.masquerade.as_ref())?;
-        backend.check_filter(&plan.endpoint, plan.filter.as_ref())?;
-        backend.check_source_check(&plan.endpoint, plan.source_check.as_ref())?;
-        backend.commit()
+        backend.check(plan)
     }
 
     /// Garbage collection on every backend: the attachments `stale` says are stale are
@@ -283,7 +214,7 @@ impl Instance {
                     for record in records {
                         let outcome = stale(&record).and_then(|gone| {
                             if gone {
-                                backend::remove_attachment(backend.as_mut(), record.owner)?;
+                                backend.remove(record.owner)?;
                             }
                             Ok(gone)
                         });

@@ -1,12 +1,16 @@
-//! Datapath backends. Each capability is a trait of symmetric setup/teardown pairs (with
-//! CHECK's verification and inspect's view beside them); a backend is every capability plus
-//! what spans them. Handles to kernel objects stay inside the backend that made them.
+//! Datapath backends. The verbs use a [`Backend`]: apply an attachment's [`Plan`], remove an
+//! attachment, check one against its plan, list what is there ([`Inspect`]). A [`Datapath`]
+//! (eBPF, nftables) serves them from its capabilities, each a trait of symmetric
+//! setup/teardown pairs with CHECK's verification beside them; state of another layout serves
+//! them as [`Drained`], which only lets attachments go. Handles to kernel objects stay inside
+//! the backend that made them.
 
 pub mod compat;
 pub mod ebpf;
 mod error;
 pub mod nftables;
 pub mod purge;
+mod verbs;
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -16,7 +20,11 @@ use std::{
 use cnibpf_common::drops::{DropCount, DropReason};
 use ipnet::IpNet;
 
-pub use self::{compat::Draining, error::BackendError};
+pub use self::{
+    compat::{Drained, Draining},
+    error::BackendError,
+    verbs::{Backend, Datapath, Plan},
+};
 use crate::{
     journal,
     model::{
@@ -248,19 +256,6 @@ pub struct FlowTable {
     pub capacity: u64,
 }
 
-/// A datapath: every capability, what reads them back, and what spans them.
-pub trait Backend:
-    Endpoints + PortMappings + Masquerading + Filtering + SourceChecking + Inspect
-{
-    fn name(&self) -> &'static str;
-    /// Removes expired connection-tracking state of every attachment. GC, which runtimes call
-    /// periodically, runs it: no daemon runs between CNI calls.
-    fn sweep_expired(&mut self) -> Result<(), BackendError>;
-    /// Applies the changes of this operation. The eBPF backend applies each as it is made (so
-    /// it has nothing left to do); the nftables backend collects them into one transaction.
-    fn commit(&mut self) -> Result<(), BackendError>;
-}
-
 /// Fails with "hostPort in use" (100) naming the holder when another live attachment of
 /// `backend` holds a hostPort overlapping one of `wanted`. A holder whose host interface is
 /// gone (its pod's network namespace went without a DEL) is reclaimed instead: no DEL will
@@ -280,7 +275,7 @@ pub fn refuse_held_host_ports(
             if let Some(record) = &record
                 && is_stale(record)?
             {
-                remove_attachment(backend, holder)?;
+                backend.remove(holder)?;
                 journal::note(journal::Change::Reclaimed(record.attachment.to_string()));
                 continue;
             }
@@ -325,23 +320,6 @@ pub fn is_stale(record: &AttachmentRecord) -> Result<bool, BackendError> {
 /// The `host_ifindex` of an [`AttachmentRecord`] whose interface the kernel said is gone (no
 /// interface has index 0).
 pub const GONE_IFINDEX: u32 = 0;
-
-/// Removes everything of the attachment from `backend`. Every capability is torn down even
-/// when another fails (what can go, goes); the record goes last, and only once nothing else
-/// of the attachment is left, so that a retried DEL or a GC still finds what is.
-pub fn remove_attachment(backend: &mut dyn Backend, owner: u64) -> Result<(), BackendError> {
-    let failures: Vec<(&'static str, BackendError)> = [
-        ("masquerade", backend.teardown_masquerade(owner)),
-        ("port mappings", backend.teardown_port_mappings(owner)),
-        ("filter", backend.teardown_filter(owner)),
-        ("source check", backend.teardown_source_check(owner)),
-    ]
-    .into_iter()
-    .filter_map(|(step, outcome)| outcome.err().map(|error| (step, error)))
-    .collect();
-    BackendError::collect(failures)?;
-    backend.teardown_endpoint(owner)
-}
 
 /// Refuses a container whose attachments hold more addresses of a family than a source check
 /// holds (the eBPF backend's element; the same limit on both backends).

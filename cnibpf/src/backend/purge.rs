@@ -8,7 +8,7 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use super::{Access, BackendError, ebpf, existing, remove_attachment};
+use super::{Access, BackendError, ebpf, existing};
 use crate::{config::ReleaseOnly, paths::PinLayout};
 
 /// Whether a backend holds any attachment of the instance at `pins` (for nftables, of any
@@ -55,7 +55,7 @@ pub fn purge(pins: &PinLayout) -> Result<Vec<String>, BackendError> {
     for mut backend in existing(pins, Access::Changes)? {
         let records = backend.attachments()?;
         for record in &records {
-            remove_attachment(backend.as_mut(), record.owner)?;
+            backend.remove(record.owner)?;
         }
         backend.commit()?;
         for record in &records {

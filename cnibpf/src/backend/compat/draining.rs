@@ -1,150 +1,112 @@
 //! Backends that only let attachments go: state of a layout this build does not write (a
-//! newer eBPF layout, an older nftables table). Nothing is set up, checked or read back there
-//! but which attachments it holds; an attachment's hostPorts, masquerade, filter and source
-//! check leave with its endpoint, whose teardown each such backend implements itself.
+//! newer eBPF layout, an older nftables table). Nothing is applied, checked or read back there
+//! but which attachments it holds; an attachment leaves whole, as each such state releases it.
 
 use cnibpf_common::drops::{DropCount, DropReason};
 
-use crate::backend::{
-    AttachmentRecord, BackendError, Endpoint, FilterRecord, Filtering, FlowTable, Inspect,
-    MasqueradeRecord, Masquerading, PortMappings, SourceCheckRecord, SourceChecking,
-    UplinkAddresses,
-};
 use crate::{
-    model::{Filter, Masquerade, ResolvedMapping, SourceCheck},
-    netlink::Link,
+    backend::{
+        AttachmentRecord, Backend, BackendError, FilterRecord, FlowTable, Inspect,
+        MasqueradeRecord, Plan, SourceCheckRecord, UplinkAddresses,
+    },
+    model::ResolvedMapping,
 };
 
+/// State of another layout, as [`Drained`] serves it.
 pub trait Draining {
-    /// The error every setup, check and read-back answers: what the state is, and that DEL
+    /// The backend whose state it is.
+    fn backend_name(&self) -> &'static str;
+
+    /// The error every apply, check and read-back answers: what the state is, and that DEL
     /// and GC still release its attachments.
     fn refused(&self) -> BackendError;
 
     /// The attachments the state still holds, from what every layout keeps of them.
     fn held(&self) -> Result<Vec<AttachmentRecord>, BackendError>;
+
+    /// Lets the attachment `owner` go, with all it holds; nothing held is nothing to do.
+    fn release(&mut self, owner: u64) -> Result<(), BackendError>;
+
+    /// Makes the releases of this operation take effect (and what is left of the state go
+    /// with its last attachment).
+    fn commit_releases(&mut self) -> Result<(), BackendError>;
 }
 
-impl<T: Draining> Inspect for T {
-    fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
-        self.held()
+/// The four verbs on state of another layout: its attachments are removed and listed, never
+/// applied or checked. Its flows are the other build's (or the kernel's) to expire.
+pub struct Drained<S>(pub S);
+
+impl<S: Draining> Backend for Drained<S> {
+    fn name(&self) -> &'static str {
+        self.0.backend_name()
     }
 
-    fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
-        Err(self.refused())
+    fn apply(&mut self, _: &Plan) -> Result<(), BackendError> {
+        Err(self.0.refused())
     }
 
-    fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError> {
-        Err(self.refused())
+    fn remove(&mut self, owner: u64) -> Result<(), BackendError> {
+        self.0.release(owner)
     }
 
-    fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn source_checks(&self) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn drops(&self) -> Result<Option<Vec<(DropReason, DropCount)>>, BackendError> {
-        Err(self.refused())
-    }
-
-    fn flow_tables(&self) -> Result<Vec<FlowTable>, BackendError> {
-        Err(self.refused())
-    }
-}
-
-impl<T: Draining> PortMappings for T {
-    fn setup_port_mappings(
-        &mut self,
-        _: &Endpoint,
-        _: &[ResolvedMapping],
-    ) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    fn teardown_port_mappings(&mut self, _: u64) -> Result<(), BackendError> {
-        Ok(())
-    }
-
-    fn check_port_mappings(&self, _: &Endpoint, _: &[ResolvedMapping]) -> Result<(), BackendError> {
-        Err(self.refused())
+    fn check(&mut self, _: &Plan) -> Result<(), BackendError> {
+        Err(self.0.refused())
     }
 
     /// Which hostPorts such state holds is not known here: an ADD served by the other
     /// backend is refused rather than risk a conflict.
     fn holder_of(&self, _: u64, _: &ResolvedMapping) -> Result<Option<u64>, BackendError> {
-        Err(self.refused())
+        Err(self.0.refused())
     }
 
     /// Such state takes no new hostPort: nothing follows the node's addresses there.
     fn refresh_host_addresses(&mut self, _: &[String]) -> Result<(), BackendError> {
         Ok(())
     }
-}
 
-impl<T: Draining> Masquerading for T {
-    fn setup_masquerade(
-        &mut self,
-        _: &Endpoint,
-        _: Option<&Masquerade>,
-    ) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    fn teardown_masquerade(&mut self, _: u64) -> Result<(), BackendError> {
+    fn sweep_expired(&mut self) -> Result<(), BackendError> {
         Ok(())
     }
 
-    fn check_masquerade(&self, _: &Endpoint, _: Option<&Masquerade>) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    fn refresh_uplinks(&mut self, _: &[Link]) -> Result<(), BackendError> {
-        Err(self.refused())
+    fn commit(&mut self) -> Result<(), BackendError> {
+        self.0.commit_releases()
     }
 }
 
-impl<T: Draining> Filtering for T {
-    fn setup_filter(&mut self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
-        Err(self.refused())
+impl<S: Draining> Inspect for Drained<S> {
+    fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
+        self.0.held()
     }
 
-    fn teardown_filter(&mut self, _: u64) -> Result<(), BackendError> {
-        Ok(())
+    fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {
+        Err(self.0.refused())
     }
 
-    fn check_filter(&self, _: &Endpoint, _: Option<&Filter>) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-}
-
-impl<T: Draining> SourceChecking for T {
-    fn setup_source_check(
-        &mut self,
-        _: &Endpoint,
-        _: Option<&SourceCheck>,
-    ) -> Result<(), BackendError> {
-        Err(self.refused())
+    fn masquerades(&self) -> Result<Vec<(u64, MasqueradeRecord)>, BackendError> {
+        Err(self.0.refused())
     }
 
-    fn teardown_source_check(&mut self, _: u64) -> Result<(), BackendError> {
-        Ok(())
+    fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
+        Err(self.0.refused())
     }
 
-    fn check_source_check(
-        &self,
-        _: &Endpoint,
-        _: Option<&SourceCheck>,
-    ) -> Result<(), BackendError> {
-        Err(self.refused())
+    fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
+        Err(self.0.refused())
+    }
+
+    fn source_checks(&self) -> Result<Vec<(u64, SourceCheckRecord)>, BackendError> {
+        Err(self.0.refused())
+    }
+
+    fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
+        Err(self.0.refused())
+    }
+
+    fn drops(&self) -> Result<Option<Vec<(DropReason, DropCount)>>, BackendError> {
+        Err(self.0.refused())
+    }
+
+    fn flow_tables(&self) -> Result<Vec<FlowTable>, BackendError> {
+        Err(self.0.refused())
     }
 }

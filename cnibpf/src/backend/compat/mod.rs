@@ -10,7 +10,7 @@
 
 mod draining;
 
-pub use draining::Draining;
+pub use draining::{Drained, Draining};
 
 /// The newest release of the supported window, which migrates every earlier layout (eBPF 6 to
 /// 9, nftables 2): a node on a release before the window upgrades to it first.

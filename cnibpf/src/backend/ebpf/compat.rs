@@ -28,7 +28,7 @@ use super::{
     unpin::{detach_link, detach_links, remove_tree},
 };
 use crate::{
-    backend::{AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, is_stale},
+    backend::{AttachmentRecord, BackendError, Draining, is_stale},
     model::Attachment,
     paths::PinLayout,
 };
@@ -146,13 +146,26 @@ fn record_of(key: &[u8], value: &[u8]) -> AttachmentRecord {
     }
 }
 
-impl Endpoints for OtherLayout {
-    fn setup_endpoint(&mut self, _: &Endpoint) -> Result<(), BackendError> {
-        Err(self.refused())
+impl Draining for OtherLayout {
+    fn backend_name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn refused(&self) -> BackendError {
+        let (path, found) = (self.pins.root().to_owned(), self.found);
+        if found > cnibpf_common::datapath::layout::VERSION {
+            BackendError::NewerState { path, found }
+        } else {
+            BackendError::OlderState { path, found }
+        }
+    }
+
+    fn held(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
+        self.records()
     }
 
     /// Unhooks the attachment and, in a newer layout, marks its entry released.
-    fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
+    fn release(&mut self, owner: u64) -> Result<(), BackendError> {
         let key = owner.to_ne_bytes();
         let Some(owners) = &self.owners else {
             return Ok(());
@@ -175,37 +188,7 @@ impl Endpoints for OtherLayout {
         owners.set(&key, &value).map_err(self.map_error("write"))
     }
 
-    fn check_endpoint(&self, _: &Endpoint) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-}
-
-impl Draining for OtherLayout {
-    fn refused(&self) -> BackendError {
-        let (path, found) = (self.pins.root().to_owned(), self.found);
-        if found > cnibpf_common::datapath::layout::VERSION {
-            BackendError::NewerState { path, found }
-        } else {
-            BackendError::OlderState { path, found }
-        }
-    }
-
-    fn held(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
-        self.records()
-    }
-}
-
-impl Backend for OtherLayout {
-    fn name(&self) -> &'static str {
-        "ebpf"
-    }
-
-    /// The newer cnibpf's flows are its own to expire.
-    fn sweep_expired(&mut self) -> Result<(), BackendError> {
-        Ok(())
-    }
-
-    fn commit(&mut self) -> Result<(), BackendError> {
+    fn commit_releases(&mut self) -> Result<(), BackendError> {
         self.remove_if_unused()
     }
 }

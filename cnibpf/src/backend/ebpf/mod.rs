@@ -42,7 +42,7 @@ use self::{
     connections::ConnectionMaps, endpoint::EndpointMaps, filter::FilterMaps,
     masquerade::MasqueradeMaps, portmap::PortMapMaps, sources::SourceMaps,
 };
-use super::{Access, Backend, BackendError};
+use super::{Access, Backend, BackendError, Datapath, Drained};
 use crate::{model::Capacity, paths::PinLayout};
 
 /// The pinned datapath, as one bundle of map handles per capability, each defined and opened
@@ -200,7 +200,9 @@ impl EbpfBackend {
     /// refused (see `compat`).
     pub fn open_for_removal(pins: &PinLayout) -> Result<Option<Box<dyn Backend>>, BackendError> {
         if let PinnedState::Newer(found) | PinnedState::Older(found) = check_layout(pins)? {
-            return Ok(Some(Box::new(compat::OtherLayout::open(pins, found)?)));
+            return Ok(Some(Box::new(Drained(compat::OtherLayout::open(
+                pins, found,
+            )?))));
         }
         Ok(Self::open_existing(pins, Access::Changes)?
             .map(|backend| Box::new(backend) as Box<dyn Backend>))
@@ -276,17 +278,17 @@ impl EbpfBackend {
     }
 }
 
-impl Backend for EbpfBackend {
-    fn name(&self) -> &'static str {
+impl Datapath for EbpfBackend {
+    fn datapath_name(&self) -> &'static str {
         "ebpf"
     }
 
-    fn sweep_expired(&mut self) -> Result<(), BackendError> {
+    fn sweep_expired_state(&mut self) -> Result<(), BackendError> {
         self.sweep_expired_connections()?;
         self.sweep_orphaned_source_checks()
     }
 
-    fn commit(&mut self) -> Result<(), BackendError> {
+    fn commit_changes(&mut self) -> Result<(), BackendError> {
         Ok(())
     }
 }

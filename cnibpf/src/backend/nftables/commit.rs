@@ -12,7 +12,7 @@ use super::{
     store::{OwnerId, State},
 };
 use crate::{
-    backend::{BackendError, remove_attachment},
+    backend::{Backend, BackendError},
     journal,
     model::ResolvedMapping,
     netlink,
@@ -269,7 +269,7 @@ impl NftablesBackend {
             let Some(stale) = self.stale_holder()? else {
                 break;
             };
-            remove_attachment(self, stale)?;
+            Backend::remove(self, stale)?;
             reclaimed.push(stale);
             next = self.next_state()?;
             applied = self.attempt(Vec::new(), &next);

@@ -65,7 +65,7 @@ pub use self::{
     error::NftablesError,
     host::{HostChain, firewall_chains},
 };
-use super::{Access, Backend, BackendError};
+use super::{Access, Backend, BackendError, Datapath, Drained};
 use crate::{
     model::{Protocol, ResolvedMapping, SourceCheck},
     paths::PinLayout,
@@ -214,12 +214,12 @@ impl NftablesBackend {
             return Ok(None);
         }
         match layout(comment)? {
-            TableLayout::Other(comment) => {
-                Ok(Some(Box::new(OtherLayout::open(Refusal::Layout(comment))?)))
-            }
-            TableLayout::Current { .. } if store.state().is_none() => Ok(Some(Box::new(
+            TableLayout::Other(comment) => Ok(Some(Box::new(Drained(OtherLayout::open(
+                Refusal::Layout(comment),
+            )?)))),
+            TableLayout::Current { .. } if store.state().is_none() => Ok(Some(Box::new(Drained(
                 OtherLayout::open(Refusal::StateMissing(store.path().to_owned()))?,
-            ))),
+            )))),
             layout => Ok(Some(Box::new(Self::open_as(
                 layout,
                 store,
@@ -266,17 +266,17 @@ impl NftablesBackend {
     }
 }
 
-impl Backend for NftablesBackend {
-    fn name(&self) -> &'static str {
+impl Datapath for NftablesBackend {
+    fn datapath_name(&self) -> &'static str {
         "nftables"
     }
 
-    fn sweep_expired(&mut self) -> Result<(), BackendError> {
+    fn sweep_expired_state(&mut self) -> Result<(), BackendError> {
         // The kernel's connection tracking expires its own entries.
         Ok(())
     }
 
-    fn commit(&mut self) -> Result<(), BackendError> {
+    fn commit_changes(&mut self) -> Result<(), BackendError> {
         let has_work = self
             .changes
             .values()

@@ -13,9 +13,7 @@ use nftables::{batch::Batch, expr::Expression, schema::NfListObject};
 
 use super::super::{NftablesError, host, listing::Listing, nft, parse_owner};
 use crate::{
-    backend::{
-        AttachmentRecord, Backend, BackendError, Draining, Endpoint, Endpoints, GONE_IFINDEX,
-    },
+    backend::{AttachmentRecord, BackendError, Draining, GONE_IFINDEX},
     netlink,
 };
 
@@ -100,25 +98,11 @@ impl OtherLayout {
     }
 }
 
-impl Endpoints for OtherLayout {
-    fn setup_endpoint(&mut self, _: &Endpoint) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-
-    /// The attachment leaves whole with the commit.
-    fn teardown_endpoint(&mut self, owner: u64) -> Result<(), BackendError> {
-        if self.owner_text(owner).is_some() {
-            self.leaving.insert(owner);
-        }
-        Ok(())
-    }
-
-    fn check_endpoint(&self, _: &Endpoint) -> Result<(), BackendError> {
-        Err(self.refused())
-    }
-}
-
 impl Draining for OtherLayout {
+    fn backend_name(&self) -> &'static str {
+        "nftables"
+    }
+
     fn refused(&self) -> BackendError {
         match &self.refusal {
             Refusal::Layout(found) => NftablesError::Layout {
@@ -162,19 +146,16 @@ impl Draining for OtherLayout {
         }
         Ok(held)
     }
-}
 
-impl Backend for OtherLayout {
-    fn name(&self) -> &'static str {
-        "nftables"
-    }
-
-    /// The kernel's conntrack expires what the table's rules made.
-    fn sweep_expired(&mut self) -> Result<(), BackendError> {
+    /// The attachment leaves whole with the commit.
+    fn release(&mut self, owner: u64) -> Result<(), BackendError> {
+        if self.owner_text(owner).is_some() {
+            self.leaving.insert(owner);
+        }
         Ok(())
     }
 
-    fn commit(&mut self) -> Result<(), BackendError> {
+    fn commit_releases(&mut self) -> Result<(), BackendError> {
         if self.leaving.is_empty() {
             return Ok(());
         }
