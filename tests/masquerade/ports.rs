@@ -191,6 +191,88 @@ fn port_mapping_keeps_working_with_masquerade_on(backend: Backend) {
     );
 }
 
+/// The address as the datapath's maps hold it.
+fn map_address(addr: IpAddr) -> Address {
+    match addr {
+        IpAddr::V4(addr) => Address::ipv4(addr.octets()),
+        IpAddr::V6(addr) => Address::from_bytes(addr.octets()),
+    }
+}
+
+/// CLOCK_MONOTONIC's second plus one, as the datapath stamps a claim.
+fn claim_clock() -> u32 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .unwrap_or_else(|error| panic!("CLOCK_MONOTONIC: {error}"));
+    u32::try_from(now.tv_sec()).expect("seconds since boot") + 1
+}
+
+/// Two containers' first packets from one source port towards one server masqueraded at the
+/// same moment on two CPUs: the one that claims the reply tuple second finds the first one's
+/// claim before the first flow's connection state is written. A claim that fresh holds its
+/// port (the second flow moves to another), an old one without state is taken over. The
+/// claim of the other CPU is put in `masq_replies` by hand, without its connection state.
+#[test]
+fn a_claim_made_a_moment_ago_holds_its_port_before_its_flows_state_is_written() {
+    let host = masquerading(Backend::Ebpf, "mq-fresh");
+    let container = host.container("c1", Value::Null);
+    for family in Family::BOTH {
+        let udp = UdpServer::start(&host.outside, family.any(5353), "hello");
+        let target = SocketAddr::new(family.outside(), 5353);
+        let mut replies = host.pinned_hash_map::<ReplyKey, MasqReply>("masq_replies");
+        let claim = |port: u16, claimed_at: u32| {
+            let key = ReplyKey {
+                src_addr: map_address(family.outside()),
+                dst_addr: map_address(uplink_address(family)),
+                src_port: 5353,
+                dst_port: port,
+                protocol: cnibpf_common::PROTO_UDP,
+                family: match family {
+                    Family::V4 => cnibpf_common::FAMILY_IPV4,
+                    Family::V6 => cnibpf_common::FAMILY_IPV6,
+                },
+                _pad: 0,
+            };
+            let value = MasqReply {
+                container_addr: map_address(far(family, 0).ip()),
+                owner: 0x5eed,
+                host_ifindex: 1,
+                container_port: port,
+                claimed_at,
+                ..MasqReply::default()
+            };
+            (key, value)
+        };
+        let (fresh_key, fresh) = claim(41_000, claim_clock());
+        replies
+            .insert(&fresh_key, &fresh, 0)
+            .expect("a fresh claim");
+        let (old_key, old) = claim(41_001, 1);
+        replies.insert(&old_key, &old, 0).expect("an old claim");
+        for source_port in [41_000, 41_001] {
+            let (answer, _) = container
+                .netns
+                .run(move || udp_exchange_from(source_port, target, CLIENT_TIMEOUT))
+                .unwrap_or_else(|error| panic!("{family:?} from port {source_port}: {error}"));
+            assert_eq!(answer, "hello");
+        }
+        let ports: Vec<u16> = udp.peers().iter().map(SocketAddr::port).collect();
+        assert_eq!(ports.len(), 2, "{family:?}: {ports:?}");
+        assert_ne!(
+            ports[0], 41_000,
+            "{family:?}: the fresh claim holds its port"
+        );
+        assert_eq!(
+            ports[1], 41_001,
+            "{family:?}: the old claim without state is taken over"
+        );
+        assert_eq!(
+            replies.get(&fresh_key, 0).expect("the fresh claim").owner,
+            0x5eed,
+            "{family:?}: the fresh claim is still its flow's"
+        );
+    }
+}
+
 for_both_backends!(
     source_ports_are_kept_when_free_and_a_collision_picks_another,
     a_port_a_host_socket_holds_is_not_taken_for_a_container,

@@ -14,7 +14,7 @@ pub mod uplinks;
 
 pub use excludes::{EXCLUDES, MasqExcludeKey};
 pub use host_clashes::{HOST_CLASHES, HostClashes};
-pub use replies::{MasqReply, REPLIES, ReplyKey};
+pub use replies::{CLAIM_GRACE_SECONDS, MasqReply, REPLIES, ReplyKey};
 pub use stats::{MasqStats, STATS};
 pub use uplinks::{UPLINKS, UplinkInfo};
 

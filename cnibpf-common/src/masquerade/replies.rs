@@ -48,8 +48,15 @@ pub struct MasqReply {
     pub _pad: u16,
     pub container_mac: [u8; 6],
     pub gateway_mac: [u8; 6],
-    pub _pad2: u32,
+    /// When the flow claimed the reply tuple: CLOCK_MONOTONIC's second plus one (zero: claimed
+    /// by a build that did not say; such a claim is old). A claim younger than
+    /// [`CLAIM_GRACE_SECONDS`] is never taken over for want of its flow's connection state,
+    /// which its flow writes right after claiming.
+    pub claimed_at: u32,
 }
 const _: () = assert!(size_of::<MasqReply>() == 48);
+
+/// How long a fresh claim of a reply tuple holds even without its flow's connection state.
+pub const CLAIM_GRACE_SECONDS: u32 = 2;
 
 impl_pod!(ReplyKey, MasqReply);

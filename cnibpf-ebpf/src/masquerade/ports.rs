@@ -16,7 +16,7 @@ use cnibpf_common::{
     FAMILY_IPV4, PROTO_TCP, PROTO_UDP,
     address::Address,
     connections::{ConnectionKey, PART_SNAT},
-    masquerade::{MasqReply, ReplyKey},
+    masquerade::{CLAIM_GRACE_SECONDS, MasqReply, ReplyKey},
     packet::masquerade_port_range,
 };
 
@@ -125,7 +125,7 @@ pub(super) fn claim_port(flow: &Flow, plan: &Plan, keep_own_port: bool) -> Optio
         _pad: 0,
         container_mac: plan.source.container_mac,
         gateway_mac: plan.source.gateway_mac,
-        _pad2: 0,
+        claimed_at: claim_clock(),
     };
     search.span = span;
     search.low = low;
@@ -195,6 +195,10 @@ fn claim(reverse: &ReplyKey, reply: &MasqReply, holder_key: &mut ConnectionKey) 
         && holder.container_port == reply.container_port
     {
         true
+    } else if is_fresh(holder.claimed_at, reply.claimed_at) {
+        // Another CPU's flow claimed it a moment ago and is writing its connection state: the
+        // missing state is no sign of a gone flow yet.
+        false
     } else {
         holder_key.container_addr = holder.container_addr;
         holder_key.remote_addr = reverse.src_addr;
@@ -215,4 +219,16 @@ fn claim(reverse: &ReplyKey, reply: &MasqReply, holder_key: &mut ConnectionKey) 
         && maps::masq_replies
             .insert(reverse, reply, u64::from(BPF_ANY))
             .is_ok()
+}
+
+/// The clock of `MasqReply::claimed_at`: CLOCK_MONOTONIC's second, plus one so that zero stays
+/// "not said".
+fn claim_clock() -> u32 {
+    ((clock::now_ns() / 1_000_000_000) as u32).wrapping_add(1)
+}
+
+/// Whether a claim made at `claimed_at` is younger than the grace at `now` (both
+/// [`claim_clock`] readings); an unsaid one (zero) is old.
+fn is_fresh(claimed_at: u32, now: u32) -> bool {
+    claimed_at != 0 && now.wrapping_sub(claimed_at) < CLAIM_GRACE_SECONDS
 }
