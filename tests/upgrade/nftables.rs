@@ -140,9 +140,17 @@ pub fn nftables_table_of_the_previous_layout_migrates(
     assert!(sim.holds_no_state(), "the last DEL removed the table");
 }
 
-/// The process ids whose parent is `parent`, with their command lines (arguments split).
-fn children_of(parent: u32) -> Vec<(u32, Vec<String>)> {
-    let mut children = Vec::new();
+/// A process of the machine: its id, its parent's, its command line (arguments split).
+#[derive(Debug)]
+struct Process {
+    pid: u32,
+    parent: u32,
+    arguments: Vec<String>,
+}
+
+/// The processes descended from `ancestor` (children, theirs, ...).
+fn descendants_of(ancestor: u32) -> Vec<Process> {
+    let mut all = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap_or_else(|error| panic!("list /proc: {error}")) {
         let Some(pid) = entry
             .ok()
@@ -150,49 +158,63 @@ fn children_of(parent: u32) -> Vec<(u32, Vec<String>)> {
         else {
             continue;
         };
-        // A process gone since the listing has neither file: it is no child.
+        // A process gone since the listing has neither file: it is no descendant.
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };
-        let ppid = stat
+        let Some(parent) = stat
             .rsplit_once(") ")
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
-        if ppid == Some(parent)
-            && let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline"))
-        {
-            let arguments = cmdline
-                .split(|byte| *byte == 0)
-                .filter(|argument| !argument.is_empty())
-                .map(|argument| String::from_utf8_lossy(argument).into_owned())
-                .collect();
-            children.push((pid, arguments));
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let arguments = cmdline
+            .split(|byte| *byte == 0)
+            .filter(|argument| !argument.is_empty())
+            .map(|argument| String::from_utf8_lossy(argument).into_owned())
+            .collect();
+        all.push(Process {
+            pid,
+            parent,
+            arguments,
+        });
+    }
+    let mut lineage = vec![ancestor];
+    let mut descendants = Vec::new();
+    while let Some(parent) = lineage.pop() {
+        for process in all.extract_if(.., |process| process.parent == parent) {
+            lineage.push(process.pid);
+            descendants.push(process);
         }
     }
-    children
+    descendants
 }
 
-/// Waits for the first child of `parent` whose command line `matches`, and for `ready` of it.
-fn await_child(
-    parent: u32,
+/// Waits for a process descended from `ancestor` whose command line `matches`, and for `ready`
+/// of it. (Whatever strace puts between itself and the command it runs, the process looked
+/// for is found.)
+fn await_descendant(
+    ancestor: u32,
     what: &str,
     matches: impl Fn(&[String]) -> bool,
     ready: impl Fn(u32) -> bool,
-) -> u32 {
+) -> Process {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while std::time::Instant::now() < deadline {
-        if let Some((pid, _)) = children_of(parent)
+        if let Some(process) = descendants_of(ancestor)
             .into_iter()
-            .find(|(pid, arguments)| matches(arguments) && ready(*pid))
+            .find(|process| matches(&process.arguments) && ready(process.pid))
         {
-            return pid;
+            return process;
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    let parent_state = std::fs::read_to_string(format!("/proc/{parent}/stat"))
-        .map_or_else(|_| "gone".to_owned(), |stat| stat.trim().to_owned());
-    let children = children_of(parent);
     panic!(
-        "no {what} of process {parent} within 20 s; the process: {parent_state}; its children: {children:?}"
+        "no {what} under process {ancestor} within 20 s; its descendants: {:?}",
+        descendants_of(ancestor)
     )
 }
 
@@ -247,14 +269,8 @@ pub fn a_migrations_transaction_landing_after_its_run_was_killed_loses_no_record
         "-e",
         "inject=sendmsg:delay_enter=1000000",
     ]);
-    let run = await_child(
+    let nft = await_descendant(
         first.id(),
-        "cnibpf run",
-        |arguments| arguments.len() > 1,
-        |_| true,
-    );
-    await_child(
-        run,
         "nft transaction",
         |arguments| {
             arguments
@@ -264,7 +280,9 @@ pub fn a_migrations_transaction_landing_after_its_run_was_killed_loses_no_record
         },
         |nft| in_system_call(nft) == Some(SENDMSG),
     );
-    // SAFETY: a plain kill(2) of a process this test started (strace's child).
+    // The run that started the transaction.
+    let run = nft.parent;
+    // SAFETY: a plain kill(2) of a process this test started (traced by strace).
     let killed = unsafe { libc::kill(i32::try_from(run).expect("a pid"), libc::SIGKILL) };
     assert_eq!(killed, 0, "kill the first migration");
     assert!(
