@@ -289,7 +289,8 @@ impl Endpoints for EbpfBackend {
             info.port_count = existing.port_count;
         }
         self.endpoint.record_owner(owner, &info)?;
-        // The source set written for this attachment before it (`record_source_set`) stays.
+        // The source set set up for this attachment before it stays: recorded
+        // (`record_source_set`), or kept for this record (`defer_source_set`).
         let sources = self
             .endpoint
             .source_set(endpoint.host.index)?
