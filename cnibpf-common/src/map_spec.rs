@@ -162,6 +162,11 @@ pub struct MapSpec {
     pub max_entries: u32,
     pub sizing: Sizing,
     pub owner: OwnerField,
+    /// The version of the map's key and value types, from 1: bumped when either changes, with
+    /// a migration of the map's entries from the version before (userspace
+    /// `backend::ebpf::compat::MAP_MIGRATIONS`). A change migrates that map alone; the
+    /// versions the pinned maps have are in [`crate::datapath::versions`].
+    pub version: u32,
 }
 
 impl MapSpec {
@@ -176,6 +181,7 @@ impl MapSpec {
             max_entries,
             sizing: Sizing::Fixed,
             owner: OwnerField::None,
+            version: 1,
         }
     }
 
@@ -228,6 +234,18 @@ mod tests {
                 .filter(|spec| spec.sizing == Sizing::Measure(dimension))
                 .count();
             assert_eq!(measures, 1, "{dimension:?}");
+        }
+    }
+
+    #[test]
+    fn map_names_fit_the_kernels_and_map_versions_keys() {
+        for spec in maps() {
+            assert!(
+                spec.name.len() <= crate::datapath::versions::MAX_NAME_LEN,
+                "{}",
+                spec.name
+            );
+            assert!(spec.version >= 1, "{}", spec.name);
         }
     }
 

@@ -48,7 +48,7 @@ static VERSION: LazyLock<String> = LazyLock::new(|| {
         "{} (commit {}; eBPF state layout {}, nftables {})",
         env!("CARGO_PKG_VERSION"),
         env!("CNIBPF_COMMIT"),
-        cnibpf_common::datapath::layout::VERSION,
+        cnibpf_common::datapath::layout::stamped(),
         backend::nftables::TABLE_LAYOUT,
     )
 });

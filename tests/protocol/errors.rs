@@ -184,3 +184,67 @@ fn a_pin_path_outside_bpffs_is_error_102() {
     assert!(sim.tcx_programs(UPLINK).is_empty());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Records `version` for the map `name` in `map_versions`, and names another build's programs
+/// in the stamp: the state another build of this layout family left, with that map at
+/// `version`.
+fn pin_map_version(sim: &SimHost, name: &str, version: u32) {
+    let mut key = [0u8; 32];
+    key[..name.len()].copy_from_slice(name.as_bytes());
+    let mut command = std::process::Command::new("bpftool");
+    command
+        .args(["map", "update", "pinned"])
+        .arg(sim.pin_path.join("map_versions"))
+        .arg("key")
+        .args(key.iter().map(u8::to_string))
+        .arg("value")
+        .args(version.to_le_bytes().iter().map(u8::to_string));
+    cnibpf_tests::netns::run_checked(&mut command);
+    let mut stamp = sim.layout_bytes();
+    stamp[16..24].copy_from_slice(&1u64.to_le_bytes());
+    sim.write_layout(&stamp);
+}
+
+/// A map a newer cnibpf left at a version of its types this build does not have (a rollback),
+/// or at one older than any it migrates, is refused as another layout is: ADD 106 naming the
+/// map and both versions, the running pod served on, its DEL releasing it and taking the state
+/// with it, after which this build starts afresh.
+#[test]
+fn a_map_of_a_version_this_build_neither_writes_nor_migrates_drains_as_a_layout() {
+    let sim = SimHost::new("proto-mapver", json!({}));
+    let c1 = sim.container("c1", port_mappings(&[(8080, 80, "tcp")]));
+    let _server = TcpServer::start(&c1.netns, Family::V4.any(80), "served");
+    for (refused, version, said) in [
+        (
+            "c2",
+            2,
+            "has map portmap at version 2, written by a newer cnibpf (this one writes version 1)",
+        ),
+        (
+            "c3",
+            0,
+            "has map portmap at version 0, older than this cnibpf's version 1 and than the releases it upgrades from",
+        ),
+    ] {
+        pin_map_version(&sim, "portmap", version);
+        let error = sim
+            .add_container(refused, port_mappings(&[(8081, 80, "tcp")]))
+            .expect_err("a map of another version must be refused");
+        assert_cni_error(&error.0, 106, said);
+        assert_eq!(
+            tcp_request(&sim.outside, sim.uplink(Family::V4, 8080)).as_deref(),
+            Ok("served"),
+            "version {version}: the running pod's hostPort is still served"
+        );
+    }
+    sim.del(&c1)
+        .unwrap_or_else(|error| panic!("the running pod's DEL: {error}"));
+    assert!(!sim.pin_path.exists(), "the last DEL removed the state");
+    let c4 = sim.container("c4", port_mappings(&[(8081, 80, "tcp")]));
+    let _server = TcpServer::start(&c4.netns, Family::V4.any(80), "afresh");
+    assert_eq!(
+        tcp_request(&sim.outside, sim.uplink(Family::V4, 8081)).as_deref(),
+        Ok("afresh"),
+        "this build's own state, made afresh"
+    );
+}

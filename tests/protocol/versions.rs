@@ -43,7 +43,7 @@ fn the_version_names_the_release_the_commit_and_the_layouts() {
     let expected = format!(
         "cnibpf {} (commit {head}; eBPF state layout {}, nftables cnibpf layout ",
         env!("CARGO_PKG_VERSION"),
-        cnibpf_common::datapath::layout::VERSION
+        cnibpf_common::datapath::layout::stamped()
     );
     assert!(
         version.starts_with(&expected),

@@ -77,8 +77,9 @@ fn assert_hooked_by_tcx(sim: &SimHost, container: &Container) {
     }
 }
 
-/// Where a migration keeps the old maps until it is done.
-const ASIDE: [&str; 3] = ["layout-6-maps", "layout-8-maps", "layout-9-maps"];
+/// Where a migration keeps the old maps (a layout's), or the new ones (a map's), until it is
+/// done.
+const ASIDE: [&str; 4] = ["layout-6-maps", "layout-8-maps", "layout-9-maps", "resize"];
 
 /// Whether a migration left old maps aside.
 fn half_migrated(sim: &SimHost) -> bool {
@@ -88,7 +89,7 @@ fn half_migrated(sim: &SimHost) -> bool {
 fn assert_migrated(sim: &SimHost) {
     assert_eq!(
         sim.layout_version(),
-        cnibpf_common::datapath::layout::VERSION
+        cnibpf_common::datapath::layout::stamped()
     );
     assert!(!half_migrated(sim), "the old pins are gone");
 }
@@ -98,7 +99,7 @@ fn migration_state(sim: &SimHost, backend: Backend) -> (bool, bool) {
     match backend {
         Backend::Ebpf => (
             half_migrated(sim),
-            sim.layout_version() == cnibpf_common::datapath::layout::VERSION,
+            sim.layout_version() == cnibpf_common::datapath::layout::stamped(),
         ),
         Backend::Nftables => {
             let migrated = sim.nft_ruleset().contains(nftables::LAYOUT_4_MARKER);
@@ -476,7 +477,7 @@ fn the_supported_releases_upgrade_live() {
     for release in &window {
         a_release_upgrades_live(&installed, &release.commit, &new);
     }
-    if newest.ebpf_layout < cnibpf_common::datapath::layout::VERSION {
+    if newest.ebpf_layout < cnibpf_common::datapath::layout::stamped() {
         killed_migrations_converge(&installed, &newest_binary, &new, Backend::Ebpf);
         faulted_migrations_converge(&installed, &newest_binary, &new, Backend::Ebpf);
     }

@@ -17,15 +17,31 @@ pub const LAYOUT: MapSpec = MapSpec::new::<u32, LayoutInfo>("layout", MapKind::A
 /// `"cnibpf\0\0"` read as a little-endian integer: marks a `layout` map written by cnibpf.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"cnibpf\0\0");
 
-/// Bumped whenever a key or value type of any pinned map changes. Each build migrates the
-/// state of the layout before its own in place (userspace `backend::ebpf::migrate`).
+/// The layout of state whose maps are all at their first version
+/// ([`crate::map_spec::MapSpec::version`]), which every build since 0.5.0 reads. A change of one
+/// map's types bumps that map's version, not this: see [`stamped`].
 pub const VERSION: u32 = 10;
+
+/// The layout of state with a map past its first version. Builds before per-map versions
+/// (which know [`VERSION`] only) take it for a newer layout and drain it rather than misread
+/// the map; later builds compare the maps' versions (`map_versions`).
+pub const VERSIONED: u32 = 11;
+
+/// The layout this build stamps: [`VERSION`] while every map is at its first version, else
+/// [`VERSIONED`].
+pub fn stamped() -> u32 {
+    if crate::maps().all(|spec| spec.version == 1) {
+        VERSION
+    } else {
+        VERSIONED
+    }
+}
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LayoutInfo {
     pub magic: u64,
-    /// [`VERSION`] of the maps' key and value types.
+    /// [`VERSION`] or [`VERSIONED`].
     pub version: u32,
     pub _pad: u32,
     /// Identity (a hash) of the eBPF object whose programs are pinned.
@@ -34,10 +50,10 @@ pub struct LayoutInfo {
 const _: () = assert!(size_of::<LayoutInfo>() == 24);
 
 impl LayoutInfo {
-    pub const fn current(object_id: u64) -> Self {
+    pub fn current(object_id: u64) -> Self {
         Self {
             magic: MAGIC,
-            version: VERSION,
+            version: stamped(),
             _pad: 0,
             object_id,
         }

@@ -14,7 +14,7 @@ use aya_ebpf::{
 use cnibpf_common::{
     address::Address,
     connections::{self, Connection, ConnectionKey, FirstFragment, FragmentKey},
-    datapath::{LayoutInfo, Settings, layout, settings},
+    datapath::{LayoutInfo, MapName, Settings, layout, settings, versions},
     drops::{self, DropCount, DropEventBudget, FilterEvent},
     endpoints::{self, EndpointInfo, OwnerInfo},
     filter::{self, FilterHits, FilterSet, FilterStats},
@@ -47,6 +47,10 @@ pub static owners: HashMap<u64, OwnerInfo, { endpoints::OWNERS.max_entries as us
 
 #[btf_map(pin_by_name)]
 pub static layout: Array<LayoutInfo, { layout::LAYOUT.max_entries as usize }> = Array::new();
+
+#[btf_map(pin_by_name)]
+pub static map_versions: HashMap<MapName, u32, { versions::MAP_VERSIONS.max_entries as usize }> =
+    HashMap::new();
 
 /// Replaced whole by userspace, like `filters`.
 #[btf_map(pin_by_name)]

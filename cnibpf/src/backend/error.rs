@@ -67,16 +67,26 @@ pub enum BackendError {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
     #[error(
-        "the pinned state in {path} has layout v{found}, older than this cnibpf's v{} and than the releases it upgrades from: it adds no attachment to it (upgrade through {} first), but DEL and GC release them, and once none is left it starts afresh",
-        cnibpf_common::datapath::layout::VERSION,
+        "the pinned state in {path} has {found}, older than this cnibpf's {} and than the releases it upgrades from: it adds no attachment to it (upgrade through {} first), but DEL and GC release them, and once none is left it starts afresh",
+        found.ours(),
         crate::backend::compat::PASS_THROUGH
     )]
-    OlderState { path: PathBuf, found: u32 },
+    OlderState {
+        path: PathBuf,
+        found: crate::backend::ebpf::Found,
+    },
     #[error(
-        "the pinned state in {path} has layout v{found}, written by a newer cnibpf (this one writes v{}): it adds no attachment to it, but DEL and GC release them, and once none is left it starts afresh",
-        cnibpf_common::datapath::layout::VERSION
+        "the pinned state in {path} has {found}, written by a newer cnibpf (this one writes {}): it adds no attachment to it, but DEL and GC release them, and once none is left it starts afresh",
+        found.ours()
     )]
-    NewerState { path: PathBuf, found: u32 },
+    NewerState {
+        path: PathBuf,
+        found: crate::backend::ebpf::Found,
+    },
+    #[error(
+        "the pinned maps {maps} in {path} are of an older version: the next CNI call or `cnibpf load` migrates them"
+    )]
+    MapsToMigrate { path: PathBuf, maps: String },
     /// The instance's release file (`cnibpf uninstall`'s) holds something cnibpf cannot read.
     #[error("{path} is not a release file cnibpf uninstall wrote")]
     ForeignReleaseFile { path: PathBuf },
@@ -155,6 +165,7 @@ impl BackendError {
             Self::OlderState { .. }
             | Self::NewerState { .. }
             | Self::ForeignState { .. }
+            | Self::MapsToMigrate { .. }
             | Self::StillServing { .. } => code::INCOMPATIBLE_STATE,
             Self::UnreadableState { .. } | Self::ForeignReleaseFile { .. } => code::DATAPATH,
             Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,

@@ -126,12 +126,7 @@ impl Install {
     pub fn refuse_unmigrated_datapath(&self) -> Result<(), InstallError> {
         let pins = self.pins();
         let ebpf = crate::backend::ebpf::EbpfBackend::unmigrated_layout(&pins).map(|found| {
-            found.map(|found| {
-                format!(
-                    "the eBPF state in {} has layout v{found}",
-                    pins.root().display()
-                )
-            })
+            found.map(|found| format!("the eBPF state in {} has {found}", pins.root().display()))
         });
         let nftables = crate::backend::nftables::unmigrated_layout().map(|found| {
             found.map(|found| match found.as_str() {

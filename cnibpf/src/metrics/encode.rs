@@ -178,7 +178,7 @@ fn encode_build(encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> 
                 label("commit", env!("CNIBPF_COMMIT")),
                 label(
                     "layout",
-                    cnibpf_common::datapath::layout::VERSION.to_string(),
+                    cnibpf_common::datapath::layout::stamped().to_string(),
                 ),
                 label("nftables_layout", nftables::TABLE_LAYOUT),
             ],

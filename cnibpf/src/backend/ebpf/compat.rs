@@ -23,7 +23,7 @@ use cnibpf_common::endpoints::{
 use super::{
     batch,
     owner::read_name,
-    pins::map_pinned,
+    pins::{Found, map_pinned},
     sys,
     unpin::{detach_link, detach_links, remove_tree},
 };
@@ -33,10 +33,11 @@ use crate::{
     paths::PinLayout,
 };
 
-/// The eBPF state of layout `found` (another than this build's), for DEL and GC only.
+/// The eBPF state of a layout (or with a map of a version) this build neither writes nor
+/// migrates, for DEL and GC only.
 pub struct OtherLayout {
     pins: PinLayout,
-    found: u32,
+    found: Found,
     /// `None` when the state has no `owners` map (a load that died before creating it): no
     /// attachment at all.
     owners: Option<RawMap>,
@@ -46,12 +47,12 @@ pub struct OtherLayout {
 }
 
 impl OtherLayout {
-    pub fn open(pins: &PinLayout, found: u32) -> Result<Self, BackendError> {
+    pub fn open(pins: &PinLayout, found: Found) -> Result<Self, BackendError> {
         let path = pins.map(endpoints::OWNERS.name);
         let owners = if map_pinned(pins, &path)? {
             Some(RawMap::open(&path).map_err(|source| BackendError::Pin {
                 action: format!(
-                    "could not open map {} of layout v{found}",
+                    "could not open map {} of state with {found}",
                     endpoints::OWNERS.name
                 ),
                 source: Box::new(source),
@@ -65,7 +66,7 @@ impl OtherLayout {
             return Err(BackendError::ForeignState {
                 path: pins.root().to_owned(),
                 reason: format!(
-                    "its map {} of layout v{found} has {}-byte keys and {}-byte values, not what every layout keeps",
+                    "its map {} (state with {found}) has {}-byte keys and {}-byte values, not what every layout keeps",
                     endpoints::OWNERS.name,
                     owners.key_size,
                     owners.value_size
@@ -82,7 +83,7 @@ impl OtherLayout {
 
     fn map_error(&self, action: &str) -> impl Fn(io::Error) -> BackendError {
         let action = format!(
-            "could not {action} map {} of layout v{}",
+            "could not {action} map {} of state with {}",
             endpoints::OWNERS.name,
             self.found
         );
@@ -153,7 +154,7 @@ impl Draining for OtherLayout {
 
     fn refused(&self) -> BackendError {
         let (path, found) = (self.pins.root().to_owned(), self.found);
-        if found > cnibpf_common::datapath::layout::VERSION {
+        if found.is_newer() {
             BackendError::NewerState { path, found }
         } else {
             BackendError::OlderState { path, found }
@@ -177,7 +178,7 @@ impl Draining for OtherLayout {
             detach_link(&self.pins.endpoint_link(owner, hook))?;
         }
         self.leaving.insert(owner);
-        if self.found < cnibpf_common::datapath::layout::VERSION {
+        if !self.found.is_newer() {
             // The release that takes an older layout over (the window's, which migrates it)
             // knows no released mark: it reclaims the entry as a vanished pod's once the
             // interface is gone, which the rest of this DEL sees to.
@@ -257,6 +258,26 @@ impl RawMap {
         )
     }
 }
+
+/// A change of one map's key or value types: an entry of map `map` at version `from` becomes
+/// one of version `from + 1` (`cnibpf_common::map_spec::MapSpec::version`). Entries come as the
+/// kernel has them: a per-CPU map's value is every CPU's, each rounded up to 8 bytes.
+pub struct MapMigration {
+    pub map: &'static str,
+    pub from: u32,
+    pub convert: ConvertEntry,
+}
+
+/// An entry's key and value of one version as the next version has them.
+pub type ConvertEntry = fn(key: &[u8], value: &[u8]) -> (Vec<u8>, Vec<u8>);
+
+/// The migrations of the maps whose types changed since the supported window's releases: a
+/// chain from each version those releases pinned to this build's. A release before per-map
+/// versions pinned every map at version 1 (layout v10). Once a map is past version 1 the stamp
+/// is `layout::VERSIONED`, which such a release takes for a newer layout: a rollback to it
+/// drains the state rather than misreading the map. A step goes with the window that no longer
+/// needs it.
+pub const MAP_MIGRATIONS: &[MapMigration] = &[];
 
 /// Removes what a release of the supported window left of a migration it stamped but did not
 /// finish: the old maps it set aside (`layout-6-maps/`, `layout-8-maps/`, `layout-9-maps/`),

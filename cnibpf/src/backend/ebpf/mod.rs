@@ -18,6 +18,7 @@ mod filter;
 mod hooks;
 mod inspect;
 mod kernel_btf;
+mod layout;
 mod masquerade;
 mod on_demand;
 mod owner;
@@ -33,9 +34,9 @@ use std::{fs, io, net::IpAddr};
 
 use aya::maps::{HashMap, Map, MapData, MapError};
 
-use self::pins::{
-    PinnedState, all_programs_pinned, check_layout, load_object, prepare_pin_dir, relink, stamp,
-};
+use self::layout::{PinnedState, check_layout};
+pub use self::pins::Found;
+use self::pins::{all_programs_pinned, load_object, prepare_pin_dir, relink, stamp};
 pub use self::pins::{mount_bpffs, remove_pinned};
 pub use self::sizes::{Memory, memory};
 use self::{
@@ -135,7 +136,14 @@ impl EbpfBackend {
                 sizes::resume(pins)?;
                 true
             }
-            PinnedState::OtherPrograms => sizes::resume(pins)?,
+            PinnedState::OtherPrograms { migrate: false } => sizes::resume(pins)?,
+            // Before any resize, which reads the maps as this build's.
+            PinnedState::OtherPrograms { migrate: true } => {
+                if !sizes::resume(pins)? {
+                    sizes::migrate(pins)?;
+                }
+                true
+            }
             PinnedState::Absent => false,
         };
         if state != PinnedState::Absent && sizes::resize(pins, capacity)? {
@@ -145,7 +153,7 @@ impl EbpfBackend {
             return Self::open_maps(pins);
         }
         let loaded = sizes::for_load(pins, capacity)
-            .and_then(|sizes| load_object(pins, &sizes))
+            .and_then(|sizes| load_object(pins, &sizes, &[]))
             .and_then(|()| relink(pins))
             .and_then(|()| stamp(pins));
         if let Err(error) = loaded {
@@ -187,10 +195,21 @@ impl EbpfBackend {
                 compat::remove_migration_leftovers(pins)?;
                 sizes::resume(pins)?;
             }
-            PinnedState::OtherPrograms if access == Access::Changes => {
+            PinnedState::OtherPrograms { migrate: false } if access == Access::Changes => {
                 sizes::resume(pins)?;
             }
-            PinnedState::Current | PinnedState::OtherPrograms => {}
+            // This build reads no map of an older version: the call that may change the state
+            // migrates them first.
+            PinnedState::OtherPrograms { migrate: true } if access == Access::Changes => {
+                return Self::load(pins, &Capacity::default()).map(Some);
+            }
+            PinnedState::OtherPrograms { migrate: true } => {
+                return Err(BackendError::MapsToMigrate {
+                    path: pins.root().to_owned(),
+                    maps: layout::older_maps(pins)?,
+                });
+            }
+            PinnedState::Current | PinnedState::OtherPrograms { migrate: false } => {}
         }
         Self::open_maps(pins).map(Some)
     }
@@ -211,10 +230,10 @@ impl EbpfBackend {
     /// The layout of the state pinned under `pins` when it is one this build neither writes nor
     /// migrates (older than the supported window's, or newer): its attachments drain, and no
     /// ADD is served until the last is gone.
-    pub fn unmigrated_layout(pins: &PinLayout) -> Result<Option<u32>, BackendError> {
+    pub fn unmigrated_layout(pins: &PinLayout) -> Result<Option<Found>, BackendError> {
         Ok(match check_layout(pins)? {
             PinnedState::Older(found) | PinnedState::Newer(found) => Some(found),
-            PinnedState::Absent | PinnedState::Current | PinnedState::OtherPrograms => None,
+            PinnedState::Absent | PinnedState::Current | PinnedState::OtherPrograms { .. } => None,
         })
     }
 
@@ -225,17 +244,17 @@ impl EbpfBackend {
             PinnedState::Current if all_programs_pinned(pins)? => Ok(()),
             PinnedState::Current => Err("some of this build's programs are not pinned".to_owned()),
             PinnedState::Absent => Err("no datapath is loaded (`cnibpf load`)".to_owned()),
-            PinnedState::OtherPrograms => Err(
+            PinnedState::OtherPrograms { .. } => Err(
                 "the programs loaded are another build's (`cnibpf load` replaces them)".to_owned(),
             ),
             PinnedState::Older(found) => Err(format!(
-                "the pinned state has layout {found}, older than this build's {} and than the releases it upgrades from (upgrade through {} first)",
-                cnibpf_common::datapath::layout::VERSION,
+                "the pinned state has {found}, older than this build's {} and than the releases it upgrades from (upgrade through {} first)",
+                found.ours(),
                 super::compat::PASS_THROUGH
             )),
             PinnedState::Newer(found) => Err(format!(
-                "the pinned state has layout {found}, newer than this build's {}",
-                cnibpf_common::datapath::layout::VERSION
+                "the pinned state has {found}, newer than this build's {}",
+                found.ours()
             )),
         })
     }

@@ -2,11 +2,11 @@
 //! stamp, and the links. Loading pins a program instance per hook; an upgrade loads the new
 //! object beside the old maps and moves every pinned link to the new programs atomically.
 
-use std::{fs, io, path::Path};
+use std::{fmt, fs, io, path::Path};
 
 use aya::{
     EbpfLoader,
-    maps::{Array, Map, MapData, MapError},
+    maps::{Array, HashMap, Map, MapData, MapError},
     programs::{
         CgroupSockAddr, Program, RawTracePoint, SchedClassifier,
         cgroup_sock_addr::{CgroupSockAddrAttachType, CgroupSockAddrLink},
@@ -14,14 +14,14 @@ use aya::{
         tc::SchedClassifierLink,
     },
 };
-use cnibpf_common::datapath::{LayoutInfo, Settings, layout, settings};
+use cnibpf_common::datapath::{LayoutInfo, MAP_VERSIONS, MapName, Settings, layout, settings};
 use nix::{
     mount::{MsFlags, mount},
     sys::statfs::statfs,
 };
 
 use super::{
-    kernel_btf,
+    batch, kernel_btf,
     unpin::{detach_link, detach_links, remove_pin},
 };
 use crate::{
@@ -84,17 +84,46 @@ pub(super) fn all_programs_pinned(pins: &PinLayout) -> Result<bool, BackendError
     Ok(true)
 }
 
+/// What the pinned state is, where this build neither writes nor migrates it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum PinnedState {
-    /// Nothing usable pinned (or a load that died before stamping the layout).
-    Absent,
-    /// Maps of this layout with programs of another build of the datapath.
-    OtherPrograms,
-    Current,
-    /// The layout of an older cnibpf.
-    Older(u32),
-    /// The layout of a newer cnibpf (a downgrade).
-    Newer(u32),
+pub enum Found {
+    /// The layout the stamp names.
+    Layout(u32),
+    /// The version `map_versions` gives one map (the stamp being of this build's family).
+    Map { name: &'static str, version: u32 },
+}
+
+impl Found {
+    /// This build's counterpart, as messages name it.
+    pub fn ours(self) -> String {
+        match self {
+            Self::Layout(_) => format!("v{}", layout::stamped()),
+            Self::Map { name, .. } => format!(
+                "version {}",
+                // fail-closed: an Option of a lookup; the name is one of this build's specs.
+                cnibpf_common::map(name).map_or(0, |spec| spec.version)
+            ),
+        }
+    }
+
+    /// Whether a newer cnibpf wrote it (a rollback).
+    pub fn is_newer(self) -> bool {
+        match self {
+            Self::Layout(version) => version > layout::VERSIONED,
+            Self::Map { name, version } => {
+                cnibpf_common::map(name).is_some_and(|spec| version > spec.version)
+            }
+        }
+    }
+}
+
+impl fmt::Display for Found {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Layout(version) => write!(formatter, "layout v{version}"),
+            Self::Map { name, version } => write!(formatter, "map {name} at version {version}"),
+        }
+    }
 }
 
 pub(super) fn object_id() -> u64 {
@@ -108,62 +137,6 @@ pub(super) fn map_pinned(pins: &PinLayout, path: &Path) -> Result<bool, BackendE
             path: pins.root().to_owned(),
             source,
         })
-}
-
-/// What is pinned under `pins`. An error names its real cause: a lack of privilege, or a
-/// directory that holds something else than cnibpf's state.
-pub(super) fn check_layout(pins: &PinLayout) -> Result<PinnedState, BackendError> {
-    let path = pins.map(layout::LAYOUT.name);
-    if !map_pinned(pins, &path)? {
-        return Ok(PinnedState::Absent);
-    }
-    let unreadable = |error: MapError| match os_error(&error) {
-        Some(source) => BackendError::UnreadableState {
-            path: pins.root().to_owned(),
-            source,
-        },
-        None => BackendError::ForeignState {
-            path: pins.root().to_owned(),
-            reason: format!("its layout map is unreadable: {error}"),
-        },
-    };
-    let data = MapData::from_pin(&path).map_err(unreadable)?;
-    let map = Map::from_map_data(data).map_err(unreadable)?;
-    let array: Array<MapData, LayoutInfo> =
-        Array::try_from(map).map_err(|error| BackendError::ForeignState {
-            path: pins.root().to_owned(),
-            reason: format!("its layout map has another shape: {error}"),
-        })?;
-    let info = array.get(&0, 0).map_err(unreadable)?;
-    if info == LayoutInfo::default() {
-        return Ok(PinnedState::Absent);
-    }
-    if info.magic != layout::MAGIC {
-        return Err(BackendError::ForeignState {
-            path: pins.root().to_owned(),
-            reason: "its layout map was not written by cnibpf".to_owned(),
-        });
-    }
-    Ok(match info.version.cmp(&layout::VERSION) {
-        std::cmp::Ordering::Less => PinnedState::Older(info.version),
-        std::cmp::Ordering::Greater => PinnedState::Newer(info.version),
-        std::cmp::Ordering::Equal if info.object_id == object_id() => PinnedState::Current,
-        std::cmp::Ordering::Equal => PinnedState::OtherPrograms,
-    })
-}
-
-/// The operating-system error under a map error, if that is what it is.
-fn os_error(error: &MapError) -> Option<io::Error> {
-    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
-    while let Some(current) = cause {
-        if let Some(io) = current.downcast_ref::<io::Error>()
-            && let Some(code) = io.raw_os_error()
-        {
-            return Some(io::Error::from_raw_os_error(code));
-        }
-        cause = current.source();
-    }
-    None
 }
 
 /// Points a pinned cgroup link at the socket hook now pinned under the same name.
@@ -345,9 +318,13 @@ pub(super) struct MapSize {
 
 /// Loads the embedded object, reusing maps already pinned under `pins` and pinning new ones,
 /// then pins each program (the caller moves the links to them, then [`stamp`]s). `sizes` gives
-/// each sized map's `max_entries` (a pinned map is reused only at its own size) and says which
-/// are a resize's new maps, created in `resize/`.
-pub(super) fn load_object(pins: &PinLayout, sizes: &[MapSize]) -> Result<(), BackendError> {
+/// each sized map's `max_entries` (a pinned map is reused only at its own size); `created_new`
+/// names the maps a resize or a migration replaces, created in `resize/`.
+pub(super) fn load_object(
+    pins: &PinLayout,
+    sizes: &[MapSize],
+    created_new: &[&str],
+) -> Result<(), BackendError> {
     let offsets = kernel_btf::device_offsets().map_err(|source| BackendError::Pin {
         action: "could not find the kernel's struct offsets the qdisc watcher reads".to_owned(),
         source: Box::new(source),
@@ -360,9 +337,9 @@ pub(super) fn load_object(pins: &PinLayout, sizes: &[MapSize]) -> Result<(), Bac
         .override_global("NET_COOKIE", &offsets.namespace_cookie, true);
     for size in sizes {
         loader.map_max_entries(size.name, size.entries);
-        if size.resized {
-            loader.map_pin_path(size.name, pins.resized_map(size.name));
-        }
+    }
+    for name in created_new {
+        loader.map_pin_path(name, pins.resized_map(name));
     }
     let mut ebpf = loader
         .load(OBJECT)
@@ -413,6 +390,7 @@ pub(super) fn stamp(pins: &PinLayout) -> Result<(), BackendError> {
     for name in RETIRED_MAPS {
         remove_pin(&pins.map(name))?;
     }
+    record_versions(pins)?;
     let path = pins.map(layout::LAYOUT.name);
     let error = |source| BackendError::Map {
         action: format!("could not stamp {}", path.display()),
@@ -424,6 +402,31 @@ pub(super) fn stamp(pins: &PinLayout) -> Result<(), BackendError> {
     array
         .set(0, &LayoutInfo::current(object_id()), 0)
         .map_err(error)
+}
+
+/// Records every map of this build at its version (before the layout stamp, which says the
+/// record is whole).
+pub(super) fn record_versions(pins: &PinLayout) -> Result<(), BackendError> {
+    let versions = open_versions(pins)?;
+    let entries: Vec<(MapName, u32)> = cnibpf_common::maps()
+        .map(|spec| (MapName::of(spec.name), spec.version))
+        .collect();
+    batch::insert_all(&versions, &entries).map_err(|source| BackendError::MapWrite {
+        name: MAP_VERSIONS.name,
+        source,
+    })
+}
+
+pub(super) fn open_versions(
+    pins: &PinLayout,
+) -> Result<HashMap<MapData, MapName, u32>, BackendError> {
+    let path = pins.map(MAP_VERSIONS.name);
+    let error = |source| BackendError::Map {
+        action: format!("could not open map {}", path.display()),
+        source: Box::new(source),
+    };
+    let data = MapData::from_pin(&path).map_err(error)?;
+    HashMap::try_from(Map::HashMap(data)).map_err(error)
 }
 
 /// Writes the single entry of the one-entry array map `name` of the loaded object.

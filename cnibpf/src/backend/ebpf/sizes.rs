@@ -20,6 +20,12 @@
 //!
 //! A run that finds `resize/` resumes at 1 with the maps pinned there (their sizes are the
 //! record of what the interrupted run asked for); a map already moved in 5 is the new one.
+//!
+//! A map's migration to this build's version of its types (`versions`) is the same carry-over,
+//! each entry converted as it is copied. `map_versions` keeps naming the versions the maps in
+//! place had until step 5 is over, and `resize/moving` says step 5 began: a resumed run
+//! converts every map of an older version before it, and after it those still in `resize/`
+//! (the others are in place, converted).
 
 use std::{fs, io, path::Path};
 
@@ -28,7 +34,8 @@ use cnibpf_common::map_spec::{MapSpec, Sizing};
 
 use super::{
     EbpfBackend, batch,
-    pins::{MapSize, load_object, map_pinned, relink, stamp},
+    layout::{self, Migration, Verdict},
+    pins::{MapSize, load_object, map_pinned, record_versions, relink, stamp},
     unpin::remove_tree,
 };
 use crate::{
@@ -188,8 +195,50 @@ pub(super) fn resize(pins: &PinLayout, capacity: &Capacity) -> Result<bool, Back
         "resizing maps: {}",
         describe(&sizes)
     )));
-    carry_over(pins, &sizes)?;
+    carry_over(pins, &sizes, &[])?;
     Ok(true)
+}
+
+/// Migrates the pinned maps of an older version to this build's (see the module's steps), at
+/// their pinned sizes; the caller found some (`PinnedState::OtherPrograms { migrate: true }`).
+pub(super) fn migrate(pins: &PinLayout) -> Result<(), BackendError> {
+    let migrations = migrations(pins)?;
+    let dir = pins.resize_dir();
+    fs::create_dir_all(&dir).map_err(pin_error(format!("could not create {}", dir.display())))?;
+    journal::note(journal::Change::Migrated(format!(
+        "migrating maps: {}",
+        describe_migrations(&migrations)
+    )));
+    carry_over(pins, &for_load(pins, &Capacity::default())?, &migrations)
+}
+
+/// The maps to migrate; state with a map this build neither writes nor migrates is refused
+/// (`check_layout` said so before anything changed).
+fn migrations(pins: &PinLayout) -> Result<Vec<Migration>, BackendError> {
+    match layout::compare(pins)? {
+        Verdict::Migrate(migrations) => Ok(migrations),
+        Verdict::Foreign(found) if found.is_newer() => Err(BackendError::NewerState {
+            path: pins.root().to_owned(),
+            found,
+        }),
+        Verdict::Foreign(found) => Err(BackendError::OlderState {
+            path: pins.root().to_owned(),
+            found,
+        }),
+    }
+}
+
+fn describe_migrations(migrations: &[Migration]) -> String {
+    migrations
+        .iter()
+        .map(|migration| {
+            format!(
+                "{} from version {} to {}",
+                migration.spec.name, migration.from, migration.spec.version
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Finishes a resize a crash interrupted, with the maps it left in `resize/`: whether there
@@ -209,11 +258,24 @@ pub(super) fn resume(pins: &PinLayout) -> Result<bool, BackendError> {
             size.resized = true;
         }
     }
+    let mut migrations = migrations(pins)?;
+    if exists(&pins.resize_dir().join(MOVING))? {
+        // A map moved into place is this build's version already, whatever `map_versions`
+        // says until step 5 is over.
+        let mut waiting = Vec::new();
+        for migration in migrations {
+            if exists(&pins.resized_map(migration.spec.name))? {
+                waiting.push(migration);
+            }
+        }
+        migrations = waiting;
+    }
     journal::note(journal::Change::Migrated(format!(
-        "resuming a resize: {}",
-        describe(&sizes)
+        "resuming a resize: {}; migrations: {}",
+        describe(&sizes),
+        describe_migrations(&migrations)
     )));
-    carry_over(pins, &sizes).map(|()| true)
+    carry_over(pins, &sizes, &migrations).map(|()| true)
 }
 
 fn describe(sizes: &[MapSize]) -> String {
@@ -229,32 +291,63 @@ fn describe(sizes: &[MapSize]) -> String {
     }
 }
 
-/// Steps 1 to 5 for the maps marked `resized`.
-fn carry_over(pins: &PinLayout, sizes: &[MapSize]) -> Result<(), BackendError> {
-    load_object(pins, sizes)?;
+/// Steps 1 to 5 for the maps marked `resized` and the maps migrated.
+fn carry_over(
+    pins: &PinLayout,
+    sizes: &[MapSize],
+    migrations: &[Migration],
+) -> Result<(), BackendError> {
+    let mut replaced: Vec<(&'static MapSpec, Option<&Migration>)> = migrations
+        .iter()
+        .map(|migration| (migration.spec, Some(migration)))
+        .collect();
+    for (map, size) in sized_maps().zip(sizes) {
+        if size.resized && !replaced.iter().any(|(spec, _)| spec.name == map.name) {
+            replaced.push((map, None));
+        }
+    }
+    let created_new: Vec<&str> = replaced.iter().map(|(spec, _)| spec.name).collect();
+    load_object(pins, sizes, &created_new)?;
     let copy_all = || -> Result<(), BackendError> {
-        for (map, size) in sized_maps().zip(sizes) {
-            if size.resized {
-                copy(map, &pins.map(map.name), &pins.resized_map(map.name))?;
-            }
+        for (map, migration) in &replaced {
+            copy(
+                map,
+                &pins.map(map.name),
+                &pins.resized_map(map.name),
+                *migration,
+            )?;
         }
         Ok(())
     };
     copy_all()?;
     relink(pins)?;
     copy_all()?;
-    for size in sizes.iter().filter(|size| size.resized) {
-        let (new, old) = (pins.resized_map(size.name), pins.map(size.name));
+    let moving = pins.resize_dir().join(MOVING);
+    fs::create_dir_all(&moving)
+        .map_err(pin_error(format!("could not create {}", moving.display())))?;
+    for (map, _) in &replaced {
+        let (new, old) = (pins.resized_map(map.name), pins.map(map.name));
         fs::rename(&new, &old).map_err(pin_error(format!(
             "could not move map {} into place",
-            size.name
+            map.name
         )))?;
     }
     journal::note(journal::Change::Migrated(
         "resized maps moved into place".to_owned(),
     ));
+    // Before `resize/` goes: without it, a map recorded at its old version would be taken
+    // for one still to migrate.
+    record_versions(pins)?;
     remove_tree(&pins.resize_dir())?;
     stamp(pins)
+}
+
+/// Marks, in `resize/`, that step 5 began.
+const MOVING: &str = "moving";
+
+fn exists(path: &Path) -> Result<bool, BackendError> {
+    path.try_exists()
+        .map_err(pin_error(format!("could not look for {}", path.display())))
 }
 
 fn open(path: &Path) -> Result<MapData, BackendError> {
@@ -271,12 +364,38 @@ fn entries(path: &Path, spec: &MapSpec) -> Result<batch::RawEntries, BackendErro
 }
 
 /// Copies every entry of the map of `spec` pinned at `from` into the one at `to`, leaving
-/// what is there alone (the new programs wrote it, or a resumed run copied it).
-fn copy(spec: &MapSpec, from: &Path, to: &Path) -> Result<(), BackendError> {
+/// what is there alone (the new programs wrote it, or a resumed run copied it); a migrated
+/// map's entries are read at the sizes of its pinned version and converted.
+fn copy(
+    spec: &MapSpec,
+    from: &Path,
+    to: &Path,
+    migration: Option<&Migration>,
+) -> Result<(), BackendError> {
     let new = open(to)?;
-    for (key, value) in entries(from, spec)?.iter() {
-        batch::insert_new(&new, key, value)
-            .map_err(pin_error(format!("could not write map {}", to.display())))?;
+    let write_error = || pin_error(format!("could not write map {}", to.display()));
+    let Some(migration) = migration else {
+        for (key, value) in entries(from, spec)?.iter() {
+            batch::insert_new(&new, key, value).map_err(write_error())?;
+        }
+        return Ok(());
+    };
+    let old = open(from)?;
+    let read_error = || pin_error(format!("could not read map {}", from.display()));
+    let info = old
+        .info()
+        .map_err(|source| read_error()(io::Error::other(source)))?;
+    let pinned = MapSpec {
+        key_size: info.key_size() as usize,
+        value_size: info.value_size() as usize,
+        ..*spec
+    };
+    for (key, value) in batch::raw_entries(&old, &pinned)
+        .map_err(read_error())?
+        .iter()
+    {
+        let (key, value) = migration.convert(key, value);
+        batch::insert_new(&new, &key, &value).map_err(write_error())?;
     }
     Ok(())
 }
