@@ -196,8 +196,12 @@ fn faulted_migrations_converge(installed: &Installed, old: &Path, new: &Path, ba
             .unwrap_or_else(|error| panic!("{context}: DEL of the old pod: {error}"));
         assert!(
             sim.holds_no_state(),
-            "{context}: the last DEL leaves nothing"
+            "{context}: the last DEL leaves nothing of an attachment"
         );
+        // The eBPF datapath stays for the node's next pod: the next round's older cnibpf
+        // starts from a node without it.
+        let unload = sim.cnibpf(&["unload", "--pin-path", &pin_path]);
+        assert!(unload.status.success(), "{context}: unload: {unload:?}");
     };
     let counter = faults::CallCounter::new();
     let (pod, _server, output) = migrate(0, Some(&counter.prefix()));
