@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use ipnet::IpNet;
 
 use super::{ConfigError, input::RuleInput, parse_word};
-use crate::model::{ConnState, Direction, FilterRule, RuleProtocol};
+use crate::model::{ConnState, Direction, FilterRule, RuleAction, RuleProtocol};
 
 /// Most rules one attachment may carry (the datapath evaluates them in a bounded loop).
 pub const MAX_FILTER_RULES: usize = cnibpf_common::filter::MAX_RULES;
@@ -13,6 +13,7 @@ pub const MAX_FILTER_RULES: usize = cnibpf_common::filter::MAX_RULES;
 /// The keys a rule may have (rules deny unknown keys: a typo would silently widen a rule).
 pub(crate) const RULE_KEYS: &[&str] = &[
     "index",
+    "action",
     "target",
     "src",
     "dst",
@@ -54,6 +55,14 @@ fn parse_rule(position: usize, rule: RuleInput) -> Result<FilterRule, ConfigErro
         .index
         .ok_or_else(|| ConfigError::invalid(key("index"), "is required"))?
         .0;
+    if let Some(text) = &rule.action
+        && parse_word::<RuleAction>(&key("action"), text)? == RuleAction::Delete
+    {
+        return Err(ConfigError::invalid(
+            key("action"),
+            "\"delete\" removes a rule of a running attachment (`cnibpf filter apply`); a configuration's rules are added (insert or append)",
+        ));
+    }
     let target = match rule.target {
         None => return Err(ConfigError::invalid(key("target"), "is required")),
         Some(text) => parse_word(&key("target"), &text)?,

@@ -146,6 +146,7 @@ pub struct AttachmentInput {
 #[serde(deny_unknown_fields)]
 pub struct RuleInput {
     pub index: Option<RuleIndex>,
+    pub action: Option<String>,
     pub target: Option<String>,
     pub src: Option<Cidr>,
     pub dst: Option<Cidr>,

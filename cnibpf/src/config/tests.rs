@@ -87,6 +87,36 @@ fn rules_are_evaluated_in_index_order_whatever_the_array_order() {
     assert_eq!(conf.plugin.filter[1].direction, Direction::Both);
 }
 
+/// The CNI filter proposal writes an `action` on each rule: a configuration's rules are
+/// added whichever way it says so, and `delete`, which only a running attachment's rules can
+/// take (`cnibpf filter apply`), is refused naming the key.
+#[test]
+fn a_rules_action_adds_it_and_delete_is_refused_in_a_configuration() {
+    let with_actions = parse(json!({ "filter": [
+        { "index": 20, "action": "Append", "target": "ALLOW", "proto": "tcp" },
+        { "index": 10, "action": "insert", "target": "DROP", "src": "172.64.0.0/13" },
+    ] }));
+    let without = parse(json!({ "filter": [
+        { "index": 20, "target": "ALLOW", "proto": "tcp" },
+        { "index": 10, "target": "DROP", "src": "172.64.0.0/13" },
+    ] }));
+    assert_eq!(with_actions.plugin.filter, without.plugin.filter);
+    let message = error(json!({ "filter": [
+        { "index": 10, "target": "DROP" },
+        { "index": 20, "action": "delete", "target": "DROP" },
+    ] }));
+    assert!(
+        message.starts_with("filter[1].action: \"delete\" removes a rule of a running attachment"),
+        "{message}"
+    );
+    let message =
+        error(json!({ "filter": [{ "index": 1, "action": "replace", "target": "DROP" }] }));
+    assert!(
+        message.starts_with("filter[0].action: expected insert, append or delete"),
+        "{message}"
+    );
+}
+
 #[test]
 fn defaults_and_wildcards() {
     let conf = parse(json!({ "runtimeConfig": { "portMappings": [

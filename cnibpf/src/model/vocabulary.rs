@@ -124,6 +124,16 @@ vocabulary!(
     }
 );
 
+vocabulary!(
+    /// What a filter rule does to an attachment's rules (the CNI filter proposal's `action`):
+    /// `insert` and `append` add it, `delete` removes the rule at its index.
+    RuleAction, "insert, append or delete", {
+        Insert => "insert",
+        Append => "append",
+        Delete => "delete",
+    }
+);
+
 impl Protocol {
     /// The IANA protocol number, as map keys and nft carry it.
     pub fn number(self) -> u8 {
