@@ -13,6 +13,7 @@ mod inspect;
 mod install;
 mod instance;
 mod journal;
+mod live_filter;
 mod lock;
 mod metrics;
 mod model;
@@ -173,6 +174,11 @@ enum AdminCommand {
         #[arg(long, default_value = paths::BPFFS_MOUNT_POINT)]
         path: PathBuf,
     },
+    /// The filter rules of running attachments.
+    Filter {
+        #[command(subcommand)]
+        command: FilterCommand,
+    },
     /// Follow the packets the eBPF datapath drops, one line each, until Ctrl-C: those the
     /// attachments' filters and source checks drop, or with --drops every one.
     Monitor {
@@ -187,6 +193,44 @@ enum AdminCommand {
         #[arg(long)]
         drops: bool,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum FilterCommand {
+    /// Print the rules in effect as JSON: with --container, its rule list in the
+    /// configuration's shape (each rule with `"action": "insert"`); else every attachment of
+    /// the network with its rules and default.
+    Show {
+        /// The instance's pinPath.
+        #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
+        pin_path: PathBuf,
+        #[command(flatten)]
+        selection: SelectionArgs,
+    },
+}
+
+/// Which attachments a `filter` command reaches.
+#[derive(Debug, clap::Args)]
+struct SelectionArgs {
+    /// The network's name, as its configuration's `name`.
+    #[arg(long)]
+    network: String,
+    /// Only this container's attachments (CNI_CONTAINERID).
+    #[arg(long)]
+    container: Option<String>,
+    /// Only its attachment on this interface (CNI_IFNAME); needs --container.
+    #[arg(long, requires = "container")]
+    ifname: Option<String>,
+}
+
+impl From<SelectionArgs> for live_filter::Selection {
+    fn from(args: SelectionArgs) -> Self {
+        Self {
+            network: args.network,
+            container: args.container,
+            ifname: args.ifname,
+        }
+    }
 }
 
 /// `cnibpf install`'s flags.
@@ -334,6 +378,18 @@ fn run(command: AdminCommand) -> Result<(), String> {
             };
             metrics::serve(listen, exporter).map_err(|error| causes(&error))
         }
+        AdminCommand::Filter {
+            command:
+                FilterCommand::Show {
+                    pin_path,
+                    selection,
+                },
+        } => {
+            let shown =
+                live_filter::show(&pin_path, &selection.into()).map_err(|error| causes(&error))?;
+            output::write_line(std::io::stdout(), &format!("{shown:#}"))
+                .map_err(|error| format!("could not write the rules to stdout: {error}"))
+        }
         AdminCommand::Monitor {
             pin_path,
             json,
@@ -412,6 +468,7 @@ impl AdminCommand {
             Self::MountBpffs { .. } => "mount-bpffs",
             Self::Metrics { .. } => "metrics",
             Self::Monitor { .. } => "monitor",
+            Self::Filter { .. } => "filter",
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Operating a filter: drop counters and `cnibpf monitor`, DEL, GC and CHECK.
+//! Operating a filter: drop counters and `cnibpf monitor`, DEL, GC and CHECK, `cnibpf filter
+//! show`.
 
 use super::*;
 
@@ -240,4 +241,90 @@ fn del_gc_and_check_cover_the_filter_and_its_connections(backend: Backend) {
     );
 }
 
-for_both_backends!(del_gc_and_check_cover_the_filter_and_its_connections,);
+for_both_backends!(
+    del_gc_and_check_cover_the_filter_and_its_connections,
+    filter_show_prints_the_rules_in_effect_as_a_configuration_writes_them,
+);
+
+/// `cnibpf filter show`: one container's rules as a rule list in the configuration's shape,
+/// each with the proposal's `action`, in index order, defaults left out; without a container
+/// every attachment of the network with its default; a container the network does not have is
+/// an error naming it.
+fn filter_show_prints_the_rules_in_effect_as_a_configuration_writes_them(backend: Backend) {
+    let keys = json!({ "filterDefault": "DROP", "filter": [
+        { "index": 20, "dst": "10.22.0.0/16", "proto": "tcp", "dport": 80,
+          "connstate": "new", "target": "ALLOW" },
+        { "index": 10, "src": "172.64.0.0/13", "target": "drop", "direction": "ingress",
+          "action": "append" },
+    ]});
+    let host = SimHost::on(backend, "fl-show", keys);
+    let first = host.container("c1", Value::Null);
+    let second = host.container("c2", Value::Null);
+    let network = host.chain.conflist()["name"]
+        .as_str()
+        .expect("the conflist's name")
+        .to_owned();
+    let pin_path = host.pin_path.display().to_string();
+    let show = |extra: &[&str]| {
+        let mut args = vec![
+            "filter",
+            "show",
+            "--pin-path",
+            &pin_path,
+            "--network",
+            &network,
+        ];
+        args.extend(extra);
+        host.cnibpf(&args)
+    };
+    let rules = json!([
+        { "index": 10, "action": "insert", "target": "DROP", "src": "172.64.0.0/13",
+          "direction": "ingress" },
+        { "index": 20, "action": "insert", "target": "ALLOW", "dst": "10.22.0.0/16",
+          "proto": "tcp", "dport": 80, "connstate": "new" },
+    ]);
+    let parsed = |output: std::process::Output| -> Value {
+        assert!(output.status.success(), "filter show: {output:?}");
+        serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("filter show's JSON: {error}: {output:?}"))
+    };
+    let container_id = first.attachment.container_id.as_str();
+    assert_eq!(parsed(show(&["--container", container_id])), rules);
+    assert_eq!(
+        parsed(show(&["--container", container_id, "--ifname", "eth0"])),
+        rules
+    );
+    let every = parsed(show(&[]));
+    let shown: Vec<(&str, &str, &Value)> = every
+        .as_array()
+        .expect("a list of attachments")
+        .iter()
+        .map(|attachment| {
+            assert_eq!(attachment["rules"], rules, "{every:#}");
+            (
+                attachment["containerId"].as_str().expect("containerId"),
+                attachment["filterDefault"].as_str().expect("filterDefault"),
+                &attachment["ifname"],
+            )
+        })
+        .collect();
+    let mut expected = [
+        (container_id, "DROP", &json!("eth0")),
+        (
+            second.attachment.container_id.as_str(),
+            "DROP",
+            &json!("eth0"),
+        ),
+    ];
+    expected.sort_by_key(|(id, ..)| *id);
+    assert_eq!(shown, expected);
+    let missing = show(&["--container", "no-such-container"]);
+    assert!(!missing.status.success(), "{missing:?}");
+    let said = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        said.contains(&format!(
+            "no attachment of network {network:?} matches container no-such-container"
+        )),
+        "{said}"
+    );
+}
