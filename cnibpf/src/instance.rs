@@ -142,6 +142,11 @@ impl Instance {
         self.backends.iter().map(|backend| backend.as_ref())
     }
 
+    /// Every backend of the instance, to change (under the lock, see [`Self::to_change`]).
+    pub fn backends_mut(&mut self) -> impl Iterator<Item = &mut Box<dyn Backend>> {
+        self.backends.iter_mut()
+    }
+
     /// Whether any backend holds the attachment `owner`. A state that cannot be read is an
     /// error, never "no".
     pub fn holds(&self, owner: u64) -> Result<bool, BackendError> {

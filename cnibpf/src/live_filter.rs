@@ -1,17 +1,22 @@
 //! `cnibpf filter`: the filter rules of running attachments, as the backends hold them now.
 //! `show` prints them in the configuration's rule shape, each with the proposal's `action`
 //! (`insert` at its own index), so that what it prints is a rule list a configuration, or a
-//! change of another attachment, can take as it is.
+//! change of another attachment, can take as it is. `apply` changes them live: a list of
+//! rules, each inserted, appended or deleted, validated as a configuration's, applied to each
+//! attachment it reaches whole or not at all.
 
 use std::path::Path;
 
 use serde_json::{Map, Value, json};
 
 use crate::{
-    backend::{AttachmentRecord, FilterRecord},
+    backend::{AttachmentRecord, Backend, BackendError, FilterRecord},
     cni::error::Error,
+    config::{self, MAX_FILTER_RULES},
     instance::Instance,
-    model::{ConnState, Direction, FilterRule, PortRange, RuleProtocol, Target},
+    model::{
+        ConnState, Direction, Filter, FilterRule, PortRange, RuleChange, RuleProtocol, Target,
+    },
     paths::PinLayout,
 };
 
@@ -138,6 +143,107 @@ pub fn show(pin_path: &Path, selection: &Selection) -> Result<Value, LiveFilterE
                 })
             })
             .collect(),
+    ))
+}
+
+/// What one attachment made of a list of changes: what it did, or why it refused.
+pub struct Applied {
+    pub attachment: String,
+    pub outcome: Result<String, String>,
+}
+
+/// `cnibpf filter apply`: the changes `input` lists, applied to each attachment `selection`
+/// reaches, each one's in one step (its rules all changed, or none). A list that does not
+/// parse changes nothing anywhere. A failure of a backend ends its part of the run: the
+/// attachments after it are reported as not reached.
+pub fn apply(
+    pin_path: &Path,
+    selection: &Selection,
+    input: &[u8],
+) -> Result<Vec<Applied>, LiveFilterError> {
+    let changes = config::parse_rule_changes(input).map_err(Error::from)?;
+    let pins = PinLayout::new(pin_path);
+    let mut instance = Instance::to_change(&pins).map_err(Error::from)?;
+    let mut applied = Vec::new();
+    for backend in instance.backends_mut() {
+        let filters = backend.filters().map_err(Error::from)?;
+        let mut failed = None;
+        for record in backend.attachments().map_err(Error::from)? {
+            if !selection.takes(&record) {
+                continue;
+            }
+            let outcome =
+                match &failed {
+                    Some(error) => Err(format!("not reached: {error}")),
+                    None => change_one(backend.as_mut(), &record, &filters, &changes).map_err(
+                        |refusal| match refusal {
+                            Refusal::Rules(reason) => reason,
+                            Refusal::Backend(error) => {
+                                let said = crate::output::with_causes(&error);
+                                failed = Some(said.clone());
+                                said
+                            }
+                        },
+                    ),
+                };
+            applied.push(Applied {
+                attachment: record.attachment.to_string(),
+                outcome,
+            });
+        }
+    }
+    if applied.is_empty() {
+        return Err(LiveFilterError::NoAttachment {
+            network: selection.network.clone(),
+            container: selection.container.clone(),
+            ifname: selection.ifname.clone(),
+        });
+    }
+    Ok(applied)
+}
+
+/// Why an attachment did not take a change.
+enum Refusal {
+    /// Its rules refuse it: nothing was attempted.
+    Rules(String),
+    /// Its backend failed.
+    Backend(BackendError),
+}
+
+fn change_one(
+    backend: &mut dyn Backend,
+    record: &AttachmentRecord,
+    filters: &[(u64, FilterRecord)],
+    changes: &[RuleChange],
+) -> Result<String, Refusal> {
+    let current: &Filter = filters
+        .iter()
+        .find(|(owner, _)| *owner == record.owner)
+        .map(|(_, held)| &held.filter)
+        .ok_or_else(|| Refusal::Rules(BackendError::NoFilter.to_string()))?;
+    let (next, done) = current
+        .changed(changes, MAX_FILTER_RULES)
+        .map_err(|refused| Refusal::Rules(format!("{}: {}", refused.key, refused.reason)))?;
+    backend
+        .change_filter(record.owner, &next)
+        .and_then(|()| backend.commit())
+        .map_err(|error| match error {
+            BackendError::NoFilter => Refusal::Rules(error.to_string()),
+            error => Refusal::Backend(error),
+        })?;
+    let indexes: Vec<String> = next
+        .rules
+        .iter()
+        .map(|rule| rule.index.to_string())
+        .collect();
+    Ok(format!(
+        "{}; rules now {}",
+        done.join(", "),
+        if indexes.is_empty() {
+            "none".to_owned()
+        } else {
+            indexes.join(", ")
+        }
     ))
 }
 

@@ -207,6 +207,17 @@ enum FilterCommand {
         #[command(flatten)]
         selection: SelectionArgs,
     },
+    /// Change the rules of running attachments: reads a JSON list of rules from stdin, each
+    /// with "action" insert (at its index), append (after the last rule) or delete (the rule
+    /// at its index), and applies the list to each attachment it reaches, all of it or none;
+    /// one line per attachment says what changed. Exit status 0 only when every one took it.
+    Apply {
+        /// The instance's pinPath.
+        #[arg(long, default_value = paths::DEFAULT_PIN_PATH)]
+        pin_path: PathBuf,
+        #[command(flatten)]
+        selection: SelectionArgs,
+    },
 }
 
 /// Which attachments a `filter` command reaches.
@@ -231,6 +242,37 @@ impl From<SelectionArgs> for live_filter::Selection {
             ifname: args.ifname,
         }
     }
+}
+
+/// `cnibpf filter apply`: the changes on stdin, a line for each attachment.
+fn filter_apply(
+    pin_path: &std::path::Path,
+    selection: live_filter::Selection,
+) -> Result<(), String> {
+    let mut input = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::stdin(), &mut input)
+        .map_err(|error| format!("could not read the rules from stdin: {error}"))?;
+    let applied =
+        live_filter::apply(pin_path, &selection, &input).map_err(|error| with_causes(&error))?;
+    let mut refused = 0;
+    for one in &applied {
+        let line = match &one.outcome {
+            Ok(done) => format!("{}: {done}", one.attachment),
+            Err(reason) => {
+                refused += 1;
+                format!("{}: unchanged: {reason}", one.attachment)
+            }
+        };
+        output::write_line(std::io::stdout(), &line)
+            .map_err(|error| format!("could not write to stdout: {error}"))?;
+    }
+    if refused > 0 {
+        return Err(format!(
+            "{refused} of {} attachments did not take the change",
+            applied.len()
+        ));
+    }
+    Ok(())
 }
 
 /// `cnibpf install`'s flags.
@@ -390,6 +432,13 @@ fn run(command: AdminCommand) -> Result<(), String> {
             output::write_line(std::io::stdout(), &format!("{shown:#}"))
                 .map_err(|error| format!("could not write the rules to stdout: {error}"))
         }
+        AdminCommand::Filter {
+            command:
+                FilterCommand::Apply {
+                    pin_path,
+                    selection,
+                },
+        } => filter_apply(&pin_path, selection.into()),
         AdminCommand::Monitor {
             pin_path,
             json,

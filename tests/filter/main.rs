@@ -17,6 +17,7 @@ use cnibpf_tests::{
 use serde_json::{Value, json};
 
 mod connections;
+mod live;
 mod operations;
 mod paths;
 mod rules;

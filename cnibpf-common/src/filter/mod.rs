@@ -82,6 +82,9 @@ pub struct FilterRule {
 }
 const _: () = assert!(size_of::<FilterRule>() == 84);
 
+/// [`FilterSet::changed`] of rules a live change set.
+pub const CHANGED_LIVE: u8 = 1;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FilterSet {
@@ -94,7 +97,10 @@ pub struct FilterSet {
     pub rule_count: u32,
     /// `TARGET_*` when no rule matches.
     pub default_target: u8,
-    pub _pad: u8,
+    /// [`CHANGED_LIVE`] when `cnibpf filter apply` set these rules, which are the attachment's
+    /// from then on (CHECK verifies them, not its configuration's); 0 for its configuration's
+    /// (and from builds that had padding here).
+    pub changed: u8,
     pub _pad2: u16,
     pub rules: [FilterRule; MAX_RULES],
 }
@@ -107,7 +113,7 @@ impl Default for FilterSet {
             generation: 0,
             rule_count: 0,
             default_target: TARGET_ALLOW,
-            _pad: 0,
+            changed: 0,
             _pad2: 0,
             rules: [FilterRule::default(); MAX_RULES],
         }

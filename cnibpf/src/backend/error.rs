@@ -87,6 +87,10 @@ pub enum BackendError {
         "the pinned maps {maps} in {path} are of an older version: the next CNI call or `cnibpf load` migrates them"
     )]
     MapsToMigrate { path: PathBuf, maps: String },
+    #[error(
+        "it has no filter (its network sets neither filter nor filterDefault): there are no rules to change live; a filter in the network's configuration reaches it when it is added again"
+    )]
+    NoFilter,
     /// The instance's release file (`cnibpf uninstall`'s) holds something cnibpf cannot read.
     #[error("{path} is not a release file cnibpf uninstall wrote")]
     ForeignReleaseFile { path: PathBuf },
@@ -170,7 +174,9 @@ impl BackendError {
             Self::UnreadableState { .. } | Self::ForeignReleaseFile { .. } => code::DATAPATH,
             Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
             Self::CheckFailed(_) => code::CHECK_FAILED,
-            Self::TooManySources { .. } | Self::CapacityTooSmall { .. } => code::INVALID_CONFIG,
+            Self::TooManySources { .. } | Self::CapacityTooSmall { .. } | Self::NoFilter => {
+                code::INVALID_CONFIG
+            }
             Self::Bpffs { .. }
             | Self::Unpin { .. }
             | Self::Load(_)

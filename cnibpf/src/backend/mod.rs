@@ -191,6 +191,12 @@ pub trait Filtering {
     ) -> Result<(), BackendError>;
     /// Removes the attachment's filter and its connections' state.
     fn teardown_filter(&mut self, owner: u64) -> Result<(), BackendError>;
+    /// Replaces the rules of attachment `owner`'s filter while it runs (`cnibpf filter
+    /// apply`), in one atomic step: the counters of the rules that stay (by index) and of the
+    /// default are kept, and the rules are the attachment's from then on — CHECK verifies
+    /// them, not its configuration's, until a `setup_filter` (a re-ADD) puts those back. An
+    /// attachment without a filter has no rules to change ([`BackendError::NoFilter`]).
+    fn change_filter(&mut self, owner: u64, filter: &Filter) -> Result<(), BackendError>;
     fn check_filter(
         &self,
         endpoint: &Endpoint,

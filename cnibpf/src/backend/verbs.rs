@@ -49,6 +49,10 @@ pub trait Backend: Inspect {
     /// Compares the attachment with `plan` (and takes the node's and the uplinks' addresses
     /// anew: CHECK is how an operator makes a changed one take effect).
     fn check(&mut self, plan: &Plan) -> Result<(), BackendError>;
+    /// Replaces the filter rules of the running attachment `owner` (`cnibpf filter apply`;
+    /// see [`Filtering::change_filter`]), in effect once committed: the one change made from
+    /// the attachment's state rather than a plan.
+    fn change_filter(&mut self, owner: u64, filter: &Filter) -> Result<(), BackendError>;
     /// The attachment, other than `owner`, holding a mapping that overlaps `mapping`.
     fn holder_of(&self, owner: u64, mapping: &ResolvedMapping)
     -> Result<Option<u64>, BackendError>;
@@ -115,6 +119,10 @@ impl<T: Datapath> Backend for T {
         self.check_filter(&plan.endpoint, plan.filter.as_ref())?;
         self.check_source_check(&plan.endpoint, plan.source_check.as_ref())?;
         self.commit_changes()
+    }
+
+    fn change_filter(&mut self, owner: u64, filter: &Filter) -> Result<(), BackendError> {
+        Filtering::change_filter(self, owner, filter)
     }
 
     fn holder_of(

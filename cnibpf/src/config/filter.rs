@@ -4,8 +4,12 @@ use std::collections::BTreeMap;
 
 use ipnet::IpNet;
 
-use super::{ConfigError, input::RuleInput, parse_word};
-use crate::model::{ConnState, Direction, FilterRule, RuleAction, RuleProtocol};
+use super::{
+    ConfigError,
+    input::{RuleIndex, RuleInput},
+    parse_word,
+};
+use crate::model::{ConnState, Direction, FilterRule, RuleAction, RuleChange, RuleProtocol};
 
 /// Most rules one attachment may carry (the datapath evaluates them in a bounded loop).
 pub const MAX_FILTER_RULES: usize = cnibpf_common::filter::MAX_RULES;
@@ -46,6 +50,56 @@ pub(super) fn parse_filter(entries: Vec<RuleInput>) -> Result<Vec<FilterRule>, C
         by_index.insert(rule.index, (position, rule));
     }
     Ok(by_index.into_values().map(|(_, rule)| rule).collect())
+}
+
+/// The rule changes `cnibpf filter apply` reads: each rule with its `action`, validated as a
+/// configuration's rule is (and named as one is, `filter[<position>]`).
+pub(super) fn parse_changes(entries: Vec<RuleInput>) -> Result<Vec<RuleChange>, ConfigError> {
+    entries
+        .into_iter()
+        .enumerate()
+        .map(|(position, entry)| parse_change(position, entry))
+        .collect()
+}
+
+fn parse_change(position: usize, mut entry: RuleInput) -> Result<RuleChange, ConfigError> {
+    let key = |name: &str| format!("filter[{position}].{name}");
+    let action = match entry.action.take() {
+        None => {
+            return Err(ConfigError::invalid(
+                key("action"),
+                "is required: insert, append or delete",
+            ));
+        }
+        Some(text) => parse_word::<RuleAction>(&key("action"), &text)?,
+    };
+    match action {
+        RuleAction::Insert => Ok(RuleChange::Insert(parse_rule(position, entry)?)),
+        RuleAction::Append => {
+            let index_given = entry.index.is_some();
+            // An index left out is the next free one, given once the attachment's rules are
+            // known; the rest is validated now.
+            entry.index.get_or_insert(RuleIndex(0));
+            let rule = parse_rule(position, entry)?;
+            Ok(RuleChange::Append { rule, index_given })
+        }
+        RuleAction::Delete => {
+            let index = entry
+                .index
+                .ok_or_else(|| ConfigError::invalid(key("index"), "is required"))?
+                .0;
+            let only_index = RuleInput {
+                index: entry.index,
+                ..RuleInput::default()
+            } == entry;
+            let matching = if only_index {
+                None
+            } else {
+                Some(parse_rule(position, entry)?)
+            };
+            Ok(RuleChange::Delete { index, matching })
+        }
+    }
 }
 
 fn parse_rule(position: usize, rule: RuleInput) -> Result<FilterRule, ConfigError> {

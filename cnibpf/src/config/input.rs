@@ -142,7 +142,7 @@ pub struct AttachmentInput {
 }
 
 /// One `filter` rule. Unknown keys are an error: a typo must not widen a rule.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RuleInput {
     pub index: Option<RuleIndex>,

@@ -19,7 +19,7 @@ use ipnet::IpNet;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-pub(crate) use self::filter::RULE_KEYS;
+pub(crate) use self::filter::{MAX_FILTER_RULES, RULE_KEYS};
 pub use self::fold::{describe, names_field};
 use self::log::log_conf;
 pub use self::log::{LogConf, Recording};
@@ -88,6 +88,13 @@ impl ConfigError {
             reason: reason.into(),
         }
     }
+}
+
+/// The rule changes `cnibpf filter apply` reads (a JSON list of rules, each with its
+/// `action`), decoded and validated as a configuration's `filter` is.
+pub fn parse_rule_changes(bytes: &[u8]) -> Result<Vec<crate::model::RuleChange>, ConfigError> {
+    let value: Value = serde_json::from_slice(bytes).map_err(ConfigError::Decode)?;
+    filter::parse_changes(decode(value, "filter")?)
 }
 
 /// Decodes `value` into `T` the way the reference plugins would, with errors that name the

@@ -3,7 +3,7 @@
 use serde_json::json;
 
 use super::*;
-use crate::model::{Direction, PortRange, RuleProtocol};
+use crate::model::{Direction, PortRange, RuleChange, RuleProtocol};
 
 fn parse_value(extra: Value) -> Result<NetConf, ConfigError> {
     let mut config = json!({ "cniVersion": "1.0.0", "name": "n", "type": "cnibpf" });
@@ -114,6 +114,61 @@ fn a_rules_action_adds_it_and_delete_is_refused_in_a_configuration() {
     assert!(
         message.starts_with("filter[0].action: expected insert, append or delete"),
         "{message}"
+    );
+}
+
+/// `cnibpf filter apply`'s list: each rule's action is required, insert and delete need an
+/// index, append may leave it out, delete with more than the index gives the rule it must
+/// match; every other key is validated as in a configuration, with the same message.
+#[test]
+fn rule_changes_need_an_action_and_are_validated_as_rules() {
+    let changes = |value: Value| parse_rule_changes(value.to_string().as_bytes());
+    let parsed = changes(json!([
+        { "action": "insert", "index": 15, "target": "DROP", "src": "203.0.113.0/24" },
+        { "action": "append", "target": "ALLOW", "proto": "udp" },
+        { "action": "delete", "index": 10 },
+        { "action": "Delete", "index": 20, "target": "allow" },
+    ]))
+    .expect("valid changes");
+    assert!(matches!(&parsed[0], RuleChange::Insert(rule) if rule.index == 15));
+    assert!(
+        matches!(&parsed[1], RuleChange::Append { index_given: false, rule }
+        if rule.protocol == RuleProtocol::Udp)
+    );
+    assert_eq!(
+        parsed[2],
+        RuleChange::Delete {
+            index: 10,
+            matching: None
+        }
+    );
+    assert!(
+        matches!(&parsed[3], RuleChange::Delete { index: 20, matching: Some(rule) }
+        if rule.target == Target::Allow)
+    );
+    let message = |value: Value| changes(value).expect_err("invalid").to_string();
+    assert_eq!(
+        message(json!([{ "index": 1, "target": "DROP" }])),
+        "filter[0].action: is required: insert, append or delete"
+    );
+    assert_eq!(
+        message(json!([{ "action": "insert", "target": "DROP" }])),
+        "filter[0].index: is required"
+    );
+    assert_eq!(
+        message(json!([{ "action": "delete" }])),
+        "filter[0].index: is required"
+    );
+    // The same message as a configuration's rule gets.
+    let in_a_configuration =
+        error(json!({ "filter": [{ "index": 1, "target": "DROP", "sport": 80 }] }));
+    assert_eq!(
+        message(json!([{ "action": "append", "index": 1, "target": "DROP", "sport": 80 }])),
+        in_a_configuration
+    );
+    assert!(
+        message(json!([{ "action": "append", "target": "DROP", "dports": 80 }]))
+            .starts_with("filter[0].dports: unknown rule key"),
     );
 }
 

@@ -14,7 +14,7 @@ mod vocabulary;
 
 pub use attachment::{Attachment, Pod};
 pub use capacity::{Capacity, Dimension};
-pub use filter::{Filter, FilterRule};
+pub use filter::{Filter, FilterRule, RuleChange};
 pub use mapping::{HostPortAccess, MappingError, PortMapping, ResolvedMapping, resolve_mappings};
 pub use masquerade::{ExcludeReason, Masquerade};
 pub use sources::SourceCheck;

@@ -9,7 +9,7 @@ use crate::{
         AttachmentRecord, Backend, BackendError, FilterRecord, FlowTable, Inspect,
         MasqueradeRecord, Plan, SourceCheckRecord, UplinkAddresses,
     },
-    model::ResolvedMapping,
+    model::{Filter, ResolvedMapping},
 };
 
 /// State of another layout, as [`Drained`] serves it.
@@ -50,6 +50,10 @@ impl<S: Draining> Backend for Drained<S> {
     }
 
     fn check(&mut self, _: &Plan) -> Result<(), BackendError> {
+        Err(self.0.refused())
+    }
+
+    fn change_filter(&mut self, _: u64, _: &Filter) -> Result<(), BackendError> {
         Err(self.0.refused())
     }
 

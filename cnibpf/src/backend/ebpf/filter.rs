@@ -11,9 +11,9 @@ use cnibpf_common::{
     address::Address,
     connections::PART_FILTER,
     filter::{
-        self, CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS, DIRECTION_INGRESS,
-        FilterHits, FilterRule as StoredRule, FilterSet, FilterStats, MAX_RULES, NO_PREFIX,
-        TARGET_ALLOW, TARGET_DROP,
+        self, CHANGED_LIVE, CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS,
+        DIRECTION_INGRESS, FilterHits, FilterRule as StoredRule, FilterSet, FilterStats, MAX_RULES,
+        NO_PREFIX, TARGET_ALLOW, TARGET_DROP, hits::DEFAULT_SLOT,
     },
 };
 use ipnet::IpNet;
@@ -58,7 +58,8 @@ impl Filtering for EbpfBackend {
         };
         let wanted = stored_set(owner, filter);
         let current = found(self.filter.filters.get(&ifindex, 0), filter::FILTERS.name)?;
-        if current.is_some_and(|current| same_rules(&current, &wanted))
+        if current
+            .is_some_and(|current| current.changed != CHANGED_LIVE && same_rules(&current, &wanted))
             && found(
                 self.filter.filter_hits.open()?.get(&ifindex, 0),
                 filter::HITS.name,
@@ -97,6 +98,44 @@ impl Filtering for EbpfBackend {
         }
     }
 
+    fn change_filter(&mut self, owner: u64, filter: &Filter) -> Result<(), BackendError> {
+        let info = self.endpoint.owner(owner)?.ok_or(BackendError::NoFilter)?;
+        let ifindex = info.host_ifindex;
+        let current = found(self.filter.filters.get(&ifindex, 0), filter::FILTERS.name)?
+            .filter(|current| current.owner == owner)
+            .ok_or(BackendError::NoFilter)?;
+        let wanted = FilterSet {
+            changed: CHANGED_LIVE,
+            ..stored_set(owner, filter)
+        };
+        let held = found(
+            self.filter.filter_hits.open()?.get(&ifindex, 0),
+            filter::HITS.name,
+        )?;
+        // As setup_filter: counters first. What a packet counts between their read and this
+        // write is lost (the instant of the change).
+        if let Some(held) = held {
+            let carried: Vec<FilterHits> = held
+                .iter()
+                .map(|hits| carried_hits(&current, &wanted, hits))
+                .collect();
+            let carried =
+                PerCpuValues::try_from(carried).map_err(|source| BackendError::MapRead {
+                    name: filter::HITS.name,
+                    source,
+                })?;
+            self.filter
+                .filter_hits
+                .open_mut()?
+                .insert(&ifindex, carried, 0)
+                .map_err(map_error("could not write map filter_hits"))?;
+        }
+        self.filter
+            .filters
+            .insert(&ifindex, &wanted, 0)
+            .map_err(map_error("could not write map filters"))
+    }
+
     fn check_filter(
         &self,
         endpoint: &Endpoint,
@@ -118,7 +157,11 @@ impl Filtering for EbpfBackend {
                 endpoint.attachment
             ))),
             (Some(filter), Some(current)) => {
-                if current.owner != owner || !same_rules(&current, &stored_set(owner, filter)) {
+                // Rules a live change set are the attachment's: they stand for themselves.
+                let configured = current.changed != CHANGED_LIVE;
+                if current.owner != owner
+                    || (configured && !same_rules(&current, &stored_set(owner, filter)))
+                {
                     return Err(BackendError::CheckFailed(format!(
                         "the filter of {} differs from its configuration",
                         endpoint.attachment
@@ -163,6 +206,21 @@ impl EbpfBackend {
             }
         })
     }
+}
+
+/// One CPU's counters of `current`'s rules as `wanted` places them: a rule's by its index, the
+/// default's as they were; a new rule starts from zero.
+fn carried_hits(current: &FilterSet, wanted: &FilterSet, hits: &FilterHits) -> FilterHits {
+    let mut carried = FilterHits::default();
+    let held = &current.rules[..(current.rule_count as usize).min(MAX_RULES)];
+    let kept = &wanted.rules[..(wanted.rule_count as usize).min(MAX_RULES)];
+    for (position, rule) in kept.iter().enumerate() {
+        if let Some(before) = held.iter().position(|old| old.index == rule.index) {
+            carried.rules[position] = hits.rules[before];
+        }
+    }
+    carried.rules[DEFAULT_SLOT] = hits.rules[DEFAULT_SLOT];
+    carried
 }
 
 /// Whether two sets hold the same rules and default (their generations aside).

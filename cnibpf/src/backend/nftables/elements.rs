@@ -222,7 +222,7 @@ pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change) {
         for chain in &chains {
             rewrite_chain(batch, chain);
         }
-        for rule in filter::chain_rules(&chains, rules) {
+        for rule in filter::chain_rules(&chains, rules, change.kept_counters.as_ref()) {
             batch.add(rule);
         }
     }

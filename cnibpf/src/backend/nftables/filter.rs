@@ -20,6 +20,7 @@ use super::{
     listing::Listing,
     nft::{self, address_field, matches, meta, network, network_of, port_of, text},
     owner_comment,
+    restore::Counters,
 };
 use crate::{
     backend::{BackendError, Endpoint, FilterRecord, Filtering},
@@ -72,7 +73,27 @@ impl Filtering for NftablesBackend {
         };
         if let Some(after) = self.attach(endpoint)?.after.as_mut() {
             after.filter = Some(filter.clone());
+            after.filter_changed = false;
         }
+        Ok(())
+    }
+
+    fn change_filter(&mut self, owner: u64, filter: &Filter) -> Result<(), BackendError> {
+        // Refused before anything of the operation changes.
+        if !self
+            .store
+            .record(owner)
+            .is_some_and(|record| record.filter.is_some())
+        {
+            return Err(BackendError::NoFilter);
+        }
+        let kept = Counters::of(self.listing()?);
+        let change = self.change(owner);
+        if let Some(after) = change.after.as_mut() {
+            after.filter = Some(filter.clone());
+            after.filter_changed = true;
+        }
+        change.kept_counters = Some(kept);
         Ok(())
     }
 
@@ -95,6 +116,11 @@ impl Filtering for NftablesBackend {
                 BackendError::CheckFailed(format!("{}: {error}", endpoint.attachment))
             })?
             .map(|record| record.filter);
+        // Rules a live change set are the attachment's, as its record holds them.
+        let filter = match self.store.record(owner) {
+            Some(record) if record.filter_changed => record.filter.as_ref(),
+            _ => filter,
+        };
         let owner_text = owner_comment(&endpoint.attachment)?;
         let dispatched = ["filter_out4", "filter_in4", "filter_out6", "filter_in6"]
             .iter()
@@ -116,32 +142,45 @@ impl Filtering for NftablesBackend {
 /// The rules of an attachment's two chains (`[out, in]`): its rules in index order, then the
 /// default. What passes every filter (replies, related errors, IPv6 neighbour and listener
 /// control) is let through by the hook chains before any filter chain.
-pub fn chain_rules(chains: &[String; 2], filter: &Filter) -> Vec<NfListObject<'static>> {
+/// Each rule's counter starts where `kept` says its rule of the same chain and comment had
+/// counted (a live change's rules that stay), else from zero.
+pub fn chain_rules(
+    chains: &[String; 2],
+    filter: &Filter,
+    kept: Option<&Counters>,
+) -> Vec<NfListObject<'static>> {
     let mut rules = Vec::new();
+    let counter = |chain: &str, comment: &str| {
+        // fail-closed: Options of what was counted; a rule without a count starts at zero.
+        let (packets, bytes) = kept
+            .and_then(|kept| kept.of_rule(chain, comment))
+            .unwrap_or_default();
+        counter(packets, bytes)
+    };
     for (chain, direction) in chains.iter().zip([Direction::Egress, Direction::Ingress]) {
         for rule in &filter.rules {
             if rule.direction == direction || rule.direction == Direction::Both {
+                let comment = format!("rule {}", rule.index);
                 let mut statements = rule_matches(rule);
-                statements.push(counter());
+                statements.push(counter(chain, &comment));
                 statements.push(verdict(rule.target));
-                rules.push(nft::rule(
-                    chain,
-                    statements,
-                    Some(format!("rule {}", rule.index)),
-                ));
+                rules.push(nft::rule(chain, statements, Some(comment)));
             }
         }
         rules.push(nft::rule(
             chain,
-            vec![counter(), verdict(filter.default)],
+            vec![counter(chain, "default"), verdict(filter.default)],
             Some("default".to_owned()),
         ));
     }
     rules
 }
 
-fn counter() -> Statement<'static> {
-    Statement::Counter(Counter::Anonymous(Some(AnonymousCounter::default())))
+fn counter(packets: u64, bytes: u64) -> Statement<'static> {
+    Statement::Counter(Counter::Anonymous(Some(AnonymousCounter {
+        packets: Some(packets as usize),
+        bytes: Some(bytes as usize),
+    })))
 }
 
 /// A rule's verdict. ALLOW returns rather than accepts: an accept would end the hook, and the
@@ -402,7 +441,7 @@ mod tests {
             default: Target::Allow,
         };
         let chains = ["f_out".to_owned(), "f_in".to_owned()];
-        let written = chain_rules(&chains, &filter)
+        let written = chain_rules(&chains, &filter, None)
             .into_iter()
             .find_map(|object| match object {
                 NfListObject::Rule(rule) if rule.comment.as_deref() == Some("rule 7") => Some(rule),

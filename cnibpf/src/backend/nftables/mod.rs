@@ -86,6 +86,9 @@ struct Change {
     /// What its source check admits when it has siblings: its own addresses and theirs (see
     /// `sources`); `None`: its own.
     admitted: Option<SourceCheck>,
+    /// What its filter's rules had counted, for those that stay when a live change rewrites
+    /// its chains (`Filtering::change_filter`); `None`: they start from zero.
+    kept_counters: Option<restore::Counters>,
 }
 
 #[derive(Debug)]

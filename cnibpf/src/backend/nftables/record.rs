@@ -44,6 +44,10 @@ pub struct Record {
     /// Its filter (chains `f_<owner>_out` and `f_<owner>_in`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub filter: Option<Filter>,
+    /// `cnibpf filter apply` set the filter's rules: they are the attachment's until it is
+    /// added again (CHECK verifies them, not its configuration's).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub filter_changed: bool,
     /// Its source check (chain `s_<owner>` of table `netdev cnibpf` when checked).
     #[serde(default)]
     pub sources: Sources,
@@ -223,6 +227,7 @@ mod tests {
                 }],
                 default: Target::Allow,
             }),
+            filter_changed: true,
             sources: Sources::Checked(SourceCheck::new([
                 literal::<IpAddr>("10.22.0.2"),
                 literal("fe80::1"),

@@ -171,6 +171,7 @@ fn changes_of(state: &State) -> Vec<(u64, Change)> {
                 before: None,
                 after: Some((*record).clone()),
                 admitted,
+                kept_counters: None,
             };
             (*owner, change)
         })
@@ -204,7 +205,7 @@ pub fn source_table_gone(store: &Store) -> Result<bool, NftablesError> {
 
 /// What the counted rules of a table had counted, by chain and comment: carried into the
 /// table that replaces it.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Counters(BTreeMap<(String, String), (u64, u64)>);
 
 impl Counters {
@@ -222,6 +223,11 @@ impl Counters {
             }
         }
         Self(counted)
+    }
+
+    /// What the rule commented `comment` of `chain` had counted.
+    pub fn of_rule(&self, chain: &str, comment: &str) -> Option<(u64, u64)> {
+        self.0.get(&(chain.to_owned(), comment.to_owned())).copied()
     }
 
     /// Starts the counter of each rule `commands` add where this says.
