@@ -55,6 +55,9 @@ pub(super) fn parse_filter(entries: Vec<RuleInput>) -> Result<Vec<FilterRule>, C
 /// The rule changes `cnibpf filter apply` reads: each rule with its `action`, validated as a
 /// configuration's rule is (and named as one is, `filter[<position>]`).
 pub(super) fn parse_changes(entries: Vec<RuleInput>) -> Result<Vec<RuleChange>, ConfigError> {
+    if entries.is_empty() {
+        return Err(ConfigError::invalid("filter", "the list holds no change"));
+    }
     entries
         .into_iter()
         .enumerate()

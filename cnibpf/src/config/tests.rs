@@ -159,6 +159,7 @@ fn rule_changes_need_an_action_and_are_validated_as_rules() {
         message(json!([{ "action": "delete" }])),
         "filter[0].index: is required"
     );
+    assert_eq!(message(json!([])), "filter: the list holds no change");
     // The same message as a configuration's rule gets.
     let in_a_configuration =
         error(json!({ "filter": [{ "index": 1, "target": "DROP", "sport": 80 }] }));

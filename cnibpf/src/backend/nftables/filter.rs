@@ -17,10 +17,9 @@ use nftables::{
 
 use super::{
     NftablesBackend, NftablesError, filter_chains, host,
-    listing::Listing,
+    listing::{Counters, Listing},
     nft::{self, address_field, matches, meta, network, network_of, port_of, text},
     owner_comment,
-    restore::Counters,
 };
 use crate::{
     backend::{BackendError, Endpoint, FilterRecord, Filtering},

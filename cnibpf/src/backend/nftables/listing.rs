@@ -1,6 +1,7 @@
 //! The table read back from the kernel (`nft -j list`), typed: the whole table for inspect,
 //! CHECK and the slow paths (a hostPort held by another, found after the transaction refused
-//! it), and a migration's reading of an older table.
+//! it), a migration's reading of an older table, and what its rules had counted (`Counters`,
+//! carried into a table or chains made again).
 
 use std::collections::BTreeMap;
 
@@ -224,4 +225,57 @@ fn mapping_of(element: &Listed, port: &Listed, any: bool) -> Option<ResolvedMapp
         container_addr: address_of(element.value.as_ref()?)?,
         container_port: port_of(port.value.as_ref()?)?,
     })
+}
+
+/// What the counted rules of a table had counted, by chain and comment: carried into the
+/// table that replaces it.
+#[derive(Clone, Debug, Default)]
+pub struct Counters(BTreeMap<(String, String), (u64, u64)>);
+
+impl Counters {
+    /// The counters of every commented rule `listing` holds.
+    pub fn of(listing: &Listing) -> Self {
+        let mut counted = BTreeMap::new();
+        for chain in listing.chain_names() {
+            for rule in listing.rules(chain) {
+                let Some(comment) = &rule.comment else {
+                    continue;
+                };
+                if let Some(counter) = nft::counter_of(&rule.expr) {
+                    counted.insert((chain.to_owned(), comment.to_string()), counter);
+                }
+            }
+        }
+        Self(counted)
+    }
+
+    /// What the rule commented `comment` of `chain` had counted.
+    pub fn of_rule(&self, chain: &str, comment: &str) -> Option<(u64, u64)> {
+        self.0.get(&(chain.to_owned(), comment.to_owned())).copied()
+    }
+
+    /// Starts the counter of each rule `commands` add where this says.
+    pub fn seed(&self, commands: &mut [serde_json::Value]) {
+        if self.0.is_empty() {
+            return;
+        }
+        for command in commands {
+            let Some(rule) = command.pointer_mut("/add/rule") else {
+                continue;
+            };
+            let (Some(chain), Some(comment)) = (rule["chain"].as_str(), rule["comment"].as_str())
+            else {
+                continue;
+            };
+            let Some(&(packets, bytes)) = self.0.get(&(chain.to_owned(), comment.to_owned()))
+            else {
+                continue;
+            };
+            for statement in rule["expr"].as_array_mut().into_iter().flatten() {
+                if let Some(counter) = statement.get_mut("counter") {
+                    *counter = serde_json::json!({ "packets": packets, "bytes": bytes });
+                }
+            }
+        }
+    }
 }

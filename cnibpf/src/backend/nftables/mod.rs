@@ -88,7 +88,7 @@ struct Change {
     admitted: Option<SourceCheck>,
     /// What its filter's rules had counted, for those that stay when a live change rewrites
     /// its chains (`Filtering::change_filter`); `None`: they start from zero.
-    kept_counters: Option<restore::Counters>,
+    kept_counters: Option<listing::Counters>,
 }
 
 #[derive(Debug)]
@@ -161,7 +161,7 @@ impl NftablesBackend {
                 restore::restore(
                     &mut store,
                     restore::Cause::TableGone,
-                    &restore::Counters::default(),
+                    &listing::Counters::default(),
                 )?
             }
             TableLayout::Absent => false,
@@ -173,7 +173,7 @@ impl NftablesBackend {
                     restore::restore(
                         &mut store,
                         restore::Cause::SourceTableGone,
-                        &restore::Counters::of(&listing),
+                        &listing::Counters::of(&listing),
                     )?
                 } else {
                     true

@@ -6,11 +6,10 @@
 use std::collections::BTreeMap;
 
 use nftables::batch::Batch;
-use serde_json::Value;
 
 use super::{
     Change, NftablesError, elements, host,
-    listing::Listing,
+    listing::Counters,
     nft, parse_owner,
     record::Sources,
     skeleton,
@@ -201,57 +200,4 @@ pub fn source_table_gone(store: &Store) -> Result<bool, NftablesError> {
         .records()
         .any(|(_, record)| matches!(record.sources, Sources::Checked(_)));
     Ok(checked && !host::has_source_table()?)
-}
-
-/// What the counted rules of a table had counted, by chain and comment: carried into the
-/// table that replaces it.
-#[derive(Clone, Debug, Default)]
-pub struct Counters(BTreeMap<(String, String), (u64, u64)>);
-
-impl Counters {
-    /// The counters of every commented rule `listing` holds.
-    pub fn of(listing: &Listing) -> Self {
-        let mut counted = BTreeMap::new();
-        for chain in listing.chain_names() {
-            for rule in listing.rules(chain) {
-                let Some(comment) = &rule.comment else {
-                    continue;
-                };
-                if let Some(counter) = nft::counter_of(&rule.expr) {
-                    counted.insert((chain.to_owned(), comment.to_string()), counter);
-                }
-            }
-        }
-        Self(counted)
-    }
-
-    /// What the rule commented `comment` of `chain` had counted.
-    pub fn of_rule(&self, chain: &str, comment: &str) -> Option<(u64, u64)> {
-        self.0.get(&(chain.to_owned(), comment.to_owned())).copied()
-    }
-
-    /// Starts the counter of each rule `commands` add where this says.
-    fn seed(&self, commands: &mut [Value]) {
-        if self.0.is_empty() {
-            return;
-        }
-        for command in commands {
-            let Some(rule) = command.pointer_mut("/add/rule") else {
-                continue;
-            };
-            let (Some(chain), Some(comment)) = (rule["chain"].as_str(), rule["comment"].as_str())
-            else {
-                continue;
-            };
-            let Some(&(packets, bytes)) = self.0.get(&(chain.to_owned(), comment.to_owned()))
-            else {
-                continue;
-            };
-            for statement in rule["expr"].as_array_mut().into_iter().flatten() {
-                if let Some(counter) = statement.get_mut("counter") {
-                    *counter = serde_json::json!({ "packets": packets, "bytes": bytes });
-                }
-            }
-        }
-    }
 }

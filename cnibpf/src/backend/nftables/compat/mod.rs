@@ -14,9 +14,10 @@ use super::{
     NftablesError,
     filter::filter_of,
     host,
+    listing::Counters,
     listing::Listing,
     portmap::conditions_of,
-    restore::{self, Cause, Counters},
+    restore::{self, Cause},
     skeleton,
     store::{OwnerId, Store},
 };
