@@ -137,6 +137,8 @@ pub fn show(pin_path: &Path, selection: &Selection) -> Result<Value, LiveFilterE
                     "filterDefault": held
                         .filter
                         .as_ref()
+                        // fail-closed: an Option of what was read; an attachment without a
+                        // filter lets everything pass.
                         .map_or(Target::Allow, |record| record.filter.default)
                         .as_str(),
                     "rules": rule_list(held.filter.as_ref()),

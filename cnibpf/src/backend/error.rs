@@ -88,7 +88,7 @@ pub enum BackendError {
     )]
     MapsToMigrate { path: PathBuf, maps: String },
     #[error(
-        "it has no filter (its network sets neither filter nor filterDefault): there are no rules to change live; a filter in the network's configuration reaches it when it is added again"
+        "it has no filter (its configuration gives it no rule and lets everything pass): there are no rules to change live; rules or filterDefault in the network's configuration reach it when it is added again"
     )]
     NoFilter,
     /// The instance's release file (`cnibpf uninstall`'s) holds something cnibpf cannot read.
