@@ -21,7 +21,7 @@
 //! A run that finds `resize/` resumes at 1 with the maps pinned there (their sizes are the
 //! record of what the interrupted run asked for); a map already moved in 5 is the new one.
 //!
-//! A map's migration to this build's version of its types (`versions`) is the same carry-over,
+//! A map's migration to this build's version of its types (`layout`) is the same carry-over,
 //! each entry converted as it is copied. `map_versions` keeps naming the versions the maps in
 //! place had until step 5 is over, and `resize/moving` says step 5 began: a resumed run
 //! converts every map of an older version before it, and after it those still in `resize/`
