@@ -218,21 +218,23 @@ fn change_one(
     filters: &[(u64, FilterRecord)],
     changes: &[RuleChange],
 ) -> Result<String, Refusal> {
-    let current: &Filter = filters
+    // An attachment without a filter lets everything pass: its first rules come with the
+    // default ALLOW.
+    let unfiltered = Filter {
+        rules: Vec::new(),
+        default: Target::Allow,
+    };
+    let current = filters
         .iter()
         .find(|(owner, _)| *owner == record.owner)
-        .map(|(_, held)| &held.filter)
-        .ok_or_else(|| Refusal::Rules(BackendError::NoFilter.to_string()))?;
+        .map_or(&unfiltered, |(_, held)| &held.filter);
     let (next, done) = current
         .changed(changes, MAX_FILTER_RULES)
         .map_err(|refused| Refusal::Rules(format!("{}: {}", refused.key, refused.reason)))?;
     backend
         .change_filter(record.owner, &next)
         .and_then(|()| backend.commit())
-        .map_err(|error| match error {
-            BackendError::NoFilter => Refusal::Rules(error.to_string()),
-            error => Refusal::Backend(error),
-        })?;
+        .map_err(Refusal::Backend)?;
     let indexes: Vec<String> = next
         .rules
         .iter()

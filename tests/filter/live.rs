@@ -27,7 +27,7 @@ impl<'a> FilterCommand<'a> {
         }
     }
 
-    fn run(&self, verb: &str, extra: &[&str], input: &Value) -> std::process::Output {
+    fn run(&self, verb: &str, extra: &[&str], input: Option<&Value>) -> std::process::Output {
         let mut args = vec![
             "filter",
             verb,
@@ -40,17 +40,23 @@ impl<'a> FilterCommand<'a> {
         let mut child = self
             .host
             .cnibpf_command(&args)
-            .stdin(Stdio::piped())
+            .stdin(if input.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap_or_else(|error| panic!("run cnibpf filter {verb}: {error}"));
-        child
-            .stdin
-            .take()
-            .expect("piped stdin")
-            .write_all(input.to_string().as_bytes())
-            .unwrap_or_else(|error| panic!("write the rules: {error}"));
+        if let Some(input) = input {
+            child
+                .stdin
+                .take()
+                .expect("piped stdin")
+                .write_all(input.to_string().as_bytes())
+                .unwrap_or_else(|error| panic!("write the rules: {error}"));
+        }
         child
             .wait_with_output()
             .unwrap_or_else(|error| panic!("wait for cnibpf filter {verb}: {error}"))
@@ -61,7 +67,7 @@ impl<'a> FilterCommand<'a> {
         let output = self.run(
             "apply",
             &["--container", &container.attachment.container_id],
-            &changes,
+            Some(&changes),
         );
         assert!(
             output.status.success(),
@@ -75,7 +81,7 @@ impl<'a> FilterCommand<'a> {
         let output = self.run(
             "show",
             &["--container", &container.attachment.container_id],
-            &Value::Null,
+            None,
         );
         assert!(output.status.success(), "filter show: {output:?}");
         let rules: Value = serde_json::from_slice(&output.stdout).expect("filter show's JSON");
@@ -143,10 +149,10 @@ fn changes_a_running_attachments_rules_live(backend: Backend) {
     let refused = filter.run(
         "apply",
         &["--container", &first.attachment.container_id],
-        &json!([
+        Some(&json!([
             { "action": "append", "target": "ALLOW" },
             { "action": "delete", "index": 99 },
-        ]),
+        ])),
     );
     assert!(!refused.status.success(), "{refused:?}");
     let said = String::from_utf8_lossy(&refused.stdout);
@@ -179,7 +185,7 @@ fn changes_a_running_attachments_rules_live(backend: Backend) {
     let every = filter.run(
         "apply",
         &[],
-        &json!([{ "action": "insert", "index": 5, "proto": "icmp", "target": "DROP" }]),
+        Some(&json!([{ "action": "insert", "index": 5, "proto": "icmp", "target": "DROP" }])),
     );
     assert!(every.status.success(), "{every:?}");
     let said = String::from_utf8_lossy(&every.stdout);
@@ -219,26 +225,48 @@ fn changes_a_running_attachments_rules_live(backend: Backend) {
             .unwrap_or_else(|error| panic!("DEL: {error}"));
     }
     assert!(host.holds_no_state(), "DEL leaves nothing of either");
-    let gone = filter.run("apply", &[], &json!([{ "action": "delete", "index": 5 }]));
+    let gone = filter.run(
+        "apply",
+        &[],
+        Some(&json!([{ "action": "delete", "index": 5 }])),
+    );
     assert!(!gone.status.success(), "no attachment left: {gone:?}");
 }
 
-/// An attachment whose network sets no filter has no rules to change; a re-ADD puts its
-/// configuration's rules back over a live change.
-fn an_unfiltered_attachment_refuses_and_a_re_add_restores_the_configuration(backend: Backend) {
+/// An attachment whose configuration gives it no filter gets its first rules live (and CHECK
+/// takes them for its own); a re-ADD puts its configuration's rules back over a live change,
+/// none or some.
+fn an_unfiltered_attachment_gets_rules_live_and_a_re_add_restores_the_configuration(
+    backend: Backend,
+) {
     let host = SimHost::on(backend, "fl-live-none", json!({}));
+    host.route_outside_to_containers();
     let plain = host.container("c1", Value::Null);
+    let _server = TcpServer::start(&plain.netns, Family::V4.any(8080), "plain");
+    let target = plain.at(Family::V4, 8080);
     let filter = FilterCommand::of(&host);
-    let refused = filter.run(
-        "apply",
-        &["--container", &plain.attachment.container_id],
-        &json!([{ "action": "append", "target": "DROP" }]),
+    let served = || tcp_request(&host.outside, target);
+    assert_eq!(served().as_deref(), Ok("plain"), "unfiltered");
+    let said = filter.apply(
+        &plain,
+        json!([{ "action": "insert", "index": 10, "src": format!("{OUTSIDE_ADDR}/32"),
+                 "proto": "tcp", "dport": 8080, "target": "DROP" }]),
     );
-    assert!(!refused.status.success(), "{refused:?}");
-    assert!(
-        String::from_utf8_lossy(&refused.stdout).contains("unchanged: it has no filter"),
-        "{refused:?}"
+    assert!(said.contains("inserted rule 10; rules now 10"), "{said}");
+    assert!(tcp_dropped(&host.outside, target), "its first rule drops");
+    host.check(&plain)
+        .unwrap_or_else(|error| panic!("CHECK takes the live rules for its own: {error}"));
+    host.readd_with(&plain, json!({}))
+        .unwrap_or_else(|error| panic!("re-ADD without a filter: {error}"));
+    assert_eq!(
+        filter.indexes(&plain),
+        Vec::<u64>::new(),
+        "unfiltered again"
     );
+    assert_eq!(served().as_deref(), Ok("plain"), "after the re-ADD");
+    host.check(&plain)
+        .unwrap_or_else(|error| panic!("CHECK after the re-ADD: {error}"));
+
     let rules = json!({ "filter": [{ "index": 10, "proto": "udp", "target": "DROP" }] });
     host.readd_with(&plain, rules.clone())
         .unwrap_or_else(|error| panic!("re-ADD with a filter: {error}"));
@@ -251,9 +279,12 @@ fn an_unfiltered_attachment_refuses_and_a_re_add_restores_the_configuration(back
         [10],
         "a re-ADD starts again from the configuration"
     );
+    host.del(&plain)
+        .unwrap_or_else(|error| panic!("DEL: {error}"));
+    assert!(host.holds_no_state(), "DEL leaves nothing");
 }
 
 for_both_backends!(
     changes_a_running_attachments_rules_live,
-    an_unfiltered_attachment_refuses_and_a_re_add_restores_the_configuration,
+    an_unfiltered_attachment_gets_rules_live_and_a_re_add_restores_the_configuration,
 );

@@ -87,10 +87,8 @@ pub enum BackendError {
         "the pinned maps {maps} in {path} are of an older version: the next CNI call or `cnibpf load` migrates them"
     )]
     MapsToMigrate { path: PathBuf, maps: String },
-    #[error(
-        "it has no filter (its configuration gives it no rule and lets everything pass): there are no rules to change live; rules or filterDefault in the network's configuration reach it when it is added again"
-    )]
-    NoFilter,
+    #[error("its record is missing from map owners")]
+    NotRecorded,
     /// The instance's release file (`cnibpf uninstall`'s) holds something cnibpf cannot read.
     #[error("{path} is not a release file cnibpf uninstall wrote")]
     ForeignReleaseFile { path: PathBuf },
@@ -174,9 +172,7 @@ impl BackendError {
             Self::UnreadableState { .. } | Self::ForeignReleaseFile { .. } => code::DATAPATH,
             Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
             Self::CheckFailed(_) => code::CHECK_FAILED,
-            Self::TooManySources { .. } | Self::CapacityTooSmall { .. } | Self::NoFilter => {
-                code::INVALID_CONFIG
-            }
+            Self::TooManySources { .. } | Self::CapacityTooSmall { .. } => code::INVALID_CONFIG,
             Self::Bpffs { .. }
             | Self::Unpin { .. }
             | Self::Load(_)
@@ -185,6 +181,7 @@ impl BackendError {
             | Self::MapRead { .. }
             | Self::MapWrite { .. }
             | Self::Pin { .. }
+            | Self::NotRecorded
             | Self::OwnerCollision { .. } => code::DATAPATH,
             Self::HostAddresses(_) | Self::Interface { .. } => code::INTERFACE,
             Self::Nftables(

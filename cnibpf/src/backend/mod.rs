@@ -195,7 +195,7 @@ pub trait Filtering {
     /// apply`), in one atomic step: the counters of the rules that stay (by index) and of the
     /// default are kept, and the rules are the attachment's from then on — CHECK verifies
     /// them, not its configuration's, until a `setup_filter` (a re-ADD) puts those back. An
-    /// attachment without a filter has no rules to change ([`BackendError::NoFilter`]).
+    /// attachment without a filter gets one, set up as an ADD's is.
     fn change_filter(&mut self, owner: u64, filter: &Filter) -> Result<(), BackendError>;
     fn check_filter(
         &self,

@@ -341,6 +341,12 @@ impl Endpoints for EbpfBackend {
                 endpoint.host.index
             )));
         }
+        // Rules a live change set make the interface filtered whatever its configuration says.
+        let changed_live = self.filter_changed_live(endpoint.host.index)?;
+        let mut wanted = endpoint_info(endpoint);
+        if changed_live {
+            wanted.flags &= !endpoints::FLAG_UNFILTERED;
+        }
         match found(
             self.endpoint.endpoints.get(&endpoint.host.index, 0),
             endpoints::ENDPOINTS.name,
@@ -351,7 +357,7 @@ impl Endpoints for EbpfBackend {
                     &record,
                     &EndpointInfo {
                         sources: record.sources,
-                        ..endpoint_info(endpoint)
+                        ..wanted
                     },
                 ) => {}
             _ => {
@@ -364,7 +370,7 @@ impl Endpoints for EbpfBackend {
         let link_pins = self.endpoint_link_pins(owner);
         let [from, to] = Self::endpoint_hooks(&link_pins);
         self.check_attached(endpoint.host.index, &endpoint.host.name, &from)?;
-        if receives_through_hook(endpoint) {
+        if receives_through_hook(endpoint) || changed_live {
             self.check_attached(endpoint.host.index, &endpoint.host.name, &to)?;
         }
         for uplink in &endpoint.uplinks {

@@ -71,20 +71,7 @@ impl Filtering for EbpfBackend {
         self.expect_filter(ifindex)?;
         // Counters first: a packet judged by the new rules never counts on the old ones'
         // positions (one judged by the old rules meanwhile may count on the new ones').
-        let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
-            name: filter::HITS.name,
-            source,
-        })?;
-        let zeroed = PerCpuValues::try_from(vec![FilterHits::default(); cpus.get() as usize])
-            .map_err(|source| BackendError::MapRead {
-                name: filter::HITS.name,
-                source,
-            })?;
-        self.filter
-            .filter_hits
-            .open_mut()?
-            .insert(&ifindex, zeroed, 0)
-            .map_err(map_error("could not write map filter_hits"))?;
+        self.zero_filter_hits(ifindex)?;
         self.filter
             .filters
             .insert(&ifindex, &wanted, 0)
@@ -99,14 +86,28 @@ impl Filtering for EbpfBackend {
     }
 
     fn change_filter(&mut self, owner: u64, filter: &Filter) -> Result<(), BackendError> {
-        let info = self.endpoint.owner(owner)?.ok_or(BackendError::NoFilter)?;
+        let info = self
+            .endpoint
+            .owner(owner)?
+            .ok_or(BackendError::NotRecorded)?;
         let ifindex = info.host_ifindex;
-        let current = found(self.filter.filters.get(&ifindex, 0), filter::FILTERS.name)?
-            .filter(|current| current.owner == owner)
-            .ok_or(BackendError::NoFilter)?;
         let wanted = FilterSet {
             changed: CHANGED_LIVE,
             ..stored_set(owner, filter)
+        };
+        let current = found(self.filter.filters.get(&ifindex, 0), filter::FILTERS.name)?
+            .filter(|current| current.owner == owner);
+        let Some(current) = current else {
+            // Its first rules: set up as an ADD's filter is (its connections so far are judged
+            // as new at their next packet).
+            self.expect_filter(ifindex)?;
+            self.zero_filter_hits(ifindex)?;
+            self.filter
+                .filters
+                .insert(&ifindex, &wanted, 0)
+                .map_err(map_error("could not write map filters"))?;
+            // What reaches it through the bridge or the host stack is judged from now on.
+            return self.hook_endpoint(owner, ifindex, true);
         };
         let held = found(
             self.filter.filter_hits.open()?.get(&ifindex, 0),
@@ -148,10 +149,13 @@ impl Filtering for EbpfBackend {
         )?;
         match (filter, current) {
             (None, None) => Ok(()),
-            (None, Some(_)) => Err(BackendError::CheckFailed(format!(
-                "{} is filtered, and its configuration has no filter",
-                endpoint.attachment
-            ))),
+            (None, Some(current)) if current.changed != CHANGED_LIVE || current.owner != owner => {
+                Err(BackendError::CheckFailed(format!(
+                    "{} is filtered, and its configuration has no filter",
+                    endpoint.attachment
+                )))
+            }
+            (None, Some(_)) => self.check_filter_hits(endpoint),
             (Some(_), None) => Err(BackendError::CheckFailed(format!(
                 "the filter of {} is missing from map filters",
                 endpoint.attachment
@@ -167,20 +171,51 @@ impl Filtering for EbpfBackend {
                         endpoint.attachment
                     )));
                 }
-                let hits = self.filter.filter_hits.open()?.get(&endpoint.host.index, 0);
-                if found(hits, filter::HITS.name)?.is_none() {
-                    return Err(BackendError::CheckFailed(format!(
-                        "the rule counters of {} are missing from map filter_hits",
-                        endpoint.attachment
-                    )));
-                }
-                Ok(())
+                self.check_filter_hits(endpoint)
             }
         }
     }
 }
 
 impl EbpfBackend {
+    fn check_filter_hits(&self, endpoint: &Endpoint) -> Result<(), BackendError> {
+        let hits = self.filter.filter_hits.open()?.get(&endpoint.host.index, 0);
+        if found(hits, filter::HITS.name)?.is_none() {
+            return Err(BackendError::CheckFailed(format!(
+                "the rule counters of {} are missing from map filter_hits",
+                endpoint.attachment
+            )));
+        }
+        Ok(())
+    }
+
+    /// Zeroed counters for the filter of interface `ifindex`.
+    fn zero_filter_hits(&mut self, ifindex: u32) -> Result<(), BackendError> {
+        let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
+            name: filter::HITS.name,
+            source,
+        })?;
+        let zeroed = PerCpuValues::try_from(vec![FilterHits::default(); cpus.get() as usize])
+            .map_err(|source| BackendError::MapRead {
+                name: filter::HITS.name,
+                source,
+            })?;
+        self.filter
+            .filter_hits
+            .open_mut()?
+            .insert(&ifindex, zeroed, 0)
+            .map_err(map_error("could not write map filter_hits"))
+    }
+
+    /// Whether interface `ifindex` has rules a live change set (which its endpoint record
+    /// counts as filtered, whatever its configuration says).
+    pub(super) fn filter_changed_live(&self, ifindex: u32) -> Result<bool, BackendError> {
+        Ok(
+            found(self.filter.filters.get(&ifindex, 0), filter::FILTERS.name)?
+                .is_some_and(|set| set.changed == CHANGED_LIVE),
+        )
+    }
+
     /// Removes the attachment's filter (if the element on `ifindex` is still its own) and its
     /// connections' state; expired state of others goes in the same pass.
     pub(super) fn remove_filter(&mut self, owner: u64, ifindex: u32) -> Result<(), BackendError> {

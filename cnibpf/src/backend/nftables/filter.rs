@@ -34,37 +34,7 @@ impl Filtering for NftablesBackend {
         filter: Option<&Filter>,
     ) -> Result<(), BackendError> {
         if filter.is_some() && endpoint.gateway_ifindex != endpoint.host.index {
-            let gateway = netlink::link_by_index(endpoint.gateway_ifindex).map_err(|source| {
-                BackendError::Interface {
-                    action: format!(
-                        "could not look up bridge {} of {}",
-                        endpoint.gateway_ifindex, endpoint.attachment
-                    ),
-                    source: Box::new(source),
-                }
-            })?;
-            if gateway.kind.as_deref() == Some("bridge") && host::bridge_netfilter_on(&gateway)? {
-                // The attachments already on it reach their own hostPorts from now on only
-                // through their ports' hairpin mode (see `host::hairpin_on`); this one's port
-                // gets it with its endpoint.
-                let ports: Vec<String> = self
-                    .store
-                    .records()
-                    .map(|(_, record)| record.host.clone())
-                    .collect();
-                for port in ports {
-                    let on_this_bridge = netlink::link_if_there_by_name(&port)
-                        .map_err(|source| BackendError::Interface {
-                            action: format!("could not look up interface {port}"),
-                            source: Box::new(source),
-                        })?
-                        .is_some_and(|link| link.master == Some(gateway.index));
-                    if on_this_bridge {
-                        host::hairpin_on(&port)?;
-                    }
-                }
-                self.filtered_bridges.push(gateway.name);
-            }
+            self.filter_on_bridge(endpoint.gateway_ifindex)?;
         }
         let Some(filter) = filter else {
             // Unfiltered: nothing to add, and no record to start (an ADD's undo ends here).
@@ -79,12 +49,19 @@ impl Filtering for NftablesBackend {
 
     fn change_filter(&mut self, owner: u64, filter: &Filter) -> Result<(), BackendError> {
         // Refused before anything of the operation changes.
-        if !self
-            .store
-            .record(owner)
-            .is_some_and(|record| record.filter.is_some())
-        {
-            return Err(BackendError::NoFilter);
+        let record = self.store.record(owner).ok_or(BackendError::NotRecorded)?;
+        if record.filter.is_none() {
+            // Its first rules: on a bridge, as an ADD's filter is set up.
+            let host = record.host.clone();
+            let port = netlink::link_if_there_by_name(&host).map_err(|source| {
+                BackendError::Interface {
+                    action: format!("could not look up interface {host}"),
+                    source: Box::new(source),
+                }
+            })?;
+            if let Some(bridge) = port.and_then(|port| port.master) {
+                self.filter_on_bridge(bridge)?;
+            }
         }
         let kept = Counters::of(self.listing()?);
         let change = self.change(owner);
@@ -134,6 +111,41 @@ impl Filtering for NftablesBackend {
                 endpoint.attachment
             )));
         }
+        Ok(())
+    }
+}
+
+impl NftablesBackend {
+    /// A filter on a container of the bridge `gateway_ifindex` (when it is a bridge whose
+    /// frames reach the IP hooks): the ports of the attachments on it reach their own
+    /// hostPorts from now on only through their hairpin mode (see `host::hairpin_on`), and
+    /// the bridge is recorded as filtered.
+    fn filter_on_bridge(&mut self, gateway_ifindex: u32) -> Result<(), BackendError> {
+        let gateway =
+            netlink::link_by_index(gateway_ifindex).map_err(|source| BackendError::Interface {
+                action: format!("could not look up bridge {gateway_ifindex}"),
+                source: Box::new(source),
+            })?;
+        if gateway.kind.as_deref() != Some("bridge") || !host::bridge_netfilter_on(&gateway)? {
+            return Ok(());
+        }
+        let ports: Vec<String> = self
+            .store
+            .records()
+            .map(|(_, record)| record.host.clone())
+            .collect();
+        for port in ports {
+            let on_this_bridge = netlink::link_if_there_by_name(&port)
+                .map_err(|source| BackendError::Interface {
+                    action: format!("could not look up interface {port}"),
+                    source: Box::new(source),
+                })?
+                .is_some_and(|link| link.master == Some(gateway.index));
+            if on_this_bridge {
+                host::hairpin_on(&port)?;
+            }
+        }
+        self.filtered_bridges.push(gateway.name);
         Ok(())
     }
 }
