@@ -227,6 +227,7 @@ fn change_one(
     let current = filters
         .iter()
         .find(|(owner, _)| *owner == record.owner)
+        // fail-closed: an Option of a search in what was read; no filter lets all pass.
         .map_or(&unfiltered, |(_, held)| &held.filter);
     let (next, done) = current
         .changed(changes, MAX_FILTER_RULES)
