@@ -116,20 +116,11 @@ impl Filtering for EbpfBackend {
         // As setup_filter: counters first. What a packet counts between their read and this
         // write is lost (the instant of the change).
         if let Some(held) = held {
-            let carried: Vec<FilterHits> = held
+            let carried = held
                 .iter()
                 .map(|hits| carried_hits(&current, &wanted, hits))
                 .collect();
-            let carried =
-                PerCpuValues::try_from(carried).map_err(|source| BackendError::MapRead {
-                    name: filter::HITS.name,
-                    source,
-                })?;
-            self.filter
-                .filter_hits
-                .open_mut()?
-                .insert(&ifindex, carried, 0)
-                .map_err(map_error("could not write map filter_hits"))?;
+            self.write_filter_hits(ifindex, carried)?;
         }
         self.filter
             .filters
@@ -195,15 +186,23 @@ impl EbpfBackend {
             name: filter::HITS.name,
             source,
         })?;
-        let zeroed = PerCpuValues::try_from(vec![FilterHits::default(); cpus.get() as usize])
-            .map_err(|source| BackendError::MapRead {
-                name: filter::HITS.name,
-                source,
-            })?;
+        self.write_filter_hits(ifindex, vec![FilterHits::default(); cpus.get() as usize])
+    }
+
+    /// Writes the counters of the filter of interface `ifindex`, one value per CPU.
+    fn write_filter_hits(
+        &mut self,
+        ifindex: u32,
+        per_cpu: Vec<FilterHits>,
+    ) -> Result<(), BackendError> {
+        let values = PerCpuValues::try_from(per_cpu).map_err(|source| BackendError::MapRead {
+            name: filter::HITS.name,
+            source,
+        })?;
         self.filter
             .filter_hits
             .open_mut()?
-            .insert(&ifindex, zeroed, 0)
+            .insert(&ifindex, values, 0)
             .map_err(map_error("could not write map filter_hits"))
     }
 
