@@ -19,9 +19,11 @@ use serde_json::{Value, json};
 
 mod defaults;
 mod network;
+mod reference;
 mod verbs;
 
 pub use defaults::DefaultPaths;
+pub use reference::ReferencePlugins;
 
 use crate::{
     Chain, ChainError, Netns,
@@ -192,18 +194,7 @@ impl SimHost {
     }
 
     pub fn with_version(id: &str, cni_version: &str, cnibpf_keys: Value) -> Self {
-        Self::build(id, cni_version, vec![Chained::Cnibpf(cnibpf_keys)], false)
-    }
-
-    /// A simulated host whose conflist chains Debian's reference `portmap` (iptables) after
-    /// the bridge instead of cnibpf, for comparisons.
-    pub fn with_reference_portmap(id: &str) -> Self {
-        Self::build(
-            id,
-            "1.0.0",
-            vec![Chained::ReferencePortmap(json!({}))],
-            false,
-        )
+        Self::build(id, cni_version, vec![Chained::Cnibpf(cnibpf_keys)], None)
     }
 
     /// The reference chain cnibpf replaces: the bridge masquerading with iptables (`ipMasq`)
@@ -213,19 +204,13 @@ impl SimHost {
             id,
             "1.0.0",
             vec![Chained::ReferencePortmap(json!({}))],
-            true,
+            Some(ReferencePlugins::Iptables),
         )
-    }
-
-    /// A simulated host whose bridge masquerades with iptables (the reference `ipMasq`) and
-    /// that chains nothing after it, for comparisons.
-    pub fn with_reference_masquerade(id: &str) -> Self {
-        Self::build(id, "1.0.0", Vec::new(), true)
     }
 
     /// A simulated host whose conflist chains `chained` after the bridge, in that order.
     pub fn with_chain(id: &str, chained: Vec<Chained>) -> Self {
-        Self::build(id, "1.0.0", chained, false)
+        Self::build(id, "1.0.0", chained, None)
     }
 
     /// [`Self::on`] on a host shaped as a Kubernetes node: `br_netfilter` on whatever the run
@@ -236,7 +221,30 @@ impl SimHost {
         sim
     }
 
-    fn build(id: &str, cni_version: &str, chained: Vec<Chained>, bridge_masquerades: bool) -> Self {
+    /// A host whose bridge masquerades with `bridge_masquerades`' netfilter, if any, with
+    /// Debian's reference plugins.
+    pub(super) fn build(
+        id: &str,
+        cni_version: &str,
+        chained: Vec<Chained>,
+        bridge_masquerades: Option<ReferencePlugins>,
+    ) -> Self {
+        Self::build_with(
+            id,
+            cni_version,
+            chained,
+            bridge_masquerades,
+            ReferencePlugins::Iptables,
+        )
+    }
+
+    pub(super) fn build_with(
+        id: &str,
+        cni_version: &str,
+        chained: Vec<Chained>,
+        bridge_masquerades: Option<ReferencePlugins>,
+        plugins: ReferencePlugins,
+    ) -> Self {
         // A run with br_netfilter on may run beside one without: its hosts have names of their
         // own.
         let id = &if bridge_netfilter() {
@@ -350,22 +358,25 @@ impl SimHost {
                 Chained::Plugin(entry) => entry,
             })
             .collect();
-        let bridge = json!({
+        let mut bridge = json!({
             "type": "bridge", "bridge": BRIDGE, "isGateway": true,
-            "ipMasq": bridge_masquerades,
+            "ipMasq": bridge_masquerades.is_some(),
             "ipam": {
                 "type": "host-local", "dataDir": work_dir.join("ipam"),
                 "ranges": [[{ "subnet": SUBNET }], [{ "subnet": SUBNET6 }]],
                 "routes": [{ "dst": "0.0.0.0/0" }, { "dst": "::/0" }]
             }
         });
-        let plugins: Vec<Value> = std::iter::once(bridge).chain(chained).collect();
+        if bridge_masquerades == Some(ReferencePlugins::Nftables) {
+            bridge["ipMasqBackend"] = json!("nftables");
+        }
+        let entries: Vec<Value> = std::iter::once(bridge).chain(chained).collect();
         let conflist = json!({
             "cniVersion": cni_version,
             "name": format!("net-{id}"),
-            "plugins": plugins,
+            "plugins": entries,
         });
-        let chain = Chain::new(conflist, &cni_path(), &host.path());
+        let chain = Chain::new(conflist, &plugins.cni_path(), &host.path());
         // Counted once the host exists (its Drop uncounts it): a build that panics halfway
         // must not keep the last host's cleanup from running.
         defaults::host_made();
