@@ -271,12 +271,16 @@ fn every_drop_of_the_ebpf_datapath_has_its_reason() {
 }
 
 /// The nftables backend's drops, by the reasons it has: its filter rules and default, its
-/// source check, and the localnet guard beside 127.0.0.1 hostPorts.
+/// source check, and the localnet guard beside hostPorts (a datagram to 127.0.0.1 on the
+/// sender's would otherwise be translated to it, whatever interface it came in by).
 #[test]
 fn every_drop_of_the_nftables_datapath_has_its_reason() {
     let host = SimHost::on(Backend::Nftables, "ob-drops", filter_keys());
     host.route_outside_to_containers();
-    let sender = host.container("a", Value::Null);
+    let sender = host.container(
+        "a",
+        cnibpf_tests::topology::port_mappings(&[(8080, 8080, "udp")]),
+    );
     let victim = host.container("b", Value::Null);
     unanswered_from_outside(&host, SocketAddr::new(IpAddr::V4(sender.address), 8081));
     unanswered_from_outside(&host, SocketAddr::new(IpAddr::V4(sender.address), 9000));

@@ -6,9 +6,11 @@
 use nftables::{batch::Batch, schema::NfListObject};
 
 use super::{
-    NftablesBackend, NftablesError, attachment_name, elements, host,
+    NftablesBackend, NftablesError, attachment_name, elements,
+    hooks::{self, Hooks},
+    host,
     listing::Listing,
-    nft, skeleton, sources,
+    nft, sources,
     store::{OwnerId, State},
 };
 use crate::{
@@ -132,6 +134,11 @@ impl NftablesBackend {
     fn apply_from_listing(&mut self, next: &State) -> Result<(), BackendError> {
         // fail-closed: `read` kept the errors; no table lists nothing.
         let listing = Listing::read()?.unwrap_or_default();
+        let hooks = if next.attachments.is_empty() {
+            Vec::new()
+        } else {
+            hooks::hook_changes(Hooks::of_listing(&listing), Hooks::of(next))
+        };
         let mut removals = Batch::new();
         for (owner, change) in &mut self.changes {
             let text = change
@@ -144,7 +151,10 @@ impl NftablesBackend {
             }
             change.before = None;
         }
-        Ok(nft::apply(self.batch(removals, Some(&listing), next)?)?)
+        Ok(nft::apply_after(
+            hooks,
+            self.batch(removals, Some(&listing), next)?,
+        )?)
     }
 
     /// The attachments this operation removes.
@@ -252,15 +262,11 @@ impl NftablesBackend {
             }
         }
         let before = self.store.state().cloned();
+        // fail-closed: no state before is no attachment, whose table has no hook of theirs.
+        let hooks_before = before.as_ref().map(Hooks::of).unwrap_or_default();
         self.store.save(Some(intent))?;
-        // A table this operation makes comes with its skeleton, in the same transaction.
-        let skeleton = if self.exists || next.attachments.is_empty() {
-            Vec::new()
-        } else {
-            skeleton::skeleton(next.instance)
-        };
         let refused = |applied: &Result<(), BackendError>, why: &str| matches!(applied, Err(BackendError::Nftables(NftablesError::Refused(text))) if text.contains(why));
-        let mut applied = self.attempt(skeleton, &next);
+        let mut applied = self.attempt(self.first_commands(hooks_before, &next), &next);
         if refused(&applied, "No such file or directory") && self.exists {
             applied = self.apply_from_listing(&next);
         }
@@ -272,7 +278,7 @@ impl NftablesBackend {
             Backend::remove(self, stale)?;
             reclaimed.push(stale);
             next = self.next_state()?;
-            applied = self.attempt(Vec::new(), &next);
+            applied = self.attempt(self.first_commands(hooks_before, &next), &next);
         }
         if refused(&applied, "File exists")
             && let Some(holder) = self.holder_error()?
@@ -292,6 +298,19 @@ impl NftablesBackend {
         self.store.save((!emptied).then_some(next))?;
         self.exists = !emptied;
         Ok(reclaimed)
+    }
+
+    /// What an attempt at the transaction starts with: a table this operation makes comes with
+    /// its skeleton; an existing one gets the hooks `next` needs and loses those it no longer
+    /// does (the table goes whole with the last attachment).
+    fn first_commands(&self, hooks_before: Hooks, next: &State) -> Vec<serde_json::Value> {
+        if next.attachments.is_empty() {
+            Vec::new()
+        } else if self.exists {
+            hooks::hook_changes(hooks_before, Hooks::of(next))
+        } else {
+            hooks::table_with(next.instance, Hooks::of(next))
+        }
     }
 
     /// One attempt at the transaction: `first` (the skeleton of a table this operation makes),

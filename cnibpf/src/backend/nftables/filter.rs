@@ -16,7 +16,9 @@ use nftables::{
 };
 
 use super::{
-    NftablesBackend, NftablesError, filter_chains, host,
+    NftablesBackend, NftablesError, filter_chains,
+    hooks::Hooks,
+    host,
     listing::{Counters, Listing},
     nft::{self, address_field, matches, meta, network, network_of, port_of, text},
     owner_comment,
@@ -105,6 +107,12 @@ impl Filtering for NftablesBackend {
             .count();
         // fail-closed: an Option of the configuration.
         let wanted_dispatch = filter.map_or(0, |_| endpoint.container_networks.len() * 2);
+        if filter.is_some() && !Hooks::of_listing(listing).filter {
+            return Err(BackendError::CheckFailed(format!(
+                "the filter of {} is not hooked (chain forward is missing)",
+                endpoint.attachment
+            )));
+        }
         if installed.as_ref() != filter || dispatched != wanted_dispatch {
             return Err(BackendError::CheckFailed(format!(
                 "the filter of {} differs from its configuration",

@@ -22,7 +22,9 @@ use nftables::{
 };
 
 use super::{
-    NftablesBackend, family_suffix, nat_chain,
+    NftablesBackend, family_suffix,
+    hooks::Hooks,
+    nat_chain,
     nft::{self, address_field, matches, meta, network, text},
     owner_comment,
     record::Record,
@@ -89,6 +91,12 @@ impl Masquerading for NftablesBackend {
             masquerade.map_or_else(Vec::new, |masquerade| masquerade.sources.clone());
         installed.sort();
         wanted.sort();
+        if !wanted.is_empty() && !Hooks::of_listing(listing).guard {
+            return Err(BackendError::CheckFailed(format!(
+                "the masquerade of {} has no guard (chain masquerade_guard is missing)",
+                endpoint.attachment
+            )));
+        }
         if installed != wanted {
             return Err(BackendError::CheckFailed(format!(
                 "the masquerade of {} differs from its configuration",
@@ -112,6 +120,9 @@ impl Masquerading for NftablesBackend {
 const MASQUERADE: &str = "masquerade ";
 
 /// The comment of a guard chain's dropping rule, whose counter is its reason's drops.
+/// The comment of the guard's first rule, which lets on what does not leave by an uplink.
+const GUARD_NOT_LEAVING: &str = "not leaving by an uplink";
+
 pub fn guard_drop_comment() -> String {
     format!(
         "drop reason {}",
@@ -210,12 +221,20 @@ pub fn nat_rules(chain: &str, record: &Record) -> Vec<NfListObject<'static>> {
     rules
 }
 
-/// The rules of an attachment's masquerade guard, entered by source after NAT with what leaves
-/// an uplink from one of its masqueraded addresses: towards an excluded destination it goes
-/// on, untranslated as it should be; anything else is what NAT could not translate, dropped
-/// and counted.
+/// The rules of an attachment's masquerade guard, entered by source after NAT with what
+/// still has one of its masqueraded addresses: what does not leave by an uplink goes on (the
+/// source is looked up first, as nearly every packet leaves translated and needs no more);
+/// towards an excluded destination it goes on, untranslated as it should be; anything else is
+/// what NAT could not translate, dropped and counted.
 pub fn guard_rules(chain: &str, record: &Record) -> Vec<NfListObject<'static>> {
-    let mut rules = Vec::new();
+    let mut rules = vec![nft::rule(
+        chain,
+        vec![
+            matches(meta(MetaKey::Oifname), Operator::NEQ, text("@uplinks")),
+            Statement::Return(None),
+        ],
+        Some(GUARD_NOT_LEAVING.to_owned()),
+    )];
     for (net, _) in record
         .masquerade
         .iter()

@@ -33,6 +33,7 @@ mod elements;
 mod endpoint;
 mod error;
 mod filter;
+mod hooks;
 mod host;
 mod inspect;
 mod listing;

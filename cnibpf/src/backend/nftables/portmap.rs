@@ -10,7 +10,9 @@ use nftables::{
 };
 
 use super::{
-    NftablesBackend, NftablesError, host,
+    NftablesBackend, NftablesError,
+    hooks::Hooks,
+    host,
     listing::Listing,
     nft::{self, address_field, matches, meta, network, network_of, text},
     owner_comment,
@@ -100,6 +102,12 @@ impl PortMappings for NftablesBackend {
             }
         }
         check_mapping_count(installed.len(), mappings.len())?;
+        if !mappings.is_empty() && !Hooks::of_listing(listing).localnet {
+            return Err(BackendError::CheckFailed(format!(
+                "the hostPorts of {} have no localnet guard (chain localnet_guard is missing)",
+                endpoint.attachment
+            )));
+        }
         let wanted = [true, false].map(|ipv4| {
             if mappings.iter().any(|mapping| mapping.is_ipv4() == ipv4) {
                 endpoint.host_ports.conditions(ipv4).clone()

@@ -12,7 +12,6 @@ use super::{
     listing::Counters,
     nft, parse_owner,
     record::Sources,
-    skeleton,
     store::{State, Store},
 };
 use crate::{
@@ -78,7 +77,7 @@ pub fn restore(store: &mut Store, cause: Cause, counters: &Counters) -> Result<b
         for (owner, change) in changes_of(&state) {
             elements::add(&mut additions, owner, &change);
         }
-        made = skeleton::skeleton(state.instance);
+        made = super::hooks::table_with(state.instance, super::hooks::Hooks::of(&state));
         made.extend(nft::commands(additions)?);
         counters.seed(&mut made);
     }

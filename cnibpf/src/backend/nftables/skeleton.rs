@@ -19,25 +19,26 @@ pub(super) fn marker(instance: u64) -> String {
 }
 
 /// The commands that add the table made from the state named `instance`, whole but for its
-/// attachments. Chains: `hostports`, run from prerouting and from output (host processes),
-/// takes the hostPorts of an exact hostIP; `hostports_any4`/`6` the wildcard ones, run from
-/// those hooks for a destination that is the node's own address as the kernel has it now — on
-/// the interface the packet came in by (prerouting: `fib daddr . iif type local`), or recorded
-/// in `node_addrs4`/`6` and still local, never a Service's — and for 127.0.0.0/8 from host
-/// processes; each hands a conditioned hostPort to its attachment's `c_` chain, which goes on
-/// to `hostports_dnat` once the conditions hold;
-/// `localnet_guard` drops what arrives from elsewhere for 127.0.0.0/8, as kube-proxy does
-/// against CVE-2020-8558); `postrouting` masquerades host processes reaching a hostPort through
-/// 127.0.0.1 and hands DNATed traffic (by destination) and traffic leaving by an uplink (by
-/// source) to the container's `n_` chain, which masquerades hairpin traffic (a container
-/// reaching a container of its own subnet through a hostPort) and its masqueraded traffic;
-/// `masquerade_guard`, after NAT, hands what still leaves an uplink from a masqueraded
-/// container's own address (conntrack's INVALID packets skip NAT) to the container's `g_`
-/// chain, which drops it unless its destination is excluded; `forward`, `input` and
-/// `local_out` let what passes every filter through (replies, related errors, IPv6 neighbour
-/// and listener control, `icmpv6_control`) and hand the rest of a container's traffic to its
-/// filter chains. Sets `attachments`, `filtered_bridges` and `localnet_interfaces` copy what
-/// the state file records, for builds that drain a table of a layout they do not write.
+/// attachments. Chains: `hostports`, run from prerouting and from output (host processes), takes
+/// the hostPorts of an exact hostIP; `hostports_any4`/`6` the wildcard ones, run from those hooks
+/// for a destination that is the node's own address as the kernel has it now — on the interface the
+/// packet came in by (prerouting: `fib daddr . iif type local`), or recorded in `node_addrs4`/`6`
+/// and still local, never a Service's — and for 127.0.0.0/8 from host processes; each hands a
+/// conditioned hostPort to its attachment's `c_` chain, which goes on to `hostports_dnat` once the
+/// conditions hold; `postrouting` masquerades host processes reaching a hostPort through 127.0.0.1
+/// and hands DNATed traffic (by destination) and traffic leaving by an uplink (by source) to the
+/// container's `n_` chain, which masquerades hairpin traffic (a container reaching a container of
+/// its own subnet through a hostPort) and its masqueraded traffic; with the hooks (`super::hooks`) its
+/// attachments need: `localnet_guard` (while one has hostPorts or an interface has cnibpf's
+/// `route_localnet`) drops what arrives from elsewhere for 127.0.0.0/8, as kube-proxy does against
+/// CVE-2020-8558; `masquerade_guard` (while one masquerades), after NAT, hands what still leaves an
+/// uplink from a masqueraded container's own address (conntrack's INVALID packets skip NAT) to the
+/// container's `g_` chain, which drops it unless its destination is excluded; `forward`, `input`
+/// and `local_out` (while one has a filter) let what passes every filter through (replies, related
+/// errors, IPv6 neighbour and listener control, `icmpv6_control`) and hand the rest of a
+/// container's traffic to its filter chains. Sets `attachments`, `filtered_bridges` and
+/// `localnet_interfaces` copy what the state file records, for builds that drain a table of a
+/// layout they do not write.
 pub(super) fn skeleton(instance: u64) -> Vec<Value> {
     let table = json!({ "table": { "family": "inet", "name": nft::TABLE } });
     let marker = json!({ "set": { "name": marker(instance), "type": "mark" } });
@@ -45,20 +46,23 @@ pub(super) fn skeleton(instance: u64) -> Vec<Value> {
         .chain(sets())
         .chain(chains())
         .chain(rules())
-        .map(|mut object| {
-            if let Some(body) = object
-                .as_object_mut()
-                .and_then(|object| object.values_mut().next())
-            {
-                body["family"] = json!("inet");
-                body["table"] = json!(nft::TABLE);
-            }
-            object
-        });
+        .map(in_table);
     std::iter::once(table)
         .chain(objects)
         .map(|object| json!({ "add": object }))
         .collect()
+}
+
+/// `object` (`{"<kind>": {...}}`) placed in table `inet cnibpf`.
+pub(super) fn in_table(mut object: Value) -> Value {
+    if let Some(body) = object
+        .as_object_mut()
+        .and_then(|object| object.values_mut().next())
+    {
+        body["family"] = json!("inet");
+        body["table"] = json!(nft::TABLE);
+    }
+    object
 }
 
 fn sets() -> Vec<Value> {
@@ -128,33 +132,21 @@ fn chains() -> Vec<Value> {
         regular("hostports_any4"),
         regular("hostports_any6"),
         regular("hostports_dnat"),
-        hooked(LOCALNET_GUARD_CHAIN, "filter", "prerouting", -300),
         hooked("prerouting", "nat", "prerouting", -100),
         hooked("output", "nat", "output", -100),
         hooked("postrouting", "nat", "postrouting", 100),
-        // After every NAT of the hook (srcnat, 100): what is still untranslated stays so.
-        hooked("masquerade_guard", "filter", "postrouting", 110),
-        hooked("forward", "filter", "forward", 0),
-        hooked("input", "filter", "input", 0),
-        hooked("local_out", "filter", "output", 0),
     ]
 }
 
 fn rules() -> Vec<Value> {
-    [
-        host_port_rules(),
-        vec![localnet_guard_rule()],
-        nat_rules(),
-        filter_hook_rules(),
-    ]
-    .concat()
+    [host_port_rules(), nat_rules()].concat()
 }
 
-fn rule(chain: &str, expr: Vec<Value>) -> Value {
+pub(super) fn rule(chain: &str, expr: Vec<Value>) -> Value {
     json!({ "rule": { "chain": chain, "expr": expr } })
 }
 
-fn loopback() -> Value {
+pub(super) fn loopback() -> Value {
     prefix("127.0.0.0", 8)
 }
 
@@ -216,7 +208,8 @@ fn host_port_rules() -> Vec<Value> {
 /// The matches, one rule each, of a destination that is the node's own address in `hook`, by
 /// family (`ip`): recorded in `node_addrs` and still local (an address removed is not served
 /// from its next packet on); one of the interface the packet came in by, as the kernel has
-/// them now (prerouting: an address added is served from its first packet, with no call);
+/// them now, for a port a wildcard hostPort has (prerouting: an address added is served from
+/// its first packet, with no call);
 /// 127.0.0.0/8 (host processes). A Service address is none of these: kube-proxy's IPVS mode
 /// binds it to a dummy interface no packet comes in by, and the records leave it out.
 fn own_destinations(hook: &str, ip: &str) -> Vec<Vec<Value>> {
@@ -237,7 +230,17 @@ fn own_destinations(hook: &str, ip: &str) -> Vec<Vec<Value>> {
         local(&["daddr"]),
     ]];
     if hook == "prerouting" {
-        own.push(vec![family_is(ip), local(&["daddr", "iif"])]);
+        // The port first: a connection to a port no wildcard hostPort has (nearly every one a
+        // container opens) is spared the FIB lookup.
+        own.push(vec![
+            family_is(ip),
+            matches(
+                "==",
+                concat([meta("l4proto"), payload("th", "dport")]),
+                json!(format!("@hostports{suffix}_any")),
+            ),
+            local(&["daddr", "iif"]),
+        ]);
     }
     if ip == "ip" {
         own.push(vec![matches("==", payload(ip, "daddr"), loopback())]);
@@ -251,18 +254,8 @@ fn family_is(ip: &str) -> Value {
     matches("==", meta("nfproto"), json!(family))
 }
 
-/// What comes to 127.0.0.0/8 from elsewhere than the loopback is dropped (CVE-2020-8558).
-fn localnet_guard_rule() -> Value {
-    json!({ "rule": { "chain": LOCALNET_GUARD_CHAIN, "expr": [
-        matches("!=", meta("iifname"), json!("lo")),
-        matches("==", payload("ip", "daddr"), loopback()),
-        json!({ "counter": null }),
-        json!({ "drop": null }),
-    ], "comment": "drop reason localnet_guard" } })
-}
-
 /// The NAT hooks: hostPorts from outside and from the host, the source of translated
-/// loopback and hairpin traffic, masquerade out of the uplinks, and its guard.
+/// loopback and hairpin traffic, masquerade out of the uplinks.
 fn nat_rules() -> Vec<Value> {
     let jump = |target: &str| json!({ "jump": { "target": target } });
     let mut rules = Vec::new();
@@ -291,74 +284,31 @@ fn nat_rules() -> Vec<Value> {
             vec![dnatted.clone(), vmap(payload(ip, "daddr"), &nat)],
         ));
     }
-    let uplinks = matches("==", meta("oifname"), json!("@uplinks"));
     for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
-        let (nat, guard) = (format!("@nat{suffix}"), format!("@guard{suffix}"));
         rules.push(rule(
             "postrouting",
-            vec![uplinks.clone(), vmap(payload(ip, "saddr"), &nat)],
-        ));
-        rules.push(rule(
-            "masquerade_guard",
-            vec![uplinks.clone(), vmap(payload(ip, "saddr"), &guard)],
+            vec![
+                uplinks(),
+                vmap(payload(ip, "saddr"), &format!("@nat{suffix}")),
+            ],
         ));
     }
     rules
 }
 
-/// The filter hooks: replies, related errors and IPv6 control pass; then a container's
-/// traffic by its address, each way — the host's input sees only what containers send it,
-/// its output only what it sends them.
-fn filter_hook_rules() -> Vec<Value> {
-    let mut rules = Vec::new();
-    let accept = |condition: Value| vec![condition, json!({ "accept": null })];
-    for chain in ["forward", "input", "local_out"] {
-        rules.push(rule(
-            chain,
-            accept(matches("==", ct("direction"), json!("reply"))),
-        ));
-        rules.push(rule(
-            chain,
-            accept(matches("in", ct("state"), json!("related"))),
-        ));
-        rules.push(rule(
-            chain,
-            accept(matches(
-                "==",
-                payload("icmpv6", "type"),
-                json!("@icmpv6_control"),
-            )),
-        ));
-    }
-    for (chain, directions) in [
-        (
-            "forward",
-            &[("saddr", "filter_out"), ("daddr", "filter_in")][..],
-        ),
-        ("input", &[("saddr", "filter_out")][..]),
-        ("local_out", &[("daddr", "filter_in")][..]),
-    ] {
-        for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
-            for (field, map) in directions {
-                rules.push(rule(
-                    chain,
-                    vec![vmap(payload(ip, field), &format!("@{map}{suffix}"))],
-                ));
-            }
-        }
-    }
-    rules
+fn uplinks() -> Value {
+    matches("==", meta("oifname"), json!("@uplinks"))
 }
 
-fn payload(protocol: &str, field: &str) -> Value {
+pub(super) fn payload(protocol: &str, field: &str) -> Value {
     json!({ "payload": { "protocol": protocol, "field": field } })
 }
 
-fn meta(key: &str) -> Value {
+pub(super) fn meta(key: &str) -> Value {
     json!({ "meta": { "key": key } })
 }
 
-fn ct(key: &str) -> Value {
+pub(super) fn ct(key: &str) -> Value {
     json!({ "ct": { "key": key } })
 }
 
@@ -379,11 +329,11 @@ fn exact_key(ip: &str) -> Value {
     ])
 }
 
-fn matches(op: &str, left: Value, right: Value) -> Value {
+pub(super) fn matches(op: &str, left: Value, right: Value) -> Value {
     json!({ "match": { "op": op, "left": left, "right": right } })
 }
 
-fn vmap(key: Value, map: &str) -> Value {
+pub(super) fn vmap(key: Value, map: &str) -> Value {
     json!({ "vmap": { "key": key, "data": map } })
 }
 

@@ -249,7 +249,8 @@ fn chain(name: &str) -> Chain<'static> {
     }
 }
 
-/// The chain's rules: each a match of what is not the container's, counted and dropped.
+/// The chain's rules: IPv4 from an own address let on, then each a match of what is not the
+/// container's, counted and dropped.
 fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
     let ipv4: Vec<Ipv4Addr> = check
         .addresses
@@ -283,6 +284,18 @@ fn rules(check: &SourceCheck) -> Vec<Vec<Statement<'static>>> {
             AnonymousCounter::default(),
         ))));
         rule.push(Statement::Drop(None));
+    }
+    if !ipv4.is_empty() {
+        // Nearly every packet is IPv4 from an own address, which no later rule drops: it is
+        // let on at the first rule rather than walk the other four.
+        rules.insert(
+            0,
+            vec![
+                protocol("ip"),
+                membership(nft::payload("ip", "saddr"), Operator::EQ, words(&ipv4)),
+                Statement::Accept(None),
+            ],
+        );
     }
     rules
 }
@@ -357,9 +370,14 @@ fn protocol(name: &'static str) -> Statement<'static> {
 
 /// `field` is none of `words`.
 fn not_in(field: Expression<'static>, words: Vec<String>) -> Statement<'static> {
+    membership(field, Operator::NEQ, words)
+}
+
+/// `field` is (`EQ`) or is not (`NEQ`) one of `words`.
+fn membership(field: Expression<'static>, op: Operator, words: Vec<String>) -> Statement<'static> {
     nft::matches(
         field,
-        Operator::NEQ,
+        op,
         Expression::Named(NamedExpression::Set(
             words
                 .into_iter()
@@ -464,8 +482,11 @@ mod tests {
         for addresses in [vec!["10.22.0.2", "fd00::2"], vec!["fd00::2"], vec![]] {
             let check =
                 SourceCheck::new(addresses.iter().map(|text| text.parse().expect("literal")));
-            let reasons: Vec<DropReason> =
-                rules(&check).iter().map(|rule| reason_of(rule)).collect();
+            let reasons: Vec<DropReason> = rules(&check)
+                .iter()
+                .filter(|rule| matches!(rule.last(), Some(Statement::Drop(None))))
+                .map(|rule| reason_of(rule))
+                .collect();
             assert_eq!(
                 reasons,
                 [
@@ -486,8 +507,12 @@ mod tests {
             ["10.22.0.2", "fd00::2", "fe80::1"].map(|text| text.parse().expect("literal")),
         );
         let rules = rules(&check);
-        assert_eq!(rules.len(), 5);
-        for rule in &rules {
+        assert_eq!(rules.len(), 6);
+        assert!(
+            matches!(rules[0].last(), Some(Statement::Accept(None))),
+            "IPv4 from an own address is let on first"
+        );
+        for rule in &rules[1..] {
             assert!(matches!(rule.last(), Some(Statement::Drop(None))));
         }
         let json = serde_json::to_string(&rules).expect("encodes");

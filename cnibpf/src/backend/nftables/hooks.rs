@@ -1,0 +1,238 @@
+//! The table's hook chains that only some attachments need, registered while one of them is
+//! there (see [`Hooks`]), with their rules.
+
+use serde_json::{Value, json};
+
+use super::{
+    listing::Listing,
+    skeleton::{
+        self, LOCALNET_GUARD_CHAIN, ct, in_table, loopback, matches, meta, payload, rule, vmap,
+    },
+    store::State,
+};
+
+/// The hook chains only some attachments need, each registered while one of them is there:
+/// every registered hook is a call on every packet of every flow through it, which the
+/// node's other traffic should not pay for a feature no pod uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Hooks {
+    /// `forward`, `input` and `local_out`: while an attachment has a filter.
+    pub filter: bool,
+    /// `masquerade_guard`: while an attachment masquerades.
+    pub guard: bool,
+    /// `localnet_guard`: while an attachment has hostPorts (the NAT hooks translate a packet to
+    /// 127.0.0.0/8 on a wildcard one, whatever interface it came in by) or an interface has
+    /// the `route_localnet` cnibpf switched on.
+    pub localnet: bool,
+}
+
+/// The filter's hook chains.
+const FILTER_HOOK_CHAINS: [&str; 3] = ["forward", "input", "local_out"];
+/// The masquerade guard's hook chain.
+const GUARD_CHAIN: &str = "masquerade_guard";
+
+impl Hooks {
+    /// The hooks the attachments of `state` need.
+    pub(super) fn of(state: &State) -> Self {
+        let records = || state.attachments.values();
+        Self {
+            filter: records().any(|record| record.filter.is_some()),
+            guard: records().any(|record| record.masquerade.is_some()),
+            localnet: records().any(|record| !record.mappings.is_empty())
+                || !state.localnet_interfaces.is_empty(),
+        }
+    }
+
+    /// The hooks `listing`'s table has.
+    pub(super) fn of_listing(listing: &Listing) -> Self {
+        Self {
+            filter: FILTER_HOOK_CHAINS
+                .iter()
+                .any(|chain| listing.has_chain(chain)),
+            guard: listing.has_chain(GUARD_CHAIN),
+            localnet: listing.has_chain(LOCALNET_GUARD_CHAIN),
+        }
+    }
+}
+
+/// The commands that make the table from the state named `instance`, with `hooks`.
+pub(super) fn table_with(instance: u64, hooks: Hooks) -> Vec<Value> {
+    let mut commands = skeleton::skeleton(instance);
+    commands.extend(hook_changes(Hooks::default(), hooks));
+    commands
+}
+
+/// The commands that take the table's hooks from `before` to `after`: the chains (and their
+/// rules) of a hook now needed added, those of a hook no longer needed deleted.
+pub(super) fn hook_changes(before: Hooks, after: Hooks) -> Vec<Value> {
+    let added = Hooks {
+        filter: after.filter && !before.filter,
+        guard: after.guard && !before.guard,
+        localnet: after.localnet && !before.localnet,
+    };
+    let mut removed = Vec::new();
+    if before.filter && !after.filter {
+        removed.extend(FILTER_HOOK_CHAINS);
+    }
+    if before.guard && !after.guard {
+        removed.push(GUARD_CHAIN);
+    }
+    if before.localnet && !after.localnet {
+        removed.push(LOCALNET_GUARD_CHAIN);
+    }
+    let deletions = removed
+        .into_iter()
+        .map(|name| json!({ "delete": in_table(json!({ "chain": { "name": name } })) }));
+    hook_objects(added)
+        .into_iter()
+        .map(|object| json!({ "add": in_table(object) }))
+        .chain(deletions)
+        .collect()
+}
+
+/// The chains of `hooks` with their rules.
+fn hook_objects(hooks: Hooks) -> Vec<Value> {
+    let hooked = |name: &str, hook: &str, priority: i32| json!({ "chain": { "name": name, "type": "filter", "hook": hook, "prio": priority, "policy": "accept" } });
+    let mut objects = Vec::new();
+    if hooks.localnet {
+        objects.push(hooked(LOCALNET_GUARD_CHAIN, "prerouting", -300));
+        objects.push(localnet_guard_rule());
+    }
+    if hooks.filter {
+        objects.extend(
+            FILTER_HOOK_CHAINS
+                .into_iter()
+                .zip(["forward", "input", "output"])
+                .map(|(chain, hook)| hooked(chain, hook, 0)),
+        );
+        objects.extend(filter_hook_rules());
+    }
+    if hooks.guard {
+        // After every NAT of the hook (srcnat, 100): what is still untranslated stays so.
+        objects.push(hooked(GUARD_CHAIN, "postrouting", 110));
+        objects.extend(guard_rules());
+    }
+    objects
+}
+
+/// What comes to 127.0.0.0/8 from elsewhere than the loopback is dropped (CVE-2020-8558).
+fn localnet_guard_rule() -> Value {
+    json!({ "rule": { "chain": LOCALNET_GUARD_CHAIN, "expr": [
+        matches("==", payload("ip", "daddr"), loopback()),
+        matches("!=", meta("iifname"), json!("lo")),
+        json!({ "counter": null }),
+        json!({ "drop": null }),
+    ], "comment": "drop reason localnet_guard" } })
+}
+
+/// The masquerade guard: what still has a masqueraded container's own address after NAT goes
+/// to the container's `g_` chain, which tells whether it leaves by an uplink (one lookup for
+/// the translated packets that are nearly all, rather than the uplink's name first).
+fn guard_rules() -> Vec<Value> {
+    [("ip", "4"), ("ip6", "6")]
+        .into_iter()
+        .map(|(ip, suffix)| {
+            rule(
+                GUARD_CHAIN,
+                vec![vmap(payload(ip, "saddr"), &format!("@guard{suffix}"))],
+            )
+        })
+        .collect()
+}
+
+/// The filter hooks: replies, related errors and IPv6 control pass; then a container's
+/// traffic by its address, each way — the host's input sees only what containers send it,
+/// its output only what it sends them.
+fn filter_hook_rules() -> Vec<Value> {
+    let mut rules = Vec::new();
+    let accept = |condition: Value| vec![condition, json!({ "accept": null })];
+    for chain in FILTER_HOOK_CHAINS {
+        rules.push(rule(
+            chain,
+            accept(matches("==", ct("direction"), json!("reply"))),
+        ));
+        rules.push(rule(
+            chain,
+            accept(matches("in", ct("state"), json!("related"))),
+        ));
+        rules.push(rule(
+            chain,
+            accept(matches(
+                "==",
+                payload("icmpv6", "type"),
+                json!("@icmpv6_control"),
+            )),
+        ));
+    }
+    for (chain, directions) in [
+        (
+            "forward",
+            &[("saddr", "filter_out"), ("daddr", "filter_in")][..],
+        ),
+        ("input", &[("saddr", "filter_out")][..]),
+        ("local_out", &[("daddr", "filter_in")][..]),
+    ] {
+        for (ip, suffix) in [("ip", "4"), ("ip6", "6")] {
+            for (field, map) in directions {
+                rules.push(rule(
+                    chain,
+                    vec![vmap(payload(ip, field), &format!("@{map}{suffix}"))],
+                ));
+            }
+        }
+    }
+    rules
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hook_is_added_when_first_needed_and_deleted_when_no_longer() {
+        let none = Hooks::default();
+        let filter = Hooks {
+            filter: true,
+            ..Hooks::default()
+        };
+        let both = Hooks {
+            filter: true,
+            guard: true,
+            localnet: false,
+        };
+        let chains = |commands: &[Value], verb: &str| -> Vec<String> {
+            commands
+                .iter()
+                .filter_map(|command| command[verb]["chain"]["name"].as_str())
+                .map(str::to_owned)
+                .collect()
+        };
+        assert!(hook_changes(both, both).is_empty());
+        let first_filter = hook_changes(none, filter);
+        assert_eq!(
+            chains(&first_filter, "add"),
+            ["forward", "input", "local_out"]
+        );
+        assert!(
+            first_filter
+                .iter()
+                .any(|command| command["add"]["rule"]["chain"] == "forward"),
+            "the chains come with their rules"
+        );
+        let guard_too = hook_changes(filter, both);
+        assert_eq!(chains(&guard_too, "add"), ["masquerade_guard"]);
+        assert!(chains(&guard_too, "delete").is_empty());
+        let last_filter_gone = hook_changes(
+            both,
+            Hooks {
+                guard: true,
+                ..Hooks::default()
+            },
+        );
+        assert!(chains(&last_filter_gone, "add").is_empty());
+        assert_eq!(
+            chains(&last_filter_gone, "delete"),
+            ["forward", "input", "local_out"]
+        );
+    }
+}
