@@ -6,7 +6,7 @@ use std::{net::SocketAddr, path::Path, thread};
 use anyhow::{Context as _, Result, bail};
 use cnibpf_tests::{
     Container, SimHost,
-    topology::{Family, UPLINK},
+    topology::{Family, ReferencePlugins, UPLINK},
     traffic::{EchoServer, connection_rate},
 };
 use serde_json::{Value, json};
@@ -27,7 +27,7 @@ const METRICS: usize = 6;
 pub fn run(out_dir: &Path) -> Result<()> {
     let progress = Progress::new();
     progress.step(&format!(
-        "four simulated hosts with {CONTAINERS} containers each: cnibpf masquerade (eBPF, nftables), routed without NAT, iptables MASQUERADE"
+        "five simulated hosts with {CONTAINERS} containers each: cnibpf masquerade (eBPF, nftables), routed without NAT, the reference's iptables and nftables masquerade"
     ));
     let masquerade = Setup::new(
         SimHost::new("bench-mq", json!({ "ipMasq": true, "backend": "ebpf" })),
@@ -42,26 +42,34 @@ pub fn run(out_dir: &Path) -> Result<()> {
         ),
         false,
     )?;
+    let reference_nftables = Setup::new(
+        SimHost::with_reference_masquerade_on(ReferencePlugins::Nftables, "bench-nft"),
+        false,
+    )?;
     let setups = [
         ("cnibpf masquerade", &masquerade),
         ("routed", &routed),
         ("iptables MASQUERADE", &reference),
         ("cnibpf nftables masquerade", &nftables),
+        ("reference nftables masquerade", &reference_nftables),
     ];
-    let mut rounds: [Vec<[f64; METRICS]>; 4] = Default::default();
-    // The three alternate within each round, so that drift on this noisy machine falls on all.
+    let mut rounds: [Vec<[f64; METRICS]>; 5] = Default::default();
+    // They alternate within each round, so that drift on this noisy machine falls on all.
     for round in 1..=ROUNDS {
         for (series, (label, setup)) in setups.iter().enumerate() {
             progress.step(&format!("round {round}/{ROUNDS}: {label}"));
             rounds[series].push(setup.round()?);
         }
     }
-    let [nat, plain, iptables, nft] = rounds.map(|rounds| {
+    let [nat, plain, iptables, nft, reference_nft] = rounds.map(|rounds| {
         std::array::from_fn::<f64, METRICS, _>(|series| {
             median(rounds.iter().map(|round| round[series]).collect())
         })
     });
-    if nat.contains(&0.0) || iptables.contains(&0.0) || nft.contains(&0.0) {
+    if [nat, iptables, nft, reference_nft]
+        .iter()
+        .any(|values| values.contains(&0.0))
+    {
         bail!("no traffic passed a masquerade");
     }
     let parallel = format!("{CONTAINERS} containers × {STREAMS} streams");
@@ -70,6 +78,10 @@ pub fn run(out_dir: &Path) -> Result<()> {
         ("cnibpf masquerade", nat),
         ("cnibpf masquerade, nftables backend", nft),
         ("iptables MASQUERADE (reference bridge ipMasq)", iptables),
+        (
+            "nftables masquerade (reference bridge ipMasqBackend nftables)",
+            reference_nft,
+        ),
     ] {
         for (scenario, metric, unit, series) in [
             ("1 container", "TCP throughput", "Gbit/s", 0),
@@ -110,7 +122,8 @@ pub fn run(out_dir: &Path) -> Result<()> {
          connection's time under that load (connect to the answer's byte). \
          Baseline \"routed, no NAT\": an identical simulated host with cnibpf chained but ipMasq off, whose outside \
          namespace has a route back to the containers. iptables MASQUERADE: the reference bridge plugin with \
-         ipMasq: true and nothing chained. nftables backend: cnibpf with backend: nftables.",
+         ipMasq: true and nothing chained; reference nftables: Debian unstable's bridge (1.9) with ipMasqBackend: nftables. \
+         nftables backend: cnibpf with backend: nftables.",
         RATE_WINDOW.as_secs()
     )];
     let report = write_report(
@@ -145,6 +158,11 @@ pub fn run(out_dir: &Path) -> Result<()> {
                     "ipt 8×8",
                     "ipt UDP pkt/s",
                     "ipt 8 clients",
+                    "ref nft throughput",
+                    "ref nft conn/s",
+                    "ref nft 8×8",
+                    "ref nft UDP pkt/s",
+                    "ref nft 8 clients",
                 ])
                 .map(|(row, label)| (label.to_owned(), row.ratio().unwrap_or(f64::NAN)))
                 .collect(),
@@ -206,15 +224,15 @@ fn time_per_packet(setup: &Setup) -> Result<Vec<Row>> {
 
 /// A simulated host with `CONTAINERS` containers and, in its outside namespace, one iperf3
 /// server per container and an echo server.
-struct Setup {
-    sim: SimHost,
-    containers: Vec<Container>,
+pub(super) struct Setup {
+    pub(super) sim: SimHost,
+    pub(super) containers: Vec<Container>,
     _iperf: Vec<Iperf3Server>,
     _echo: EchoServer,
 }
 
 impl Setup {
-    fn new(sim: SimHost, route_back: bool) -> Result<Self> {
+    pub(super) fn new(sim: SimHost, route_back: bool) -> Result<Self> {
         if route_back {
             sim.route_outside_to_containers();
         }
@@ -233,14 +251,14 @@ impl Setup {
         })
     }
 
-    fn server(&self, port: u16) -> SocketAddr {
+    pub(super) fn server(&self, port: u16) -> SocketAddr {
         SocketAddr::new(Family::V4.outside(), port)
     }
 
     /// One round: single-stream throughput, connection rate, parallel throughput, and the
     /// forwarding-bound loads — 64-byte UDP datagrams as fast as one sender goes, connections
     /// of `BUSY_CLIENTS` clients at once and their 99th percentile time.
-    fn round(&self) -> Result<[f64; METRICS]> {
+    pub(super) fn round(&self) -> Result<[f64; METRICS]> {
         let first = &self.containers[0].netns;
         let single = iperf3_streams(first, self.server(5201), IPERF_SECONDS, 1)?;
         let rate = connection_rate(first, self.server(7000), RATE_CLIENTS, RATE_WINDOW);

@@ -8,6 +8,7 @@ mod hot;
 mod instructions;
 mod isolated;
 mod masquerade;
+mod nftables;
 mod packets;
 mod pods;
 mod portmap;
@@ -48,19 +49,21 @@ pub fn run(suite: Option<&str>, older: &[String]) -> Result<()> {
         None => {
             portmap::run(&out_dir)?;
             masquerade::run(&out_dir)?;
+            nftables::run(&out_dir)?;
             filter::run(&out_dir)?;
             packets::run(&out_dir, older)?;
             pods::run(&out_dir)
         }
         Some("portmap") => portmap::run(&out_dir),
         Some("masquerade") => masquerade::run(&out_dir),
+        Some("nftables") => nftables::run(&out_dir),
         Some("filter") => filter::run(&out_dir),
         Some("packets") => packets::run(&out_dir, older),
         Some("hot") => hot::run(&out_dir, older),
         Some("pods") => pods::run(&out_dir),
         Some(other) => {
             bail!(
-                "unknown bench suite {other:?}; suites: portmap, masquerade, filter, packets, hot, pods"
+                "unknown bench suite {other:?}; suites: portmap, masquerade, nftables, filter, packets, hot, pods"
             )
         }
     }

@@ -9,7 +9,7 @@ use std::path::Path;
 use anyhow::{Result, bail};
 use cnibpf_tests::{
     Container, SimHost,
-    topology::{UPLINK, port_mappings},
+    topology::{ReferencePlugins, UPLINK, port_mappings},
     traffic::{EchoServer, connection_rate},
 };
 use serde_json::{Value, json};
@@ -208,6 +208,21 @@ pub fn run(out_dir: &Path) -> Result<()> {
                         "ref 8 clients".to_owned(),
                         find("reference portmap (iptables), 8 clients", "connection rate"),
                     ),
+                    (
+                        "ref nft throughput".to_owned(),
+                        find("reference portmap (nftables)", "TCP throughput"),
+                    ),
+                    (
+                        "ref nft conn/s".to_owned(),
+                        find("reference portmap (nftables)", "connection rate"),
+                    ),
+                    (
+                        "ref nft UDP pkt/s".to_owned(),
+                        find(
+                            "reference portmap (nftables)",
+                            "64-byte UDP datagrams received",
+                        ),
+                    ),
                 ],
                 reference: Some(1.0),
             },
@@ -241,15 +256,15 @@ pub fn run(out_dir: &Path) -> Result<()> {
 /// One measured hostPort setup: a simulated host with a container serving iperf3 (5201, via
 /// hostPort 8080, TCP and UDP) and an echo server (7000, via hostPort 8081), reachable routed
 /// too.
-struct HostPortSetup {
-    sim: SimHost,
+pub(super) struct HostPortSetup {
+    pub(super) sim: SimHost,
     target: Container,
     _iperf: Iperf3Server,
     _echo: EchoServer,
 }
 
 impl HostPortSetup {
-    fn new(sim: SimHost) -> Result<Self> {
+    pub(super) fn new(sim: SimHost) -> Result<Self> {
         sim.route_outside_to_containers();
         let target = sim.container(
             "target",
@@ -270,7 +285,7 @@ impl HostPortSetup {
     }
 
     /// One round: (routed throughput, hostPort throughput, routed rate, hostPort rate).
-    fn round(&self) -> Result<[f64; 4]> {
+    pub(super) fn round(&self) -> Result<[f64; 4]> {
         let routed = (self.target.socket(5201), self.target.socket(7000));
         let host_port = (self.sim.uplink_target(8080), self.sim.uplink_target(8081));
         let outside = &self.sim.outside;
@@ -285,7 +300,7 @@ impl HostPortSetup {
     /// One round of the forwarding-bound loads, routed then through the hostPort: 64-byte UDP
     /// datagrams received per second as fast as one sender goes, and the connection rate of
     /// `BUSY_CLIENTS` clients at once with its 99th percentile connection time in µs.
-    fn forwarding_round(&self) -> Result<[f64; 6]> {
+    pub(super) fn forwarding_round(&self) -> Result<[f64; 6]> {
         let routed = (self.target.socket(5201), self.target.socket(7000));
         let host_port = (self.sim.uplink_target(8080), self.sim.uplink_target(8081));
         let outside = &self.sim.outside;
@@ -371,7 +386,8 @@ fn ratio_row(
 }
 
 /// Throughput and connection rate through a hostPort against routing to the container, with 1
-/// and 5,000 mappings, and Debian's reference portmap (iptables) in the same topology.
+/// and 5,000 mappings, and the reference portmap (on iptables and on its own nftables backend)
+/// in the same topology.
 fn datapath(progress: &Progress) -> Result<Vec<Row>> {
     progress.step("cnibpf: simulated host with one container (iperf3 and an echo server inside)");
     let cnibpf = HostPortSetup::new(SimHost::new("bench-pm", json!({ "backend": "ebpf" })))?;
@@ -506,35 +522,43 @@ fn datapath(progress: &Progress) -> Result<Vec<Row>> {
     ]);
     rows.extend(forwarding_rows("hostPort, nftables backend", &forwarding)?);
 
-    progress.step("reference portmap (iptables): the same topology and traffic");
-    let reference = HostPortSetup::new(SimHost::with_reference_portmap("bench-ref"))?;
+    for plugins in [ReferencePlugins::Iptables, ReferencePlugins::Nftables] {
+        rows.extend(reference_datapath(progress, plugins)?);
+    }
+    Ok(rows)
+}
+
+/// The same topology and traffic through the reference portmap on `plugins`' netfilter.
+fn reference_datapath(progress: &Progress, plugins: ReferencePlugins) -> Result<Vec<Row>> {
+    let label = format!("reference portmap ({})", plugins.name());
+    progress.step(&format!("{label}: the same topology and traffic"));
+    let reference = HostPortSetup::new(SimHost::with_reference_portmap_on(
+        plugins,
+        &format!("bench-ref{}", &plugins.name()[..1]),
+    ))?;
     let (mut rounds, mut forwarding) = (Vec::new(), Vec::new());
     for round in 1..=ROUNDS {
-        progress.step(&format!("reference portmap, round {round}/{ROUNDS}"));
+        progress.step(&format!("{label}, round {round}/{ROUNDS}"));
         rounds.push(reference.round()?);
         forwarding.push(reference.forwarding_round()?);
     }
-    let [ref_routed_tput, ref_tput, ref_routed_rate, ref_rate] =
-        medians("reference portmap", rounds)?;
-    rows.extend([
+    let [routed_tput, tput, routed_rate, rate] = medians(&label, rounds)?;
+    let mut rows = vec![
         ratio_row(
-            "reference portmap (iptables)",
+            &label,
             "TCP throughput",
             "Gbit/s",
-            ref_tput,
-            ("routed", ref_routed_tput),
+            tput,
+            ("routed", routed_tput),
         ),
         ratio_row(
-            "reference portmap (iptables)",
+            &label,
             "connection rate",
             "conn/s",
-            ref_rate,
-            ("routed", ref_routed_rate),
+            rate,
+            ("routed", routed_rate),
         ),
-    ]);
-    rows.extend(forwarding_rows(
-        "reference portmap (iptables)",
-        &forwarding,
-    )?);
+    ];
+    rows.extend(forwarding_rows(&label, &forwarding)?);
     Ok(rows)
 }
