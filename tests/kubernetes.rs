@@ -17,8 +17,8 @@ use cnibpf_tests::{
     kube_proxy::{self, Mode, NodePort, Service},
     topology::{Backend, Family, SUBNET, SUBNET6, UPLINK, port_mappings},
     traffic::{
-        CLIENT_TIMEOUT, Conversation, StreamEchoServer, TcpServer, UdpServer, tcp_request,
-        udp_request, uninterrupted,
+        CLIENT_TIMEOUT, Conversation, StreamEchoServer, TcpServer, UdpServer, report_icmp_errors,
+        tcp_request, udp_request, uninterrupted,
     },
 };
 use serde_json::{Value, json};
@@ -294,6 +294,84 @@ fn the_hosts_own_connections_on_a_host_ports_number_stay_the_hosts(backend: Back
     }
 }
 
+/// A pod publishes hostPort 40000/udp on every address and 40001/udp on the uplink's. A host
+/// process's unconnected UDP socket on either number — bound to the uplink's address and to
+/// the wildcard, both families — that sends to a server outside and to another pod (the
+/// hairpin path) gets their answers, and the port unreachable a closed port's host sends back,
+/// as conntrack keeps them for the host; a new outside client reaches the pod meanwhile, and
+/// before the socket sent anything (a socket that only listens does not outrank the hostPort).
+fn a_host_socket_sending_unconnected_from_a_host_ports_number_gets_its_answers(backend: Backend) {
+    let sim = node(backend, "k8-hudp");
+    let mut mappings = port_mappings(&[(40_000, 53, "udp")]);
+    for family in Family::BOTH {
+        mappings["portMappings"]
+            .as_array_mut()
+            .expect("a list")
+            .push(json!({
+                "hostPort": 40_001, "containerPort": 53, "protocol": "udp",
+                "hostIP": sim.uplink(family, 0).ip().to_string(),
+            }));
+    }
+    let pod = sim.container("c1", mappings);
+    let other = sim.container("c2", Value::Null);
+    let pod_answers = |what: &str, host_port: SocketAddr| {
+        let (answer, _) = udp_request(&sim.outside, host_port)
+            .unwrap_or_else(|error| panic!("{what}: outside -> UDP hostPort: {error}"));
+        assert_eq!(
+            answer, "pod dns",
+            "{what}: a new outside client reaches the pod"
+        );
+    };
+    for family in Family::BOTH {
+        let _pod_dns = UdpServer::start(&pod.netns, pod.at(family, 53), "pod dns");
+        let sockets = [40_000, 40_001].into_iter().flat_map(|number| {
+            [sim.uplink(family, number), family.any(number)].map(|bind| (number, bind))
+        });
+        // Servers of their own for each socket: one's host flow is no other's.
+        for (index, (number, bind)) in sockets.enumerate() {
+            let server_port = port(family, 9053) + index as u16;
+            let host_port = sim.uplink(family, number);
+            let what = format!("{family:?}: the host's unconnected socket on {bind}");
+            let _dns = UdpServer::start(&sim.outside, family.any(server_port), "outside dns");
+            let _other_dns =
+                UdpServer::start(&other.netns, other.at(family, server_port), "other pod dns");
+            let socket = sim.host_udp_socket(bind);
+            pod_answers(&format!("{what}, which sent nothing yet"), host_port);
+            for (server, greeting) in [
+                (outside(family, server_port), "outside dns"),
+                (other.at(family, server_port), "other pod dns"),
+            ] {
+                for round in ["first", "second", "after an outside client's"] {
+                    socket.send_to(b"ping", server).expect("send");
+                    let mut buffer = [0u8; 64];
+                    let (length, from) = uninterrupted(|| socket.recv_from(&mut buffer))
+                        .unwrap_or_else(|error| {
+                            panic!("{what}: the answer of {server} ({round}): {error}")
+                        });
+                    assert_eq!(
+                        (&buffer[..length], from),
+                        (greeting.as_bytes(), server),
+                        "{what}: {round}"
+                    );
+                    pod_answers(&what, host_port);
+                }
+            }
+            // The server's host answers for a closed port: the error quotes the host's datagram.
+            report_icmp_errors(&socket);
+            socket
+                .send_to(b"ping", outside(family, 9999))
+                .expect("send");
+            let mut buffer = [0u8; 64];
+            let refused = uninterrupted(|| socket.recv_from(&mut buffer)).map(|_| ());
+            assert_eq!(
+                refused.map_err(|error| error.kind()),
+                Err(ErrorKind::ConnectionRefused),
+                "{what}: port unreachable reaches the host's socket"
+            );
+        }
+    }
+}
+
 /// A pod's masqueraded connection holds its own source port P towards a server; then a host
 /// socket bound to P opens one towards the same server. Both keep working and neither gets
 /// the other's packets: the later one, the host's, leaves from another port (as conntrack
@@ -468,6 +546,7 @@ for_both_backends!(
     pods_reach_services_through_kube_proxys_dnat,
     a_dnat_into_a_pod_is_answered_from_the_address_the_client_reached,
     the_hosts_own_connections_on_a_host_ports_number_stay_the_hosts,
+    a_host_socket_sending_unconnected_from_a_host_ports_number_gets_its_answers,
     a_host_flow_on_a_port_a_pods_masqueraded_flow_holds_loses_nothing,
     wildcard_host_ports_follow_a_readdressed_uplink_without_a_call,
     pods_on_the_same_source_port_towards_one_server_both_connect,

@@ -80,16 +80,17 @@ pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
     socket::ALLOW
 }
 
-/// Host sockets, sendmsg(2) with a destination (unconnected UDP).
+/// Host sockets, sendmsg(2) with a destination (unconnected UDP): as connect, and a datagram
+/// from a hostPort's number opens a host flow, whose answers are the host's.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
-    socket::to_container(&ctx, FAMILY_IPV4);
+    socket::datagram_to(&ctx, FAMILY_IPV4);
     socket::ALLOW
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
-    socket::to_container(&ctx, FAMILY_IPV6);
+    socket::datagram_to(&ctx, FAMILY_IPV6);
     socket::ALLOW
 }
 

@@ -6,10 +6,11 @@
 //! address and port, the remote's, the same for packets either way (ICMP echo: the identifier
 //! is the container's port when it pings, the remote's when it is pinged; a masqueraded echo
 //! has remote port 0). Value: [`Connection`] — who owns it, which parts it has
-//! ([`PART_SNAT`], [`PART_DNAT`], [`PART_FILTER`]) and each part's fields. Written by the
-//! programs: `from_container` and `uplink_egress` when they masquerade, `uplink_ingress` and
-//! `from_container` when they translate to a hostPort, the filter when it allows a
-//! connection's first packet; each adds its part to the entry its owner already has. A packet
+//! ([`PART_SNAT`], [`PART_DNAT`], [`PART_FILTER`], [`PART_HOST_FLOW`]) and each part's fields.
+//! Written by the programs: `from_container` and `uplink_egress` when they masquerade,
+//! `uplink_ingress` and `from_container` when they translate to a hostPort, the filter when it
+//! allows a connection's first packet, the sendmsg hooks when a host socket sends from a
+//! hostPort's number; each adds its part to the entry its owner already has. A packet
 //! of an established connection finds everything in one lookup. Entries of an attachment are
 //! deleted by the CNI plugin on DEL and GC (a part at a time when one capability goes), which
 //! also sweep expired ones. An LRU map: when full, the least recently used connection goes.
@@ -43,6 +44,12 @@ pub const PART_SNAT: u8 = 1;
 pub const PART_DNAT: u8 = 2;
 /// The filter tracks the connection (`generation`, `rule`, `verdict`, `last_verdict`).
 pub const PART_FILTER: u8 = 4;
+/// A flow of the host's own ([`HOST`]): an unconnected UDP socket of the host sent a datagram
+/// from a port that is a hostPort's number (the key's container side is the socket's address,
+/// all zero when it is bound to the wildcard, and its port), so the answers from that remote
+/// are the host's, not the hostPort's, as conntrack matches a connection before a DNAT rule.
+/// Only the state fields are used.
+pub const PART_HOST_FLOW: u8 = 8;
 
 /// [`Connection::flags`]: the connection's packets cross the host stack both ways, where the
 /// node's netfilter keeps translating them (it translated the connection's first packet — a
@@ -50,9 +57,11 @@ pub const PART_FILTER: u8 = 4;
 /// uplink only. Its owner is the attachment, or [`HOST`] for a host flow moved off a port.
 pub const FLAG_THROUGH_STACK: u8 = 1;
 
-/// [`Connection::owner`] of a connection of the host's own (a local socket's) that cnibpf moved
+/// [`Connection::owner`] of a connection of the host's own (a local socket's): one cnibpf moved
 /// to another source port, because a container's masqueraded connection held its own towards
-/// the same remote (`nat_*` is the port it leaves with). No attachment's owner id is zero.
+/// the same remote ([`PART_SNAT`]: `nat_*` is the port it leaves with), or one whose answers
+/// are the host's although they come to a hostPort's number ([`PART_HOST_FLOW`]). No
+/// attachment's owner id is zero.
 pub const HOST: u64 = 0;
 
 #[repr(C)]

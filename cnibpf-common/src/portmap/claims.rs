@@ -1,8 +1,10 @@
 //! `port_claims`: how many address-specific mappings hold each (hostPort, protocol, family).
 //!
-//! Key: [`PortClaimKey`]. Value: [`PortClaim`]. Written and read by the CNI plugin only: a
-//! wildcard mapping overlaps every specific one of the same port, and this count answers "is
-//! there any?" without scanning `portmap`.
+//! Key: [`PortClaimKey`]. Value: [`PortClaim`]. Written by the CNI plugin, which reads it too:
+//! a wildcard mapping overlaps every specific one of the same port, and this count answers "is
+//! there any?" without scanning `portmap`. The sendmsg hooks ask the same of the port a
+//! wildcard-bound host socket sends from (a host flow then, see `connections`). The count may
+//! be too high after a failed ADD, never too low.
 
 use crate::impl_pod;
 use crate::map_spec::{Dimension, MapKind, MapSpec, Sizing};

@@ -2,7 +2,9 @@
 //! the host namespace connects or sends to (127.0.0.1, ::1, any host address, or a mapping's
 //! hostIP) into the container's, and show the application the address it asked for on
 //! recvmsg and getpeername. Packets then carry the container address from the start, so
-//! loopback needs neither route_localnet nor any packet rewriting.
+//! loopback needs neither route_localnet nor any packet rewriting. A datagram an unconnected
+//! socket sends from a hostPort's number is remembered as a host flow, whose answers are the
+//! host's.
 //!
 //! These hooks never deny: whatever they cannot translate proceeds unchanged.
 
@@ -15,8 +17,9 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use cnibpf_common::{
-    FAMILY_IPV4,
+    FAMILY_IPV4, PROTO_UDP,
     address::Address,
+    connections::ConnectionKey,
     portmap::{PortMapKey, SockRevKey, SockRevValue},
 };
 
@@ -25,14 +28,32 @@ use crate::{maps, portmap};
 /// The verdict that lets the syscall proceed.
 pub const ALLOW: i32 = 1;
 
-/// connect and sendmsg: a hostPort of this host becomes the container behind it. Inlined into
-/// each program, where `family` is a constant: what is left is one family's code, whose
-/// context writes the verifier sees at constant offsets.
+/// connect: a hostPort of this host becomes the container behind it. Inlined into each
+/// program, where `family` is a constant: what is left is one family's code, whose context
+/// reads and writes the verifier sees at constant offsets.
 #[inline(always)]
 pub fn to_container(ctx: &SockAddrContext, family: u8) {
-    if !in_host_namespace(ctx) {
-        return;
+    if in_host_namespace(ctx) {
+        translate(ctx, family);
     }
+}
+
+/// sendmsg (a datagram with a destination: an unconnected UDP socket's): as connect, and the
+/// datagram, as it leaves, opens or refreshes a host flow when its source port is a UDP
+/// hostPort's number (`portmap::remember_host_datagram`) — conntrack's entry for it, which
+/// makes the answers the host's. Inlined as [`to_container`] is.
+#[inline(always)]
+pub fn datagram_to(ctx: &SockAddrContext, family: u8) {
+    if in_host_namespace(ctx) {
+        translate(ctx, family);
+        remember_host_flow(ctx.sock_addr, family);
+    }
+}
+
+/// The address the syscall names, when it is a hostPort of this host, becomes the container
+/// behind it; the translation is remembered for recvmsg and getpeername.
+#[inline(always)]
+fn translate(ctx: &SockAddrContext, family: u8) {
     let sock = ctx.sock_addr;
     // SAFETY: sock is the bpf_sock_addr context the kernel handed to this program.
     let protocol = unsafe { read_volatile(&raw const (*sock).protocol) } as u8;
@@ -116,6 +137,34 @@ pub fn to_host_port(ctx: &SockAddrContext, family: u8) {
     }
 }
 
+/// The datagram leaving `sock` (to the destination as translated) as a host flow, if it
+/// leaves a UDP socket from a hostPort's number: its source the address the socket is bound
+/// to, else the one the sender asked for (`IP_PKTINFO`), else the wildcard.
+#[inline(always)]
+fn remember_host_flow(sock: *mut bpf_sock_addr, family: u8) {
+    // SAFETY: sock is the context; protocol is readable in every sock_addr hook.
+    let protocol = unsafe { read_volatile(&raw const (*sock).protocol) } as u8;
+    if protocol != PROTO_UDP {
+        return;
+    }
+    let (remote_addr, remote_port) = user_address(sock, family);
+    let bound = bound_address(sock, family);
+    let container_addr = if bound == Address::UNSPECIFIED {
+        message_source(sock, family)
+    } else {
+        bound
+    };
+    portmap::remember_host_datagram(&ConnectionKey {
+        container_addr,
+        remote_addr,
+        container_port: local_port(sock),
+        remote_port,
+        protocol,
+        family,
+        _pad: 0,
+    });
+}
+
 /// Only sockets of the host's network namespace are translated: a process in a container
 /// connecting to its own 127.0.0.1 means its own loopback.
 fn in_host_namespace(ctx: &SockAddrContext) -> bool {
@@ -163,6 +212,31 @@ fn bound_address(sock: *mut bpf_sock_addr, family: u8) -> Address {
                 read_volatile(&raw const (*socket).src_ip6[1]),
                 read_volatile(&raw const (*socket).src_ip6[2]),
                 read_volatile(&raw const (*socket).src_ip6[3]),
+            ])
+        }
+    }
+}
+
+/// The local port of the socket (host byte order; bound by the time sendmsg runs).
+fn local_port(sock: *mut bpf_sock_addr) -> u16 {
+    // SAFETY: `sk` of a sock_addr context is always a valid socket the program may read.
+    unsafe { read_volatile(&raw const (*(*sock).__bindgen_anon_1.sk).src_port) as u16 }
+}
+
+/// The source address a sendmsg names (`IP_PKTINFO`, `IPV6_PKTINFO`); all zero when it names
+/// none.
+fn message_source(sock: *mut bpf_sock_addr, family: u8) -> Address {
+    // SAFETY: sock is the context; msg_src_ip4 (sendmsg4) and msg_src_ip6 (sendmsg6) are
+    // readable 4 bytes at a time in the sendmsg hook of their family, the only callers.
+    unsafe {
+        if family == FAMILY_IPV4 {
+            Address::ipv4(read_volatile(&raw const (*sock).msg_src_ip4).to_ne_bytes())
+        } else {
+            Address::from_words([
+                read_volatile(&raw const (*sock).msg_src_ip6[0]),
+                read_volatile(&raw const (*sock).msg_src_ip6[1]),
+                read_volatile(&raw const (*sock).msg_src_ip6[2]),
+                read_volatile(&raw const (*sock).msg_src_ip6[3]),
             ])
         }
     }

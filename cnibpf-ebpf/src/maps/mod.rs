@@ -178,6 +178,8 @@ pub static owner_ports: HashMap<
     { portmap::OWNER_PORTS.max_entries as usize },
 > = HashMap::new();
 
+/// Written by userspace; the sendmsg hooks read whether a port has any address-specific
+/// mapping.
 #[btf_map(pin_by_name)]
 pub static port_claims: HashMap<PortClaimKey, PortClaim, { portmap::CLAIMS.max_entries as usize }> =
     HashMap::new();
@@ -195,6 +197,34 @@ pub fn is_host_port(addr: &Address, port: u16, protocol: u8, family: u8) -> bool
     }
     key.host_addr = Address::UNSPECIFIED;
     portmap.get_ptr(&key).is_some()
+}
+
+/// Whether a host socket bound to `addr` (all zero: the wildcard) and `port` (host byte order)
+/// may receive what comes to a hostPort: a mapping of that address or the wildcard one, and
+/// for the wildcard socket a mapping of any address (`port_claims`, which counts them and is
+/// never lower than `portmap` holds).
+pub fn is_host_port_number(addr: &Address, port: u16, protocol: u8, family: u8) -> bool {
+    if *addr != Address::UNSPECIFIED {
+        return is_host_port(addr, port, protocol, family);
+    }
+    let wildcard = PortMapKey {
+        host_addr: Address::UNSPECIFIED,
+        host_port: port,
+        protocol,
+        family,
+    };
+    if portmap.get_ptr(&wildcard).is_some() {
+        return true;
+    }
+    let claim = PortClaimKey {
+        host_port: port,
+        protocol,
+        family,
+    };
+    port_claims
+        .get_ptr(&claim)
+        // SAFETY: points into `port_claims`, read at once.
+        .is_some_and(|claim| unsafe { (*claim).specific } != 0)
 }
 
 /// Whether `addr` is one of the host's own addresses (`host_addrs`).

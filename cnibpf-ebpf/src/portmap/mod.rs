@@ -420,6 +420,7 @@ pub fn lookup_mapping(flow: &Flow) -> Option<(*const PortMapValue, bool)> {
 }
 
 pub use conditions::admit;
+pub use host::remember_host_datagram;
 
 /// Fills in where a packet translated by `mapping` goes: the mapping's container.
 #[inline(always)]

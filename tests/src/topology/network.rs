@@ -131,16 +131,7 @@ impl SimHost {
         protocol: &str,
         target: SocketAddr,
     ) -> Result<(String, SocketAddr), String> {
-        // Integration tests run from target/<profile>/deps, xtask from target/<profile>.
-        let executable = std::env::current_exe().expect("current executable");
-        let binary = executable
-            .ancestors()
-            .skip(1)
-            .take(2)
-            .map(|dir| dir.join("cnibpf-test-client"))
-            .find(|path| path.exists())
-            .expect("cnibpf-test-client is built next to the tests (cargo build -p cnibpf-tests)");
-        let mut process = std::process::Command::new(binary);
+        let mut process = std::process::Command::new(test_client());
         process
             .arg(&self.cgroup)
             .arg(protocol)
@@ -163,6 +154,32 @@ impl SimHost {
         Ok((answer, peer))
     }
 
+    /// A UDP socket of a "host process": made and bound to `bind` in the host namespace by a
+    /// process in this host's cgroup (a socket belongs to its maker's cgroup, whose socket
+    /// hooks see what it sends), then handed to the test, which uses it as its own.
+    pub fn host_udp_socket(&self, bind: SocketAddr) -> std::net::UdpSocket {
+        use std::os::{fd::OwnedFd, unix::net::UnixStream};
+        let (ours, theirs) = UnixStream::pair().expect("socket pair");
+        let mut process = std::process::Command::new(test_client());
+        process
+            .arg(&self.cgroup)
+            .arg("udp-socket")
+            .arg(bind.to_string())
+            .stdin(std::process::Stdio::from(OwnedFd::from(theirs)));
+        chain::enter_netns_on_exec(&mut process, &self.host.path());
+        let output = process.output().expect("run cnibpf-test-client");
+        assert!(
+            output.status.success(),
+            "a host process's UDP socket on {bind}: {}",
+            String::from_utf8_lossy(&output.stdout)
+        );
+        let socket = std::net::UdpSocket::from(crate::traffic::receive_descriptor(&ours));
+        socket
+            .set_read_timeout(Some(crate::traffic::CLIENT_TIMEOUT))
+            .expect("timeout");
+        socket
+    }
+
     pub fn uplink_target(&self, port: u16) -> SocketAddr {
         SocketAddr::new(IpAddr::V4(HOST_UPLINK_ADDR), port)
     }
@@ -174,4 +191,17 @@ impl SimHost {
             Family::V6 => SocketAddr::new(IpAddr::V6(HOST_UPLINK_ADDR6), port),
         }
     }
+}
+
+/// The test client binary (`tests/src/bin/cnibpf-test-client.rs`), built next to the tests.
+fn test_client() -> PathBuf {
+    // Integration tests run from target/<profile>/deps, xtask from target/<profile>.
+    let executable = std::env::current_exe().expect("current executable");
+    executable
+        .ancestors()
+        .skip(1)
+        .take(2)
+        .map(|dir| dir.join("cnibpf-test-client"))
+        .find(|path| path.exists())
+        .expect("cnibpf-test-client is built next to the tests (cargo build -p cnibpf-tests)")
 }

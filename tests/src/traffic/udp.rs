@@ -229,3 +229,71 @@ impl UdpSender {
         self.sending.finish().expect("sender thread")
     }
 }
+
+/// Hands `socket` to the process at the other end of `stream` (`SCM_RIGHTS`).
+pub fn send_descriptor(
+    stream: &std::os::unix::net::UnixStream,
+    socket: &impl std::os::fd::AsRawFd,
+) -> std::io::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    let descriptors = [socket.as_raw_fd()];
+    sendmsg::<()>(
+        std::os::fd::AsRawFd::as_raw_fd(stream),
+        &[std::io::IoSlice::new(b"s")],
+        &[ControlMessage::ScmRights(&descriptors)],
+        MsgFlags::empty(),
+        None,
+    )
+    .map(drop)
+    .map_err(std::io::Error::from)
+}
+
+/// The descriptor the process at the other end of `stream` handed over ([`send_descriptor`]).
+pub fn receive_descriptor(stream: &std::os::unix::net::UnixStream) -> std::os::fd::OwnedFd {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _};
+
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    let mut byte = [0u8; 1];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let mut buffers = [std::io::IoSliceMut::new(&mut byte)];
+    let message = recvmsg::<()>(
+        stream.as_raw_fd(),
+        &mut buffers,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .expect("receive a descriptor");
+    let descriptor = message
+        .cmsgs()
+        .expect("control messages")
+        .find_map(|message| match message {
+            ControlMessageOwned::ScmRights(descriptors) => descriptors.first().copied(),
+            _ => None,
+        })
+        .expect("a descriptor was handed over");
+    // SAFETY: the kernel just gave this process the descriptor; nothing else owns it.
+    unsafe { std::os::fd::OwnedFd::from_raw_fd(descriptor) }
+}
+
+/// Has ICMP errors about `socket`'s datagrams reported by its next receive, connected or not
+/// (`IP_RECVERR`/`IPV6_RECVERR`; without it an unconnected socket never hears of them).
+pub fn report_icmp_errors(socket: &UdpSocket) {
+    let v6 = socket.local_addr().expect("local address").is_ipv6();
+    let (level, name) = if v6 {
+        (libc::IPPROTO_IPV6, libc::IPV6_RECVERR)
+    } else {
+        (libc::IPPROTO_IP, libc::IP_RECVERR)
+    };
+    let on: libc::c_int = 1;
+    // SAFETY: a valid socket and an int option of the size given.
+    let result = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(socket),
+            level,
+            name,
+            (&raw const on).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(result, 0, "IP_RECVERR: {}", std::io::Error::last_os_error());
+}

@@ -5,7 +5,7 @@
 
 use aya::maps::{HashMap, MapData};
 use cnibpf_common::connections::{
-    self, Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_SNAT,
+    self, Connection, ConnectionKey, PART_DNAT, PART_FILTER, PART_HOST_FLOW, PART_SNAT,
 };
 
 use super::{
@@ -15,7 +15,7 @@ use super::{
 use crate::{backend::BackendError, paths::PinLayout};
 
 /// Every part a connection may have.
-const ALL_PARTS: u8 = PART_SNAT | PART_DNAT | PART_FILTER;
+const ALL_PARTS: u8 = PART_SNAT | PART_DNAT | PART_FILTER | PART_HOST_FLOW;
 
 /// The connection table.
 pub(super) struct ConnectionMaps {
