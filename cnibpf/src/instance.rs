@@ -190,6 +190,11 @@ impl Instance {
             }
         }
         let Some(backend) = serving.and_then(|position| self.backends.get_mut(position)) else {
+            // A backend that cannot list its attachments (a datapath another network namespace
+            // serves) says why none holds it.
+            for backend in &self.backends {
+                backend.attachments()?;
+            }
             // fail-closed: no backend holds it; the error says so.
             return Err(BackendError::CheckFailed(format!(
                 "no backend holds state for {} (pinPath {}, table inet cnibpf)",

@@ -98,6 +98,17 @@ pub enum BackendError {
     StillServing { path: PathBuf, count: usize },
     #[error("{path} holds no cnibpf state ({reason}); choose another pinPath")]
     ForeignState { path: PathBuf, reason: String },
+    /// The eBPF datapath under `path` was set up for, and still serves, another network
+    /// namespace than the caller's (see `ebpf::namespace`).
+    #[error(
+        "the eBPF datapath in {path} serves another network namespace (cookie {datapath}) than this call's (cookie {caller}), whose interfaces it hooks ({hooked}): each host needs a pinPath of its own, and a datapath is unloaded from the namespace it serves"
+    )]
+    OtherNamespace {
+        path: PathBuf,
+        datapath: u64,
+        caller: u64,
+        hooked: String,
+    },
     #[error("could not read the pinned state in {path}{}", permission_hint(source))]
     UnreadableState {
         path: PathBuf,
@@ -167,6 +178,7 @@ impl BackendError {
             Self::OlderState { .. }
             | Self::NewerState { .. }
             | Self::ForeignState { .. }
+            | Self::OtherNamespace { .. }
             | Self::MapsToMigrate { .. }
             | Self::StillServing { .. } => code::INCOMPATIBLE_STATE,
             Self::UnreadableState { .. } | Self::ForeignReleaseFile { .. } => code::DATAPATH,

@@ -386,7 +386,11 @@ pub fn is_link_local(addr: IpAddr) -> bool {
 /// An uplink and the addresses it masquerades to.
 #[derive(Clone, Debug)]
 pub struct UplinkAddresses {
+    /// Its index in the namespace the backend serves.
     pub ifindex: u32,
+    /// Its name as the backend knows it (the eBPF datapath: its links' pins, which the caller's
+    /// namespace need not share); `None` when its hooks no longer attach it.
+    pub ifname: Option<String>,
     pub v4: Option<Ipv4Addr>,
     pub v6: Option<Ipv6Addr>,
 }

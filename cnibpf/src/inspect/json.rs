@@ -2,31 +2,30 @@
 
 use serde_json::{Map, Value, json};
 
-use super::{Shown, Snapshot, interface_name, notes};
-use crate::{
-    backend::FilterRecord, cni::error::Error, model::masquerade::ReasonText, paths::PinLayout,
-};
+use super::{Shown, Snapshot, notes};
+use crate::{backend::FilterRecord, model::masquerade::ReasonText, paths::PinLayout};
 
-pub fn document(pins: &PinLayout, snapshot: &Snapshot) -> Result<Value, Error> {
-    let uplinks = snapshot
+pub fn document(pins: &PinLayout, snapshot: &Snapshot) -> Value {
+    let uplinks: Vec<Value> = snapshot
         .uplinks
         .iter()
         .map(|(backend, uplink)| {
-            Ok(json!({
+            json!({
                 "backend": backend,
                 "ifindex": uplink.ifindex,
-                "ifname": interface_name(uplink.ifindex)?,
+                "ifname": uplink.ifname,
                 "masqueradeV4": uplink.v4.map(|addr| addr.to_string()),
                 "masqueradeV6": uplink.v6.map(|addr| addr.to_string()),
-            }))
+            })
         })
-        .collect::<Result<Vec<_>, Error>>()?;
-    Ok(json!({
+        .collect();
+    json!({
         "pinPath": pins.root(),
         "lockFile": pins.lock_file(),
         "callStatsFile": pins.call_stats_file(),
         "attachments": snapshot.attachments.iter().map(attachment).collect::<Vec<_>>(),
         "uplinks": uplinks,
+        "ebpfNamespace": snapshot.namespace,
         "counters": by_backend(&snapshot.counters, |values| {
             Value::Object(values.iter().map(|(name, value)| ((*name).to_owned(), json!(value))).collect())
         }),
@@ -60,7 +59,7 @@ pub fn document(pins: &PinLayout, snapshot: &Snapshot) -> Result<Value, Error> {
             "hook": chain.hook,
             "rules": chain.rules,
         })).collect::<Vec<_>>(),
-    }))
+    })
 }
 
 /// An object keyed by backend, each value made by `value`.

@@ -25,9 +25,9 @@ pub fn run(pin_path: &Path, as_json: bool) -> Result<(), Error> {
     let pins = PinLayout::new(pin_path);
     let snapshot = Snapshot::read(&pins)?;
     let lines = if as_json {
-        vec![format!("{:#}", json::document(&pins, &snapshot)?)]
+        vec![format!("{:#}", json::document(&pins, &snapshot))]
     } else {
-        text::lines(pin_path, &snapshot)?
+        text::lines(pin_path, &snapshot)
     };
     print(&lines)
 }
@@ -43,6 +43,8 @@ struct Snapshot {
     flow_tables: Vec<(&'static str, Vec<FlowTable>)>,
     uplinks: Vec<(&'static str, UplinkAddresses)>,
     memory: Option<Memory>,
+    /// What is to know of an eBPF datapath another network namespace set up.
+    namespace: Option<String>,
     /// The host's firewall chains that do not see what the eBPF datapath forwards.
     bypassed: Vec<nftables::HostChain>,
 }
@@ -66,6 +68,7 @@ impl Snapshot {
             flow_tables: Vec::new(),
             uplinks: Vec::new(),
             memory: None,
+            namespace: None,
             bypassed: Vec::new(),
         };
         for backend in Instance::to_read(pins)?.backends() {
@@ -73,6 +76,7 @@ impl Snapshot {
         }
         if snapshot.flow_tables.iter().any(|(name, _)| *name == "ebpf") {
             snapshot.memory = Some(backend::ebpf::memory(pins)?);
+            snapshot.namespace = backend::ebpf::EbpfBackend::namespace_note(pins)?;
         }
         snapshot.attachments.sort_by_key(|shown| {
             let attachment = &shown.record.attachment;
@@ -151,11 +155,6 @@ fn notes(backend: &str, mappings: &[ResolvedMapping]) -> Vec<String> {
         "host processes cannot reach [::1]:{} through the nftables backend (IPv6 has no route_localnet); they can by 127.0.0.1 and the host's addresses",
         loopback_v6.join(", [::1]:")
     )]
-}
-
-/// The interface's current name, `None` when the kernel says it is gone.
-fn interface_name(ifindex: u32) -> Result<Option<String>, Error> {
-    Ok(crate::netlink::link_if_there(ifindex)?.map(|link| link.name))
 }
 
 /// Writes the report; one that cannot be written is the command's failure.

@@ -2,14 +2,13 @@
 
 use std::{net::IpAddr, path::Path};
 
-use super::{Shown, Snapshot, interface_name, notes};
+use super::{Shown, Snapshot, notes};
 use crate::{
     backend::{FilterRecord, MasqueradeRecord, SourceCheckRecord},
-    cni::error::Error,
     model::masquerade::ReasonText,
 };
 
-pub fn lines(pin_path: &Path, snapshot: &Snapshot) -> Result<Vec<String>, Error> {
+pub fn lines(pin_path: &Path, snapshot: &Snapshot) -> Vec<String> {
     let mut lines = Vec::new();
     if snapshot.attachments.is_empty() {
         lines.push(format!("no attachments under {}", pin_path.display()));
@@ -30,8 +29,11 @@ pub fn lines(pin_path: &Path, snapshot: &Snapshot) -> Result<Vec<String>, Error>
             .collect();
         lines.push(format!(
             "uplink {} (index {}, {backend}) masquerades to {}",
-            // fail-closed: `interface_name` kept the errors; a gone uplink is shown as "?".
-            interface_name(uplink.ifindex)?.unwrap_or_else(|| "?".to_owned()),
+            // fail-closed: an Option the backend filled; no name is an uplink no hook attaches.
+            uplink
+                .ifname
+                .as_deref()
+                .unwrap_or("? (no hook attaches it: its interface is gone)"),
             uplink.ifindex,
             if addresses.is_empty() {
                 "nothing (no address)".to_owned()
@@ -41,7 +43,7 @@ pub fn lines(pin_path: &Path, snapshot: &Snapshot) -> Result<Vec<String>, Error>
         ));
     }
     datapath(&mut lines, snapshot);
-    Ok(lines)
+    lines
 }
 
 /// An attachment's line and what it holds, indented below.
@@ -139,6 +141,7 @@ fn filter_lines(lines: &mut Vec<String>, filter: &FilterRecord) {
 /// What the datapath keeps as a whole: counters, drops, flow tables, memory, and the host's
 /// chains it passes by.
 fn datapath(lines: &mut Vec<String>, snapshot: &Snapshot) {
+    lines.extend(snapshot.namespace.clone());
     for (backend, values) in &snapshot.counters {
         lines.push(format!("{backend} counters:"));
         for (name, value) in values {

@@ -120,6 +120,9 @@ pub struct SimHost {
     pub cgroup: PathBuf,
     pub chain: Chain,
     attached: Mutex<Vec<Attachment>>,
+    /// `pin_path` is a [`SharedPinPath`]'s: neither cleared when the host is made nor removed
+    /// when it goes.
+    shares_pin_path: bool,
     /// Held while the host lives (released after its `Drop` cleaned up): a test of another
     /// suite running at the same time with the same id waits instead of taking its names.
     _claim: std::fs::File,
@@ -150,6 +153,30 @@ impl SimHost {
             Backend::Ebpf => Self::new(id, cnibpf_keys),
             Backend::Nftables => Self::new(&format!("{id}-n"), cnibpf_keys),
         }
+    }
+
+    /// [`Self::on`] with its instance at `pin_path`, which it shares with other hosts, one
+    /// after the other or at once: the host takes whatever is there and leaves it when it goes.
+    pub fn sharing(
+        backend: Backend,
+        id: &str,
+        pin_path: &SharedPinPath,
+        mut cnibpf_keys: Value,
+    ) -> Self {
+        cnibpf_keys["pinPath"] = json!(pin_path.path);
+        let mut sim = Self::on(backend, id, cnibpf_keys);
+        sim.pin_path.clone_from(&pin_path.path);
+        sim.shares_pin_path = true;
+        sim
+    }
+
+    /// The host goes as a machine switched off does: its namespaces, interfaces and cgroup go,
+    /// and no DEL runs; what its instance keeps beyond them (a shared pinPath) stays.
+    pub fn switch_off(self) {
+        self.attached
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .clear();
     }
 
     /// Whether neither backend holds state of any attachment of this host's instance: no
@@ -267,75 +294,7 @@ impl SimHost {
         std::fs::create_dir(&cgroup)
             .unwrap_or_else(|error| panic!("create cgroup {}: {error}", cgroup.display()));
 
-        crate::netns::run_checked(std::process::Command::new("ip").args([
-            "link",
-            "add",
-            UPLINK,
-            "netns",
-            host.name(),
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            outside.name(),
-        ]));
-        host.exec(&[
-            "ip",
-            "addr",
-            "add",
-            &format!("{HOST_UPLINK_ADDR}/24"),
-            "dev",
-            UPLINK,
-        ]);
-        host.exec(&["ip", "link", "set", UPLINK, "up"]);
-        host.exec(&[
-            "ip",
-            "route",
-            "add",
-            "default",
-            "via",
-            &OUTSIDE_ADDR.to_string(),
-        ]);
-        outside.exec(&[
-            "ip",
-            "addr",
-            "add",
-            &format!("{OUTSIDE_ADDR}/24"),
-            "dev",
-            "eth0",
-        ]);
-        outside.exec(&[
-            "ip",
-            "-6",
-            "addr",
-            "add",
-            &format!("{OUTSIDE_ADDR6}/64"),
-            "dev",
-            "eth0",
-            "nodad",
-        ]);
-        outside.exec(&["ip", "link", "set", "eth0", "up"]);
-        host.exec(&[
-            "ip",
-            "-6",
-            "addr",
-            "add",
-            &format!("{HOST_UPLINK_ADDR6}/64"),
-            "dev",
-            UPLINK,
-            "nodad",
-        ]);
-        host.exec(&[
-            "ip",
-            "-6",
-            "route",
-            "add",
-            "default",
-            "via",
-            &OUTSIDE_ADDR6.to_string(),
-        ]);
+        network::wire_uplink(&host, &outside, None);
         host.sysctl("net.ipv4.ip_forward", "1");
         host.sysctl("net.ipv6.conf.all.forwarding", "1");
 
@@ -389,6 +348,7 @@ impl SimHost {
             cgroup,
             chain,
             attached: Mutex::new(Vec::new()),
+            shares_pin_path: false,
             _claim: claim,
         };
         // br_netfilter is built into this kernel and on in every new namespace: cnibpf must not
@@ -430,11 +390,36 @@ impl Drop for SimHost {
         for attachment in attached.iter().rev() {
             let _ = self.chain.del(attachment);
         }
-        remove_instance_files(&self.pin_path);
-        let _ = std::fs::remove_dir_all(&self.pin_path);
+        if !self.shares_pin_path {
+            remove_instance_files(&self.pin_path);
+            let _ = std::fs::remove_dir_all(&self.pin_path);
+        }
         let _ = std::fs::remove_dir_all(&self.work_dir);
         let _ = std::fs::remove_dir(&self.cgroup);
         defaults::host_gone();
+    }
+}
+
+/// A pinPath simulated hosts share ([`SimHost::sharing`]): empty when made, removed with all
+/// of the instance's files when dropped (after the hosts, which it outlives).
+#[derive(Debug)]
+pub struct SharedPinPath {
+    pub path: PathBuf,
+}
+
+impl SharedPinPath {
+    pub fn new(id: &str) -> Self {
+        let path = PathBuf::from(format!("/sys/fs/bpf/cnibpf-test-shared-{id}"));
+        remove_instance_files(&path);
+        let _ = std::fs::remove_dir_all(&path);
+        Self { path }
+    }
+}
+
+impl Drop for SharedPinPath {
+    fn drop(&mut self) {
+        remove_instance_files(&self.path);
+        let _ = std::fs::remove_dir_all(&self.path);
     }
 }
 

@@ -20,6 +20,32 @@ impl SimHost {
         );
     }
 
+    /// The uplink deleted under whatever runs and made again, with its addresses and routes:
+    /// at the interface index it had (as a new namespace numbers its first interfaces), or at
+    /// the next one the kernel gives. Its index now.
+    pub fn remake_uplink(&self, same_index: bool) -> u32 {
+        let index = self.uplink_index();
+        self.host.exec(&["ip", "link", "del", UPLINK]);
+        wire_uplink(&self.host, &self.outside, same_index.then_some(index));
+        let remade = self.uplink_index();
+        assert_eq!(
+            remade == index,
+            same_index,
+            "{UPLINK} was {index}, is {remade}"
+        );
+        remade
+    }
+
+    /// The uplink's interface index in the host namespace.
+    pub fn uplink_index(&self) -> u32 {
+        let shown = self.host.exec(&["ip", "-o", "link", "show", UPLINK]);
+        shown
+            .split(':')
+            .next()
+            .and_then(|index| index.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no index in {shown:?}"))
+    }
+
     /// Gives the outside namespace a route to the container subnets via the uplink, for
     /// traffic that reaches containers by their own address (routed, no NAT).
     pub fn route_outside_to_containers(&self) {
@@ -204,4 +230,81 @@ fn test_client() -> PathBuf {
         .map(|dir| dir.join("cnibpf-test-client"))
         .find(|path| path.exists())
         .expect("cnibpf-test-client is built next to the tests (cargo build -p cnibpf-tests)")
+}
+
+/// The uplink veth between `host` and `outside`, addressed, up, with the host's default routes
+/// through it; at interface index `index` in the host when given.
+pub(crate) fn wire_uplink(host: &Netns, outside: &Netns, index: Option<u32>) {
+    let index = index.map(|index| index.to_string());
+    let mut add = vec!["link", "add", UPLINK];
+    if let Some(index) = &index {
+        add.extend(["index", index]);
+    }
+    add.extend([
+        "netns",
+        host.name(),
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        outside.name(),
+    ]);
+    crate::netns::run_checked(std::process::Command::new("ip").args(add));
+    host.exec(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{HOST_UPLINK_ADDR}/24"),
+        "dev",
+        UPLINK,
+    ]);
+    host.exec(&["ip", "link", "set", UPLINK, "up"]);
+    host.exec(&[
+        "ip",
+        "route",
+        "add",
+        "default",
+        "via",
+        &OUTSIDE_ADDR.to_string(),
+    ]);
+    outside.exec(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{OUTSIDE_ADDR}/24"),
+        "dev",
+        "eth0",
+    ]);
+    outside.exec(&[
+        "ip",
+        "-6",
+        "addr",
+        "add",
+        &format!("{OUTSIDE_ADDR6}/64"),
+        "dev",
+        "eth0",
+        "nodad",
+    ]);
+    outside.exec(&["ip", "link", "set", "eth0", "up"]);
+    host.exec(&[
+        "ip",
+        "-6",
+        "addr",
+        "add",
+        &format!("{HOST_UPLINK_ADDR6}/64"),
+        "dev",
+        UPLINK,
+        "nodad",
+    ]);
+    host.exec(&[
+        "ip",
+        "-6",
+        "route",
+        "add",
+        "default",
+        "via",
+        &OUTSIDE_ADDR6.to_string(),
+    ]);
 }

@@ -24,6 +24,11 @@ pub trait Draining {
     /// The attachments the state still holds, from what every layout keeps of them.
     fn held(&self) -> Result<Vec<AttachmentRecord>, BackendError>;
 
+    /// Whether the state holds the attachment `owner`.
+    fn holds(&self, owner: u64) -> Result<bool, BackendError> {
+        Ok(self.held()?.iter().any(|record| record.owner == owner))
+    }
+
     /// Lets the attachment `owner` go, with all it holds; nothing held is nothing to do.
     fn release(&mut self, owner: u64) -> Result<(), BackendError>;
 
@@ -80,6 +85,10 @@ impl<S: Draining> Backend for Drained<S> {
 impl<S: Draining> Inspect for Drained<S> {
     fn attachments(&self) -> Result<Vec<AttachmentRecord>, BackendError> {
         self.0.held()
+    }
+
+    fn holds(&self, owner: u64) -> Result<bool, BackendError> {
+        self.0.holds(owner)
     }
 
     fn port_mappings(&self) -> Result<Vec<(u64, ResolvedMapping)>, BackendError> {

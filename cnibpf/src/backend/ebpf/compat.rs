@@ -147,6 +147,15 @@ fn record_of(key: &[u8], value: &[u8]) -> AttachmentRecord {
     }
 }
 
+/// The attachments the state under `pins` records, whatever its layout: from what every
+/// layout keeps of them (`found` names the state in messages).
+pub(super) fn recorded_attachments(
+    pins: &PinLayout,
+    found: Found,
+) -> Result<Vec<AttachmentRecord>, BackendError> {
+    OtherLayout::open(pins, found)?.records()
+}
+
 impl Draining for OtherLayout {
     fn backend_name(&self) -> &'static str {
         "ebpf"

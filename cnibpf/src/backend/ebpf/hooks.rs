@@ -158,16 +158,11 @@ impl EbpfBackend {
         })
     }
 
-    /// Attaches (or finds attached) the hooks of `uplink`. An uplink `recorded` in map
-    /// `uplinks` under its interface index, with both link pins there, was hooked by the call
-    /// that recorded it: a tcx link leaves its hook only with its interface (whose index then
-    /// names no interface; one made again gets another index) or by cnibpf's own detach, which
-    /// removes the pin. Its links are not read again; any other uplink's are, one by one.
-    pub(super) fn hook_uplink(&self, uplink: &Link, recorded: bool) -> Result<(), BackendError> {
+    /// Attaches (or finds attached) the hooks of `uplink`. Each pinned link is asked which
+    /// interface it attaches: one the kernel no longer attaches (its interface went, even if
+    /// another was made under the same name and index) is made again, never believed.
+    pub(super) fn hook_uplink(&self, uplink: &Link) -> Result<(), BackendError> {
         let link_pins = self.uplink_link_pins(&uplink.name);
-        if recorded && link_pinned(&link_pins[0])? && link_pinned(&link_pins[1])? {
-            return Ok(());
-        }
         for hook in Self::uplink_hooks(&link_pins) {
             self.attach(uplink.index, &hook)?;
         }
@@ -248,7 +243,7 @@ struct TcxLinkInfo {
 /// tcx link, or a defunct one (its interface gone: the kernel reports index 0). A pin open and
 /// an info read, where asking the interface costs a query, then an open and an info read for
 /// each program on it.
-fn tcx_link_ifindex(path: &Path) -> Result<Option<u32>, BackendError> {
+pub(super) fn tcx_link_ifindex(path: &Path) -> Result<Option<u32>, BackendError> {
     let error = |source: io::Error| BackendError::Pin {
         action: format!("could not read link {}", path.display()),
         source: Box::new(source),

@@ -17,6 +17,7 @@ use super::{
     filter::config_rule,
     found, map_error,
     masquerade::exclude_net,
+    namespace::{self, uplink_of_link},
     open_pinned,
     owner::{attachment_of, pod_of, read_name},
     portmap::mapping_from_entry,
@@ -101,12 +102,21 @@ impl Inspect for EbpfBackend {
         Ok(records)
     }
 
+    /// Each uplink named by the links that hook it (the caller's namespace may not be the
+    /// datapath's); one they no longer attach is unnamed.
     fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
+        let hooked = namespace::hooked_links(&self.pins)?;
+        let name_of = |ifindex: u32| {
+            hooked.iter().find_map(|(link, index)| {
+                (*index == ifindex).then(|| uplink_of_link(link)).flatten()
+            })
+        };
         let mut uplinks = Vec::new();
         for entry in self.masquerade.uplinks.iter() {
             let (ifindex, info) = entry.map_err(map_error("could not read map uplinks"))?;
             uplinks.push(UplinkAddresses {
                 ifindex,
+                ifname: name_of(ifindex),
                 v4: (info.addr_v4 != [0; 4]).then(|| Ipv4Addr::from(info.addr_v4)),
                 v6: (!info.addr_v6.is_unspecified()).then(|| Ipv6Addr::from(info.addr_v6.bytes)),
             });

@@ -299,7 +299,7 @@ impl Masquerading for EbpfBackend {
                 self.masquerade.uplinks.get(&uplink.index, 0),
                 masquerade::UPLINKS.name,
             )?;
-            self.hook_uplink(uplink, recorded.is_some())?;
+            self.hook_uplink(uplink)?;
             if recorded != Some(info) {
                 self.masquerade
                     .uplinks

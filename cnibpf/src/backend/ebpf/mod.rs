@@ -20,6 +20,7 @@ mod inspect;
 mod kernel_btf;
 mod layout;
 mod masquerade;
+mod namespace;
 mod on_demand;
 mod owner;
 mod pins;
@@ -35,6 +36,7 @@ use std::{fs, io, net::IpAddr};
 use aya::maps::{HashMap, Map, MapData, MapError};
 
 use self::layout::{PinnedState, check_layout};
+use self::namespace::Owner;
 pub use self::pins::Found;
 use self::pins::{all_programs_pinned, load_object, prepare_pin_dir, relink, stamp};
 pub use self::pins::{mount_bpffs, remove_pinned};
@@ -44,7 +46,7 @@ use self::{
     masquerade::MasqueradeMaps, portmap::PortMapMaps, sources::SourceMaps,
 };
 use super::{Access, Backend, BackendError, Datapath, Drained};
-use crate::{model::Capacity, paths::PinLayout};
+use crate::{journal, model::Capacity, output::log_line, paths::PinLayout};
 
 /// The pinned datapath, as one bundle of map handles per capability, each defined and opened
 /// by the capability's own file (`endpoint.rs`, `portmap.rs`, `masquerade.rs`, `filter.rs`,
@@ -115,8 +117,16 @@ impl EbpfBackend {
     /// switched to the new program atomically, so an upgrade takes effect without a packet
     /// passing unhooked. Maps are created at the sizes `capacity` asks (see `sizes`); pinned
     /// ones are resized to a dimension it names, their entries carried over.
+    ///
+    /// A datapath another network namespace set up is refused while it serves that namespace,
+    /// and reclaimed once it serves nothing (see `namespace`).
     pub fn load(pins: &PinLayout, capacity: &Capacity) -> Result<Self, BackendError> {
         prepare_pin_dir(pins)?;
+        match namespace::owner(pins)? {
+            Owner::Caller => {}
+            Owner::Gone { datapath, caller } => reclaim_abandoned(pins, datapath, caller)?,
+            Owner::Other(other) => return Err(other.error()),
+        }
         let state = check_layout(pins)?;
         let programs_current = match state {
             PinnedState::Older(found) => {
@@ -217,7 +227,13 @@ impl EbpfBackend {
     /// [`Self::open_existing`] for DEL and GC: state of another layout (older than the
     /// supported window's, or newer: a rollback) is opened for releasing attachments, never
     /// refused (see `compat`).
+    ///
+    /// A datapath that serves another network namespace holds none of this one's attachments:
+    /// DEL finds nothing there, everything else is refused (see `namespace`).
     pub fn open_for_removal(pins: &PinLayout) -> Result<Option<Box<dyn Backend>>, BackendError> {
+        if let Owner::Other(other) = namespace::owner(pins)? {
+            return Ok(Some(Box::new(Drained(other))));
+        }
         if let PinnedState::Newer(found) | PinnedState::Older(found) = check_layout(pins)? {
             return Ok(Some(Box::new(Drained(compat::OtherLayout::open(
                 pins, found,
@@ -277,6 +293,21 @@ impl EbpfBackend {
         self.new_owner == Some(owner)
     }
 
+    /// What `cnibpf inspect` says of a datapath under `pins` that another network namespace
+    /// set up than the caller's (see `namespace`); `None` for the caller's own.
+    pub fn namespace_note(pins: &PinLayout) -> Result<Option<String>, BackendError> {
+        Ok(match namespace::owner(pins)? {
+            Owner::Caller => None,
+            Owner::Gone { datapath, caller } => Some(format!(
+                "the eBPF datapath was set up for network namespace cookie {datapath}, not this one (cookie {caller}), and none of its hooks attaches an interface any more: the next ADD or `cnibpf load` reclaims it"
+            )),
+            Owner::Other(other) => Some(format!(
+                "{}; its interfaces are named as its links name them",
+                other.error()
+            )),
+        })
+    }
+
     /// The ring buffer of the datapath's drop events, for `cnibpf monitor`.
     pub fn drop_events(&self) -> Result<aya::maps::RingBuf<MapData>, BackendError> {
         open_pinned(&self.pins, cnibpf_common::drops::EVENTS.name)
@@ -310,6 +341,26 @@ impl Datapath for EbpfBackend {
     fn commit_changes(&mut self) -> Result<(), BackendError> {
         Ok(())
     }
+}
+
+/// Removes a datapath whose network namespace no tcx link of it serves any more
+/// ([`Owner::Gone`]), for a fresh load: every attachment it records is gone with its
+/// interface, and is noted as reclaimed.
+fn reclaim_abandoned(pins: &PinLayout, datapath: u64, caller: u64) -> Result<(), BackendError> {
+    // Of whichever layout: what every layout keeps names them.
+    let state = Found::Layout(cnibpf_common::datapath::layout::stamped());
+    for record in compat::recorded_attachments(pins, state)? {
+        journal::note(journal::Change::Reclaimed(format!(
+            "{} (its network namespace, cookie {datapath}, no longer has its interface)",
+            record.attachment
+        )));
+    }
+    for removed in remove_pinned(pins)? {
+        log_line!(
+            "cnibpf: reclaimed {removed}: set up for network namespace cookie {datapath}, none of whose interfaces it hooks any more; set up again for this one (cookie {caller})"
+        );
+    }
+    prepare_pin_dir(pins)
 }
 
 /// For a failed whole-map read (see `batch`).

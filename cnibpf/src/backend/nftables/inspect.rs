@@ -96,12 +96,13 @@ impl Inspect for NftablesBackend {
                 action: format!("could not look up uplink {name}"),
                 source: Box::new(source),
             })?;
-            uplinks.extend(index);
+            uplinks.extend(index.map(|index| (index, name.to_string())));
         }
         Ok(uplinks
             .into_iter()
-            .map(|index| UplinkAddresses {
+            .map(|(index, name)| UplinkAddresses {
                 ifindex: index,
+                ifname: Some(name),
                 v4: addresses.iter().find_map(|(owner, addr)| match addr {
                     IpAddr::V4(addr) if *owner == index => Some(*addr),
                     _ => None,
