@@ -42,7 +42,7 @@ const ECHO_PORT: u16 = 7000;
 
 /// What a round measures, in this order (see `Node::round`); `TARGETS` are the budgets of
 /// the per-packet ones.
-const METRICS: [(&str, &str, &str); 14] = [
+const METRICS: [(&str, &str, &str); 16] = [
     (
         "masquerade, one TCP upload",
         "from_container time per packet",
@@ -113,7 +113,20 @@ const METRICS: [(&str, &str, &str); 14] = [
         "p99 connection time (lower is better)",
         "µs",
     ),
+    (
+        "a host process's unconnected UDP socket, from a port no hostPort has",
+        "sock_sendmsg4 time per datagram, as counted",
+        "ns",
+    ),
+    (
+        "a host process's unconnected UDP socket, from a UDP hostPort's number",
+        "sock_sendmsg4 time per datagram, as counted",
+        "ns",
+    ),
 ];
+
+/// Datagrams each sendmsg figure counts over.
+const SENDMSG_DATAGRAMS: u32 = 20_000;
 
 /// Budgets (ns) of the per-packet metrics of the same index in `METRICS`.
 const TARGETS: [Option<f64>; 7] = [
@@ -429,6 +442,7 @@ impl Node {
             RATE_WINDOW,
         );
         let statistics = masq.per_run().map_or(f64::NAN, |(_, empty)| empty);
+        let [sendmsg, sendmsg_host_port] = [0, HOST_PORT].map(|port| self.sendmsg_time(port));
         Ok([
             own_per_run(&masq, "from_container, masquerade")?,
             own_per_run(&masq_replies, "uplink_ingress, masquerade replies")?,
@@ -444,7 +458,29 @@ impl Node {
             datagrams,
             busy.per_second,
             busy.latency_p99.as_secs_f64() * 1e6,
+            sendmsg?,
+            sendmsg_host_port?,
         ])
+    }
+
+    /// `sock_sendmsg4`'s time per datagram as the kernel counts it (with the statistics' own
+    /// clock reads: there is no empty cgroup program beside it), over datagrams a host
+    /// process's unconnected socket bound to the wildcard and `port` (0: one the kernel picks)
+    /// sends to the outside.
+    fn sendmsg_time(&self, port: u16) -> Result<f64> {
+        let socket = self.sim.host_udp_socket(Family::V4.any(port));
+        let target = Self::outside(9);
+        let stats = super::BpfStats::enable()?;
+        let before = stats.programs(&self.sim.pin_path, &["sock_sendmsg4"])?;
+        for _ in 0..SENDMSG_DATAGRAMS {
+            socket.send_to(b"tick", target)?;
+        }
+        let after = stats.programs(&self.sim.pin_path, &["sock_sendmsg4"])?;
+        let runs = after.1.saturating_sub(before.1);
+        if runs == 0 {
+            bail!("sock_sendmsg4 did not run for a host process's datagrams");
+        }
+        Ok(after.0.saturating_sub(before.0) as f64 / runs as f64)
     }
 }
 
