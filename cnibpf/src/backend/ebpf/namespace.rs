@@ -12,12 +12,12 @@
 //! served, and an ADD or `cnibpf load` reclaims it and sets the node up again for its caller
 //! ([`Owner::Gone`]), rather than leave the node unable to start pods until someone unloads it.
 
-use std::{fs, io, path::PathBuf};
+use std::path::PathBuf;
 
 use aya::maps::{Array, Map, MapData, MapError};
 use cnibpf_common::datapath::{Settings, settings};
 
-use super::{hooks::tcx_link_ifindex, pins::map_pinned};
+use super::{hooks::tcx_link_ifindex, pins::map_pinned, unpin::pinned_links};
 use crate::{
     backend::{AttachmentRecord, BackendError, Draining},
     netns,
@@ -88,24 +88,17 @@ fn recorded_cookie(pins: &PinLayout) -> Result<Option<u64>, BackendError> {
 /// The tcx links of the instance that still attach an interface (the kernel reports one):
 /// each pin's name and the interface's index, in the datapath's namespace.
 pub(super) fn hooked_links(pins: &PinLayout) -> Result<Vec<(String, u32)>, BackendError> {
-    let links = pins.links_dir();
-    let list_error = |source: io::Error| BackendError::Pin {
-        action: format!("could not list {}", links.display()),
-        source: Box::new(source),
-    };
-    let entries = match fs::read_dir(&links) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(error) => return Err(list_error(error)),
-    };
     let mut hooked = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(list_error)?;
-        let name = entry.file_name().to_string_lossy().into_owned();
+    for link in pinned_links(pins)? {
+        let name = link
+            .file_name()
+            .map(|name| name.to_string_lossy().into_owned())
+            // fail-closed: an Option of a listed path's last part, which it always has.
+            .unwrap_or_default();
         if !is_tcx_link(&name) {
             continue;
         }
-        if let Some(ifindex) = tcx_link_ifindex(&entry.path())? {
+        if let Some(ifindex) = tcx_link_ifindex(&link)? {
             hooked.push((name, ifindex));
         }
     }

@@ -45,6 +45,14 @@ pub(super) fn detach_link(path: &Path) -> Result<(), BackendError> {
 
 /// Detaches every link of the instance and removes its pin (see [`detach_link`]).
 pub(super) fn detach_links(pins: &PinLayout) -> Result<(), BackendError> {
+    for link in pinned_links(pins)? {
+        detach_link(&link)?;
+    }
+    Ok(())
+}
+
+/// The pins of the instance's links (none when it has no links directory).
+pub(super) fn pinned_links(pins: &PinLayout) -> Result<Vec<std::path::PathBuf>, BackendError> {
     let links = pins.links_dir();
     let list_error = |source: io::Error| BackendError::Pin {
         action: format!("could not list {}", links.display()),
@@ -52,13 +60,12 @@ pub(super) fn detach_links(pins: &PinLayout) -> Result<(), BackendError> {
     };
     let entries = match fs::read_dir(&links) {
         Ok(entries) => entries,
-        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(error) => return Err(list_error(error)),
     };
-    for entry in entries {
-        detach_link(&entry.map_err(list_error)?.path())?;
-    }
-    Ok(())
+    entries
+        .map(|entry| entry.map(|entry| entry.path()).map_err(list_error))
+        .collect()
 }
 
 /// Removes a directory of pins with all it holds (the instance's whole state, a migration's
