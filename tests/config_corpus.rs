@@ -192,13 +192,25 @@ fn every_bad_configuration_fails_cleanly() {
             "filter[0].index: expected an integer",
         ),
         (
-            "target REJECT",
+            "unknown target",
             with(
                 &sim,
-                json!({ "filter": rule(json!({ "target": "REJECT" })) }),
+                json!({ "filter": rule(json!({ "target": "REFUSE" })) }),
             ),
             7,
-            "filter[0].target: expected \"ALLOW\" or \"DROP\", got \"REJECT\"",
+            "filter[0].target: expected \"ALLOW\", \"DROP\" or \"REJECT\", got \"REFUSE\"",
+        ),
+        (
+            "log not a boolean",
+            with(&sim, json!({ "filter": rule(json!({ "log": "yes" })) })),
+            7,
+            "filter[0].log: expected true or false, got string \"yes\"",
+        ),
+        (
+            "srcNetwork empty",
+            with(&sim, json!({ "filter": rule(json!({ "srcNetwork": "" })) })),
+            7,
+            "filter[0].srcNetwork: \"\" is not a valid network name",
         ),
         (
             "duplicate index",
@@ -309,7 +321,7 @@ fn every_bad_configuration_fails_cleanly() {
             "filterDefault REJECT",
             with(&sim, json!({ "filterDefault": "REJECT" })),
             7,
-            "filterDefault: expected \"ALLOW\" or \"DROP\"",
+            "filterDefault: is \"ALLOW\" or \"DROP\"",
         ),
         (
             "uplinks string",

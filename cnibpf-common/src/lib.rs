@@ -28,6 +28,7 @@ pub mod map_spec;
 pub mod masquerade;
 pub mod packet;
 pub mod portmap;
+pub mod rejection;
 pub mod sctp_checksum;
 pub mod sources;
 

@@ -201,6 +201,11 @@ impl MapSpec {
         Self { owner, ..self }
     }
 
+    /// The map's types at `version` (see [`Self::version`]).
+    pub const fn at_version(self, version: u32) -> Self {
+        Self { version, ..self }
+    }
+
     /// The bytes of one CPU's value in a per-CPU map's lookup buffer (rounded up to 8, as the
     /// kernel lays them out), or of the value.
     pub const fn value_stride(&self) -> usize {

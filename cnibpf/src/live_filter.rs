@@ -274,6 +274,14 @@ pub fn rule_document(rule: &FilterRule) -> Value {
     if let Some(dst) = rule.dst {
         document.insert("dst".to_owned(), json!(dst.to_string()));
     }
+    for (key, network) in [
+        ("srcNetwork", &rule.src_network),
+        ("dstNetwork", &rule.dst_network),
+    ] {
+        if let Some(network) = network {
+            document.insert(key.to_owned(), json!(network.as_str()));
+        }
+    }
     if rule.protocol != RuleProtocol::Any {
         document.insert("proto".to_owned(), json!(rule.protocol.as_str()));
     }
@@ -287,6 +295,9 @@ pub fn rule_document(rule: &FilterRule) -> Value {
     }
     if rule.direction != Direction::Both {
         document.insert("direction".to_owned(), json!(rule.direction.as_str()));
+    }
+    if rule.log {
+        document.insert("log".to_owned(), json!(true));
     }
     Value::Object(document)
 }
@@ -316,6 +327,8 @@ mod tests {
             { "index": 20, "target": "ALLOW", "dst": "10.10.10.100/32", "proto": "tcp",
               "sport": "1000-2000", "dport": 80, "connstate": "new", "direction": "egress" },
             { "index": 30, "target": "ALLOW", "proto": "icmpv6", "direction": "ingress" },
+            { "index": 40, "target": "REJECT", "srcNetwork": "dmz", "dstNetwork": "protected",
+              "proto": "tcp", "dport": 389, "log": true },
         ]);
         let parse = |rules: &Value| {
             let config = json!({ "cniVersion": "1.0.0", "name": "n", "type": "cnibpf",
@@ -335,5 +348,13 @@ mod tests {
         );
         assert_eq!(shown[1]["dport"], json!(80));
         assert_eq!(shown[1]["sport"], json!("1000-2000"));
+        assert_eq!(
+            (
+                &shown[3]["srcNetwork"],
+                &shown[3]["dstNetwork"],
+                &shown[3]["log"]
+            ),
+            (&json!("dmz"), &json!("protected"), &json!(true))
+        );
     }
 }

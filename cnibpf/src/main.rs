@@ -190,8 +190,12 @@ enum AdminCommand {
         json: bool,
         /// Every dropped packet, whatever the reason (masquerade out of ports, a failed
         /// rewrite, …), not only the attachments' policy.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "matches")]
         drops: bool,
+        /// The new connections filter rules with `"log": true` decided, whatever their
+        /// verdict, instead of drops.
+        #[arg(long)]
+        matches: bool,
     },
 }
 
@@ -443,8 +447,11 @@ fn run(command: AdminCommand) -> Result<(), String> {
             pin_path,
             json,
             drops,
+            matches,
         } => {
-            let shown = if drops {
+            let shown = if matches {
+                monitor::Shown::Matches
+            } else if drops {
                 monitor::Shown::Every
             } else {
                 monitor::Shown::Policy

@@ -37,6 +37,12 @@ impl Request {
         Self { bytes }
     }
 
+    /// The `nfgenmsg` resource id (big endian: an NFLOG group's number).
+    pub fn resource(mut self, id: u16) -> Self {
+        self.bytes[18..20].copy_from_slice(&id.to_be_bytes());
+        self
+    }
+
     pub fn attribute(mut self, kind: u16, value: &[u8]) -> Self {
         self.push_attribute(kind, value);
         self
@@ -58,7 +64,7 @@ impl Request {
         self.bytes.resize(self.bytes.len().next_multiple_of(4), 0);
     }
 
-    fn finish(mut self) -> Vec<u8> {
+    pub fn finish(mut self) -> Vec<u8> {
         // fail-closed: no kernel result; our requests are short.
         let length = u32::try_from(self.bytes.len()).unwrap_or(u32::MAX);
         self.bytes[..4].copy_from_slice(&length.to_ne_bytes());
@@ -89,6 +95,27 @@ pub fn attribute(bytes: &[u8], kind: u16) -> Option<&[u8]> {
     attributes(bytes).find_map(|(found, payload)| (found == kind).then_some(payload))
 }
 
+/// The messages in `received` (one datagram): each one's (type, bytes from its `nfgenmsg`
+/// on), until a malformed one; errors and the end of a dump are left to [`Connection`].
+pub fn messages(received: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    let mut offset = 0;
+    std::iter::from_fn(move || {
+        let message = received.get(offset..)?;
+        if message.len() < HEADER_LEN {
+            return None;
+        }
+        let length = u32::from_ne_bytes([message[0], message[1], message[2], message[3]]) as usize;
+        if length < HEADER_LEN || length > message.len() {
+            return None;
+        }
+        offset += length.next_multiple_of(4);
+        Some((
+            u16::from_ne_bytes([message[4], message[5]]),
+            &message[16..length],
+        ))
+    })
+}
+
 /// An open netfilter netlink socket.
 pub struct Connection {
     socket: Socket,
@@ -102,6 +129,11 @@ pub struct Connection {
 const RECEIVE_BUFFER: usize = 256 * 1024;
 
 impl Connection {
+    /// The socket, to read what the kernel sends unasked (an NFLOG group's packets).
+    pub fn into_socket(self) -> Socket {
+        self.socket
+    }
+
     pub fn open() -> io::Result<Self> {
         let mut socket = Socket::new(NETLINK_NETFILTER)?;
         socket.bind_auto()?;

@@ -128,6 +128,11 @@ impl PinLayout {
         Path::new(LOCK_DIR).join(format!("{}.monitor.lock", self.lock_name()))
     }
 
+    /// Held by the one `cnibpf monitor --matches` that follows the instance's match events.
+    pub fn match_monitor_lock_file(&self) -> PathBuf {
+        Path::new(LOCK_DIR).join(format!("{}.matches.lock", self.lock_name()))
+    }
+
     fn lock_name(&self) -> String {
         self.root
             .to_string_lossy()

@@ -18,6 +18,7 @@ use serde_json::{Value, json};
 
 mod connections;
 mod live;
+mod networks;
 mod operations;
 mod paths;
 mod rules;

@@ -121,10 +121,9 @@ fn readyz_follows_the_chain_and_the_datapath() {
     drop(watch_endpoint);
 
     let stamped = host.layout_bytes();
+    // A layout before the supported window's (the one before per-map versions' first).
     let mut older = stamped.clone();
-    older[8..12].copy_from_slice(
-        &(u32::from_le_bytes(stamped[8..12].try_into().expect("4 bytes")) - 1).to_le_bytes(),
-    );
+    older[8..12].copy_from_slice(&(cnibpf_common::datapath::layout::VERSION - 1).to_le_bytes());
     host.write_layout(&older);
     let (status, body) = readiness();
     host.write_layout(&stamped);

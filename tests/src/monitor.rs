@@ -72,3 +72,45 @@ pub fn interrupt(mut monitor: Child) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A running monitor that a test ends with [`Self::interrupt`]; one still running when it is
+/// dropped (its test failed on the way) is killed, so that it holds no instance's lock after.
+#[derive(Debug)]
+pub struct Monitor {
+    child: Option<Child>,
+}
+
+impl Monitor {
+    /// `cnibpf monitor` with `args` in the host namespace, stdout piped.
+    pub fn start(host: &SimHost, args: &[&str]) -> Self {
+        let pin_path = host.pin_path.display().to_string();
+        let mut all = vec!["monitor", "--pin-path", pin_path.as_str()];
+        all.extend(args);
+        let child = host
+            .cnibpf_command(&all)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start cnibpf monitor");
+        Self { child: Some(child) }
+    }
+
+    /// The lines it prints, as they come.
+    pub fn lines(&mut self) -> mpsc::Receiver<String> {
+        monitor_lines(self.child.as_mut().expect("running"))
+    }
+
+    /// Ctrl-C, as [`interrupt`].
+    pub fn interrupt(mut self) {
+        interrupt(self.child.take().expect("running"));
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}

@@ -36,25 +36,48 @@ impl_pod!(DropEventBudget);
 /// (zero) starts full. In place: the programs call it on their map value.
 #[inline(always)]
 pub fn spend(budget: &mut DropEventBudget, now_ns: u64) -> bool {
-    if budget.refilled_ns == 0 {
-        budget.tokens = BURST;
-        budget.refilled_ns = now_ns;
-    } else if now_ns > budget.refilled_ns {
-        let earned = (now_ns - budget.refilled_ns) / NS_PER_EVENT;
+    let spent = take(
+        &mut budget.tokens,
+        &mut budget.refilled_ns,
+        now_ns,
+        BURST,
+        NS_PER_EVENT,
+    );
+    if !spent {
+        budget.suppressed += 1;
+    }
+    spent
+}
+
+/// A token bucket of `burst` tokens earning one per `ns_per_token`: refilled for the time
+/// passed since `refilled_ns`, then one token taken if there is one. A bucket never used
+/// (`refilled_ns` zero) starts full. Every rate limit of the datapath is one of these.
+#[inline(always)]
+pub fn take(
+    tokens: &mut u64,
+    refilled_ns: &mut u64,
+    now_ns: u64,
+    burst: u64,
+    ns_per_token: u64,
+) -> bool {
+    if *refilled_ns == 0 {
+        *tokens = burst;
+        *refilled_ns = now_ns;
+    } else if now_ns > *refilled_ns {
+        let earned = (now_ns - *refilled_ns) / ns_per_token;
         if earned > 0 {
-            budget.tokens = if budget.tokens + earned > BURST {
-                BURST
+            *tokens = if *tokens + earned > burst {
+                burst
             } else {
-                budget.tokens + earned
+                *tokens + earned
             };
-            budget.refilled_ns += earned * NS_PER_EVENT;
+            *refilled_ns += earned * ns_per_token;
         }
     }
-    if budget.tokens == 0 {
-        budget.suppressed += 1;
+    if *tokens == 0 {
         return false;
     }
-    budget.tokens -= 1;
+    *tokens -= 1;
     true
 }
 

@@ -58,10 +58,14 @@ pub enum DropReason {
     /// about a connection never seen, a protocol without ports on eBPF — dropped at the uplink
     /// rather than sent out with the container's own address.
     MasqueradeUntranslatable = 13,
+    /// A filter rule with target REJECT matched: the packet is dropped, and answered (a TCP
+    /// reset, an ICMP "administratively prohibited") while the attachment's answer budget
+    /// lasts.
+    FilterReject = 14,
 }
 
 impl DropReason {
-    pub const ALL: [Self; 13] = [
+    pub const ALL: [Self; 14] = [
         Self::FilterRule,
         Self::FilterDefault,
         Self::FilterFragment,
@@ -75,6 +79,7 @@ impl DropReason {
         Self::RewriteFailed,
         Self::LocalnetGuard,
         Self::MasqueradeUntranslatable,
+        Self::FilterReject,
     ];
 
     pub const fn from_u8(value: u8) -> Option<Self> {
@@ -104,6 +109,7 @@ impl DropReason {
             Self::RewriteFailed => "rewrite_failed",
             Self::LocalnetGuard => "localnet_guard",
             Self::MasqueradeUntranslatable => "masquerade_untranslatable",
+            Self::FilterReject => "filter_reject",
         }
     }
 

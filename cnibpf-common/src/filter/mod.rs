@@ -2,16 +2,23 @@
 //!
 //! Key: `u32` ifindex of the container's host-side veth (the interface every filtered packet
 //! is attributed to). Value: [`FilterSet`] — the rules sorted by ascending `index`, the default
-//! verdict and a generation. Written whole by the CNI plugin on ADD (an update of a hash map
+//! verdict and a generation. Version 2: a rule names the networks its source and destination
+//! must belong to (`network_members`) and carries flags (`log`). Written whole by the CNI plugin on ADD (an update of a hash map
 //! created with `BPF_F_NO_PREALLOC` swaps the element under RCU: a packet sees the old set or
 //! the new one, never a mix), removed on DEL and GC and when an ADD leaves the attachment
 //! unfiltered (no rules, default ALLOW): an attachment without an entry is not filtered at all.
 //! Read by every program that delivers a packet to or takes one from a container.
 
+pub mod answers;
 pub mod hits;
+pub mod matches;
+pub mod networks;
 pub mod stats;
 
+pub use answers::{ANSWER_BUDGETS, AnswerBudget};
 pub use hits::{FilterHits, HITS, RuleHits};
+pub use matches::{MATCH_EVENT_BUDGET, MATCH_EVENTS, MatchEvent, MatchEventBudget};
+pub use networks::{NETWORK_MEMBERS, NETWORK_NAMES, NetworkMember, NetworkMemberKey, NetworkName};
 pub use stats::{FilterStats, STATS};
 
 use core::mem::offset_of;
@@ -21,10 +28,20 @@ use crate::{address::Address, impl_pod};
 
 pub const FILTERS: MapSpec = MapSpec::new::<u32, FilterSet>("filters", MapKind::Hash, 4_096)
     .sized(Sizing::Times(Dimension::Attachments, 1))
-    .owned(OwnerField::Value(offset_of!(FilterSet, owner)));
+    .owned(OwnerField::Value(offset_of!(FilterSet, owner)))
+    .at_version(2);
 
 /// The maps of the filter.
-pub const MAPS: [MapSpec; 3] = [FILTERS, HITS, STATS];
+pub const MAPS: [MapSpec; 8] = [
+    FILTERS,
+    HITS,
+    STATS,
+    NETWORK_MEMBERS,
+    NETWORK_NAMES,
+    ANSWER_BUDGETS,
+    MATCH_EVENTS,
+    MATCH_EVENT_BUDGET,
+];
 /// Rules one attachment may have.
 pub const MAX_RULES: usize = 256;
 
@@ -35,6 +52,13 @@ pub const RULE_DEFAULT: u16 = u16::MAX;
 /// [`FilterRule::target`] and [`FilterSet::default_target`].
 pub const TARGET_ALLOW: u8 = 1;
 pub const TARGET_DROP: u8 = 2;
+/// Dropped, and answered: a TCP segment that opens a connection with a reset, anything else
+/// with an ICMP or ICMPv6 "administratively prohibited" (see `answers`).
+pub const TARGET_REJECT: u8 = 3;
+
+/// [`FilterRule::flags`]: each new connection the rule decides is reported in
+/// `filter_matches`.
+pub const RULE_LOG: u8 = 1;
 
 /// [`FilterRule::direction`] bits, and the direction of a packet: towards the container
 /// (ingress) or from it (egress).
@@ -58,6 +82,11 @@ pub struct FilterRule {
     pub src_mask: Address,
     pub dst_addr: Address,
     pub dst_mask: Address,
+    /// The id of the network (`network_members`) the source must be an address of; 0 for a
+    /// rule that names none (`srcNetwork`).
+    pub src_network: u64,
+    /// The same of the destination (`dstNetwork`).
+    pub dst_network: u64,
     /// The rule's `index` in the configuration (shown in events and by inspect).
     pub index: u32,
     pub sport_low: u16,
@@ -78,9 +107,18 @@ pub struct FilterRule {
     /// people and userspace; the programs match on the mask).
     pub src_prefix: u8,
     pub dst_prefix: u8,
-    pub _pad: u8,
+    /// `RULE_*` bits.
+    pub flags: u8,
+    pub _pad: u32,
 }
-const _: () = assert!(size_of::<FilterRule>() == 84);
+const _: () = assert!(size_of::<FilterRule>() == 104);
+const _: () = assert!(offset_of!(FilterRule, src_network) == 64);
+const _: () = assert!(offset_of!(FilterRule, index) == 80);
+const _: () = assert!(offset_of!(FilterSet, rules) == 24);
+
+/// A version 1 rule's bytes (84 of them): the addresses and masks, then from `index` to the
+/// last byte, where version 2 has the networks between.
+pub const RULE_V1_SIZE: usize = 84;
 
 /// [`FilterSet::changed`] of rules a live change set.
 pub const CHANGED_LIVE: u8 = 1;
@@ -104,7 +142,7 @@ pub struct FilterSet {
     pub _pad2: u16,
     pub rules: [FilterRule; MAX_RULES],
 }
-const _: () = assert!(size_of::<FilterSet>() == 24 + 84 * MAX_RULES);
+const _: () = assert!(size_of::<FilterSet>() == 24 + 104 * MAX_RULES);
 
 impl Default for FilterSet {
     fn default() -> Self {
@@ -135,7 +173,8 @@ pub struct RulePacket<'a> {
 }
 
 impl FilterRule {
-    /// Whether the rule matches `packet`, whatever the state of its connection.
+    /// Whether the rule matches `packet`, whatever the state of its connection — but for the
+    /// networks it names, which the programs ask `network_members` about.
     #[inline(always)]
     pub fn matches(&self, packet: &RulePacket<'_>) -> bool {
         self.direction & packet.direction != 0

@@ -14,6 +14,7 @@
 //! of rules; replies pass while it allows. ICMP errors about a tracked connection pass with it;
 //! link-local control traffic (ARP, IPv6 neighbour discovery, MLD, IGMP) always passes.
 
+mod answer;
 mod other;
 mod rules;
 
@@ -27,23 +28,19 @@ use cnibpf_common::{
     },
     drops::DropReason,
     filter::{
-        DIRECTION_EGRESS, FilterSet, FilterStats, FirstMatches, RULE_DEFAULT, TARGET_ALLOW,
-        hits::DEFAULT_SLOT,
+        DIRECTION_EGRESS, FilterSet, FilterStats, FirstMatches, MatchEvent, RULE_DEFAULT, RULE_LOG,
+        TARGET_ALLOW, TARGET_REJECT, hits::DEFAULT_SLOT,
     },
 };
 
 use crate::{
     connections, drops, maps,
-    packet::{DROP, Flow, Fragment, NEXT},
+    packet::{Flow, Fragment},
 };
 
+pub use answer::{Way, ends_slot, refused};
 pub use other::allows_other;
 use rules::{evaluate, rule_at, target};
-
-/// The TC verdict of a filter decision.
-pub fn verdict(allowed: bool) -> i32 {
-    if allowed { NEXT } else { DROP }
-}
 
 /// IGMP: IPv4's multicast membership, link-local control like MLD.
 const PROTO_IGMP: u8 = 2;
@@ -72,6 +69,8 @@ pub struct Subject {
     pub direction: u8,
     /// TCP flags, zero for other protocols.
     pub flags: u8,
+    /// [`answer::WANTED`] once a REJECT rule refused the packet, until it is answered.
+    pub answer: u8,
     /// Answers of the rule search: the first rule matching a connection's first packet and
     /// its later ones.
     pub answers: FirstMatches,
@@ -159,6 +158,7 @@ fn subject(ctx: &TcContext, packet: &Packet, ifindex: u32, direction: u8) -> *mu
     scratch.destination_port = u16::from_be(packet.destination_port);
     scratch.direction = direction;
     scratch.flags = packet.flags;
+    scratch.answer = 0;
     subject
 }
 
@@ -282,6 +282,7 @@ fn tracked(subject: &mut Subject, set: &FilterSet, connection: *mut Connection) 
 fn opens_connection(subject: &mut Subject, set: &FilterSet) -> bool {
     evaluate(subject, set);
     count_hit(subject, subject.answers.new);
+    log_decision(subject, set, subject.answers.new);
     if target(set, subject.answers.new) != TARGET_ALLOW {
         report(subject, set, subject.answers.new);
         return false;
@@ -415,13 +416,65 @@ fn count_hit(subject: &Subject, position: u16) {
     }
 }
 
-/// Records a packet dropped by the rule at `position` (or the default).
+/// Records a packet dropped by the rule at `position` (or the default); a REJECT rule's is
+/// to be answered (`answer::refused`).
 #[inline(always)]
-fn report(subject: &Subject, set: &FilterSet, position: u16) {
+fn report(subject: &mut Subject, set: &FilterSet, position: u16) {
     match rule_at(set, usize::from(position)) {
+        Some(rule) if rule.target == TARGET_REJECT => {
+            subject.answer = answer::WANTED;
+            dropped(subject, set, DropReason::FilterReject, rule.index);
+        }
         Some(rule) => dropped(subject, set, DropReason::FilterRule, rule.index),
         None => dropped(subject, set, DropReason::FilterDefault, 0),
     }
+}
+
+/// A connection's first packet decided by the rule at `position`: reported in
+/// `filter_matches` when the rule logs, within this CPU's budget. Nothing else happens for a
+/// rule without `log`.
+#[inline(always)]
+fn log_decision(subject: &Subject, set: &FilterSet, position: u16) {
+    if let Some(rule) = rule_at(set, usize::from(position))
+        && rule.flags & RULE_LOG != 0
+    {
+        logged(subject, set, rule.index, rule.target);
+    }
+}
+
+#[inline(never)]
+fn logged(subject: &Subject, set: &FilterSet, rule_index: u32, target: u8) {
+    let Some(budget) = maps::match_event_budget.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's slot of a per-CPU array; programs on one CPU do not overlap.
+    if !unsafe { &mut *budget }.spend(subject.now) {
+        return;
+    }
+    let Some(mut entry) = maps::filter_matches.reserve(0) else {
+        maps::count_lost_event();
+        return;
+    };
+    let (source, destination) = subject.addresses();
+    // SAFETY: the reserved record, which only this program writes until it is submitted;
+    // every field is written here.
+    unsafe {
+        entry.as_mut_ptr().write(MatchEvent {
+            time_ns: subject.now,
+            owner: set.owner,
+            src_addr: *source,
+            dst_addr: *destination,
+            ifindex: subject.ifindex,
+            rule_index,
+            src_port: subject.source_port,
+            dst_port: subject.destination_port,
+            protocol: subject.key.protocol,
+            family: subject.key.family,
+            direction: subject.direction,
+            target,
+        });
+    }
+    entry.submit(0);
 }
 
 /// Counts a packet the filter dropped and reports it with its connection's addresses and ports.

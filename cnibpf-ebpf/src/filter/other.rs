@@ -12,8 +12,8 @@ use cnibpf_common::{
 };
 
 use super::{
-    IPV6_HOP_BY_HOP, PROTO_IGMP, Packet, count_hit, evaluate, filter_scratch, report, subject,
-    target,
+    IPV6_HOP_BY_HOP, PROTO_IGMP, Packet, count_hit, evaluate, filter_scratch, log_decision, report,
+    subject, target,
 };
 use crate::{
     clock, drops, maps,
@@ -52,6 +52,7 @@ pub fn allows_other(ctx: &TcContext, ifindex: u32, direction: u8) -> bool {
     let subject = unsafe { &mut *subject };
     evaluate(subject, set);
     count_hit(subject, subject.answers.new);
+    log_decision(subject, set, subject.answers.new);
     if target(set, subject.answers.new) == TARGET_ALLOW {
         return true;
     }

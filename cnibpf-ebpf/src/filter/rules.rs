@@ -1,9 +1,13 @@
 //! The rule search: one pass over an attachment's rules in order, `bpf_loop` driven.
 
 use aya_ebpf::{cty::c_void, helpers::bpf_loop};
-use cnibpf_common::filter::{FilterRule, FilterSet, FirstMatches, MAX_RULES, RulePacket};
+use cnibpf_common::{
+    address::Address,
+    filter::{FilterRule, FilterSet, FirstMatches, MAX_RULES, RulePacket},
+};
 
 use super::Subject;
+use crate::maps;
 
 /// The `bpf_loop` context of [`evaluate`] (which must be on the stack): the rules and the
 /// packet.
@@ -58,10 +62,29 @@ extern "C" fn match_rule(position: u64, context: *mut c_void) -> i64 {
         source_port: subject.source_port,
         destination_port: subject.destination_port,
     };
-    if !rule.matches(&packet) {
+    if !rule.matches(&packet) || !in_networks(rule, subject) {
         return 0;
     }
     i64::from(subject.answers.record(position as u16, rule.connstate))
+}
+
+/// Whether the packet's source and destination are addresses of the networks the rule names
+/// (a lookup each; a rule that names none pays nothing).
+#[inline(always)]
+fn in_networks(rule: &FilterRule, subject: &Subject) -> bool {
+    let family = subject.key.family;
+    (rule.src_network == 0
+        || maps::is_network_member(
+            rule.src_network,
+            &Address::from_words(subject.source),
+            family,
+        ))
+        && (rule.dst_network == 0
+            || maps::is_network_member(
+                rule.dst_network,
+                &Address::from_words(subject.destination),
+                family,
+            ))
 }
 
 /// The rule at `position`; `None` past the rules (`RULE_DEFAULT` is).

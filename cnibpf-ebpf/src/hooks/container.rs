@@ -16,7 +16,9 @@ use cnibpf_common::{
 
 use super::hand_over;
 use crate::{
-    connections, filter, maps, masquerade,
+    connections,
+    filter::{self, Way},
+    maps, masquerade,
     packet::{Answer, DROP, DatapathError, Flow, Fragment, NEXT, ifindex, take_translated_mark},
     portmap, sources,
     zero::zeroed,
@@ -41,16 +43,17 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
     let filtered = flags & FLAG_UNFILTERED == 0;
     let mut slot = MaybeUninit::uninit();
     let Some(flow) = Flow::parse(ctx, &mut slot)? else {
-        return Ok(filter::verdict(
-            !filtered || filter::allows_other(ctx, ifindex(ctx), DIRECTION_EGRESS),
-        ));
+        if !filtered || filter::allows_other(ctx, ifindex(ctx), DIRECTION_EGRESS) {
+            return Ok(NEXT);
+        }
+        return Ok(filter::refused(ctx, Way::IntoContainer, false));
     };
     // Found once for the filter, masquerade and the hostPort replies: each reads it. (A
     // connection's first packet may get an entry from the filter after this; what follows
     // then finds none, as none of theirs is in it.)
     let connection = connections::of_packet(flow, DIRECTION_EGRESS);
     if filtered && !filter::allows_in(ctx, flow, ifindex(ctx), DIRECTION_EGRESS, connection) {
-        return Ok(DROP);
+        return Ok(filter::refused(ctx, Way::IntoContainer, false));
     }
     // A container whose traffic is shaped on its veth: what it sends must pass the qdiscs
     // that follow this hook (the `bandwidth` plugin's redirect to its ifb), so nothing is sent
@@ -85,7 +88,7 @@ fn translated(
         // Translated towards the client container, whose entry has the other side's key.
         Answer::TO_CONTAINER => {
             return Answer::verdict(
-                hand_over(ctx, Some(flow), target, false, None)
+                hand_over(ctx, Some(flow), target, false, None, false)
                     .unwrap_or_else(|error| error.verdict(ctx)),
             );
         }
@@ -99,7 +102,7 @@ fn translated(
     match portmap::translate_hairpin(ctx, flow, via_stack, target) {
         Answer::TO_CONTAINER => {
             let connection = connections::of_packet(flow, DIRECTION_INGRESS);
-            let verdict = hand_over(ctx, Some(flow), target, false, Some(connection))
+            let verdict = hand_over(ctx, Some(flow), target, false, Some(connection), true)
                 .unwrap_or_else(|error| error.verdict(ctx));
             if verdict != DROP {
                 portmap::remember_translation(flow, connection);
@@ -118,7 +121,10 @@ pub fn to_container(ctx: &TcContext) -> i32 {
     let flow = match Flow::parse(ctx, &mut slot) {
         Ok(Some(flow)) => flow,
         Ok(None) => {
-            return filter::verdict(filter::allows_other(ctx, ifindex(ctx), DIRECTION_INGRESS));
+            if filter::allows_other(ctx, ifindex(ctx), DIRECTION_INGRESS) {
+                return NEXT;
+            }
+            return filter::refused(ctx, Way::FromContainer, false);
         }
         Err(error) => return error.verdict(ctx),
     };
@@ -130,7 +136,7 @@ pub fn to_container(ctx: &TcContext) -> i32 {
         connections::of_packet(flow, DIRECTION_INGRESS)
     };
     if !filter::allows_in(ctx, flow, ifindex(ctx), DIRECTION_INGRESS, connection) {
-        return DROP;
+        return filter::refused(ctx, Way::FromContainer, false);
     }
     if !translated {
         portmap::forget_stale_translation(flow, connection);

@@ -17,15 +17,19 @@ use cnibpf_common::{
 };
 
 use crate::{
-    filter, maps,
+    filter::{self, Way},
+    maps,
     packet::{
         DROP, DatapathError, Flow, Handover, NEXT, mark_translated, redirect_to_peer, set_macs,
     },
+    portmap,
 };
 
 /// Hands a translated packet to its container; `flow` is the packet as translated (`None`: a
 /// packet the filter judges without ports, such as an ICMP error), `connection` its
-/// `connections` entry as the hook found it (`None`: the filter looks it up).
+/// `connections` entry as the hook found it (`None`: the filter looks it up), `answered`
+/// whether the filter may answer it (a hostPort's translation: a REJECT goes back the way the
+/// packet came, from the hostPort its sender used; else refused, it is dropped).
 ///
 /// Normally straight into the container's namespace (`bpf_redirect_peer`), past the bridge,
 /// the host stack and the veth's own hooks — so the filter judges the packet here. A container
@@ -47,6 +51,7 @@ fn hand_over(
     container: &Handover,
     from_uplink: bool,
     connection: Option<*mut Connection>,
+    answered: bool,
 ) -> Result<i32, DatapathError> {
     let ifindex = container.host_ifindex;
     let flags = maps::endpoint_flags(ifindex);
@@ -60,8 +65,8 @@ fn hand_over(
         mark_translated(ctx);
         return Ok(NEXT);
     }
-    set_macs(ctx, &container.container_mac, &container.gateway_mac)?;
     if flags & FLAG_VIA_STACK != 0 {
+        set_macs(ctx, &container.container_mac, &container.gateway_mac)?;
         mark_translated(ctx);
         // SAFETY: bpf_redirect has no memory arguments.
         return Ok(unsafe { bpf_redirect(ifindex, 0) } as i32);
@@ -75,7 +80,21 @@ fn hand_over(
             (None, _) => filter::allows_other(ctx, ifindex, DIRECTION_INGRESS),
         };
     if !allowed {
-        return Ok(DROP);
+        // Before the container's MAC addresses are written: the answer swaps the sender's.
+        let way = if from_uplink {
+            Way::OutOfUplink
+        } else {
+            Way::IntoContainer
+        };
+        if !answered {
+            return Ok(DROP);
+        }
+        let Some(ends) = filter::ends_slot() else {
+            return Ok(DROP);
+        };
+        portmap::translation_ends(ends);
+        return Ok(filter::refused(ctx, way, true));
     }
+    set_macs(ctx, &container.container_mac, &container.gateway_mac)?;
     Ok(redirect_to_peer(ifindex))
 }

@@ -44,9 +44,8 @@ fn icmp_error(ctx: &TcContext) -> i32 {
     let mut slot = MaybeUninit::uninit();
     let container = zeroed(&mut slot);
     match masquerade::translate_icmp_error(ctx, container) {
-        Answer::TO_CONTAINER => {
-            hand_over(ctx, None, container, true, None).unwrap_or_else(|error| error.verdict(ctx))
-        }
+        Answer::TO_CONTAINER => hand_over(ctx, None, container, true, None, false)
+            .unwrap_or_else(|error| error.verdict(ctx)),
         answer => answer.tc_verdict(),
     }
 }
@@ -65,13 +64,15 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
         let reply = unsafe { &*entry };
         let connection = masquerade::reply_connection(flow, reply);
         return match masquerade::translate_reply(ctx, flow, reply, container, connection) {
-            Answer::TO_CONTAINER => hand_over(ctx, Some(flow), container, true, Some(connection)),
+            Answer::TO_CONTAINER => {
+                hand_over(ctx, Some(flow), container, true, Some(connection), false)
+            }
             answer => Ok(answer.tc_verdict()),
         };
     }
     match portmap::translate_from_outside(ctx, flow, container)? {
         (Answer::TO_CONTAINER, connection) => {
-            let verdict = hand_over(ctx, Some(flow), container, true, Some(connection))?;
+            let verdict = hand_over(ctx, Some(flow), container, true, Some(connection), true)?;
             if verdict != DROP {
                 portmap::remember_translation(flow, connection);
             }

@@ -17,7 +17,10 @@ use cnibpf_common::{
     datapath::{LayoutInfo, MapName, Settings, layout, settings, versions},
     drops::{self, DropCount, DropEventBudget, FilterEvent},
     endpoints::{self, EndpointInfo, OwnerInfo},
-    filter::{self, FilterHits, FilterSet, FilterStats},
+    filter::{
+        self, AnswerBudget, FilterHits, FilterSet, FilterStats, MatchEvent, MatchEventBudget,
+        NetworkMember, NetworkMemberKey, NetworkName,
+    },
     masquerade::{
         self, HostClashes, MasqExcludeKey, MasqReply, MasqSource, MasqSourceKey, MasqStats,
         ReplyKey, UplinkInfo,
@@ -149,6 +152,39 @@ pub static filter_events: RingBuf<FilterEvent, { drops::EVENTS.max_entries as us
     RingBuf::new();
 
 #[btf_map(pin_by_name)]
+pub static network_members: HashMap<
+    NetworkMemberKey,
+    NetworkMember,
+    { filter::NETWORK_MEMBERS.max_entries as usize },
+> = HashMap::new();
+
+/// Userspace-only bookkeeping, declared here so that it is created and pinned with the rest.
+#[btf_map(pin_by_name)]
+pub static network_names: HashMap<
+    u64,
+    NetworkName,
+    { filter::NETWORK_NAMES.max_entries as usize },
+> = HashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static answer_budgets: PerCpuHashMap<
+    u32,
+    AnswerBudget,
+    { filter::ANSWER_BUDGETS.max_entries as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = PerCpuHashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static filter_matches: RingBuf<MatchEvent, { filter::MATCH_EVENTS.max_entries as usize }> =
+    RingBuf::new();
+
+#[btf_map(pin_by_name)]
+pub static match_event_budget: PerCpuArray<
+    MatchEventBudget,
+    { filter::MATCH_EVENT_BUDGET.max_entries as usize },
+> = PerCpuArray::new();
+
+#[btf_map(pin_by_name)]
 pub static source_drops: PerCpuHashMap<
     u32,
     SourceDrops,
@@ -225,6 +261,20 @@ pub fn is_host_port_number(addr: &Address, port: u16, protocol: u8, family: u8) 
         .get_ptr(&claim)
         // SAFETY: points into `port_claims`, read at once.
         .is_some_and(|claim| unsafe { (*claim).specific } != 0)
+}
+
+/// Whether `addr` is an address of an attachment of network `network` (`network_members`).
+#[inline(always)]
+pub fn is_network_member(network: u64, addr: &Address, family: u8) -> bool {
+    let key = NetworkMemberKey {
+        network,
+        addr: *addr,
+        family,
+        _pad: 0,
+        _pad2: 0,
+        _pad3: 0,
+    };
+    network_members.get_ptr(&key).is_some()
 }
 
 /// Whether `addr` is one of the host's own addresses (`host_addrs`).

@@ -22,6 +22,7 @@ use cnibpf_common::{
     endpoints::{EndpointInfo, FLAG_NO_HAIRPIN_SNAT},
     filter::{DIRECTION_EGRESS, DIRECTION_INGRESS},
     portmap::{PortMapKey, PortMapValue},
+    rejection::Ends,
 };
 
 use crate::{
@@ -421,6 +422,21 @@ pub fn lookup_mapping(flow: &Flow) -> Option<(*const PortMapValue, bool)> {
 
 pub use conditions::admit;
 pub use host::remember_host_datagram;
+
+/// Writes the addresses the sender of the packet just translated used (see [`Translation`])
+/// into `ends`: the hostPort it sent to, its own. What the filter's answer to it goes between.
+#[inline(never)]
+pub fn translation_ends(ends: &mut Ends) {
+    let Some(translation) = translation_scratch.get_ptr(0) else {
+        return;
+    };
+    // SAFETY: this CPU's slot, filled by the translation of this very packet.
+    let translation = unsafe { &*translation };
+    ends.local = translation.original_addr;
+    ends.local_port = translation.original_port;
+    ends.remote = translation.client_addr;
+    ends.remote_port = translation.client_port;
+}
 
 /// Fills in where a packet translated by `mapping` goes: the mapping's container.
 #[inline(always)]

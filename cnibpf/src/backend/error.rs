@@ -129,6 +129,11 @@ pub enum BackendError {
     },
     #[error("check failed: {0}")]
     CheckFailed(String),
+    /// Two network names with one id (64-bit FNV-1a): a rule naming either would match both.
+    #[error(
+        "network {network:?} has the id of network {holder:?} (64-bit FNV-1a of the names): a rule naming one would match the other's pods; rename one"
+    )]
+    NetworkIdTaken { network: String, holder: String },
     #[error(
         "container {container_id} has more addresses over its attachments than a source check holds ({admitted}; at most {} of a family): set sourceCheck to false for it",
         cnibpf_common::sources::MAX_ADDRESSES
@@ -184,7 +189,9 @@ impl BackendError {
             Self::UnreadableState { .. } | Self::ForeignReleaseFile { .. } => code::DATAPATH,
             Self::HostPortInUse { .. } => code::HOST_PORT_IN_USE,
             Self::CheckFailed(_) => code::CHECK_FAILED,
-            Self::TooManySources { .. } | Self::CapacityTooSmall { .. } => code::INVALID_CONFIG,
+            Self::TooManySources { .. }
+            | Self::CapacityTooSmall { .. }
+            | Self::NetworkIdTaken { .. } => code::INVALID_CONFIG,
             Self::Bpffs { .. }
             | Self::Unpin { .. }
             | Self::Load(_)

@@ -37,6 +37,12 @@ use crate::{
 /// The datapath counter (`Inspect`) of the host's own flows moved off a port that a container's
 /// masqueraded flow held towards the same remote.
 pub const HOST_FLOWS_MOVED: &str = "host flows moved off a container's port";
+/// The datapath counters (`Inspect`) of the answers REJECT rules sent, and of the rejected
+/// packets the answer budget left unanswered.
+pub const REJECT_ANSWERS_SENT: &str = "reject answers sent";
+pub const REJECT_ANSWERS_SUPPRESSED: &str = "reject answers suppressed (rate limit)";
+/// The datapath counter (`Inspect`) of the `log` rules' events the rate limit held back.
+pub const MATCH_EVENTS_SUPPRESSED: &str = "match events suppressed (rate limit)";
 
 /// Where an attachment's traffic passes: its host-side interface and the uplinks.
 #[derive(Clone, Debug)]
@@ -251,6 +257,16 @@ pub trait Inspect {
     fn drops(&self) -> Result<Option<Vec<(DropReason, DropCount)>>, BackendError>;
     /// How full each connection-tracking table the datapath relies on is.
     fn flow_tables(&self) -> Result<Vec<FlowTable>, BackendError>;
+    /// Each network's members as the filter's `srcNetwork` and `dstNetwork` match them: the
+    /// addresses of its attachments, with their owners.
+    fn network_members(&self) -> Result<Vec<NetworkMembers>, BackendError>;
+}
+
+/// A network's members (see [`Inspect::network_members`]), by address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetworkMembers {
+    pub network: String,
+    pub members: Vec<(IpAddr, u64)>,
 }
 
 /// The fill of a connection-tracking table: what an operator watches for pressure (a full

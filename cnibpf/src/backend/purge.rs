@@ -86,6 +86,7 @@ pub fn purge(pins: &PinLayout) -> Result<Vec<String>, BackendError> {
         pins.nftables_state_file(),
         pins.call_stats_file(),
         pins.monitor_lock_file(),
+        pins.match_monitor_lock_file(),
         pins.release_file(),
         pins.lock_file(),
     ] {

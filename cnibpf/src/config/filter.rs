@@ -9,7 +9,9 @@ use super::{
     input::{RuleIndex, RuleInput},
     parse_word,
 };
-use crate::model::{ConnState, Direction, FilterRule, RuleAction, RuleChange, RuleProtocol};
+use crate::model::{
+    ConnState, Direction, FilterRule, NetworkName, RuleAction, RuleChange, RuleProtocol,
+};
 
 /// Most rules one attachment may carry (the datapath evaluates them in a bounded loop).
 pub const MAX_FILTER_RULES: usize = cnibpf_common::filter::MAX_RULES;
@@ -21,11 +23,14 @@ pub(crate) const RULE_KEYS: &[&str] = &[
     "target",
     "src",
     "dst",
+    "srcNetwork",
+    "dstNetwork",
     "proto",
     "sport",
     "dport",
     "connstate",
     "direction",
+    "log",
 ];
 
 pub(super) fn parse_filter(entries: Vec<RuleInput>) -> Result<Vec<FilterRule>, ConfigError> {
@@ -126,6 +131,14 @@ fn parse_rule(position: usize, rule: RuleInput) -> Result<FilterRule, ConfigErro
     };
     let src = rule.src.map(|cidr| cidr.0);
     let dst = rule.dst.map(|cidr| cidr.0);
+    let network = |name: &str, text: Option<String>| {
+        text.map(|text| {
+            NetworkName::new(&text).map_err(|reason| ConfigError::invalid(key(name), reason))
+        })
+        .transpose()
+    };
+    let src_network = network("srcNetwork", rule.src_network)?;
+    let dst_network = network("dstNetwork", rule.dst_network)?;
     if let (Some(src), Some(dst)) = (src, dst)
         && matches!(src, IpNet::V4(_)) != matches!(dst, IpNet::V4(_))
     {
@@ -172,6 +185,8 @@ fn parse_rule(position: usize, rule: RuleInput) -> Result<FilterRule, ConfigErro
         target,
         src,
         dst,
+        src_network,
+        dst_network,
         protocol,
         sport,
         dport,
@@ -183,5 +198,6 @@ fn parse_rule(position: usize, rule: RuleInput) -> Result<FilterRule, ConfigErro
             None => Direction::Both,
             Some(text) => parse_word(&key("direction"), &text)?,
         },
+        log: rule.log.unwrap_or(false),
     })
 }

@@ -150,6 +150,11 @@ pub struct RuleInput {
     pub target: Option<String>,
     pub src: Option<Cidr>,
     pub dst: Option<Cidr>,
+    #[serde(rename = "srcNetwork")]
+    pub src_network: Option<String>,
+    #[serde(rename = "dstNetwork")]
+    pub dst_network: Option<String>,
+    pub log: Option<bool>,
     pub proto: Option<String>,
     pub sport: Option<PortRangeInput>,
     pub dport: Option<PortRangeInput>,

@@ -406,7 +406,15 @@ impl PluginConfig {
             filter: parse_filter(input.filter.unwrap_or_default())?,
             filter_default: match input.filter_default {
                 None => Target::Allow,
-                Some(text) => parse_word("filterDefault", &text)?,
+                Some(text) => match parse_word("filterDefault", &text)? {
+                    Target::Reject => {
+                        return Err(ConfigError::invalid(
+                            "filterDefault",
+                            "is \"ALLOW\" or \"DROP\": REJECT answers what a rule names, a default would answer every packet nothing else allows",
+                        ));
+                    }
+                    target => target,
+                },
             },
             uplinks,
             service_interfaces,

@@ -6,22 +6,9 @@ use std::path::PathBuf;
 use super::ConfigError;
 
 pub(super) fn validate_network_name(name: &str) -> Result<(), ConfigError> {
-    let valid = name.len() < cnibpf_common::endpoints::owners::NAME_LEN
-        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
-    if valid {
-        Ok(())
-    } else {
-        Err(ConfigError::invalid(
-            "name",
-            format!(
-                "{name:?} is not a valid network name (letters, digits, '_', '.', '-', starting with a letter or digit, under {} bytes)",
-                cnibpf_common::endpoints::owners::NAME_LEN
-            ),
-        ))
-    }
+    crate::model::NetworkName::new(name)
+        .map(drop)
+        .map_err(|reason| ConfigError::invalid("name", reason))
 }
 
 /// Interface name rules of the kernel (`dev_valid_name`).

@@ -3,7 +3,7 @@
 use serde_json::json;
 
 use super::*;
-use crate::model::{Direction, PortRange, RuleChange, RuleProtocol};
+use crate::model::{Direction, NetworkName, PortRange, RuleChange, RuleProtocol};
 
 fn parse_value(extra: Value) -> Result<NetConf, ConfigError> {
     let mut config = json!({ "cniVersion": "1.0.0", "name": "n", "type": "cnibpf" });
@@ -341,5 +341,71 @@ fn gc_reads_either_spelling_of_the_valid_attachments() {
             container_id: "a".to_owned(),
             ifname: "eth0".to_owned()
         }])
+    );
+}
+
+/// The keys of the filter proposal's thread: a rule's networks, REJECT, `log` — each bad value
+/// refused naming its key; a rule of the attachment's own network for its egress is taken (its
+/// source is always a member: the rule matches what the pod sends).
+#[test]
+fn networks_reject_and_log_are_validated_key_by_key() {
+    let rule = |extra: Value| {
+        let mut rule = json!({ "index": 1, "target": "ALLOW" });
+        for (key, value) in extra.as_object().expect("object") {
+            rule[key] = value.clone();
+        }
+        json!({ "filter": [rule] })
+    };
+    let conf = parse(rule(
+        json!({ "srcNetwork": "dmz", "dstNetwork": "protected",
+        "target": "reject", "log": true }),
+    ));
+    let parsed = &conf.plugin.filter[0];
+    assert_eq!(
+        (
+            parsed.src_network.as_ref().map(NetworkName::as_str),
+            parsed.dst_network.as_ref().map(NetworkName::as_str),
+            parsed.target,
+            parsed.log
+        ),
+        (Some("dmz"), Some("protected"), Target::Reject, true)
+    );
+    let own = parse(rule(json!({ "srcNetwork": "n", "direction": "egress" })));
+    assert_eq!(
+        own.plugin.filter[0]
+            .src_network
+            .as_ref()
+            .map(NetworkName::as_str),
+        Some("n")
+    );
+    for (extra, expected) in [
+        (
+            json!({ "target": "REFUSE" }),
+            "filter[0].target: expected \"ALLOW\", \"DROP\" or \"REJECT\", got \"REFUSE\"",
+        ),
+        (
+            json!({ "log": "yes" }),
+            "filter[0].log: expected true or false, got string \"yes\"",
+        ),
+        (
+            json!({ "srcNetwork": "" }),
+            "filter[0].srcNetwork: \"\" is not a valid network name",
+        ),
+        (
+            json!({ "dstNetwork": "dmz/1" }),
+            "filter[0].dstNetwork: \"dmz/1\" is not a valid network name",
+        ),
+        (
+            json!({ "srcNetwork": 7 }),
+            "filter[0].srcNetwork: expected a string, got number 7",
+        ),
+    ] {
+        let message = error(rule(extra.clone()));
+        assert!(message.starts_with(expected), "{extra}: {message}");
+    }
+    assert!(
+        error(json!({ "filterDefault": "REJECT" }))
+            .starts_with("filterDefault: is \"ALLOW\" or \"DROP\""),
+        "a default does not REJECT"
     );
 }

@@ -25,6 +25,14 @@ pub fn document(pins: &PinLayout, snapshot: &Snapshot) -> Value {
         "callStatsFile": pins.call_stats_file(),
         "attachments": snapshot.attachments.iter().map(attachment).collect::<Vec<_>>(),
         "uplinks": uplinks,
+        "networks": snapshot.networks.iter().map(|(backend, network)| json!({
+            "backend": backend,
+            "network": network.network,
+            "members": network.members.iter().map(|(addr, owner)| json!({
+                "address": addr.to_string(),
+                "owner": format!("{owner:016x}"),
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
         "ebpfNamespace": snapshot.namespace,
         "counters": by_backend(&snapshot.counters, |values| {
             Value::Object(values.iter().map(|(name, value)| ((*name).to_owned(), json!(value))).collect())

@@ -13,7 +13,7 @@ use cnibpf_common::drops::{DropCount, DropReason};
 use crate::{
     backend::{
         self, AttachmentRecord, Backend, BackendError, FilterRecord, FlowTable, MasqueradeRecord,
-        SourceCheckRecord, UplinkAddresses, ebpf::Memory, nftables,
+        NetworkMembers, SourceCheckRecord, UplinkAddresses, ebpf::Memory, nftables,
     },
     cni::error::Error,
     instance::Instance,
@@ -42,6 +42,8 @@ struct Snapshot {
     drops: Vec<(&'static str, Option<Drops>)>,
     flow_tables: Vec<(&'static str, Vec<FlowTable>)>,
     uplinks: Vec<(&'static str, UplinkAddresses)>,
+    /// Each network's members as `srcNetwork` and `dstNetwork` match them, by backend.
+    networks: Vec<(&'static str, NetworkMembers)>,
     memory: Option<Memory>,
     /// What is to know of an eBPF datapath another network namespace set up.
     namespace: Option<String>,
@@ -67,6 +69,7 @@ impl Snapshot {
             drops: Vec::new(),
             flow_tables: Vec::new(),
             uplinks: Vec::new(),
+            networks: Vec::new(),
             memory: None,
             namespace: None,
             bypassed: Vec::new(),
@@ -127,6 +130,9 @@ impl Snapshot {
         self.flow_tables.push((name, backend.flow_tables()?));
         for uplink in backend.uplink_addresses()? {
             self.uplinks.push((name, uplink));
+        }
+        for network in backend.network_members()? {
+            self.networks.push((name, network));
         }
         Ok(())
     }

@@ -42,6 +42,18 @@ pub fn lines(pin_path: &Path, snapshot: &Snapshot) -> Vec<String> {
             }
         ));
     }
+    for (backend, network) in &snapshot.networks {
+        let members: Vec<String> = network
+            .members
+            .iter()
+            .map(|(addr, _)| addr.to_string())
+            .collect();
+        lines.push(format!(
+            "network {} ({backend}) has {}",
+            network.network,
+            members.join(", ")
+        ));
+    }
     datapath(&mut lines, snapshot);
     lines
 }

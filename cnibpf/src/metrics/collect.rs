@@ -116,7 +116,7 @@ fn read_nftables(backend: &NftablesBackend) -> Result<BackendSnapshot, BackendEr
         flow_tables: scraped.flow_tables,
         drops: Some(scraped.drops),
         rules,
-        counters: Vec::new(),
+        counters: scraped.counters,
     })
 }
 

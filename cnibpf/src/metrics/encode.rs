@@ -160,6 +160,20 @@ impl Collector for Encoded {
 }
 
 /// The backends whose state this scrape read, by name.
+/// The value of datapath counter `counter` (`Inspect::counters`) of each backend read.
+fn named<'a>(
+    snapshot: &'a Snapshot,
+    counter: &'static str,
+) -> impl Iterator<Item = (&'static str, u64)> + 'a {
+    read(snapshot).flat_map(move |(name, backend)| {
+        backend
+            .counters
+            .iter()
+            .filter(move |(held, _)| *held == counter)
+            .map(move |(_, value)| (name, *value))
+    })
+}
+
 fn read(snapshot: &Snapshot) -> impl Iterator<Item = (&'static str, &BackendSnapshot)> {
     snapshot
         .backends
@@ -286,6 +300,33 @@ fn encode_drops(
                 .filter(|(counter, _)| counter.starts_with("drop events suppressed"))
                 .map(move |(_, value)| (vec![label("backend", name)], *value))
         }),
+    )?;
+    counters(
+        encoder,
+        "cnibpf_filter_reject_answers",
+        "Answers (resets, ICMP errors) to packets REJECT rules refused: sent, and held back by the attachment's rate limit",
+        named(snapshot, crate::backend::REJECT_ANSWERS_SENT)
+            .map(|(name, value)| {
+                (
+                    vec![label("backend", name), label("outcome", "sent")],
+                    value,
+                )
+            })
+            .chain(
+                named(snapshot, crate::backend::REJECT_ANSWERS_SUPPRESSED).map(|(name, value)| {
+                    (
+                        vec![label("backend", name), label("outcome", "suppressed")],
+                        value,
+                    )
+                }),
+            ),
+    )?;
+    counters(
+        encoder,
+        "cnibpf_filter_match_events_suppressed",
+        "New connections rules with log decided that the rate limit kept from cnibpf monitor --matches",
+        named(snapshot, crate::backend::MATCH_EVENTS_SUPPRESSED)
+            .map(|(name, value)| (vec![label("backend", name)], value)),
     )
 }
 

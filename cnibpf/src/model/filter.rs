@@ -4,21 +4,30 @@ use std::fmt;
 
 use ipnet::IpNet;
 
-use super::{ConnState, Direction, PortRange, RuleProtocol, Target};
+use super::{ConnState, Direction, NetworkName, PortRange, RuleProtocol, Target};
 
 /// One validated `filter` rule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FilterRule {
     pub index: u32,
     pub target: Target,
     pub src: Option<IpNet>,
     pub dst: Option<IpNet>,
+    /// The source is an address of an attachment of this network on the node (`srcNetwork`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub src_network: Option<NetworkName>,
+    /// The destination is one (`dstNetwork`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dst_network: Option<NetworkName>,
     pub protocol: RuleProtocol,
     pub sport: Option<PortRange>,
     pub dport: Option<PortRange>,
     pub connstate: ConnState,
     pub direction: Direction,
+    /// Each new connection the rule decides is reported (`cnibpf monitor --matches`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub log: bool,
 }
 
 /// A rule's match in the words of its configuration ("any" when it matches everything).
@@ -30,6 +39,12 @@ impl fmt::Display for FilterRule {
         }
         if let Some(dst) = self.dst {
             parts.push(format!("dst {dst}"));
+        }
+        if let Some(network) = &self.src_network {
+            parts.push(format!("srcNetwork {network}"));
+        }
+        if let Some(network) = &self.dst_network {
+            parts.push(format!("dstNetwork {network}"));
         }
         if self.protocol != RuleProtocol::Any {
             parts.push(self.protocol.to_string());
@@ -45,6 +60,9 @@ impl fmt::Display for FilterRule {
         }
         if self.direction != Direction::Both {
             parts.push(self.direction.to_string());
+        }
+        if self.log {
+            parts.push("log".to_owned());
         }
         if parts.is_empty() {
             f.write_str("any")
@@ -113,7 +131,7 @@ impl Filter {
                             format!("index {} is already used by a rule", rule.index),
                         ));
                     }
-                    rules.push(*rule);
+                    rules.push(rule.clone());
                     done.push(format!("inserted rule {}", rule.index));
                 }
                 RuleChange::Append { rule, index_given } => {
@@ -140,7 +158,10 @@ impl Filter {
                                 )
                             })?,
                     };
-                    rules.push(FilterRule { index, ..*rule });
+                    rules.push(FilterRule {
+                        index,
+                        ..rule.clone()
+                    });
                     done.push(format!("appended rule {index}"));
                 }
                 RuleChange::Delete { index, matching } => {
@@ -193,11 +214,14 @@ mod tests {
             target,
             src: None,
             dst: None,
+            src_network: None,
+            dst_network: None,
             protocol: RuleProtocol::Any,
             sport: None,
             dport: None,
             connstate: ConnState::Any,
             direction: Direction::Both,
+            log: false,
         }
     }
 
@@ -336,22 +360,27 @@ mod tests {
             target: Target::Allow,
             src: None,
             dst: Some("10.22.0.0/16".parse().expect("literal")),
+            src_network: Some(NetworkName::new("dmz").expect("valid")),
+            dst_network: None,
             protocol: RuleProtocol::Tcp,
             sport: None,
             dport: Some(PortRange { low: 80, high: 90 }),
             connstate: ConnState::New,
             direction: Direction::Ingress,
+            log: true,
         };
         assert_eq!(
             rule.to_string(),
-            "dst 10.22.0.0/16 tcp dport 80-90 new ingress"
+            "dst 10.22.0.0/16 srcNetwork dmz tcp dport 80-90 new ingress log"
         );
         let any = FilterRule {
             dst: None,
+            src_network: None,
             protocol: RuleProtocol::Any,
             dport: None,
             connstate: ConnState::Any,
             direction: Direction::Both,
+            log: false,
             ..rule
         };
         assert_eq!(any.to_string(), "any");

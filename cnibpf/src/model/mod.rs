@@ -9,6 +9,7 @@ pub mod conditions;
 pub mod filter;
 pub mod mapping;
 pub mod masquerade;
+pub mod network;
 pub mod sources;
 mod vocabulary;
 
@@ -17,5 +18,6 @@ pub use capacity::{Capacity, Dimension};
 pub use filter::{Filter, FilterRule, RuleChange};
 pub use mapping::{HostPortAccess, MappingError, PortMapping, ResolvedMapping, resolve_mappings};
 pub use masquerade::{ExcludeReason, Masquerade};
+pub use network::NetworkName;
 pub use sources::SourceCheck;
 pub use vocabulary::*;

@@ -87,10 +87,11 @@ vocabulary!(
 );
 
 vocabulary!(
-    /// A filter rule's verdict, and `filterDefault`.
-    Target, "\"ALLOW\" or \"DROP\"", {
+    /// A filter rule's verdict, and `filterDefault` (which is not REJECT).
+    Target, "\"ALLOW\", \"DROP\" or \"REJECT\"", {
         Allow => "ALLOW",
         Drop => "DROP",
+        Reject => "REJECT",
     }
 );
 
@@ -334,7 +335,7 @@ mod tests {
             serde_json::from_str::<(Target, PortRange)>(&json).expect("readable"),
             (Target::Drop, PortRange { low: 1, high: 9 })
         );
-        assert!(serde_json::from_str::<Target>(r#""REJECT""#).is_err());
+        assert!(serde_json::from_str::<Target>(r#""ACCEPT""#).is_err());
         assert!(serde_json::from_str::<PortRange>(r#""9-1""#).is_err());
     }
 

@@ -19,10 +19,12 @@ use serde_json::{Value, json};
 
 mod defaults;
 mod network;
+mod networks;
 mod reference;
 mod verbs;
 
 pub use defaults::DefaultPaths;
+pub use networks::Network;
 pub use reference::ReferencePlugins;
 
 use crate::{
@@ -426,7 +428,7 @@ impl Drop for SharedPinPath {
 /// The eBPF datapath's maps that hold entries of attachments (the others hold the node's: its
 /// addresses, uplinks, counters, connections of which the attachments' DELs cleared their
 /// parts).
-const ATTACHMENT_MAPS: [&str; 11] = [
+const ATTACHMENT_MAPS: [&str; 13] = [
     "owners",
     "endpoints",
     "portmap",
@@ -437,6 +439,8 @@ const ATTACHMENT_MAPS: [&str; 11] = [
     "masq_excludes",
     "filters",
     "filter_hits",
+    "answer_budgets",
+    "network_members",
     "source_drops",
 ];
 

@@ -29,34 +29,19 @@ impl SimHost {
         capability_args: Value,
         cni_args: &str,
     ) -> Result<Container, ChainError> {
-        let netns = Netns::create(&format!("cbt-{}-{name}", self.id));
         let attachment = Attachment {
             container_id: format!("{}-{name}", self.id),
             ifname: "eth0".to_owned(),
-            netns: netns.path(),
+            netns: PathBuf::new(),
             capability_args,
             cni_args: cni_args.to_owned(),
         };
-        let result = self.chain.add(&attachment)?;
-        self.attached
-            .lock()
-            .expect("attached lock")
-            .push(attachment.clone());
-        let address = match container_address(&result, true) {
-            Some(IpAddr::V4(addr)) => addr,
-            _ => panic!("no IPv4 address in result {result}"),
-        };
-        let address6 = match container_address(&result, false) {
-            Some(IpAddr::V6(addr)) => addr,
-            _ => panic!("no IPv6 address in result {result}"),
-        };
-        Ok(Container {
-            netns,
+        add_to(
+            &self.chain,
+            &self.attached,
+            &format!("cbt-{}-{name}", self.id),
             attachment,
-            result,
-            address,
-            address6,
-        })
+        )
     }
 
     /// A second attachment of `container` to this network, by interface `ifname` in the same
@@ -242,4 +227,36 @@ impl SimHost {
             stdin,
         )
     }
+}
+
+/// A container in a new namespace `netns_name`, added through `chain` as `attachment` (its
+/// netns filled in), and recorded in `attached` for the DEL of its host's cleanup.
+pub(super) fn add_to(
+    chain: &Chain,
+    attached: &Mutex<Vec<Attachment>>,
+    netns_name: &str,
+    mut attachment: Attachment,
+) -> Result<Container, ChainError> {
+    let netns = Netns::create(netns_name);
+    attachment.netns = netns.path();
+    let result = chain.add(&attachment)?;
+    attached
+        .lock()
+        .expect("attached lock")
+        .push(attachment.clone());
+    let address = match container_address(&result, true) {
+        Some(IpAddr::V4(addr)) => addr,
+        _ => panic!("no IPv4 address in result {result}"),
+    };
+    let address6 = match container_address(&result, false) {
+        Some(IpAddr::V6(addr)) => addr,
+        _ => panic!("no IPv6 address in result {result}"),
+    };
+    Ok(Container {
+        netns,
+        attachment,
+        result,
+        address,
+        address6,
+    })
 }

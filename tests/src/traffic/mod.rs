@@ -186,6 +186,11 @@ pub fn ping(netns: &Netns, target: IpAddr) -> bool {
 /// Sends `frame` (Ethernet header included) out of interface `ifname` of `netns`, as a raw
 /// packet socket does: no stack of the sender's judges it.
 pub fn send_frame(netns: &Netns, ifname: &str, frame: Vec<u8>) {
+    send_frames(netns, ifname, vec![frame]);
+}
+
+/// [`send_frame`] of each of `frames`, one right after the other from one socket.
+pub fn send_frames(netns: &Netns, ifname: &str, frames: Vec<Vec<u8>>) {
     let ifname = ifname.to_owned();
     netns.run(move || {
         let name = std::ffi::CString::new(ifname.clone()).expect("interface name");
@@ -201,28 +206,30 @@ pub fn send_frame(netns: &Netns, ifname: &str, frame: Vec<u8>) {
         );
         // SAFETY: `fd` was just opened and is owned by nothing else.
         let socket: std::os::fd::OwnedFd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) };
-        // SAFETY: all-zero is a valid sockaddr_ll; the fields that matter are set below.
-        let mut address: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        address.sll_family = libc::AF_PACKET as u16;
-        address.sll_ifindex = i32::try_from(index).expect("ifindex");
-        address.sll_halen = 6;
-        address.sll_addr[..6].copy_from_slice(&frame[..6]);
-        // SAFETY: `frame` and `address` outlive the call; the lengths are theirs.
-        let sent = unsafe {
-            libc::sendto(
-                std::os::fd::AsRawFd::as_raw_fd(&socket),
-                frame.as_ptr().cast(),
-                frame.len(),
-                0,
-                (&raw const address).cast(),
-                size_of::<libc::sockaddr_ll>() as libc::socklen_t,
-            )
-        };
-        assert_eq!(
-            usize::try_from(sent).ok(),
-            Some(frame.len()),
-            "send a raw frame on {ifname}: {}",
-            std::io::Error::last_os_error()
-        );
+        for frame in frames {
+            // SAFETY: all-zero is a valid sockaddr_ll; the fields that matter are set below.
+            let mut address: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+            address.sll_family = libc::AF_PACKET as u16;
+            address.sll_ifindex = i32::try_from(index).expect("ifindex");
+            address.sll_halen = 6;
+            address.sll_addr[..6].copy_from_slice(&frame[..6]);
+            // SAFETY: `frame` and `address` outlive the call; the lengths are theirs.
+            let sent = unsafe {
+                libc::sendto(
+                    std::os::fd::AsRawFd::as_raw_fd(&socket),
+                    frame.as_ptr().cast(),
+                    frame.len(),
+                    0,
+                    (&raw const address).cast(),
+                    size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+                )
+            };
+            assert_eq!(
+                usize::try_from(sent).ok(),
+                Some(frame.len()),
+                "send a raw frame on {ifname}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
     });
 }

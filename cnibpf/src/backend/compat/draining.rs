@@ -7,7 +7,7 @@ use cnibpf_common::drops::{DropCount, DropReason};
 use crate::{
     backend::{
         AttachmentRecord, Backend, BackendError, FilterRecord, FlowTable, Inspect,
-        MasqueradeRecord, Plan, SourceCheckRecord, UplinkAddresses,
+        MasqueradeRecord, NetworkMembers, Plan, SourceCheckRecord, UplinkAddresses,
     },
     model::{Filter, ResolvedMapping},
 };
@@ -120,6 +120,10 @@ impl<S: Draining> Inspect for Drained<S> {
     }
 
     fn flow_tables(&self) -> Result<Vec<FlowTable>, BackendError> {
+        Err(self.0.refused())
+    }
+
+    fn network_members(&self) -> Result<Vec<NetworkMembers>, BackendError> {
         Err(self.0.refused())
     }
 }

@@ -120,22 +120,49 @@ where
     V: Pod,
     M: IterableMap<K, V>,
 {
+    let data: &MapData = map.map();
+    // SAFETY: aya checked the map's key and value sizes against `K` and `V` when it opened it.
+    unsafe { update_batch(data.fd().as_fd(), entries) }
+}
+
+/// [`insert_all`] into the map pinned at `path`, opened by its pin alone (one `bpf()` call
+/// rather than aya's two): for a map a call writes once and reads nothing of.
+///
+/// # Safety
+///
+/// The pinned map's key and value types are `K` and `V`: the map is this build's, of the
+/// layout and version the load checked.
+pub unsafe fn insert_all_pinned<K: Pod, V: Pod>(
+    path: &std::path::Path,
+    entries: &[(K, V)],
+) -> io::Result<()> {
+    if entries.is_empty() {
+        return Ok(());
+    }
+    let fd = sys::obj_get(path)?;
+    // SAFETY: the caller's promise.
+    unsafe { update_batch(fd.as_fd(), entries) }
+}
+
+/// # Safety
+///
+/// `map`'s key and value sizes are those of `K` and `V`.
+unsafe fn update_batch<K: Pod, V: Pod>(map: BorrowedFd<'_>, entries: &[(K, V)]) -> io::Result<()> {
     if entries.is_empty() {
         return Ok(());
     }
     let keys: Vec<K> = entries.iter().map(|(key, _)| *key).collect();
     let values: Vec<V> = entries.iter().map(|(_, value)| *value).collect();
-    let data: &MapData = map.map();
     let mut attr = BatchAttr {
         keys: keys.as_ptr() as u64,
         values: values.as_ptr() as u64,
         count: u32::try_from(entries.len())
             .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
-        map_fd: fd_number(data.fd().as_fd())?,
+        map_fd: fd_number(map)?,
         ..BatchAttr::default()
     };
     // SAFETY: a batch attribute whose buffers hold `count` keys and values of the map's types
-    // (aya checked their sizes when it opened the map); the kernel only reads them.
+    // (the caller's promise); the kernel only reads them.
     unsafe { sys::bpf(BPF_MAP_UPDATE_BATCH, &mut attr) }.map(drop)
 }
 

@@ -15,9 +15,12 @@
 use std::{collections::BTreeSet, io, os::fd::AsFd as _, path::Path};
 
 use aya::maps::MapData;
-use cnibpf_common::endpoints::{
-    self,
-    owners::{HOST_IFINDEX_OFFSET, HOST_IFNAME_OFFSET, IFNAME_LEN, NAME_LEN, STABLE_PREFIX},
+use cnibpf_common::{
+    endpoints::{
+        self,
+        owners::{HOST_IFINDEX_OFFSET, HOST_IFNAME_OFFSET, IFNAME_LEN, NAME_LEN, STABLE_PREFIX},
+    },
+    filter,
 };
 
 use super::{
@@ -286,7 +289,28 @@ pub type ConvertEntry = fn(key: &[u8], value: &[u8]) -> (Vec<u8>, Vec<u8>);
 /// is `layout::VERSIONED`, which such a release takes for a newer layout: a rollback to it
 /// drains the state rather than misreading the map. A step goes with the window that no longer
 /// needs it.
-pub const MAP_MIGRATIONS: &[MapMigration] = &[];
+pub const MAP_MIGRATIONS: &[MapMigration] = &[MapMigration {
+    map: filter::FILTERS.name,
+    from: 1,
+    convert: filters_with_networks,
+}];
+
+/// `filters` version 1 → 2: each rule gains the networks its source and destination must
+/// belong to (none) between its masks and its index, and flags (none) in its last padding.
+fn filters_with_networks(key: &[u8], value: &[u8]) -> (Vec<u8>, Vec<u8>) {
+    const HEADER: usize = core::mem::offset_of!(filter::FilterSet, rules);
+    const ADDRESSES: usize = core::mem::offset_of!(filter::FilterRule, src_network);
+    const NETWORKS: usize = core::mem::offset_of!(filter::FilterRule, index) - ADDRESSES;
+    let rule = size_of::<filter::FilterRule>();
+    let mut converted = value[..HEADER].to_vec();
+    for old in value[HEADER..].as_chunks::<{ filter::RULE_V1_SIZE }>().0 {
+        converted.extend_from_slice(&old[..ADDRESSES]);
+        converted.extend_from_slice(&[0; NETWORKS]);
+        converted.extend_from_slice(&old[ADDRESSES..]);
+        converted.resize(converted.len() + rule - filter::RULE_V1_SIZE - NETWORKS, 0);
+    }
+    (key.to_vec(), converted)
+}
 
 /// Removes what a release of the supported window left of a migration it stamped but did not
 /// finish: the old maps it set aside (`layout-6-maps/`, `layout-8-maps/`, `layout-9-maps/`),
@@ -328,5 +352,47 @@ mod tests {
         assert_eq!(record.attachment, attachment);
         assert_eq!(record.host_ifname, "veth0a1b2c3d");
         assert_eq!(record.host_ifindex, 42);
+    }
+
+    #[test]
+    fn a_version_1_filter_set_converts_rule_by_rule() {
+        let mut set = filter::FilterSet {
+            owner: 7,
+            generation: 9,
+            rule_count: 2,
+            default_target: filter::TARGET_DROP,
+            ..filter::FilterSet::default()
+        };
+        for (position, rule) in set.rules.iter_mut().take(2).enumerate() {
+            rule.src_addr.bytes = [position as u8 + 1; 16];
+            rule.dst_mask.bytes = [0xff; 16];
+            rule.index = 10 * (position as u32 + 1);
+            rule.dport_low = 80;
+            rule.dport_high = 90;
+            rule.target = filter::TARGET_DROP;
+            rule.src_prefix = 24;
+            rule.dst_prefix = filter::NO_PREFIX;
+        }
+        // The same set as version 1 laid it out: each rule without its networks and flags.
+        // SAFETY: FilterSet is repr(C) plain bytes (it is aya::Pod).
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                (&raw const set).cast::<u8>(),
+                size_of::<filter::FilterSet>(),
+            )
+        };
+        let header = core::mem::offset_of!(filter::FilterSet, rules);
+        let mut v1 = bytes[..header].to_vec();
+        for rule in bytes[header..]
+            .as_chunks::<{ size_of::<filter::FilterRule>() }>()
+            .0
+        {
+            v1.extend_from_slice(&rule[..64]);
+            v1.extend_from_slice(&rule[80..100]);
+        }
+        assert_eq!(v1.len(), header + filter::RULE_V1_SIZE * filter::MAX_RULES);
+        let (key, converted) = filters_with_networks(&[1, 0, 0, 0], &v1);
+        assert_eq!(key, [1, 0, 0, 0]);
+        assert_eq!(converted, bytes, "every field where version 2 has it");
     }
 }

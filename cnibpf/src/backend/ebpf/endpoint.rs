@@ -309,6 +309,7 @@ impl Endpoints for EbpfBackend {
             )
             .map_err(map_error("could not write map endpoints"))?;
         self.endpoint.deferred_sources = None;
+        self.record_members(endpoint)?;
         self.hook_endpoint(owner, endpoint.host.index, receives_through_hook(endpoint))?;
         self.attach_socket_hooks(&endpoint.cgroup)?;
         attach_tracepoint(&self.pins, QDISC_WATCHER, QDISC_TRACEPOINT)
@@ -318,6 +319,7 @@ impl Endpoints for EbpfBackend {
         if let Some(info) = self.endpoint.owner(owner)? {
             self.forget_endpoint(owner, info.host_ifindex)?;
         }
+        self.forget_members(owner)?;
         // The datapath stays for the next pod (no verifier time at its ADD) until `cnibpf
         // uninstall` or `cnibpf unload`.
         self.endpoint.forget_owner(owner)
@@ -367,6 +369,7 @@ impl Endpoints for EbpfBackend {
                 )));
             }
         }
+        self.check_members(endpoint)?;
         let link_pins = self.endpoint_link_pins(owner);
         let [from, to] = Self::endpoint_hooks(&link_pins);
         self.check_attached(endpoint.host.index, &endpoint.host.name, &from)?;

@@ -1,7 +1,10 @@
 //! The eBPF backend's filter: one `filters` element per filtered attachment (keyed by its
 //! host-side interface), replaced whole so that packets see the old rules or the new ones; its
-//! per-rule counters in `filter_hits`; and its part of the attachment's connections
-//! (`connections`), which DEL and GC remove.
+//! per-rule counters in `filter_hits` and its REJECT answers' budget in `answer_budgets`; the
+//! names of the networks its rules name (`networks.rs`); and its part of the attachment's
+//! connections (`connections`), which DEL and GC remove. Every attachment's addresses by
+//! network (`network_members`, what `srcNetwork` and `dstNetwork` match) are written with its
+//! endpoint (`endpoint.rs`).
 
 use std::net::IpAddr;
 
@@ -11,9 +14,10 @@ use cnibpf_common::{
     address::Address,
     connections::PART_FILTER,
     filter::{
-        self, CHANGED_LIVE, CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS,
+        self, AnswerBudget, CHANGED_LIVE, CONNSTATE_ESTABLISHED, CONNSTATE_NEW, DIRECTION_EGRESS,
         DIRECTION_INGRESS, FilterHits, FilterRule as StoredRule, FilterSet, FilterStats, MAX_RULES,
-        NO_PREFIX, TARGET_ALLOW, TARGET_DROP, hits::DEFAULT_SLOT,
+        NO_PREFIX, NetworkMember, NetworkMemberKey, NetworkName as StoredName, RULE_LOG,
+        TARGET_ALLOW, TARGET_DROP, TARGET_REJECT, hits::DEFAULT_SLOT,
     },
 };
 use ipnet::IpNet;
@@ -24,14 +28,20 @@ use super::{
 };
 use crate::{
     backend::{BackendError, Endpoint, Filtering},
-    model::{ConnState, Direction, Filter, FilterRule, PortRange, RuleProtocol, Target},
+    model::{
+        ConnState, Direction, Filter, FilterRule, NetworkName, PortRange, RuleProtocol, Target,
+    },
     paths::PinLayout,
 };
 
-/// The maps of the filter: the rule sets, their counters, its statistics.
+/// The maps of the filter: the rule sets, their counters and answer budgets, the networks'
+/// names and members, its statistics.
 pub(super) struct FilterMaps {
     pub(super) filters: HashMap<MapData, u32, FilterSet>,
     pub(super) filter_hits: OnDemand<PerCpuHashMap<MapData, u32, FilterHits>>,
+    pub(super) answer_budgets: OnDemand<PerCpuHashMap<MapData, u32, AnswerBudget>>,
+    pub(super) network_names: OnDemand<HashMap<MapData, u64, StoredName>>,
+    pub(super) network_members: OnDemand<HashMap<MapData, NetworkMemberKey, NetworkMember>>,
     pub(super) filter_stats: OnDemand<PerCpuArray<MapData, FilterStats>>,
 }
 
@@ -40,6 +50,9 @@ impl FilterMaps {
         Ok(Self {
             filters: open_pinned(pins, filter::FILTERS.name)?,
             filter_hits: OnDemand::new(pins, filter::HITS.name),
+            answer_budgets: OnDemand::new(pins, filter::ANSWER_BUDGETS.name),
+            network_names: OnDemand::new(pins, filter::NETWORK_NAMES.name),
+            network_members: OnDemand::new(pins, filter::NETWORK_MEMBERS.name),
             filter_stats: OnDemand::new(pins, filter::STATS.name),
         })
     }
@@ -69,6 +82,7 @@ impl Filtering for EbpfBackend {
             return Ok(());
         }
         self.expect_filter(ifindex)?;
+        self.record_network_names(filter)?;
         // Counters first: a packet judged by the new rules never counts on the old ones'
         // positions (one judged by the old rules meanwhile may count on the new ones').
         self.zero_filter_hits(ifindex)?;
@@ -97,6 +111,7 @@ impl Filtering for EbpfBackend {
         };
         let current = found(self.filter.filters.get(&ifindex, 0), filter::FILTERS.name)?
             .filter(|current| current.owner == owner);
+        self.record_network_names(filter)?;
         let Some(current) = current else {
             // Its first rules: set up as an ADD's filter is (its connections so far are judged
             // as new at their next packet).
@@ -180,12 +195,22 @@ impl EbpfBackend {
         Ok(())
     }
 
-    /// Zeroed counters for the filter of interface `ifindex`.
+    /// Zeroed counters, and a full answer budget, for the filter of interface `ifindex`.
     fn zero_filter_hits(&mut self, ifindex: u32) -> Result<(), BackendError> {
         let cpus = aya::util::nr_cpus().map_err(|(_, source)| BackendError::MapRead {
             name: filter::HITS.name,
             source,
         })?;
+        let budgets = PerCpuValues::try_from(vec![AnswerBudget::default(); cpus.get() as usize])
+            .map_err(|source| BackendError::MapRead {
+                name: filter::ANSWER_BUDGETS.name,
+                source,
+            })?;
+        self.filter
+            .answer_budgets
+            .open_mut()?
+            .insert(&ifindex, budgets, 0)
+            .map_err(map_error("could not write map answer_budgets"))?;
         self.write_filter_hits(ifindex, vec![FilterHits::default(); cpus.get() as usize])
     }
 
@@ -231,6 +256,10 @@ impl EbpfBackend {
         removed(
             self.filter.filter_hits.open_mut()?.remove(&ifindex),
             filter::HITS.name,
+        )?;
+        removed(
+            self.filter.answer_budgets.open_mut()?.remove(&ifindex),
+            filter::ANSWER_BUDGETS.name,
         )?;
         self.release_connections(|_, connection| {
             if connection.owner == owner {
@@ -284,6 +313,15 @@ fn target_value(target: Target) -> u8 {
     match target {
         Target::Allow => TARGET_ALLOW,
         Target::Drop => TARGET_DROP,
+        Target::Reject => TARGET_REJECT,
+    }
+}
+
+fn target_of(value: u8) -> Target {
+    match value {
+        TARGET_DROP => Target::Drop,
+        TARGET_REJECT => Target::Reject,
+        _ => Target::Allow,
     }
 }
 
@@ -299,11 +337,15 @@ fn stored_rule(rule: &FilterRule) -> StoredRule {
     let ports = |range: Option<PortRange>| range.map_or((0, u16::MAX), |r| (r.low, r.high));
     let (sport_low, sport_high) = ports(rule.sport);
     let (dport_low, dport_high) = ports(rule.dport);
+    // fail-closed: an Option of the configuration; no network is id 0, which none has.
+    let network = |name: &Option<NetworkName>| name.as_ref().map_or(0, NetworkName::id);
     StoredRule {
         src_addr,
         src_mask,
         dst_addr,
         dst_mask,
+        src_network: network(&rule.src_network),
+        dst_network: network(&rule.dst_network),
         index: rule.index,
         sport_low,
         sport_high,
@@ -325,6 +367,7 @@ fn stored_rule(rule: &FilterRule) -> StoredRule {
         target: target_value(rule.target),
         src_prefix,
         dst_prefix,
+        flags: if rule.log { RULE_LOG } else { 0 },
         _pad: 0,
     }
 }
@@ -341,8 +384,27 @@ fn stored_net(net: Option<IpNet>) -> (Address, Address, u8) {
     )
 }
 
-/// The configuration rule a stored one was made from.
-pub(super) fn config_rule(stored: &StoredRule) -> FilterRule {
+/// The configuration rule a stored one was made from, its networks named by `names`; an
+/// error for a network none names.
+pub(super) fn config_rule(
+    stored: &StoredRule,
+    names: &[(u64, NetworkName)],
+) -> Result<FilterRule, BackendError> {
+    let network = |id: u64| -> Result<Option<NetworkName>, BackendError> {
+        if id == 0 {
+            return Ok(None);
+        }
+        names
+            .iter()
+            .find(|(named, _)| *named == id)
+            .map(|(_, name)| Some(name.clone()))
+            .ok_or_else(|| {
+                BackendError::CheckFailed(format!(
+                    "rule {} names network id {id:016x}, which map network_names does not name",
+                    stored.index
+                ))
+            })
+    };
     let net = |addr: Address, prefix: u8| {
         (prefix != NO_PREFIX)
             .then(|| {
@@ -354,15 +416,13 @@ pub(super) fn config_rule(stored: &StoredRule) -> FilterRule {
     };
     let ports =
         |low: u16, high: u16| ((low, high) != (0, u16::MAX)).then_some(PortRange { low, high });
-    FilterRule {
+    Ok(FilterRule {
         index: stored.index,
-        target: if stored.target == TARGET_DROP {
-            Target::Drop
-        } else {
-            Target::Allow
-        },
+        target: target_of(stored.target),
         src: net(stored.src_addr, stored.src_prefix),
         dst: net(stored.dst_addr, stored.dst_prefix),
+        src_network: network(stored.src_network)?,
+        dst_network: network(stored.dst_network)?,
         protocol: RuleProtocol::from_number((stored.protocol != 0).then_some(stored.protocol))
             // fail-closed: a number of no known protocol is shown as any, for inspect only.
             .unwrap_or(RuleProtocol::Any),
@@ -378,7 +438,8 @@ pub(super) fn config_rule(stored: &StoredRule) -> FilterRule {
             DIRECTION_EGRESS => Direction::Egress,
             _ => Direction::Both,
         },
-    }
+        log: stored.flags & RULE_LOG != 0,
+    })
 }
 
 #[cfg(test)]
@@ -394,7 +455,7 @@ mod tests {
             .as_bytes(),
         )
         .unwrap_or_else(|error| panic!("test rule does not parse: {error}"));
-        conf.plugin.filter[0]
+        conf.plugin.filter[0].clone()
     }
 
     #[test]
@@ -405,12 +466,21 @@ mod tests {
             serde_json::json!({"index": 3, "target": "ALLOW", "dst": "2001:db8::/32", "proto": "udp", "sport": 53, "connstate": "established", "direction": "egress"}),
             serde_json::json!({"index": 4, "target": "DROP", "proto": "icmpv6"}),
             serde_json::json!({"index": 5, "target": "DROP", "src": "0.0.0.0/0"}),
+            serde_json::json!({"index": 6, "target": "REJECT", "srcNetwork": "dmz", "dstNetwork": "protected", "proto": "tcp", "dport": 389, "log": true}),
         ] {
             let configured = rule(json);
             let stored = stored_rule(&configured);
             let mut expected = configured;
             expected.src = expected.src.map(|net| net.trunc());
-            assert_eq!(config_rule(&stored), expected);
+            let names: Vec<(u64, NetworkName)> = ["dmz", "protected"]
+                .into_iter()
+                .map(|name| NetworkName::new(name).expect("valid"))
+                .map(|name| (name.id(), name))
+                .collect();
+            assert_eq!(config_rule(&stored, &names).expect("named"), expected);
+            if expected.src_network.is_some() {
+                assert!(config_rule(&stored, &[]).is_err(), "an unnamed network");
+            }
         }
     }
 

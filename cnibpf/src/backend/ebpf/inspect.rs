@@ -3,12 +3,15 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use aya::maps::{Array, HashMap, IterableMap, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap, MapData, PerCpuArray, PerCpuHashMap};
 use cnibpf_common::{
     addr,
     connections::{self, FirstFragment, FragmentKey, PART_FILTER, PART_SNAT},
     drops::{self, DropCount, DropEventBudget, DropReason},
-    filter::{self, FilterStats, MAX_RULES, RuleHits, TARGET_DROP, hits::DEFAULT_SLOT},
+    filter::{
+        self, AnswerBudget, FilterStats, MAX_RULES, MatchEventBudget, RuleHits, TARGET_DROP,
+        hits::DEFAULT_SLOT,
+    },
     masquerade,
 };
 
@@ -25,7 +28,8 @@ use super::{
 };
 use crate::{
     backend::{
-        AttachmentRecord, BackendError, FilterRecord, FlowTable, Inspect, MasqueradeRecord,
+        AttachmentRecord, BackendError, FilterRecord, FlowTable, Inspect, MATCH_EVENTS_SUPPRESSED,
+        MasqueradeRecord, NetworkMembers, REJECT_ANSWERS_SENT, REJECT_ANSWERS_SUPPRESSED,
         SourceCheckRecord, UplinkAddresses,
     },
     model::{ExcludeReason, Filter, ResolvedMapping, Target},
@@ -102,6 +106,34 @@ impl Inspect for EbpfBackend {
         Ok(records)
     }
 
+    fn network_members(&self) -> Result<Vec<NetworkMembers>, BackendError> {
+        let attachments = self.attachments()?;
+        let mut networks: Vec<NetworkMembers> = Vec::new();
+        for (_, addr, owner) in self.network_members_by_id()? {
+            // fail-closed: a member whose owner has no record (its DEL went half way) is shown
+            // under the owner id alone.
+            let network = attachments
+                .iter()
+                .find(|record| record.owner == owner)
+                .map_or_else(
+                    || format!("(owner {owner:016x})"),
+                    |record| record.attachment.network.clone(),
+                );
+            match networks.iter_mut().find(|held| held.network == network) {
+                Some(held) => held.members.push((addr, owner)),
+                None => networks.push(NetworkMembers {
+                    network,
+                    members: vec![(addr, owner)],
+                }),
+            }
+        }
+        for network in &mut networks {
+            network.members.sort();
+        }
+        networks.sort_by(|a, b| a.network.cmp(&b.network));
+        Ok(networks)
+    }
+
     /// Each uplink named by the links that hook it (the caller's namespace may not be the
     /// datapath's); one they no longer attach is unnamed.
     fn uplink_addresses(&self) -> Result<Vec<UplinkAddresses>, BackendError> {
@@ -131,9 +163,17 @@ impl Inspect for EbpfBackend {
 
     fn filters(&self) -> Result<Vec<(u64, FilterRecord)>, BackendError> {
         let mut records = Vec::new();
+        // Read once a rule names a network (state of builds before networks has no such map).
+        let mut names = Vec::new();
         for entry in self.filter.filters.iter() {
             let (ifindex, set) = entry.map_err(map_error("could not read map filters"))?;
             let rule_count = (set.rule_count as usize).min(MAX_RULES);
+            let names_networks = set.rules[..rule_count]
+                .iter()
+                .any(|rule| rule.src_network != 0 || rule.dst_network != 0);
+            if names_networks && names.is_empty() {
+                names = self.network_names()?;
+            }
             let hits = found(
                 self.filter.filter_hits.open()?.get(&ifindex, 0),
                 filter::HITS.name,
@@ -154,7 +194,10 @@ impl Inspect for EbpfBackend {
                 set.owner,
                 FilterRecord {
                     filter: Filter {
-                        rules: set.rules[..rule_count].iter().map(config_rule).collect(),
+                        rules: set.rules[..rule_count]
+                            .iter()
+                            .map(|rule| config_rule(rule, &names))
+                            .collect::<Result<_, _>>()?,
                         default: if set.default_target == TARGET_DROP {
                             Target::Drop
                         } else {
@@ -313,6 +356,29 @@ impl EbpfBackend {
                 "drop events suppressed (rate limit)",
                 per_cpu.iter().map(|budget| budget.suppressed).sum(),
             ));
+        }
+        if let Some(budget) = self.optional_map::<PerCpuArray<MapData, MatchEventBudget>>(
+            filter::MATCH_EVENT_BUDGET.name,
+        )? {
+            let per_cpu = budget
+                .get(&0, 0)
+                .map_err(map_error("could not read map match_event_budget"))?;
+            counters.push((
+                MATCH_EVENTS_SUPPRESSED,
+                per_cpu.iter().map(|budget| budget.suppressed).sum(),
+            ));
+        }
+        if let Some(budgets) = self.optional_map::<PerCpuHashMap<MapData, u32, AnswerBudget>>(
+            filter::ANSWER_BUDGETS.name,
+        )? {
+            let (mut sent, mut suppressed) = (0, 0);
+            for entry in budgets.iter() {
+                let (_, per_cpu) = entry.map_err(map_error("could not read map answer_budgets"))?;
+                sent += per_cpu.iter().map(|budget| budget.sent).sum::<u64>();
+                suppressed += per_cpu.iter().map(|budget| budget.suppressed).sum::<u64>();
+            }
+            counters.push((REJECT_ANSWERS_SENT, sent));
+            counters.push((REJECT_ANSWERS_SUPPRESSED, suppressed));
         }
         Ok(counters)
     }

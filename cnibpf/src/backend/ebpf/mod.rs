@@ -21,6 +21,7 @@ mod kernel_btf;
 mod layout;
 mod masquerade;
 mod namespace;
+mod networks;
 mod on_demand;
 mod owner;
 mod pins;
@@ -165,6 +166,10 @@ impl EbpfBackend {
         let loaded = sizes::for_load(pins, capacity)
             .and_then(|sizes| load_object(pins, &sizes, &[]))
             .and_then(|()| relink(pins))
+            .and_then(|()| match state {
+                PinnedState::Absent => Ok(()),
+                _ => networks::backfill(pins),
+            })
             .and_then(|()| stamp(pins));
         if let Err(error) = loaded {
             // Nothing of an attachment lives there yet: leave no half-loaded maps behind.
@@ -311,6 +316,11 @@ impl EbpfBackend {
     /// The ring buffer of the datapath's drop events, for `cnibpf monitor`.
     pub fn drop_events(&self) -> Result<aya::maps::RingBuf<MapData>, BackendError> {
         open_pinned(&self.pins, cnibpf_common::drops::EVENTS.name)
+    }
+
+    /// The ring buffer of the `log` rules' events, for `cnibpf monitor --matches`.
+    pub fn match_events(&self) -> Result<aya::maps::RingBuf<MapData>, BackendError> {
+        open_pinned(&self.pins, cnibpf_common::filter::MATCH_EVENTS.name)
     }
 
     pub(super) fn open_maps(pins: &PinLayout) -> Result<Self, BackendError> {

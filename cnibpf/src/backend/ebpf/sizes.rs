@@ -322,6 +322,8 @@ fn carry_over(
     copy_all()?;
     relink(pins)?;
     copy_all()?;
+    // Before the stamp, as a load's: the attachments the replaced programs served.
+    super::networks::backfill(pins)?;
     let moving = pins.resize_dir().join(MOVING);
     fs::create_dir_all(&moving)
         .map_err(pin_error(format!("could not create {}", moving.display())))?;

@@ -335,7 +335,7 @@ fn unchecked_set(owner: u64) -> SourceSet {
 
 /// The attachment's own addresses in its set: the first of each family as counted, or all of
 /// them in a set written before siblings were admitted.
-fn own(set: &SourceSet) -> SourceCheck {
+pub(super) fn own(set: &SourceSet) -> SourceCheck {
     if set.flags & FLAG_OWN_COUNTED == 0 {
         return admitted(set);
     }

@@ -10,7 +10,7 @@ use super::{
     hooks::{self, Hooks},
     host,
     listing::Listing,
-    nft, sources,
+    members, nflog, nft, sources,
     store::{OwnerId, State},
 };
 use crate::{
@@ -54,22 +54,31 @@ impl NftablesBackend {
     }
 
     /// The batch of this operation, after `batch`'s commands: what each change removes, then
-    /// what it adds; with the table's removal when the last attachment leaves.
+    /// what it adds; with the table's removal when the last attachment leaves. `before` is the
+    /// state the table was made from; `listing`, the table as listed when it may differ.
     fn batch(
         &self,
         mut batch: Batch<'static>,
         specific: Option<&Listing>,
         next: &State,
+        before: &State,
+        listing: Option<&Listing>,
     ) -> Result<Batch<'static>, BackendError> {
         if next.attachments.is_empty() {
             delete_tables(&mut batch)?;
             return Ok(batch);
         }
-        for (owner, change) in &self.changes {
-            elements::remove(&mut batch, *owner, change, specific);
+        members::add_sets(&mut batch, &members::needed(next));
+        if self.exists {
+            members::backfill(&mut batch, next, &members::present()?);
         }
+        let kept_members = members::all(next);
         for (owner, change) in &self.changes {
-            elements::add(&mut batch, *owner, change);
+            elements::remove(&mut batch, *owner, change, specific, &kept_members);
+        }
+        let log_group = nflog::group_of(next.instance);
+        for (owner, change) in &self.changes {
+            elements::add(&mut batch, *owner, change, log_group);
         }
         for (owner, (host, admitted)) in &self.sibling_sources {
             if !self.changes.contains_key(owner) {
@@ -89,6 +98,7 @@ impl NftablesBackend {
         if let Some((_, addresses)) = &self.node_addresses {
             elements::replace_node_addresses(&mut batch, addresses);
         }
+        members::delete_unneeded(&mut batch, before, next, listing);
         Ok(batch)
     }
 
@@ -131,7 +141,7 @@ impl NftablesBackend {
 
     /// The transaction again when a record said more than the table holds (someone removed
     /// part of it): what goes is what the kernel lists as the attachment's, not its record.
-    fn apply_from_listing(&mut self, next: &State) -> Result<(), BackendError> {
+    fn apply_from_listing(&mut self, next: &State, before: &State) -> Result<(), BackendError> {
         // fail-closed: `read` kept the errors; no table lists nothing.
         let listing = Listing::read()?.unwrap_or_default();
         let hooks = if next.attachments.is_empty() {
@@ -153,7 +163,7 @@ impl NftablesBackend {
         }
         Ok(nft::apply_after(
             hooks,
-            self.batch(removals, Some(&listing), next)?,
+            self.batch(removals, Some(&listing), next, before, Some(&listing))?,
         )?)
     }
 
@@ -266,9 +276,11 @@ impl NftablesBackend {
         let hooks_before = before.as_ref().map(Hooks::of).unwrap_or_default();
         self.store.save(Some(intent))?;
         let refused = |applied: &Result<(), BackendError>, why: &str| matches!(applied, Err(BackendError::Nftables(NftablesError::Refused(text))) if text.contains(why));
-        let mut applied = self.attempt(self.first_commands(hooks_before, &next), &next);
+        // fail-closed: no state before is no attachment, whose table holds nothing of theirs.
+        let made_from = before.clone().unwrap_or_default();
+        let mut applied = self.attempt(self.first_commands(hooks_before, &next), &next, &made_from);
         if refused(&applied, "No such file or directory") && self.exists {
-            applied = self.apply_from_listing(&next);
+            applied = self.apply_from_listing(&next, &made_from);
         }
         let mut reclaimed = Vec::new();
         while refused(&applied, "File exists") && self.exists {
@@ -278,7 +290,7 @@ impl NftablesBackend {
             Backend::remove(self, stale)?;
             reclaimed.push(stale);
             next = self.next_state()?;
-            applied = self.attempt(self.first_commands(hooks_before, &next), &next);
+            applied = self.attempt(self.first_commands(hooks_before, &next), &next, &made_from);
         }
         if refused(&applied, "File exists")
             && let Some(holder) = self.holder_error()?
@@ -315,13 +327,18 @@ impl NftablesBackend {
 
     /// One attempt at the transaction: `first` (the skeleton of a table this operation makes),
     /// then this operation's batch.
-    fn attempt(&self, first: Vec<serde_json::Value>, next: &State) -> Result<(), BackendError> {
+    fn attempt(
+        &self,
+        first: Vec<serde_json::Value>,
+        next: &State,
+        before: &State,
+    ) -> Result<(), BackendError> {
         let specific = if self.needs_specific() && self.exists {
             Listing::read_specific()?
         } else {
             None
         };
-        let batch = self.batch(Batch::new(), specific.as_ref(), next)?;
+        let batch = self.batch(Batch::new(), specific.as_ref(), next, before, None)?;
         Ok(nft::apply_after(first, batch)?)
     }
 }

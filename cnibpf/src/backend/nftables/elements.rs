@@ -1,15 +1,16 @@
 //! What an attachment's record stands for in the table — its elements of the shared sets and
 //! maps and its own chains — as the commands that remove what it held and add what it holds.
 
-use std::net::IpAddr;
+use std::{collections::BTreeSet, net::IpAddr};
 
 use nftables::{batch::Batch, expr::Expression, schema::NfCmd};
 
 use super::{
-    Change, NftablesError, conditions_chain, family_suffix, filter, filter_chains, guard_chain,
-    host,
+    Change, NftablesError, conditions_chain, family_suffix,
+    filter::write as filter_write,
+    filter_chains, guard_chain, host,
     listing::Listing,
-    masquerade, nat_chain,
+    masquerade, members, nat_chain,
     nft::{self, concat, jump, mapping, number, owned, text},
     portmap,
     record::{Record, Sources},
@@ -119,13 +120,25 @@ fn owned_elements(owner: u64, record: &Record) -> Vec<Owned> {
     out
 }
 
-/// Removes what `change.before` holds and is not carried over, then the chains that go.
-pub fn remove(batch: &mut Batch<'static>, owner: u64, change: &Change, specific: Option<&Listing>) {
+/// Removes what `change.before` holds and is not carried over, then the chains that go; its
+/// network's member elements but those in `kept_members` (the next state's).
+pub fn remove(
+    batch: &mut Batch<'static>,
+    owner: u64,
+    change: &Change,
+    specific: Option<&Listing>,
+    kept_members: &BTreeSet<(String, IpAddr)>,
+) {
     let Some(before) = &change.before else {
         return;
     };
     for element in owned_elements(owner, before) {
         batch.delete(nft::elements(&element.set, vec![element.key]));
+    }
+    for member in members::of(before) {
+        if !kept_members.contains(&member) {
+            batch.delete(nft::elements(&member.0, vec![text(member.1)]));
+        }
     }
     let kept_specific = |mapping: &ResolvedMapping| {
         change.after.as_ref().is_some_and(|after| {
@@ -153,9 +166,11 @@ pub fn remove(batch: &mut Batch<'static>, owner: u64, change: &Change, specific:
     }
     let after = change.after.as_ref();
     let filtered = |record: &Record| record.filter.is_some();
-    if filtered(before) && !after.is_some_and(filtered) {
-        for chain in filter_chains(owner) {
-            batch.delete(nft::chain(&chain));
+    if let Some(filter) = &before.filter
+        && !after.is_some_and(filtered)
+    {
+        for chain in filter_write::chains(owner, filter).iter().rev() {
+            batch.delete(nft::chain(chain));
         }
     }
     if before.conditioned() && !after.is_some_and(Record::conditioned) {
@@ -193,13 +208,19 @@ pub fn remove_listed(
         batch.delete(nft::elements(set, vec![element.key.clone()]));
     }
     let [out_chain, in_chain] = filter_chains(owner);
-    for chain in [
+    let jumped_to = listing
+        .chain_names()
+        .filter(|chain| chain.starts_with(&format!("l_{owner:016x}_")))
+        .map(str::to_owned)
+        .chain([super::reject_chain(owner)]);
+    let chains = [
         conditions_chain(owner),
         nat_chain(owner),
         guard_chain(owner),
         out_chain,
         in_chain,
-    ] {
+    ];
+    for chain in chains.into_iter().chain(jumped_to.collect::<Vec<_>>()) {
         if listing.has_chain(&chain) {
             batch.delete(nft::chain(&chain));
         }
@@ -212,19 +233,14 @@ pub fn remove_listed(
 
 /// Adds what `change.after` holds: its chains, rewritten whole, and its elements. A hostPort
 /// another attachment holds makes the transaction fail (`create`); a wildcard one that an
-/// address-specific one of another overlaps, or the reverse, as well.
-pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change) {
+/// address-specific one of another overlaps, or the reverse, as well. Its `log` rules log to
+/// group `log_group`.
+pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change, log_group: u16) {
     let Some(after) = &change.after else {
         return;
     };
-    if let Some(rules) = &after.filter {
-        let chains = filter_chains(owner);
-        for chain in &chains {
-            rewrite_chain(batch, chain);
-        }
-        for rule in filter::chain_rules(&chains, rules, change.kept_counters.as_ref()) {
-            batch.add(rule);
-        }
+    if let Some(filter) = &after.filter {
+        write_filter(batch, owner, change, filter, log_group);
     }
     if after.conditioned() {
         let chain = conditions_chain(owner);
@@ -249,8 +265,41 @@ pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change) {
     for element in owned_elements(owner, after) {
         add_element(batch, element, &after.owner);
     }
+    for (set, addr) in members::of(after) {
+        batch.add(nft::elements(&set, vec![owned(text(addr), &after.owner)]));
+    }
     for host_port in &after.mappings {
         exclude_overlaps(batch, host_port);
+    }
+}
+
+/// Writes the chains of `filter`, whole; then deletes those of the filter before that it no
+/// longer has (the rules that jumped to them are gone with the rewrite).
+fn write_filter(
+    batch: &mut Batch<'static>,
+    owner: u64,
+    change: &Change,
+    filter: &crate::model::Filter,
+    log_group: u16,
+) {
+    let chains = filter_write::chains(owner, filter);
+    for chain in &chains {
+        rewrite_chain(batch, chain);
+    }
+    for rule in filter_write::rules(owner, filter, change.kept_counters.as_ref(), log_group) {
+        batch.add(rule);
+    }
+    let before = change
+        .before
+        .as_ref()
+        .and_then(|record| record.filter.as_ref());
+    for stale in before
+        .map(|before| filter_write::chains(owner, before))
+        .into_iter()
+        .flatten()
+        .filter(|chain| !chains.contains(chain))
+    {
+        batch.delete(nft::chain(&stale));
     }
 }
 

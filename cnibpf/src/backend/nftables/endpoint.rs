@@ -1,8 +1,8 @@
-//! Endpoints: an attachment's record in the state file, and its element of set `attachments`
+//! Endpoints: an attachment's record in the state file, its element of set `attachments`
 //! (keyed by its host-side interface, for builds that drain a table of a layout they do not
-//! write).
+//! write) and its addresses in its network's member sets (`members`).
 
-use super::{NftablesBackend, host, owner_comment};
+use super::{NftablesBackend, host, member_set, owner_comment};
 use crate::backend::{BackendError, Endpoint, Endpoints};
 
 impl Endpoints for NftablesBackend {
@@ -35,14 +35,32 @@ impl Endpoints for NftablesBackend {
             element.comment.as_deref() == Some(owner.as_str())
                 && matches!(&element.key, nftables::expr::Expression::String(name) if *name == endpoint.host.name)
         });
-        if recorded && listed {
-            return Ok(());
+        if !recorded || !listed {
+            return Err(BackendError::CheckFailed(format!(
+                "{} is not {} with interface {} in table inet cnibpf",
+                endpoint.attachment,
+                if recorded { "listed" } else { "recorded" },
+                endpoint.host.name
+            )));
         }
-        Err(BackendError::CheckFailed(format!(
-            "{} is not {} with interface {} in table inet cnibpf",
-            endpoint.attachment,
-            if recorded { "listed" } else { "recorded" },
-            endpoint.host.name
-        )))
+        for net in &endpoint.container_networks {
+            let set = member_set(&endpoint.attachment.network, net.addr().is_ipv4());
+            // A table an earlier release made has no member sets until this build's first
+            // change, which fills them from the records.
+            if !self.listing()?.has_set(&set) {
+                continue;
+            }
+            let member = self.listing()?.elements(&set).iter().any(|element| {
+                matches!(&element.key, nftables::expr::Expression::String(addr) if *addr == net.addr().to_string())
+            });
+            if !member {
+                return Err(BackendError::CheckFailed(format!(
+                    "{} of {} is not a member of its network in set {set}",
+                    net.addr(),
+                    endpoint.attachment
+                )));
+            }
+        }
+        Ok(())
     }
 }

@@ -9,17 +9,18 @@ use nftables::schema::Rule;
 
 use super::{
     LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack,
-    filter::filter_of,
+    filter::{filter_of, write},
     guard_chain,
     masquerade::guard_drop_comment,
-    nft, parse_owner,
+    nft, parse_owner, reject_chain,
     scrape::{add_drops, counted_drops},
     sources,
 };
 use crate::{
     backend::{
         AttachmentRecord, BackendError, FilterRecord, FlowTable, GONE_IFINDEX, Inspect,
-        MasqueradeRecord, SourceCheckRecord, UplinkAddresses, is_link_local,
+        MATCH_EVENTS_SUPPRESSED, MasqueradeRecord, NetworkMembers, REJECT_ANSWERS_SENT,
+        REJECT_ANSWERS_SUPPRESSED, SourceCheckRecord, UplinkAddresses, is_link_local,
     },
     model::{ResolvedMapping, Target},
     netlink,
@@ -135,8 +136,41 @@ impl Inspect for NftablesBackend {
         self.source_check_records()
     }
 
+    /// The answers the attachments' reject chains sent and those their limits suppressed; the
+    /// new connections the log chains' limits kept from the log.
     fn counters(&self) -> Result<Vec<(&'static str, u64)>, BackendError> {
-        Ok(Vec::new())
+        let listing = self.listing()?;
+        let counted = |chain: &str, comments: &[&str]| -> u64 {
+            listing
+                .rules(chain)
+                .iter()
+                .filter(|rule| {
+                    rule.comment
+                        .as_deref()
+                        .is_some_and(|comment| comments.contains(&comment))
+                })
+                .filter_map(|rule| nft::counter_of(&rule.expr))
+                .map(|(packets, _)| packets)
+                .sum()
+        };
+        let (mut sent, mut suppressed, mut unlogged) = (0, 0, 0);
+        for (owner, _) in self.store.records() {
+            let rejecting = reject_chain(owner);
+            sent += counted(&rejecting, &[write::RESET, write::PROHIBITED]);
+            suppressed += counted(&rejecting, &[write::SUPPRESSED]);
+            let logging = format!("l_{owner:016x}_");
+            for chain in listing
+                .chain_names()
+                .filter(|chain| chain.starts_with(&logging))
+            {
+                unlogged += counted(chain, &[write::SUPPRESSED]);
+            }
+        }
+        Ok(vec![
+            (REJECT_ANSWERS_SENT, sent),
+            (REJECT_ANSWERS_SUPPRESSED, suppressed),
+            (MATCH_EVENTS_SUPPRESSED, unlogged),
+        ])
     }
 
     /// The filter's drops from its chains' counters, the source check's from its chains' in
@@ -147,8 +181,10 @@ impl Inspect for NftablesBackend {
         let mut add = |reason, counted| add_drops(&mut drops, reason, counted);
         for (_, record) in self.filters()? {
             for (rule, hits) in record.filter.rules.iter().zip(&record.hits) {
-                if rule.target == Target::Drop {
-                    add(DropReason::FilterRule, *hits);
+                match rule.target {
+                    Target::Drop => add(DropReason::FilterRule, *hits),
+                    Target::Reject => add(DropReason::FilterReject, *hits),
+                    Target::Allow => {}
                 }
             }
             if record.filter.default == Target::Drop {
@@ -173,6 +209,33 @@ impl Inspect for NftablesBackend {
             }
         }
         Ok(Some(drops.into_iter().collect()))
+    }
+
+    /// Each network's members as the records hold them: the attachments' addresses, which
+    /// the transaction that wrote a record put into its network's sets.
+    fn network_members(&self) -> Result<Vec<NetworkMembers>, BackendError> {
+        let mut networks: Vec<NetworkMembers> = Vec::new();
+        for (owner, record) in self.store.records() {
+            let Some(attachment) = parse_owner(&record.owner) else {
+                continue;
+            };
+            let members = record.networks.iter().map(|net| (net.addr(), owner));
+            match networks
+                .iter_mut()
+                .find(|held| held.network == attachment.network)
+            {
+                Some(held) => held.members.extend(members),
+                None => networks.push(NetworkMembers {
+                    network: attachment.network,
+                    members: members.collect(),
+                }),
+            }
+        }
+        for network in &mut networks {
+            network.members.sort();
+        }
+        networks.sort_by(|a, b| a.network.cmp(&b.network));
+        Ok(networks)
     }
 
     /// The kernel's connection tracking, which the nftables datapath relies on for NAT and the

@@ -58,7 +58,7 @@ impl Listing {
         Ok(Some(listing))
     }
 
-    fn from(listing: &[nft::Listed]) -> Self {
+    pub(super) fn from(listing: &[nft::Listed]) -> Self {
         let mut out = Self::default();
         for object in listing {
             match object {
@@ -112,6 +112,10 @@ impl Listing {
 
     pub fn chain_names(&self) -> impl Iterator<Item = &str> {
         self.chains.keys().map(String::as_str)
+    }
+
+    pub fn has_set(&self, set: &str) -> bool {
+        self.sets.contains_key(set)
     }
 
     pub fn has_chain(&self, chain: &str) -> bool {

@@ -38,7 +38,9 @@ mod host;
 mod inspect;
 mod listing;
 mod masquerade;
+mod members;
 mod names;
+pub mod nflog;
 mod nft;
 mod portmap;
 mod record;
@@ -55,8 +57,8 @@ use self::{
     conntrack::forget_connections,
     listing::Listing,
     names::{
-        conditions_chain, family_suffix, filter_chains, guard_chain, nat_chain, owner_comment,
-        parse_owner,
+        conditions_chain, family_suffix, filter_chains, guard_chain, log_chain, member_set,
+        nat_chain, owner_comment, parse_owner, reject_chain,
     },
     record::Record,
     skeleton::{LOCALNET_GUARD_CHAIN, TableLayout, layout},
@@ -116,6 +118,11 @@ pub struct NftablesBackend {
 }
 
 impl NftablesBackend {
+    /// The NFLOG group the table's `log` rules send to (`nflog`).
+    pub fn log_group(&self) -> Result<u16, BackendError> {
+        Ok(nflog::group_of(self.store.state_or_new()?.instance))
+    }
+
     /// Whether nftables can work here (STATUS, `auto`): the kernel answers for nf_tables and
     /// `nft` is installed.
     pub fn probe() -> Result<(), BackendError> {

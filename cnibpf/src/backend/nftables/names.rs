@@ -44,6 +44,63 @@ pub(super) fn filter_chains(owner: u64) -> [String; 2] {
     [format!("f_{owner:016x}_out"), format!("f_{owner:016x}_in")]
 }
 
+/// The chain an attachment's REJECT rules jump to: it answers within the attachment's limit.
+pub(super) fn reject_chain(owner: u64) -> String {
+    format!("r_{owner:016x}")
+}
+
+/// The chain a `log` rule's new connections jump to, of one direction's filter chain (`out`
+/// or `in`, as that chain's name ends): it logs them within its limit.
+pub(super) fn log_chain(filter_chain: &str, index: u32) -> String {
+    format!("l_{}_{index}", filter_chain.trim_start_matches("f_"))
+}
+
+/// The set of network `network`'s member addresses of a family: `net4_<network>`.
+pub(super) fn member_set(network: &str, ipv4: bool) -> String {
+    format!("net{}_{network}", family_suffix(ipv4))
+}
+
+/// The comment of a filter rule's nft rule: `rule <index>` (`log <index>` for its log rule),
+/// with ` ip` or ` ip6` when the rule is written once per family (it names a network and no
+/// address).
+pub(super) fn rule_comment(kind: RuleComment, index: u32, family: Option<bool>) -> String {
+    let kind = match kind {
+        RuleComment::Rule => "rule",
+        RuleComment::Log => "log",
+    };
+    match family {
+        None => format!("{kind} {index}"),
+        Some(true) => format!("{kind} {index} ip"),
+        Some(false) => format!("{kind} {index} ip6"),
+    }
+}
+
+/// What a filter chain's nft rule is, by its comment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum RuleComment {
+    Rule,
+    Log,
+}
+
+/// A comment [`rule_comment`] wrote, read back: what it is, its index and family.
+pub(super) fn parse_rule_comment(comment: &str) -> Option<(RuleComment, u32, Option<bool>)> {
+    let mut words = comment.split(' ');
+    let kind = match words.next()? {
+        "rule" => RuleComment::Rule,
+        "log" => RuleComment::Log,
+        _ => return None,
+    };
+    // fail-closed: decoding a comment; one that does not parse is none of ours.
+    let index = words.next()?.parse().ok()?;
+    let family = match words.next() {
+        None => None,
+        Some("ip") => Some(true),
+        Some("ip6") => Some(false),
+        Some(_) => return None,
+    };
+    words.next().is_none().then_some((kind, index, family))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -59,5 +116,23 @@ mod tests {
             owner_comment(&long),
             Err(NftablesError::OwnerTooLong(_))
         ));
+    }
+
+    #[test]
+    fn rule_comments_round_trip() {
+        for kind in [RuleComment::Rule, RuleComment::Log] {
+            for family in [None, Some(true), Some(false)] {
+                let comment = rule_comment(kind, 42, family);
+                assert_eq!(parse_rule_comment(&comment), Some((kind, 42, family)));
+            }
+        }
+        assert_eq!(rule_comment(RuleComment::Log, 7, Some(false)), "log 7 ip6");
+        for other in ["default", "rule", "rule x", "rule 1 ip7", "rule 1 ip extra"] {
+            assert_eq!(parse_rule_comment(other), None, "{other}");
+        }
+        assert_eq!(
+            log_chain("f_00000000000000ab_in", 10),
+            "l_00000000000000ab_in_10"
+        );
     }
 }

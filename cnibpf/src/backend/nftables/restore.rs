@@ -10,7 +10,7 @@ use nftables::batch::Batch;
 use super::{
     Change, NftablesError, elements, host,
     listing::Counters,
-    nft, parse_owner,
+    members, nflog, nft, parse_owner,
     record::Sources,
     store::{State, Store},
 };
@@ -74,8 +74,10 @@ pub fn restore(store: &mut Store, cause: Cause, counters: &Counters) -> Result<b
     let mut made = Vec::new();
     if !state.attachments.is_empty() {
         add_shared(&mut additions, &state);
+        members::add_sets(&mut additions, &members::needed(&state));
+        let log_group = nflog::group_of(state.instance);
         for (owner, change) in changes_of(&state) {
-            elements::add(&mut additions, owner, &change);
+            elements::add(&mut additions, owner, &change, log_group);
         }
         made = super::hooks::table_with(state.instance, super::hooks::Hooks::of(&state));
         made.extend(nft::commands(additions)?);

@@ -9,18 +9,26 @@ use std::collections::BTreeMap;
 use cnibpf_common::drops::{DropCount, DropReason};
 
 use super::{
-    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack, guard_chain,
+    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack,
+    filter::write,
+    guard_chain,
     host::{self, DumpedRule, NFPROTO_INET, NFPROTO_NETDEV},
-    parse_owner,
+    names::{RuleComment, parse_rule_comment},
+    parse_owner, reject_chain,
 };
 use crate::{
-    backend::{BackendError, FlowTable},
+    backend::{
+        BackendError, FlowTable, MATCH_EVENTS_SUPPRESSED, REJECT_ANSWERS_SENT,
+        REJECT_ANSWERS_SUPPRESSED,
+    },
     model::{Attachment, Pod, Target},
 };
 
-/// `NF_DROP`, and `NFT_RETURN` (what an ALLOW rule of a filter chain does).
+/// `NF_DROP`, `NFT_RETURN` (what an ALLOW rule of a filter chain does) and `NFT_JUMP` (a
+/// REJECT rule's, to its attachment's reject chain).
 const VERDICT_DROP: i32 = 0;
 const VERDICT_RETURN: i32 = -5;
+const VERDICT_JUMP: i32 = -3;
 /// The `meta protocol` value a rule matching ARP depends on (big-endian).
 const ETHERTYPE_ARP: [u8; 2] = [0x08, 0x06];
 /// `NFT_PAYLOAD_TRANSPORT_HEADER`.
@@ -35,6 +43,8 @@ pub struct Scraped {
     pub rules: Vec<ScrapedRule>,
     pub drops: Vec<(DropReason, DropCount)>,
     pub flow_tables: Vec<FlowTable>,
+    /// What `Inspect::counters` reports: the reject chains' answers, the log chains' limits.
+    pub counters: Vec<(&'static str, u64)>,
 }
 
 /// The packets one filter rule of one attachment decided (both directions' chains summed).
@@ -89,6 +99,7 @@ impl NftablesBackend {
             .map(|(owner, _, _)| *owner)
             .collect();
         scraped.drops = drops(&owners, &scraped.rules, &chains, &netdev);
+        scraped.counters = answers_and_logs(&owners, &chains);
         if let Some((entries, capacity)) =
             conntrack::fill().map_err(NftablesError::ConntrackFill)?
         {
@@ -121,17 +132,17 @@ fn filter_rules(
                 .ok_or_else(|| unreadable("a rule has no comment".to_owned()))?;
             let index = match comment {
                 "default" => None,
-                _ => Some(
-                    comment
-                        .strip_prefix("rule ")
-                        // fail-closed: decoding a comment; one that does not parse is an error.
-                        .and_then(|index| index.parse().ok())
-                        .ok_or_else(|| unreadable(format!("comment {comment:?}")))?,
-                ),
+                _ => match parse_rule_comment(comment) {
+                    Some((RuleComment::Rule, index, _)) => Some(index),
+                    // A log rule counts nothing: its rule, next, counts what it decides.
+                    Some((RuleComment::Log, ..)) => continue,
+                    None => return Err(unreadable(format!("comment {comment:?}")).into()),
+                },
             };
             let target = match rule.verdict {
                 Some(VERDICT_DROP) => Target::Drop,
                 Some(VERDICT_RETURN) => Target::Allow,
+                Some(VERDICT_JUMP) => Target::Reject,
                 other => return Err(unreadable(format!("verdict {other:?}")).into()),
             };
             // fail-closed: a rule without a counter counted nothing.
@@ -155,6 +166,45 @@ fn filter_rules(
     Ok(rules)
 }
 
+/// The answers the reject chains of `owners` sent and held back, and what their log chains'
+/// limits held back, as `Inspect::counters` names them.
+fn answers_and_logs(
+    owners: &[u64],
+    chains: &BTreeMap<&str, Vec<&DumpedRule>>,
+) -> Vec<(&'static str, u64)> {
+    let counted = |rules: &[&DumpedRule], comments: &[&str]| -> u64 {
+        rules
+            .iter()
+            .filter(|rule| {
+                rule.comment
+                    .as_deref()
+                    .is_some_and(|comment| comments.contains(&comment))
+            })
+            .filter_map(|rule| rule.counter)
+            .map(|(packets, _)| packets)
+            .sum()
+    };
+    let (mut sent, mut suppressed, mut unlogged) = (0, 0, 0);
+    for owner in owners {
+        if let Some(rules) = chains.get(reject_chain(*owner).as_str()) {
+            sent += counted(rules, &[write::RESET, write::PROHIBITED]);
+            suppressed += counted(rules, &[write::SUPPRESSED]);
+        }
+        let logging = format!("l_{owner:016x}_");
+        for (_, rules) in chains
+            .iter()
+            .filter(|(chain, _)| chain.starts_with(&logging))
+        {
+            unlogged += counted(rules, &[write::SUPPRESSED]);
+        }
+    }
+    vec![
+        (REJECT_ANSWERS_SENT, sent),
+        (REJECT_ANSWERS_SUPPRESSED, suppressed),
+        (MATCH_EVENTS_SUPPRESSED, unlogged),
+    ]
+}
+
 /// Every reason the nftables datapath counts, from the filters' rules, the source checks'
 /// rules in table `netdev cnibpf`, the localnet guard and the masquerade guards.
 fn drops(
@@ -165,10 +215,11 @@ fn drops(
 ) -> Vec<(DropReason, DropCount)> {
     let mut drops = counted_drops();
     let mut add = |reason, counted| add_drops(&mut drops, reason, counted);
-    for rule in rules.iter().filter(|rule| rule.target == Target::Drop) {
-        let reason = match rule.index {
-            Some(_) => DropReason::FilterRule,
-            None => DropReason::FilterDefault,
+    for rule in rules.iter().filter(|rule| rule.target != Target::Allow) {
+        let reason = match (rule.index, rule.target) {
+            (_, Target::Reject) => DropReason::FilterReject,
+            (Some(_), _) => DropReason::FilterRule,
+            (None, _) => DropReason::FilterDefault,
         };
         add(reason, (rule.packets, rule.bytes));
     }
@@ -218,6 +269,7 @@ pub(super) fn counted_drops() -> BTreeMap<DropReason, DropCount> {
     [
         DropReason::FilterRule,
         DropReason::FilterDefault,
+        DropReason::FilterReject,
         DropReason::SourceCheckAddress,
         DropReason::SourceCheckArp,
         DropReason::SourceCheckNeighbourAdvertisement,
@@ -296,6 +348,9 @@ mod tests {
             filter("f_0000000000000007_out", "default", VERDICT_RETURN, 5),
             filter("f_0000000000000007_in", "rule 10", VERDICT_DROP, 2),
             filter("f_0000000000000007_in", "rule 20", VERDICT_RETURN, 4),
+            filter("f_0000000000000007_in", "log 30 ip", VERDICT_JUMP, 0),
+            filter("f_0000000000000007_in", "rule 30 ip", VERDICT_JUMP, 2),
+            filter("f_0000000000000007_in", "rule 30 ip6", VERDICT_JUMP, 1),
             filter("f_0000000000000007_in", "default", VERDICT_RETURN, 1),
             filter(
                 "g_0000000000000007",
@@ -303,6 +358,10 @@ mod tests {
                 VERDICT_DROP,
                 9,
             ),
+            filter("r_0000000000000007", "suppressed", VERDICT_DROP, 1),
+            filter("r_0000000000000007", "reset", VERDICT_DROP, 2),
+            filter("r_0000000000000007", "prohibited", VERDICT_DROP, 0),
+            filter("l_0000000000000007_in_30", "suppressed", VERDICT_RETURN, 4),
         ];
         let mut chains: BTreeMap<&str, Vec<&DumpedRule>> = BTreeMap::new();
         for rule in &dumped {
@@ -319,6 +378,7 @@ mod tests {
                 (Some(10), Target::Drop, 5),
                 (None, Target::Allow, 6),
                 (Some(20), Target::Allow, 4),
+                (Some(30), Target::Reject, 3),
             ]
         );
         let drops = drops(&[7], &rules, &chains, &[]);
@@ -332,6 +392,15 @@ mod tests {
             (of(DropReason::FilterRule), of(DropReason::FilterDefault)),
             (Some(5), Some(0))
         );
+        assert_eq!(of(DropReason::FilterReject), Some(3));
         assert_eq!(of(DropReason::MasqueradeUntranslatable), Some(9));
+        assert_eq!(
+            answers_and_logs(&[7], &chains),
+            [
+                (REJECT_ANSWERS_SENT, 2),
+                (REJECT_ANSWERS_SUPPRESSED, 1),
+                (MATCH_EVENTS_SUPPRESSED, 4)
+            ]
+        );
     }
 }
