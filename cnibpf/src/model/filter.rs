@@ -30,6 +30,27 @@ pub struct FilterRule {
     pub log: bool,
 }
 
+impl FilterRule {
+    /// Rule `index` matching every packet of `direction`, its verdict `target`: what a rule
+    /// is before its keys narrow it.
+    pub fn matching_all(index: u32, target: Target, direction: Direction) -> Self {
+        Self {
+            index,
+            target,
+            src: None,
+            dst: None,
+            src_network: None,
+            dst_network: None,
+            protocol: RuleProtocol::Any,
+            sport: None,
+            dport: None,
+            connstate: ConnState::Any,
+            direction,
+            log: false,
+        }
+    }
+}
+
 /// A rule's match in the words of its configuration ("any" when it matches everything).
 impl fmt::Display for FilterRule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -209,20 +230,7 @@ mod tests {
     use super::*;
 
     fn rule(index: u32, target: Target) -> FilterRule {
-        FilterRule {
-            index,
-            target,
-            src: None,
-            dst: None,
-            src_network: None,
-            dst_network: None,
-            protocol: RuleProtocol::Any,
-            sport: None,
-            dport: None,
-            connstate: ConnState::Any,
-            direction: Direction::Both,
-            log: false,
-        }
+        FilterRule::matching_all(index, target, Direction::Both)
     }
 
     fn indexes(filter: &Filter) -> Vec<u32> {

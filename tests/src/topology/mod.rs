@@ -381,17 +381,19 @@ fn claim(id: &str) -> std::fs::File {
     file
 }
 
+/// DELs what `attached` holds through `chain`, the last added first (a clean-up: what fails
+/// to go is the host's teardown's to remove).
+fn del_attached(chain: &Chain, attached: &Mutex<Vec<Attachment>>) {
+    let attached =
+        std::mem::take(&mut *attached.lock().unwrap_or_else(|poison| poison.into_inner()));
+    for attachment in attached.iter().rev() {
+        let _ = chain.del(attachment);
+    }
+}
+
 impl Drop for SimHost {
     fn drop(&mut self) {
-        let attached = std::mem::take(
-            &mut *self
-                .attached
-                .lock()
-                .unwrap_or_else(|poison| poison.into_inner()),
-        );
-        for attachment in attached.iter().rev() {
-            let _ = self.chain.del(attachment);
-        }
+        del_attached(&self.chain, &self.attached);
         if !self.shares_pin_path {
             remove_instance_files(&self.pin_path);
             let _ = std::fs::remove_dir_all(&self.pin_path);

@@ -87,14 +87,6 @@ impl Network<'_> {
 
 impl Drop for Network<'_> {
     fn drop(&mut self) {
-        let attached = std::mem::take(
-            &mut *self
-                .attached
-                .lock()
-                .unwrap_or_else(|poison| poison.into_inner()),
-        );
-        for attachment in attached.iter().rev() {
-            let _ = self.chain.del(attachment);
-        }
+        del_attached(&self.chain, &self.attached);
     }
 }

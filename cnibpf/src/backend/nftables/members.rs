@@ -139,23 +139,13 @@ mod tests {
     use super::*;
     use crate::{
         backend::nftables::store::OwnerId,
-        model::{ConnState, Direction, Filter, FilterRule, NetworkName, RuleProtocol, Target},
+        model::{Direction, Filter, FilterRule, NetworkName, Target},
     };
 
     fn record(owner: &str, addresses: &[&str], named: Option<&str>) -> Record {
         let rule = named.map(|network| FilterRule {
-            index: 1,
-            target: Target::Allow,
-            src: None,
-            dst: None,
             src_network: Some(NetworkName::new(network).expect("valid")),
-            dst_network: None,
-            protocol: RuleProtocol::Any,
-            sport: None,
-            dport: None,
-            connstate: ConnState::Any,
-            direction: Direction::Ingress,
-            log: false,
+            ..FilterRule::matching_all(1, Target::Allow, Direction::Ingress)
         });
         Record {
             owner: owner.to_owned(),

@@ -251,20 +251,7 @@ fn log_rule_of(
 }
 
 fn unmatched(index: u32, direction: Direction) -> FilterRule {
-    FilterRule {
-        index,
-        target: Target::Allow,
-        src: None,
-        dst: None,
-        src_network: None,
-        dst_network: None,
-        protocol: RuleProtocol::Any,
-        sport: None,
-        dport: None,
-        connstate: ConnState::Any,
-        direction,
-        log: false,
-    }
+    FilterRule::matching_all(index, Target::Allow, direction)
 }
 
 /// One match of a rule into `rule`'s fields.
