@@ -103,6 +103,9 @@ fn the_dmz_reaches_the_protected_network_alone(backend: Backend) {
         .map(|family| TcpServer::start(&service.netns, service.at(family, LDAP), "ldap"));
     let mut monitor = Monitor::start(&sim, &["--matches", "--json"]);
     let events = monitor.lines();
+    // The eBPF datapath's drops go to a ring of their own, which `monitor` follows too.
+    let mut drops = (backend == Backend::Ebpf).then(|| Monitor::start(&sim, &["--json"]));
+    let dropped = drops.as_mut().map(Monitor::lines);
     // The monitor follows from its start: give it the moment to open its events.
     std::thread::sleep(Duration::from_millis(300));
     let first = dmz.container("a", Value::Null);
@@ -204,6 +207,21 @@ fn the_dmz_reaches_the_protected_network_alone(backend: Backend) {
         "the rate limit's suppressed answers are counted"
     );
 
+    // Refused packets count as drops of their own reason, and the eBPF monitor shows them so.
+    let rejected = sim.inspect()["drops"][backend.name()]["filter_reject"]["packets"]
+        .as_u64()
+        .unwrap_or_default();
+    assert!(
+        rejected >= 500,
+        "{rejected} packets counted as filter_reject"
+    );
+    if let Some(dropped) = &dropped {
+        let line = first_line_matching(dropped, |line| {
+            line.contains("\"reason\":\"filter_reject\"")
+        })
+        .unwrap_or_else(|| panic!("the monitor shows a refused packet with reason filter_reject"));
+        assert!(line.contains("\"verdict\":\"REJECT\""), "{line}");
+    }
     // Only the logging rule reported: the refused connections (rule 20, no log) did not.
     let lines: Vec<String> = events.try_iter().collect();
     monitor.interrupt();
