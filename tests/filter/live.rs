@@ -284,7 +284,46 @@ fn an_unfiltered_attachment_gets_rules_live_and_a_re_add_restores_the_configurat
     assert!(host.holds_no_state(), "DEL leaves nothing");
 }
 
+/// A REJECT rule and a rule that logs, applied and deleted live: what they need besides the
+/// rules (nftables: the reject and log chains) comes and goes with them, CHECK holds each time.
+fn a_reject_and_a_logging_rule_come_and_go_live(backend: Backend) {
+    let host = SimHost::on(backend, "fl-live-rej", json!({}));
+    host.route_outside_to_containers();
+    let container = host.container("c1", Value::Null);
+    let _server = TcpServer::start(&container.netns, Family::V4.any(8080), "served");
+    let target = container.at(Family::V4, 8080);
+    let filter = FilterCommand::of(&host);
+    let checked = |what: &str| {
+        host.check(&container)
+            .unwrap_or_else(|error| panic!("CHECK {what}: {error}"));
+    };
+    filter.apply(
+        &container,
+        json!([{ "action": "insert", "index": 10, "src": format!("{OUTSIDE_ADDR}/32"),
+                 "proto": "tcp", "dport": 8080, "target": "REJECT" }]),
+    );
+    match tcp_request(&host.outside, target) {
+        Err(error) if error.contains("refused") => {}
+        other => panic!("the live REJECT refuses: {other:?}"),
+    }
+    checked("with the REJECT rule");
+    filter.apply(
+        &container,
+        json!([{ "action": "delete", "index": 10 },
+               { "action": "insert", "index": 20, "proto": "tcp", "target": "ALLOW", "log": true }]),
+    );
+    assert_eq!(tcp_request(&host.outside, target).as_deref(), Ok("served"));
+    checked("with the logging rule");
+    filter.apply(&container, json!([{ "action": "delete", "index": 20 }]));
+    assert_eq!(filter.indexes(&container), Vec::<u64>::new());
+    checked("without either");
+    host.del(&container)
+        .unwrap_or_else(|error| panic!("DEL: {error}"));
+    assert!(host.holds_no_state(), "DEL leaves nothing");
+}
+
 for_both_backends!(
     changes_a_running_attachments_rules_live,
     an_unfiltered_attachment_gets_rules_live_and_a_re_add_restores_the_configuration,
+    a_reject_and_a_logging_rule_come_and_go_live,
 );
