@@ -62,6 +62,23 @@ impl SimHost {
         )
     }
 
+    /// A simulated host whose bridge masquerades on `plugins`' own netfilter backend and whose
+    /// conflist chains that release's portmap on the same backend: the reference's pod with
+    /// hostPorts and masquerade.
+    pub fn with_reference_portmap_and_masquerade_on(plugins: ReferencePlugins, id: &str) -> Self {
+        let keys = match plugins {
+            ReferencePlugins::Iptables => json!({}),
+            ReferencePlugins::Nftables => json!({ "backend": "nftables" }),
+        };
+        Self::build_with(
+            id,
+            "1.0.0",
+            vec![Chained::ReferencePortmap(keys)],
+            Some(plugins),
+            plugins,
+        )
+    }
+
     /// A simulated host whose bridge masquerades with iptables (the reference `ipMasq`) and
     /// that chains nothing after it, for comparisons.
     pub fn with_reference_masquerade(id: &str) -> Self {

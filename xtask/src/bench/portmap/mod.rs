@@ -284,6 +284,10 @@ impl HostPortSetup {
         })
     }
 
+    pub(super) fn target(&self) -> &Container {
+        &self.target
+    }
+
     /// One round: (routed throughput, hostPort throughput, routed rate, hostPort rate).
     pub(super) fn round(&self) -> Result<[f64; 4]> {
         let routed = (self.target.socket(5201), self.target.socket(7000));
