@@ -14,6 +14,7 @@ pub enum MapKind {
     PerCpuArray,
     LpmTrie,
     RingBuf,
+    ProgramArray,
 }
 
 impl MapKind {
@@ -27,6 +28,7 @@ impl MapKind {
             Self::LruHash => 9,
             Self::LpmTrie => 11,
             Self::RingBuf => 27,
+            Self::ProgramArray => 3,
         }
     }
 

@@ -41,7 +41,7 @@ use crate::hooks::{container, qdisc, socket, uplink};
 /// of masqueraded flows (and ICMP errors about them) are translated back to theirs.
 #[classifier]
 pub fn uplink_ingress(ctx: TcContext) -> i32 {
-    uplink::ingress(&ctx)
+    filter::answered(&ctx, uplink::ingress(&ctx))
 }
 
 /// Uplink egress: replies of translated flows get the hostPort address back as their source;
@@ -56,7 +56,7 @@ pub fn uplink_egress(ctx: TcContext) -> i32 {
 /// uplink; everything else continues unchanged.
 #[classifier]
 pub fn from_container(ctx: TcContext) -> i32 {
-    container::from_container(&ctx)
+    filter::answered(&ctx, container::from_container(&ctx))
 }
 
 /// Container host-side interface, TC egress: packets towards the container that did not come
@@ -64,7 +64,14 @@ pub fn from_container(ctx: TcContext) -> i32 {
 /// way reuses its 5-tuple, so a translation remembered for it is stale and goes.
 #[classifier]
 pub fn to_container(ctx: TcContext) -> i32 {
-    container::to_container(&ctx)
+    filter::answered(&ctx, container::to_container(&ctx))
+}
+
+/// Attached nowhere: the hooks above tail-call it (`answer_programs`) for a packet a REJECT
+/// rule refused, which it answers with a TCP reset or an ICMP error (see `filter::answer`).
+#[classifier]
+pub fn reject_answer(ctx: TcContext) -> i32 {
+    filter::answer_refused(&ctx)
 }
 
 /// Host sockets, connect(2) over IPv4: a hostPort of this host becomes its container.

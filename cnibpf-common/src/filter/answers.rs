@@ -7,6 +7,12 @@
 //! `filters`. Value: [`AnswerBudget`]. Created zeroed by the CNI plugin with the attachment's
 //! `filter_hits`, removed with it; spent by the programs for each answer; read by `cnibpf
 //! inspect` and `cnibpf metrics`.
+//!
+//! `answer_programs`: a program array of one, the program that makes and sends the answers
+//! (`reject_answer`), which the hooks tail-call for a refused packet whose answer is wanted.
+//! Key `u32` 0, value the program (its descriptor when written, its id when read). Written by
+//! every load of the programs, after which the kernel's reference keeps the program as long
+//! as the pinned map is.
 
 use crate::map_spec::{Dimension, MapKind, MapSpec, Sizing};
 use crate::{drops::budget::take, impl_pod};
@@ -14,6 +20,9 @@ use crate::{drops::budget::take, impl_pod};
 pub const ANSWER_BUDGETS: MapSpec =
     MapSpec::new::<u32, AnswerBudget>("answer_budgets", MapKind::PerCpuHash, 4_096)
         .sized(Sizing::Times(Dimension::Attachments, 1));
+
+pub const ANSWER_PROGRAMS: MapSpec =
+    MapSpec::new::<u32, u32>("answer_programs", MapKind::ProgramArray, 1);
 
 /// Answers an attachment may send at once from one CPU, and the bucket's size.
 pub const ANSWER_BURST: u64 = 20;

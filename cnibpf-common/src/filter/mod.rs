@@ -15,7 +15,7 @@ pub mod matches;
 pub mod networks;
 pub mod stats;
 
-pub use answers::{ANSWER_BUDGETS, AnswerBudget};
+pub use answers::{ANSWER_BUDGETS, ANSWER_PROGRAMS, AnswerBudget};
 pub use hits::{FilterHits, HITS, RuleHits};
 pub use matches::{MATCH_EVENT_BUDGET, MATCH_EVENTS, MatchEvent, MatchEventBudget};
 pub use networks::{NETWORK_MEMBERS, NETWORK_NAMES, NetworkMember, NetworkMemberKey, NetworkName};
@@ -32,13 +32,14 @@ pub const FILTERS: MapSpec = MapSpec::new::<u32, FilterSet>("filters", MapKind::
     .at_version(2);
 
 /// The maps of the filter.
-pub const MAPS: [MapSpec; 8] = [
+pub const MAPS: [MapSpec; 9] = [
     FILTERS,
     HITS,
     STATS,
     NETWORK_MEMBERS,
     NETWORK_NAMES,
     ANSWER_BUDGETS,
+    ANSWER_PROGRAMS,
     MATCH_EVENTS,
     MATCH_EVENT_BUDGET,
 ];

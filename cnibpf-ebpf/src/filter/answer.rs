@@ -3,6 +3,9 @@
 //! the address it was sent to, and sent back the way it came, while the attachment's answer
 //! budget (`answer_budgets`) lasts. What cannot be answered — a packet never to be answered, a
 //! budget spent, a packet the kernel will not resize (GSO) — is dropped as it would have been.
+//! The hooks that refuse only say so ([`refused`]); the answer is made by a program of its own,
+//! `reject_answer`, which their entry points tail-call (`answer_programs`), so that its code is
+//! loaded once rather than in each of them.
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -32,6 +35,7 @@ use crate::{
 
 /// Which way a refused packet's answer goes.
 #[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
 pub enum Way {
     /// The container sent the packet (its veth's ingress): into the container.
     IntoContainer,
@@ -43,8 +47,12 @@ pub enum Way {
     OutOfUplink,
 }
 
-/// `Subject::answer` of a packet a REJECT rule refused, until [`refused`] answers it.
+/// `Subject::answer` of a packet a REJECT rule refused, until [`answer_refused`] answers it.
 pub const WANTED: u8 = 1;
+
+/// The verdict [`refused`] gives a packet whose answer is wanted: no TC verdict takes it. The
+/// hook's entry point passes the packet on to [`answer_refused`] ([`answered`]).
+pub const TO_ANSWER: i32 = i32::MIN + 2;
 
 /// The headers of a refused packet and its answer being made; private to each loaded object.
 #[repr(C)]
@@ -52,6 +60,10 @@ pub struct AnswerScratch {
     /// The answer's ends: the packet's own, or those a translation's sender used
     /// ([`ends_slot`]).
     ends: Ends,
+    /// The [`Way`] the answer goes, and whether `ends` were written for it (1) or are the
+    /// packet's own (0): what [`refused`] hands [`answer_refused`].
+    way: u32,
+    translated: u32,
     /// The IP header (IPv4's in its first 20 bytes).
     ip: [u8; 40],
     l4: [u8; 20],
@@ -75,19 +87,59 @@ pub fn ends_slot() -> Option<&'static mut Ends> {
     Some(unsafe { &mut (*scratch).ends })
 }
 
-/// The verdict for a packet the filter refused: its answer sent `way` — between the ends a
-/// hook wrote in [`ends_slot`] when `translated`, else the packet's own — or a drop.
+/// The verdict for a packet the filter refused: [`TO_ANSWER`] when its answer is wanted — to
+/// go `way`, between the ends a hook wrote in [`ends_slot`] when `translated`, else the
+/// packet's own — or a drop.
 #[inline(never)]
-pub fn refused(ctx: &TcContext, way: Way, translated: bool) -> i32 {
-    let Some(subject) = filter_scratch.get_ptr_mut(0) else {
+pub fn refused(way: Way, translated: bool) -> i32 {
+    let (Some(subject), Some(scratch)) =
+        (filter_scratch.get_ptr_mut(0), answer_scratch.get_ptr_mut(0))
+    else {
         return DROP;
     };
-    // SAFETY: this CPU's scratch, filled by the filter for the packet at hand.
-    let subject = unsafe { &mut *subject };
+    // SAFETY: this CPU's scratches, the filter's filled for the packet at hand.
+    let (subject, scratch) = unsafe { (&*subject, &mut *scratch) };
+    if subject.answer != WANTED {
+        return DROP;
+    }
+    scratch.way = way as u32;
+    scratch.translated = u32::from(translated);
+    TO_ANSWER
+}
+
+/// A hook's verdict as the kernel gets it: one of [`TO_ANSWER`] goes on to the answer program
+/// (a tail call: one copy of the answer's code for every hook), or is dropped unanswered when
+/// that program is missing. Inlined into each entry point, where a tail call leaves no frame
+/// of the hook's below the answer's.
+#[inline(always)]
+pub fn answered(ctx: &TcContext, verdict: i32) -> i32 {
+    if verdict == TO_ANSWER {
+        // SAFETY: a tail call into `answer_programs`' only program, which reads nothing of
+        // this one's but the per-CPU scratches; it returns only when there is none.
+        unsafe { maps::answer_programs.tail_call(ctx, ANSWER_PROGRAM) };
+        return DROP;
+    }
+    verdict
+}
+
+/// The answer program's slot in `answer_programs`.
+const ANSWER_PROGRAM: u32 = 0;
+
+/// The answer program's work for the packet [`refused`] made ready: its answer sent the way
+/// it named, while the attachment's budget lasts, or a drop.
+pub fn answer_refused(ctx: &TcContext) -> i32 {
+    let (Some(subject), Some(scratch)) =
+        (filter_scratch.get_ptr_mut(0), answer_scratch.get_ptr_mut(0))
+    else {
+        return DROP;
+    };
+    // SAFETY: this CPU's scratches, filled by the hook that tail-called this program.
+    let (subject, scratch) = unsafe { (&mut *subject, &*scratch) };
     if subject.answer != WANTED {
         return DROP;
     }
     subject.answer = 0;
+    let (way, translated) = (scratch.way, scratch.translated != 0);
     let Some(budget) = maps::answer_budgets.get_ptr_mut(&subject.ifindex) else {
         return DROP;
     };
@@ -99,10 +151,10 @@ pub fn refused(ctx: &TcContext, way: Way, translated: bool) -> i32 {
     }
     let ifindex = crate::packet::ifindex(ctx);
     match way {
-        Way::IntoContainer => redirect_to_peer(ifindex),
-        Way::FromContainer => into_gateway(ctx, ifindex),
+        way if way == Way::IntoContainer as u32 => redirect_to_peer(ifindex),
+        way if way == Way::FromContainer as u32 => into_gateway(ctx, ifindex),
         // SAFETY: bpf_redirect has no memory arguments.
-        Way::OutOfUplink => unsafe { bpf_redirect(ifindex, 0) as i32 },
+        _ => unsafe { bpf_redirect(ifindex, 0) as i32 },
     }
 }
 

@@ -38,7 +38,7 @@ use crate::{
     packet::{Flow, Fragment},
 };
 
-pub use answer::{Way, ends_slot, refused};
+pub use answer::{TO_ANSWER, Way, answer_refused, answered, ends_slot, refused};
 pub use other::allows_other;
 use rules::{evaluate, rule_at, target};
 
@@ -417,7 +417,7 @@ fn count_hit(subject: &Subject, position: u16) {
 }
 
 /// Records a packet dropped by the rule at `position` (or the default); a REJECT rule's is
-/// to be answered (`answer::refused`).
+/// to be answered (`answer::answer_refused`).
 #[inline(always)]
 fn report(subject: &mut Subject, set: &FilterSet, position: u16) {
     match rule_at(set, usize::from(position)) {

@@ -46,14 +46,14 @@ fn try_from_container(ctx: &TcContext) -> Result<i32, DatapathError> {
         if !filtered || filter::allows_other(ctx, ifindex(ctx), DIRECTION_EGRESS) {
             return Ok(NEXT);
         }
-        return Ok(filter::refused(ctx, Way::IntoContainer, false));
+        return Ok(filter::refused(Way::IntoContainer, false));
     };
     // Found once for the filter, masquerade and the hostPort replies: each reads it. (A
     // connection's first packet may get an entry from the filter after this; what follows
     // then finds none, as none of theirs is in it.)
     let connection = connections::of_packet(flow, DIRECTION_EGRESS);
     if filtered && !filter::allows_in(ctx, flow, ifindex(ctx), DIRECTION_EGRESS, connection) {
-        return Ok(filter::refused(ctx, Way::IntoContainer, false));
+        return Ok(filter::refused(Way::IntoContainer, false));
     }
     // A container whose traffic is shaped on its veth: what it sends must pass the qdiscs
     // that follow this hook (the `bandwidth` plugin's redirect to its ifb), so nothing is sent
@@ -104,7 +104,7 @@ fn translated(
             let connection = connections::of_packet(flow, DIRECTION_INGRESS);
             let verdict = hand_over(ctx, Some(flow), target, false, Some(connection), true)
                 .unwrap_or_else(|error| error.verdict(ctx));
-            if verdict != DROP {
+            if verdict != DROP && verdict != filter::TO_ANSWER {
                 portmap::remember_translation(flow, connection);
             }
             Answer::verdict(verdict)
@@ -124,7 +124,7 @@ pub fn to_container(ctx: &TcContext) -> i32 {
             if filter::allows_other(ctx, ifindex(ctx), DIRECTION_INGRESS) {
                 return NEXT;
             }
-            return filter::refused(ctx, Way::FromContainer, false);
+            return filter::refused(Way::FromContainer, false);
         }
         Err(error) => return error.verdict(ctx),
     };
@@ -136,7 +136,7 @@ pub fn to_container(ctx: &TcContext) -> i32 {
         connections::of_packet(flow, DIRECTION_INGRESS)
     };
     if !filter::allows_in(ctx, flow, ifindex(ctx), DIRECTION_INGRESS, connection) {
-        return filter::refused(ctx, Way::FromContainer, false);
+        return filter::refused(Way::FromContainer, false);
     }
     if !translated {
         portmap::forget_stale_translation(flow, connection);

@@ -93,7 +93,7 @@ fn hand_over(
             return Ok(DROP);
         };
         portmap::translation_ends(ends);
-        return Ok(filter::refused(ctx, way, true));
+        return Ok(filter::refused(way, true));
     }
     set_macs(ctx, &container.container_mac, &container.gateway_mac)?;
     Ok(redirect_to_peer(ifindex))

@@ -16,7 +16,7 @@ use cnibpf_common::address::Address;
 
 use super::hand_over;
 use crate::{
-    maps, masquerade,
+    filter, maps, masquerade,
     packet::{
         Answer, DROP, DatapathError, Flow, NEXT, SourceAddress, from_local_socket, ifindex,
         source_address, take_translated_mark,
@@ -73,7 +73,7 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
     match portmap::translate_from_outside(ctx, flow, container)? {
         (Answer::TO_CONTAINER, connection) => {
             let verdict = hand_over(ctx, Some(flow), container, true, Some(connection), true)?;
-            if verdict != DROP {
+            if verdict != DROP && verdict != filter::TO_ANSWER {
                 portmap::remember_translation(flow, connection);
             }
             Ok(verdict)

@@ -8,7 +8,9 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    btf_maps::{
+        Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray, RingBuf,
+    },
     macros::btf_map,
 };
 use cnibpf_common::{
@@ -173,6 +175,10 @@ pub static answer_budgets: PerCpuHashMap<
     { filter::ANSWER_BUDGETS.max_entries as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
+
+#[btf_map(pin_by_name)]
+pub static answer_programs: ProgramArray<{ filter::ANSWER_PROGRAMS.max_entries as usize }> =
+    ProgramArray::new();
 
 #[btf_map(pin_by_name)]
 pub static filter_matches: RingBuf<MatchEvent, { filter::MATCH_EVENTS.max_entries as usize }> =

@@ -37,6 +37,9 @@ pub(super) const UPLINK_EGRESS: &str = "uplink_egress";
 pub(super) const FROM_CONTAINER: &str = "from_container";
 pub(super) const TO_CONTAINER: &str = "to_container";
 const TC_PROGRAMS: [&str; 4] = [UPLINK_INGRESS, UPLINK_EGRESS, FROM_CONTAINER, TO_CONTAINER];
+/// The program that answers what a REJECT rule refused: attached nowhere, the TC programs
+/// tail-call it through `answer_programs`, which every load points at the program it loaded.
+pub(super) const ANSWER_PROGRAM: &str = "reject_answer";
 
 /// The qdisc watcher (see the eBPF crate's `hooks::qdisc`) and the raw tracepoint it runs at.
 pub(super) const QDISC_WATCHER: &str = "qdisc_created";
@@ -65,6 +68,7 @@ const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 pub(super) fn all_programs() -> impl Iterator<Item = &'static str> {
     TC_PROGRAMS
         .into_iter()
+        .chain([ANSWER_PROGRAM])
         .chain(SOCK_PROGRAMS.iter().map(|(name, _)| *name))
         .chain([QDISC_WATCHER])
 }
@@ -365,6 +369,7 @@ pub(super) fn load_object(
         })?;
         phases::mark("pins");
     }
+    point_answer_programs(&mut ebpf)?;
     let host_netns_cookie = netns::current_cookie().map_err(|source| BackendError::Pin {
         action: "could not read the host's network namespace cookie".to_owned(),
         source: Box::new(source),
@@ -375,6 +380,39 @@ pub(super) fn load_object(
         &Settings { host_netns_cookie },
     )?;
     Ok(())
+}
+
+/// Points `answer_programs` at the answer program just loaded: until then the (pinned) array
+/// holds the one an earlier load made, or nothing, when a refused packet is dropped unanswered.
+fn point_answer_programs(ebpf: &mut aya::Ebpf) -> Result<(), BackendError> {
+    let name = cnibpf_common::filter::ANSWER_PROGRAMS.name;
+    let map_error = |source| BackendError::Map {
+        action: format!("could not point map {name} at {ANSWER_PROGRAM}"),
+        source: Box::new(source),
+    };
+    // Taken out of the object (its pin stays): the program is borrowed beside it.
+    let mut array = ebpf
+        .take_map(name)
+        .ok_or_else(|| {
+            map_error(MapError::InvalidName {
+                name: name.to_owned(),
+            })
+        })
+        .and_then(|map| aya::maps::ProgramArray::try_from(map).map_err(map_error))?;
+    let program_error = |source| BackendError::Program {
+        action: format!("could not open program {ANSWER_PROGRAM}"),
+        source: Box::new(source),
+    };
+    let program: &SchedClassifier = ebpf
+        .program(ANSWER_PROGRAM)
+        .ok_or_else(|| aya::programs::ProgramError::InvalidName {
+            name: ANSWER_PROGRAM.to_owned(),
+        })
+        .and_then(TryInto::try_into)
+        .map_err(program_error)?;
+    array
+        .set(0, program.fd().map_err(program_error)?, 0)
+        .map_err(map_error)
 }
 
 /// Maps earlier builds pinned that no program of this one uses: the later fragments of each
