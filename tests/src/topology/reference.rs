@@ -49,23 +49,23 @@ impl SimHost {
 
     /// [`Self::with_reference_portmap`] with `plugins`' portmap on its own netfilter backend.
     pub fn with_reference_portmap_on(plugins: ReferencePlugins, id: &str) -> Self {
-        let keys = match plugins {
-            ReferencePlugins::Iptables => json!({}),
-            ReferencePlugins::Nftables => json!({ "backend": "nftables" }),
-        };
-        Self::build_with(
-            id,
-            "1.0.0",
-            vec![Chained::ReferencePortmap(keys)],
-            None,
-            plugins,
-        )
+        Self::with_reference_portmap_of(plugins, id, None)
     }
 
     /// A simulated host whose bridge masquerades on `plugins`' own netfilter backend and whose
     /// conflist chains that release's portmap on the same backend: the reference's pod with
     /// hostPorts and masquerade.
     pub fn with_reference_portmap_and_masquerade_on(plugins: ReferencePlugins, id: &str) -> Self {
+        Self::with_reference_portmap_of(plugins, id, Some(plugins))
+    }
+
+    /// `plugins`' portmap on its own netfilter backend, chained after a bridge that
+    /// masquerades on `bridge_masquerades`' (or not at all).
+    fn with_reference_portmap_of(
+        plugins: ReferencePlugins,
+        id: &str,
+        bridge_masquerades: Option<ReferencePlugins>,
+    ) -> Self {
         let keys = match plugins {
             ReferencePlugins::Iptables => json!({}),
             ReferencePlugins::Nftables => json!({ "backend": "nftables" }),
@@ -74,7 +74,7 @@ impl SimHost {
             id,
             "1.0.0",
             vec![Chained::ReferencePortmap(keys)],
-            Some(plugins),
+            bridge_masquerades,
             plugins,
         )
     }
