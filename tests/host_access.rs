@@ -149,6 +149,20 @@ fn containers_never_reach_the_hosts_loopback(backend: Backend) {
     let outcome = udp_request(&attacker.netns, private);
     assert!(outcome.is_err(), "{backend:?}: nor by UDP: {outcome:?}");
     if backend == Backend::Nftables {
+        // A packet without a conntrack entry walks no NAT chain, where the guard meets a
+        // connection's first packet: the host's firewall exempting the loopback from
+        // conntrack (`notrack`) opens no way in.
+        sim.host.exec(&[
+            "nft",
+            "add table ip ha_notrack; \
+             add chain ip ha_notrack raw { type filter hook prerouting priority raw; }; \
+             add rule ip ha_notrack raw ip daddr 127.0.0.0/8 notrack",
+        ]);
+        let outcome = tcp_request(&attacker.netns, private);
+        assert!(outcome.is_err(), "untracked, by TCP: {outcome:?}");
+        let outcome = udp_request(&attacker.netns, private);
+        assert!(outcome.is_err(), "untracked, by UDP: {outcome:?}");
+        sim.host.exec(&["nft", "delete table ip ha_notrack"]);
         // The exposure is real: route_localnet is on, and without the guard the attack works.
         assert_eq!(
             sim.host

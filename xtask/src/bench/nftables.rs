@@ -306,9 +306,9 @@ const HOOKS: [(&str, &str, &str); 3] = [
         "delete table netdev cnibpf",
     ),
     (
-        "localnet guard (prerouting)",
+        "localnet guard (first packets, input)",
         "chain localnet_guard",
-        "delete chain inet cnibpf localnet_guard",
+        "delete chain inet cnibpf localnet_new; delete chain inet cnibpf localnet_local; delete chain inet cnibpf localnet_guard",
     ),
     (
         "masquerade guard (postrouting)",
@@ -356,7 +356,7 @@ fn hook_prices(progress: &Progress, pod: &Pod) -> Result<Vec<Row>> {
         whole.push(rates()?);
         for ((_, commands), measured) in variants.iter().zip(&mut without) {
             for command in commands {
-                host.exec(&["sh", "-c", &format!("nft {command}")]);
+                host.exec(&["nft", command]);
             }
             let rates = rates();
             host.exec(&["nft", "flush", "ruleset"]);

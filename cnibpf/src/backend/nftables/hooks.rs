@@ -20,9 +20,10 @@ pub(super) struct Hooks {
     pub filter: bool,
     /// `masquerade_guard`: while an attachment masquerades.
     pub guard: bool,
-    /// `localnet_guard`: while an attachment has hostPorts (the NAT hooks translate a packet to
-    /// 127.0.0.0/8 on a wildcard one, whatever interface it came in by) or an interface has
-    /// the `route_localnet` cnibpf switched on.
+    /// The localnet guard (`localnet_guard`, reached from `localnet_new` and `localnet_local`):
+    /// while an attachment has hostPorts (the NAT hooks translate a packet to 127.0.0.0/8 on a
+    /// wildcard one, whatever interface it came in by) or an interface has the
+    /// `route_localnet` cnibpf switched on.
     pub localnet: bool,
 }
 
@@ -30,6 +31,9 @@ pub(super) struct Hooks {
 const FILTER_HOOK_CHAINS: [&str; 3] = ["forward", "input", "local_out"];
 /// The masquerade guard's hook chain.
 const GUARD_CHAIN: &str = "masquerade_guard";
+/// The localnet guard's hook chains: the first packet of every connection before any
+/// hostPort's DNAT, and whatever else the host's routing delivers locally.
+const LOCALNET_HOOK_CHAINS: [&str; 2] = ["localnet_new", "localnet_local"];
 
 impl Hooks {
     /// The hooks the attachments of `state` need.
@@ -50,7 +54,10 @@ impl Hooks {
                 .iter()
                 .any(|chain| listing.has_chain(chain)),
             guard: listing.has_chain(GUARD_CHAIN),
-            localnet: listing.has_chain(LOCALNET_GUARD_CHAIN),
+            localnet: listing.has_chain(LOCALNET_GUARD_CHAIN)
+                && LOCALNET_HOOK_CHAINS
+                    .iter()
+                    .all(|chain| listing.has_chain(chain)),
         }
     }
 }
@@ -78,6 +85,8 @@ pub(super) fn hook_changes(before: Hooks, after: Hooks) -> Vec<Value> {
         removed.push(GUARD_CHAIN);
     }
     if before.localnet && !after.localnet {
+        // The chains that jump to the guard go before it.
+        removed.extend(LOCALNET_HOOK_CHAINS);
         removed.push(LOCALNET_GUARD_CHAIN);
     }
     let deletions = removed
@@ -92,11 +101,25 @@ pub(super) fn hook_changes(before: Hooks, after: Hooks) -> Vec<Value> {
 
 /// The chains of `hooks` with their rules.
 fn hook_objects(hooks: Hooks) -> Vec<Value> {
-    let hooked = |name: &str, hook: &str, priority: i32| json!({ "chain": { "name": name, "type": "filter", "hook": hook, "prio": priority, "policy": "accept" } });
+    let typed = |name: &str, kind: &str, hook: &str, priority: i32| json!({ "chain": { "name": name, "type": kind, "hook": hook, "prio": priority, "policy": "accept" } });
+    let hooked = |name: &str, hook: &str, priority: i32| typed(name, "filter", hook, priority);
     let mut objects = Vec::new();
     if hooks.localnet {
-        objects.push(hooked(LOCALNET_GUARD_CHAIN, "prerouting", -300));
-        objects.push(localnet_guard_rule());
+        objects.push(json!({ "chain": { "name": LOCALNET_GUARD_CHAIN } }));
+        objects.extend(localnet_guard_rules());
+        // A NAT chain is walked only by a connection's first packet, before the hostPorts'
+        // DNAT (-100; the kernel takes no NAT chain at or before conntrack's -200): the
+        // datagrams and segments of established flows pay nothing for the guard.
+        objects.push(typed(LOCALNET_HOOK_CHAINS[0], "nat", "prerouting", -150));
+        // What no NAT chain sees (no conntrack entry: invalid, untracked) and reaches a local
+        // socket through an interface with `route_localnet` on.
+        objects.push(hooked(LOCALNET_HOOK_CHAINS[1], "input", -300));
+        for chain in LOCALNET_HOOK_CHAINS {
+            objects.push(rule(
+                chain,
+                vec![json!({ "jump": { "target": LOCALNET_GUARD_CHAIN } })],
+            ));
+        }
     }
     if hooks.filter {
         objects.extend(
@@ -115,14 +138,32 @@ fn hook_objects(hooks: Hooks) -> Vec<Value> {
     objects
 }
 
-/// What comes to 127.0.0.0/8 from elsewhere than the loopback is dropped (CVE-2020-8558).
-fn localnet_guard_rule() -> Value {
-    json!({ "rule": { "chain": LOCALNET_GUARD_CHAIN, "expr": [
-        matches("==", payload("ip", "daddr"), loopback()),
-        matches("!=", meta("iifname"), json!("lo")),
-        json!({ "counter": null }),
-        json!({ "drop": null }),
-    ], "comment": "drop reason localnet_guard" } })
+/// What comes to 127.0.0.0/8 from elsewhere than the loopback is dropped (CVE-2020-8558),
+/// by the destination it had on the wire: past prerouting (`localnet_local`) a translated
+/// packet has its new one — the answer of a host process's connection to `127.0.0.1:hostPort`
+/// (masqueraded, so its reply is translated back to the loopback), or a packet another NAT
+/// rule of the host sent to a local service there — and passes.
+fn localnet_guard_rules() -> Vec<Value> {
+    let translated = |direction: &str, status: &str| {
+        rule(
+            LOCALNET_GUARD_CHAIN,
+            vec![
+                matches("==", ct("direction"), json!(direction)),
+                matches("in", ct("status"), json!(status)),
+                json!({ "return": null }),
+            ],
+        )
+    };
+    vec![
+        translated("original", "dnat"),
+        translated("reply", "snat"),
+        json!({ "rule": { "chain": LOCALNET_GUARD_CHAIN, "expr": [
+            matches("==", payload("ip", "daddr"), loopback()),
+            matches("!=", meta("iifname"), json!("lo")),
+            json!({ "counter": null }),
+            json!({ "drop": null }),
+        ], "comment": "drop reason localnet_guard" } }),
+    ]
 }
 
 /// The masquerade guard: what still has a masqueraded container's own address after NAT goes

@@ -104,7 +104,7 @@ impl PortMappings for NftablesBackend {
         check_mapping_count(installed.len(), mappings.len())?;
         if !mappings.is_empty() && !Hooks::of_listing(listing).localnet {
             return Err(BackendError::CheckFailed(format!(
-                "the hostPorts of {} have no localnet guard (chain localnet_guard is missing)",
+                "the hostPorts of {} have no localnet guard (chain localnet_guard, localnet_new or localnet_local is missing)",
                 endpoint.attachment
             )));
         }
