@@ -107,6 +107,13 @@ pub fn refused(way: Way, translated: bool) -> i32 {
     TO_ANSWER
 }
 
+/// Whether a hook's verdict lets the packet on: neither dropped nor refused (answered or not),
+/// so that what it was translated by is worth remembering.
+#[inline(always)]
+pub fn lets_on(verdict: i32) -> bool {
+    verdict != DROP && verdict != TO_ANSWER
+}
+
 /// A hook's verdict as the kernel gets it: one of [`TO_ANSWER`] goes on to the answer program
 /// (a tail call: one copy of the answer's code for every hook), or is dropped unanswered when
 /// that program is missing. Inlined into each entry point, where a tail call leaves no frame

@@ -38,7 +38,7 @@ use crate::{
     packet::{Flow, Fragment},
 };
 
-pub use answer::{TO_ANSWER, Way, answer_refused, answered, ends_slot, refused};
+pub use answer::{Way, answer_refused, answered, ends_slot, lets_on, refused};
 pub use other::allows_other;
 use rules::{evaluate, rule_at, target};
 

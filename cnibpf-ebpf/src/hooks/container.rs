@@ -104,7 +104,7 @@ fn translated(
             let connection = connections::of_packet(flow, DIRECTION_INGRESS);
             let verdict = hand_over(ctx, Some(flow), target, false, Some(connection), true)
                 .unwrap_or_else(|error| error.verdict(ctx));
-            if verdict != DROP && verdict != filter::TO_ANSWER {
+            if filter::lets_on(verdict) {
                 portmap::remember_translation(flow, connection);
             }
             Answer::verdict(verdict)

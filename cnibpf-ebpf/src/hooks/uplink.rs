@@ -18,7 +18,7 @@ use super::hand_over;
 use crate::{
     filter, maps, masquerade,
     packet::{
-        Answer, DROP, DatapathError, Flow, NEXT, SourceAddress, from_local_socket, ifindex,
+        Answer, DatapathError, Flow, NEXT, SourceAddress, from_local_socket, ifindex,
         source_address, take_translated_mark,
     },
     portmap,
@@ -73,7 +73,7 @@ fn try_from_outside(ctx: &TcContext, flow: &mut Flow) -> Result<i32, DatapathErr
     match portmap::translate_from_outside(ctx, flow, container)? {
         (Answer::TO_CONTAINER, connection) => {
             let verdict = hand_over(ctx, Some(flow), container, true, Some(connection), true)?;
-            if verdict != DROP && verdict != filter::TO_ANSWER {
+            if filter::lets_on(verdict) {
                 portmap::remember_translation(flow, connection);
             }
             Ok(verdict)
