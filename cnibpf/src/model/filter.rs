@@ -1,10 +1,25 @@
 //! Filter rules: one rule as configured, and an attachment's filter.
 
-use std::fmt;
+use std::{fmt, net::IpAddr};
 
 use ipnet::IpNet;
 
 use super::{ConnState, Direction, NetworkName, PortRange, RuleProtocol, Target};
+
+/// A new connection a rule with `log` decided, as either datapath reports it: whose rule,
+/// its verdict and direction, and the tuple of the connection's first packet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleMatch {
+    pub owner: u64,
+    pub rule: u32,
+    pub target: Target,
+    pub direction: Direction,
+    pub protocol: u8,
+    pub source: IpAddr,
+    pub source_port: u16,
+    pub destination: IpAddr,
+    pub destination_port: u16,
+}
 
 /// One validated `filter` rule.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -15,7 +15,7 @@ mod vocabulary;
 
 pub use attachment::{Attachment, Pod};
 pub use capacity::{Capacity, Dimension};
-pub use filter::{Filter, FilterRule, RuleChange};
+pub use filter::{Filter, FilterRule, RuleChange, RuleMatch};
 pub use mapping::{HostPortAccess, MappingError, PortMapping, ResolvedMapping, resolve_mappings};
 pub use masquerade::{ExcludeReason, Masquerade};
 pub use network::NetworkName;

@@ -3,7 +3,7 @@
 //! backend's `log` rules send to — and, once a second, how many the rate limit held back since
 //! the last such line, when any did.
 
-use std::{net::IpAddr, time::Duration};
+use std::time::Duration;
 
 use cnibpf_common::{addr, filter::DIRECTION_INGRESS, filter::MatchEvent};
 use serde_json::json;
@@ -15,29 +15,21 @@ use crate::{
         ebpf::EbpfBackend,
         nftables::{NftablesBackend, nflog},
     },
-    model::{Direction, Target},
+    model::{Direction, RuleMatch, Target},
 };
 
-/// One new connection a rule with `log` decided, as either backend reports it.
+/// One new connection a rule with `log` decided, with what only one backend tells: the
+/// interface the eBPF datapath saw it on, the time it was decided (nftables: when read).
 pub(super) struct Match {
-    pub owner: u64,
+    pub decided: RuleMatch,
     pub ifindex: u32,
-    pub rule: u32,
-    pub target: Target,
-    pub direction: Direction,
-    pub protocol: u8,
-    pub source: IpAddr,
-    pub source_port: u16,
-    pub destination: IpAddr,
-    pub destination_port: u16,
     pub time: std::time::SystemTime,
 }
 
 impl Match {
     fn of_event(event: &MatchEvent) -> Self {
-        Self {
+        let decided = RuleMatch {
             owner: event.owner,
-            ifindex: event.ifindex,
             rule: event.rule_index,
             target: match event.target {
                 cnibpf_common::filter::TARGET_DROP => Target::Drop,
@@ -54,6 +46,10 @@ impl Match {
             source_port: event.src_port,
             destination: addr::from_address(event.dst_addr, event.family),
             destination_port: event.dst_port,
+        };
+        Self {
+            decided,
+            ifindex: event.ifindex,
             time: wall_clock(event.time_ns),
         }
     }
@@ -87,17 +83,9 @@ pub(super) async fn follow_nflog(
         let logged = group.next().await.map_err(MonitorError::Nflog)?;
         Ok(logged
             .into_iter()
-            .map(|logged| Match {
-                owner: logged.owner,
+            .map(|decided| Match {
+                decided,
                 ifindex: 0,
-                rule: logged.rule,
-                target: logged.target,
-                direction: logged.direction,
-                protocol: logged.protocol,
-                source: logged.source,
-                source_port: logged.source_port,
-                destination: logged.destination,
-                destination_port: logged.destination_port,
                 time: std::time::SystemTime::now(),
             })
             .collect())
@@ -136,7 +124,7 @@ async fn follow(
                 let mut lines = Vec::new();
                 for found in matches? {
                     let attachment =
-                        attachments.find(backend, |record| record.owner == found.owner)?;
+                        attachments.find(backend, |record| record.owner == found.decided.owner)?;
                     lines.push(render(&found, attachment, as_json));
                 }
                 lines
@@ -162,7 +150,7 @@ fn render(found: &Match, attachment: Option<&AttachmentRecord>, as_json: bool) -
     let time = humantime::format_rfc3339_micros(found.time).to_string();
     let (network, container_id, ifname) = named(attachment);
     let pod = attachment.and_then(|record| record.pod.as_ref());
-    let protocol = crate::model::protocol_name(found.protocol);
+    let protocol = crate::model::protocol_name(found.decided.protocol);
     if as_json {
         return json!({
             "time": time,
@@ -173,14 +161,14 @@ fn render(found: &Match, attachment: Option<&AttachmentRecord>, as_json: bool) -
             // fail-closed: an Option: an event of no attachment shows its own interface.
             "ifindex": attachment.map_or(found.ifindex, |record| record.host_ifindex),
             "pod": pod.map(ToString::to_string),
-            "direction": found.direction.as_str(),
-            "verdict": found.target.as_str(),
-            "rule": found.rule,
+            "direction": found.decided.direction.as_str(),
+            "verdict": found.decided.target.as_str(),
+            "rule": found.decided.rule,
             "protocol": protocol,
-            "src": found.source.to_string(),
-            "sport": found.source_port,
-            "dst": found.destination.to_string(),
-            "dport": found.destination_port,
+            "src": found.decided.source.to_string(),
+            "sport": found.decided.source_port,
+            "dst": found.decided.destination.to_string(),
+            "dport": found.decided.destination_port,
         })
         .to_string();
     }
@@ -188,10 +176,18 @@ fn render(found: &Match, attachment: Option<&AttachmentRecord>, as_json: bool) -
     let pod = pod.map(|pod| format!(" pod {pod}")).unwrap_or_default();
     format!(
         "{time} {network} {container_id} {ifname}{pod} {} {} by rule {} (log): {protocol} {} -> {}",
-        found.direction,
-        found.target,
-        found.rule,
-        endpoint(found.protocol, found.source, found.source_port),
-        endpoint(found.protocol, found.destination, found.destination_port)
+        found.decided.direction,
+        found.decided.target,
+        found.decided.rule,
+        endpoint(
+            found.decided.protocol,
+            found.decided.source,
+            found.decided.source_port
+        ),
+        endpoint(
+            found.decided.protocol,
+            found.decided.destination,
+            found.decided.destination_port
+        )
     )
 }

@@ -8,7 +8,7 @@ use std::{io, net::IpAddr};
 use tokio::io::{Interest, unix::AsyncFd};
 
 use crate::{
-    model::{Direction, Target},
+    model::{Direction, RuleMatch, Target},
     nfnetlink::{self, Connection, Request},
 };
 
@@ -39,20 +39,6 @@ pub fn group_of(instance: u64) -> u16 {
 /// The prefix of a `log` rule's events.
 pub fn prefix(owner: u64, rule: u32, target: Target, direction: Direction) -> String {
     format!("{PREFIX_START} {owner:016x} {rule} {target} {direction}")
-}
-
-/// One event a `log` rule sent.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Logged {
-    pub owner: u64,
-    pub rule: u32,
-    pub target: Target,
-    pub direction: Direction,
-    pub protocol: u8,
-    pub source: IpAddr,
-    pub source_port: u16,
-    pub destination: IpAddr,
-    pub destination_port: u16,
 }
 
 /// The NFLOG group, bound by this process.
@@ -96,7 +82,7 @@ impl Group {
     }
 
     /// The events of the next datagram the kernel sends (those of cnibpf's rules).
-    pub async fn next(&mut self) -> io::Result<Vec<Logged>> {
+    pub async fn next(&mut self) -> io::Result<Vec<RuleMatch>> {
         loop {
             let mut guard = self.socket.readable().await?;
             self.buffer.clear();
@@ -117,7 +103,7 @@ impl Group {
 }
 
 /// A packet message's event: its prefix one of cnibpf's, its payload the IP packet.
-fn logged(attributes: &[u8]) -> Option<Logged> {
+fn logged(attributes: &[u8]) -> Option<RuleMatch> {
     let prefix = nfnetlink::attribute(attributes, PACKET_PREFIX)?;
     let prefix = std::str::from_utf8(prefix)
         // fail-closed: decoding a message; one not of cnibpf's making is no event of ours.
@@ -150,7 +136,7 @@ fn logged(attributes: &[u8]) -> Option<Logged> {
     };
     let port = |at: usize| octets::<2>(l4, at).map(u16::from_be_bytes);
     let ported = matches!(protocol, 6 | 17 | 132);
-    Some(Logged {
+    Some(RuleMatch {
         owner,
         rule,
         target,
@@ -201,7 +187,7 @@ mod tests {
         attributes.extend(attribute(PACKET_PAYLOAD, &packet));
         assert_eq!(
             logged(&attributes),
-            Some(Logged {
+            Some(RuleMatch {
                 owner: 0xab,
                 rule: 10,
                 target: Target::Allow,
