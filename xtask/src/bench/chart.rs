@@ -31,7 +31,14 @@ pub struct BarPanel<'a> {
 /// Draws the panels side by side into `path`.
 pub fn bars(path: &Path, caption: &str, panels: &[BarPanel<'_>]) -> Result<()> {
     register_font()?;
-    let width = 700 * u32::try_from(panels.len()).unwrap_or(1);
+    // Wide enough for each bar's label on its own (about 60 pixels at the labels' size).
+    let panel_width = |panel: &BarPanel<'_>| {
+        u32::try_from(panel.bars.len() * 60 + 100)
+            .unwrap_or(u32::MAX)
+            .max(700)
+    };
+    let widest = panels.iter().map(panel_width).max().unwrap_or(700);
+    let width = widest * u32::try_from(panels.len()).unwrap_or(1);
     let root = BitMapBackend::new(path, (width, 460)).into_drawing_area();
     root.fill(&WHITE)?;
     let root = root.titled(caption, ("sans-serif", 22))?;
