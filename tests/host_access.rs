@@ -163,6 +163,24 @@ fn containers_never_reach_the_hosts_loopback(backend: Backend) {
         let outcome = udp_request(&attacker.netns, private);
         assert!(outcome.is_err(), "untracked, by UDP: {outcome:?}");
         sim.host.exec(&["nft", "delete table ip ha_notrack"]);
+        // The host's own redirect to a service on its loopback (a local resolver) is the
+        // host's to make: the guard judges a packet by the destination it had on the wire.
+        sim.host.exec(&[
+            "nft",
+            "add table ip ha_redirect; \
+             add chain ip ha_redirect pre { type nat hook prerouting priority dstnat; }; \
+             add rule ip ha_redirect pre udp dport 5353 dnat to 127.0.0.1:5353",
+        ]);
+        let resolver: SocketAddr = "127.0.0.1:5353".parse().expect("literal");
+        let _resolver = UdpServer::start(&sim.host, resolver, "the host's resolver");
+        let answer =
+            udp_request(&c1.netns, SocketAddr::new(GATEWAY.into(), 5353)).map(|(answer, _)| answer);
+        assert_eq!(
+            answer.as_deref(),
+            Ok("the host's resolver"),
+            "a container redirected to the host's loopback by the host's own rule"
+        );
+        sim.host.exec(&["nft", "delete table ip ha_redirect"]);
         // The exposure is real: route_localnet is on, and without the guard the attack works.
         assert_eq!(
             sim.host
