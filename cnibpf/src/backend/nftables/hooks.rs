@@ -229,6 +229,15 @@ fn filter_hook_rules() -> Vec<Value> {
 mod tests {
     use super::*;
 
+    /// The chains `commands` `add` or `delete` (`verb`), in order.
+    fn chains(commands: &[Value], verb: &str) -> Vec<String> {
+        commands
+            .iter()
+            .filter_map(|command| command[verb]["chain"]["name"].as_str())
+            .map(str::to_owned)
+            .collect()
+    }
+
     #[test]
     fn a_hook_is_added_when_first_needed_and_deleted_when_no_longer() {
         let none = Hooks::default();
@@ -240,13 +249,6 @@ mod tests {
             filter: true,
             guard: true,
             localnet: false,
-        };
-        let chains = |commands: &[Value], verb: &str| -> Vec<String> {
-            commands
-                .iter()
-                .filter_map(|command| command[verb]["chain"]["name"].as_str())
-                .map(str::to_owned)
-                .collect()
         };
         assert!(hook_changes(both, both).is_empty());
         let first_filter = hook_changes(none, filter);
@@ -274,6 +276,37 @@ mod tests {
         assert_eq!(
             chains(&last_filter_gone, "delete"),
             ["forward", "input", "local_out"]
+        );
+    }
+
+    #[test]
+    fn the_localnet_guard_comes_before_the_chains_that_jump_to_it_and_goes_after_them() {
+        let localnet = Hooks {
+            localnet: true,
+            ..Hooks::default()
+        };
+        let added = hook_changes(Hooks::default(), localnet);
+        assert_eq!(
+            chains(&added, "add"),
+            ["localnet_guard", "localnet_new", "localnet_local"]
+        );
+        let first_new = |chain: &str| {
+            added
+                .iter()
+                .find(|command| command["add"]["chain"]["name"] == chain)
+                .map(|command| command["add"]["chain"].clone())
+                .unwrap_or_else(|| panic!("no chain {chain} in {added:?}"))
+        };
+        assert_eq!(first_new("localnet_new")["type"], "nat");
+        assert_eq!(first_new("localnet_new")["prio"], -150);
+        assert_eq!(first_new("localnet_local")["hook"], "input");
+        assert!(
+            first_new("localnet_guard").get("hook").is_none(),
+            "the guard itself is a regular chain, jumped to"
+        );
+        assert_eq!(
+            chains(&hook_changes(localnet, Hooks::default()), "delete"),
+            ["localnet_new", "localnet_local", "localnet_guard"]
         );
     }
 }
