@@ -461,7 +461,14 @@ pub fn nftables_state_file(pin_path: &Path) -> PathBuf {
 /// file, call statistics, locks), for a test's `Drop`: a test that ends without `cnibpf
 /// uninstall` leaves none behind.
 pub fn remove_instance_files(pin_path: &Path) {
-    for suffix in ["calls", "nftables.json", "lock", "monitor.lock", "release"] {
+    for suffix in [
+        "calls",
+        "nftables.json",
+        "lock",
+        "monitor.lock",
+        "matches.lock",
+        "release",
+    ] {
         let _ = std::fs::remove_file(instance_file(pin_path, suffix));
     }
 }
