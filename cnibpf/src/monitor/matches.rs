@@ -150,7 +150,8 @@ fn render(found: &Match, attachment: Option<&AttachmentRecord>, as_json: bool) -
     let time = humantime::format_rfc3339_micros(found.time).to_string();
     let (network, container_id, ifname) = named(attachment);
     let pod = attachment.and_then(|record| record.pod.as_ref());
-    let protocol = crate::model::protocol_name(found.decided.protocol);
+    let decided = &found.decided;
+    let protocol = crate::model::protocol_name(decided.protocol);
     if as_json {
         return json!({
             "time": time,
@@ -161,14 +162,14 @@ fn render(found: &Match, attachment: Option<&AttachmentRecord>, as_json: bool) -
             // fail-closed: an Option: an event of no attachment shows its own interface.
             "ifindex": attachment.map_or(found.ifindex, |record| record.host_ifindex),
             "pod": pod.map(ToString::to_string),
-            "direction": found.decided.direction.as_str(),
-            "verdict": found.decided.target.as_str(),
-            "rule": found.decided.rule,
+            "direction": decided.direction.as_str(),
+            "verdict": decided.target.as_str(),
+            "rule": decided.rule,
             "protocol": protocol,
-            "src": found.decided.source.to_string(),
-            "sport": found.decided.source_port,
-            "dst": found.decided.destination.to_string(),
-            "dport": found.decided.destination_port,
+            "src": decided.source.to_string(),
+            "sport": decided.source_port,
+            "dst": decided.destination.to_string(),
+            "dport": decided.destination_port,
         })
         .to_string();
     }
@@ -176,18 +177,14 @@ fn render(found: &Match, attachment: Option<&AttachmentRecord>, as_json: bool) -
     let pod = pod.map(|pod| format!(" pod {pod}")).unwrap_or_default();
     format!(
         "{time} {network} {container_id} {ifname}{pod} {} {} by rule {} (log): {protocol} {} -> {}",
-        found.decided.direction,
-        found.decided.target,
-        found.decided.rule,
+        decided.direction,
+        decided.target,
+        decided.rule,
+        endpoint(decided.protocol, decided.source, decided.source_port),
         endpoint(
-            found.decided.protocol,
-            found.decided.source,
-            found.decided.source_port
-        ),
-        endpoint(
-            found.decided.protocol,
-            found.decided.destination,
-            found.decided.destination_port
+            decided.protocol,
+            decided.destination,
+            decided.destination_port
         )
     )
 }
