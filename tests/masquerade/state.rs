@@ -210,6 +210,20 @@ fn del_gc_and_check_manage_the_masquerade_state(backend: Backend) {
         .add_again(&kept.attachment, "cnibpf")
         .expect("re-ADD");
     host.check(&kept).expect("CHECK after repair");
+    if backend == Backend::Nftables {
+        // The guard on the uplink's egress, taken out by hand: CHECK names it, ADD puts it back.
+        let hook = format!("guard_{UPLINK}");
+        host.host
+            .exec(&["nft", "delete", "chain", "netdev", "cnibpf", &hook]);
+        let error = host
+            .check(&kept)
+            .expect_err("CHECK must notice the missing guard");
+        assert!(error.to_string().contains(&hook), "{error}");
+        host.chain
+            .add_again(&kept.attachment, "cnibpf")
+            .expect("re-ADD");
+        host.check(&kept).expect("CHECK after the guard is back");
+    }
 
     let owners_with_flows = |host: &SimHost| {
         let mut owners: Vec<u64> = host

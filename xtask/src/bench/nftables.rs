@@ -297,25 +297,38 @@ fn chart_against_reference(out_dir: &Path, rows: &[Row]) -> Result<()> {
 }
 
 /// The hooks cnibpf's nftables backend may register on a masqueraded container's path
-/// beyond NAT: the name, what `nft list ruleset` shows of it, the `nft` command that takes it
-/// out.
-const HOOKS: [(&str, &str, &str); 3] = [
-    (
-        "source check (netdev ingress)",
-        "table netdev cnibpf",
-        "delete table netdev cnibpf",
-    ),
+/// beyond NAT: the name, the table (family) its chains are in, the starts of their names in
+/// the order `nft` deletes them (a chain jumped to after those that jump to it).
+const HOOKS: [(&str, &str, &[&str]); 3] = [
+    ("source check (netdev ingress)", "netdev", &["s_"]),
     (
         "localnet guard (first packets, input)",
-        "chain localnet_guard",
-        "delete chain inet cnibpf localnet_new; delete chain inet cnibpf localnet_local; delete chain inet cnibpf localnet_guard",
+        "inet",
+        &["localnet_new", "localnet_local", "localnet_guard"],
     ),
-    (
-        "masquerade guard (postrouting)",
-        "chain masquerade_guard",
-        "delete chain inet cnibpf masquerade_guard",
-    ),
+    ("masquerade guard (uplink egress)", "netdev", &["guard_"]),
 ];
+
+/// The `nft` commands that take out the chains of table `cnibpf` of `family` in `ruleset`
+/// (`nft list ruleset`) whose names start with one of `starts`, in their order.
+fn deletions(ruleset: &str, family: &str, starts: &[&str]) -> Vec<String> {
+    let mut in_table = false;
+    let mut chains = Vec::new();
+    for line in ruleset.lines() {
+        if let Some(table) = line.strip_prefix("table ") {
+            in_table = table.trim_end_matches(" {") == format!("{family} cnibpf");
+        } else if let Some(chain) = line.trim().strip_prefix("chain ")
+            && in_table
+        {
+            chains.push(chain.trim_end_matches(" {").to_owned());
+        }
+    }
+    starts
+        .iter()
+        .flat_map(|start| chains.iter().filter(move |chain| chain.starts_with(start)))
+        .map(|chain| format!("delete chain {family} cnibpf {chain}"))
+        .collect()
+}
 
 /// 64-byte datagrams the pod gets out (SNAT) and in through its hostPort (DNAT) per second
 /// with the whole ruleset and with each of the [`HOOKS`] the ruleset has taken out, then all
@@ -326,18 +339,17 @@ fn hook_prices(progress: &Progress, pod: &Pod) -> Result<Vec<Row>> {
     let saved = std::env::temp_dir().join(format!("cnibpf-bench-{}.nft", std::process::id()));
     std::fs::write(&saved, &ruleset)?;
     let saved_path = saved.to_string_lossy().into_owned();
-    let present: Vec<(&str, &str)> = HOOKS
+    let mut variants: Vec<(String, Vec<String>)> = HOOKS
         .iter()
-        .filter(|(_, shown, _)| ruleset.contains(shown))
-        .map(|(name, _, command)| (*name, *command))
-        .collect();
-    let mut variants: Vec<(String, Vec<&str>)> = present
-        .iter()
-        .map(|(name, command)| ((*name).to_owned(), vec![*command]))
+        .map(|(name, family, starts)| ((*name).to_owned(), deletions(&ruleset, family, starts)))
+        .filter(|(_, commands)| !commands.is_empty())
         .collect();
     variants.push((
         "all of them".to_owned(),
-        present.iter().map(|(_, command)| *command).collect(),
+        variants
+            .iter()
+            .flat_map(|(_, commands)| commands.clone())
+            .collect(),
     ));
     let outside_server = SocketAddr::new(Family::V4.outside(), 5201);
     let host_port = pod.ports.sim.uplink_target(8080);
@@ -356,7 +368,7 @@ fn hook_prices(progress: &Progress, pod: &Pod) -> Result<Vec<Row>> {
         whole.push(rates()?);
         for ((_, commands), measured) in variants.iter().zip(&mut without) {
             for command in commands {
-                host.exec(&["nft", command]);
+                host.exec(&["nft", command.as_str()]);
             }
             let rates = rates();
             host.exec(&["nft", "flush", "ruleset"]);
@@ -383,4 +395,29 @@ fn hook_prices(progress: &Progress, pod: &Pod) -> Result<Vec<Row>> {
         }
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hook_is_taken_out_by_its_chains_in_its_table_in_order() {
+        let ruleset = "table inet cnibpf {\n\tchain localnet_guard {\n\t}\n\tchain localnet_new {\n\t}\n\tchain guard_x {\n\t}\n}\ntable netdev cnibpf {\n\tchain s_01 {\n\t}\n\tchain guard_eth0 {\n\t}\n\tchain g_01 {\n\t}\n}\n";
+        assert_eq!(
+            deletions(ruleset, "inet", HOOKS[1].2),
+            [
+                "delete chain inet cnibpf localnet_new",
+                "delete chain inet cnibpf localnet_guard"
+            ]
+        );
+        assert_eq!(
+            deletions(ruleset, "netdev", HOOKS[2].2),
+            ["delete chain netdev cnibpf guard_eth0"]
+        );
+        assert_eq!(
+            deletions(ruleset, "netdev", HOOKS[0].2),
+            ["delete chain netdev cnibpf s_01"]
+        );
+    }
 }

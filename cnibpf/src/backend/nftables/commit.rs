@@ -6,7 +6,7 @@
 use nftables::{batch::Batch, schema::NfListObject};
 
 use super::{
-    NftablesBackend, NftablesError, attachment_name, elements,
+    NftablesBackend, NftablesError, attachment_name, elements, guard,
     hooks::{self, Hooks},
     host,
     listing::Listing,
@@ -144,11 +144,16 @@ impl NftablesBackend {
     fn apply_from_listing(&mut self, next: &State, before: &State) -> Result<(), BackendError> {
         // fail-closed: `read` kept the errors; no table lists nothing.
         let listing = Listing::read()?.unwrap_or_default();
-        let hooks = if next.attachments.is_empty() {
-            Vec::new()
-        } else {
-            hooks::hook_changes(Hooks::of_listing(&listing), Hooks::of(next))
-        };
+        // fail-closed: as above.
+        let netdev = Listing::read_netdev()?.unwrap_or_default();
+        let mut hooks = Vec::new();
+        if !next.attachments.is_empty() {
+            hooks = hooks::hook_changes(Hooks::of_listing(&listing), Hooks::of(next));
+            hooks.extend(guard::hook_changes(
+                &guard::hooked_in(&netdev),
+                &guard::hooked(next),
+            ));
+        }
         let mut removals = Batch::new();
         for (owner, change) in &mut self.changes {
             let text = change
@@ -157,7 +162,7 @@ impl NftablesBackend {
                 .or(change.after.as_ref())
                 .map(|record| record.owner.clone());
             if let Some(text) = text {
-                elements::remove_listed(&mut removals, *owner, &text, &listing)?;
+                elements::remove_listed(&mut removals, *owner, &text, &listing, &netdev);
             }
             change.before = None;
         }
@@ -274,6 +279,9 @@ impl NftablesBackend {
         let before = self.store.state().cloned();
         // fail-closed: no state before is no attachment, whose table has no hook of theirs.
         let hooks_before = before.as_ref().map(Hooks::of).unwrap_or_default();
+        // fail-closed: as above.
+        let guarded_before = before.as_ref().map(guard::hooked).unwrap_or_default();
+        let hooks_before = (hooks_before, &guarded_before[..]);
         self.store.save(Some(intent))?;
         let refused = |applied: &Result<(), BackendError>, why: &str| matches!(applied, Err(BackendError::Nftables(NftablesError::Refused(text))) if text.contains(why));
         // fail-closed: no state before is no attachment, whose table holds nothing of theirs.
@@ -314,15 +322,26 @@ impl NftablesBackend {
 
     /// What an attempt at the transaction starts with: a table this operation makes comes with
     /// its skeleton; an existing one gets the hooks `next` needs and loses those it no longer
-    /// does (the table goes whole with the last attachment).
-    fn first_commands(&self, hooks_before: Hooks, next: &State) -> Vec<serde_json::Value> {
+    /// does, `before` being the hooks of table `inet cnibpf` and the uplinks guarded (the
+    /// tables go whole with the last attachment).
+    fn first_commands(
+        &self,
+        (hooks_before, guarded_before): (Hooks, &[String]),
+        next: &State,
+    ) -> Vec<serde_json::Value> {
         if next.attachments.is_empty() {
-            Vec::new()
-        } else if self.exists {
-            hooks::hook_changes(hooks_before, Hooks::of(next))
-        } else {
-            hooks::table_with(next.instance, Hooks::of(next))
+            return Vec::new();
         }
+        let (mut commands, guarded_before) = if self.exists {
+            (
+                hooks::hook_changes(hooks_before, Hooks::of(next)),
+                guarded_before,
+            )
+        } else {
+            (hooks::table_with(next.instance, Hooks::of(next)), &[][..])
+        };
+        commands.extend(guard::hook_changes(guarded_before, &guard::hooked(next)));
+        commands
     }
 
     /// One attempt at the transaction: `first` (the skeleton of a table this operation makes),
@@ -350,7 +369,7 @@ fn delete_tables(batch: &mut Batch<'static>) -> Result<(), BackendError> {
         name: nft::TABLE.into(),
         handle: None,
     }));
-    if host::has_source_table()? {
+    if host::has_netdev_table()? {
         sources::delete_table(batch);
     }
     Ok(())

@@ -3,12 +3,16 @@
 
 use std::{collections::BTreeSet, net::IpAddr};
 
-use nftables::{batch::Batch, expr::Expression, schema::NfCmd};
+use nftables::{
+    batch::Batch,
+    expr::Expression,
+    schema::{Chain, NfCmd, NfListObject},
+};
 
 use super::{
-    Change, NftablesError, conditions_chain, family_suffix,
+    Change, conditions_chain, family_suffix,
     filter::write as filter_write,
-    filter_chains, guard_chain, host,
+    filter_chains, guard, guard_chain,
     listing::Listing,
     masquerade, members, nat_chain,
     nft::{self, concat, jump, mapping, number, owned, text},
@@ -83,17 +87,6 @@ fn owned_elements(owner: u64, record: &Record) -> Vec<Owned> {
             format!("nat{}", family_suffix(addr.is_ipv4())),
             text(addr),
             Some(jump(&nat_chain(owner), false)),
-        ));
-    }
-    for source in record
-        .masquerade
-        .iter()
-        .flat_map(|masquerade| &masquerade.sources)
-    {
-        out.push(element(
-            format!("guard{}", family_suffix(source.is_ipv4())),
-            text(source),
-            Some(jump(&guard_chain(owner), true)),
         ));
     }
     for host_port in &record.mappings {
@@ -180,9 +173,15 @@ pub fn remove(
     if translated(before) && !after.is_some_and(translated) {
         batch.delete(nft::chain(&nat_chain(owner)));
     }
+    for source in masqueraded_sources(before) {
+        batch.delete(nft::in_netdev(nft::elements(
+            &guard::map_of(*source),
+            vec![text(source)],
+        )));
+    }
     let masqueraded = |record: &Record| record.masquerade.is_some();
     if masqueraded(before) && !after.is_some_and(masqueraded) {
-        batch.delete(nft::chain(&guard_chain(owner)));
+        batch.delete(nft::in_netdev(nft::chain(&guard_chain(owner))));
     }
     // A chain hooked on another interface cannot be changed to this one: it goes, and `add`
     // makes it anew.
@@ -196,16 +195,27 @@ pub fn remove(
     }
 }
 
-/// Removes what the table holds of `owner` as listed — its elements by their comment, its
-/// chains by name — for when its record no longer says so (someone changed the table).
+/// Removes what the tables hold of `owner` as listed (`listing`, of table `inet cnibpf`;
+/// `netdev`, of table `netdev cnibpf`) — its elements by their comment, its chains by name —
+/// for when its record no longer says so (someone changed the table).
 pub fn remove_listed(
     batch: &mut Batch<'static>,
     owner: u64,
     owner_text: &str,
     listing: &Listing,
-) -> Result<(), NftablesError> {
+    netdev: &Listing,
+) {
     for (set, element) in listing.owned_by(owner_text) {
         batch.delete(nft::elements(set, vec![element.key.clone()]));
+    }
+    for (map, element) in netdev.owned_by(owner_text) {
+        batch.delete(nft::in_netdev(nft::elements(
+            map,
+            vec![element.key.clone()],
+        )));
+    }
+    if netdev.has_chain(&guard_chain(owner)) {
+        batch.delete(nft::in_netdev(nft::chain(&guard_chain(owner))));
     }
     let [out_chain, in_chain] = filter_chains(owner);
     let jumped_to = listing
@@ -216,7 +226,6 @@ pub fn remove_listed(
     let chains = [
         conditions_chain(owner),
         nat_chain(owner),
-        guard_chain(owner),
         out_chain,
         in_chain,
     ];
@@ -225,10 +234,9 @@ pub fn remove_listed(
             batch.delete(nft::chain(&chain));
         }
     }
-    if host::has_source_chain(&sources::chain_name(owner))? {
+    if netdev.has_chain(&sources::chain_name(owner)) {
         sources::delete_chain(batch, owner);
     }
-    Ok(())
 }
 
 /// Adds what `change.after` holds: its chains, rewritten whole, and its elements. A hostPort
@@ -252,9 +260,22 @@ pub fn add(batch: &mut Batch<'static>, owner: u64, change: &Change, log_group: u
     write_nat_chain(batch, owner, after);
     if after.masquerade.is_some() {
         let chain = guard_chain(owner);
-        rewrite_chain(batch, &chain);
-        for rule in masquerade::guard_rules(&chain, after) {
+        rewrite(
+            batch,
+            Chain {
+                family: nft::NETDEV,
+                ..nft::chain_of(&chain)
+            },
+        );
+        for rule in guard::rules(&chain, after) {
             batch.add(rule);
+        }
+        for source in masqueraded_sources(after) {
+            let element = mapping(owned(text(source), &after.owner), jump(&chain, true));
+            batch.add(nft::in_netdev(nft::elements(
+                &guard::map_of(*source),
+                vec![element],
+            )));
         }
     }
     if let Sources::Checked(check) = &after.sources {
@@ -377,10 +398,21 @@ fn exclude_overlaps(batch: &mut Batch<'static>, host_port: &ResolvedMapping) {
     }
 }
 
-/// `add chain` (a no-op when it is there) and `flush chain`: the chain exists, empty.
+/// `add chain` (a no-op when it is there) and `flush chain`: chain `name` of table `inet
+/// cnibpf` exists, empty.
 fn rewrite_chain(batch: &mut Batch<'static>, name: &str) {
-    batch.add(nft::chain(name));
-    batch.add_cmd(NfCmd::Flush(nftables::schema::FlushObject::Chain(
-        nft::chain_of(name),
-    )));
+    rewrite(batch, nft::chain_of(name));
+}
+
+fn rewrite(batch: &mut Batch<'static>, chain: Chain<'static>) {
+    batch.add(NfListObject::Chain(chain.clone()));
+    batch.add_cmd(NfCmd::Flush(nftables::schema::FlushObject::Chain(chain)));
+}
+
+/// The addresses `record` masquerades, which enter its guard chain.
+fn masqueraded_sources(record: &Record) -> impl Iterator<Item = &IpAddr> {
+    record
+        .masquerade
+        .iter()
+        .flat_map(|masquerade| &masquerade.sources)
 }

@@ -18,8 +18,6 @@ use super::{
 pub(super) struct Hooks {
     /// `forward`, `input` and `local_out`: while an attachment has a filter.
     pub filter: bool,
-    /// `masquerade_guard`: while an attachment masquerades.
-    pub guard: bool,
     /// The localnet guard (`localnet_guard`, reached from `localnet_new` and `localnet_local`):
     /// while an attachment has hostPorts (the NAT hooks translate a packet to 127.0.0.0/8 on a
     /// wildcard one, whatever interface it came in by) or an interface has the
@@ -29,8 +27,6 @@ pub(super) struct Hooks {
 
 /// The filter's hook chains.
 const FILTER_HOOK_CHAINS: [&str; 3] = ["forward", "input", "local_out"];
-/// The masquerade guard's hook chain.
-const GUARD_CHAIN: &str = "masquerade_guard";
 /// The localnet guard's hook chains: the first packet of every connection before any
 /// hostPort's DNAT, and whatever else the host's routing delivers locally.
 const LOCALNET_HOOK_CHAINS: [&str; 2] = ["localnet_new", "localnet_local"];
@@ -41,7 +37,6 @@ impl Hooks {
         let records = || state.attachments.values();
         Self {
             filter: records().any(|record| record.filter.is_some()),
-            guard: records().any(|record| record.masquerade.is_some()),
             localnet: records().any(|record| !record.mappings.is_empty())
                 || !state.localnet_interfaces.is_empty(),
         }
@@ -53,7 +48,6 @@ impl Hooks {
             filter: FILTER_HOOK_CHAINS
                 .iter()
                 .any(|chain| listing.has_chain(chain)),
-            guard: listing.has_chain(GUARD_CHAIN),
             localnet: listing.has_chain(LOCALNET_GUARD_CHAIN)
                 && LOCALNET_HOOK_CHAINS
                     .iter()
@@ -74,15 +68,11 @@ pub(super) fn table_with(instance: u64, hooks: Hooks) -> Vec<Value> {
 pub(super) fn hook_changes(before: Hooks, after: Hooks) -> Vec<Value> {
     let added = Hooks {
         filter: after.filter && !before.filter,
-        guard: after.guard && !before.guard,
         localnet: after.localnet && !before.localnet,
     };
     let mut removed = Vec::new();
     if before.filter && !after.filter {
         removed.extend(FILTER_HOOK_CHAINS);
-    }
-    if before.guard && !after.guard {
-        removed.push(GUARD_CHAIN);
     }
     if before.localnet && !after.localnet {
         // The chains that jump to the guard go before it.
@@ -130,11 +120,6 @@ fn hook_objects(hooks: Hooks) -> Vec<Value> {
         );
         objects.extend(filter_hook_rules());
     }
-    if hooks.guard {
-        // After every NAT of the hook (srcnat, 100): what is still untranslated stays so.
-        objects.push(hooked(GUARD_CHAIN, "postrouting", 110));
-        objects.extend(guard_rules());
-    }
     objects
 }
 
@@ -164,21 +149,6 @@ fn localnet_guard_rules() -> Vec<Value> {
             json!({ "drop": null }),
         ], "comment": "drop reason localnet_guard" } }),
     ]
-}
-
-/// The masquerade guard: what still has a masqueraded container's own address after NAT goes
-/// to the container's `g_` chain, which tells whether it leaves by an uplink (one lookup for
-/// the translated packets that are nearly all, rather than the uplink's name first).
-fn guard_rules() -> Vec<Value> {
-    [("ip", "4"), ("ip6", "6")]
-        .into_iter()
-        .map(|(ip, suffix)| {
-            rule(
-                GUARD_CHAIN,
-                vec![vmap(payload(ip, "saddr"), &format!("@guard{suffix}"))],
-            )
-        })
-        .collect()
 }
 
 /// The filter hooks: replies, related errors and IPv6 control pass; then a container's
@@ -247,8 +217,7 @@ mod tests {
         };
         let both = Hooks {
             filter: true,
-            guard: true,
-            localnet: false,
+            localnet: true,
         };
         assert!(hook_changes(both, both).is_empty());
         let first_filter = hook_changes(none, filter);
@@ -262,13 +231,16 @@ mod tests {
                 .any(|command| command["add"]["rule"]["chain"] == "forward"),
             "the chains come with their rules"
         );
-        let guard_too = hook_changes(filter, both);
-        assert_eq!(chains(&guard_too, "add"), ["masquerade_guard"]);
-        assert!(chains(&guard_too, "delete").is_empty());
+        let localnet_too = hook_changes(filter, both);
+        assert_eq!(
+            chains(&localnet_too, "add"),
+            ["localnet_guard", "localnet_new", "localnet_local"]
+        );
+        assert!(chains(&localnet_too, "delete").is_empty());
         let last_filter_gone = hook_changes(
             both,
             Hooks {
-                guard: true,
+                localnet: true,
                 ..Hooks::default()
             },
         );

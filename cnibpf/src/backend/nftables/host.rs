@@ -235,8 +235,8 @@ pub fn has_chain(chain: &str) -> Result<bool, NftablesError> {
     )
 }
 
-/// Whether table `netdev cnibpf` (the source checks) has chain `chain`.
-pub fn has_source_chain(chain: &str) -> Result<bool, NftablesError> {
+/// Whether table `netdev cnibpf` (the source checks, the masquerade guard) has chain `chain`.
+pub fn has_netdev_chain(chain: &str) -> Result<bool, NftablesError> {
     exists(
         Request::new(
             NFNL_SUBSYS_NFTABLES,
@@ -250,7 +250,7 @@ pub fn has_source_chain(chain: &str) -> Result<bool, NftablesError> {
 }
 
 /// Whether table `netdev cnibpf` exists.
-pub fn has_source_table() -> Result<bool, NftablesError> {
+pub fn has_netdev_table() -> Result<bool, NftablesError> {
     exists(
         Request::new(
             NFNL_SUBSYS_NFTABLES,

@@ -10,9 +10,7 @@ use nftables::schema::Rule;
 use super::{
     LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack,
     filter::{filter_of, write},
-    guard_chain,
-    masquerade::guard_drop_comment,
-    nft, parse_owner, reject_chain,
+    guard, guard_chain, nft, parse_owner, reject_chain,
     scrape::{add_drops, counted_drops},
     sources,
 };
@@ -173,8 +171,8 @@ impl Inspect for NftablesBackend {
         ])
     }
 
-    /// The filter's drops from its chains' counters, the source check's from its chains' in
-    /// table `netdev cnibpf`, the localnet guard's from its rule. What the kernel's own
+    /// The filter's drops from its chains' counters, the source check's and the masquerade
+    /// guard's from their chains' in table `netdev cnibpf`, the localnet guard's from its rule. What the kernel's own
     /// connection tracking and NAT drop (a full table, no port left) is the kernel's to count.
     fn drops(&self) -> Result<Option<Vec<(DropReason, DropCount)>>, BackendError> {
         let mut drops = counted_drops();
@@ -198,9 +196,10 @@ impl Inspect for NftablesBackend {
         if let Some(counted) = counted_by(listing.rules(LOCALNET_GUARD_CHAIN)) {
             add(DropReason::LocalnetGuard, counted);
         }
-        let guard = guard_drop_comment();
+        let guards = self.netdev_listing()?;
+        let guard = guard::drop_comment();
         for (owner, _) in self.store.records() {
-            let dropping = listing
+            let dropping = guards
                 .rules(&guard_chain(owner))
                 .iter()
                 .filter(|rule| rule.comment.as_deref() == Some(guard.as_str()));

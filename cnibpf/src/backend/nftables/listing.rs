@@ -41,6 +41,11 @@ impl Listing {
         Ok(nft::list(&["table", "inet", TABLE])?.map(|listing| Self::from(&listing)))
     }
 
+    /// Table `netdev cnibpf`; `None` when there is none.
+    pub fn read_netdev() -> Result<Option<Self>, BackendError> {
+        Ok(nft::list(&["table", "netdev", TABLE])?.map(|listing| Self::from(&listing)))
+    }
+
     /// The address-specific hostPort maps only (few elements on any host).
     pub fn read_specific() -> Result<Option<Self>, BackendError> {
         let mut listing = Self::default();

@@ -5,25 +5,20 @@
 //! attachments as with one: interval sets keyed by (source, destination) took the kernel a
 //! scan of every element for each change.
 //!
-//! NAT chains see a connection's first packet only, and packets conntrack calls INVALID (an
-//! out-of-window segment, a RST for a tuple never opened, an ICMP error about no connection)
-//! none at all: they would leave with the container's own address. Its guard chain `g_<owner>`,
-//! entered from chain `masquerade_guard` after every NAT through `guard4`/`guard6` by source,
-//! drops (and counts) what still leaves an uplink from a masqueraded address towards a
-//! destination that is not excluded.
+//! What NAT chains never see (conntrack's INVALID and untracked packets) is the masquerade
+//! guard's, on the uplinks' egress (`guard`).
 
 use std::{borrow::Cow, net::IpAddr};
 
-use cnibpf_common::drops::DropReason;
 use nftables::{
     expr::{Expression, MetaKey, NamedExpression},
     schema::NfListObject,
-    stmt::{AnonymousCounter, Counter, Operator, Statement},
+    stmt::{Operator, Statement},
 };
 
 use super::{
-    NftablesBackend, family_suffix,
-    hooks::Hooks,
+    NftablesBackend, family_suffix, guard,
+    listing::Listing,
     nat_chain,
     nft::{self, address_field, matches, meta, network, text},
     owner_comment,
@@ -60,18 +55,21 @@ impl Masquerading for NftablesBackend {
         masquerade: Option<&Masquerade>,
     ) -> Result<(), BackendError> {
         let listing = self.listing()?;
+        let guards = self.netdev_listing()?;
         let owner = owner_comment(&endpoint.attachment)?;
         let chain = nat_chain(endpoint.attachment.owner_id());
-        let dispatched = |source: IpAddr| {
-            ["nat", "guard"].into_iter().all(|map| {
-                listing
-                    .elements(&format!("{map}{}", family_suffix(source.is_ipv4())))
-                    .iter()
-                    .any(|element| {
-                        element.comment.as_deref() == Some(owner.as_str())
-                            && nft::address_of(&element.key) == Some(source)
-                    })
+        let entered_by = |listing: &Listing, map: String, source: IpAddr| {
+            listing.elements(&map).iter().any(|element| {
+                element.comment.as_deref() == Some(owner.as_str())
+                    && nft::address_of(&element.key) == Some(source)
             })
+        };
+        let dispatched = |source: IpAddr| {
+            entered_by(
+                listing,
+                format!("nat{}", family_suffix(source.is_ipv4())),
+                source,
+            ) && entered_by(guards, guard::map_of(source), source)
         };
         let mut installed: Vec<IpAddr> = listing
             .rules(&chain)
@@ -91,10 +89,22 @@ impl Masquerading for NftablesBackend {
             masquerade.map_or_else(Vec::new, |masquerade| masquerade.sources.clone());
         installed.sort();
         wanted.sort();
-        if !wanted.is_empty() && !Hooks::of_listing(listing).guard {
+        let hooked = guard::hooked_in(guards);
+        // fail-closed: no state records no uplink.
+        let uplinks = self
+            .store
+            .state()
+            .map(|state| state.uplinks.clone())
+            .unwrap_or_default();
+        if let Some(unguarded) = uplinks
+            .iter()
+            .find(|uplink| !wanted.is_empty() && !hooked.contains(uplink))
+        {
             return Err(BackendError::CheckFailed(format!(
-                "the masquerade of {} has no guard (chain masquerade_guard is missing)",
-                endpoint.attachment
+                "the masquerade of {} has no guard on uplink {unguarded} (chain netdev {} {} is missing)",
+                endpoint.attachment,
+                nft::TABLE,
+                guard::hook_chain(unguarded)
             )));
         }
         if installed != wanted {
@@ -118,17 +128,6 @@ impl Masquerading for NftablesBackend {
 
 /// The comment of the rule masquerading a source: `masquerade <address>`.
 const MASQUERADE: &str = "masquerade ";
-
-/// The comment of a guard chain's dropping rule, whose counter is its reason's drops.
-/// The comment of the guard's first rule, which lets on what does not leave by an uplink.
-const GUARD_NOT_LEAVING: &str = "not leaving by an uplink";
-
-pub fn guard_drop_comment() -> String {
-    format!(
-        "drop reason {}",
-        DropReason::MasqueradeUntranslatable.name()
-    )
-}
 
 /// The container addresses `record`'s NAT chain is entered by: those hairpin traffic is
 /// addressed to and those masqueraded.
@@ -218,48 +217,5 @@ pub fn nat_rules(chain: &str, record: &Record) -> Vec<NfListObject<'static>> {
             ));
         }
     }
-    rules
-}
-
-/// The rules of an attachment's masquerade guard, entered by source after NAT with what
-/// still has one of its masqueraded addresses: what does not leave by an uplink goes on (the
-/// source is looked up first, as nearly every packet leaves translated and needs no more);
-/// towards an excluded destination it goes on, untranslated as it should be; anything else is
-/// what NAT could not translate, dropped and counted.
-pub fn guard_rules(chain: &str, record: &Record) -> Vec<NfListObject<'static>> {
-    let mut rules = vec![nft::rule(
-        chain,
-        vec![
-            matches(meta(MetaKey::Oifname), Operator::NEQ, text("@uplinks")),
-            Statement::Return(None),
-        ],
-        Some(GUARD_NOT_LEAVING.to_owned()),
-    )];
-    for (net, _) in record
-        .masquerade
-        .iter()
-        .flat_map(|masquerade| &masquerade.excludes)
-    {
-        rules.push(nft::rule(
-            chain,
-            vec![
-                matches(
-                    address_field(net.addr().is_ipv4(), "daddr"),
-                    Operator::EQ,
-                    network(*net),
-                ),
-                Statement::Return(None),
-            ],
-            Some(format!("excluded {net}")),
-        ));
-    }
-    rules.push(nft::rule(
-        chain,
-        vec![
-            Statement::Counter(Counter::Anonymous(Some(AnonymousCounter::default()))),
-            Statement::Drop(None),
-        ],
-        Some(guard_drop_comment()),
-    ));
     rules
 }

@@ -5,13 +5,14 @@
 //! (`store`) outside the ruleset; the ruleset is derived from the records. The table's fixed
 //! part (sets, maps, chains and hook rules) is declared once (`skeleton`). What belongs to an
 //! attachment is elements of the shared sets and maps — hostPorts, their conditions' dispatch,
-//! the dispatch to its NAT, guard and filter chains — each carrying
+//! the dispatch to its NAT and filter chains — each carrying
 //! `<network>/<ifname>/<container id>` in its comment, and chains of its own: its filter
 //! `f_<owner>_out`/`_in`, its hostPort conditions `c_<owner>`, its hairpin and masquerade
-//! `n_<owner>` and its masquerade guard `g_<owner>`. Its source check is the one thing outside:
-//! chain `s_<owner>` of table `netdev cnibpf` (`sources`), on its interface's ingress, which
-//! sees ARP too. Every shared set is a hash keyed exactly: adding or removing an element costs
-//! the same however many attachments there are. An operation applies all its changes as one
+//! `n_<owner>`. What hooks on one interface is in table `netdev cnibpf`: its source check,
+//! chain `s_<owner>` (`sources`) on its interface's ingress, which sees ARP too, and its
+//! masquerade guard, chain `g_<owner>` entered from the uplinks' egress (`guard`). Every
+//! shared set is a hash keyed exactly: adding or removing an element costs the same however
+//! many attachments there are. An operation applies all its changes as one
 //! typed batch (`nft -j -f -`): one atomic transaction, with the state file written before it
 //! (what it adds) and after it (what it removed).
 //!
@@ -33,6 +34,7 @@ mod elements;
 mod endpoint;
 mod error;
 mod filter;
+mod guard;
 mod hooks;
 mod host;
 mod inspect;
@@ -57,8 +59,8 @@ use self::{
     conntrack::forget_connections,
     listing::Listing,
     names::{
-        conditions_chain, family_suffix, filter_chains, guard_chain, log_chain, member_set,
-        nat_chain, owner_comment, parse_owner, reject_chain,
+        GUARD_CHAIN_PREFIX, conditions_chain, family_suffix, filter_chains, guard_chain, log_chain,
+        member_set, nat_chain, owner_comment, parse_owner, reject_chain,
     },
     record::Record,
     skeleton::{LOCALNET_GUARD_CHAIN, TableLayout, layout},
@@ -115,6 +117,8 @@ pub struct NftablesBackend {
     node_addresses: Option<(Vec<String>, Vec<IpAddr>)>,
     /// The whole table, read once when CHECK, inspect or GC first need it.
     listing: std::cell::OnceCell<Listing>,
+    /// Table `netdev cnibpf` (source checks, masquerade guard), read as the other.
+    netdev_listing: std::cell::OnceCell<Listing>,
 }
 
 impl NftablesBackend {
@@ -175,12 +179,12 @@ impl NftablesBackend {
             TableLayout::Absent => false,
             TableLayout::Current { instance } => {
                 restore::belongs_together(&store, instance)?;
-                if access == Access::Changes && restore::source_table_gone(&store)? {
+                if access == Access::Changes && restore::netdev_table_gone(&store)? {
                     // fail-closed: `read` kept the errors; no table lists nothing.
                     let listing = Listing::read()?.unwrap_or_default();
                     restore::restore(
                         &mut store,
-                        restore::Cause::SourceTableGone,
+                        restore::Cause::NetdevTableGone,
                         &listing::Counters::of(&listing),
                     )?
                 } else {
@@ -201,6 +205,7 @@ impl NftablesBackend {
             localnet_interfaces: Vec::new(),
             node_addresses: None,
             listing: std::cell::OnceCell::new(),
+            netdev_listing: std::cell::OnceCell::new(),
         })
     }
 
@@ -251,6 +256,16 @@ impl NftablesBackend {
             Listing::default()
         };
         Ok(self.listing.get_or_init(|| listing))
+    }
+
+    /// Table `netdev cnibpf`, read once.
+    fn netdev_listing(&self) -> Result<&Listing, BackendError> {
+        if let Some(listing) = self.netdev_listing.get() {
+            return Ok(listing);
+        }
+        // fail-closed: `read_netdev` kept the errors; no table lists nothing.
+        let listing = Listing::read_netdev()?.unwrap_or_default();
+        Ok(self.netdev_listing.get_or_init(|| listing))
     }
 
     /// The change of `owner` in this operation, its record read on first use.
@@ -342,6 +357,7 @@ impl NftablesBackend {
         self.localnet_interfaces.clear();
         self.node_addresses = None;
         self.listing = std::cell::OnceCell::new();
+        self.netdev_listing = std::cell::OnceCell::new();
     }
 }
 

@@ -36,8 +36,11 @@ pub(super) fn nat_chain(owner: u64) -> String {
     format!("n_{owner:016x}")
 }
 
+/// The start of the name of an attachment's masquerade guard chain (in table `netdev cnibpf`).
+pub(super) const GUARD_CHAIN_PREFIX: &str = "g_";
+
 pub(super) fn guard_chain(owner: u64) -> String {
-    format!("g_{owner:016x}")
+    format!("{GUARD_CHAIN_PREFIX}{owner:016x}")
 }
 
 pub(super) fn filter_chains(owner: u64) -> [String; 2] {

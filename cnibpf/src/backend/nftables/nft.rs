@@ -25,6 +25,9 @@ pub const NFT: &str = "nft";
 /// The table, in family `inet`.
 pub const TABLE: &str = "cnibpf";
 pub const FAMILY: NfFamily = NfFamily::INet;
+/// The family of the table of the same name that holds what hooks on one interface: the
+/// source checks and the masquerade guard.
+pub const NETDEV: NfFamily = NfFamily::NetDev;
 
 /// A string expression (an address, a protocol name, an interface name).
 pub fn text(value: impl ToString) -> Expression<'static> {
@@ -143,6 +146,25 @@ pub fn elements(set: &str, elements: Vec<Expression<'static>>) -> NfListObject<'
         name: Cow::Owned(set.to_owned()),
         elem: Cow::Owned(elements),
     })
+}
+
+/// `object` (a chain, rule or element of table `inet cnibpf`) in table `netdev cnibpf`.
+pub fn in_netdev(object: NfListObject<'static>) -> NfListObject<'static> {
+    match object {
+        NfListObject::Chain(chain) => NfListObject::Chain(Chain {
+            family: NETDEV,
+            ..chain
+        }),
+        NfListObject::Rule(rule) => NfListObject::Rule(Rule {
+            family: NETDEV,
+            ..rule
+        }),
+        NfListObject::Element(element) => NfListObject::Element(Element {
+            family: NETDEV,
+            ..element
+        }),
+        other => other,
+    }
 }
 
 /// Applies `batch` in one transaction (`nft -j -f -`).

@@ -26,8 +26,8 @@ use crate::{
 pub enum Cause {
     /// Table `inet cnibpf` is gone (a firewall reload flushed the ruleset).
     TableGone,
-    /// Table `netdev cnibpf`, with the source checks, is gone.
-    SourceTableGone,
+    /// Table `netdev cnibpf`, with the source checks and the masquerade guard, is gone.
+    NetdevTableGone,
     /// The table is of an older layout, migrated into the state file.
     Migrated,
 }
@@ -36,7 +36,7 @@ impl Cause {
     fn describe(self) -> &'static str {
         match self {
             Self::TableGone => "table inet cnibpf was gone (a firewall reload?)",
-            Self::SourceTableGone => "table netdev cnibpf was gone (a firewall reload?)",
+            Self::NetdevTableGone => "table netdev cnibpf was gone (a firewall reload?)",
             Self::Migrated => "an older layout's table was migrated",
         }
     }
@@ -67,7 +67,7 @@ pub fn restore(store: &mut Store, cause: Cause, counters: &Counters) -> Result<b
             },
         ));
     }
-    if host::has_source_table()? {
+    if host::has_netdev_table()? {
         super::sources::delete_table(&mut deletions);
     }
     let mut additions = Batch::new();
@@ -80,6 +80,10 @@ pub fn restore(store: &mut Store, cause: Cause, counters: &Counters) -> Result<b
             elements::add(&mut additions, owner, &change, log_group);
         }
         made = super::hooks::table_with(state.instance, super::hooks::Hooks::of(&state));
+        made.extend(super::guard::hook_changes(
+            &[],
+            &super::guard::hooked(&state),
+        ));
         made.extend(nft::commands(additions)?);
         counters.seed(&mut made);
     }
@@ -195,10 +199,11 @@ pub fn belongs_together(store: &Store, instance: u64) -> Result<(), NftablesErro
     }
 }
 
-/// Whether an attachment has a source check that table `netdev cnibpf`, now gone, held.
-pub fn source_table_gone(store: &Store) -> Result<bool, NftablesError> {
-    let checked = store
-        .records()
-        .any(|(_, record)| matches!(record.sources, Sources::Checked(_)));
-    Ok(checked && !host::has_source_table()?)
+/// Whether an attachment has a source check or a masquerade guard that table `netdev
+/// cnibpf`, now gone, held.
+pub fn netdev_table_gone(store: &Store) -> Result<bool, NftablesError> {
+    let held = store.records().any(|(_, record)| {
+        matches!(record.sources, Sources::Checked(_)) || record.masquerade.is_some()
+    });
+    Ok(held && !host::has_netdev_table()?)
 }

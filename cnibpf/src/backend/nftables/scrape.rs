@@ -9,9 +9,8 @@ use std::collections::BTreeMap;
 use cnibpf_common::drops::{DropCount, DropReason};
 
 use super::{
-    LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack,
+    GUARD_CHAIN_PREFIX, LOCALNET_GUARD_CHAIN, NftablesBackend, NftablesError, conntrack,
     filter::write,
-    guard_chain,
     host::{self, DumpedRule, NFPROTO_INET, NFPROTO_NETDEV},
     names::{RuleComment, parse_rule_comment},
     parse_owner, reject_chain,
@@ -98,7 +97,7 @@ impl NftablesBackend {
             .iter()
             .map(|(owner, _, _)| *owner)
             .collect();
-        scraped.drops = drops(&owners, &scraped.rules, &chains, &netdev);
+        scraped.drops = drops(&scraped.rules, &chains, &netdev);
         scraped.counters = answers_and_logs(&owners, &chains);
         if let Some((entries, capacity)) =
             conntrack::fill().map_err(NftablesError::ConntrackFill)?
@@ -205,10 +204,9 @@ fn answers_and_logs(
     ]
 }
 
-/// Every reason the nftables datapath counts, from the filters' rules, the source checks'
-/// rules in table `netdev cnibpf`, the localnet guard and the masquerade guards.
+/// Every reason the nftables datapath counts, from the filters' rules, the localnet guard and,
+/// in table `netdev cnibpf`, the source checks' rules and the masquerade guards'.
 fn drops(
-    owners: &[u64],
     rules: &[ScrapedRule],
     chains: &BTreeMap<&str, Vec<&DumpedRule>>,
     netdev: &[DumpedRule],
@@ -225,7 +223,12 @@ fn drops(
     }
     for rule in netdev {
         if let Some(counted) = rule.counter {
-            add(source_check_reason(rule), counted);
+            let reason = if rule.chain.starts_with(GUARD_CHAIN_PREFIX) {
+                DropReason::MasqueradeUntranslatable
+            } else {
+                source_check_reason(rule)
+            };
+            add(reason, counted);
         }
     }
     let counted_in = |chain: &str| {
@@ -237,11 +240,6 @@ fn drops(
     };
     if let Some(counted) = counted_in(LOCALNET_GUARD_CHAIN) {
         add(DropReason::LocalnetGuard, counted);
-    }
-    for owner in owners {
-        if let Some(counted) = counted_in(&guard_chain(*owner)) {
-            add(DropReason::MasqueradeUntranslatable, counted);
-        }
     }
     drops.into_iter().collect()
 }
@@ -352,12 +350,6 @@ mod tests {
             filter("f_0000000000000007_in", "rule 30 ip", VERDICT_JUMP, 2),
             filter("f_0000000000000007_in", "rule 30 ip6", VERDICT_JUMP, 1),
             filter("f_0000000000000007_in", "default", VERDICT_RETURN, 1),
-            filter(
-                "g_0000000000000007",
-                "drop reason masquerade_untranslatable",
-                VERDICT_DROP,
-                9,
-            ),
             filter("r_0000000000000007", "suppressed", VERDICT_DROP, 1),
             filter("r_0000000000000007", "reset", VERDICT_DROP, 2),
             filter("r_0000000000000007", "prohibited", VERDICT_DROP, 0),
@@ -381,7 +373,13 @@ mod tests {
                 (Some(30), Target::Reject, 3),
             ]
         );
-        let drops = drops(&[7], &rules, &chains, &[]);
+        let guard = filter(
+            "g_0000000000000007",
+            "drop reason masquerade_untranslatable",
+            VERDICT_DROP,
+            9,
+        );
+        let drops = drops(&rules, &chains, &[guard]);
         let of = |reason| {
             drops
                 .iter()

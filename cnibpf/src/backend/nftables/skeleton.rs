@@ -31,12 +31,10 @@ pub(super) fn marker(instance: u64) -> String {
 /// its own subnet through a hostPort) and its masqueraded traffic; with the hooks (`super::hooks`) its
 /// attachments need: `localnet_guard` (while one has hostPorts or an interface has cnibpf's
 /// `route_localnet`) drops what arrives from elsewhere for 127.0.0.0/8, as kube-proxy does against
-/// CVE-2020-8558; `masquerade_guard` (while one masquerades), after NAT, hands what still leaves an
-/// uplink from a masqueraded container's own address (conntrack's INVALID packets skip NAT) to the
-/// container's `g_` chain, which drops it unless its destination is excluded; `forward`, `input`
-/// and `local_out` (while one has a filter) let what passes every filter through (replies, related
-/// errors, IPv6 neighbour and listener control, `icmpv6_control`) and hand the rest of a
-/// container's traffic to its filter chains. Sets `attachments`, `filtered_bridges` and
+/// CVE-2020-8558; `forward`, `input` and `local_out` (while one has a filter) let what passes
+/// every filter through (replies, related errors, IPv6 neighbour and listener control,
+/// `icmpv6_control`) and hand the rest of a container's traffic to its filter chains (the
+/// masquerade guard is in table `netdev cnibpf`, `super::guard`). Sets `attachments`, `filtered_bridges` and
 /// `localnet_interfaces` copy what the state file records, for builds that drain a table of a
 /// layout they do not write.
 pub(super) fn skeleton(instance: u64) -> Vec<Value> {
@@ -113,7 +111,7 @@ fn sets() -> Vec<Value> {
             json!(["inet_proto", "inet_service"]),
             json!("verdict"),
         ));
-        for name in ["filter_out", "filter_in", "nat", "guard"] {
+        for name in ["filter_out", "filter_in", "nat"] {
             sets.push(map(
                 &format!("{name}{suffix}"),
                 json!(address),

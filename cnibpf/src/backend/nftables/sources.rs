@@ -3,8 +3,8 @@
 //! passes, bridged to a neighbour or routed, ARP included, which no `inet` hook sees. Its rules
 //! drop (and count) an IPv4 or IPv6 source, an ARP sender address or a neighbour
 //! advertisement's target that is not the container's, and any frame that is neither IP nor
-//! ARP. The table lives as long as table `inet cnibpf`; the records say which attachment has
-//! a chain there.
+//! ARP. The table (which holds the masquerade guard too, `super::guard`) lives as long as
+//! table `inet cnibpf`; the records say which attachment has a chain there.
 
 use std::{
     borrow::Cow,
@@ -30,12 +30,14 @@ use crate::{
 
 /// The table of the source checks is named as the `inet` one, in family `netdev`.
 const TABLE: &str = nft::TABLE;
-const FAMILY: NfFamily = NfFamily::NetDev;
+const FAMILY: NfFamily = nft::NETDEV;
+/// The start of the name of a source check's chain.
+const CHAIN_PREFIX: &str = "s_";
 /// Before anything else on the interface's netfilter ingress.
 const PRIORITY: i32 = -500;
 
 pub fn chain_name(owner: u64) -> String {
-    format!("s_{owner:016x}")
+    format!("{CHAIN_PREFIX}{owner:016x}")
 }
 
 impl SourceChecking for NftablesBackend {
@@ -117,7 +119,7 @@ impl SourceChecking for NftablesBackend {
                 check.map_or_else(|| "not checked".to_owned(), ToString::to_string)
             )));
         }
-        if matches!(recorded, Sources::Checked(_)) && !host::has_source_chain(&chain_name(owner))? {
+        if matches!(recorded, Sources::Checked(_)) && !host::has_netdev_chain(&chain_name(owner))? {
             return Err(BackendError::CheckFailed(format!(
                 "the source check of {} is missing from table netdev {TABLE}",
                 endpoint.attachment
@@ -423,13 +425,14 @@ pub fn dropped_by_reason() -> Result<BTreeMap<DropReason, (u64, u64)>, BackendEr
 /// A counted rule of the table: its chain, what it drops and its (packets, bytes).
 type CountedRule = (String, DropReason, (u64, u64));
 
-/// Every counted rule of the table.
+/// Every counted rule of the table's source checks.
 fn counted_rules() -> Result<Vec<CountedRule>, BackendError> {
     let mut counted = Vec::new();
     // fail-closed: `list` kept the errors; no table counted nothing.
     let listed = nft::list(&["table", "netdev", TABLE])?.unwrap_or_default();
     for object in listed {
         if let nft::Listed::Rule(rule) = object
+            && rule.chain.starts_with(CHAIN_PREFIX)
             && let Some(counter) = nft::counter_of(&rule.expr)
         {
             counted.push((rule.chain.to_string(), reason_of(&rule.expr), counter));
