@@ -277,16 +277,11 @@ impl NftablesBackend {
             }
         }
         let before = self.store.state().cloned();
-        // fail-closed: no state before is no attachment, whose table has no hook of theirs.
-        let hooks_before = before.as_ref().map(Hooks::of).unwrap_or_default();
-        // fail-closed: as above.
-        let guarded_before = before.as_ref().map(guard::hooked).unwrap_or_default();
-        let hooks_before = (hooks_before, &guarded_before[..]);
         self.store.save(Some(intent))?;
         let refused = |applied: &Result<(), BackendError>, why: &str| matches!(applied, Err(BackendError::Nftables(NftablesError::Refused(text))) if text.contains(why));
         // fail-closed: no state before is no attachment, whose table holds nothing of theirs.
         let made_from = before.clone().unwrap_or_default();
-        let mut applied = self.attempt(self.first_commands(hooks_before, &next), &next, &made_from);
+        let mut applied = self.attempt(self.first_commands(&made_from, &next), &next, &made_from);
         if refused(&applied, "No such file or directory") && self.exists {
             applied = self.apply_from_listing(&next, &made_from);
         }
@@ -298,7 +293,7 @@ impl NftablesBackend {
             Backend::remove(self, stale)?;
             reclaimed.push(stale);
             next = self.next_state()?;
-            applied = self.attempt(self.first_commands(hooks_before, &next), &next, &made_from);
+            applied = self.attempt(self.first_commands(&made_from, &next), &next, &made_from);
         }
         if refused(&applied, "File exists")
             && let Some(holder) = self.holder_error()?
@@ -322,25 +317,24 @@ impl NftablesBackend {
 
     /// What an attempt at the transaction starts with: a table this operation makes comes with
     /// its skeleton; an existing one gets the hooks `next` needs and loses those it no longer
-    /// does, `before` being the hooks of table `inet cnibpf` and the uplinks guarded (the
-    /// tables go whole with the last attachment).
-    fn first_commands(
-        &self,
-        (hooks_before, guarded_before): (Hooks, &[String]),
-        next: &State,
-    ) -> Vec<serde_json::Value> {
+    /// does, `before` being the state the tables were made from (they go whole with the last
+    /// attachment).
+    fn first_commands(&self, before: &State, next: &State) -> Vec<serde_json::Value> {
         if next.attachments.is_empty() {
             return Vec::new();
         }
         let (mut commands, guarded_before) = if self.exists {
             (
-                hooks::hook_changes(hooks_before, Hooks::of(next)),
-                guarded_before,
+                hooks::hook_changes(Hooks::of(before), Hooks::of(next)),
+                guard::hooked(before),
             )
         } else {
-            (hooks::table_with(next.instance, Hooks::of(next)), &[][..])
+            (
+                hooks::table_with(next.instance, Hooks::of(next)),
+                Vec::new(),
+            )
         };
-        commands.extend(guard::hook_changes(guarded_before, &guard::hooked(next)));
+        commands.extend(guard::hook_changes(&guarded_before, &guard::hooked(next)));
         commands
     }
 

@@ -23,6 +23,7 @@ use super::{
     listing::Listing,
     nft::{self, address_field, network},
     record::Record,
+    skeleton,
     store::State,
 };
 
@@ -63,11 +64,7 @@ pub fn hooked_in(listing: &Listing) -> Vec<String> {
 /// out by hand is back with the next operation, as an attachment's chains are); each no
 /// longer guarded uplink's chain deleted.
 pub fn hook_changes(before: &[String], after: &[String]) -> Vec<Value> {
-    let object = |kind: &str, mut body: Value| {
-        body["family"] = json!("netdev");
-        body["table"] = json!(nft::TABLE);
-        json!({ kind: body })
-    };
+    let object = |kind: &str, body: Value| skeleton::in_family(json!({ kind: body }), "netdev");
     let mut commands = Vec::new();
     if !after.is_empty() {
         commands.push(json!({ "add": { "table": { "family": "netdev", "name": nft::TABLE } } }));
@@ -149,18 +146,10 @@ pub fn map_of(source: std::net::IpAddr) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::nftables::hooks::chains_in as chains;
 
     fn uplinks(names: &[&str]) -> Vec<String> {
         names.iter().map(|name| (*name).to_owned()).collect()
-    }
-
-    /// The chains `commands` `verb` (add, flush or delete), in order.
-    fn chains(commands: &[Value], verb: &str) -> Vec<String> {
-        commands
-            .iter()
-            .filter_map(|command| command[verb]["chain"]["name"].as_str())
-            .map(str::to_owned)
-            .collect()
     }
 
     #[test]

@@ -195,18 +195,19 @@ fn filter_hook_rules() -> Vec<Value> {
     rules
 }
 
+/// The chains `commands` `verb` (add, flush or delete), in order.
+#[cfg(test)]
+pub(super) fn chains_in(commands: &[Value], verb: &str) -> Vec<String> {
+    commands
+        .iter()
+        .filter_map(|command| command[verb]["chain"]["name"].as_str())
+        .map(str::to_owned)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::*;
-
-    /// The chains `commands` `add` or `delete` (`verb`), in order.
-    fn chains(commands: &[Value], verb: &str) -> Vec<String> {
-        commands
-            .iter()
-            .filter_map(|command| command[verb]["chain"]["name"].as_str())
-            .map(str::to_owned)
-            .collect()
-    }
+    use super::{chains_in as chains, *};
 
     #[test]
     fn a_hook_is_added_when_first_needed_and_deleted_when_no_longer() {

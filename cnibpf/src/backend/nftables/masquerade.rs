@@ -91,14 +91,9 @@ impl Masquerading for NftablesBackend {
         wanted.sort();
         let hooked = guard::hooked_in(guards);
         // fail-closed: no state records no uplink.
-        let uplinks = self
-            .store
-            .state()
-            .map(|state| state.uplinks.clone())
-            .unwrap_or_default();
-        if let Some(unguarded) = uplinks
-            .iter()
-            .find(|uplink| !wanted.is_empty() && !hooked.contains(uplink))
+        let uplinks = self.store.state().map_or(&[][..], |state| &state.uplinks);
+        if !wanted.is_empty()
+            && let Some(unguarded) = uplinks.iter().find(|uplink| !hooked.contains(uplink))
         {
             return Err(BackendError::CheckFailed(format!(
                 "the masquerade of {} has no guard on uplink {unguarded} (chain netdev {} {} is missing)",

@@ -52,12 +52,17 @@ pub(super) fn skeleton(instance: u64) -> Vec<Value> {
 }
 
 /// `object` (`{"<kind>": {...}}`) placed in table `inet cnibpf`.
-pub(super) fn in_table(mut object: Value) -> Value {
+pub(super) fn in_table(object: Value) -> Value {
+    in_family(object, "inet")
+}
+
+/// `object` (`{"<kind>": {...}}`) placed in the table of `family` named as `inet cnibpf`.
+pub(super) fn in_family(mut object: Value, family: &str) -> Value {
     if let Some(body) = object
         .as_object_mut()
         .and_then(|object| object.values_mut().next())
     {
-        body["family"] = json!("inet");
+        body["family"] = json!(family);
         body["table"] = json!(nft::TABLE);
     }
     object
