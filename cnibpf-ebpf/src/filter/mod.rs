@@ -177,7 +177,8 @@ pub fn allows(ctx: &TcContext, flow: &Flow, ifindex: u32, direction: u8) -> bool
 /// Whether the filter of the attachment on host-side veth `ifindex` lets `flow` through in
 /// `direction` (`DIRECTION_*`); `connection` is the packet's `connections` entry as its hook
 /// found it (`connections::of_packet`), null when it has none. Attachments without a `filters`
-/// entry are not filtered.
+/// entry are not filtered. A packet its connection's entry passes is judged from the entry
+/// alone; the [`Subject`] is filled for the rules and the reports only.
 #[inline(never)]
 pub fn allows_in(
     ctx: &TcContext,
@@ -192,37 +193,71 @@ pub fn allows_in(
     // SAFETY: an element of a hash map without preallocation, which userspace only replaces
     // whole: it stays valid and unchanged while this program runs (RCU).
     let set = unsafe { &*set };
-    let subject = subject(ctx, &Packet::of_flow(flow), ifindex, direction);
-    if subject.is_null() {
-        drops::record_unread(ctx, DropReason::FilterUnreadable, ifindex);
-        return false;
-    }
-    // SAFETY: this CPU's scratch, filled just above.
-    let subject = unsafe { &mut *subject };
-    if flow.fragment == Fragment::Later {
-        return later_fragment_allowed(subject, set, flow);
-    }
-    let allowed = decide(subject, set, connection);
+    let packet = Glance {
+        now: flow.now,
+        ifindex,
+        bytes: ctx.len(),
+        protocol: flow.protocol,
+        flags: flow.tcp_flags,
+        direction,
+    };
+    let verdict = if flow.fragment == Fragment::Later {
+        LATER_FRAGMENT
+    } else {
+        tracked(&packet, set, connection)
+    };
+    let allowed = verdict == ALLOWED || {
+        let subject = subject(ctx, &Packet::of_flow(flow), ifindex, direction);
+        if subject.is_null() {
+            drops::record_unread(ctx, DropReason::FilterUnreadable, ifindex);
+            return false;
+        }
+        // SAFETY: this CPU's scratch, filled just above.
+        let subject = unsafe { &mut *subject };
+        if verdict == LATER_FRAGMENT {
+            return later_fragment_allowed(subject, set, flow);
+        }
+        let verdict = if verdict == STALE {
+            evaluate_again(subject, set, connection);
+            tracked(&packet, set, connection)
+        } else {
+            verdict
+        };
+        decide(subject, set, verdict)
+    };
     if flow.fragment == Fragment::First {
-        mark_first_fragment(flow, direction, allowed, subject.now);
+        mark_first_fragment(flow, direction, allowed, flow.now);
     }
     allowed
 }
 
-/// The verdict for a packet with ports: by its connection's state, or as a connection's first
-/// packet. Its callees are not inlined, this is: the verifier caps the stack of a call chain at
-/// 512 bytes, counting every frame as at least 32.
+/// What [`tracked`] reads of a packet: a tracked connection's packet is judged by its entry,
+/// without the rest of the [`Subject`].
+struct Glance {
+    now: u64,
+    ifindex: u32,
+    bytes: u32,
+    protocol: u8,
+    /// TCP flags, zero for other protocols.
+    flags: u8,
+    /// `DIRECTION_*` of the packet.
+    direction: u8,
+}
+
+/// The verdict for a packet [`tracked`] did not pass (`verdict`, its answer): a connection's
+/// first packet, or one its connection's verdict drops. Its callees are not inlined, this is:
+/// the verifier caps the stack of a call chain at 512 bytes, counting every frame as at least
+/// 32.
 #[inline(always)]
-fn decide(subject: &mut Subject, set: &FilterSet, connection: *mut Connection) -> bool {
-    let verdict = tracked(subject, set, connection);
-    if verdict == UNTRACKED {
-        return opens_connection(subject, set);
+fn decide(subject: &mut Subject, set: &FilterSet, verdict: u32) -> bool {
+    match verdict {
+        ALLOWED => true,
+        UNTRACKED => opens_connection(subject, set),
+        rule => {
+            report(subject, set, rule as u16);
+            false
+        }
     }
-    if verdict == ALLOWED {
-        return true;
-    }
-    report(subject, set, verdict as u16);
-    false
 }
 
 /// [`tracked`]'s answers besides "dropped by the rule at this position".
@@ -230,49 +265,66 @@ const ALLOWED: u32 = 0x1_0000;
 
 const UNTRACKED: u32 = 0x1_0001;
 
+/// The rules changed generation since the connection's verdict was cached.
+const STALE: u32 = 0x1_0002;
+
+/// Not [`tracked`]'s: a later fragment, judged by its datagram's first.
+const LATER_FRAGMENT: u32 = 0x1_0003;
+
 /// A packet of a tracked connection (`connection`, its entry): a reply passes while the
 /// connection's latest packet the other way was allowed; a later packet in the originating
-/// direction takes the verdict cached for the rules' generation, evaluated again when they
-/// changed. Answers [`ALLOWED`], [`UNTRACKED`] (no live connection: the packet opens one) or
-/// the position of the rule that drops it — a plain integer: LLVM returns enums with payloads
-/// from BPF calls in a form the verifier rejects.
+/// direction takes the verdict cached for the rules' generation. Answers [`ALLOWED`],
+/// [`UNTRACKED`] (no live connection: the packet opens one), [`STALE`] (to be evaluated
+/// again) or the position of the rule that drops it — a plain integer: LLVM returns enums
+/// with payloads from BPF calls in a form the verifier rejects.
 #[inline(never)]
-fn tracked(subject: &mut Subject, set: &FilterSet, connection: *mut Connection) -> u32 {
+fn tracked(packet: &Glance, set: &FilterSet, connection: *mut Connection) -> u32 {
     // SAFETY: points into `connections`; racing writers write the same fields alike, and an
     // LRU entry recycled under a reader can at worst misjudge the packet at hand.
     let Some(entry) = (unsafe { connection.as_mut() }) else {
         return UNTRACKED;
     };
-    let protocol = subject.key.protocol;
-    if !entry.has(set.owner, PART_FILTER) || entry.is_expired(protocol, subject.now) {
+    let protocol = packet.protocol;
+    if !entry.has(set.owner, PART_FILTER) || entry.is_expired(protocol, packet.now) {
         return UNTRACKED;
     }
-    if entry.origin != subject.direction {
-        conntrack::advance(entry, protocol, subject.flags, SIDE_REPLY, subject.now);
+    if entry.origin != packet.direction {
+        conntrack::advance(entry, protocol, packet.flags, SIDE_REPLY, packet.now);
         return if entry.last_verdict == TARGET_ALLOW {
             ALLOWED
         } else {
             u32::from(entry.rule)
         };
     }
-    if entry.reopened_by(subject.flags) {
+    if entry.reopened_by(packet.flags) {
         return UNTRACKED;
     }
     if entry.generation != set.generation {
-        evaluate(subject, set);
-        entry.rule = subject.answers.established;
-        entry.verdict = target(set, subject.answers.established);
-        entry.generation = set.generation;
+        return STALE;
     }
-    conntrack::advance(entry, protocol, subject.flags, SIDE_ORIGIN, subject.now);
+    conntrack::advance(entry, protocol, packet.flags, SIDE_ORIGIN, packet.now);
     let (rule, verdict) = (entry.rule, entry.verdict);
     entry.last_verdict = verdict;
-    count_hit(subject, rule);
+    count_hit(packet.ifindex, packet.bytes, rule);
     if verdict == TARGET_ALLOW {
         ALLOWED
     } else {
         u32::from(rule)
     }
+}
+
+/// The verdict of the later packets of a connection [`tracked`] found [`STALE`], evaluated
+/// again under the rules' generation and cached in its entry, for [`tracked`] to take.
+#[inline(never)]
+fn evaluate_again(subject: &mut Subject, set: &FilterSet, connection: *mut Connection) {
+    // SAFETY: as in `tracked`, which found the entry.
+    let Some(entry) = (unsafe { connection.as_mut() }) else {
+        return;
+    };
+    evaluate(subject, set);
+    entry.rule = subject.answers.established;
+    entry.verdict = target(set, subject.answers.established);
+    entry.generation = set.generation;
 }
 
 /// A connection's first packet: evaluated as `new`; when allowed, the connection is tracked
@@ -281,7 +333,7 @@ fn tracked(subject: &mut Subject, set: &FilterSet, connection: *mut Connection) 
 #[inline(never)]
 fn opens_connection(subject: &mut Subject, set: &FilterSet) -> bool {
     evaluate(subject, set);
-    count_hit(subject, subject.answers.new);
+    count_hit(subject.ifindex, subject.bytes, subject.answers.new);
     log_decision(subject, set, subject.answers.new);
     if target(set, subject.answers.new) != TARGET_ALLOW {
         report(subject, set, subject.answers.new);
@@ -391,10 +443,11 @@ fn passed_bit(direction: u8) -> u8 {
     }
 }
 
-/// Counts the packet on the rule at `position` (or the default) of the attachment.
+/// Counts a packet of `bytes` on the rule at `position` (or the default) of the attachment on
+/// `ifindex`.
 #[inline(never)]
-fn count_hit(subject: &Subject, position: u16) {
-    let Some(hits) = maps::filter_hits.get_ptr_mut(&subject.ifindex) else {
+fn count_hit(ifindex: u32, bytes: u32, position: u16) {
+    let Some(hits) = maps::filter_hits.get_ptr_mut(&ifindex) else {
         return;
     };
     let slot = if position == RULE_DEFAULT {
@@ -412,7 +465,7 @@ fn count_hit(subject: &Subject, position: u16) {
         .get_mut(core::hint::black_box(slot))
     {
         hits.packets += 1;
-        hits.bytes += u64::from(subject.bytes);
+        hits.bytes += u64::from(bytes);
     }
 }
 

@@ -51,7 +51,7 @@ pub fn allows_other(ctx: &TcContext, ifindex: u32, direction: u8) -> bool {
     // SAFETY: this CPU's scratch, filled by `classify`.
     let subject = unsafe { &mut *subject };
     evaluate(subject, set);
-    count_hit(subject, subject.answers.new);
+    count_hit(subject.ifindex, subject.bytes, subject.answers.new);
     log_decision(subject, set, subject.answers.new);
     if target(set, subject.answers.new) == TARGET_ALLOW {
         return true;
