@@ -332,11 +332,7 @@ fn evaluate_again(subject: &mut Subject, set: &FilterSet, connection: *mut Conne
 /// connection has none of the attachment's, or a closed one).
 #[inline(never)]
 fn opens_connection(subject: &mut Subject, set: &FilterSet) -> bool {
-    evaluate(subject, set);
-    count_hit(subject.ifindex, subject.bytes, subject.answers.new);
-    log_decision(subject, set, subject.answers.new);
-    if target(set, subject.answers.new) != TARGET_ALLOW {
-        report(subject, set, subject.answers.new);
+    if !judged_as_new(subject, set) {
         return false;
     }
     let (mut entry, mut fresh) = connections::for_part(
@@ -443,9 +439,23 @@ fn passed_bit(direction: u8) -> u8 {
     }
 }
 
-/// Counts a packet of `bytes` on the rule at `position` (or the default) of the attachment on
-/// `ifindex`.
+/// A packet judged as a connection's first (`connstate: new`): the rules evaluated, its match
+/// counted and logged; whether the match's target allows it (a refused packet is reported).
 #[inline(never)]
+pub(super) fn judged_as_new(subject: &mut Subject, set: &FilterSet) -> bool {
+    evaluate(subject, set);
+    count_hit(subject.ifindex, subject.bytes, subject.answers.new);
+    log_decision(subject, set, subject.answers.new);
+    if target(set, subject.answers.new) == TARGET_ALLOW {
+        return true;
+    }
+    report(subject, set, subject.answers.new);
+    false
+}
+
+/// Counts a packet of `bytes` on the rule at `position` (or the default) of the attachment on
+/// `ifindex`. Inlined: a tracked connection's packets count on every one.
+#[inline(always)]
 fn count_hit(ifindex: u32, bytes: u32, position: u16) {
     let Some(hits) = maps::filter_hits.get_ptr_mut(&ifindex) else {
         return;

@@ -11,10 +11,7 @@ use cnibpf_common::{
     packet::is_icmpv6_link_control,
 };
 
-use super::{
-    IPV6_HOP_BY_HOP, PROTO_IGMP, Packet, count_hit, evaluate, filter_scratch, log_decision, report,
-    subject, target,
-};
+use super::{IPV6_HOP_BY_HOP, PROTO_IGMP, Packet, filter_scratch, judged_as_new, subject};
 use crate::{
     clock, drops, maps,
     packet::{
@@ -50,14 +47,7 @@ pub fn allows_other(ctx: &TcContext, ifindex: u32, direction: u8) -> bool {
     };
     // SAFETY: this CPU's scratch, filled by `classify`.
     let subject = unsafe { &mut *subject };
-    evaluate(subject, set);
-    count_hit(subject.ifindex, subject.bytes, subject.answers.new);
-    log_decision(subject, set, subject.answers.new);
-    if target(set, subject.answers.new) == TARGET_ALLOW {
-        return true;
-    }
-    report(subject, set, subject.answers.new);
-    false
+    judged_as_new(subject, set)
 }
 
 /// [`classify`]'s answers: the packet always passes, it is to be judged by the rules (an
