@@ -226,7 +226,7 @@ pub fn allows_in(
         decide(subject, set, verdict)
     };
     if flow.fragment == Fragment::First {
-        mark_first_fragment(flow, direction, allowed, flow.now);
+        mark_first_fragment(flow, direction, allowed);
     }
     allowed
 }
@@ -244,8 +244,9 @@ struct Glance {
     direction: u8,
 }
 
-/// The verdict for a packet [`tracked`] did not pass (`verdict`, its answer): a connection's
-/// first packet, or one its connection's verdict drops. Its callees are not inlined, this is:
+/// The verdict for a packet [`tracked`] did not pass at once (`verdict`, its answer, taken
+/// again after a rule change's re-evaluation): a connection's first packet, or one its
+/// connection's verdict drops. Its callees are not inlined, this is:
 /// the verifier caps the stack of a call chain at 512 bytes, counting every frame as at least
 /// 32.
 #[inline(always)]
@@ -403,7 +404,7 @@ fn later_fragment_allowed(subject: &Subject, set: &FilterSet, flow: &Flow) -> bo
 /// whether its first fragment passed `direction`: a datagram whose first was dropped loses
 /// the mark an earlier one with its identification left.
 #[inline(never)]
-fn mark_first_fragment(flow: &Flow, direction: u8, allowed: bool, now: u64) {
+fn mark_first_fragment(flow: &Flow, direction: u8, allowed: bool) {
     let passed = passed_bit(direction);
     let key = flow.fragment_key();
     if let Some(first) = maps::fragments.get_ptr_mut(&key) {
@@ -421,7 +422,7 @@ fn mark_first_fragment(flow: &Flow, direction: u8, allowed: bool, now: u64) {
     }
     // Translated since the parser saw it: its own entry under the new addresses.
     let first = FirstFragment {
-        seen_ns: now,
+        seen_ns: flow.now,
         src_port: u16::from_be(flow.sport),
         dst_port: u16::from_be(flow.dport),
         passed,
