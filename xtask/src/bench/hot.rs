@@ -100,8 +100,10 @@ const HAIRPIN: usize = 4;
 const FILTERED: [usize; 2] = [5, 6];
 const MISS_VETH: usize = 7;
 const MISS_UPLINK: usize = 8;
+const MASQUERADE_OPENS: usize = 9;
+const DNAT_OPENS: usize = 10;
 
-const PATHS: [HotPath; 9] = [
+const PATHS: [HotPath; 11] = [
     HotPath {
         name: "masquerade: a container's segment out (from_container)",
         target: Some(250.0),
@@ -156,11 +158,31 @@ const PATHS: [HotPath; 9] = [
         of: |times| times[MISS_UPLINK],
         difference: false,
     },
+    HotPath {
+        name: "masquerade: a connection's first segment (SYN) out, from_container and, behind the host stack, uplink_egress",
+        target: None,
+        of: |times| times[MASQUERADE_OPENS],
+        difference: false,
+    },
+    HotPath {
+        name: "hostPort DNAT: a connection's first segment (SYN) from outside (uplink_ingress)",
+        target: None,
+        of: |times| times[DNAT_OPENS],
+        difference: false,
+    },
 ];
 
+/// The first source port of a round's connection-opening cases: each of their runs opens its
+/// connection from a port of its own (below the established cases' 40,000s), no round
+/// reusing another's.
+fn opening_ports(round: usize) -> u16 {
+    let per_round = u16::try_from(isolated::RUNS + 1).expect("runs fit a port range");
+    10_000 + per_round * u16::try_from(round).expect("rounds are few")
+}
+
 /// The crafted segments of [`PATHS`], on `node`'s interfaces, in the order of the constants
-/// above. A reply's case follows the case that opened its connection.
-fn cases(node: &Node) -> Vec<Case> {
+/// above, for `round`. A reply's case follows the case that opened its connection.
+fn cases(node: &Node, round: usize) -> Vec<Case> {
     let masqueraded_addr = node.masqueraded.address;
     let served = node.host_port.address;
     let veth = node.sim.host_interface(&node.masqueraded);
@@ -181,6 +203,8 @@ fn cases(node: &Node) -> Vec<Case> {
         },
         leaves,
         opened_by: None,
+        opens: false,
+        then: None,
     };
     // A masqueraded connection is opened where the build opens it: its first packet at the
     // uplink's egress, behind the host stack.
@@ -266,6 +290,28 @@ fn cases(node: &Node) -> Vec<Case> {
         uplink_miss,
         uplink_sent,
     ));
+    let port = opening_ports(round);
+    cases.push(Case {
+        opens: true,
+        then: Some("uplink_egress"),
+        ..on(
+            "masquerade opens",
+            "from_container",
+            &veth,
+            ((masqueraded_addr, port), (OUTSIDE_ADDR, MASQUERADED_SERVER)),
+            ((HOST_UPLINK_ADDR, port), (OUTSIDE_ADDR, MASQUERADED_SERVER)),
+        )
+    });
+    cases.push(Case {
+        opens: true,
+        ..on(
+            "DNAT opens",
+            "uplink_ingress",
+            UPLINK,
+            ((OUTSIDE_ADDR, port), (HOST_UPLINK_ADDR, HOST_PORT)),
+            ((OUTSIDE_ADDR, port), (served, CONTAINER_PORT)),
+        )
+    });
     cases
 }
 
@@ -274,9 +320,9 @@ fn cases(node: &Node) -> Vec<Case> {
 /// work, which only ever adds time, left of it), a difference's median.
 pub fn path_times(nodes: &[Node]) -> Result<Vec<Vec<f64>>> {
     let mut rounds: Vec<Vec<Vec<f64>>> = vec![Vec::new(); nodes.len()];
-    for _ in 0..ROUNDS {
+    for round in 0..ROUNDS {
         for (node, rounds) in nodes.iter().zip(&mut rounds) {
-            let cases = cases(node);
+            let cases = cases(node, round);
             let pin_path = node.sim.pin_path.clone();
             let times = node
                 .sim
@@ -405,7 +451,15 @@ pub fn notes() -> Vec<String> {
          addresses and ports as the program leaves them are checked before it is timed. A reply's \
          segment runs after the segment that opened its connection; a filtered container's \
          connection was allowed by its first run (filterDefault DROP, its ALLOW after rules that \
-         differ from it only in the destination port). Instructions: bytes_xlated / 8 of every \
+         differ from it only in the destination port). A connection's first segment (SYN) \
+         comes from a source port of its own on every run, so that each meets no state: what \
+         opening a connection costs (new entries in connections and the translations, the port \
+         claim, the node's conntrack and sockets asked); a masqueraded one runs \
+         from_container, then, where that leaves it to the host stack untouched (this build: \
+         the host stack's netfilter sees a first packet), uplink_egress on it, both times \
+         together — in a test run the node's conntrack has no entry for it, where on a node it \
+         has one, so that this build asks conntrack twice where a node's packet asks once. \
+         Instructions: bytes_xlated / 8 of every \
          program pinned under the instance's programs/ (`bpftool prog show`); by function, this \
          build's four TC programs listed by `bpftool prog dump xlated`, each function from its \
          first instruction to the next one's, summed over the programs that carry a copy."

@@ -20,7 +20,7 @@ use super::{
 };
 
 /// Single runs per case, in `PASSES` passes.
-const RUNS: usize = 4_000;
+pub const RUNS: usize = 4_000;
 const PASSES: usize = 8;
 const BPF_OBJ_GET: libc::c_long = 7;
 
@@ -46,6 +46,39 @@ pub struct Case {
     /// first packet crosses the host stack, and the uplink's egress masquerades it; builds
     /// before 0.6.0 take a test run's packet there for the host's own and leave it alone).
     pub opened_by: Option<&'static str>,
+    /// Whether the segment opens a connection: a SYN, from a port of its own on every run
+    /// (counting up from `source`'s, which the check's run takes), so that no run meets the
+    /// state an earlier one left.
+    pub opens: bool,
+    /// A program on the uplink's egress the segment goes on to, timed with `program`, when
+    /// `program` leaves it to the host stack untouched: where a build masquerades a
+    /// connection's first packet (this one behind the host stack, 0.5.1 at the container's
+    /// veth), so that the figure is the whole path's in either.
+    pub then: Option<&'static str>,
+}
+
+/// A case ready to run: its programs and contexts, and whether it runs through `then` too.
+struct Prepared {
+    program: OwnedFd,
+    context: [u8; SK_BUFF_SIZE],
+    then: Option<OwnedFd>,
+    uplink: [u8; SK_BUFF_SIZE],
+}
+
+impl Prepared {
+    /// One run of the case on the segment of `run` (see [`Case::opens`]): its time, and
+    /// the test runs it took.
+    fn run(&self, case: &Case, run: u16) -> Result<(f64, f64)> {
+        let first = test_run(&self.program, &segment(case, run), 1, Some(&self.context))?;
+        let Some(then) = &self.then else {
+            return Ok((f64::from(first.duration_ns), 1.0));
+        };
+        let second = test_run(then, &first.output, 1, Some(&self.uplink))?;
+        Ok((
+            f64::from(first.duration_ns) + f64::from(second.duration_ns),
+            2.0,
+        ))
+    }
 }
 
 /// Verdicts: sent on by the program itself, or left to the host stack.
@@ -69,48 +102,70 @@ pub fn times(pin_path: &Path, cases: &[Case]) -> Result<Vec<f64>> {
         .iter()
         .map(|case| prepared(pin_path, case))
         .collect::<Result<Vec<_>>>()?;
-    let empty_segment = tcp_segment(cases[0].source, cases[0].destination);
+    let empty_segment = tcp_segment(cases[0].source, cases[0].destination, packet::ACK);
     let mut samples = vec![Vec::with_capacity(RUNS); cases.len() + 1];
+    // Test runs per run of each case (two where it goes on to `then`).
+    let mut test_runs = vec![1.0; cases.len()];
+    let mut run: u16 = 0;
     for _ in 0..PASSES {
         for _ in 0..RUNS / PASSES {
             samples[0].push(f64::from(
                 test_run(&nothing, &empty_segment, 1, None)?.duration_ns,
             ));
         }
-        for ((program, segment, context), samples) in runs.iter().zip(&mut samples[1..]) {
+        let first_run = run;
+        for (((prepared, case), samples), test_runs) in runs
+            .iter()
+            .zip(cases)
+            .zip(&mut samples[1..])
+            .zip(&mut test_runs)
+        {
+            run = first_run;
             for _ in 0..RUNS / PASSES {
-                samples.push(f64::from(
-                    test_run(program, segment, 1, Some(context))?.duration_ns,
-                ));
+                run += 1;
+                let (time, runs) = prepared.run(case, run)?;
+                samples.push(time);
+                *test_runs = runs;
             }
         }
     }
     let mut medians = samples.into_iter().map(median);
     let overhead = medians.next().unwrap_or(0.0);
-    Ok(medians.map(|time| (time - overhead).max(0.0)).collect())
+    Ok(medians
+        .zip(test_runs)
+        .map(|(time, runs)| (time - overhead * runs).max(0.0))
+        .collect())
 }
 
-/// A case's pinned program, segment and context, checked by one run to leave as the case
-/// says it does (which also opens the case's connection).
-fn prepared(pin_path: &Path, case: &Case) -> Result<(OwnedFd, Vec<u8>, [u8; SK_BUFF_SIZE])> {
+/// A case's pinned programs and contexts, checked by one run (on the segment of run 0) to
+/// leave as the case says it does (which also opens the case's connection).
+fn prepared(pin_path: &Path, case: &Case) -> Result<Prepared> {
     let program = pinned_program(&pin_path.join("programs").join(case.program))?;
-    let mut context = [0u8; SK_BUFF_SIZE];
-    let ifindex = nix::net::if_::if_nametoindex(case.interface.as_str())
-        .with_context(|| format!("no interface {}", case.interface))?;
-    context[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4].copy_from_slice(&ifindex.to_ne_bytes());
-    let segment = tcp_segment(case.source, case.destination);
+    let context = on_interface(&case.interface)?;
+    let uplink = on_interface(cnibpf_tests::topology::UPLINK)?;
+    let segment = segment(case, 0);
     if let Some(opener) = case.opened_by {
         let opener = pinned_program(&pin_path.join("programs").join(opener))?;
-        let mut on_uplink = [0u8; SK_BUFF_SIZE];
-        let uplink =
-            nix::net::if_::if_nametoindex(cnibpf_tests::topology::UPLINK).context("no uplink")?;
-        on_uplink[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4]
-            .copy_from_slice(&uplink.to_ne_bytes());
-        test_run(&opener, &segment, 1, Some(&on_uplink))?;
+        test_run(&opener, &segment, 1, Some(&uplink))?;
     }
-    let run = test_run(&program, &segment, 1, Some(&context))?;
+    let mut run = test_run(&program, &segment, 1, Some(&context))?;
+    let mut then = None;
+    if let Some(next) = case.then
+        && run.verdict == TO_THE_STACK
+        && ends(&run.output) == ends(&segment)
+    {
+        let next = pinned_program(&pin_path.join("programs").join(next))?;
+        run = test_run(&next, &run.output, 1, Some(&uplink))?;
+        then = Some(next);
+    }
     let (verdict, left) = (run.verdict, run.output);
-    if ends(&left) != Some(case.leaves) || verdict != case.verdict {
+    // What the uplink's egress masquerades goes on out of it: no redirect.
+    let expected = if then.is_some() {
+        TO_THE_STACK
+    } else {
+        case.verdict
+    };
+    if ends(&left) != Some(case.leaves) || verdict != expected {
         bail!(
             "{}: the segment left {} as {:?} with verdict {verdict}, not as {:?} with {}: the \
              path measured would not be the one named",
@@ -118,10 +173,34 @@ fn prepared(pin_path: &Path, case: &Case) -> Result<(OwnedFd, Vec<u8>, [u8; SK_B
             case.program,
             ends(&left),
             case.leaves,
-            case.verdict,
+            expected,
         );
     }
-    Ok((program, segment, context))
+    Ok(Prepared {
+        program,
+        context,
+        then,
+        uplink,
+    })
+}
+
+/// A test run's context on the host interface `name`.
+fn on_interface(name: &str) -> Result<[u8; SK_BUFF_SIZE]> {
+    let mut context = [0u8; SK_BUFF_SIZE];
+    let ifindex =
+        nix::net::if_::if_nametoindex(name).with_context(|| format!("no interface {name}"))?;
+    context[SK_BUFF_IFINDEX_OFF..SK_BUFF_IFINDEX_OFF + 4].copy_from_slice(&ifindex.to_ne_bytes());
+    Ok(context)
+}
+
+/// The case's segment on its `run`: an ACK of its connection, or, for a case that opens one,
+/// a SYN from the `run`-th port after its own.
+fn segment(case: &Case, run: u16) -> Vec<u8> {
+    if !case.opens {
+        return tcp_segment(case.source, case.destination, packet::ACK);
+    }
+    let (address, port) = case.source;
+    tcp_segment((address, port + run), case.destination, packet::SYN)
 }
 
 /// Source and destination of an Ethernet frame's IPv4 TCP segment.
@@ -144,15 +223,15 @@ fn pinned_program(path: &Path) -> Result<OwnedFd> {
     Ok(owned(fd)?)
 }
 
-/// An Ethernet frame with an IPv4 TCP segment (ACK, no payload) from `source` to
+/// An Ethernet frame with an IPv4 TCP segment (`flags`, no payload) from `source` to
 /// `destination`, its checksums right.
-fn tcp_segment(source: (Ipv4Addr, u16), destination: (Ipv4Addr, u16)) -> Vec<u8> {
+fn tcp_segment(source: (Ipv4Addr, u16), destination: (Ipv4Addr, u16), flags: u8) -> Vec<u8> {
     let segment = packet::tcp(
         source.0.into(),
         destination.0.into(),
         source.1,
         destination.1,
-        packet::ACK,
+        flags,
         &[],
     );
     let datagram = packet::ipv4(
