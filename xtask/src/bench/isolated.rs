@@ -68,15 +68,15 @@ struct Prepared {
 impl Prepared {
     /// One run of the case on the segment of `run` (see [`Case::opens`]): its time, and
     /// the test runs it took.
-    fn run(&self, case: &Case, run: u16) -> Result<(f64, f64)> {
+    fn run(&self, case: &Case, run: u16) -> Result<(f64, u32)> {
         let first = test_run(&self.program, &segment(case, run), 1, Some(&self.context))?;
         let Some(then) = &self.then else {
-            return Ok((f64::from(first.duration_ns), 1.0));
+            return Ok((f64::from(first.duration_ns), 1));
         };
         let second = test_run(then, &first.output, 1, Some(&self.uplink))?;
         Ok((
             f64::from(first.duration_ns) + f64::from(second.duration_ns),
-            2.0,
+            2,
         ))
     }
 }
@@ -105,7 +105,7 @@ pub fn times(pin_path: &Path, cases: &[Case]) -> Result<Vec<f64>> {
     let empty_segment = tcp_segment(cases[0].source, cases[0].destination, packet::ACK);
     let mut samples = vec![Vec::with_capacity(RUNS); cases.len() + 1];
     // Test runs per run of each case (two where it goes on to `then`).
-    let mut test_runs = vec![1.0; cases.len()];
+    let mut test_runs = vec![1; cases.len()];
     let mut run: u16 = 0;
     for _ in 0..PASSES {
         for _ in 0..RUNS / PASSES {
@@ -133,7 +133,7 @@ pub fn times(pin_path: &Path, cases: &[Case]) -> Result<Vec<f64>> {
     let overhead = medians.next().unwrap_or(0.0);
     Ok(medians
         .zip(test_runs)
-        .map(|(time, runs)| (time - overhead * runs).max(0.0))
+        .map(|(time, runs)| (time - overhead * f64::from(runs)).max(0.0))
         .collect())
 }
 
