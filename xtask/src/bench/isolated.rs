@@ -57,27 +57,39 @@ pub struct Case {
     pub then: Option<&'static str>,
 }
 
-/// A case ready to run: its programs and contexts, and whether it runs through `then` too.
+/// A case ready to run: its programs, contexts and segment, and whether it runs through
+/// `then` too.
 struct Prepared {
     program: OwnedFd,
     context: [u8; SK_BUFF_SIZE],
     then: Option<OwnedFd>,
     uplink: [u8; SK_BUFF_SIZE],
+    /// The segment of every run, or of the check's run only for a case that opens its
+    /// connection (see [`Case::opens`]).
+    segment: Vec<u8>,
 }
 
 impl Prepared {
-    /// One run of the case on the segment of `run` (see [`Case::opens`]): its time, and
-    /// the test runs it took.
-    fn run(&self, case: &Case, run: u16) -> Result<(f64, u32)> {
-        let first = test_run(&self.program, &segment(case, run), 1, Some(&self.context))?;
+    /// The case's time on its segment of `run` (see [`Case::opens`]).
+    fn run(&self, case: &Case, run: u16) -> Result<f64> {
+        let fresh;
+        let sent = if case.opens {
+            fresh = segment(case, run);
+            &fresh
+        } else {
+            &self.segment
+        };
+        let first = test_run(&self.program, sent, 1, Some(&self.context))?;
         let Some(then) = &self.then else {
-            return Ok((f64::from(first.duration_ns), 1));
+            return Ok(f64::from(first.duration_ns));
         };
         let second = test_run(then, &first.output, 1, Some(&self.uplink))?;
-        Ok((
-            f64::from(first.duration_ns) + f64::from(second.duration_ns),
-            2,
-        ))
+        Ok(f64::from(first.duration_ns) + f64::from(second.duration_ns))
+    }
+
+    /// Test runs a run of the case takes: two where it goes on to `then`.
+    fn test_runs(&self) -> f64 {
+        if self.then.is_some() { 2.0 } else { 1.0 }
     }
 }
 
@@ -104,36 +116,27 @@ pub fn times(pin_path: &Path, cases: &[Case]) -> Result<Vec<f64>> {
         .collect::<Result<Vec<_>>>()?;
     let empty_segment = tcp_segment(cases[0].source, cases[0].destination, packet::ACK);
     let mut samples = vec![Vec::with_capacity(RUNS); cases.len() + 1];
-    // Test runs per run of each case (two where it goes on to `then`).
-    let mut test_runs = vec![1; cases.len()];
-    let mut run: u16 = 0;
-    for _ in 0..PASSES {
-        for _ in 0..RUNS / PASSES {
+    let per_pass = RUNS / PASSES;
+    for pass in 0..PASSES {
+        for _ in 0..per_pass {
             samples[0].push(f64::from(
                 test_run(&nothing, &empty_segment, 1, None)?.duration_ns,
             ));
         }
-        let first_run = run;
-        for (((prepared, case), samples), test_runs) in runs
-            .iter()
-            .zip(cases)
-            .zip(&mut samples[1..])
-            .zip(&mut test_runs)
-        {
-            run = first_run;
-            for _ in 0..RUNS / PASSES {
-                run += 1;
-                let (time, runs) = prepared.run(case, run)?;
-                samples.push(time);
-                *test_runs = runs;
+        for ((prepared, case), samples) in runs.iter().zip(cases).zip(&mut samples[1..]) {
+            for index in 0..per_pass {
+                // Run 0 is the check's; the timed ones count on from there.
+                let run =
+                    u16::try_from(pass * per_pass + index + 1).expect("runs fit a port range");
+                samples.push(prepared.run(case, run)?);
             }
         }
     }
     let mut medians = samples.into_iter().map(median);
     let overhead = medians.next().unwrap_or(0.0);
     Ok(medians
-        .zip(test_runs)
-        .map(|(time, runs)| (time - overhead * f64::from(runs)).max(0.0))
+        .zip(&runs)
+        .map(|(time, prepared)| (time - overhead * prepared.test_runs()).max(0.0))
         .collect())
 }
 
@@ -181,6 +184,7 @@ fn prepared(pin_path: &Path, case: &Case) -> Result<Prepared> {
         context,
         then,
         uplink,
+        segment,
     })
 }
 
