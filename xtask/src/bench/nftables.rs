@@ -18,12 +18,13 @@ use serde_json::json;
 use super::{
     BUSY_CLIENTS, IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
-    iperf3_streams, iperf3_udp_rate, masquerade, median,
+    in_turn, iperf3_streams, iperf3_udp_rate, masquerade, median,
     portmap::HostPortSetup,
     write_report,
 };
 
-const ROUNDS: usize = 5;
+/// Even, so that each side goes first in as many rounds as the other.
+const ROUNDS: usize = 6;
 
 /// The figures of a pod, (path, metric, unit), in the order of [`Pod::nat_round`]: through
 /// its hostPort (DNAT), then its own traffic out (SNAT); each against the same traffic on a
@@ -140,9 +141,10 @@ pub fn run(out_dir: &Path) -> Result<()> {
     let mut masquerade_rounds: [Vec<[f64; 3]>; 2] = Default::default();
     let mut routed_rounds = Vec::new();
     // Both sides alternate within each round, so that drift on this noisy machine falls on
-    // both alike.
+    // both alike, and go first in turn.
     for round in 1..=ROUNDS {
-        for (side, name) in SIDES.iter().enumerate() {
+        for side in in_turn(round, SIDES.len()) {
+            let name = SIDES[side];
             progress.step(&format!("round {round}/{ROUNDS}: {name}, {POD}"));
             pod_rounds[side].push(pods[side].nat_round()?);
             progress.step(&format!(
@@ -162,13 +164,14 @@ pub fn run(out_dir: &Path) -> Result<()> {
     progress.step("the price of each hook cnibpf's nftables backend adds to the pod's paths");
     rows.extend(hook_prices(&progress, &pods[0])?);
     let notes = vec![format!(
-        "Medians of {ROUNDS} alternating rounds. The pod: one container with hostPorts 8080/tcp, 8080/udp and 8081/tcp \
+        "Medians of {ROUNDS} alternating rounds, each side first in every other one. The pod: one container with hostPorts 8080/tcp, 8080/udp and 8081/tcp \
          on a host that masquerades it; DNAT: an outside client through its hostPort; SNAT: the container's own \
          traffic masqueraded to an outside server. The pod without hostPorts: SNAT alone. Every figure against the \
          same traffic on a host of bridge and host-local alone (no NAT: the outside has a route to the container, and \
          back), in the same rounds. Reference: Debian unstable's plugins (1.9) with their own nftables backends, \
          portmap and the bridge's ipMasq in one conflist. The comparison rows put cnibpf's ratio over the \
-         reference's; the last rows take one hook at a time out of the pod's host's ruleset."
+         reference's; the last rows take one hook at a time out of the pod's host's ruleset, in \
+         rounds of their own, as many as there are variants, each variant first in one."
     )];
     let report = write_report(
         out_dir,
@@ -332,7 +335,8 @@ fn deletions(ruleset: &str, family: &str, starts: &[&str]) -> Vec<String> {
 
 /// 64-byte datagrams the pod gets out (SNAT) and in through its hostPort (DNAT) per second
 /// with the whole ruleset and with each of the [`HOOKS`] the ruleset has taken out, then all
-/// of them, alternating within each round; the ruleset is put back whole after each.
+/// of them, alternating within each round, each first in one round; the ruleset is put back
+/// whole after each.
 fn hook_prices(progress: &Progress, pod: &Pod) -> Result<Vec<Row>> {
     let host = &pod.ports.sim.host;
     let ruleset = host.exec(&["nft", "list", "ruleset"]);
@@ -361,19 +365,24 @@ fn hook_prices(progress: &Progress, pod: &Pod) -> Result<Vec<Row>> {
     };
     let mut whole = Vec::new();
     let mut without = vec![Vec::new(); variants.len()];
-    for round in 1..=ROUNDS {
+    // The whole ruleset (0) and each variant (from 1) go first in turn, one round each.
+    let rounds = variants.len() + 1;
+    for round in 1..=rounds {
         progress.step(&format!(
-            "round {round}/{ROUNDS}: the whole ruleset, then without each hook"
+            "round {round}/{rounds}: the whole ruleset and without each hook, in turn"
         ));
-        whole.push(rates()?);
-        for ((_, commands), measured) in variants.iter().zip(&mut without) {
-            for command in commands {
+        for series in in_turn(round, rounds) {
+            let Some(variant) = series.checked_sub(1) else {
+                whole.push(rates()?);
+                continue;
+            };
+            for command in &variants[variant].1 {
                 host.exec(&["nft", command.as_str()]);
             }
             let rates = rates();
             host.exec(&["nft", "flush", "ruleset"]);
             host.exec(&["nft", "-f", &saved_path]);
-            measured.push(rates?);
+            without[variant].push(rates?);
         }
     }
     std::fs::remove_file(&saved)?;
