@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use super::{
     BpfStats, IPERF_SECONDS, Iperf3Server, Progress, RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
-    iperf3, median, write_report,
+    in_turn, iperf3, median, write_report,
 };
 
 const ROUNDS: usize = 5;
@@ -47,10 +47,11 @@ pub fn run(out_dir: &Path) -> Result<()> {
     let mut cost = vec![Vec::new(); containers.len()];
     let mut connection_cost = vec![Vec::new(); containers.len()];
     let mut rate = vec![Vec::new(); containers.len()];
-    // The containers alternate within each round, so that drift on this noisy machine falls
-    // on all of them.
+    // The containers alternate within each round, each first in turn, so that drift on this
+    // noisy machine falls on all of them.
     for round in 1..=ROUNDS {
-        for (index, (label, container)) in containers.iter().enumerate() {
+        for index in in_turn(round, containers.len()) {
+            let (label, container) = &containers[index];
             progress.step(&format!("round {round}/{ROUNDS}: {label}"));
             let before = stats.programs(&sim.pin_path, &["from_container", "to_container"])?;
             throughput[index].push(iperf3(
@@ -233,7 +234,8 @@ fn drop_counting_rows(progress: &Progress) -> Result<Vec<Row>> {
     let mut passed = [Vec::new(), Vec::new()];
     let mut dropped = [Vec::new(), Vec::new()];
     for round in 1..=ROUNDS {
-        for (index, (sim, container, _)) in builds.iter().enumerate() {
+        for index in in_turn(round, builds.len()) {
+            let (sim, container, _) = &builds[index];
             let label = if index == 0 {
                 BEFORE_DROP_COUNTING
             } else {
@@ -323,7 +325,8 @@ fn network_rule_rows(progress: &Progress) -> Result<Vec<Row>> {
     let mut cost = [Vec::new(), Vec::new()];
     let mut rate = [Vec::new(), Vec::new()];
     for round in 1..=ROUNDS {
-        for (index, container) in containers.iter().enumerate() {
+        for index in in_turn(round, containers.len()) {
+            let container = &containers[index];
             progress.step(&format!("rule by network round {round}/{ROUNDS}: {index}"));
             let before = stats.programs(&sim.pin_path, &["from_container", "to_container"])?;
             let server = SocketAddr::new(Family::V4.outside(), 7000);
@@ -408,7 +411,8 @@ fn nftables_rows(progress: &Progress) -> Result<(Vec<Row>, Vec<f64>, Vec<f64>)> 
     let mut throughput = vec![Vec::new(); containers.len()];
     let mut rate = vec![Vec::new(); containers.len()];
     for round in 1..=ROUNDS {
-        for (index, (label, container)) in containers.iter().enumerate() {
+        for index in in_turn(round, containers.len()) {
+            let (label, container) = &containers[index];
             progress.step(&format!("nftables round {round}/{ROUNDS}: {label}"));
             throughput[index].push(iperf3(
                 &container.netns,

@@ -15,7 +15,7 @@ use super::{
     self as bench, BUSY_CLIENTS, Hook, IPERF_SECONDS, Iperf3Server, Measured, Progress,
     RATE_CLIENTS, RATE_WINDOW, Row,
     chart::{self, BarPanel},
-    iperf3_streams, iperf3_udp_rate, median, write_report,
+    in_turn, iperf3_streams, iperf3_udp_rate, median, write_report,
 };
 
 const ROUNDS: usize = 7;
@@ -54,9 +54,11 @@ pub fn run(out_dir: &Path) -> Result<()> {
         ("reference nftables masquerade", &reference_nftables),
     ];
     let mut rounds: [Vec<[f64; METRICS]>; 5] = Default::default();
-    // They alternate within each round, so that drift on this noisy machine falls on all.
+    // They alternate within each round, each first in turn, so that drift on this noisy
+    // machine falls on all.
     for round in 1..=ROUNDS {
-        for (series, (label, setup)) in setups.iter().enumerate() {
+        for series in in_turn(round, setups.len()) {
+            let (label, setup) = &setups[series];
             progress.step(&format!("round {round}/{ROUNDS}: {label}"));
             rounds[series].push(setup.round()?);
         }

@@ -21,7 +21,7 @@ use super::{
     chart::{self, BarPanel},
     filter::filter_keys,
     hot::{self, Build, Compared},
-    instructions, iperf3, iperf3_udp_rate, median, prices,
+    in_turn, instructions, iperf3, iperf3_udp_rate, median, prices,
     stats::{Counts, count},
 };
 
@@ -152,9 +152,9 @@ pub fn run(out_dir: &Path, older: &[String]) -> Result<()> {
         .collect();
     let mut rounds: Vec<Vec<[f64; METRICS.len()]>> = vec![Vec::new(); nodes.len()];
     for round in 1..=ROUNDS {
-        for ((node, build), rounds) in nodes.iter().zip(&builds).zip(&mut rounds) {
-            progress.step(&format!("round {round}/{ROUNDS}: {}", build.label));
-            rounds.push(node.round()?);
+        for index in in_turn(round, nodes.len()) {
+            progress.step(&format!("round {round}/{ROUNDS}: {}", builds[index].label));
+            rounds[index].push(nodes[index].round()?);
         }
     }
     drop(echo);
@@ -279,7 +279,7 @@ fn notes(builds: &[Build]) -> Vec<String> {
     let labels: Vec<&str> = builds.iter().map(|build| build.label.as_str()).collect();
     vec![
         format!(
-            "Traffic: medians of {ROUNDS} rounds alternating between the builds ({}), each in its own simulated host \
+            "Traffic: medians of {ROUNDS} rounds alternating between the builds ({}), each first in turn, each in its own simulated host \
              (cnibpf with ipMasq, eBPF backend) in the same run. Per-packet figures: a program's run time over \
              its runs as the kernel counts them (kernel.bpf_stats_enabled) during one {IPERF_SECONDS} s iperf3 \
              TCP upload, less an empty program's at the same hook over the same packets (the statistics' own \
