@@ -92,6 +92,11 @@ fn main() -> Result<()> {
         Task::Bench { suite, baselines } => {
             build()?;
             build_release()?;
+            // The traffic's client (the packets bench's senders), which a fresh clone lacks.
+            run(
+                cargo(&["build", "--package", "cnibpf-tests", "--bins"]),
+                "build the benches' client",
+            )?;
             bench::run(suite.as_deref(), &baselines)
         }
     }
