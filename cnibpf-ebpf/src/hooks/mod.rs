@@ -20,7 +20,7 @@ use crate::{
     filter::{self, Way},
     maps,
     packet::{
-        DROP, DatapathError, Flow, Handover, NEXT, mark_translated, redirect_to_peer, set_macs,
+        DROP, DatapathError, Flow, Handover, NEXT, mark_translated, redirect_to_peer, store_macs,
     },
     portmap,
 };
@@ -66,7 +66,7 @@ fn hand_over(
         return Ok(NEXT);
     }
     if flags & FLAG_VIA_STACK != 0 {
-        set_macs(ctx, &container.container_mac, &container.gateway_mac)?;
+        store_macs(ctx, container.frame_macs())?;
         mark_translated(ctx);
         // SAFETY: bpf_redirect has no memory arguments.
         return Ok(unsafe { bpf_redirect(ifindex, 0) } as i32);
@@ -95,6 +95,6 @@ fn hand_over(
         portmap::translation_ends(ends);
         return Ok(filter::refused(way, true));
     }
-    set_macs(ctx, &container.container_mac, &container.gateway_mac)?;
+    store_macs(ctx, container.frame_macs())?;
     Ok(redirect_to_peer(ifindex))
 }

@@ -380,8 +380,9 @@ fn is_excluded(owner: u64, family: u8, destination: &Address) -> bool {
     maps::masq_excludes.get(&key.0).is_some()
 }
 
-/// A `masq_excludes` lookup key, zeroed a word at a time: its padding is a byte array (the
-/// key's layout is the trie's, byte-aligned).
+/// A `masq_excludes` lookup key on a slot aligned to a word, so that it is zeroed a word at a
+/// time: the key's own layout is the trie's, byte-aligned.
+#[repr(C, align(8))]
 struct ExcludeLookup(aya_ebpf::btf_maps::lpm_trie::Key<MasqExcludeKey>);
 
 // SAFETY: a prefix length and a key of byte arrays.

@@ -21,7 +21,8 @@ pub use field::{Header, load};
 pub use parse::{Flow, SourceAddress, source_address};
 pub use rewrite::csum_diff;
 pub use skb::{
-    from_local_socket, ifindex, mark_translated, redirect_to_peer, set_macs, take_translated_mark,
+    FrameMacs, from_local_socket, ifindex, mark_translated, redirect_to_peer, set_macs, store_macs,
+    take_translated_mark,
 };
 pub(crate) use verdict::or_verdict;
 pub use verdict::{Answer, DROP, DatapathError, Handover, NEXT};

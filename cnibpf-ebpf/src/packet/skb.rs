@@ -70,7 +70,18 @@ pub fn set_macs(
     let mut macs = [0u8; 12];
     macs[..6].copy_from_slice(destination);
     macs[6..].copy_from_slice(source);
-    ctx.store(0, &macs, 0)
+    store_macs(ctx, &macs)
+}
+
+/// A frame's Ethernet destination and source addresses, in the frame's order, on a word
+/// boundary, so that copies of them go a word at a time.
+#[derive(Clone, Copy)]
+#[repr(C, align(4))]
+pub struct FrameMacs(pub [u8; 12]);
+
+/// Writes `macs`, the Ethernet destination address followed by the source address.
+pub fn store_macs(ctx: &TcContext, macs: &[u8; 12]) -> Result<(), DatapathError> {
+    ctx.store(0, macs, 0)
         .map_err(|_| DatapathError::RewriteFailed)
 }
 

@@ -53,10 +53,26 @@ impl Answer {
 /// The container a translated packet goes to: its host-side veth and the MAC addresses it
 /// expects on its frames (its own, its gateway's).
 #[derive(Clone, Copy)]
+#[repr(C)]
 pub struct Handover {
     pub host_ifindex: u32,
     pub container_mac: [u8; 6],
     pub gateway_mac: [u8; 6],
+}
+const _: () = assert!(size_of::<Handover>() == 16);
+const _: () = assert!(
+    core::mem::offset_of!(Handover, gateway_mac)
+        == core::mem::offset_of!(Handover, container_mac) + 6
+);
+
+impl Handover {
+    /// The frame's MAC addresses as the container expects them, destination then source, in
+    /// place: written to the packet from here, with no copy put together first.
+    pub fn frame_macs(&self) -> &[u8; 12] {
+        // SAFETY: `repr(C)` puts `gateway_mac` right after `container_mac` (asserted above):
+        // twelve initialised bytes, of an alignment of one.
+        unsafe { &*(&raw const self.container_mac).cast::<[u8; 12]>() }
+    }
 }
 
 // SAFETY: an integer and two byte arrays.

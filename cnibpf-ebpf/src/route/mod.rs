@@ -28,7 +28,7 @@ mod next_hop;
 
 use next_hop::{NEXT_HOP_SLOTS, NEXT_HOP_SLOTS_LOG2, NextHop};
 
-use crate::packet::{DatapathError, Flow, ifindex, mark_translated, set_macs};
+use crate::packet::{DatapathError, Flow, FrameMacs, ifindex, mark_translated, store_macs};
 
 /// The source address the FIB chose for the packet at hand (see [`route`]); private to
 /// each loaded object, not pinned.
@@ -49,12 +49,8 @@ pub static next_hops: PerCpuArray<NextHop, { NEXT_HOP_SLOTS as usize }> = PerCpu
 
 /// What the FIB says about a packet's destination.
 pub enum Route {
-    /// Forwarded out of `ifindex` to the neighbour with these MACs.
-    Neighbour {
-        ifindex: u32,
-        source: [u8; 6],
-        destination: [u8; 6],
-    },
+    /// Forwarded out of `ifindex` to the neighbour, in frames with these MACs.
+    Neighbour { ifindex: u32, macs: FrameMacs },
     /// Forwarded out of `ifindex`, neighbour not resolved yet.
     Unresolved { ifindex: u32 },
     /// Anything else (local, no route, blackhole, forwarding off, ...): the host stack decides.
@@ -87,8 +83,7 @@ pub fn route_from(ctx: &TcContext, flow: &Flow, input_ifindex: u32, choose_sourc
     let route = match hop.answer {
         BPF_FIB_LKUP_RET_SUCCESS => Route::Neighbour {
             ifindex: hop.ifindex,
-            source: hop.source_mac,
-            destination: hop.destination_mac,
+            macs: FrameMacs(hop.frame_macs),
         },
         BPF_FIB_LKUP_RET_NO_NEIGH => Route::Unresolved {
             ifindex: hop.ifindex,
@@ -310,8 +305,8 @@ fn look_up(
     // read them.
     unsafe {
         let macs = params.__bindgen_anon_6.__bindgen_anon_2;
-        hop.source_mac = macs.smac;
-        hop.destination_mac = macs.dmac;
+        hop.frame_macs[..6].copy_from_slice(&macs.dmac);
+        hop.frame_macs[6..].copy_from_slice(&macs.smac);
         hop.source = if flow.family == FAMILY_IPV4 {
             Address::ipv4(params.__bindgen_anon_3.ipv4_src.to_ne_bytes())
         } else {
@@ -360,12 +355,8 @@ pub fn forward(ctx: &TcContext, route: &Route) -> Result<Option<i32>, DatapathEr
         mark_translated(ctx);
     }
     match route {
-        Route::Neighbour {
-            ifindex,
-            source,
-            destination,
-        } => {
-            set_macs(ctx, destination, source)?;
+        Route::Neighbour { ifindex, macs } => {
+            store_macs(ctx, &macs.0)?;
             // SAFETY: bpf_redirect has no memory arguments.
             Ok(Some(unsafe { bpf_redirect(*ifindex, 0) as i32 }))
         }

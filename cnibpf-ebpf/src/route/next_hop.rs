@@ -29,8 +29,9 @@ pub struct NextHop {
     /// to be chosen, the address the host sends from on that route.
     pub answer: u32,
     pub ifindex: u32,
-    pub source_mac: [u8; 6],
-    pub destination_mac: [u8; 6],
+    /// The MACs as a frame to the neighbour carries them: the neighbour's, then the output
+    /// interface's.
+    pub frame_macs: [u8; 12],
     pub source: Address,
     /// The output interface's MTU as the MTU check last reported it for this answer, zero
     /// until then.
