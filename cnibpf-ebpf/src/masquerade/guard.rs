@@ -102,21 +102,18 @@ fn translate_icmp_error(ctx: &TcContext) -> Result<bool, DatapathError> {
 fn addresses(ctx: &TcContext) -> Result<(u8, Address, Address), DatapathError> {
     let ethertype: u16 = load_anywhere(ctx, 12)?;
     if ethertype == ETH_P_IP.to_be() {
-        let both: [u8; 8] = load_anywhere(ctx, IPV4_SADDR_OFF)?;
+        // Words, as `Address` keeps them: no byte is moved on its own.
+        let [source, destination]: [u32; 2] = load_anywhere(ctx, IPV4_SADDR_OFF)?;
         return Ok((
             FAMILY_IPV4,
-            Address::ipv4([both[0], both[1], both[2], both[3]]),
-            Address::ipv4([both[4], both[5], both[6], both[7]]),
+            Address::from_words([source, 0, 0, 0]),
+            Address::from_words([destination, 0, 0, 0]),
         ));
     }
     if ethertype == ETH_P_IPV6.to_be() {
-        let source: [u8; 16] = load_anywhere(ctx, IPV6_SADDR_OFF)?;
-        let destination: [u8; 16] = load_anywhere(ctx, IPV6_SADDR_OFF + 16)?;
-        return Ok((
-            FAMILY_IPV6,
-            Address::from_bytes(source),
-            Address::from_bytes(destination),
-        ));
+        let source: Address = load_anywhere(ctx, IPV6_SADDR_OFF)?;
+        let destination: Address = load_anywhere(ctx, IPV6_SADDR_OFF + 16)?;
+        return Ok((FAMILY_IPV6, source, destination));
     }
     Err(DatapathError::Truncated)
 }
