@@ -315,9 +315,10 @@ pub fn assert_admin_answer(output: &Output, command: &str, context: &str) -> boo
 }
 
 /// Runs `command` (a step of pinned state that must converge: a migration, a resize) killed
-/// with SIGKILL at ever later points — delays growing by 6 % a run, 1 ms … 1 s by the 119th,
+/// with SIGKILL at ever later points — delays growing by 3 % a run, 1 ms … 1 s by the 234th,
 /// so that kills land all through it, most of them early, where the steps are short (an
-/// nftables migration is half done for about a millisecond) — until a run completes. At least 10 runs must have been killed and at least 3 of the kills must
+/// nftables migration is half done for about a millisecond, a window a 6 % growth crossed
+/// with only two kills on a loaded machine) — until a run completes. At least 10 runs must have been killed and at least 3 of the kills must
 /// have left the work `half_done`, or the test proved nothing.
 pub fn killed_until_complete(
     what: &str,
@@ -327,8 +328,8 @@ pub fn killed_until_complete(
     let started = std::time::Instant::now();
     let (mut killed, mut interrupted) = (0, 0);
     let mut killed_pids = Vec::new();
-    for step in 0..200 {
-        let delay = std::time::Duration::from_secs_f64(1.06_f64.powi(step) / 1000.0);
+    for step in 0..320 {
+        let delay = std::time::Duration::from_secs_f64(1.03_f64.powi(step) / 1000.0);
         let run_started = std::time::Instant::now();
         let mut child = command()
             .spawn()
