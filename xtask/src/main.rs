@@ -82,21 +82,14 @@ fn main() -> Result<()> {
         Task::TestCi { filter } => test::ci_layer(&filter),
         Task::Demo => {
             build()?;
-            run(
-                cargo(&["build", "--package", "cnibpf-tests", "--bins"]),
-                "build the demo's client",
-            )?;
+            build_test_client()?;
             demo::run()
         }
         Task::Image => image(),
         Task::Bench { suite, baselines } => {
             build()?;
             build_release()?;
-            // The traffic's client (the packets bench's senders), which a fresh clone lacks.
-            run(
-                cargo(&["build", "--package", "cnibpf-tests", "--bins"]),
-                "build the benches' client",
-            )?;
+            build_test_client()?;
             bench::run(suite.as_deref(), &baselines)
         }
     }
@@ -228,6 +221,15 @@ fn cargo(args: &[&str]) -> Command {
 fn build() -> Result<()> {
     build_ebpf()?;
     run(cargo(&["build", "--package", "cnibpf"]), "build cnibpf")
+}
+
+/// The traffic client the demo and the benches send with (`cnibpf-test-client`), which a
+/// fresh clone lacks until the tests are built.
+fn build_test_client() -> Result<()> {
+    run(
+        cargo(&["build", "--package", "cnibpf-tests", "--bins"]),
+        "build the traffic client",
+    )
 }
 
 fn build_release() -> Result<()> {
