@@ -444,7 +444,7 @@ pub(super) fn stamp(pins: &PinLayout) -> Result<(), BackendError> {
 
 /// Records every map of this build at its version (before the layout stamp, which says the
 /// record is whole).
-pub(super) fn record_versions(pins: &PinLayout) -> Result<(), BackendError> {
+fn record_versions(pins: &PinLayout) -> Result<(), BackendError> {
     let versions = open_versions(pins)?;
     let entries: Vec<(MapName, u32)> = cnibpf_common::maps()
         .map(|spec| (MapName::of(spec.name), spec.version))

@@ -15,8 +15,8 @@
 //! 3. every pinned link moves to the new programs (atomic per link);
 //! 4. what the old programs wrote between 2 and 3 is copied too, never over what the new ones
 //!    wrote since (`BPF_NOEXIST`);
-//! 5. each new map's pin replaces the old one's; `resize/` goes; the layout is stamped (the
-//!    programs may have been another build's).
+//! 5. each new map's pin replaces the old one's; the layout is stamped (the programs may
+//!    have been another build's); `resize/` goes.
 //!
 //! A run that finds `resize/` resumes at 1 with the maps pinned there (their sizes are the
 //! record of what the interrupted run asked for); a map already moved in 5 is the new one.
@@ -35,7 +35,7 @@ use cnibpf_common::map_spec::{MapSpec, Sizing};
 use super::{
     EbpfBackend, batch,
     layout::{self, Migration, Verdict},
-    pins::{MapSize, load_object, map_pinned, record_versions, relink, stamp},
+    pins::{MapSize, load_object, map_pinned, relink, stamp},
     unpin::remove_tree,
 };
 use crate::{
@@ -337,11 +337,12 @@ fn carry_over(
     journal::note(journal::Change::Migrated(
         "resized maps moved into place".to_owned(),
     ));
-    // Before `resize/` goes: without it, a map recorded at its old version would be taken
-    // for one still to migrate.
-    record_versions(pins)?;
-    remove_tree(&pins.resize_dir())?;
-    stamp(pins)
+    // The stamp (which records the maps' versions) before `resize/` goes: a run that finds
+    // neither would take the maps, recorded at this build's versions under the older stamp,
+    // for state with nothing left to do, and leave it unstamped (an older build would then
+    // read the converted maps as its own). One that finds `resize/` finishes the step.
+    stamp(pins)?;
+    remove_tree(&pins.resize_dir())
 }
 
 /// Marks, in `resize/`, that step 5 began.
