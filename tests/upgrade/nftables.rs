@@ -262,12 +262,14 @@ pub fn a_migrations_transaction_landing_after_its_run_was_killed_loses_no_record
             .spawn()
             .unwrap_or_else(|error| panic!("spawn strace: {error}"))
     };
-    // The first run's transaction waits a second in nft's sendmsg; the run is killed there.
+    // The first run's transaction waits three seconds in nft's sendmsg; the run is killed
+    // there. Seconds, not one: on a loaded machine this test has been scheduled late enough
+    // to find the transaction landed before it looked.
     let mut first = migration(&[
         "-e",
         "trace=sendmsg",
         "-e",
-        "inject=sendmsg:delay_enter=1000000",
+        "inject=sendmsg:delay_enter=3000000",
     ]);
     let nft = await_descendant(
         first.id(),
@@ -289,13 +291,13 @@ pub fn a_migrations_transaction_landing_after_its_run_was_killed_loses_no_record
         !sim.nft_ruleset().contains(LAYOUT_4_MARKER),
         "the first run's transaction has not landed yet"
     );
-    // The next run looks at the table at once, and reads it after two seconds (its first
+    // The next run looks at the table at once, and reads it after five seconds (its first
     // process start, `nft list`, waits): the first run's transaction lands in between.
     let mut next = migration(&[
         "-e",
         "trace=clone,clone3,vfork",
         "-e",
-        "inject=clone,clone3,vfork:delay_enter=2000000",
+        "inject=clone,clone3,vfork:delay_enter=5000000",
     ]);
     std::thread::sleep(Duration::from_millis(300));
     assert!(
