@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use super::{
     Progress,
     chart::{self, BarPanel},
-    instructions,
+    in_turn, instructions,
     isolated::{self, Case, Endpoint},
     median,
     packets::{CONTAINER_PORT, FILTERED_SERVERS, HOST_PORT, HOST_SERVER, MASQUERADED_SERVER, Node},
@@ -316,19 +316,21 @@ fn cases(node: &Node, round: usize) -> Vec<Case> {
 }
 
 /// Each build's figures of [`PATHS`] (ns), in the order of `nodes`, over [`ROUNDS`] rounds
-/// alternating between the builds: a path's least time of any round (what the machine's other
-/// work, which only ever adds time, left of it), a difference's median.
+/// alternating between the builds, each build first in turn: a path's least time of any round
+/// (what the machine's other work, which only ever adds time, left of it), a difference's
+/// median.
 pub fn path_times(nodes: &[Node]) -> Result<Vec<Vec<f64>>> {
     let mut rounds: Vec<Vec<Vec<f64>>> = vec![Vec::new(); nodes.len()];
     for round in 0..ROUNDS {
-        for (node, rounds) in nodes.iter().zip(&mut rounds) {
+        for index in in_turn(round + 1, nodes.len()) {
+            let node = &nodes[index];
             let cases = cases(node, round);
             let pin_path = node.sim.pin_path.clone();
             let times = node
                 .sim
                 .host
                 .run(move || isolated::times(&pin_path, &cases))?;
-            rounds.push(PATHS.iter().map(|path| (path.of)(&times)).collect());
+            rounds[index].push(PATHS.iter().map(|path| (path.of)(&times)).collect());
         }
     }
     Ok(rounds
@@ -445,7 +447,7 @@ pub fn notes() -> Vec<String> {
          on the interface they are hooked to (BPF_PROG_TEST_RUN, one run per call so that each run \
          meets the segment as sent; the median of 4,000 runs, taken in 8 passes that take turns \
          between the paths and a program that does nothing, less the latter's; of {ROUNDS} \
-         rounds alternating between the builds, the least (the machine's other work only ever \
+         rounds alternating between the builds, each first in turn, the least (the machine's other work only ever \
          adds time), and for a difference of two paths the median of its rounds; the test runs \
          pinned to one CPU). Each segment's \
          addresses and ports as the program leaves them are checked before it is timed. A reply's \
