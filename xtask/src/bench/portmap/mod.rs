@@ -14,7 +14,9 @@ use cnibpf_tests::{
 };
 use serde_json::{Value, json};
 
-use self::plugin::{first_add_after_load, mapping_count_time, plugin_time};
+use self::plugin::{
+    expedited_grace_periods, first_add_after_load, mapping_count_time, plugin_time,
+};
 use super::{
     self as bench, BUSY_CLIENTS, Hook, IPERF_SECONDS, Iperf3Server, Measured, Progress,
     RATE_CLIENTS, RATE_WINDOW, Row,
@@ -46,6 +48,7 @@ pub fn run(out_dir: &Path) -> Result<()> {
     )?);
     drop(sim);
     rows.extend(first_add_after_load(&progress)?);
+    rows.extend(expedited_grace_periods(&progress)?);
     let sim = SimHost::new("bench-mapcount", json!({ "backend": "ebpf" }));
     rows.extend(mapping_count_time(
         &progress,
