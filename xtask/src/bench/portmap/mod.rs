@@ -100,7 +100,9 @@ pub fn run(out_dir: &Path) -> Result<()> {
          percentile of one connection's time (connect to the answer's byte) under that load. Baseline \"routed\": the outside client talks to the container \
          address directly, routed by the host (bridge, no NAT). Plugin times: wall time of the plugin process from spawn to exit, the chained plugin alone (no bridge), spawned as \
          containerd spawns it (posix_spawn from a thread in the host namespace); \"process start\" is the same for VERSION. \
-         \"5,000 vs 1 mapping\" compares hostPort/routed ratios, which cancels the drift between the two states.",
+         \"5,000 vs 1 mapping\" compares hostPort/routed ratios, which cancels the drift between the two states. \
+         \"RCU grace periods\": the node's /sys/kernel/rcu_expedited set to 0 and to 1 in turn within each ADD/DEL cycle, \
+         then put back as it was.",
         RATE_WINDOW.as_secs()
     )];
     let report = write_report(

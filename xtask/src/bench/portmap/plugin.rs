@@ -424,8 +424,8 @@ pub(super) fn expedited_grace_periods(progress: &Progress) -> Result<Vec<Row>> {
     };
     let [(normal_adds, normal_dels), (expedited_adds, expedited_dels)] = &runs;
     let (normal, expedited) = (
-        "cnibpf, an ADD beside a pod, RCU grace periods normal",
-        "cnibpf, an ADD beside a pod, RCU grace periods expedited (rcu_expedited=1)",
+        "cnibpf, a pod with a hostPort beside another, RCU grace periods normal",
+        "cnibpf, a pod with a hostPort beside another, RCU grace periods expedited (rcu_expedited=1)",
     );
     let mut rows = Vec::new();
     for (verb, metric, normal_runs, expedited_runs) in [
