@@ -36,13 +36,15 @@ pub struct Build {
 }
 
 /// The builds a comparison runs, this build last: the commits in `older` (built once into
-/// the release cache, `cnibpf_tests::history`), then the last release `releases.toml` lists.
+/// the release cache, `cnibpf_tests::history`), then the last release `releases.toml` lists
+/// (once: an `older` commit naming it, in full or abbreviated, is that row).
 pub fn builds(progress: &Progress, older: &[String]) -> Result<Vec<Build>> {
     let release = cnibpf_tests::history::released_commits()
         .pop()
         .context("releases.toml lists no release")?;
+    let is_release = |commit: &str| release.starts_with(commit) || commit.starts_with(&release);
     let mut builds = Vec::new();
-    for commit in older {
+    for commit in older.iter().filter(|commit| !is_release(commit)) {
         progress.step(&format!(
             "building cnibpf of {commit} (once per machine, into the release cache)"
         ));
