@@ -2,6 +2,7 @@
 //! with 1 and 5,000 mappings installed, and the plugin's own ADD/DEL time at 1, 100 and 1,000
 //! existing attachments.
 
+mod grace;
 mod plugin;
 
 use std::path::Path;
@@ -14,8 +15,9 @@ use cnibpf_tests::{
 };
 use serde_json::{Value, json};
 
-use self::plugin::{
-    expedited_grace_periods, first_add_after_load, mapping_count_time, plugin_time,
+use self::{
+    grace::expedited_grace_periods,
+    plugin::{first_add_after_load, mapping_count_time, plugin_time},
 };
 use super::{
     self as bench, BUSY_CLIENTS, Hook, IPERF_SECONDS, Iperf3Server, Measured, Progress,
