@@ -405,11 +405,7 @@ pub(super) fn add_del_rows(
             scenario: scenario.to_owned(),
             metric,
             unit: "ms",
-            value: median(
-                runs.iter()
-                    .map(|run| run.wall.as_secs_f64() * 1e3)
-                    .collect(),
-            ),
+            value: median_wall(&runs),
             baseline: baseline.clone(),
         });
         rows.extend(phase_rows(&format!("{scenario}, {verb}"), &runs));
